@@ -1,0 +1,1 @@
+"""node_probe: agent that runs beside an LLM inference engine."""

@@ -1,0 +1,1 @@
+"""xds_server: the control plane."""

@@ -1,0 +1,1 @@
+"""xDS serving: resources, snapshot cache, ADS servicers."""
