@@ -92,14 +92,20 @@ def _ms(s: float | None) -> str:
     return "not seen" if s is None else f"+{s * 1000:.0f} ms"
 
 
-def _phase_table(load: LoadGenerator, node_ids: list[str]) -> None:
-    _p(f"  {'phase':<34}" + "".join(f"{n:>8}" for n in node_ids) + f"{'failed':>8}{'p50 ms':>8}{'max ms':>8}")
+def _phase_table(load: LoadGenerator, node_ids: list[str], per_try_timeout_s: float) -> None:
+    _p(f"  {'phase':<34}" + "".join(f"{n:>8}" for n in node_ids)
+       + f"{'failed':>8}{'retried':>9}{'p50 ms':>8}{'max ms':>8}")
     for name, st in load.phases.items():
+        if not st.ok and not st.failed:
+            continue
         lat = sorted(st.latencies_ms)
         p50 = f"{lat[len(lat) // 2]:.0f}" if lat else "-"
         mx = f"{lat[-1]:.0f}" if lat else "-"
+        retried = sum(1 for ms in lat if ms >= per_try_timeout_s * 1000)
         _p(f"  {name:<34}" + "".join(f"{st.ok_by_node.get(n, 0):>8}" for n in node_ids)
-           + f"{st.failed:>8}{p50:>8}{mx:>8}")
+           + f"{st.failed:>8}{retried:>9}{p50:>8}{mx:>8}")
+    _p(f"  (a request is counted in the phase it started in; 'retried' = caught on a failing node and "
+       f"answered by another after the {per_try_timeout_s:g} s per-try timeout)")
 
 
 async def _demo(keep_running: bool, envoy_binary: str | None) -> int:
@@ -185,7 +191,7 @@ async def _faults(fleet: Fleet, session: aiohttp.ClientSession) -> int:
         await load.stop()
     _p("")
     _p("Requests per node and phase (through Envoy):")
-    _phase_table(load, ids)
+    _phase_table(load, ids, fleet.per_try_timeout_s)
     total = load.totals()
     _p(f"Total: {total.ok} requests succeeded, {total.failed} failed"
        + (f" ({dict(total.failures)})" if total.failed else ""))

@@ -105,14 +105,18 @@ class Pong(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., processing_us: _Optional[int] = ...) -> None: ...
 
 class Telemetry(_message.Message):
-    __slots__ = ("engine_state", "engine_load", "gpu")
+    __slots__ = ("engine_state", "engine_load", "gpu", "stalled", "stall_detail")
     ENGINE_STATE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_LOAD_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
+    STALL_DETAIL_FIELD_NUMBER: _ClassVar[int]
     engine_state: EngineState
     engine_load: EngineLoad
     gpu: GpuTelemetry
-    def __init__(self, engine_state: _Optional[_Union[EngineState, str]] = ..., engine_load: _Optional[_Union[EngineLoad, _Mapping]] = ..., gpu: _Optional[_Union[GpuTelemetry, _Mapping]] = ...) -> None: ...
+    stalled: bool
+    stall_detail: str
+    def __init__(self, engine_state: _Optional[_Union[EngineState, str]] = ..., engine_load: _Optional[_Union[EngineLoad, _Mapping]] = ..., gpu: _Optional[_Union[GpuTelemetry, _Mapping]] = ..., stalled: _Optional[bool] = ..., stall_detail: _Optional[str] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
     __slots__ = ("metrics_ok", "metrics_error", "age_ms", "requests_waiting", "requests_running", "kv_cache_usage_ratio", "prefix_cache_hit_ratio", "generation_tokens_total", "kv_cache_metric")
@@ -175,7 +179,7 @@ class GpuReading(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., utilization_ratio: _Optional[float] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., ecc_uncorrected: _Optional[int] = ..., xid_events: _Optional[_Iterable[int]] = ..., throttle_reasons: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InferenceResult(_message.Message):
-    __slots__ = ("seq", "ok", "ttft_ms", "failure", "http_status", "detail", "timeout_ms")
+    __slots__ = ("seq", "ok", "ttft_ms", "failure", "http_status", "detail", "timeout_ms", "headers_ms", "trigger")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +187,8 @@ class InferenceResult(_message.Message):
     HTTP_STATUS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_MS_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_FIELD_NUMBER: _ClassVar[int]
     seq: int
     ok: bool
     ttft_ms: float
@@ -190,4 +196,6 @@ class InferenceResult(_message.Message):
     http_status: int
     detail: str
     timeout_ms: int
-    def __init__(self, seq: _Optional[int] = ..., ok: _Optional[bool] = ..., ttft_ms: _Optional[float] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., http_status: _Optional[int] = ..., detail: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    headers_ms: float
+    trigger: str
+    def __init__(self, seq: _Optional[int] = ..., ok: _Optional[bool] = ..., ttft_ms: _Optional[float] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., http_status: _Optional[int] = ..., detail: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., headers_ms: _Optional[float] = ..., trigger: _Optional[str] = ...) -> None: ...

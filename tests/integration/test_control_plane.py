@@ -1,0 +1,175 @@
+"""The control plane with real agents and engines in-process (no Envoy): admin views, metrics,
+malformed agent messages, agent loss and return."""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import aiohttp
+import grpc
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from node_probe.agent import AgentConfig, ProbeAgent
+from node_probe.proto import probe_pb2, probe_pb2_grpc
+from node_probe.sim import SimConfig, build_app
+from xds_server.config import parse_config
+from xds_server.server import ControlPlane
+from xds_server.testing import free_port
+
+
+async def start_engine(replica: str) -> tuple[web.AppRunner, int]:
+    port = free_port()
+    runner = web.AppRunner(build_app(SimConfig(port=port, replica_id=replica, token_interval_ms=5)))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
+
+
+def cp_config(nodes: list[tuple[str, int, int]], **health) -> dict:
+    return {
+        "xds": {"listen": "127.0.0.1:0"},
+        "admin": {"listen": "127.0.0.1:0"},
+        "health": {"ping_interval_ms": 100, **health},
+        "clusters": [{"name": "llm", "nodes": [
+            {"id": nid, "address": f"127.0.0.1:{eport}", "probe_address": f"127.0.0.1:{aport}"}
+            for nid, eport, aport in nodes]}],
+    }
+
+
+async def wait_for(pred, timeout_s: float = 10.0, step_s: float = 0.05):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while loop.time() < end:
+        v = await pred()
+        if v:
+            return v
+        await asyncio.sleep(step_s)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.fixture
+async def stack():
+    """Two engines + two agents + control plane, all in this process."""
+    cleanups = []
+    nodes = []
+    agents = {}
+    for nid in ("n1", "n2"):
+        runner, eport = await start_engine(nid)
+        cleanups.append(runner.cleanup)
+        agent = ProbeAgent(AgentConfig(engine_url=f"http://127.0.0.1:{eport}", listen="127.0.0.1:0",
+                                       node_id=nid, probe_interval_s=0.2, gpu_interval_s=0))
+        aport = await agent.start()
+        agents[nid] = agent
+        nodes.append((nid, eport, aport))
+    cp = ControlPlane(parse_config(cp_config(nodes)))
+    await cp.start()
+    http = aiohttp.ClientSession(base_url=f"http://127.0.0.1:{cp.admin_port}")
+    yield cp, http, agents, nodes
+    await http.close()
+    await cp.stop()
+    for a in agents.values():
+        await a.stop()
+    for c in cleanups:
+        await c()
+
+
+async def test_nodes_become_healthy_and_admin_shows_why(stack):
+    cp, http, agents, _ = stack
+
+    async def all_healthy():
+        async with http.get("/nodes") as r:
+            nodes = (await r.json())["nodes"]
+        return nodes if all(n["state"] == "HEALTHY" and n["ewma_rtt_ms"] for n in nodes) else None
+
+    nodes = await wait_for(all_healthy)
+    n1 = nodes[0]
+    assert n1["id"] == "n1" and n1["weight"] == 100 and n1["eds_health_status"] == "HEALTHY"
+    assert n1["reason"].startswith("first good probe")
+    assert 0 < n1["last_ttft_ms"] < 200 and 0 < n1["ewma_rtt_ms"] < 100
+    assert n1["probe_stream_connected"] and n1["heartbeats"] > 0 and n1["xds_version"]
+    assert n1["engine_load"]["metrics_ok"] is True and n1["engine_load"]["requests_waiting"] == 0.0
+    assert n1["engine_load"]["kv_cache_metric"] == "vllm:kv_cache_usage_perc"
+    async with http.get("/readyz") as r:
+        assert r.status == 200
+    async with http.get("/events") as r:
+        evs = (await r.json())["events"]
+    assert {(e["node"], e["from"], e["to"]) for e in evs} == {("n1", "COLD", "HEALTHY"), ("n2", "COLD", "HEALTHY")}
+    async with http.get("/config_dump") as r:
+        dump = await r.json()
+    cla = dump["endpoints"]["resources"][0]["resource"]
+    assert [e["healthStatus"] for e in cla["endpoints"][0]["lbEndpoints"]] == ["HEALTHY", "HEALTHY"]
+    assert dump["clusters"]["resources"][0]["resource"]["commonLbConfig"]["healthyPanicThreshold"] == {}
+    async with http.get("/metrics") as r:
+        text = await r.text()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    states = {(s.labels["node"], s.labels["state"]): s.value for s in fams["sentinel_node_state"].samples}
+    assert states[("n1", "HEALTHY")] == 1.0 and states[("n1", "UNHEALTHY")] == 0.0
+    weights = {s.labels["node"]: s.value for s in fams["sentinel_node_weight"].samples}
+    assert weights == {"n1": 100.0, "n2": 100.0}
+    async with http.get("/nodes/nope") as r:
+        assert r.status == 404
+
+
+async def test_agent_lost_then_back_recovers(stack):
+    cp, http, agents, nodes = stack
+    await wait_for(lambda: _state(http, "n1", "HEALTHY"))
+    aport = nodes[0][2]
+    await agents["n1"].stop()
+    v = await wait_for(lambda: _state(http, "n1", "UNHEALTHY"), timeout_s=3)
+    assert "consecutive misses" in v["reason"]
+    eport = nodes[0][1]
+    agent = ProbeAgent(AgentConfig(engine_url=f"http://127.0.0.1:{eport}", listen=f"127.0.0.1:{aport}",
+                                   node_id="n1", probe_interval_s=0.2, gpu_interval_s=0))
+    await agent.start()
+    agents["n1"] = agent
+    v = await wait_for(lambda: _state(http, "n1", "HEALTHY"), timeout_s=10)
+    assert "consecutive good probes" in v["reason"]
+
+
+async def _state(http, node, state):
+    async with http.get(f"/nodes/{node}") as r:
+        v = await r.json()
+    return v if v["state"] == state else None
+
+
+class _BadAgent(probe_pb2_grpc.NodeProbeServicer):
+    """Sends heartbeats with malformed messages mixed in."""
+
+    async def Watch(self, request_iterator, context):  # noqa: N802
+        seq = 0
+        for i in range(1000):
+            seq += 1
+            yield probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(
+                seq=seq, telemetry=probe_pb2.Telemetry(engine_state=probe_pb2.ENGINE_STATE_READY)))
+            if i == 2:
+                yield probe_pb2.AgentMessage()                                  # no payload
+                yield probe_pb2.AgentMessage(pong=probe_pb2.Pong(seq=999999))   # unknown ping
+                yield probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(
+                    seq=1, ok=True, ttft_ms=math.nan))                          # nonsense TTFT
+            if i == 3:
+                yield probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(
+                    seq=2, ok=True, ttft_ms=12.0))
+            await asyncio.sleep(0.1)
+
+
+async def test_malformed_agent_messages_are_counted_and_do_not_break_the_session():
+    srv = grpc.aio.server()
+    probe_pb2_grpc.add_NodeProbeServicer_to_server(_BadAgent(), srv)
+    aport = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    cp = ControlPlane(parse_config(cp_config([("bad", 9, aport)], ping_interval_ms=5000)))
+    await cp.start()
+    try:
+        async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{cp.admin_port}") as http:
+            v = await wait_for(lambda: _state(http, "bad", "HEALTHY"), timeout_s=5)
+            assert v["last_ttft_ms"] == 12.0
+            async with http.get("/metrics") as r:
+                fams = {f.name: f for f in text_string_to_metric_families(await r.text())}
+        bad = [s.value for s in fams["sentinel_probe_malformed_messages"].samples if s.name.endswith("_total")]
+        assert bad == [3.0]
+        assert cp.sessions["bad"].connected
+    finally:
+        await cp.stop()
+        await srv.stop(0)
