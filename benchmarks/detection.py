@@ -1,6 +1,13 @@
 """Detection time with the real Envoy: fault injected -> control plane ejects -> Envoy excludes.
 
 Usage: python benchmarks/detection.py [--runs N] [--fault freeze|hang] [--probe-interval-s S]
+           [--detector phi|count] [--cpu-burners K] [--quiet-s S] [--nodes N]
+
+``--cpu-burners K`` starts K busy-loop processes for the whole run (the machine has 2 cores, so
+the control plane, agents, engines and Envoy all compete for CPU). ``--busy-cp`` pins the
+control plane and the burners to CPU 0 and everything else to CPU 1: the control plane's own
+CPU is saturated while the agents (remote hosts in production) are not starved. ``--quiet-s S`` first runs
+S seconds of load with no fault and counts false ejections (any transition to UNHEALTHY).
 
 One fleet (3 simulated nodes, agents, xds-server, Envoy) under a steady load of 4 concurrent
 non-streaming requests; each run injects the fault on one node (round robin), waits until
@@ -11,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import statistics
 import time
 
@@ -25,16 +33,50 @@ def _q(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-async def main(runs: int, fault: str, probe_interval_s: float) -> None:
-    fleet = Fleet(n_nodes=3, probe_interval_s=probe_interval_s, per_try_timeout_s=1.0)
+def _burn() -> None:
+    while True:
+        pass
+
+
+async def _false_ejections(fleet: Fleet, http: aiohttp.ClientSession) -> list[dict]:
+    async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events?limit=10000") as r:
+        evs = (await r.json())["events"]
+    return [e for e in evs if e.get("to") == "UNHEALTHY" or e["kind"] == "outlier_ejected"]
+
+
+async def main(runs: int, fault: str, probe_interval_s: float, detector: str, burners: int,
+               quiet_s: float, nodes: int, hold_s: float = 1.0, busy_cp: bool = False) -> None:
+    health = {"failure_detector": detector, "probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2}
+    fleet = Fleet(n_nodes=nodes, probe_interval_s=probe_interval_s, per_try_timeout_s=1.0, health=health)
+    procs = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(burners)]
     await asyncio.to_thread(fleet.start)
+    for p in procs:
+        p.start()
+    if busy_cp:
+        import os
+        os.sched_setaffinity(fleet.control_plane.pid, {0})
+        for p in procs:
+            os.sched_setaffinity(p.pid, {0})
+        for mp in fleet.procs:
+            if mp is not fleet.control_plane:
+                os.sched_setaffinity(mp.pid, {1})
     cp_ms: list[float] = []
     envoy_ms: list[float] = []
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
             await fleet.wait_all_routed(http)
-            load = LoadGenerator(fleet.url, concurrency=4, max_duration_s=600)
+            await asyncio.sleep(2.0)
+            load = LoadGenerator(fleet.url, concurrency=4, max_duration_s=900)
             await load.start()
+            if quiet_s:
+                before = len(await _false_ejections(fleet, http))
+                await asyncio.sleep(quiet_s)
+                false = (await _false_ejections(fleet, http))[before:]
+                async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events?limit=10000") as r:
+                    fs = [e for e in (await r.json())["events"] if e["kind"] == "fail_static_on"]
+                print(f"quiet {quiet_s:.0f} s under load with {burners} CPU burner(s){' on the control plane CPU' if busy_cp else ''}, "
+                      f"detector {detector}: {len(false)} false ejection(s) {[e['reason'][:90] for e in false]}; "
+                      f"fail-static entered {len(fs)} time(s)", flush=True)
             for i in range(runs):
                 node = fleet.nodes[i % len(fleet.nodes)]
                 tl = FaultTimeline(fault, node.node_id)
@@ -45,6 +87,7 @@ async def main(runs: int, fault: str, probe_interval_s: float) -> None:
                 else:
                     await fleet.set_fault(http, node.node_id, "hang")
                 await watch_exclusion(fleet, http, tl, t0, timeout_s=10.0)
+                await asyncio.sleep(hold_s)  # a real outage, not a blip the count rule would forgive
                 if fault == "freeze":
                     node.agent.thaw()
                     node.engine.thaw()
@@ -57,16 +100,18 @@ async def main(runs: int, fault: str, probe_interval_s: float) -> None:
                     envoy_ms.append(tl.envoy_excluded_s * 1000)
                 print(f"run {i + 1:>2} {node.node_id}: control plane {tl.cp_ejected_s and tl.cp_ejected_s * 1000:.0f} ms, "
                       f"Envoy {tl.envoy_excluded_s and tl.envoy_excluded_s * 1000:.0f} ms ({tl.envoy_status}), "
-                      f"routed again {back:.1f} s after heal", flush=True)
+                      f"routed again {back if back is None else round(back, 1)} s after heal", flush=True)
                 await asyncio.sleep(0.5)
             await load.stop()
             total = load.totals()
     finally:
+        for p in procs:
+            p.kill()
         await asyncio.to_thread(fleet.stop)
     for name, xs in (("control plane ejected", cp_ms), ("Envoy excluded", envoy_ms)):
         if xs:
             print(f"{name}: n={len(xs)} median {statistics.median(xs):.0f} ms, p90 {_q(xs, 0.9):.0f} ms, "
-                  f"max {max(xs):.0f} ms")
+                  f"p99 {_q(xs, 0.99):.0f} ms, max {max(xs):.0f} ms")
     print(f"requests: {total.ok} ok, {total.failed} failed {dict(total.failures) if total.failed else ''}")
 
 
@@ -75,5 +120,12 @@ if __name__ == "__main__":
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--fault", choices=["freeze", "hang"], default="freeze")
     ap.add_argument("--probe-interval-s", type=float, default=1.0)
+    ap.add_argument("--detector", choices=["phi", "count"], default="phi")
+    ap.add_argument("--cpu-burners", type=int, default=0)
+    ap.add_argument("--quiet-s", type=float, default=0.0)
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--hold-s", type=float, default=1.0, help="how long each fault lasts after Envoy excluded it")
+    ap.add_argument("--busy-cp", action="store_true")
     a = ap.parse_args()
-    asyncio.run(main(a.runs, a.fault, a.probe_interval_s))
+    asyncio.run(main(a.runs, a.fault, a.probe_interval_s, a.detector, a.cpu_burners, a.quiet_s, a.nodes,
+                     a.hold_s, a.busy_cp))

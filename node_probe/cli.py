@@ -21,6 +21,8 @@ import socket
 import sys
 from typing import Sequence
 
+from node_probe.engines import ENGINE_KINDS
+
 __all__ = ["build_parser", "main"]
 
 
@@ -81,6 +83,22 @@ def _listen(text: str) -> str:
     return text
 
 
+def _xids(text: str) -> frozenset[int]:
+    try:
+        values = frozenset(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"Xid codes must be >= 0: {text!r}")
+    return values
+
+
+def _url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"must start with http:// or https://: {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the agent mode (also used by ``node-probe agent``)."""
     p = argparse.ArgumentParser(
@@ -100,13 +118,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="node id reported in heartbeats (default: host name)")
     p.add_argument("--heartbeat-interval-ms", type=_positive_int, default=100,
                    help="heartbeat period per stream, ms (default %(default)s)")
-    p.add_argument("--metrics-interval-ms", type=_positive_int, default=250,
-                   help="engine /metrics scrape period, ms (default %(default)s)")
+    p.add_argument("--engine-kind", default="auto", choices=list(ENGINE_KINDS),
+                   help="engine family (adapter); auto detects it (default %(default)s)")
+    p.add_argument("--metrics-url", type=_url, default=None,
+                   help="engine Prometheus page (default: ENGINE_URL/metrics; Triton: port 8002)")
+    p.add_argument("--metrics-interval-ms", type=_positive_int, default=None,
+                   help="engine /metrics scrape (and stall sampling) period, ms "
+                        "(default: the heartbeat interval)")
+    p.add_argument("--stall-window-ms", type=_positive_int, default=1000,
+                   help="requests running and the progress counter frozen this long -> "
+                        "telemetry says stalled, ms (default %(default)s)")
     p.add_argument("--probe-interval-s", type=_positive_float, default=4.0,
-                   help="mean micro-probe period, s (default %(default)s)")
-    p.add_argument("--probe-idle-interval-s", type=_positive_float, default=None,
-                   help="mean micro-probe period while the engine is idle, s (default: same as "
-                        "--probe-interval-s)")
+                   help="mean micro-probe period while the engine is busy and stall detection "
+                        "watches it, s (default %(default)s: 3-5 s with the default jitter)")
+    p.add_argument("--probe-idle-interval-s", type=_positive_float, default=0.5,
+                   help="mean micro-probe period while the engine is idle or its load unknown, s; "
+                        "never longer than --probe-interval-s (default %(default)s)")
     p.add_argument("--probe-jitter", type=_jitter, default=0.25,
                    help="probe interval jitter ratio j: each interval is uniform in "
                         "[i*(1-j), i*(1+j)] (default %(default)s)")
@@ -114,8 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deadline for a probe's first token, ms (default %(default)s)")
     p.add_argument("--min-probe-now-interval-ms", type=_non_negative_int, default=1000,
                    help="minimum spacing of ProbeNow-triggered probes, ms (default %(default)s)")
+    p.add_argument("--deep-check-interval-s", type=_float, default=0.0,
+                   help="period of the deep check (arithmetic prompt whose answer is checked), s; "
+                        "0 disables it (default %(default)s)")
+    p.add_argument("--deep-check-prompt", default="1+1=",
+                   help="deep-check prompt (default %(default)r)")
+    p.add_argument("--deep-check-expect", default="2",
+                   help="text the deep-check answer must contain (default %(default)r)")
     p.add_argument("--gpu-interval-s", type=_float, default=1.0,
                    help="NVML collection period, s; 0 disables GPU telemetry (default %(default)s)")
+    p.add_argument("--fatal-xids", type=_xids, default=None,
+                   help="comma-separated Xid codes that mark the engine FAILED "
+                        "(default 48,63,64,74,79,94,95)")
     p.add_argument("--model", default=None,
                    help="model id to probe (default: first id from GET /v1/models)")
     p.add_argument("--log-level", default="INFO", type=str.upper,
@@ -174,8 +211,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from node_probe.agent import AgentConfig  # noqa: PLC0415
 
+    extra = {} if args.fatal_xids is None else {"fatal_xids": args.fatal_xids}
     try:
         cfg = AgentConfig(
+            engine_kind=args.engine_kind,
+            metrics_url=args.metrics_url,
+            stall_window_ms=args.stall_window_ms,
+            deep_check_interval_s=args.deep_check_interval_s or None,
+            deep_check_prompt=args.deep_check_prompt,
+            deep_check_expect=args.deep_check_expect,
+            **extra,
             engine_url=args.engine_url,
             listen=args.listen,
             node_id=args.node_id or socket.gethostname(),

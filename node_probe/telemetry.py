@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from node_probe.proto import probe_pb2
 
-__all__ = ["GpuCollector", "nvml_error_name"]
+__all__ = ["FATAL_XIDS", "GpuCollector", "gpu_fatal_reason", "nvml_error_name"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,34 @@ _BENIGN_ERRORS = frozenset({"NotSupported", "NoPermission", "FunctionNotFound", 
 _ABSENT_ERRORS = frozenset({"LibraryNotFound", "DriverNotLoaded"})
 
 _MAX_XIDS_PER_COLLECT = 64
+
+#: Xid codes that mean the GPU (or its memory or links) can no longer be trusted: 48 double-bit
+#: ECC, 63/64 row-remapping event/failure, 74 NVLink error, 79 fallen off the bus, 94/95
+#: contained/uncontained ECC error. Any of them marks the engine FAILED.
+FATAL_XIDS = frozenset({48, 63, 64, 74, 79, 94, 95})
+# MIG-query errors that only mean "this GPU has no MIG".
+_NO_MIG_ERRORS = frozenset({"NotSupported", "FunctionNotFound", "InvalidArgument"})
+
+
+def gpu_fatal_reason(
+    tel: probe_pb2.GpuTelemetry, fatal_xids: frozenset[int] | set[int] = FATAL_XIDS
+) -> str | None:
+    """Why this GPU telemetry makes the engine unusable, or ``None``.
+
+    Fatal: any NVML call that answered ``GpuIsLost`` (the GPU fell off the bus, typically after
+    Xid 79), or a fatal Xid (``fatal_xids``, default :data:`FATAL_XIDS`) still inside the
+    collector's Xid window.
+    """
+    if "GpuIsLost" in tel.error and not tel.gpus:
+        return tel.error
+    for g in tel.gpus:
+        for err in g.errors:
+            if err.endswith(": GpuIsLost"):
+                return f"gpu {g.index}: GpuIsLost ({err.split(':', 1)[0]})"
+        fatal = [x for x in g.xid_events if x in fatal_xids]
+        if fatal:
+            return f"gpu {g.index}: fatal Xid {fatal[-1]}"
+    return None
 
 
 def nvml_error_name(exc: BaseException) -> str:
@@ -61,15 +89,22 @@ class GpuCollector:
     falling back to the legacy ``...ThrottleReasons``) and Xid codes seen in the last
     ``xid_window_s`` seconds (critical-Xid event set, drained without blocking).
 
+    MIG: on a GPU in MIG mode the memory reading comes from its MIG device handles (summed over
+    the instances this process can see): the parent handle often answers NoPermission there,
+    and its numbers would count other tenants' slices anyway. Utilization is NotSupported on MIG
+    and stays unset (reported, never 0).
+
     Overall state: ``NVML_STATE_OK`` when every failed call was benign (NotSupported,
     NoPermission, FunctionNotFound, NoData: the field is just unavailable), otherwise
-    ``NVML_STATE_ERROR`` with the serious errors in ``error`` (e.g. ``"gpu 0: GpuIsLost"``).
+    ``NVML_STATE_ERROR`` with the serious errors in ``error`` (e.g. ``"gpu 0: GpuIsLost"``,
+    ``"gpu 1: fatal Xid 79"``).
 
     Args:
         init_retry_s: seconds between init retries after a non-absent init failure.
         xid_window_s: how long an Xid stays in ``xid_events``, in seconds.
         watch_xids: register for critical Xid events (needs root on most hosts; failures are
             reported as ``"xid: ErrorName"``).
+        fatal_xids: Xid codes reported as serious (``NVML_STATE_ERROR``).
         clock: monotonic clock (tests).
 
     Thread-safety: calls are serialised by an internal lock; use one collector per process.
@@ -81,8 +116,10 @@ class GpuCollector:
         init_retry_s: float = 30.0,
         xid_window_s: float = 300.0,
         watch_xids: bool = True,
+        fatal_xids: frozenset[int] | set[int] = FATAL_XIDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._fatal_xids = frozenset(fatal_xids)
         self._init_retry_s = init_retry_s
         self._xid_window_s = xid_window_s
         self._watch_xids = watch_xids
@@ -201,6 +238,12 @@ class GpuCollector:
             )
         if self._watch_xids:
             self._drain_xids(nvml, handles, out)
+            for reading in out.gpus:
+                serious.extend(
+                    f"gpu {reading.index}: fatal Xid {x}"
+                    for x in dict.fromkeys(reading.xid_events)
+                    if x in self._fatal_xids
+                )
         if serious:
             out.state = probe_pb2.NVML_STATE_ERROR
             out.error = "; ".join(dict.fromkeys(serious))
@@ -218,6 +261,19 @@ class GpuCollector:
         if mem is not None:
             reading.memory_total_bytes = int(mem.total)
             reading.memory_used_bytes = int(mem.used)
+        mig = self._mig_handles(nvml, handle, errors)
+        if mig:
+            total = used = 0
+            read_any = False
+            for i, mig_handle in mig:
+                mig_mem = self._call(errors, f"mig {i} memory", nvml.nvmlDeviceGetMemoryInfo, mig_handle)
+                if mig_mem is not None:
+                    total += int(mig_mem.total)
+                    used += int(mig_mem.used)
+                    read_any = True
+            if read_any:
+                reading.memory_total_bytes = total
+                reading.memory_used_bytes = used
         util = self._call(errors, "utilization", nvml.nvmlDeviceGetUtilizationRates, handle)
         if util is not None:
             reading.utilization_ratio = float(util.gpu) / 100.0
@@ -242,6 +298,35 @@ class GpuCollector:
         reasons = self._throttle_reasons(nvml, handle, errors)
         if reasons is not None:
             reading.throttle_reasons = int(reasons)
+
+    def _mig_handles(self, nvml: Any, handle: Any, errors: list[str]) -> list[tuple[int, Any]]:
+        """MIG device handles of a GPU in MIG mode (empty when MIG is off or unsupported)."""
+        get_mode = getattr(nvml, "nvmlDeviceGetMigMode", None)
+        if get_mode is None:
+            return []
+        try:
+            current, _pending = get_mode(handle)
+        except self._nvml.NVMLError as exc:
+            name = nvml_error_name(exc)
+            if name not in _NO_MIG_ERRORS:
+                errors.append(f"mig: {name}")
+            return []
+        except Exception:  # noqa: BLE001 - e.g. a handle this pynvml cannot pass to C
+            return []
+        if current != getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1):
+            return []
+        count = self._call(errors, "mig", nvml.nvmlDeviceGetMaxMigDeviceCount, handle)
+        out: list[tuple[int, Any]] = []
+        for i in range(int(count or 0)):
+            try:
+                out.append((i, nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)))
+            except self._nvml.NVMLError as exc:
+                name = nvml_error_name(exc)
+                if name != "NotFound":  # an empty MIG slot
+                    errors.append(f"mig {i}: {name}")
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"mig {i}: {type(exc).__name__}")
+        return out
 
     def _throttle_reasons(self, nvml: Any, handle: Any, errors: list[str]) -> int | None:
         new_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)

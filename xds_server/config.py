@@ -19,6 +19,7 @@ __all__ = [
     "AdminConfig",
     "ClusterConfig",
     "ConfigError",
+    "DropOverloadConfig",
     "HealthConfig",
     "Locality",
     "NodeConfig",
@@ -82,6 +83,25 @@ class XdsConfig(_Model):
         description="delta reconnects echo every name+version; 4 MiB default is too small "
         "(notes/xds_protocol.md section 5 item 7)",
     )
+    coalesce_window_ms: float = Field(
+        5.0, ge=0, le=1000,
+        description="at most one publish per window: a change after a quiet window is published "
+        "at once; changes arriving within the window after a publish are coalesced into one push "
+        "(one build and encode per cluster, one response per stream) at its end. 0 = changes in "
+        "one event-loop iteration only. Ours: a few ms is far below a heartbeat interval (100 ms) "
+        "and turns a burst (a rack losing power) into two updates instead of one per node",
+    )
+    keepalive_time_ms: int = Field(
+        30_000, ge=1_000,
+        description="HTTP/2 keepalive ping interval on ADS streams (checklist 1.9 item 28); "
+        "matches the 30 s the Envoy bootstrap uses towards us",
+    )
+    keepalive_timeout_ms: int = Field(5_000, ge=100, description="keepalive ping ack deadline")
+    max_tracked_nonces: int = Field(
+        16, ge=1, le=1024,
+        description="delta: un-ACKed nonces remembered per stream and type (to report which "
+        "version an ACK or NACK refers to); older ones count as stale",
+    )
 
     _v_listen = field_validator("listen")(_check_hostport)
 
@@ -121,6 +141,93 @@ class HealthConfig(_Model):
     )
     reconnect_backoff_initial_ms: float = Field(100.0, gt=0, description="probe stream redial backoff start")
     reconnect_backoff_max_ms: float = Field(2000.0, gt=0, description="probe stream redial backoff cap")
+    # -- adaptive failure detection (phi accrual) -------------------------------------------
+    failure_detector: Literal["phi", "count"] = Field(
+        "phi",
+        description="'phi': phi-accrual suspicion (Hayashibara et al. 2004) on top of the count "
+        "rule; 'count': only consecutive_misses. The count rule is the floor either way",
+    )
+    phi_threshold: float = Field(
+        8.0, gt=0, le=15, description="conviction level; 8 is Akka's and Cassandra's default"
+    )
+    phi_min_std_ms: float = Field(
+        20.0, gt=0,
+        description="floor of the inter-arrival standard deviation (Akka: min-std-deviation); "
+        "with 100 ms heartbeats, phi 8 is reached ~212 ms after the last one while arrivals are regular",
+    )
+    phi_acceptable_pause_ms: float = Field(0.0, ge=0, description="Akka: acceptable-heartbeat-pause")
+    phi_alpha: float = Field(0.1, gt=0, le=1, description="EWMA weight of inter-arrival mean/variance")
+    phi_min_samples: int = Field(10, ge=1, description="heartbeats before phi is trusted")
+    phi_max_suspicions_per_min: int = Field(
+        6, ge=0,
+        description="suspicions that heartbeats later disproved, per rolling minute, before phi "
+        "is ignored (count rule only) for the rest of that minute: bounds flapping",
+    )
+    self_lag_tolerance_ms: float = Field(
+        20.0, ge=0,
+        description="a detection timer that fires this late means our own event loop stalled; "
+        "the check is deferred once instead of blaming the node",
+    )
+    # -- micro-probes ---------------------------------------------------------------------------
+    ttft_ewma_alpha: float = Field(0.2, gt=0, le=1, description="EWMA alpha for TTFT (as RTT, seed 000)")
+    stall_confirm_ms: float = Field(
+        300.0, ge=0,
+        description="an engine still reported STALLED this long after the first report counts "
+        "as a second probe timeout (-> UNHEALTHY); the first report counts as one",
+    )
+    # -- GPU and engine load --------------------------------------------------------------------
+    gpu_min_free_ratio: float = Field(
+        0.05, ge=0, le=1, description="seed 000: GPU free memory under 5 % -> not routed while it lasts"
+    )
+    queue_warning: float = Field(50, ge=0, description="seed 001: > 50 requests waiting -> weight reduced")
+    queue_warning_weight_factor: float = Field(0.5, gt=0, le=1, description="weight kept above queue_warning")
+    queue_critical: float = Field(100, ge=0, description="seed 001: > 100 waiting -> not routed while it lasts")
+    fatal_xids: list[int] = Field(
+        [48, 63, 64, 74, 79, 94, 95],
+        description="NVIDIA Xid codes that mean the GPU cannot be trusted (DBE, row-remap "
+        "failure, NVLink, fallen off the bus, contained/uncontained ECC)",
+    )
+    # -- half-open probation and ramp (seed 000) ---------------------------------------------
+    probation_clean_s: float = Field(
+        60.0, gt=0, description="seed 000: 60 s of 100 % successful probes before PROBATION"
+    )
+    probation_clean_max_s: float = Field(600.0, gt=0, description="cap of the doubled clean period")
+    probation_min_probes: int = Field(3, ge=1, description="probes required inside the clean period")
+    rtt_baseline_alpha: float = Field(0.05, gt=0, le=1, description="slow EWMA of RTT while HEALTHY")
+    rtt_baseline_tolerance: float = Field(
+        1.5, ge=1, description="'EWMA RTT back under its baseline' means <= baseline x this"
+    )
+    ramp_start_percent: float = Field(1.0, gt=0, le=100, description="seed 000: start at 1 % of full weight")
+    ramp_step_percent: float = Field(1.0, gt=0, le=100, description="seed 000: +1 % per step")
+    ramp_step_s: float = Field(1.0, gt=0, description="step length (ours; the seed gives none)")
+    # -- cluster policy ------------------------------------------------------------------------
+    score_rtt_weight: float = Field(0.7, ge=0, description="seed 000: score = 0.7 x EWMA RTT ms + ...")
+    score_gpu_weight: float = Field(0.3, ge=0, description="seed 000: ... + 0.3 x (1 - GPU free) x 100")
+    score_slack: float = Field(
+        10.0, ge=0, description="added to every score before comparing, so ms-level RTT noise "
+        "does not move weights"
+    )
+    score_min_factor: float = Field(0.25, gt=0, le=1, description="the worst-scored routable node keeps this share")
+    score_step: float = Field(0.05, gt=0, le=1, description="score factors are quantized to this step")
+    outlier_factor: float = Field(3.0, gt=1, description="EWMA above this x cluster median -> outlier")
+    outlier_min_gap_rtt_ms: float = Field(50.0, ge=0, description="...and at least this far above it (RTT)")
+    outlier_min_gap_ttft_ms: float = Field(200.0, ge=0, description="...and at least this far above it (TTFT)")
+    outlier_min_nodes: int = Field(3, ge=2, description="nodes with data needed for a median")
+    outlier_ejection_s: float = Field(30.0, gt=0, description="first outlier ejection; doubles each time")
+    outlier_ejection_max_s: float = Field(300.0, gt=0, description="cap of the doubled outlier ejection")
+    max_ejection_percent: float = Field(
+        50.0, ge=0, le=100,
+        description="never eject more than this share of a cluster by outlier or soft rules; "
+        "hard evidence (lost heartbeats, failed probes, engine fatal) is never held back",
+    )
+    fail_static_fraction: float = Field(
+        0.5, gt=0, lt=1, description="more than this share of all nodes lost together -> suspect our network"
+    )
+    fail_static_window_ms: float = Field(
+        300.0, gt=0, description="'together': heartbeat losses within this window of each other"
+    )
+    fail_static_min_nodes: int = Field(3, ge=2, description="fleets smaller than this never go fail-static")
+    drain_timeout_s: float = Field(600.0, gt=0, description="a drain is complete when in-flight is 0 or after this")
 
     @model_validator(mode="after")
     def _ordered(self) -> "HealthConfig":
@@ -128,6 +235,12 @@ class HealthConfig(_Model):
             raise ValueError("ttft_timeout_ms must be greater than ttft_healthy_ms")
         if self.reconnect_backoff_max_ms < self.reconnect_backoff_initial_ms:
             raise ValueError("reconnect_backoff_max_ms must be >= reconnect_backoff_initial_ms")
+        if self.queue_critical < self.queue_warning:
+            raise ValueError("queue_critical must be >= queue_warning")
+        if self.probation_clean_max_s < self.probation_clean_s:
+            raise ValueError("probation_clean_max_s must be >= probation_clean_s")
+        if self.outlier_ejection_max_s < self.outlier_ejection_s:
+            raise ValueError("outlier_ejection_max_s must be >= outlier_ejection_s")
         return self
 
 
@@ -185,6 +298,29 @@ class OutlierDetectionConfig(_Model):
     max_ejection_percent: int = Field(50, ge=0, le=100)
 
 
+class DropOverloadConfig(_Model):
+    """Shed a share of traffic at Envoy (``ClusterLoadAssignment.policy.drop_overloads``) when the
+    cluster has lost capacity, instead of overloading the survivors.
+
+    Dropped requests get a local 503 "drop overload" from Envoy (notes/xds_protocol.md 2.5).
+    """
+
+    category: str = Field(
+        "capacity_lost", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$",
+        description="Envoy stat/category name of the drop",
+    )
+    drop_percent: float = Field(
+        ..., gt=0, le=100, description="share of requests dropped while the condition holds, %",
+    )
+    below_routable_capacity_ratio: float = Field(
+        0.5, gt=0, le=1,
+        description="apply the drop while the routable (HEALTHY, weighted) share of the "
+        "cluster's full capacity is below this ratio; the drop and the host change that caused "
+        "it land in the same ClusterLoadAssignment, which Envoy 1.40 needs to apply a drop "
+        "change at all (notes/xds_protocol.md 2.5)",
+    )
+
+
 class ClusterConfig(_Model):
     """One Envoy cluster (CDS) and its nodes (EDS ClusterLoadAssignment)."""
 
@@ -205,6 +341,17 @@ class ClusterConfig(_Model):
         100_000, ge=1, description="circuit breaker; Envoy's 1024 default trips on long streams"
     )
     outlier_detection: OutlierDetectionConfig = OutlierDetectionConfig()
+    overprovisioning_factor: int = Field(
+        140, ge=1, le=100_000,
+        description="ClusterLoadAssignment.policy.overprovisioning_factor, %. Envoy's default 140: "
+        "priority 0 keeps all traffic until fewer than ~71.4 % of its hosts are healthy, then "
+        "the rest spills to priority 1 (notes/xds_protocol.md 2.4); 100 spills at the first loss",
+    )
+    drop_overloads: list[DropOverloadConfig] = Field(
+        default_factory=list, max_length=1,
+        description="at most one category: Envoy 1.40 NACKs an assignment with two "
+        "(notes/xds_protocol.md 2.5)",
+    )
     nodes: list[NodeConfig] = Field(..., min_length=1)
 
     @model_validator(mode="after")

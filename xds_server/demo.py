@@ -30,6 +30,11 @@ from xds_server.testing import Fleet, LoadGenerator
 __all__ = ["FaultTimeline", "run_demo", "watch_exclusion"]
 
 
+# Shortened half-open recovery so the demo shows it within a minute (defaults: 60 s of clean
+# probes, then +1 % per 1 s step).
+DEMO_HEALTH = {"probation_clean_s": 3.0, "ramp_step_percent": 10.0, "ramp_step_s": 0.3}
+
+
 def _p(msg: str = "") -> None:
     print(msg, flush=True)
 
@@ -47,6 +52,8 @@ class FaultTimeline:
     healed_at_s: float | None = None
     envoy_routed_again_s: float | None = None  # after healing
     phases: list[str] = field(default_factory=list)
+    injected_wall_s: float = 0.0
+    cp_events: list[dict] = field(default_factory=list)
 
 
 async def watch_exclusion(fleet: Fleet, session: aiohttp.ClientSession, tl: FaultTimeline, t0: float,
@@ -88,6 +95,25 @@ async def wait_routed(fleet: Fleet, session: aiohttp.ClientSession, node_id: str
     return None
 
 
+async def wait_state(fleet: Fleet, session: aiohttp.ClientSession, node_id: str, state: str,
+                     timeout_s: float) -> float | None:
+    """Seconds until the control plane reports ``node_id`` in ``state`` (None on timeout)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, KeyError):
+            if (await fleet.cp_nodes(session))[node_id]["state"] == state:
+                return time.monotonic() - t0
+        await asyncio.sleep(0.05)
+    return None
+
+
+async def node_events(fleet: Fleet, session: aiohttp.ClientSession, node_id: str, since_wall_s: float) -> list[dict]:
+    """The control plane's /events for one node since a wall-clock time."""
+    async with session.get(f"http://127.0.0.1:{fleet.admin_port}/events?limit=1000") as r:
+        evs = (await r.json())["events"]
+    return [e for e in evs if e["node"] == node_id and e["time"] >= since_wall_s]
+
+
 def _ms(s: float | None) -> str:
     return "not seen" if s is None else f"+{s * 1000:.0f} ms"
 
@@ -110,7 +136,7 @@ def _phase_table(load: LoadGenerator, node_ids: list[str], per_try_timeout_s: fl
 
 async def _demo(keep_running: bool, envoy_binary: str | None) -> int:
     fleet = Fleet(n_nodes=3, probe_interval_s=1.0, per_try_timeout_s=1.0, per_try_idle_timeout_s=2.0,
-                  envoy_binary=envoy_binary)
+                  envoy_binary=envoy_binary, health=DEMO_HEALTH)
     _p("xds-sentinel demo: starting 3 simulated engines, 3 agents, xds-server and Envoy ...")
     t_start = time.monotonic()
     try:
@@ -144,6 +170,10 @@ async def _demo(keep_running: bool, envoy_binary: str | None) -> int:
 
 async def _faults(fleet: Fleet, session: aiohttp.ClientSession) -> int:
     ids = [n.node_id for n in fleet.nodes]
+    t0 = time.monotonic()
+    for n in ids:  # every node starts in PROBATION at 1 %: let the start-up ramp finish first
+        await wait_state(fleet, session, n, "HEALTHY", timeout_s=20)
+    _p(f"start-up ramp complete: all nodes HEALTHY ({time.monotonic() - t0:.1f} s)")
     load = LoadGenerator(fleet.url, concurrency=4, max_tokens=4, max_duration_s=120)
     await load.start()
     try:
@@ -153,7 +183,7 @@ async def _faults(fleet: Fleet, session: aiohttp.ClientSession) -> int:
 
         # Fault 1: host freeze (engine + agent SIGSTOP).
         node = fleet.nodes[0]
-        tl = FaultTimeline("host freeze (SIGSTOP engine + agent)", node.node_id)
+        tl = FaultTimeline("host freeze (SIGSTOP engine + agent)", node.node_id, injected_wall_s=time.time())
         load.phase(f"{node.node_id} frozen")
         t0 = time.monotonic()
         node.engine.freeze()
@@ -165,6 +195,8 @@ async def _faults(fleet: Fleet, session: aiohttp.ClientSession) -> int:
         tl.healed_at_s = time.monotonic() - t0
         load.phase(f"{node.node_id} thawed, recovering")
         tl.envoy_routed_again_s = await wait_routed(fleet, session, node.node_id, timeout_s=15)
+        await wait_state(fleet, session, node.node_id, "HEALTHY", timeout_s=15)
+        tl.cp_events = await node_events(fleet, session, node.node_id, tl.injected_wall_s)
         timelines.append(tl)
         _print_timeline(tl)
 
@@ -172,7 +204,7 @@ async def _faults(fleet: Fleet, session: aiohttp.ClientSession) -> int:
         load.phase("between faults")
         await asyncio.sleep(1.0)
         node = fleet.nodes[1]
-        tl = FaultTimeline("engine hang (inference stuck, /health 200)", node.node_id)
+        tl = FaultTimeline("engine hang (inference stuck, /health 200)", node.node_id, injected_wall_s=time.time())
         load.phase(f"{node.node_id} engine hung")
         t0 = time.monotonic()
         await fleet.set_fault(session, node.node_id, "hang")
@@ -182,6 +214,8 @@ async def _faults(fleet: Fleet, session: aiohttp.ClientSession) -> int:
         tl.healed_at_s = time.monotonic() - t0
         load.phase(f"{node.node_id} healed, recovering")
         tl.envoy_routed_again_s = await wait_routed(fleet, session, node.node_id, timeout_s=15)
+        await wait_state(fleet, session, node.node_id, "HEALTHY", timeout_s=15)
+        tl.cp_events = await node_events(fleet, session, node.node_id, tl.injected_wall_s)
         timelines.append(tl)
         _print_timeline(tl)
 
@@ -210,6 +244,13 @@ def _print_timeline(tl: FaultTimeline) -> None:
     _p(f"  healed                           {_ms(tl.healed_at_s)}")
     back = None if tl.envoy_routed_again_s is None or tl.healed_at_s is None else tl.envoy_routed_again_s
     _p(f"  Envoy routes to it again         {'not seen' if back is None else f'{back * 1000:.0f} ms after healing'}")
+    _p("  control plane events:")
+    ramp_shown = False
+    for e in tl.cp_events:
+        rel = (e["time"] - tl.injected_wall_s) * 1000
+        _p(f"    +{rel:>6.0f} ms  {e['from']} -> {e['to']}: {e['reason']}" if e["kind"] == "transition"
+           else f"    +{rel:>6.0f} ms  {e['kind']}: {e['reason']}")
+        ramp_shown = ramp_shown or e.get("to") == "PROBATION"
 
 
 def run_demo(keep_running: bool = False, envoy_binary: str | None = None) -> int:

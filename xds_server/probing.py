@@ -34,7 +34,7 @@ from xds_server.health.model import (
     Tick,
 )
 
-__all__ = ["ProbeSession", "engine_state_name", "failure_kind"]
+__all__ = ["ProbeSession", "engine_state_name", "failure_kind", "heartbeat_observation"]
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,39 @@ def engine_state_name(state: int) -> str:
     return _ENGINE_STATE.get(state, "COLD")
 
 
-ObservationSink = Callable[[str, Observation, float], None]
+ObservationSink = Callable[[str, Observation, float], "float | None"]
+"""``sink(node_id, observation, now_s) -> next_check_s``: when the next Tick is due, or None."""
+
+
+def heartbeat_observation(hb: probe_pb2.Heartbeat, fatal_xids: frozenset[int] = frozenset()) -> HeartbeatObserved:
+    """Summarize a Heartbeat's telemetry for the health model.
+
+    GPU free ratio is that of the least free GPU with both memory fields known (None if none);
+    ``gpu_fatal`` names the first fatal Xid reported, or "GPU lost" when NVML reports it.
+    """
+    tel = hb.telemetry
+    load = tel.engine_load
+    free: float | None = None
+    fatal = ""
+    for g in tel.gpu.gpus:
+        if g.HasField("memory_total_bytes") and g.HasField("memory_used_bytes") and g.memory_total_bytes > 0:
+            r = max(0.0, 1.0 - g.memory_used_bytes / g.memory_total_bytes)
+            free = r if free is None else min(free, r)
+        if not fatal:
+            bad = [x for x in g.xid_events if x in fatal_xids]
+            if bad:
+                fatal = f"GPU {g.index} Xid {bad[0]}"
+            elif any("GpuIsLost" in e for e in g.errors):
+                fatal = f"GPU {g.index} lost (NVML GpuIsLost)"
+    return HeartbeatObserved(
+        engine_state=engine_state_name(tel.engine_state),
+        stalled=tel.stalled,
+        stall_detail=tel.stall_detail,
+        requests_running=load.requests_running if load.HasField("requests_running") else None,
+        requests_waiting=load.requests_waiting if load.HasField("requests_waiting") else None,
+        gpu_free_ratio=free,
+        gpu_fatal=fatal,
+    )
 
 
 class ProbeSession:
@@ -96,6 +128,14 @@ class ProbeSession:
         self.connects = 0
         self._task: asyncio.Task | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._deferred = False
+        self.lag_deferrals = 0
+        self._outq: asyncio.Queue[probe_pb2.ControlMessage] | None = None
+        self.probe_now_sent = 0
+        self.rtt_samples_dropped = 0
+        self._stalled = False
+        self._fatal_xids = frozenset(cfg.fatal_xids)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
@@ -120,18 +160,38 @@ class ProbeSession:
 
     def _emit(self, obs: Observation) -> None:
         assert self._loop is not None
-        self.sink(self.node.id, obs, self._loop.time())
+        self._arm(self.sink(self.node.id, obs, self._loop.time()))
 
-    def _arm_timer(self, delay_s: float) -> None:
+    def _arm(self, at_s: float | None) -> None:
+        """Arm the single detection timer at ``at_s`` (loop clock), replacing any earlier one."""
         if self._timer:
             self._timer.cancel()
+            self._timer = None
+        if at_s is None:
+            return
         assert self._loop is not None
-        self._timer = self._loop.call_later(delay_s, self._on_timer)
+        self._timer_at = at_s
+        self._timer = self._loop.call_at(at_s, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
+        assert self._loop is not None
+        late_ms = (self._loop.time() - self._timer_at) * 1000.0
+        if late_ms > self.cfg.self_lag_tolerance_ms and not self._deferred:
+            # Our own event loop stalled: heartbeats may be waiting unread. Let it drain first.
+            self._deferred = True
+            self.lag_deferrals += 1
+            self._timer_at = self._loop.time()
+            self._timer = self._loop.call_later(0.005, self._on_timer)
+            return
+        self._deferred = False
         self._emit(Tick())
-        self._arm_timer(self.cfg.heartbeat_interval_ms / 1000.0)
+
+    def _probe_now(self, reason: str) -> None:
+        """Ask the agent for an immediate micro-probe (the agent rate-limits these)."""
+        if self._outq is not None:
+            self.probe_now_sent += 1
+            self._outq.put_nowait(probe_pb2.ControlMessage(probe_now=probe_pb2.ProbeNow(reason=reason)))
 
     async def _run(self) -> None:
         backoff = self.cfg.reconnect_backoff_initial_ms / 1000.0
@@ -170,12 +230,21 @@ class ProbeSession:
     async def _watch(self, channel: grpc.aio.Channel) -> bool:
         stub = probe_pb2_grpc.NodeProbeStub(channel)
         call = stub.Watch()
+        outq: asyncio.Queue[probe_pb2.ControlMessage] = asyncio.Queue()
+        self._outq = outq
         loop = asyncio.get_running_loop()
         pings: dict[int, float] = {}
         got_any = False
+        last_hb = 0.0
+        gap_limit = (self.cfg.heartbeat_interval_ms + self.cfg.heartbeat_grace_ms) / 1000.0
+
+        async def writer() -> None:
+            # The only writer of this stream: grpc.aio allows one write in flight at a time.
+            while True:
+                await call.write(await outq.get())
 
         async def pinger() -> None:
-            await call.write(probe_pb2.ControlMessage(
+            outq.put_nowait(probe_pb2.ControlMessage(
                 hello=probe_pb2.Hello(control_plane_id=self.control_plane_id)))
             seq = 0
             interval = self.cfg.ping_interval_ms / 1000.0
@@ -185,10 +254,11 @@ class ProbeSession:
                 if len(pings) > 64:  # unanswered pings: keep the map bounded
                     for k in sorted(pings)[:-64]:
                         del pings[k]
-                await call.write(probe_pb2.ControlMessage(ping=probe_pb2.Ping(seq=seq)))
+                outq.put_nowait(probe_pb2.ControlMessage(ping=probe_pb2.Ping(seq=seq)))
                 await asyncio.sleep(interval)
 
         ping_task = asyncio.create_task(pinger())
+        write_task = asyncio.create_task(writer())
         try:
             while True:
                 msg = await call.read()
@@ -202,28 +272,39 @@ class ProbeSession:
                         self.connected = True
                         self.connects += 1
                     hb = msg.heartbeat
+                    if last_hb and now - last_hb > gap_limit:
+                        # Pings outstanding across a heartbeat gap would measure the silence (a
+                        # frozen host), which the heartbeat rules already judged, not the network.
+                        self.rtt_samples_dropped += len(pings)
+                        pings.clear()
+                    last_hb = now
                     self.last_telemetry = hb.telemetry
-                    self.sink(self.node.id, HeartbeatObserved(
-                        engine_state=engine_state_name(hb.telemetry.engine_state)), now)
-                    self._arm_timer((self.cfg.heartbeat_interval_ms + self.cfg.heartbeat_grace_ms) / 1000.0)
+                    if hb.telemetry.stalled and not self._stalled:
+                        self._probe_now(f"engine stalled: {hb.telemetry.stall_detail}")
+                    self._stalled = hb.telemetry.stalled
+                    self._arm(self.sink(self.node.id, heartbeat_observation(hb, self._fatal_xids), now))
                 elif which == "pong":
                     sent = pings.pop(msg.pong.seq, None)
                     if sent is None:
                         self._malformed(f"pong for unknown seq {msg.pong.seq}")
                         continue
-                    self.sink(self.node.id, PingObserved(rtt_ms=(now - sent) * 1000.0), now)
+                    self._arm(self.sink(self.node.id, PingObserved(rtt_ms=(now - sent) * 1000.0), now))
                 elif which == "inference_result":
                     r = msg.inference_result
                     if r.ok and not (r.ttft_ms >= 0):
                         self._malformed(f"inference result with ttft_ms={r.ttft_ms}")
                         continue
-                    self.sink(self.node.id, ProbeObserved(
+                    if not r.ok:
+                        self._probe_now(f"confirm probe failure: {failure_kind(r).value}")
+                    self._arm(self.sink(self.node.id, ProbeObserved(
                         kind=failure_kind(r), ttft_ms=r.ttft_ms, http_status=r.http_status,
-                        detail=r.detail), now)
+                        detail=r.detail), now))
                 else:
                     self._malformed("agent message with no payload")
         finally:
+            self._outq = None
             ping_task.cancel()
+            write_task.cancel()
             call.cancel()
 
     def _malformed(self, what: str) -> None:

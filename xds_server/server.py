@@ -3,13 +3,16 @@
 Data flows one way (DESIGN.md section 1). :class:`ControlPlane` owns the per-node
 :class:`~xds_server.health.model.NodeHealth`, feeds observations through the pure model, and when
 a node's routing (weight or EDS health) changes, rebuilds that cluster's ClusterLoadAssignment
-once per loop iteration (changes in the same iteration are coalesced) into the cache.
+into the cache at most once per ``xds.coalesce_window_ms`` (an isolated change at once; changes
+within the window after a publish coalesced into one build and one push). ADS (SotW and delta) is
+served on ``xds.listen``.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -18,12 +21,17 @@ from aiohttp import web
 
 from xds_server.config import NodeConfig, SentinelConfig, parse_hostport
 from xds_server.health import model as hm
+from xds_server.health import policy as hp
 from xds_server.probing import ProbeSession
 from xds_server.xds.ads import AdsHooks, AdsServicer
-from xds_server.xds.cache import SnapshotCache
-from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL, build_cla, build_cluster
-
-from envoy.service.discovery.v3 import ads_pb2_grpc
+from xds_server.xds.cache import InvalidResource, SnapshotCache
+from xds_server.xds.resources import (
+    CLA_TYPE_URL,
+    CLUSTER_TYPE_URL,
+    RESOURCE_TYPES,
+    build_cla,
+    build_cluster,
+)
 
 __all__ = ["ControlPlane", "EventRecord"]
 
@@ -32,21 +40,30 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class EventRecord:
-    """A health transition as kept for ``/events``: wall time (unix s) plus the model's event."""
+    """An event as kept for ``/events``: wall time (unix s), cluster, node, kind and reason.
+
+    ``kind`` is "transition" (then ``from_state``/``to_state`` are set) or a cluster-policy
+    kind: "outlier_ejected", "outlier_returned", "held_back", "fail_static_on", "fail_static_off".
+    """
 
     wall_time_s: float
     cluster: str
-    event: hm.Event
+    node_id: str
+    kind: str
+    reason: str
+    from_state: str | None = None
+    to_state: str | None = None
 
     def to_json(self) -> dict:
         """JSON-able form."""
         return {
             "time": self.wall_time_s,
             "cluster": self.cluster,
-            "node": self.event.node_id,
-            "from": self.event.from_state.value,
-            "to": self.event.to_state.value,
-            "reason": self.event.reason,
+            "node": self.node_id,
+            "kind": self.kind,
+            "from": self.from_state,
+            "to": self.to_state,
+            "reason": self.reason,
         }
 
 
@@ -60,7 +77,8 @@ class ControlPlane:
 
     def __init__(self, config: SentinelConfig) -> None:
         self.config = config
-        self.cache = SnapshotCache(config.xds.server_id)
+        self.cache = SnapshotCache(config.xds.server_id,
+                                   validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()})
         self.events: collections.deque[EventRecord] = collections.deque(maxlen=config.admin.events_buffer)
         self.node_cluster: dict[str, str] = {}
         self.node_cfg: dict[str, NodeConfig] = {}
@@ -75,12 +93,20 @@ class ControlPlane:
         self.xds_requests: collections.Counter[tuple[str, str]] = collections.Counter()
         self.xds_responses: collections.Counter[str] = collections.Counter()
         self.xds_nacks: collections.Counter[str] = collections.Counter()
+        self.outliers: dict[str, dict[str, hp.OutlierState]] = {}
+        self.why_not_routed: dict[str, str] = {}
+        self.fail_static = hp.FailStaticState()
+        self.event_counts: collections.Counter[str] = collections.Counter()
+        self._keys: dict[str, tuple] = {}
+        self._history: dict[str, collections.deque] = {}
         self._dirty: set[str] = set()
         self._publish_scheduled = False
+        self._last_publish_s = float("-inf")  # loop time of the last publish (coalescing window)
         self._gate_open: set[str] = set()
         self._started_mono = 0.0
         self.ads = AdsServicer(self.cache, AdsHooks(on_request=self._on_xds_request,
-                                                    on_response=self._on_xds_response))
+                                                    on_response=self._on_xds_response),
+                               max_tracked_nonces=config.xds.max_tracked_nonces)
         self._grpc: grpc.aio.Server | None = None
         self._admin_runner: web.AppRunner | None = None
         self._gate_timer: asyncio.TimerHandle | None = None
@@ -105,11 +131,11 @@ class ControlPlane:
         )
         self._grpc = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", self.config.xds.max_receive_message_bytes),
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.keepalive_time_ms", self.config.xds.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", self.config.xds.keepalive_timeout_ms),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ])
-        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.ads, self._grpc)
+        self.ads.add_to_server(self._grpc)  # ADS (SotW + delta), responses encoded once per content
         host, port = parse_hostport(self.config.xds.listen)
         self.xds_port = self._grpc.add_insecure_port(f"{host}:{port}")
         if self.xds_port == 0:
@@ -146,51 +172,136 @@ class ControlPlane:
 
     # -- observations -> health -> resources ---------------------------------------------------
 
-    def observe(self, node_id: str, obs: hm.Observation, now_s: float) -> None:
-        """Feed one observation for a node (called by probe sessions and the admin API)."""
+    def observe(self, node_id: str, obs: hm.Observation, now_s: float) -> float | None:
+        """Feed one observation for a node (from probe sessions and the admin API).
+
+        Returns when the node's next :class:`~xds_server.health.model.Tick` is due (caller's
+        monotonic clock, s), or None.
+        """
+        cfg = self.config.health
         if isinstance(obs, hm.HeartbeatObserved):
             self.heartbeats[node_id] += 1
-        nh, events = hm.step(self.health[node_id], obs, now_s, self.config.health)
+        prev = self.health[node_id]
+        nh, events = hm.step(prev, obs, now_s, cfg)
         self.health[node_id] = nh
         cluster = self.node_cluster[node_id]
         for ev in events:
-            rec = EventRecord(time.time(), cluster, ev)
-            self.events.append(rec)
-            log.info("node %s: %s -> %s (%s)", node_id, ev.from_state.value, ev.to_state.value, ev.reason)
-        r = hm.route(nh, self.node_cfg[node_id].capacity, self.config.health)
-        if self.routing.get(node_id) != r:
-            self.routing[node_id] = r
+            self._record(cluster, node_id, "transition", ev.reason, ev.from_state.value, ev.to_state.value)
+        key = self._routing_key(nh)
+        if key != self._keys.get(node_id):
+            self._keys[node_id] = key
             self._mark_dirty(cluster)
+        if (prev.consecutive_misses > 0) != (nh.consecutive_misses > 0) or prev.stream_closed != nh.stream_closed:
+            self._check_fail_static(now_s)
+        return hm.next_check_s(nh, cfg)
+
+    def _record(self, cluster: str, node_id: str, kind: str, reason: str,
+                from_state: str | None = None, to_state: str | None = None) -> None:
+        rec = EventRecord(time.time(), cluster, node_id, kind, reason, from_state, to_state)
+        self.events.append(rec)
+        self.event_counts[kind if kind != "transition" else f"to_{to_state}"] += 1
+        if kind == "transition":
+            log.info("node %s: %s -> %s (%s)", node_id, from_state, to_state, reason)
+        else:
+            log.warning("%s %s: %s (%s)", kind, node_id, cluster, reason)
+
+    def _routing_key(self, nh: hm.NodeHealth) -> tuple:
+        """What cluster policy reads from a node, coarsened so noise does not trigger recomputes."""
+        nr = hm.node_routing(nh, self.config.health)
+
+        def bucket(v: float | None) -> int | None:
+            return None if v is None else int(math.log1p(max(v, 0.0)) / math.log(1.1))
+
+        return (nr, nh.state, bucket(nh.ewma_rtt_ms), bucket(nh.ewma_ttft_ms),
+                None if nh.gpu_free_ratio is None else round(nh.gpu_free_ratio, 2))
+
+    def _check_fail_static(self, now_s: float) -> None:
+        st, evs = hp.fail_static(self.fail_static, self.health, now_s, self.config.health)
+        if st == self.fail_static:
+            return
+        ended = self.fail_static.active and not st.active
+        burst_start = self.fail_static.burst_start_s
+        self.fail_static = st
+        for ev in evs:
+            self._record("*", "*", ev.kind, ev.reason)
+        if ended:
+            for node_id in self.health:
+                nh, events = hm.step(self.health[node_id], hm.FailStaticEnded(burst_start), now_s,
+                                     self.config.health)
+                self.health[node_id] = nh
+                for ev in events:
+                    self._record(self.node_cluster[node_id], node_id, "transition", ev.reason,
+                                 ev.from_state.value, ev.to_state.value)
+                self._keys[node_id] = self._routing_key(nh)
+        for c in self.config.clusters:
+            self._mark_dirty(c.name)
 
     def _mark_dirty(self, cluster: str) -> None:
         if cluster not in self._gate_open:
             c = next(c for c in self.config.clusters if c.name == cluster)
-            if all(self.health[n.id].state is not hm.NodeState.COLD for n in c.nodes):
+            if all(self.health[n.id].state not in (hm.NodeState.COLD, hm.NodeState.WARMING) for n in c.nodes):
                 self._gate_open.add(cluster)
             else:
                 return
         self._dirty.add(cluster)
         if not self._publish_scheduled and self._loop is not None:
             self._publish_scheduled = True
-            self._loop.call_soon(self._publish)
+            # At most one publish per coalescing window: a change after a quiet window goes out
+            # at the end of this loop iteration (no added latency, as before); changes arriving
+            # within the window after a publish are coalesced into one build + push at its end.
+            delay_s = self._last_publish_s + self.config.xds.coalesce_window_ms / 1000.0 - self._loop.time()
+            if delay_s > 0:
+                self._loop.call_later(delay_s, self._publish)
+            else:
+                self._loop.call_soon(self._publish)
 
     def _open_all_gates(self) -> None:
         for c in self.config.clusters:
             if c.name not in self._gate_open:
-                cold = [n.id for n in c.nodes if self.health[n.id].state is hm.NodeState.COLD]
-                log.warning("warm-up timeout: publishing %s with %d node(s) still COLD: %s",
+                cold = [n.id for n in c.nodes
+                        if self.health[n.id].state in (hm.NodeState.COLD, hm.NodeState.WARMING)]
+                log.warning("warm-up timeout: publishing %s with %d node(s) still COLD or WARMING: %s",
                             c.name, len(cold), ", ".join(cold))
                 self._gate_open.add(c.name)
                 self._mark_dirty(c.name)
 
     def _publish(self) -> None:
         self._publish_scheduled = False
+        self._last_publish_s = self._loop.time() if self._loop is not None else 0.0
         dirty, self._dirty = self._dirty, set()
+        assert self._loop is not None
+        now = self._loop.time()
+        cfg = self.config.health
         for c in self.config.clusters:
-            if c.name in dirty:
-                routing = {n.id: self.routing.get(n.id) or hm.route(
-                    self.health[n.id], n.capacity, self.config.health) for n in c.nodes}
+            if c.name not in dirty:
+                continue
+            decision = hp.cluster_routing(
+                [(n.id, n.capacity, self.health[n.id]) for n in c.nodes],
+                self.outliers.get(c.name, {}), now, cfg)
+            self.outliers[c.name] = dict(decision.outliers)
+            for ev in decision.events:
+                self._record(c.name, ev.node_id, ev.kind, ev.reason)
+            self.why_not_routed.update({n.id: decision.why_not_routed.get(n.id, "") for n in c.nodes})
+            routing = dict(decision.routing)
+            history = self._history.setdefault(c.name, collections.deque(maxlen=64))
+            if self.fail_static.active:
+                # Keep the last assignment published before the burst of losses began.
+                limit = self.fail_static.burst_start_s + (cfg.heartbeat_interval_ms + cfg.heartbeat_grace_ms) / 1000.0
+                good = [r for t, r in history if t <= limit]
+                if good:
+                    routing = dict(good[-1])
+            else:
+                history.append((now, routing))
+            for n in c.nodes:
+                self.routing[n.id] = routing[n.id]
+            try:
                 self.cache.set_resource(CLA_TYPE_URL, c.name, build_cla(c, routing))
+            except InvalidResource as e:  # held back: Envoy would NACK it (checklist 1.9 item 17)
+                log.error("not publishing %s: %s", c.name, e)
+            # Wake up when an outlier ejection ends, to let the node back.
+            ends = [o.until_s for o in decision.outliers.values() if o.until_s > now]
+            if ends:
+                self._loop.call_at(min(ends) + 0.001, self._mark_dirty, c.name)
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -212,6 +323,37 @@ class ControlPlane:
         r = self.cache.resources(CLA_TYPE_URL).get(cluster)
         return r.version if r else ""
 
+    def _probation_view(self, nh: hm.NodeHealth, now: float) -> dict | None:
+        cfg = self.config.health
+        if nh.state is hm.NodeState.PROBATION:
+            return {"ramp_percent": nh.ramp_percent,
+                    "next_step_in_s": round(max(0.0, nh.ramp_step_at_s + cfg.ramp_step_s - now), 3),
+                    "step_percent": cfg.ramp_step_percent}
+        if nh.state is hm.NodeState.UNHEALTHY:
+            need = nh.probation_clean_s or cfg.probation_clean_s
+            clean = 0.0 if nh.clean_since_s is None else now - nh.clean_since_s
+            return {"required_clean_s": need, "clean_for_s": round(clean, 3),
+                    "next_recheck_in_s": round(max(0.0, need - clean), 3) if nh.clean_since_s is not None else None,
+                    "clean_probes": nh.clean_probes}
+        return None
+
+    def _drain_view(self, nh: hm.NodeHealth, now: float) -> dict | None:
+        if not nh.draining or nh.drain_since_s is None:
+            return None
+        in_flight = nh.requests_running
+        elapsed = now - nh.drain_since_s
+        drained = (in_flight is not None and in_flight <= 0) or elapsed >= self.config.health.drain_timeout_s
+        return {"draining_for_s": round(elapsed, 3), "in_flight": in_flight, "drained": drained,
+                "timeout_s": self.config.health.drain_timeout_s}
+
+    def drain(self, node_id: str, drain: bool, reason: str) -> dict:
+        """Operator drain/undrain of a node (enters the model as an observation). KeyError if unknown."""
+        if node_id not in self.node_cfg:
+            raise KeyError(node_id)
+        assert self._loop is not None
+        self.observe(node_id, hm.DrainRequested(drain, reason), self._loop.time())
+        return self.node_view(node_id)
+
     def node_view(self, node_id: str) -> dict:
         """JSON-able state of one node for ``/nodes`` (times: seconds; RTT/TTFT: ms)."""
         nh = self.health[node_id]
@@ -229,12 +371,17 @@ class ControlPlane:
             "locality": n.locality.model_dump(),
             "priority": n.priority,
             "capacity": n.capacity,
-            "state": nh.state.value,
+            "state": nh.effective_state.value,
+            "health_state": nh.state.value,
             "reason": nh.reason,
+            "not_routed_because": self.why_not_routed.get(node_id) or None,
             "since_s_ago": round(now - nh.since_s, 3),
             "weight": r.weight,
             "full_weight": n.capacity * 100,
             "eds_health_status": r.health_status,
+            "probation": self._probation_view(nh, now),
+            "drain": self._drain_view(nh, now),
+            "fail_static": self.fail_static.active,
             "published": cluster in self._gate_open,
             "xds_version": self.cla_version(cluster),
             "probe_stream_connected": bool(sess and sess.connected),
@@ -244,6 +391,8 @@ class ControlPlane:
             "last_rtt_ms": nh.last_rtt_ms,
             "ewma_rtt_ms": nh.ewma_rtt_ms,
             "last_ttft_ms": nh.last_ttft_ms,
+            "ewma_ttft_ms": nh.ewma_ttft_ms,
+            "stalled": nh.stalled,
             "last_probe": nh.last_probe_kind.value if nh.last_probe_kind else None,
             "consecutive_probe_failures": nh.consecutive_probe_failures,
             "engine_state": nh.engine_state,

@@ -35,7 +35,17 @@ import yaml
 
 from xds_server.envoy_bootstrap import find_envoy, render_bootstrap, write_bootstrap
 
-__all__ = ["Fleet", "LoadGenerator", "ManagedProcess", "NodeProcs", "free_port"]
+__all__ = [
+    "Fleet",
+    "LoadGenerator",
+    "ManagedProcess",
+    "NodeProcs",
+    "ScriptedAdsClient",
+    "ScriptedDeltaAdsClient",
+    "StandaloneEnvoy",
+    "free_port",
+    "restart_control_plane",
+]
 
 _LIVE: set["ManagedProcess"] = set()
 
@@ -196,8 +206,13 @@ class Fleet:
     api_type: str = "GRPC"
     envoy_binary: str | None = None
     health: dict[str, Any] = field(default_factory=dict)
+    cluster_options: dict[str, Any] = field(default_factory=dict)
     workdir: Path | None = None
     node_prefix: str = "gpu-"
+    # Extra config per node (by index: {"priority": 1, "locality": {...}}) and for the xds
+    # section; merged into :meth:`config_dict`. Empty: the spine's config.
+    node_options: list[dict[str, Any]] = field(default_factory=list)
+    xds_options: dict[str, Any] = field(default_factory=dict)
     nodes: list[NodeProcs] = field(default_factory=list)
     procs: list[ManagedProcess] = field(default_factory=list)
 
@@ -284,14 +299,20 @@ class Fleet:
         """The xds-server config this fleet runs with."""
         health = {"heartbeat_interval_ms": self.heartbeat_interval_ms}
         health.update(self.health)
+
+        def node_opts(i: int) -> dict[str, Any]:
+            return self.node_options[i] if i < len(self.node_options) else {}
+
         return {
-            "xds": {"listen": f"127.0.0.1:{self.xds_port}"},
+            "xds": {"listen": f"127.0.0.1:{self.xds_port}", **self.xds_options},
             "admin": {"listen": f"127.0.0.1:{self.admin_port}"},
             "health": health,
             "clusters": [{
+                **self.cluster_options,
                 "name": self.cluster,
                 "nodes": [{"id": n.node_id, "address": n.address,
-                           "probe_address": f"127.0.0.1:{n.agent_port}"} for n in self.nodes],
+                           "probe_address": f"127.0.0.1:{n.agent_port}", **node_opts(i)}
+                          for i, n in enumerate(self.nodes)],
             }],
         }
 
@@ -338,6 +359,19 @@ class Fleet:
                 eds = hs.get("eds_health_status", "HEALTHY")
                 status = "HEALTHY" if eds == "HEALTHY" and not flags else (eds if eds != "HEALTHY" else flags[0])
                 out[by_port.get(port, str(port))] = status
+        return out
+
+    async def envoy_weights(self, session: aiohttp.ClientSession) -> dict[str, int]:
+        """Envoy's view of endpoint weights: node id -> load_balancing_weight."""
+        by_port = {n.engine_port: n.node_id for n in self.nodes}
+        async with session.get(f"http://127.0.0.1:{self.envoy_admin_port}/clusters?format=json") as r:
+            data = await r.json(content_type=None)
+        out: dict[str, int] = {}
+        for cs in data.get("cluster_statuses", []):
+            if cs.get("name") == self.cluster:
+                for h in cs.get("host_statuses", []):
+                    port = h["address"]["socket_address"]["port_value"]
+                    out[by_port.get(port, str(port))] = int(h.get("weight", 1))
         return out
 
     async def cp_nodes(self, session: aiohttp.ClientSession) -> dict[str, dict]:
@@ -546,3 +580,196 @@ class ScriptedAdsClient:
             self.call.cancel()
             self._pump.cancel()
         await self.channel.close()
+
+
+# ---- xDS protocol test seams (delta client, Envoy alone, control-plane restart) --------------
+
+
+class ScriptedDeltaAdsClient(ScriptedAdsClient):
+    """A scripted delta (incremental) ADS client: the same seam as :class:`ScriptedAdsClient`
+    for ``DeltaAggregatedResources``.
+
+    Example::
+
+        c = ScriptedDeltaAdsClient("127.0.0.1:18000")
+        await c.open()
+        await c.send(type_url=CLUSTER_TYPE_URL, node_id="envoy-1")          # legacy wildcard
+        resp = await c.recv()                                                # DeltaDiscoveryResponse
+        await c.send(type_url=CLUSTER_TYPE_URL, nonce=resp.nonce)            # ACK
+        await c.send(type_url=CLA_TYPE_URL, subscribe=["llm"])
+        await c.expect_silence(0.3)
+        await c.close()
+    """
+
+    async def open(self) -> None:
+        """Open the DeltaAggregatedResources stream."""
+        import grpc
+
+        async def requests():
+            while True:
+                item = await self._q.get()
+                if item is None:
+                    return
+                yield item
+
+        self.call = self.stub.DeltaAggregatedResources(requests())
+        self._responses = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                while True:
+                    msg = await self.call.read()
+                    if msg is grpc.aio.EOF:
+                        await self._responses.put(EOFError("stream ended"))
+                        return
+                    await self._responses.put(msg)
+            except grpc.aio.AioRpcError as e:
+                await self._responses.put(e)
+
+        self._pump = asyncio.create_task(pump())
+
+    async def send(self, *, type_url: str, subscribe: list[str] | None = None,  # type: ignore[override]
+                   unsubscribe: list[str] | None = None, initial_versions: dict[str, str] | None = None,
+                   nonce: str = "", node_id: str | None = None, error: str | None = None) -> None:
+        """Send one DeltaDiscoveryRequest (``nonce`` set: an ACK, plus ``error``: a NACK)."""
+        from envoy.service.discovery.v3 import discovery_pb2
+        from google.rpc import status_pb2
+
+        req = discovery_pb2.DeltaDiscoveryRequest(
+            type_url=type_url, resource_names_subscribe=subscribe or [],
+            resource_names_unsubscribe=unsubscribe or [], initial_resource_versions=initial_versions or {},
+            response_nonce=nonce)
+        if node_id is not None:
+            req.node.id = node_id
+        if error is not None:
+            req.error_detail.CopyFrom(status_pb2.Status(code=13, message=error))
+        await self._q.put(req)
+
+    async def send_raw(self, req: Any) -> None:
+        """Send a prepared DeltaDiscoveryRequest as is."""
+        await self._q.put(req)
+
+
+class StandaloneEnvoy:
+    """A real Envoy whose ADS server is one the test runs itself (no fleet), on free ports.
+
+    ``xds_port``: where the test's ADS server listens; ``api_type``: "GRPC" or "DELTA_GRPC".
+    ``await start()`` waits until Envoy's admin answers (RuntimeError with its output if it
+    exits); :meth:`stop` always reaps it. Admin helpers return parsed JSON or stats as a dict.
+    """
+
+    def __init__(self, xds_port: int, *, api_type: str = "GRPC", cluster: str = "llm",
+                 node_id: str = "envoy-llm-gw-1", envoy_binary: str | None = None) -> None:
+        self.xds_port = xds_port
+        self.api_type = api_type
+        self.cluster = cluster
+        self.node_id = node_id
+        self.envoy_binary = envoy_binary
+        self.listener_port = self.admin_port = 0
+        self.proc: ManagedProcess | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of Envoy's listener."""
+        return f"http://127.0.0.1:{self.listener_port}"
+
+    @property
+    def admin_url(self) -> str:
+        """Base URL of Envoy's admin endpoint."""
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    async def start(self, timeout_s: float = 20.0) -> "StandaloneEnvoy":
+        """Start Envoy and wait for its admin endpoint. Raises EnvoyNotFound or RuntimeError."""
+        envoy_bin = find_envoy(self.envoy_binary)
+        self._tmp = tempfile.TemporaryDirectory(prefix="xds-envoy-")
+        wd = Path(self._tmp.name)
+        self.listener_port, self.admin_port = free_port(), free_port()
+        boot = write_bootstrap(wd / "envoy.yaml", render_bootstrap(
+            xds_port=self.xds_port, listener_port=self.listener_port, admin_port=self.admin_port,
+            cluster=self.cluster, node_id=self.node_id, api_type=self.api_type))
+        self.proc = ManagedProcess(
+            "envoy", [envoy_bin, "-c", str(boot), "--disable-hot-restart", "--concurrency", "1",
+                      "-l", "warning", "--log-path", str(wd / "envoy.log")],
+            wd / "envoy.out").start()
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+            while time.monotonic() < deadline:
+                if not self.proc.alive():
+                    break
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with s.get(f"{self.admin_url}/server_info") as r:
+                        if r.status == 200:
+                            return self
+                await asyncio.sleep(0.05)
+        tail = self.proc.output_tail()
+        self.stop()
+        raise RuntimeError(f"Envoy admin did not come up; output:\n{tail}")
+
+    def stop(self) -> None:
+        """Stop Envoy (always safe to call) and remove its temp dir."""
+        if self.proc is not None:
+            self.proc.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    async def admin_json(self, path: str) -> Any:
+        """GET an admin path and parse JSON (``/clusters?format=json``, ``/config_dump?include_eds``)."""
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+            async with s.get(f"{self.admin_url}{path}") as r:
+                return await r.json(content_type=None)
+
+    async def stats(self, filter_re: str = "") -> dict[str, int]:
+        """Counters and gauges from ``/stats`` (``?filter=`` regex) as name -> integer value."""
+        out: dict[str, int] = {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+            async with s.get(f"{self.admin_url}/stats", params={"filter": filter_re} if filter_re else None) as r:
+                for line in (await r.text()).splitlines():
+                    name, _, value = line.partition(": ")
+                    with contextlib.suppress(ValueError):
+                        out[name.strip()] = int(value.strip())
+        return out
+
+    async def hosts(self, cluster: str | None = None) -> dict[int, dict]:
+        """Envoy's hosts of a cluster: port -> {health (eds_health_status), weight, priority}."""
+        data = await self.admin_json("/clusters?format=json")
+        out: dict[int, dict] = {}
+        for cs in data.get("cluster_statuses", []):
+            if cs.get("name") != (cluster or self.cluster):
+                continue
+            for h in cs.get("host_statuses", []):
+                port = h["address"]["socket_address"]["port_value"]
+                out[port] = {"health": h.get("health_status", {}).get("eds_health_status", "HEALTHY"),
+                             "weight": h.get("weight", 1), "priority": h.get("priority", 0)}
+        return out
+
+    async def cluster_state(self, name: str) -> str:
+        """"active", "warming" or "absent", from ``/config_dump`` (dynamic clusters)."""
+        dump = await self.admin_json("/config_dump?resource=dynamic_active_clusters")
+        for c in dump.get("configs", []):
+            if c.get("cluster", {}).get("name") == name:
+                return "active"
+        dump = await self.admin_json("/config_dump?resource=dynamic_warming_clusters")
+        for c in dump.get("configs", []):
+            if c.get("cluster", {}).get("name") == name:
+                return "warming"
+        return "absent"
+
+
+async def restart_control_plane(fleet: Fleet, down_s: float = 0.5, timeout_s: float = 20.0) -> float:
+    """Stop the fleet's xds-server (SIGTERM), wait ``down_s``, start it again with the same config
+    and ports; blocking steps run in a thread so the caller's load keeps flowing. Returns the
+    seconds the control plane was unreachable. Raises RuntimeError if it does not come back."""
+    assert fleet.control_plane is not None and fleet.workdir is not None
+    old = fleet.control_plane
+    t0 = time.monotonic()
+    await asyncio.to_thread(old.stop)
+    await asyncio.sleep(down_s)
+    new = ManagedProcess(
+        "xds-server", fleet._py("-m", "xds_server.cli", "serve", "--config", str(fleet.workdir / "xds.yaml")),
+        fleet.workdir / "xds-server.log", ready_pattern="admin listening")
+    fleet.procs[fleet.procs.index(old)] = new
+    fleet.control_plane = new
+    await asyncio.to_thread(new.start, timeout_s)
+    return time.monotonic() - t0

@@ -15,9 +15,12 @@ from xds_server.testing import LoadGenerator
 
 pytestmark = pytest.mark.envoy
 
+# Shortened half-open durations (defaults: 60 s clean period, 1 %/s ramp) so tests see recovery.
+FAST = {"probation_clean_s": 1.5, "ramp_step_percent": 25, "ramp_step_s": 0.25}
+
 
 async def test_traffic_reaches_all_three_nodes(make_fleet, http):
-    fleet = make_fleet(n_nodes=3)
+    fleet = make_fleet(n_nodes=3, health=FAST)
     await fleet.wait_all_routed(http)
     load = LoadGenerator(fleet.url, concurrency=4)
     await load.start()
@@ -39,7 +42,7 @@ async def test_traffic_reaches_all_three_nodes(make_fleet, http):
 
 async def test_host_freeze_envoy_stops_routing_within_2s_and_no_request_fails(make_fleet, http):
     per_try_s = 1.0
-    fleet = make_fleet(n_nodes=3, per_try_timeout_s=per_try_s)
+    fleet = make_fleet(n_nodes=3, per_try_timeout_s=per_try_s, health=FAST)
     await fleet.wait_all_routed(http)
     load = LoadGenerator(fleet.url, concurrency=4)
     await load.start()
@@ -73,7 +76,7 @@ async def test_host_freeze_envoy_stops_routing_within_2s_and_no_request_fails(ma
           + json.dumps({k: dict(v.ok_by_node) for k, v in load.phases.items()}))
     assert tl.cp_ejected_s is not None and tl.envoy_excluded_s is not None
     assert tl.envoy_excluded_s < 2.0
-    assert "consecutive misses" in tl.cp_reason
+    assert tl.cp_reason.startswith("heartbeat: ")
     assert total.failed == 0, dict(total.failures)
     assert after_exclusion.ok_by_node.get("gpu-a", 0) == 0 and after_exclusion.ok > 20
     assert routed_again is not None
@@ -83,7 +86,7 @@ async def test_host_freeze_envoy_stops_routing_within_2s_and_no_request_fails(ma
 
 
 async def test_engine_hang_with_agent_alive_is_ejected_and_recovers(make_fleet, http):
-    fleet = make_fleet(n_nodes=3, probe_interval_s=0.5)
+    fleet = make_fleet(n_nodes=3, probe_interval_s=0.5, health=FAST)
     await fleet.wait_all_routed(http)
     load = LoadGenerator(fleet.url, concurrency=3)
     await load.start()
@@ -111,7 +114,8 @@ async def test_engine_hang_with_agent_alive_is_ejected_and_recovers(make_fleet, 
           f"after {tl.envoy_excluded_s} s ({tl.envoy_status}); routed again {routed_again} s after heal; "
           f"failed {dict(total.failures)}")
     assert nodes["gpu-b"]["state"] == "UNHEALTHY"
-    assert "inference timeout" in nodes["gpu-b"]["reason"]
+    # under load the agent's stall detection (tokens frozen) usually sees it before a probe does
+    assert "inference timeout" in nodes["gpu-b"]["reason"] or "STALLED" in nodes["gpu-b"]["reason"]
     assert nodes["gpu-b"]["engine_state"] in ("READY", "WARMING")  # agent alive: heartbeats flow
     assert tl.envoy_excluded_s is not None and tl.envoy_excluded_s < 5.0
     assert excluded.ok_by_node.get("gpu-b", 0) == 0

@@ -4,6 +4,7 @@ aiohttp) and node_probe.cli."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -15,11 +16,13 @@ import types
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
 from aiohttp import web
 
 from node_probe.agent import AgentConfig, EngineLifecycle, ProbeAgent, run_agent
+from node_probe.engines.base import EngineLoadReading, GroupLoad
 from node_probe.engines.openai_compat import EngineRequestError, ProbeOutcome
 from node_probe.proto import probe_pb2, probe_pb2_grpc
 
@@ -55,6 +58,9 @@ def _fixture_metrics() -> str:
 
 
 METRICS_TEXT = _fixture_metrics()
+GEN_LINE = 'vllm:generation_tokens_total{engine="0",model_name="local/tiny-llama-1"} 247.0'
+RUNNING_LINE = 'vllm:num_requests_running{engine="0",model_name="local/tiny-llama-1"} 3.0'
+assert GEN_LINE in METRICS_TEXT and RUNNING_LINE in METRICS_TEXT
 
 
 def free_port() -> int:
@@ -64,20 +70,32 @@ def free_port() -> int:
 
 
 class FakeEngine:
-    """Minimal vLLM look-alike. ``mode``: ok | fatal | frozen. ``metrics_delay_s`` stalls
-    /metrics. ``probes`` records the monotonic arrival time of each /v1/completions request."""
+    """Minimal vLLM look-alike serving the real vLLM /metrics page of fixture 13 (3 running).
+    ``mode``: ok | fatal | frozen | overloaded (429). ``metrics_delay_s`` stalls /metrics.
+    ``running`` replaces the running gauge; the generated-token counter advances by
+    ``tokens_per_scrape`` at every scrape (0: frozen, as in a hung engine). ``probes`` records
+    the monotonic arrival time of each /v1/completions request."""
 
     def __init__(self) -> None:
         self.mode = "ok"
         self.metrics_delay_s = 0.0
+        self.running = 3.0
+        self.waiting = 0.0
+        self.gen_tokens = 247.0
+        self.tokens_per_scrape = 5.0
+        self.scrapes = 0
+        self.token_text = "&"
+        self.health_calls = 0
         self.probes: list[float] = []
         self.probe_headers: list[dict[str, str]] = []
+        self.probe_bodies: list[dict[str, Any]] = []
         self.runner: web.AppRunner | None = None
         self.url = ""
 
     async def start(self, port: int = 0) -> str:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         self.runner = web.AppRunner(app, shutdown_timeout=0.1, handler_cancellation=True)
@@ -95,7 +113,18 @@ class FakeEngine:
     async def _metrics(self, request: web.Request) -> web.Response:
         if self.metrics_delay_s:
             await asyncio.sleep(self.metrics_delay_s)
-        return web.Response(text=METRICS_TEXT, content_type="text/plain")
+        self.scrapes += 1
+        self.gen_tokens += self.tokens_per_scrape
+        text = METRICS_TEXT.replace(GEN_LINE, GEN_LINE.replace("247.0", f"{self.gen_tokens}"))
+        text = text.replace(RUNNING_LINE, RUNNING_LINE.replace("3.0", f"{self.running}"))
+        text = text.replace(
+            'vllm:num_requests_waiting{engine="0",model_name="local/tiny-llama-1"} 0.0',
+            f'vllm:num_requests_waiting{{engine="0",model_name="local/tiny-llama-1"}} {self.waiting}')
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.health_calls += 1
+        return web.Response(status=200)  # always 200: the engine's own health check sees nothing
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.Response(text=MODELS_BODY, content_type="application/json")
@@ -103,16 +132,21 @@ class FakeEngine:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         self.probes.append(time.monotonic())
         self.probe_headers.append(dict(request.headers))
-        await request.read()
+        self.probe_bodies.append(await request.json())
+        if self.mode == "noheaders":  # accepts, never answers (hung, or still loading weights)
+            await asyncio.sleep(30)
         if self.mode == "fatal":
             return web.Response(status=500, text=FATAL_BODY, content_type="application/json")
+        if self.mode == "overloaded":
+            return web.json_response({"error": {"message": "Too many requests", "code": 429}},
+                                     status=429)
         resp = web.StreamResponse(status=200)
         resp.content_type = "text/event-stream"
         await resp.prepare(request)
         if self.mode == "frozen":
             await asyncio.sleep(30)
         await asyncio.sleep(0.005)
-        await resp.write(TOKEN_CHUNK.encode())
+        await resp.write(TOKEN_CHUNK.replace('"text":"&"', f'"text":{json.dumps(self.token_text)}').encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -292,7 +326,8 @@ async def test_heartbeats_fixed_rate_with_cached_telemetry(engine, make_agent, o
     assert load.requests_running == 3.0 and load.requests_waiting == 0.0
     assert load.kv_cache_usage_ratio == pytest.approx(0.00073260073260073)
     assert load.kv_cache_metric == "vllm:kv_cache_usage_perc"
-    assert load.generation_tokens_total == 247.0
+    assert load.generation_tokens_total > 247.0  # advancing: a busy engine, not stalled
+    assert not hb.telemetry.stalled and hb.telemetry.stall_detail == ""
     assert load.age_ms < 500
     assert hb.telemetry.engine_state == probe_pb2.ENGINE_STATE_READY  # first probe at start ok
     assert hb.telemetry.gpu.state == probe_pb2.NVML_STATE_OK
@@ -386,7 +421,7 @@ async def test_frozen_engine_heartbeats_unaffected_probe_times_out(engine, make_
     engine.metrics_delay_s = 2.0  # a scrape that hangs must not delay heartbeats
     agent, port = await make_agent(engine.url, probe_timeout_ms=300, probe_interval_s=0.5,
                                    probe_jitter_ratio=0.0, metrics_timeout_ms=1500,
-                                   model="local/tiny-llama-1")
+                                   model="local/tiny-llama-1", engine_kind="vllm")
     call = await open_watch(port)
     got = await collect_for(call, 1.2)
     times = [t for t, m in got if kind(m) == "heartbeat"]
@@ -509,6 +544,255 @@ async def test_run_agent_until_stop_event(engine, open_watch):
 
 
 # ---------------------------------------------------------------------------------------------
+# Field cases, stall detection, cadence, lifecycle, deep check, GPU
+
+
+def results_of(got) -> list:
+    return [m.inference_result for _, m in got if is_result(m)]
+
+
+def beats_of(got) -> list:
+    return [m.heartbeat for _, m in got if kind(m) == "heartbeat"]
+
+
+async def test_fc06_hung_inference_health_200_timeouts_and_stall(engine, make_agent, open_watch):
+    """fc06: /health 200 at once; completions accepted but never answered; /metrics shows 1
+    running, 3 waiting and frozen generation tokens. Probes time out (the control plane counts
+    2 -> UNHEALTHY with an inference-timeout reason); telemetry says stalled; /health's 200 is
+    never consulted and changes nothing."""
+    engine.mode, engine.running, engine.waiting, engine.tokens_per_scrape = "noheaders", 1.0, 3.0, 0.0
+    agent, port = await make_agent(engine.url, probe_interval_s=0.3, probe_jitter_ratio=0.0,
+                                   probe_timeout_ms=200, engine_kind="vllm", model="m")
+    call = await open_watch(port)
+    got = await collect_for(call, 1.6)
+    results = results_of(got)
+    assert len(results) >= 2
+    for r in results[:2]:
+        assert not r.ok and r.failure == probe_pb2.FAILURE_KIND_TIMEOUT and r.http_status == 0
+        assert r.headers_ms == 0.0 and "no response headers within 200 ms" in r.detail
+    stalled = [hb for hb in beats_of(got) if hb.telemetry.stalled]
+    assert stalled, "stall not reported"
+    detail = stalled[-1].telemetry.stall_detail
+    assert detail.startswith("engine 0: 1 running, 3 waiting") and "frozen at" in detail
+    assert any(r.trigger == "stall" for r in results)  # the stall itself started a probe
+    assert agent.engine_state != probe_pb2.ENGINE_STATE_READY
+    assert engine.health_calls == 0
+
+
+async def test_fc07_busy_engine_429_never_stalled_stays_ready(engine, make_agent, open_watch):
+    """fc07: a saturated engine answers probes 429 while its token counter rises with 256
+    running and 1024 waiting: never stalled, lifecycle stays READY, probe cadence is the slow
+    one (stall detection vouches for progress)."""
+    agent, port = await make_agent(engine.url, probe_interval_s=1.0, probe_idle_interval_s=0.1,
+                                   probe_jitter_ratio=0.0, engine_kind="vllm")
+    call = await open_watch(port)
+    await read_until(call, lambda m: kind(m) == "heartbeat"
+                     and m.heartbeat.telemetry.engine_state == probe_pb2.ENGINE_STATE_READY)
+    engine.mode, engine.running, engine.waiting, engine.tokens_per_scrape = "overloaded", 256.0, 1024.0, 300.0
+    await asyncio.sleep(0.1)
+    before = agent.probe_count
+    got = await collect_for(call, 2.5)
+    beats = beats_of(got)
+    assert beats and not any(hb.telemetry.stalled for hb in beats)
+    assert all(hb.telemetry.engine_state == probe_pb2.ENGINE_STATE_READY for hb in beats)
+    assert beats[-1].telemetry.engine_load.requests_waiting == 1024
+    results = results_of(got)
+    assert results and all(r.failure == probe_pb2.FAILURE_KIND_HTTP_STATUS and r.http_status == 429
+                           for r in results if r.seq > before + 1)
+    assert "load, not death" in results[-1].detail
+    assert agent.probe_count - before <= 4  # busy cadence 1 s, not the 0.1 s idle one
+
+
+async def test_fc08_never_ready_before_first_good_probe_restart_rewarms(make_agent, open_watch):
+    """fc08: engine answers /health and /metrics but completions block (weights loading): the
+    agent reports WARMING, never READY, until the first good micro-probe. A restart (port
+    refused, then back, loading again) goes FAILED -> WARMING -> READY again."""
+    eng = FakeEngine()
+    await eng.start()
+    port_engine = int(eng.url.rsplit(":", 1)[1])
+    eng.mode = "noheaders"
+    agent, port = await make_agent(eng.url, probe_interval_s=0.25, probe_jitter_ratio=0.0,
+                                   probe_timeout_ms=150, engine_kind="vllm")
+    call = await open_watch(port)
+    try:
+        got = await collect_for(call, 0.9)
+        states = {hb.telemetry.engine_state for hb in beats_of(got)}
+        assert probe_pb2.ENGINE_STATE_READY not in states
+        assert beats_of(got)[-1].telemetry.engine_state == probe_pb2.ENGINE_STATE_WARMING
+        assert all(r.failure == probe_pb2.FAILURE_KIND_TIMEOUT for r in results_of(got))
+        eng.mode = "ok"
+        seen, _ = await read_until(call, lambda m: kind(m) == "heartbeat"
+                                   and m.heartbeat.telemetry.engine_state == probe_pb2.ENGINE_STATE_READY)
+        first_ok = next(i for i, (_, m) in enumerate(seen) if is_result(m) and m.inference_result.ok)
+        ready_at = len(seen) - 1
+        assert first_ok < ready_at  # READY only after the good probe
+        # restart
+        await eng.stop()
+        t0 = time.monotonic()
+        await read_until(call, lambda m: kind(m) == "heartbeat"
+                         and m.heartbeat.telemetry.engine_state == probe_pb2.ENGINE_STATE_FAILED)
+        assert time.monotonic() - t0 < 0.5
+        eng = FakeEngine()
+        eng.mode = "noheaders"
+        await eng.start(port_engine)
+        await read_until(call, lambda m: kind(m) == "heartbeat"
+                         and m.heartbeat.telemetry.engine_state == probe_pb2.ENGINE_STATE_WARMING)
+        got = await collect_for(call, 0.5)
+        assert probe_pb2.ENGINE_STATE_READY not in {hb.telemetry.engine_state for hb in beats_of(got)}
+        eng.mode = "ok"
+        await read_until(call, lambda m: kind(m) == "heartbeat"
+                         and m.heartbeat.telemetry.engine_state == probe_pb2.ENGINE_STATE_READY)
+    finally:
+        await eng.stop()
+
+
+async def test_refused_metrics_marks_failed_at_once_without_a_probe(engine, make_agent, open_watch):
+    agent, port = await make_agent(engine.url, probe_interval_s=30.0)  # busy cadence: 30 s
+    call = await open_watch(port)
+    await read_until(call, lambda m: kind(m) == "heartbeat"
+                     and m.heartbeat.telemetry.engine_state == probe_pb2.ENGINE_STATE_READY)
+    await asyncio.sleep(0.6)  # past the first idle-cadence probes; the engine is busy now
+    await engine.stop()
+    t0 = time.monotonic()
+    await read_until(call, lambda m: kind(m) == "heartbeat"
+                     and m.heartbeat.telemetry.engine_state == probe_pb2.ENGINE_STATE_FAILED)
+    assert time.monotonic() - t0 < 0.3  # one 50 ms scrape, not the next probe
+    assert agent._lifecycle.reason.startswith("metrics:"), agent._lifecycle.reason
+
+
+async def test_stall_on_simulated_engine_hang_under_load(make_agent, open_watch):
+    """The simulated engine hung under load shows running > 0 with a frozen token counter
+    (its /health and /metrics stay 200): the agent reports stalled about one window after
+    the hang and probes at once; a busy engine before that was never stalled."""
+    from node_probe.sim import SIM_ENGINE_KEY, SimConfig, build_app
+
+    app = build_app(SimConfig(port=0, token_interval_ms=5))
+    runner = web.AppRunner(app, shutdown_timeout=0.2, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, sport = runner.addresses[0][:2]
+    url = f"http://{host}:{sport}"
+    sim = app[SIM_ENGINE_KEY]
+    http = aiohttp.ClientSession()
+
+    async def user(i: int) -> None:
+        body = {"model": "sim-model", "prompt": f"user {i}", "max_tokens": 4000, "stream": True}
+        async with http.post(url + "/v1/completions", json=body) as r:
+            async for _ in r.content:
+                pass
+
+    users = [asyncio.create_task(user(i)) for i in range(3)]
+    try:
+        agent, port = await make_agent(url, probe_timeout_ms=300, min_probe_now_interval_ms=200)
+        call = await open_watch(port)
+        await read_until(call, lambda m: kind(m) == "heartbeat"
+                         and m.heartbeat.telemetry.engine_load.requests_running >= 3)
+        got = await collect_for(call, 1.3)
+        assert not any(hb.telemetry.stalled for hb in beats_of(got))  # busy, progressing
+        sim.set_fault("hang")
+        t0 = time.monotonic()
+        seen, msg = await read_until(call, lambda m: kind(m) == "heartbeat" and m.heartbeat.telemetry.stalled)
+        elapsed = time.monotonic() - t0
+        assert 0.95 <= elapsed <= 1.5, elapsed
+        assert msg.heartbeat.telemetry.engine_load.requests_running >= 3
+        assert "vllm:generation_tokens_total" in msg.heartbeat.telemetry.stall_detail
+        _, res = await read_until(call, lambda m: is_result(m) and m.inference_result.trigger == "stall")
+        assert res.inference_result.failure == probe_pb2.FAILURE_KIND_TIMEOUT
+        assert res.inference_result.http_status == 200 and res.inference_result.headers_ms > 0
+        sim.set_fault("none")
+        await read_until(call, lambda m: kind(m) == "heartbeat" and not m.heartbeat.telemetry.stalled)
+    finally:
+        for t in users:
+            t.cancel()
+        await asyncio.gather(*users, return_exceptions=True)
+        await http.close()
+        await runner.cleanup()
+
+
+async def test_deep_check_checks_the_answer(engine, make_agent, open_watch):
+    engine.token_text = " 2"
+    agent, port = await make_agent(engine.url, deep_check_interval_s=0.3, probe_interval_s=0.15,
+                                   probe_jitter_ratio=0.0, engine_kind="vllm")
+    call = await open_watch(port)
+    _, msg = await read_until(call, lambda m: is_result(m) and m.inference_result.trigger == "deep")
+    r = msg.inference_result
+    assert r.ok and r.timeout_ms == 3000
+    deep_bodies = [b for b in engine.probe_bodies if b["prompt"] == "1+1="]
+    assert deep_bodies and deep_bodies[0]["max_tokens"] == 4 and deep_bodies[0]["cache_salt"]
+    engine.token_text = " 3"  # silently corrupt weights: fluent, wrong
+    _, msg = await read_until(call, lambda m: is_result(m) and m.inference_result.trigger == "deep")
+    r = msg.inference_result
+    assert not r.ok and r.failure == probe_pb2.FAILURE_KIND_BAD_OUTPUT
+    assert "deep check" in r.detail and "expected '2'" in r.detail and r.ttft_ms > 0
+    assert agent.engine_state == probe_pb2.ENGINE_STATE_READY  # alive, just wrong
+    scheduled = [m.inference_result for _, m in await collect_for(call, 0.4) if is_result(m)]
+    assert any(x.trigger == "scheduled" and x.ok for x in scheduled)
+
+
+class XidGpu(FakeGpuCollector):
+    def __init__(self) -> None:
+        super().__init__()
+        self.xids: list[int] = []
+        self.lost = False
+
+    def collect(self) -> probe_pb2.GpuTelemetry:
+        t = super().collect()
+        t.gpus[0].xid_events.extend(self.xids)
+        if self.lost:
+            t.gpus[0].errors.append("memory: GpuIsLost")
+            t.state = probe_pb2.NVML_STATE_ERROR
+        return t
+
+
+@pytest.mark.parametrize("fault", ["xid79", "lost"])
+async def test_gpu_fatal_marks_failed_at_once_then_rewarms(engine, make_agent, open_watch, fault):
+    gpu = XidGpu()
+    agent, port = await make_agent(engine.url, gpu=gpu, gpu_interval_s=0.05,
+                                   probe_interval_s=0.2, probe_jitter_ratio=0.0)
+    call = await open_watch(port)
+    await read_until(call, lambda m: kind(m) == "heartbeat"
+                     and m.heartbeat.telemetry.engine_state == probe_pb2.ENGINE_STATE_READY)
+    if fault == "xid79":
+        gpu.xids = [13, 79]
+    else:
+        gpu.lost = True
+    t0 = time.monotonic()
+    _, msg = await read_until(call, lambda m: kind(m) == "heartbeat"
+                              and m.heartbeat.telemetry.engine_state == probe_pb2.ENGINE_STATE_FAILED)
+    assert time.monotonic() - t0 < 0.3
+    reason = agent._lifecycle.reason
+    assert ("fatal Xid 79" in reason) if fault == "xid79" else ("GpuIsLost" in reason)
+    got = await collect_for(call, 0.5)  # probes still succeed: the GPU verdict holds
+    assert all(hb.telemetry.engine_state == probe_pb2.ENGINE_STATE_FAILED for hb in beats_of(got))
+    gpu.xids, gpu.lost = [13], False  # Xid 13 (graphics exception) is not fatal
+    await read_until(call, lambda m: kind(m) == "heartbeat"
+                     and m.heartbeat.telemetry.engine_state == probe_pb2.ENGINE_STATE_READY)
+
+
+async def test_two_control_planes_probe_now_coalesced_same_results(engine, make_agent, open_watch):
+    agent, port = await make_agent(engine.url, min_probe_now_interval_ms=300)
+    a = await open_watch(port)
+    b = await open_watch(port)
+    await read_until(a, lambda m: kind(m) == "heartbeat")
+    await read_until(b, lambda m: kind(m) == "heartbeat")
+    await asyncio.sleep(0.3)  # past the probe at start (the engine is busy: next one in 30 s)
+    start = agent.probe_count
+    n_engine = len(engine.probes)
+    await asyncio.gather(
+        a.write(probe_pb2.ControlMessage(probe_now=probe_pb2.ProbeNow(reason="cp-a"))),
+        b.write(probe_pb2.ControlMessage(probe_now=probe_pb2.ProbeNow(reason="cp-b"))),
+    )
+    _, ra = await read_until(a, lambda m: is_result(m) and m.inference_result.seq > start)
+    _, rb = await read_until(b, lambda m: is_result(m) and m.inference_result.seq > start)
+    assert ra.inference_result == rb.inference_result
+    assert ra.inference_result.trigger == "probe_now" and ra.inference_result.headers_ms > 0
+    got = await collect_for(a, 0.5)
+    assert len(engine.probes) - n_engine <= 2  # both asks -> one probe (+ at most one coalesced)
+    assert agent.probe_count - start == len(engine.probes) - n_engine
+    assert all(r.seq <= agent.probe_count for r in results_of(got))
+
+
+# ---------------------------------------------------------------------------------------------
 # Pure pieces
 
 
@@ -519,17 +803,48 @@ def test_config_validation():
         AgentConfig(engine_url="http://x", probe_jitter_ratio=1.0)
     with pytest.raises(ValueError):
         AgentConfig(engine_url="http://x", heartbeat_interval_ms=0)
+    with pytest.raises(ValueError):
+        AgentConfig(engine_url="http://x", engine_kind="llamacpp")
+    with pytest.raises(ValueError):
+        AgentConfig(engine_url="http://x", stall_window_ms=0)
+    with pytest.raises(ValueError):
+        AgentConfig(engine_url="http://x", metrics_url="x:8002/metrics")
     cfg = AgentConfig(engine_url="http://x")
-    assert (cfg.listen, cfg.heartbeat_interval_ms, cfg.metrics_interval_ms) == ("127.0.0.1:50051", 100, 250)
+    assert (cfg.listen, cfg.heartbeat_interval_ms, cfg.metrics_interval_ms) == ("127.0.0.1:50051", 100, None)
+    assert cfg.effective_metrics_interval_ms == 100  # /metrics sampled every heartbeat
     assert (cfg.probe_interval_s, cfg.probe_jitter_ratio, cfg.probe_timeout_ms) == (4.0, 0.25, 800)
+    assert (cfg.probe_idle_interval_s, cfg.effective_idle_interval_s) == (0.5, 0.5)
+    assert (cfg.engine_kind, cfg.stall_window_ms, cfg.deep_check_interval_s) == ("auto", 1000, None)
     assert (cfg.model, cfg.gpu_interval_s, cfg.min_probe_now_interval_ms) == (None, 1.0, 1000)
+    assert cfg.fatal_xids == {48, 63, 64, 74, 79, 94, 95}
     assert cfg.node_id
+    # the idle cadence is never slower than the busy one
+    assert AgentConfig(engine_url="http://x", probe_interval_s=0.25).effective_idle_interval_s == 0.25
 
 
-def test_probe_interval_jitter_bounds():
+def _reading(running: float, waiting: float = 0.0, progress: float | None = 10.0) -> EngineLoadReading:
+    return EngineLoadReading(requests_running=running, requests_waiting=waiting,
+                             groups={"0": GroupLoad(running, waiting, progress)},
+                             progress_metric="vllm:generation_tokens_total")
+
+
+def test_probe_interval_follows_load_with_jitter():
     agent = ProbeAgent(AgentConfig(engine_url="http://x", probe_interval_s=4.0, probe_jitter_ratio=0.25))
+    # unknown load (no scrape yet) -> idle cadence: 0.5 s +- 25 %
+    values = [agent._next_probe_interval() for _ in range(2000)]
+    assert 0.375 <= min(values) < 0.39 and 0.61 < max(values) <= 0.625
+    agent._on_reading(_reading(running=0), "", 1.0)
+    assert 0.375 <= agent._next_probe_interval() <= 0.625
+    # busy and progress observable -> slow cadence 3-5 s
+    agent._on_reading(_reading(running=4, waiting=2), "", 1.1)
     values = [agent._next_probe_interval() for _ in range(2000)]
     assert 3.0 <= min(values) < 3.1 and 4.9 < max(values) <= 5.0
+    # busy but no progress counter (e.g. SGLang): stall detection cannot cover it -> idle cadence
+    agent._on_reading(_reading(running=4, progress=None), "", 1.2)
+    assert agent._next_probe_interval() <= 0.625
+    # scrape failing: load unknown -> idle cadence
+    agent._on_reading(None, "refused", 1.3)
+    assert agent._next_probe_interval() <= 0.625
 
 
 def _outcome(ok=False, failure=0, status=0) -> ProbeOutcome:
@@ -587,6 +902,10 @@ def test_cli_help_exit_0():
         ("--engine-url", "http://127.0.0.1:8000", "--heartbeat-interval-ms", "fast"),
         ("--engine-url", "http://127.0.0.1:8000", "--listen", "nope"),
         ("agent", "--engine-url", "127.0.0.1:8000"),
+        ("--engine-url", "http://127.0.0.1:8000", "--engine-kind", "llamacpp"),
+        ("--engine-url", "http://127.0.0.1:8000", "--fatal-xids", "79,x"),
+        ("--engine-url", "http://127.0.0.1:8000", "--stall-window-ms", "0"),
+        ("--engine-url", "http://127.0.0.1:8000", "--metrics-url", "h:8002/metrics"),
     ],
 )
 def test_cli_bad_args_exit_2(args):
@@ -595,6 +914,23 @@ def test_cli_bad_args_exit_2(args):
     with pytest.raises(SystemExit) as ei:
         cli.main(list(args))
     assert ei.value.code == 2
+
+
+def test_cli_new_flags_and_harness_flags_parse():
+    from node_probe import cli
+
+    args = cli.build_parser().parse_args([
+        "--engine-url", "http://h:8000", "--listen", "127.0.0.1:0", "--node-id", "n",
+        "--heartbeat-interval-ms", "100", "--probe-interval-s", "1.0", "--probe-timeout-ms", "800",
+        "--engine-kind", "triton", "--metrics-url", "http://h:8002/metrics",
+        "--stall-window-ms", "1500", "--fatal-xids", "79,48", "--deep-check-interval-s", "30",
+        "--deep-check-prompt", "2+2=", "--deep-check-expect", "4"])
+    assert (args.engine_kind, args.metrics_url, args.stall_window_ms) == ("triton", "http://h:8002/metrics", 1500)
+    assert args.fatal_xids == frozenset({79, 48}) and args.deep_check_interval_s == 30.0
+    assert (args.deep_check_prompt, args.deep_check_expect) == ("2+2=", "4")
+    d = cli.build_parser().parse_args(["--engine-url", "http://h:8000"])
+    assert (d.engine_kind, d.metrics_interval_ms, d.probe_idle_interval_s, d.probe_interval_s) == ("auto", None, 0.5, 4.0)
+    assert (d.stall_window_ms, d.deep_check_interval_s, d.fatal_xids) == (1000, 0.0, None)
 
 
 def test_cli_bad_args_exit_2_subprocess():

@@ -1,11 +1,11 @@
-"""The first health model: seed scenarios as tables, plus hypothesis properties."""
+"""The per-node health state machine: seed scenarios as tables (DESIGN.md section 4)."""
 from __future__ import annotations
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+import pytest
 
 from xds_server.config import HealthConfig
 from xds_server.health.model import (
+    DrainRequested,
     EngineFatalKind as K,
     HeartbeatObserved,
     NodeState as S,
@@ -13,43 +13,46 @@ from xds_server.health.model import (
     ProbeObserved,
     StreamClosed,
     Tick,
-    initial,
     misses_at,
+    node_routing,
     route,
-    step,
 )
+from xds_server.health.sim import NodeSim
 
 CFG = HealthConfig()
+COUNT = HealthConfig(failure_detector="count")
+FAST_RAMP = HealthConfig(ramp_step_percent=50, ramp_step_s=1.0)  # PROBATION 1 % -> 51 % -> 100 %
 
 
-def run(events, cfg=CFG, node="n1"):
-    """Apply (t_s, observation) pairs; return final health and all transition events."""
-    nh = initial(node, 0.0)
-    out = []
-    for t, obs in events:
-        nh, evs = step(nh, obs, t, cfg)
-        out.extend(evs)
-    return nh, out
+def healthy_sim(cfg=FAST_RAMP, until=4.0, **kw) -> NodeSim:
+    sim = NodeSim(cfg=cfg, **kw)
+    sim.run_until(until)
+    assert sim.nh.state is S.HEALTHY, sim.events
+    return sim
 
 
-def healthy_at(t0=0.0):
-    """Heartbeats every 100 ms for 0.5 s plus one good probe -> HEALTHY."""
-    evs = [(t0 + i * 0.1, HeartbeatObserved()) for i in range(5)]
-    evs.append((t0 + 0.45, ProbeObserved(K.OK, ttft_ms=20)))
-    return evs
+def test_cold_warming_probation_healthy_with_startup_grace():
+    sim = NodeSim(cfg=FAST_RAMP, probe=lambda t: ProbeObserved(K.TIMEOUT) if t < 2 else ProbeObserved(K.OK, ttft_ms=30))
+    sim.run_until(0.05)
+    assert sim.nh.state is S.WARMING and route(sim.nh, 1, FAST_RAMP).health_status == "UNHEALTHY"
+    sim.run_until(1.9)
+    assert sim.nh.state is S.WARMING and sim.nh.consecutive_probe_failures == 0  # failures not counted
+    sim.run_until(6.0)
+    assert [e.to_state for e in sim.events] == [S.WARMING, S.PROBATION, S.HEALTHY]
+    assert sim.events[1].reason.startswith("first good probe")
 
 
-def test_cold_until_heartbeat_and_good_probe():
-    nh, evs = run([(0.0, ProbeObserved(K.OK, ttft_ms=20))])
-    assert nh.state is S.COLD  # no heartbeat yet
-    nh, evs = run(healthy_at())
-    assert nh.state is S.HEALTHY and [(e.from_state, e.to_state) for e in evs] == [(S.COLD, S.HEALTHY)]
-
-
-def test_cold_failures_are_not_counted():
-    nh, _ = run([(0.0, HeartbeatObserved()), (0.1, ProbeObserved(K.TIMEOUT)),
-                 (0.2, ProbeObserved(K.TIMEOUT)), (0.3, ProbeObserved(K.ENGINE_FATAL))])
-    assert nh.state is S.COLD and nh.consecutive_probe_failures == 0
+def test_fc08_warming_engine_never_published_routable_before_first_good_probe_then_ramps_from_1pct():
+    # /health would say 200 from t=10 s, but completions block until t=270 s: every probe times out.
+    sim = NodeSim(cfg=CFG, heartbeat=lambda t: HeartbeatObserved(engine_state="WARMING" if t < 270 else "READY"),
+                  probe=lambda t: ProbeObserved(K.TIMEOUT) if t < 270 else ProbeObserved(K.OK, ttft_ms=40))
+    for t in range(1, 270, 10):
+        sim.run_until(float(t))
+        r = route(sim.nh, 1, CFG)
+        assert r.health_status == "UNHEALTHY" and sim.nh.state in (S.COLD, S.WARMING)
+    sim.run_until(271.0)
+    assert sim.nh.state is S.PROBATION
+    assert route(sim.nh, 1, CFG) == route(sim.nh, 1, CFG) and route(sim.nh, 1, CFG).weight == 1
 
 
 def test_misses_counted_at_interval_plus_grace():
@@ -57,159 +60,222 @@ def test_misses_counted_at_interval_plus_grace():
     assert [misses_at(0.0, t, CFG) for t in (0.179, 0.180, 0.279, 0.280, 0.380)] == [0, 1, 1, 2, 3]
 
 
-def test_three_missed_heartbeats_eject_within_300ms_of_fault():
-    base = healthy_at()
-    last_hb = 0.4
-    ticks = [(last_hb + 0.18 + 0.1 * i, Tick()) for i in range(3)]
-    nh, evs = run(base + ticks)
-    assert nh.state is S.UNHEALTHY
-    ej = evs[-1]
-    assert ej.to_state is S.UNHEALTHY and "3 consecutive misses" in ej.reason
-    # fault right after the last heartbeat: ejected 380 ms after the last heartbeat,
-    # i.e. within 300 ms of the first heartbeat that failed to arrive (at +100 ms)
-    assert abs(ej.at_s - last_hb - 0.38) < 1e-9
-    assert route(nh, 1, CFG).health_status == "UNHEALTHY"
+@pytest.mark.parametrize("freeze_phase_ms", [1, 30, 60, 99])
+def test_count_rule_three_80ms_misses_eject_within_300ms_of_the_fault(freeze_phase_ms):
+    sim = healthy_sim(cfg=HealthConfig(failure_detector="count", ramp_step_percent=50))
+    t_fault = 4.0 + freeze_phase_ms / 1000.0  # last heartbeat at 4.0
+    sim.heartbeat = lambda t: None if t >= t_fault else HeartbeatObserved()
+    sim.run_until(5.0)
+    ej = [e for e in sim.events if e.to_state is S.UNHEALTHY][0]
+    assert "3 consecutive misses" in ej.reason
+    # the third miss is counted 380 ms after the last heartbeat: <= 300 ms after the first
+    # heartbeat that failed to arrive (at +100 ms)
+    assert abs(ej.at_s - 4.38) < 1e-6
+    assert ej.at_s - (4.0 + 0.1) <= 0.3 + 1e-9
 
 
-def test_two_misses_do_not_eject():
-    nh, _ = run(healthy_at() + [(0.58, Tick()), (0.68, Tick())])
-    assert nh.state is S.HEALTHY and nh.consecutive_misses == 2
+@pytest.mark.parametrize("freeze_phase_ms", [1, 50, 99])
+def test_phi_suspicion_ejects_a_frozen_node_faster_than_the_count_rule(freeze_phase_ms):
+    sim = healthy_sim(cfg=FAST_RAMP)
+    t_fault = 4.0 + freeze_phase_ms / 1000.0
+    sim.heartbeat = lambda t: None if t >= t_fault else HeartbeatObserved()
+    sim.run_until(5.0)
+    ej = [e for e in sim.events if e.to_state is S.UNHEALTHY][0]
+    assert "phi" in ej.reason and ej.at_s - t_fault < 0.24
+    assert sim.nh.ejected_by == "heartbeat"  # then proven by the count rule at +380 ms
+
+
+def test_phi_suspicion_disproved_by_a_late_heartbeat_returns_without_probation():
+    sim = healthy_sim(cfg=FAST_RAMP)
+    sim.heartbeat = lambda t: None if 4.05 <= t < 4.3 else HeartbeatObserved()  # one 300 ms gap
+    sim.run_until(5.0)
+    kinds = [(e.from_state, e.to_state) for e in sim.events[-2:]]
+    assert kinds == [(S.HEALTHY, S.UNHEALTHY), (S.UNHEALTHY, S.HEALTHY)]
+    assert "disproved" in sim.events[-1].reason and sim.nh.state is S.HEALTHY
 
 
 def test_stream_closed_counts_as_a_miss_at_once():
-    nh, _ = run(healthy_at() + [(0.41, StreamClosed("UNAVAILABLE"))])
-    assert nh.consecutive_misses == 1 and nh.state is S.HEALTHY
-    # closed (1) + misses at +180 ms (2) and +280 ms (3): ejected 100 ms earlier than silence alone
-    nh, evs = run(healthy_at() + [(0.41, StreamClosed("x")), (0.58, Tick()), (0.68, Tick())])
-    assert nh.state is S.UNHEALTHY and "3 consecutive misses" in evs[-1].reason
+    sim = healthy_sim(cfg=HealthConfig(failure_detector="count", ramp_step_percent=50))
+    sim.heartbeat = lambda t: None
+    last = sim.nh.last_heartbeat_s
+    sim.apply(StreamClosed("UNAVAILABLE"), last + 0.01)
+    assert sim.nh.consecutive_misses == 1
+    sim.run_until(5.0)
+    ej = [e for e in sim.events if e.to_state is S.UNHEALTHY][0]
+    assert abs(ej.at_s - (last + 0.28)) < 1e-6  # closed (1) + misses at +180 and +280 ms
 
 
-def test_heartbeat_recovery_needs_good_probes():
-    evs = healthy_at() + [(0.58, Tick()), (0.68, Tick()), (0.78, Tick())]
-    evs += [(1.0 + 0.1 * i, HeartbeatObserved()) for i in range(3)]
-    nh, _ = run(evs)
-    assert nh.state is S.UNHEALTHY and "waiting for good probes" in nh.reason
-    evs += [(1.3 + i, ProbeObserved(K.OK, ttft_ms=30)) for i in range(2)]
-    assert run(evs)[0].state is S.UNHEALTHY
-    evs += [(1.3 + 2, HeartbeatObserved()), (3.35, ProbeObserved(K.OK, ttft_ms=30))]
-    nh, trans = run(evs)
-    assert nh.state is S.HEALTHY and "3 consecutive good probes" in trans[-1].reason
+def test_ttft_tiers_and_degraded_recovery():
+    sim = healthy_sim()
+    sim.apply(ProbeObserved(K.OK, ttft_ms=450), 4.5)
+    assert sim.nh.state is S.DEGRADED
+    assert route(sim.nh, 1, CFG).weight == 30 and route(sim.nh, 1, CFG).health_status == "HEALTHY"
+    for i, t in enumerate((5.5, 6.5)):
+        sim.apply(ProbeObserved(K.OK, ttft_ms=50), t)
+        assert sim.nh.state is S.DEGRADED
+    sim.apply(ProbeObserved(K.OK, ttft_ms=50), 7.5)
+    assert sim.nh.state is S.HEALTHY and "3 consecutive good probes" in sim.events[-1].reason
 
 
-def test_fc06_hung_inference_two_probe_timeouts_eject_and_health_200_does_not_reset():
-    evs = healthy_at()
-    evs += [(1.0, ProbeObserved(K.TIMEOUT)), (1.05, HeartbeatObserved()), (2.0, ProbeObserved(K.TIMEOUT))]
-    nh, trans = run(evs)
-    assert [t.to_state for t in trans] == [S.HEALTHY, S.DEGRADED, S.UNHEALTHY]
-    assert "inference timeout" in trans[-1].reason and "2 consecutive failures" in trans[-1].reason
-    # Heartbeats (and the engine's /health) keep arriving: they do not heal it.
-    nh, _ = run(evs + [(2.1 + 0.1 * i, HeartbeatObserved()) for i in range(20)])
-    assert nh.state is S.UNHEALTHY
+def test_probe_over_800ms_counts_as_timeout_and_two_eject():
+    sim = healthy_sim()
+    sim.apply(ProbeObserved(K.OK, ttft_ms=900), 4.5)
+    assert sim.nh.state is S.DEGRADED
+    sim.apply(ProbeObserved(K.TIMEOUT), 5.5)
+    assert sim.nh.state is S.UNHEALTHY and "2 consecutive failures" in sim.nh.reason
 
 
-def test_one_engine_fatal_ejects_at_once():
-    nh, trans = run(healthy_at() + [(1.0, ProbeObserved(K.ENGINE_FATAL, detail="CUDA error: illegal memory access"))])
-    assert nh.state is S.UNHEALTHY and "engine fatal error" in trans[-1].reason and "CUDA" in trans[-1].reason
+def test_fc06_hung_inference_two_probe_timeouts_eject_and_health_200_never_resets_the_count():
+    hung = HeartbeatObserved(requests_running=1, requests_waiting=3, stalled=True, stall_detail="tokens frozen 1.2 s")
+    sim = healthy_sim(cfg=HealthConfig(ramp_step_percent=50, stall_confirm_ms=10_000))
+    sim.heartbeat = lambda t: hung
+    sim.probe = lambda t: ProbeObserved(K.TIMEOUT)
+    sim.run_until(6.0)
+    assert sim.nh.state is S.UNHEALTHY
+    assert "inference timeout" in sim.nh.reason or "STALLED" in sim.nh.reason
+    sim.run_until(30.0)  # heartbeats (the engine's /health) keep coming: they do not heal it
+    assert sim.nh.state is S.UNHEALTHY
 
 
-def test_ttft_tiers():
-    slow, _ = run(healthy_at() + [(1.0, ProbeObserved(K.OK, ttft_ms=450))])
-    assert slow.state is S.DEGRADED
-    assert route(slow, 1, CFG).weight == 30 and route(slow, 1, CFG).health_status == "HEALTHY"
-    over, _ = run(healthy_at() + [(1.0, ProbeObserved(K.OK, ttft_ms=900)), (2.0, ProbeObserved(K.OK, ttft_ms=950))])
-    assert over.state is S.UNHEALTHY  # > 800 ms counts as a timeout
-    fast, _ = run(healthy_at() + [(1.0, ProbeObserved(K.OK, ttft_ms=199))])
-    assert fast.state is S.HEALTHY and route(fast, 2, CFG) == route(fast, 2, CFG) and route(fast, 2, CFG).weight == 200
+def test_stall_counts_as_timeout_and_a_persisting_stall_ejects_after_stall_confirm_ms():
+    sim = healthy_sim()
+    t0 = 4.02
+    sim.heartbeat = lambda t: HeartbeatObserved(requests_running=4, stalled=t >= t0, stall_detail="frozen")
+    sim.probe = lambda t: None
+    sim.run_until(5.0)
+    trans = [(round(e.at_s, 2), e.to_state) for e in sim.events if e.at_s >= 4.0]
+    assert trans[0][1] is S.DEGRADED and "STALLED" in sim.events[-2].reason
+    assert trans[1][1] is S.UNHEALTHY and abs(trans[1][0] - (t0 + 0.08 + 0.3)) < 0.11
 
 
-def test_degraded_back_to_healthy_after_three_good_probes():
-    evs = healthy_at() + [(1.0, ProbeObserved(K.OK, ttft_ms=500))]
-    evs += [(1.0 + 0.1 * i, HeartbeatObserved()) for i in range(1, 40)]
-    evs += [(1.5, ProbeObserved(K.OK, ttft_ms=50)), (2.5, ProbeObserved(K.OK, ttft_ms=50))]
-    assert run(sorted(evs, key=lambda e: e[0]))[0].state is S.DEGRADED
-    evs += [(3.5, ProbeObserved(K.OK, ttft_ms=50))]
-    assert run(sorted(evs, key=lambda e: e[0]))[0].state is S.HEALTHY
+def test_fc07_busy_engine_with_advancing_tokens_is_saturated_not_ejected():
+    busy = HeartbeatObserved(requests_running=256, requests_waiting=1024, stalled=False)
+    sim = healthy_sim()
+    sim.heartbeat = lambda t: busy
+    sim.probe = lambda t: ProbeObserved(K.OK, ttft_ms=900) if int(t) % 2 else ProbeObserved(K.HTTP_STATUS, http_status=429)
+    sim.run_until(70.0)
+    assert sim.nh.state is S.DEGRADED and "saturated" in sim.nh.reason
+    assert not any(e.to_state is S.UNHEALTHY for e in sim.events)
+    nr = node_routing(sim.nh, CFG)
+    assert nr.soft_block.startswith("queue: 1024 waiting")  # > 100 waiting: not routed while it lasts
+    sim.heartbeat = lambda t: HeartbeatObserved(requests_running=2, requests_waiting=0)
+    sim.probe = lambda t: ProbeObserved(K.OK, ttft_ms=40)
+    sim.run_until(75.0)
+    assert sim.nh.state is S.HEALTHY and route(sim.nh, 1, CFG).weight == 100
 
 
-def test_agent_reports_engine_failed():
-    nh, trans = run(healthy_at() + [(1.0, HeartbeatObserved(engine_state="FAILED"))])
-    assert nh.state is S.UNHEALTHY and trans[-1].reason == "agent reports engine FAILED"
+def test_engine_fatal_ejects_at_once_and_engine_failed_report_too():
+    sim = healthy_sim()
+    sim.apply(ProbeObserved(K.ENGINE_FATAL, detail="CUDA error: an illegal memory access"), 4.5)
+    assert sim.nh.state is S.UNHEALTHY and "CUDA error" in sim.nh.reason and sim.nh.ejected_by == "engine"
+    sim2 = healthy_sim()
+    sim2.apply(HeartbeatObserved(engine_state="FAILED"), 4.05)
+    assert sim2.nh.state is S.UNHEALTHY and sim2.nh.reason == "agent reports engine FAILED"
 
 
-def test_rtt_ewma_alpha_02():
-    nh, _ = run([(0.0, PingObserved(10.0)), (1.0, PingObserved(20.0))])
-    assert nh.ewma_rtt_ms == 10.0 * 0.8 + 20.0 * 0.2 and nh.last_rtt_ms == 20.0
+def test_gpu_fatal_xid_ejects_and_low_free_memory_is_a_soft_block():
+    sim = healthy_sim()
+    sim.apply(HeartbeatObserved(gpu_free_ratio=0.03), 4.05)
+    assert sim.nh.state is S.HEALTHY and node_routing(sim.nh, CFG).soft_block.startswith("GPU memory free 3.0 %")
+    sim.apply(HeartbeatObserved(gpu_fatal="GPU 0 Xid 79"), 4.15)
+    assert sim.nh.state is S.UNHEALTHY and "Xid 79" in sim.nh.reason
 
 
-# ---- properties ------------------------------------------------------------------------------
-
-obs_strategy = st.one_of(
-    st.just(HeartbeatObserved()),
-    st.just(HeartbeatObserved(engine_state="FAILED")),
-    st.just(Tick()),
-    st.builds(StreamClosed, st.just("x")),
-    st.builds(PingObserved, st.floats(0, 5000)),
-    st.builds(ProbeObserved, st.sampled_from(list(K)), st.floats(0, 5000)),
-)
-timeline = st.lists(st.tuples(st.floats(0.0, 0.5), obs_strategy), max_size=80)
+def test_queue_warning_halves_weight():
+    sim = healthy_sim()
+    sim.apply(HeartbeatObserved(requests_waiting=60), 4.05)
+    assert route(sim.nh, 1, CFG).weight == 50 and route(sim.nh, 1, CFG).health_status == "HEALTHY"
 
 
-def _apply(items, capacity=1):
-    nh = initial("p", 0.0)
-    t = 0.0
-    weights = []
-    trans = []
-    for dt, obs in items:
-        t += dt
-        nh, evs = step(nh, obs, t, CFG)
-        trans.extend(evs)
-        weights.append(route(nh, capacity, CFG))
-    return nh, trans, weights
+def test_half_open_after_60s_clean_then_1pct_ramp_then_healthy():
+    sim = healthy_sim(cfg=CFG, until=110.0)  # default ramp: 1 % per 1 s step
+    sim.apply(ProbeObserved(K.ENGINE_FATAL, detail="out of memory"), 110.5)
+    assert sim.nh.state is S.UNHEALTHY
+    sim.run_until(110.5 + 59.0)
+    assert sim.nh.state is S.UNHEALTHY  # not yet 60 s of clean probes
+    sim.run_until(110.5 + 62.0)
+    assert sim.nh.state is S.PROBATION and "s of successful probes" in sim.events[-1].reason
+    pcts = []
+    for _ in range(5):
+        sim.run_until(sim.now + 1.0)
+        pcts.append(sim.nh.ramp_percent)
+    assert [b - a for a, b in zip(pcts, pcts[1:])] == [1.0] * 4  # +1 % per 1 s step
+    assert pcts[0] <= 5
+    assert route(sim.nh, 1, CFG).weight == int(round(pcts[-1]))
+    sim.run_until(sim.now + 100.0)
+    assert sim.nh.state is S.HEALTHY
 
 
-@settings(max_examples=300, deadline=None)
-@given(timeline, st.integers(1, 10_000))
-def test_prop_weights_integer_ge_1_and_status_valid(items, capacity):
-    _, _, routes = _apply(items, capacity)
-    for r in routes:
-        assert isinstance(r.weight, int) and 1 <= r.weight <= capacity * 100
-        assert r.health_status in ("HEALTHY", "UNHEALTHY", "DRAINING")
+def test_failure_in_probation_doubles_the_next_clean_period_capped():
+    cfg = HealthConfig(probation_clean_s=10, probation_clean_max_s=25, ramp_step_s=1.0)
+    sim = NodeSim(cfg=cfg)
+    sim.run_until(1.0)
+    assert sim.nh.state is S.PROBATION
+    clean = []
+    for k in range(3):
+        sim.apply(ProbeObserved(K.TIMEOUT), sim.now + 0.01)
+        assert sim.nh.state is S.UNHEALTHY and sim.nh.ramp_percent == 0
+        clean.append(sim.nh.probation_clean_s)
+        sim.run_until(sim.now + clean[-1] + 2.0)
+        assert sim.nh.state is S.PROBATION
+    assert clean == [20.0, 25.0, 25.0]
 
 
-@settings(max_examples=300, deadline=None)
-@given(timeline)
-def test_prop_deterministic(items):
-    assert _apply(items)[:2] == _apply(items)[:2]
+def test_rtt_ewma_alpha_02_and_baseline_gate():
+    sim = healthy_sim()
+    sim.apply(PingObserved(10.0), 4.01)
+    before = sim.nh.ewma_rtt_ms
+    sim.apply(PingObserved(20.0), 4.02)
+    assert sim.nh.ewma_rtt_ms == pytest.approx(0.8 * before + 0.2 * 20.0) and sim.nh.last_rtt_ms == 20.0
 
 
-@settings(max_examples=300, deadline=None)
-@given(timeline)
-def test_prop_transitions_are_real_and_chained(items):
-    _, trans, _ = _apply(items)
-    prev = S.COLD
-    for e in trans:
-        assert e.from_state is prev and e.to_state is not e.from_state and e.reason
-        prev = e.to_state
+def test_drain_overrides_everything_until_undrained():
+    sim = healthy_sim()
+    sim.apply(DrainRequested(True, "maintenance"), 4.01)
+    assert sim.nh.effective_state is S.DRAINING and route(sim.nh, 1, CFG).health_status == "DRAINING"
+    sim.apply(ProbeObserved(K.ENGINE_FATAL), 4.02)
+    assert sim.nh.effective_state is S.DRAINING and sim.nh.state is S.UNHEALTHY
+    sim.apply(DrainRequested(False), 4.03)
+    assert sim.nh.effective_state is S.UNHEALTHY and route(sim.nh, 1, CFG).health_status == "UNHEALTHY"
 
 
-@settings(max_examples=200, deadline=None)
-@given(timeline)
-def test_prop_never_healthy_right_after_engine_fatal(items):
-    """After an ENGINE_FATAL while routed, HEALTHY needs good_probes_to_recover good probes."""
-    nh = initial("p", 0.0)
-    t = 0.0
-    good_since_fatal = None
-    for dt, obs in items:
-        t += dt
-        before = nh.state
-        nh, _ = step(nh, obs, t, CFG)
-        if isinstance(obs, ProbeObserved) and obs.kind is K.ENGINE_FATAL and before not in (S.COLD,):
-            good_since_fatal = 0
-        elif isinstance(obs, ProbeObserved) and obs.kind is K.OK and obs.ttft_ms < CFG.ttft_healthy_ms:
-            if good_since_fatal is not None:
-                good_since_fatal += 1
-        elif isinstance(obs, ProbeObserved) and good_since_fatal is not None:
-            good_since_fatal = 0
-        if good_since_fatal is not None and nh.state is S.HEALTHY:
-            assert good_since_fatal >= CFG.good_probes_to_recover
-            good_since_fatal = None
+def test_engine_restart_goes_back_through_warming():
+    sim = healthy_sim()
+    sim.apply(HeartbeatObserved(engine_state="WARMING"), 4.05)
+    assert sim.nh.state is S.WARMING and "engine restarting" in sim.nh.reason
+    sim.apply(ProbeObserved(K.OK, ttft_ms=30), 4.2)
+    assert sim.nh.state is S.PROBATION and sim.nh.ramp_percent == 1.0
+
+
+def test_heartbeat_ejection_during_fail_static_is_forgiven_when_it_ends():
+    from xds_server.health.model import FailStaticEnded
+
+    sim = healthy_sim()
+    sim.heartbeat = lambda t: None if 4.05 <= t < 5.5 else HeartbeatObserved()
+    sim.run_until(5.6)
+    assert sim.nh.state is S.UNHEALTHY and sim.nh.ejected_by == "heartbeat"
+    sim.apply(FailStaticEnded(burst_start_s=4.0), 5.65)
+    assert sim.nh.state is S.HEALTHY and "forgiven" in sim.events[-1].reason
+    # a probe-based ejection is never forgiven
+    sim.apply(ProbeObserved(K.ENGINE_FATAL, detail="CUDA"), 5.7)
+    sim.apply(FailStaticEnded(burst_start_s=4.0), 5.8)
+    assert sim.nh.state is S.UNHEALTHY
+
+
+def test_fail_static_forgiveness_also_for_a_node_whose_heartbeats_return_just_after_the_end():
+    from xds_server.health.model import FailStaticEnded
+
+    sim = healthy_sim()
+    sim.heartbeat = lambda t: None if 4.05 <= t < 5.75 else HeartbeatObserved()
+    sim.run_until(5.6)
+    sim.apply(FailStaticEnded(burst_start_s=4.0), 5.65)
+    assert sim.nh.state is S.UNHEALTHY and sim.nh.forgive_since_s == 4.0
+    sim.run_until(5.9)
+    assert sim.nh.state is S.HEALTHY and "forgiven" in sim.events[-1].reason
+    # too late (after ten heartbeat intervals): the normal clean period applies
+    late = healthy_sim()
+    late.heartbeat = lambda t: None if 4.05 <= t < 7.0 else HeartbeatObserved()
+    late.run_until(5.6)
+    late.apply(FailStaticEnded(burst_start_s=4.0), 5.65)
+    late.run_until(7.2)
+    assert late.nh.state is S.UNHEALTHY

@@ -305,6 +305,34 @@ async def test_metrics_running_and_queue_fault(client: TestClient) -> None:
     assert m[f"vllm:num_requests_waiting{{{L}}}"] == 0
 
 
+async def test_hang_under_load_shows_running_with_frozen_counter(client: TestClient) -> None:
+    """What stall detection reads: under load, a hang keeps the stuck requests counted as
+    running while the generation-token counter stops (and /health stays 200)."""
+    streams = [await client.post("/v1/completions", json=completion_body(max_tokens=500, stream=True))
+               for _ in range(3)]
+    for resp in streams:
+        await read_event(resp)
+    await asyncio.sleep(0.1)
+    before = await scrape(client)
+    await asyncio.sleep(0.1)
+    moving = await scrape(client)
+    gen = f"vllm:generation_tokens_total{{{L}}}"
+    run = f"vllm:num_requests_running{{{L}}}"
+    assert moving[run] == 3 and moving[gen] > before[gen]  # busy and progressing
+    await set_fault(client, mode="hang")
+    await asyncio.sleep(0.05)
+    frozen = await scrape(client)
+    await asyncio.sleep(0.3)
+    later = await scrape(client)
+    assert later[run] == 3 and later[gen] == frozen[gen]
+    assert (await client.get("/health")).status == 200
+    await set_fault(client, mode="none")
+    await asyncio.sleep(0.1)
+    assert (await scrape(client))[gen] > later[gen]
+    for resp in streams:
+        resp.close()
+
+
 # ------------------------------------------------------------------------ faults
 async def test_fault_get_and_set(client: TestClient) -> None:
     resp = await client.get("/sim/fault")

@@ -9,7 +9,7 @@ import pynvml
 import pytest
 
 from node_probe.proto import probe_pb2
-from node_probe.telemetry import GpuCollector, nvml_error_name
+from node_probe.telemetry import FATAL_XIDS, GpuCollector, gpu_fatal_reason, nvml_error_name
 
 
 def nvml_error(code: int) -> pynvml.NVMLError:
@@ -49,6 +49,19 @@ class FakeGpus:
         mp.setattr(pynvml, "nvmlEventSetCreate", lambda: "event-set")
         mp.setattr(pynvml, "nvmlEventSetFree", lambda s: None)
         mp.setattr(pynvml, "nvmlDeviceGetIndex", lambda h: h.index)
+        # MIG off unless a test turns it on (a real nvmlDeviceGetMigMode would need NVML).
+        self.mig: dict[int, list[SimpleNamespace]] = {}
+        mp.setattr(pynvml, "nvmlDeviceGetMigMode",
+                   lambda h: (1, 1) if h.index in self.mig else (0, 0))
+        mp.setattr(pynvml, "nvmlDeviceGetMaxMigDeviceCount", lambda h: 7)
+
+        def mig_handle(h, i):
+            slots = self.mig.get(h.index, [])
+            if i >= len(slots):
+                raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+            return slots[i]
+
+        mp.setattr(pynvml, "nvmlDeviceGetMigDeviceHandleByIndex", mig_handle)
 
         def register(h, types, event_set) -> None:
             self.registered.append(h.index)
@@ -251,3 +264,158 @@ def test_device_count_failure_is_error(monkeypatch):
     monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", count)
     t = GpuCollector().collect()
     assert t.state == probe_pb2.NVML_STATE_ERROR and t.error.startswith("device_count:")
+
+
+# ---------------------------------------------------------------------------------------------
+# MIG, fatal Xids, every error kind
+
+
+def test_fc11_mig_slice_memory_from_mig_handle(monkeypatch):
+    """fc11: MIG on; the parent handle's memory query raises NoPermission and utilization is
+    NotSupported; the MIG handle reports 19968 MiB total, 14366 MiB used. The reading carries
+    the MIG memory (used ratio ~0.72), utilization unset (unavailable, reported), state OK, and
+    the collector keeps running."""
+    fake = FakeGpus(monkeypatch, n=1)
+    mib = 1024 * 1024
+    mig = SimpleNamespace(index=100)
+    fake.mig[0] = [mig]
+
+    def mem(h):
+        if h is mig:
+            return SimpleNamespace(total=19968 * mib, used=14366 * mib, free=5602 * mib)
+        raise nvml_error(pynvml.NVML_ERROR_NO_PERMISSION)
+
+    def util(h):
+        raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", mem)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUtilizationRates", util)
+    c = GpuCollector()
+    for _ in range(3):  # keeps running
+        t = c.collect()
+    assert t.state == probe_pb2.NVML_STATE_OK, t.error
+    g = t.gpus[0]
+    assert g.memory_total_bytes == 19968 * mib and g.memory_used_bytes == 14366 * mib
+    assert g.memory_used_bytes / g.memory_total_bytes == pytest.approx(0.72, abs=0.005)
+    assert not g.HasField("utilization_ratio")
+    assert "utilization: NotSupported" in g.errors and "memory: NoPermission" in g.errors
+    assert gpu_fatal_reason(t) is None
+
+
+def test_mig_two_instances_summed_and_empty_slots_skipped(monkeypatch):
+    fake = FakeGpus(monkeypatch, n=1)
+    a, b = SimpleNamespace(index=101), SimpleNamespace(index=102)
+    fake.mig[0] = [a, b]
+    orig = pynvml.nvmlDeviceGetMemoryInfo
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo",
+                        lambda h: SimpleNamespace(total=10, used=h.index - 100, free=0) if h in (a, b) else orig(h))
+    g = GpuCollector().collect().gpus[0]
+    assert (g.memory_total_bytes, g.memory_used_bytes) == (20, 3)
+    assert list(g.errors) == []  # NotFound for the 5 empty MIG slots is not an error
+
+
+def test_fatal_xid_is_error_and_fatal_reason(monkeypatch):
+    fake = FakeGpus(monkeypatch, n=2)
+    c = GpuCollector()
+    c.collect()
+    fake.events.append(SimpleNamespace(device=fake.handles[0], eventData=13, eventType=0))
+    t = c.collect()
+    assert t.state == probe_pb2.NVML_STATE_OK and list(t.gpus[0].xid_events) == [13]
+    assert gpu_fatal_reason(t) is None  # Xid 13 (graphics engine exception): not fatal
+    for xid in sorted(FATAL_XIDS):
+        fake.events.append(SimpleNamespace(device=fake.handles[1], eventData=xid, eventType=0))
+    t = c.collect()
+    assert t.state == probe_pb2.NVML_STATE_ERROR
+    assert "gpu 1: fatal Xid 79" in t.error and "gpu 1: fatal Xid 48" in t.error
+    assert gpu_fatal_reason(t) == "gpu 1: fatal Xid 95"
+    assert FATAL_XIDS == {48, 63, 64, 74, 79, 94, 95}
+    custom = GpuCollector(fatal_xids={13})
+    custom.collect()
+    fake.events.append(SimpleNamespace(device=fake.handles[0], eventData=13, eventType=0))
+    assert "gpu 0: fatal Xid 13" in custom.collect().error
+
+
+def test_gpu_is_lost_is_fatal_reason(monkeypatch):
+    FakeGpus(monkeypatch, n=1)
+
+    def lost(h, *a):
+        raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetTemperature", lost)
+    t = GpuCollector().collect()
+    assert gpu_fatal_reason(t) == "gpu 0: GpuIsLost (temperature)"
+    assert t.gpus[0].memory_total_bytes == 150_000_000_000  # the other fields still read
+
+
+@pytest.mark.parametrize("code,name,serious", [
+    (pynvml.NVML_ERROR_NOT_SUPPORTED, "NotSupported", False),
+    (pynvml.NVML_ERROR_NO_PERMISSION, "NoPermission", False),
+    (pynvml.NVML_ERROR_GPU_IS_LOST, "GpuIsLost", True),
+    (pynvml.NVML_ERROR_UNKNOWN, "Unknown", True),
+    (pynvml.NVML_ERROR_TIMEOUT, "Timeout", True),
+])
+@pytest.mark.parametrize("fn,field_", [
+    ("nvmlDeviceGetPowerUsage", "power"),
+    ("nvmlDeviceGetTotalEccErrors", "ecc"),
+    ("nvmlDeviceGetCurrentClocksEventReasons", "throttle"),
+    ("nvmlDeviceGetMemoryInfo", "memory"),
+])
+def test_every_error_kind_on_every_call_is_reported_and_collector_continues(
+        monkeypatch, code, name, serious, fn, field_):
+    FakeGpus(monkeypatch, n=2)
+
+    def boom(h, *a):
+        if h.index == 0:
+            raise nvml_error(code)
+        return {"nvmlDeviceGetPowerUsage": 1000, "nvmlDeviceGetTotalEccErrors": 2,
+                "nvmlDeviceGetCurrentClocksEventReasons": 0x20,
+                "nvmlDeviceGetMemoryInfo": SimpleNamespace(total=8, used=2, free=6)}[fn]
+
+    monkeypatch.setattr(pynvml, fn, boom)
+    c = GpuCollector()
+    t = c.collect()
+    g0, g1 = t.gpus
+    assert f"{field_}: {name}" in g0.errors
+    assert g0.temperature_c == 61.0  # later fields on the same GPU still read
+    assert list(g1.errors) == []  # and the next GPU
+    assert (t.state == probe_pb2.NVML_STATE_ERROR) == serious
+    assert (f"gpu 0: {name}" in t.error) == serious
+    assert c.collect().gpus[1].temperature_c == 61.0  # the next collect works too
+
+
+def test_non_nvml_exception_in_a_call_is_reported(monkeypatch):
+    FakeGpus(monkeypatch, n=1)
+
+    def broken(h):
+        raise RuntimeError("wrapper bug")
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetPowerUsage", broken)
+    t = GpuCollector().collect()
+    assert "power: RuntimeError" in t.gpus[0].errors and t.gpus[0].temperature_c == 61.0
+
+
+def test_gpu_check_script_runs_on_faked_nvml(monkeypatch, capsys):
+    """benchmarks/gpu_check.py (for a machine with a GPU) prints every reading and the agent's
+    message; here against faked NVML calls (unfaked ones answer Uninitialized, printed)."""
+    import importlib.util
+    from pathlib import Path
+
+    fake = FakeGpus(monkeypatch, n=2)
+    fake.mig[1] = [SimpleNamespace(index=200)]
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main() == 0
+    out = capsys.readouterr().out
+    assert "== GPU 1" in out and "power W" in out and "412.3" in out
+    assert "0x5 (GpuIdle, SwPowerCap)" in out and "mig 0 memory" in out
+    assert "gpu 0 registered" in out and "OK: 2 GPU(s) read" in out
+    assert "pci bus id" in out and "ERROR" in out  # unfaked calls: reported, not fatal
+    # a lost GPU makes it fail (exit 1), with the verdict printed
+    def lost(h, *a):
+        raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetPowerUsage", lost)
+    assert mod.main() == 1
+    assert "fatal verdict (engine FAILED if set): gpu 0: GpuIsLost (power)" in capsys.readouterr().out

@@ -77,14 +77,62 @@ class _Collector:
         for t, v in sorted(cp.xds_nacks.items()):
             nack.add_metric([t], v)
         yield nack
-        tr = CounterMetricFamily("sentinel_health_transitions", "health state transitions",
-                                 labels=["to"])
-        counts: dict[str, int] = {}
-        for rec in cp.events:
-            counts[rec.event.to_state.value] = counts.get(rec.event.to_state.value, 0) + 1
-        for s, v in sorted(counts.items()):
-            tr.add_metric([s], v)
+        yield from _xds_metrics(cp)
+        tr = CounterMetricFamily("sentinel_health_events", "health transitions (kind to_<STATE>) and "
+                                 "cluster-policy events", labels=["kind"])
+        for k, v in sorted(cp.event_counts.items()):
+            tr.add_metric([k], v)
         yield tr
+        fs = GaugeMetricFamily("sentinel_fail_static", "1 while fail-static holds the last good assignment")
+        fs.add_metric([], 1.0 if cp.fail_static.active else 0.0)
+        yield fs
+        ramp = GaugeMetricFamily("sentinel_node_ramp_percent", "PROBATION ramp, percent of full weight",
+                                 labels=["cluster", "node"])
+        for node_id, nh in cp.health.items():
+            if nh.state.value == "PROBATION":
+                ramp.add_metric([cp.node_cluster[node_id], node_id], nh.ramp_percent)
+        yield ramp
+        lag = CounterMetricFamily("sentinel_detection_timer_lag_deferrals",
+                                  "detection timers deferred because our own event loop was late")
+        lag.add_metric([], sum(s.lag_deferrals for s in cp.sessions.values()))
+        yield lag
+
+
+def _xds_metrics(cp: "ControlPlane"):
+    """xDS server metrics: per-node NACKs, streams by variant, subscriptions, cache encodes."""
+    ads, cache = cp.ads, cp.cache
+    by_node = CounterMetricFamily("sentinel_xds_node_nacks", "NACKs received by Envoy node id and type",
+                                  labels=["node", "type"])
+    for (node, t), v in sorted(ads.nacks.items()):
+        by_node.add_metric([node, t], v)
+    yield by_node
+    variants = GaugeMetricFamily("sentinel_xds_streams", "open ADS streams by variant", labels=["variant"])
+    counts = {"sotw": 0, "delta": 0}
+    for st in ads.streams.values():
+        counts[st.variant] = counts.get(st.variant, 0) + 1
+    for v, n in sorted(counts.items()):
+        variants.add_metric([v], n)
+    yield variants
+    subs = GaugeMetricFamily("sentinel_xds_subscriptions",
+                             "subscriptions held by open streams (named resources + wildcards)")
+    subs.add_metric([], ads.subscription_count())
+    yield subs
+    watchers = GaugeMetricFamily("sentinel_xds_cache_watchers", "streams waiting on cache changes")
+    watchers.add_metric([], cache.watcher_count)
+    yield watchers
+    opened = CounterMetricFamily("sentinel_xds_streams_opened", "ADS streams opened since start")
+    opened.add_metric([], ads.streams_opened)
+    yield opened
+    enc = CounterMetricFamily("sentinel_xds_resources_encoded", "resources validated and encoded into the cache")
+    enc.add_metric([], cache.encode_count)
+    yield enc
+    enc_s = CounterMetricFamily("sentinel_xds_encode_seconds", "time spent validating, serializing, hashing")
+    enc_s.add_metric([], cache.encode_s)
+    yield enc_s
+    rej = CounterMetricFamily("sentinel_xds_resources_rejected",
+                              "resources held back because Envoy would NACK them")
+    rej.add_metric([], cache.rejected_count)
+    yield rej
 
 
 def build_admin_app(cp: "ControlPlane") -> web.Application:
@@ -127,7 +175,13 @@ def build_admin_app(cp: "ControlPlane") -> web.Application:
         return web.json_response({"clusters": out})
 
     async def xds_clients(_: web.Request) -> web.Response:
-        return web.json_response({"clients": [s.describe() for s in cp.ads.streams.values()]})
+        ads = cp.ads
+        return web.json_response({
+            "clients": [s.describe() for s in ads.streams.values()],
+            "streams": len(ads.streams),
+            "subscriptions": ads.subscription_count(),
+            "nacks_by_node": [{"node": n, "type": t, "nacks": v} for (n, t), v in sorted(ads.nacks.items())],
+        })
 
     async def config_dump(_: web.Request) -> web.Response:
         def dump(tu: str) -> list[dict]:
@@ -168,4 +222,22 @@ def build_admin_app(cp: "ControlPlane") -> web.Application:
     app.router.add_get("/config_dump", config_dump)
     app.router.add_get("/events", events)
     app.router.add_get("/metrics", metrics)
+
+    async def drain(request: web.Request) -> web.Response:
+        token = cp.config.admin.token
+        if token is None:
+            return web.json_response({"error": "drain is disabled: set admin.token in the config"}, status=403)
+        if request.headers.get("Authorization", "") != f"Bearer {token}":
+            return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+        node_id = request.match_info["id"]
+        reason = request.query.get("reason", "operator")[:200]
+        want = request.path.endswith("/drain")
+        try:
+            view = cp.drain(node_id, want, reason)
+        except KeyError:
+            return web.json_response({"error": f"unknown node {node_id!r}"}, status=404)
+        return web.json_response(view)
+
+    app.router.add_post("/nodes/{id}/drain", drain)
+    app.router.add_post("/nodes/{id}/undrain", drain)
     return app

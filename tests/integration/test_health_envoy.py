@@ -1,0 +1,122 @@
+"""The health model with the real Envoy: degrade, eject, half-open ramp (shortened durations)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from xds_server.demo import wait_state
+from xds_server.testing import LoadGenerator
+
+pytestmark = pytest.mark.envoy
+
+HEALTH = {"probation_clean_s": 1.5, "ramp_step_percent": 20, "ramp_step_s": 0.4}
+
+
+async def test_slow_engine_gets_less_traffic_hung_engine_is_ejected_and_comes_back_gradually(make_fleet, http):
+    # TTFT outliers off (400 ms vs ~20 ms would be one) to see the DEGRADED rule alone; Envoy's own
+    # passive outlier detection off so its 10 s ejection does not hide our ramp.
+    fleet = make_fleet(n_nodes=3, probe_interval_s=0.3, per_try_timeout_s=1.0,
+                       health={**HEALTH, "outlier_min_gap_ttft_ms": 5000,
+                               # the seed score would also move weights with RTT noise on this busy box
+                               "score_rtt_weight": 0.0, "score_gpu_weight": 0.0},
+                       cluster_options={"outlier_detection": {"enabled": False}})
+    await fleet.wait_all_routed(http)
+    for n in ("gpu-a", "gpu-b", "gpu-c"):
+        assert await wait_state(fleet, http, n, "HEALTHY", timeout_s=10) is not None
+    load = LoadGenerator(fleet.url, concurrency=4)
+    await load.start()
+    try:
+        base = load.phase("baseline")
+        await asyncio.sleep(2.0)
+
+        await fleet.set_fault(http, "gpu-a", "slow", ttft_ms=400)
+        assert await wait_state(fleet, http, "gpu-a", "DEGRADED", timeout_s=5) is not None
+        for _ in range(40):  # the EDS push reaches Envoy a moment after the state change
+            weights = await fleet.envoy_weights(http)
+            if weights["gpu-a"] == 30:
+                break
+            await asyncio.sleep(0.05)
+        slow = load.phase("gpu-a slow (DEGRADED)")
+        await asyncio.sleep(3.0)
+        await fleet.set_fault(http, "gpu-a", "none")
+        assert await wait_state(fleet, http, "gpu-a", "HEALTHY", timeout_s=5) is not None
+
+        await fleet.set_fault(http, "gpu-b", "hang")
+        assert await wait_state(fleet, http, "gpu-b", "UNHEALTHY", timeout_s=5) is not None
+        hung = load.phase("gpu-b hung (UNHEALTHY)")
+        await asyncio.sleep(2.0)
+        await fleet.set_fault(http, "gpu-b", "none")
+        ramp = load.phase("gpu-b healed (PROBATION ramp)")
+        seen: list[int] = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 15:
+            w = (await fleet.envoy_weights(http)).get("gpu-b")
+            hosts = await fleet.envoy_hosts(http)
+            if hosts.get("gpu-b") == "HEALTHY" and (not seen or w != seen[-1]):
+                seen.append(w)
+            if w == 100 and hosts.get("gpu-b") == "HEALTHY":
+                break
+            await asyncio.sleep(0.05)
+        after = load.phase("after")
+        await asyncio.sleep(1.5)
+    finally:
+        await load.stop()
+    print("\nper-node requests per phase:\n" + "\n".join(
+        f"  {name:<32} {json.dumps(dict(sorted(st.ok_by_node.items())))} failed={st.failed}"
+        for name, st in load.phases.items() if st.ok or st.failed))
+    print(f"Envoy weights while gpu-a was DEGRADED: {weights}; gpu-b ramp seen by Envoy: {seen}; "
+          f"failures: {dict(load.totals().failures)}")
+    share = lambda st, n: st.ok_by_node.get(n, 0) / max(1, st.ok)  # noqa: E731
+    assert weights == {"gpu-a": 30, "gpu-b": 100, "gpu-c": 100}
+    assert share(slow, "gpu-a") < 0.6 * share(base, "gpu-a")
+    assert hung.ok_by_node.get("gpu-b", 0) == 0 and hung.ok > 20
+    assert seen[0] <= 21 and seen[-1] == 100 and seen == sorted(seen) and len(seen) >= 3  # gradual
+    assert share(after, "gpu-b") > 0.15
+    assert load.totals().failed == 0, dict(load.totals().failures)
+
+
+async def test_fail_static_keeps_last_good_assignment_when_all_agents_go_silent_together(make_fleet, http):
+    """The control plane loses every agent at once (agents frozen, engines fine): suspect our own
+    network, keep routing on the last good assignment, and forgive the losses when they return."""
+    fleet = make_fleet(n_nodes=3, health=HEALTH)
+    await fleet.wait_all_routed(http)
+    for n in ("gpu-a", "gpu-b", "gpu-c"):
+        assert await wait_state(fleet, http, n, "HEALTHY", timeout_s=10) is not None
+    load = LoadGenerator(fleet.url, concurrency=3)
+    await load.start()
+    try:
+        load.phase("before")
+        await asyncio.sleep(1.0)
+        during = load.phase("agents silent")
+        for n in fleet.nodes:
+            n.agent.freeze()
+        try:
+            await asyncio.sleep(1.5)
+            hosts = await fleet.envoy_hosts(http)
+            async with http.get(f"http://127.0.0.1:{fleet.admin_port}/metrics") as r:
+                metrics = await r.text()
+        finally:
+            for n in fleet.nodes:
+                n.agent.thaw()
+        load.phase("after")
+        states = {}
+        for _ in range(60):
+            states = {k: v["state"] for k, v in (await fleet.cp_nodes(http)).items()}
+            if all(s == "HEALTHY" for s in states.values()):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+    finally:
+        await load.stop()
+    async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events?limit=1000") as r:
+        kinds = [e["kind"] for e in (await r.json())["events"]]
+    print(f"\nEnvoy during the silence: {hosts}; events: {kinds[-8:]}; per phase: "
+          + json.dumps({k: dict(v.ok_by_node) for k, v in load.phases.items()}))
+    assert hosts == {"gpu-a": "HEALTHY", "gpu-b": "HEALTHY", "gpu-c": "HEALTHY"}
+    assert "sentinel_fail_static 1.0" in metrics
+    assert "fail_static_on" in kinds and "fail_static_off" in kinds
+    assert states == {"gpu-a": "HEALTHY", "gpu-b": "HEALTHY", "gpu-c": "HEALTHY"}  # forgiven, no probation
+    assert len(during.ok_by_node) == 3 and load.totals().failed == 0

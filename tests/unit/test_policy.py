@@ -1,0 +1,122 @@
+"""Cluster policy: seed score weights, outlier ejection, max ejection percent, fail-static."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from xds_server.config import HealthConfig
+from xds_server.health.model import EngineFatalKind as K, NodeState as S, ProbeObserved, initial
+from xds_server.health.policy import FailStaticState, OutlierState, cluster_routing, fail_static, score
+from xds_server.health.sim import NodeSim
+
+CFG = HealthConfig()
+
+
+def node(nid, state=S.HEALTHY, **kw):
+    kw.setdefault("last_heartbeat_s", 0.0)
+    return replace(initial(nid, 0.0), state=state, **kw)
+
+
+def test_seed_score_formula():
+    assert abs(score(10.0, 0.8, CFG) - (0.7 * 10.0 + 0.3 * 0.2 * 100)) < 1e-9
+
+
+def test_weights_follow_score_with_slack_and_unknowns_neutral():
+    nodes = [("a", 1, node("a", ewma_rtt_ms=1.0, gpu_free_ratio=0.9)),
+             ("b", 1, node("b", ewma_rtt_ms=1.3, gpu_free_ratio=0.9)),     # noise-level difference
+             ("c", 1, node("c", ewma_rtt_ms=40.0, gpu_free_ratio=0.9)),    # much slower, not an outlier
+             ("d", 2, node("d"))]                                          # unknown: median values
+    d = cluster_routing(nodes, {}, 0.0, CFG)
+    w = {k: v.weight for k, v in d.routing.items()}
+    assert w["a"] == 100 and w["b"] == 100
+    assert w["c"] == 35                          # (3.7 + 10) / (31 + 10) = 0.334 -> quantized 0.35
+    assert w["d"] == 200                         # capacity 2; unknown RTT/GPU take the median: neutral
+    assert all(v.health_status == "HEALTHY" for v in d.routing.values())
+
+
+def test_fc04_all_nodes_failing_probes_are_unhealthy_never_weight_0_and_healthy_fraction_0():
+    sims = []
+    for nid in ("n1", "n2"):
+        sim = NodeSim(cfg=HealthConfig(ramp_step_percent=50), node_id=nid)
+        sim.run_until(4.0)
+        sim.probe = lambda t: ProbeObserved(K.HTTP_STATUS, http_status=503)
+        sim.run_until(8.0)
+        sims.append(sim)
+    d = cluster_routing([(s.node_id, 1, s.nh) for s in sims], {}, 8.0, CFG)
+    assert [r.health_status for r in d.routing.values()] == ["UNHEALTHY", "UNHEALTHY"]
+    assert all(r.weight == 100 for r in d.routing.values())
+    assert not d.held_back  # hard evidence is never held back by max_ejection_percent
+
+
+def test_fc05_recovery_restarts_ramp_at_1pct_and_a_joining_node_does_not_change_it():
+    cfg = HealthConfig(probation_clean_s=5, ramp_step_s=1.0)
+    a = NodeSim(cfg=cfg, node_id="a")
+    a.run_until(110.0)
+    assert a.nh.state is S.HEALTHY
+    a.apply(ProbeObserved(K.ENGINE_FATAL, detail="CUDA error"), 110.2)
+    a.run_until(117.0)
+    assert a.nh.state is S.PROBATION and a.nh.ramp_percent <= 2
+    ramp_alone = []
+    joined = NodeSim(cfg=cfg, node_id="new", now=120.0)
+    for t in range(118, 150):
+        a.run_until(float(t))
+        joined.run_until(float(t))
+        members = [("a", 1, a.nh)] + ([("new", 1, joined.nh)] if t >= 120 else [])
+        ramp_alone.append(cluster_routing(members, {}, float(t), cfg).routing["a"].weight)
+    assert ramp_alone == sorted(ramp_alone) and min(ramp_alone) >= 1 and ramp_alone[-1] <= 40
+    # second failure and recovery: back to 1 %
+    a.apply(ProbeObserved(K.TIMEOUT), 150.1)
+    a.apply(ProbeObserved(K.TIMEOUT), 150.2)
+    assert a.nh.state is S.UNHEALTHY
+    a.run_until(200.0)
+    assert a.nh.state in (S.PROBATION, S.HEALTHY)
+    assert [e for e in a.events if e.to_state is S.PROBATION][-1].reason.endswith("ramping from 1 %")
+
+
+def test_outlier_ttft_far_above_median_is_ejected_and_returns_after_ejection_time():
+    nodes = [(n, 1, node(n, ewma_ttft_ms=t)) for n, t in (("a", 40), ("b", 50), ("c", 45), ("d", 900))]
+    d = cluster_routing(nodes, {}, 10.0, CFG)
+    assert d.routing["d"].health_status == "UNHEALTHY" and "outlier: EWMA TTFT 900 ms" in d.why_not_routed["d"]
+    assert [e.kind for e in d.events] == ["outlier_ejected"] and d.outliers["d"].until_s == 40.0
+    healed = [(n, 1, node(n, ewma_ttft_ms=45)) for n in "abcd"]
+    d2 = cluster_routing(healed, d.outliers, 20.0, CFG)
+    assert d2.routing["d"].health_status == "UNHEALTHY"  # still serving its 30 s
+    d3 = cluster_routing(healed, d2.outliers, 40.5, CFG)
+    assert d3.routing["d"].health_status == "HEALTHY" and [e.kind for e in d3.events] == ["outlier_returned"]
+    # a second ejection lasts twice as long
+    d4 = cluster_routing(nodes, d3.outliers, 50.0, CFG)
+    assert d4.outliers["d"].until_s == 110.0
+
+
+def test_max_ejection_percent_holds_back_soft_ejections_and_says_so():
+    nodes = [("a", 1, node("a", state=S.UNHEALTHY, reason="probe: 2 consecutive failures")),
+             ("b", 1, node("b", requests_waiting=500)),
+             ("c", 1, node("c", gpu_free_ratio=0.01)),
+             ("d", 1, node("d"))]
+    d = cluster_routing(nodes, {}, 0.0, CFG)
+    statuses = {k: v.health_status for k, v in d.routing.items()}
+    assert statuses == {"a": "UNHEALTHY", "b": "UNHEALTHY", "c": "HEALTHY", "d": "HEALTHY"}
+    assert d.held_back == ("c",)
+    held = [e for e in d.events if e.kind == "held_back"]
+    assert len(held) == 1 and "2 of 4 already out" in held[0].reason and "GPU memory free 1.0 %" in held[0].reason
+
+
+def test_fail_static_when_most_nodes_go_silent_together_and_resume_when_they_return():
+    h = {f"n{i}": node(f"n{i}", last_heartbeat_s=10.0 + i * 0.01) for i in range(4)}
+    st, evs = fail_static(FailStaticState(), h, 10.2, CFG)
+    assert st.active is False  # nothing silent yet (within interval + grace)
+    st, evs = fail_static(st, h, 10.5, CFG)
+    assert st.active and evs[0].kind == "fail_static_on" and "4 of 4 nodes" in st.reason
+    assert st.burst_start_s == 10.0
+    h = {k: replace(v, last_heartbeat_s=11.0) for k, v in h.items()}
+    st, evs = fail_static(st, h, 11.05, CFG)
+    assert not st.active and evs[0].kind == "fail_static_off"
+
+
+def test_fail_static_not_for_losses_spread_out_in_time():
+    h = {"a": node("a", last_heartbeat_s=1.0), "b": node("b", last_heartbeat_s=5.0), "c": node("c", last_heartbeat_s=20.0)}
+    st, _ = fail_static(FailStaticState(), h, 21.0, CFG)
+    assert not st.active
+
+
+def test_outlier_state_default():
+    assert OutlierState().until_s == 0.0

@@ -1,0 +1,228 @@
+"""Cluster policy: from every node's health to the weights and statuses Envoy gets. Pure.
+
+Per cluster (:func:`cluster_routing`):
+
+1. each node's own view (:func:`~xds_server.health.model.node_routing`);
+2. outlier ejection: a routed node whose EWMA TTFT or EWMA RTT is far above the cluster median
+   (``outlier_factor`` x median and at least ``outlier_min_gap_*`` above it) is ejected for
+   ``outlier_ejection_s``, doubling on each repeat up to ``outlier_ejection_max_s`` (as Envoy's
+   own outlier detection grows its ejection time);
+3. ``max_ejection_percent``: soft ejections (outliers, GPU memory, queue) are held back once
+   ejected nodes would exceed that share of the cluster; hard evidence (lost heartbeats, failed
+   probes, engine fatal) is never held back, since a node that cannot answer must not get
+   traffic (field case fc04);
+4. weight = capacity x 100 x state factor x score factor, integer >= 1, where the seed score
+   (seed 000) is ``0.7 x EWMA RTT ms + 0.3 x (1 - GPU free ratio) x 100`` (lower is better) and
+   the score factor is ``(best + slack) / (score + slack)`` clamped to [score_min_factor, 1] and
+   quantized to ``score_step`` so measurement noise does not churn EDS. Unknown values are
+   neutral: they take the median of the known ones (fc11).
+
+Across the fleet (:func:`fail_static`): when more than ``fail_static_fraction`` of all nodes lost
+their heartbeats within ``fail_static_window_ms`` of each other (and the fleet has at least
+``fail_static_min_nodes``), suspect our own network: keep publishing the last good assignment
+and alert, until fewer than that share are still lost.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from xds_server.config import HealthConfig
+from xds_server.health.model import NodeHealth, NodeState, Routing, node_routing
+
+__all__ = [
+    "ClusterDecision",
+    "FailStaticState",
+    "OutlierState",
+    "PolicyEvent",
+    "cluster_routing",
+    "fail_static",
+    "score",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class OutlierState:
+    """Outlier bookkeeping of one node: ejected until ``until_s``; ``count`` ejections so far."""
+
+    until_s: float = 0.0
+    count: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyEvent:
+    """A cluster-policy decision worth an event line (outlier ejection/return, held back)."""
+
+    at_s: float
+    node_id: str
+    kind: str  # "outlier_ejected" | "outlier_returned" | "held_back" | "fail_static_on" | "fail_static_off"
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterDecision:
+    """Result of :func:`cluster_routing`: routing per node, why each is not routed, new outlier state."""
+
+    routing: Mapping[str, Routing]
+    why_not_routed: Mapping[str, str]
+    outliers: Mapping[str, OutlierState]
+    events: tuple[PolicyEvent, ...]
+    held_back: tuple[str, ...]
+
+
+def score(ewma_rtt_ms: float, gpu_free_ratio: float, cfg: HealthConfig) -> float:
+    """Seed 000 score: ``0.7 x EWMA RTT ms + 0.3 x (1 - GPU free ratio) x 100``; lower is better."""
+    return cfg.score_rtt_weight * ewma_rtt_ms + cfg.score_gpu_weight * (1.0 - gpu_free_ratio) * 100.0
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def cluster_routing(
+    nodes: Sequence[tuple[str, int, NodeHealth]],
+    outliers: Mapping[str, OutlierState],
+    now_s: float,
+    cfg: HealthConfig,
+) -> ClusterDecision:
+    """Routing for one cluster. ``nodes``: (node id, capacity, health). Deterministic."""
+    views = {nid: node_routing(nh, cfg) for nid, _, nh in nodes}
+    health = {nid: nh for nid, _, nh in nodes}
+    n = len(nodes)
+    events: list[PolicyEvent] = []
+    why: dict[str, str] = {}
+    new_out: dict[str, OutlierState] = {nid: outliers.get(nid, OutlierState()) for nid, _, _ in nodes}
+
+    routed = [nid for nid, _, nh in nodes
+              if views[nid].status == "HEALTHY" and nh.state in (NodeState.HEALTHY, NodeState.DEGRADED)]
+
+    # 2. outlier detection against the cluster median.
+    outlier_now: dict[str, str] = {}
+    for metric, gap, label in (("ewma_ttft_ms", cfg.outlier_min_gap_ttft_ms, "TTFT"),
+                               ("ewma_rtt_ms", cfg.outlier_min_gap_rtt_ms, "RTT")):
+        vals = {nid: getattr(health[nid], metric) for nid in routed if getattr(health[nid], metric) is not None}
+        if len(vals) < cfg.outlier_min_nodes:
+            continue
+        med = _median(list(vals.values()))
+        assert med is not None
+        for nid, v in vals.items():
+            if v > med * cfg.outlier_factor and v - med >= gap and nid not in outlier_now:
+                outlier_now[nid] = f"outlier: EWMA {label} {v:.0f} ms vs cluster median {med:.0f} ms"
+    for nid, st in list(new_out.items()):
+        if st.until_s > now_s:
+            continue  # still serving its ejection time
+        if nid in outlier_now:
+            dur = min(cfg.outlier_ejection_s * (2 ** st.count), cfg.outlier_ejection_max_s)
+            new_out[nid] = OutlierState(now_s + dur, st.count + 1, f"{outlier_now[nid]}; ejected {dur:.0f} s")
+            events.append(PolicyEvent(now_s, nid, "outlier_ejected", new_out[nid].reason))
+        elif st.reason:
+            new_out[nid] = replace(st, reason="")
+            events.append(PolicyEvent(now_s, nid, "outlier_returned", "outlier ejection time over"))
+
+    # 3. max ejection percent: hard ejections count first, soft ones fill the rest of the cap.
+    hard = [nid for nid, _, nh in nodes if views[nid].hard and nh.state is NodeState.UNHEALTHY]
+    for nid, _, nh in nodes:
+        if views[nid].hard:  # UNHEALTHY (counted against the cap) or COLD/WARMING (not counted)
+            why[nid] = f"{nh.state.value}: {nh.reason}"
+    soft: list[tuple[str, str]] = []
+    for nid, _, nh in nodes:
+        v = views[nid]
+        if v.status != "HEALTHY":
+            continue
+        if v.soft_block:
+            soft.append((nid, v.soft_block))
+        elif new_out[nid].reason and new_out[nid].until_s > now_s:
+            soft.append((nid, new_out[nid].reason))
+    cap = math.floor(n * cfg.max_ejection_percent / 100.0 + 1e-9)
+    room = max(0, cap - len(hard))
+    soft.sort(key=lambda x: x[0])
+    ejected_soft = {nid for nid, _ in soft[:room]}
+    held = tuple(nid for nid, _ in soft[room:])
+    for nid, reason in soft:
+        if nid in ejected_soft:
+            why[nid] = reason
+        else:
+            events.append(PolicyEvent(now_s, nid, "held_back",
+                                      f"{reason}; not ejected: {len(hard) + len(ejected_soft)} of {n} already out "
+                                      f"(max_ejection_percent {cfg.max_ejection_percent:g})"))
+
+    # 4. weights among routable nodes from the seed score.
+    routable = [nid for nid, _, _ in nodes if views[nid].status == "HEALTHY" and nid not in why]
+    rtts = [health[nid].ewma_rtt_ms for nid in routable if health[nid].ewma_rtt_ms is not None]
+    frees = [health[nid].gpu_free_ratio for nid in routable if health[nid].gpu_free_ratio is not None]
+    rtt_mid = _median(rtts) or 0.0
+    free_mid = _median(frees)
+    scores: dict[str, float] = {}
+    for nid in routable:
+        nh = health[nid]
+        rtt = nh.ewma_rtt_ms if nh.ewma_rtt_ms is not None else rtt_mid
+        free = nh.gpu_free_ratio if nh.gpu_free_ratio is not None else (free_mid if free_mid is not None else 1.0)
+        scores[nid] = score(rtt, free, cfg)
+    best = min(scores.values()) if scores else 0.0
+    routing: dict[str, Routing] = {}
+    for nid, cap_units, nh in nodes:
+        full = cap_units * 100
+        v = views[nid]
+        if v.status == "DRAINING":
+            routing[nid] = Routing(full, "DRAINING")
+        elif nid in why or v.status != "HEALTHY":
+            routing[nid] = Routing(full, "UNHEALTHY")
+        else:
+            sf = (best + cfg.score_slack) / (scores[nid] + cfg.score_slack) if scores[nid] + cfg.score_slack > 0 else 1.0
+            sf = min(1.0, max(cfg.score_min_factor, sf))
+            sf = max(cfg.score_min_factor, round(sf / cfg.score_step) * cfg.score_step)
+            routing[nid] = Routing(max(1, int(round(full * v.factor * min(sf, 1.0)))), "HEALTHY")
+    return ClusterDecision(routing, why, new_out, tuple(events), held)
+
+
+@dataclass(frozen=True, slots=True)
+class FailStaticState:
+    """Fleet-wide fail-static state: ``active`` since ``since_s`` with ``reason``;
+    ``burst_start_s`` is the last heartbeat of the first node lost in the burst."""
+
+    active: bool = False
+    since_s: float = 0.0
+    reason: str = ""
+    burst_start_s: float = 0.0
+
+
+def fail_static(
+    state: FailStaticState,
+    health: Mapping[str, NodeHealth],
+    now_s: float,
+    cfg: HealthConfig,
+) -> tuple[FailStaticState, list[PolicyEvent]]:
+    """Decide fail-static from the nodes' heartbeat state (see module docstring).
+
+    Enter when more than ``fail_static_fraction`` of all nodes are currently silent (their last
+    heartbeat older than interval + grace, or their stream closed) and their silences began
+    within ``fail_static_window_ms`` of each other; leave when fewer than that share are silent.
+    """
+    total = len(health)
+    if total < cfg.fail_static_min_nodes:
+        return (FailStaticState(), []) if state.active else (state, [])
+    need = math.floor(total * cfg.fail_static_fraction + 1e-9) + 1  # "most": more than the fraction
+    limit = (cfg.heartbeat_interval_ms + cfg.heartbeat_grace_ms) / 1000.0
+    silent_since = sorted(
+        nh.last_heartbeat_s for nh in health.values()
+        if nh.last_heartbeat_s is not None and (now_s - nh.last_heartbeat_s > limit or nh.stream_closed)
+    )
+    events: list[PolicyEvent] = []
+    if not state.active:
+        window = cfg.fail_static_window_ms / 1000.0
+        for i in range(len(silent_since) - need + 1):
+            if silent_since[i + need - 1] - silent_since[i] <= window:
+                reason = (f"{len(silent_since)} of {total} nodes lost heartbeats within "
+                          f"{cfg.fail_static_window_ms:.0f} ms: suspect the control plane's own network; "
+                          "keeping the last good assignment")
+                events.append(PolicyEvent(now_s, "*", "fail_static_on", reason))
+                return FailStaticState(True, now_s, reason, silent_since[i]), events
+        return state, events
+    if len(silent_since) < need:
+        events.append(PolicyEvent(now_s, "*", "fail_static_off",
+                                  f"heartbeats back ({len(silent_since)} of {total} silent): normal decisions resume"))
+        return FailStaticState(), events
+    return state, events
