@@ -340,6 +340,11 @@ class ClusterConfig(_Model):
     max_requests: int = Field(
         100_000, ge=1, description="circuit breaker; Envoy's 1024 default trips on long streams"
     )
+    max_retries: int = Field(
+        1024, ge=1,
+        description="circuit breaker on concurrent retries; Envoy's default of 3 overflows when a "
+        "node holding several in-flight requests freezes and they all retry at once",
+    )
     outlier_detection: OutlierDetectionConfig = OutlierDetectionConfig()
     overprovisioning_factor: int = Field(
         140, ge=1, le=100_000,

@@ -67,6 +67,10 @@ async def test_host_freeze_envoy_stops_routing_within_2s_and_no_request_fails(ma
     await asyncio.sleep(1.0)
     await load.stop()
     total = load.totals()
+    async with http.get(f"http://127.0.0.1:{fleet.envoy_admin_port}/stats?filter=cluster.llm.upstream_rq_retry") as r:
+        retry_stats = dict(line.split(": ") for line in (await r.text()).strip().splitlines())
+    print(f"\nEnvoy retry stats: {retry_stats}")
+    assert retry_stats["cluster.llm.upstream_rq_retry_overflow"] == "0"
     retried = [ms for ms in total.latencies_ms if ms >= per_try_s * 1000]
     print(f"\nhost freeze: control plane ejected after {tl.cp_ejected_s * 1000:.0f} ms ({tl.cp_reason}); "
           f"Envoy excluded after {tl.envoy_excluded_s * 1000:.0f} ms ({tl.envoy_status}); "

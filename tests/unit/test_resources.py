@@ -57,6 +57,7 @@ def test_fc04_cluster_sets_panic_threshold_0_and_merge_window_0():
     assert cl.common_lb_config.HasField("update_merge_window")
     assert cl.lb_policy == cluster_pb2.Cluster.LEAST_REQUEST
     assert cl.circuit_breakers.thresholds[0].max_requests.value == 100_000
+    assert cl.circuit_breakers.thresholds[0].max_retries.value == 1024
     assert cl.outlier_detection.consecutive_5xx.value == 5
 
 

@@ -95,6 +95,7 @@ def build_cluster(c: ClusterConfig) -> cluster_pb2.Cluster:
                     max_requests=wrappers_pb2.UInt32Value(value=c.max_requests),
                     max_pending_requests=wrappers_pb2.UInt32Value(value=c.max_requests),
                     max_connections=wrappers_pb2.UInt32Value(value=c.max_requests),
+                    max_retries=wrappers_pb2.UInt32Value(value=c.max_retries),
                 )
             ]
         ),
