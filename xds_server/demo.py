@@ -181,43 +181,35 @@ async def _faults(fleet: Fleet, session: aiohttp.ClientSession) -> int:
         await asyncio.sleep(2.0)
         timelines: list[FaultTimeline] = []
 
-        # Fault 1: host freeze (engine + agent SIGSTOP).
-        node = fleet.nodes[0]
-        tl = FaultTimeline("host freeze (SIGSTOP engine + agent)", node.node_id, injected_wall_s=time.time())
-        load.phase(f"{node.node_id} frozen")
-        t0 = time.monotonic()
-        node.engine.freeze()
-        node.agent.freeze()
-        await watch_exclusion(fleet, session, tl, t0, timeout_s=5.0)
-        await asyncio.sleep(max(0.0, 2.5 - (time.monotonic() - t0)))
-        node.agent.thaw()
-        node.engine.thaw()
-        tl.healed_at_s = time.monotonic() - t0
-        load.phase(f"{node.node_id} thawed, recovering")
-        tl.envoy_routed_again_s = await wait_routed(fleet, session, node.node_id, timeout_s=15)
-        await wait_state(fleet, session, node.node_id, "HEALTHY", timeout_s=15)
-        tl.cp_events = await node_events(fleet, session, node.node_id, tl.injected_wall_s)
-        timelines.append(tl)
-        _print_timeline(tl)
+        # Fault 1: host freeze (engine + agent SIGSTOP); healed 2.5 s after injection.
+        a = fleet.nodes[0]
 
-        # Fault 2: engine hang while the agent keeps heartbeating.
+        async def freeze() -> None:
+            a.engine.freeze()
+            a.agent.freeze()
+
+        async def thaw(tl: FaultTimeline, t0: float) -> None:
+            await asyncio.sleep(max(0.0, 2.5 - (time.monotonic() - t0)))
+            a.agent.thaw()
+            a.engine.thaw()
+
+        timelines.append(await _fault(fleet, session, load, "host freeze (SIGSTOP engine + agent)", a.node_id,
+                                      "frozen", "thawed", freeze, thaw, detect_timeout_s=5.0))
         load.phase("between faults")
         await asyncio.sleep(1.0)
-        node = fleet.nodes[1]
-        tl = FaultTimeline("engine hang (inference stuck, /health 200)", node.node_id, injected_wall_s=time.time())
-        load.phase(f"{node.node_id} engine hung")
-        t0 = time.monotonic()
-        await fleet.set_fault(session, node.node_id, "hang")
-        await watch_exclusion(fleet, session, tl, t0, timeout_s=8.0)
-        await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - (t0 + (tl.envoy_excluded_s or 0)))))
-        await fleet.set_fault(session, node.node_id, "none")
-        tl.healed_at_s = time.monotonic() - t0
-        load.phase(f"{node.node_id} healed, recovering")
-        tl.envoy_routed_again_s = await wait_routed(fleet, session, node.node_id, timeout_s=15)
-        await wait_state(fleet, session, node.node_id, "HEALTHY", timeout_s=15)
-        tl.cp_events = await node_events(fleet, session, node.node_id, tl.injected_wall_s)
-        timelines.append(tl)
-        _print_timeline(tl)
+
+        # Fault 2: engine hang while the agent keeps heartbeating; healed 1 s after exclusion.
+        b_id = fleet.nodes[1].node_id
+
+        async def hang() -> None:
+            await fleet.set_fault(session, b_id, "hang")
+
+        async def unhang(tl: FaultTimeline, t0: float) -> None:
+            await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - (t0 + (tl.envoy_excluded_s or 0)))))
+            await fleet.set_fault(session, b_id, "none")
+
+        timelines.append(await _fault(fleet, session, load, "engine hang (inference stuck, /health 200)", b_id,
+                                      "engine hung", "healed", hang, unhang, detect_timeout_s=8.0))
 
         load.phase("after")
         await asyncio.sleep(2.0)
@@ -233,6 +225,25 @@ async def _faults(fleet: Fleet, session: aiohttp.ClientSession) -> int:
     _p("RESULT: " + ("PASS" if ok else "FAIL")
        + " (both faults excluded by Envoy, zero failed requests)" if ok else "RESULT: FAIL")
     return 0 if ok else 1
+
+
+async def _fault(fleet: Fleet, session: aiohttp.ClientSession, load: LoadGenerator, name: str, node_id: str,
+                 during: str, after: str, inject, heal, detect_timeout_s: float) -> FaultTimeline:
+    """Inject, watch both the control plane and Envoy exclude the node, heal, wait for the full
+    recovery (routed again, ramp complete), print the timeline."""
+    tl = FaultTimeline(name, node_id, injected_wall_s=time.time())
+    load.phase(f"{node_id} {during}")
+    t0 = time.monotonic()
+    await inject()
+    await watch_exclusion(fleet, session, tl, t0, timeout_s=detect_timeout_s)
+    await heal(tl, t0)
+    tl.healed_at_s = time.monotonic() - t0
+    load.phase(f"{node_id} {after}, recovering")
+    tl.envoy_routed_again_s = await wait_routed(fleet, session, node_id, timeout_s=15)
+    await wait_state(fleet, session, node_id, "HEALTHY", timeout_s=15)
+    tl.cp_events = await node_events(fleet, session, node_id, tl.injected_wall_s)
+    _print_timeline(tl)
+    return tl
 
 
 def _print_timeline(tl: FaultTimeline) -> None:

@@ -246,6 +246,9 @@ class ProbeSession:
         async def pinger() -> None:
             outq.put_nowait(probe_pb2.ControlMessage(
                 hello=probe_pb2.Hello(control_plane_id=self.control_plane_id)))
+            # A (re)connected control plane has no probe result yet: ask for one now rather than
+            # waiting up to the agent's busy cadence (3-5 s); keeps the warm-up gate short.
+            outq.put_nowait(probe_pb2.ControlMessage(probe_now=probe_pb2.ProbeNow(reason="connected")))
             seq = 0
             interval = self.cfg.ping_interval_ms / 1000.0
             while True:

@@ -308,13 +308,19 @@ class ControlPlane:
     def _on_malformed(self, node_id: str, what: str) -> None:
         self.malformed[node_id] += 1
 
+    @staticmethod
+    def _type_label(type_url: str) -> str:
+        """Metric label for a type_url; any type we do not serve is "unknown" (bounded labels)."""
+        return type_url.rsplit(".", 1)[-1] if type_url in (CLUSTER_TYPE_URL, CLA_TYPE_URL) else "unknown"
+
     def _on_xds_request(self, stream, verdict) -> None:
-        self.xds_requests[(verdict.type_url.rsplit(".", 1)[-1], verdict.kind)] += 1
+        label = self._type_label(verdict.type_url)
+        self.xds_requests[(label, verdict.kind)] += 1
         if verdict.kind == "nack":
-            self.xds_nacks[verdict.type_url.rsplit(".", 1)[-1]] += 1
+            self.xds_nacks[label] += 1
 
     def _on_xds_response(self, stream, resp) -> None:
-        self.xds_responses[resp.type_url.rsplit(".", 1)[-1]] += 1
+        self.xds_responses[self._type_label(resp.type_url)] += 1
 
     # -- views -------------------------------------------------------------------------------
 

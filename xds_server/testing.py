@@ -516,8 +516,14 @@ class ScriptedAdsClient:
         self._q: asyncio.Queue[Any] = asyncio.Queue()
         self.call: Any = None
 
+    def _rpc(self) -> Any:
+        """The stub method this client drives (SotW here; delta in the subclass)."""
+        return self.stub.StreamAggregatedResources
+
     async def open(self) -> None:
-        """Open the stream."""
+        """Open the stream; one task reads it so a timed-out wait never cancels the RPC itself."""
+        import grpc
+
         async def requests():
             while True:
                 item = await self._q.get()
@@ -525,12 +531,10 @@ class ScriptedAdsClient:
                     return
                 yield item
 
-        self.call = self.stub.StreamAggregatedResources(requests())
+        self.call = self._rpc()(requests())
         self._responses: asyncio.Queue[Any] = asyncio.Queue()
 
         async def pump() -> None:
-            # Read in one task so a timed-out wait never cancels the RPC itself.
-            import grpc
             try:
                 while True:
                     msg = await self.call.read()
@@ -601,32 +605,8 @@ class ScriptedDeltaAdsClient(ScriptedAdsClient):
         await c.close()
     """
 
-    async def open(self) -> None:
-        """Open the DeltaAggregatedResources stream."""
-        import grpc
-
-        async def requests():
-            while True:
-                item = await self._q.get()
-                if item is None:
-                    return
-                yield item
-
-        self.call = self.stub.DeltaAggregatedResources(requests())
-        self._responses = asyncio.Queue()
-
-        async def pump() -> None:
-            try:
-                while True:
-                    msg = await self.call.read()
-                    if msg is grpc.aio.EOF:
-                        await self._responses.put(EOFError("stream ended"))
-                        return
-                    await self._responses.put(msg)
-            except grpc.aio.AioRpcError as e:
-                await self._responses.put(e)
-
-        self._pump = asyncio.create_task(pump())
+    def _rpc(self) -> Any:
+        return self.stub.DeltaAggregatedResources
 
     async def send(self, *, type_url: str, subscribe: list[str] | None = None,  # type: ignore[override]
                    unsubscribe: list[str] | None = None, initial_versions: dict[str, str] | None = None,

@@ -183,3 +183,44 @@ async def test_malformed_agent_messages_are_counted_and_do_not_break_the_session
     finally:
         await cp.stop()
         await srv.stop(0)
+
+
+class _RecordingAgent(probe_pb2_grpc.NodeProbeServicer):
+    """Heartbeats only; records what the control plane sends."""
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+
+    async def Watch(self, request_iterator, context):  # noqa: N802
+        async def read():
+            async for m in request_iterator:
+                self.received.append(m.WhichOneof("msg") + (f":{m.probe_now.reason}" if m.HasField("probe_now") else ""))
+
+        reader = asyncio.ensure_future(read())
+        try:
+            for seq in range(1, 100):
+                yield probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(
+                    seq=seq, telemetry=probe_pb2.Telemetry(engine_state=probe_pb2.ENGINE_STATE_READY)))
+                await asyncio.sleep(0.1)
+        finally:
+            reader.cancel()
+
+
+async def test_control_plane_asks_for_a_probe_on_connect():
+    agent = _RecordingAgent()
+    srv = grpc.aio.server()
+    probe_pb2_grpc.add_NodeProbeServicer_to_server(agent, srv)
+    aport = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    cp = ControlPlane(parse_config(cp_config([("rec", 9, aport)], ping_interval_ms=5000)))
+    await cp.start()
+    try:
+        await wait_for(lambda: _true_if(len(agent.received) >= 3), timeout_s=5)
+        assert agent.received[:3] == ["hello", "probe_now:connected", "ping"]
+    finally:
+        await cp.stop()
+        await srv.stop(0)
+
+
+async def _true_if(v: bool) -> bool:
+    return v

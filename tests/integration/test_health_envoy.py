@@ -71,7 +71,8 @@ async def test_slow_engine_gets_less_traffic_hung_engine_is_ejected_and_comes_ba
           f"failures: {dict(load.totals().failures)}")
     share = lambda st, n: st.ok_by_node.get(n, 0) / max(1, st.ok)  # noqa: E731
     assert weights == {"gpu-a": 30, "gpu-b": 100, "gpu-c": 100}
-    assert share(slow, "gpu-a") < 0.6 * share(base, "gpu-a")
+    # weight 30 of 230: ~13 % expected (33 % at baseline)
+    assert share(slow, "gpu-a") < 0.25, (share(slow, "gpu-a"), share(base, "gpu-a"))
     assert hung.ok_by_node.get("gpu-b", 0) == 0 and hung.ok > 20
     assert seen[0] <= 21 and seen[-1] == 100 and seen == sorted(seen) and len(seen) >= 3  # gradual
     assert share(after, "gpu-b") > 0.15
