@@ -358,6 +358,8 @@ class ControlPlane:
             raise KeyError(node_id)
         assert self._loop is not None
         self.observe(node_id, hm.DrainRequested(drain, reason), self._loop.time())
+        if self._dirty:
+            self._publish()  # operator actions are rare: publish now, so the answer shows the result
         return self.node_view(node_id)
 
     def node_view(self, node_id: str) -> dict:

@@ -224,3 +224,26 @@ async def test_control_plane_asks_for_a_probe_on_connect():
 
 async def _true_if(v: bool) -> bool:
     return v
+
+
+async def test_fc10_drain_and_undrain_through_admin_with_token(stack):
+    cp, http, agents, _ = stack
+    await wait_for(lambda: _state(http, "n1", "HEALTHY"))
+    async with http.post("/nodes/n1/drain") as r:
+        assert r.status == 403  # no admin.token configured: drain disabled
+    cp.config = cp.config.model_copy(update={"admin": cp.config.admin.model_copy(update={"token": "s3cret"})})
+    async with http.post("/nodes/n1/drain", headers={"Authorization": "Bearer wrong"}) as r:
+        assert r.status == 401
+    async with http.post("/nodes/n1/drain?reason=maintenance", headers={"Authorization": "Bearer s3cret"}) as r:
+        v = await r.json()
+    assert v["state"] == "DRAINING" and v["health_state"] == "HEALTHY" and v["eds_health_status"] == "DRAINING"
+    assert v["drain"]["in_flight"] == 0.0 and v["drain"]["drained"] is True  # idle engine: nothing in flight
+    async with http.get("/config_dump") as r:
+        cla = (await r.json())["endpoints"]["resources"][0]["resource"]
+    statuses = {e["endpoint"]["hostname"]: e["healthStatus"] for e in cla["endpoints"][0]["lbEndpoints"]}
+    assert statuses == {"n1": "DRAINING", "n2": "HEALTHY"}
+    async with http.post("/nodes/n1/undrain", headers={"Authorization": "Bearer s3cret"}) as r:
+        v = await r.json()
+    assert v["state"] == "HEALTHY" and v["eds_health_status"] == "HEALTHY" and v["drain"] is None
+    async with http.post("/nodes/nope/drain", headers={"Authorization": "Bearer s3cret"}) as r:
+        assert r.status == 404
