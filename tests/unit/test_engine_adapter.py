@@ -71,32 +71,6 @@ def free_port() -> int:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-@pytest.fixture
-async def serve():
-    """Start small aiohttp apps on 127.0.0.1 (free port); returns their base URL."""
-    runners: list[web.AppRunner] = []
-
-    async def start(routes: dict[tuple[str, str], Handler]) -> str:
-        app = web.Application()
-        for (method, path), handler in routes.items():
-            app.router.add_route(method, path, handler)
-        runner = web.AppRunner(app, shutdown_timeout=0.2, handler_cancellation=True)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        host, port = runner.addresses[0][:2]
-        return f"http://{host}:{port}"
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def replay(name: str, delays: list[float] | None = None, seen: list | None = None) -> Handler:

@@ -56,30 +56,6 @@ def vllm_body(name: str) -> bytes:
     return out
 
 
-@pytest.fixture
-async def serve():
-    runners: list[web.AppRunner] = []
-
-    async def start(routes: dict[tuple[str, str], Handler]) -> str:
-        app = web.Application()
-        for (method, path), handler in routes.items():
-            app.router.add_route(method, path, handler)
-        runner = web.AppRunner(app, shutdown_timeout=0.2, handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        host, port = runner.addresses[0][:2]
-        return f"http://{host}:{port}"
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def sse(body: bytes, delays: list[float] | None = None, seen: list | None = None,

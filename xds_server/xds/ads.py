@@ -305,6 +305,10 @@ class _StreamBase:
         parent = rtype.parent_type_url if rtype is not None else None
         return cache.type_generation(type_url), cache.type_generation(parent) if parent else 0
 
+    def subscription_count(self) -> int:
+        """Subscriptions held: named resources plus one per wildcard type."""
+        return sum(len(ts.subscribed) + (1 if ts.wildcard else 0) for ts in self.types.values())
+
     def _base_view(self) -> dict:
         return {
             "stream_id": self.stream_id,
@@ -445,10 +449,6 @@ class SotwStream(_StreamBase):
                 ts.sent[r.name] = r.version
                 ts.force.discard(r.name)
         return resp
-
-    def subscription_count(self) -> int:
-        """Subscriptions held: named resources plus one per wildcard type."""
-        return sum(len(ts.subscribed) + (1 if ts.wildcard else 0) for ts in self.types.values())
 
     def describe(self) -> dict:
         """JSON-able summary for the admin endpoint (``/xds/clients``)."""
@@ -624,10 +624,6 @@ class DeltaStream(_StreamBase):
         while len(ts.outstanding) > self.max_tracked_nonces:
             ts.outstanding.popitem(last=False)
         return resp
-
-    def subscription_count(self) -> int:
-        """Subscriptions held: named resources plus one per wildcard type."""
-        return sum(len(ts.subscribed) + (1 if ts.wildcard else 0) for ts in self.types.values())
 
     def describe(self) -> dict:
         """JSON-able summary for the admin endpoint (``/xds/clients``)."""
