@@ -260,8 +260,8 @@ class ControlPlane:
             if c.name not in self._gate_open:
                 cold = [n.id for n in c.nodes
                         if self.health[n.id].state in (hm.NodeState.COLD, hm.NodeState.WARMING)]
-                log.warning("warm-up timeout: publishing %s with %d node(s) still COLD or WARMING: %s",
-                            c.name, len(cold), ", ".join(cold))
+                log.warning("warm-up timeout: publishing %s with %d node(s) still COLD or WARMING: %s%s",
+                            c.name, len(cold), ", ".join(cold[:20]), " ..." if len(cold) > 20 else "")
                 self._gate_open.add(c.name)
                 self._mark_dirty(c.name)
 
