@@ -26,48 +26,30 @@ from node_probe.engines import ENGINE_KINDS
 __all__ = ["build_parser", "main"]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return value
+def _number(kind: type, lo: float | None = None, *, strict: bool = False, hi: float | None = None):
+    """An argparse ``type=`` converter: ``kind`` (int or float) with an optional lower bound
+    (``strict``: exclusive) and exclusive upper bound ``hi``; errors say what was expected."""
+    what = "an integer" if kind is int else "a number"
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if lo is not None and (value <= lo if strict else value < lo):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {lo:g}: {text!r}")
+        if hi is not None and not value < hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo:g}, {hi:g}): {text!r}")
+        return value
+
+    return convert
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
-    return value
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-
-
-def _jitter(text: str) -> float:
-    value = _float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1): {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
-    return value
+_positive_int = _number(int, 1)
+_positive_float = _number(float, 0, strict=True)
+_float = _number(float)
+_jitter = _number(float, 0, hi=1)
+_non_negative_int = _number(int, 0)
 
 
 def _engine_url(text: str) -> str:

@@ -286,6 +286,19 @@ class _StreamBase:
             ver = f"{v.major_number}.{v.minor_number}.{v.patch} " if n.HasField("user_agent_build_version") else ""
             self.user_agent = f"{n.user_agent_name} {ver}".strip()
 
+    def _begin(self, req, state_cls):
+        """Common start of on_request: take the node, require a type_url, find or create the
+        type's state. Raises ValueError for no type_url or too many types on one stream."""
+        self._take_node(req)
+        tu = req.type_url
+        if not tu:
+            raise ValueError("type_url is required for ADS")
+        ts = self.types.get(tu)
+        if ts is None:
+            _check_type_count(self.types)
+            ts = self.types[tu] = state_cls(type_url=tu, unserved=tu not in RESOURCE_TYPES)
+        return tu, ts
+
     def _next_nonce(self) -> str:
         return f"{self._nonce_prefix}{next(self._nonce)}"
 
@@ -337,14 +350,7 @@ class SotwStream(_StreamBase):
     def on_request(self, req: discovery_pb2.DiscoveryRequest) -> RequestVerdict:
         """Apply one DiscoveryRequest. Raises ValueError (the shell answers INVALID_ARGUMENT) for a
         request with no type_url or a stream asking for more than MAX_TYPES_PER_STREAM types."""
-        self._take_node(req)
-        tu = req.type_url
-        if not tu:
-            raise ValueError("type_url is required for ADS")
-        ts = self.types.get(tu)
-        if ts is None:
-            _check_type_count(self.types)
-            ts = self.types[tu] = TypeState(type_url=tu, unserved=tu not in RESOURCE_TYPES)
+        tu, ts = self._begin(req, TypeState)
         nonce = req.response_nonce
         if nonce and nonce != ts.last_nonce:
             return RequestVerdict("stale", tu, f"nonce {nonce} is not the last sent ({ts.last_nonce})", nonce,
@@ -482,14 +488,7 @@ class DeltaStream(_StreamBase):
     def on_request(self, req: discovery_pb2.DeltaDiscoveryRequest) -> RequestVerdict:
         """Apply one DeltaDiscoveryRequest. Raises ValueError (INVALID_ARGUMENT) for a request with
         no type_url or a stream asking for more than MAX_TYPES_PER_STREAM types."""
-        self._take_node(req)
-        tu = req.type_url
-        if not tu:
-            raise ValueError("type_url is required for ADS")
-        ts = self.types.get(tu)
-        if ts is None:
-            _check_type_count(self.types)
-            ts = self.types[tu] = DeltaTypeState(type_url=tu, unserved=tu not in RESOURCE_TYPES)
+        tu, ts = self._begin(req, DeltaTypeState)
         rtype = RESOURCE_TYPES.get(tu)
         # A type we do not know: let a first empty request be legacy wildcard, so it gets an
         # (empty) answer, and every name asked for gets removed_resources.
