@@ -36,17 +36,14 @@ sys.path.insert(0, str(ROOT))
 
 from node_probe.proto import probe_pb2, probe_pb2_grpc  # noqa: E402
 
-FIXTURE = ROOT.parent / "shared" / "fixtures" / "vllm-0.32.0-cpu" / "13_metrics_during_load.raw"
+FIXTURE = ROOT / "tests" / "fixtures" / "vllm-0.32.0-cpu" / "13_metrics_during_load.raw"
 TICK = os.sysconf("SC_CLK_TCK")
 TOKEN = (b'data: {"id":"cmpl-1","object":"text_completion","model":"m","choices":[{"index":0,'
          b'"text":"a","finish_reason":"length"}]}\n\ndata: [DONE]\n\n')
 
 
 def metrics_page() -> str:
-    if FIXTURE.exists():
-        text = FIXTURE.read_bytes().partition(b"\r\n\r\n")[2].decode()
-    else:  # a small stand-in when the shared fixtures are absent
-        text = 'vllm:generation_tokens_total{engine="0",model_name="m"} 1.0\n'
+    text = FIXTURE.read_bytes().partition(b"\r\n\r\n")[2].decode()
     return re.sub(r"^(vllm:num_requests_running\{[^}]*\}) \S+", r"\1 0.0", text, flags=re.M)
 
 

@@ -23,6 +23,7 @@ from xds_server.config import NodeConfig, SentinelConfig, parse_hostport
 from xds_server.health import model as hm
 from xds_server.health import policy as hp
 from xds_server.probing import ProbeSession
+from xds_server.routing_events import RoutingChange, RoutingListener
 from xds_server.xds.ads import AdsHooks, AdsServicer
 from xds_server.xds.cache import InvalidResource, SnapshotCache
 from xds_server.xds.resources import (
@@ -87,6 +88,8 @@ class ControlPlane:
             self.node_cfg[n.id] = n
         self.health: dict[str, hm.NodeHealth] = {}
         self.routing: dict[str, hm.Routing] = {}
+        self.routing_listeners: list[RoutingListener] = []  # called per published change
+        self._notified: dict[str, tuple[str, str]] = {}
         self.sessions: dict[str, ProbeSession] = {}
         self.heartbeats: collections.Counter[str] = collections.Counter()
         self.malformed: collections.Counter[str] = collections.Counter()
@@ -298,10 +301,33 @@ class ControlPlane:
                 self.cache.set_resource(CLA_TYPE_URL, c.name, build_cla(c, routing))
             except InvalidResource as e:  # held back: Envoy would NACK it (checklist 1.9 item 17)
                 log.error("not publishing %s: %s", c.name, e)
+            else:
+                self._notify_listeners(c.name, [n for n in c.nodes], routing)
             # Wake up when an outlier ejection ends, to let the node back.
             ends = [o.until_s for o in decision.outliers.values() if o.until_s > now]
             if ends:
                 self._loop.call_at(min(ends) + 0.001, self._mark_dirty, c.name)
+
+    def _notify_listeners(self, cluster: str, nodes: list[NodeConfig], routing: dict[str, hm.Routing]) -> None:
+        """Tell routing listeners about each node whose published status or state changed."""
+        if not self.routing_listeners:
+            return
+        version = self.cla_version(cluster)
+        for n in nodes:
+            nh = self.health[n.id]
+            r = routing[n.id]
+            key = (r.health_status, nh.effective_state.value)
+            if self._notified.get(n.id) == key:
+                continue
+            self._notified[n.id] = key
+            change = RoutingChange(n.id, cluster, n.address, r.health_status == "HEALTHY",
+                                   nh.effective_state.value, r.health_status, r.weight, nh.reason,
+                                   version, time.time())
+            for listener in list(self.routing_listeners):
+                try:
+                    listener(change)
+                except Exception:  # a listener's bug must not stop publishing
+                    log.exception("routing listener failed for %s", n.id)
 
     # -- hooks -------------------------------------------------------------------------------
 

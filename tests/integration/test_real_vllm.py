@@ -2,7 +2,7 @@
 
     SENTINEL_REAL_VLLM=1 .venv/bin/pytest -q -s tests/integration/test_real_vllm.py
 
-It installs vLLM with ``../shared/real_vllm/setup.sh`` into ``$SENTINEL_REAL_VLLM_DIR/venv``
+It installs vLLM with ``scripts/real_vllm/setup.sh`` into ``$SENTINEL_REAL_VLLM_DIR/venv``
 (default ``/tmp/sentinel-real-vllm``; ~3 minutes the first time, then reused), builds the tiny
 model with ``mkmodel.py`` and serves it with ``start.sh`` (~40 s to ready). An agent runs
 in-process with its defaults (engine kind detected) and a gRPC ``Watch`` stream reads what a
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(
     reason="real vLLM suite: set SENTINEL_REAL_VLLM=1 (installs ~3.4 GB, ~1 min per start)",
 )
 
-REAL_VLLM = Path(os.environ.get("SENTINEL_SHARED", Path(__file__).resolve().parents[3] / "shared")) / "real_vllm"
+REAL_VLLM = Path(__file__).resolve().parents[2] / "scripts" / "real_vllm"
 WORK = Path(os.environ.get("SENTINEL_REAL_VLLM_DIR", "/tmp/sentinel-real-vllm"))
 RUNS = int(os.environ.get("SENTINEL_REAL_VLLM_RUNS", "3"))
 RESULTS = os.environ.get("SENTINEL_REAL_VLLM_RESULTS")

@@ -26,7 +26,7 @@ from node_probe.engines.base import EngineLoadReading, GroupLoad
 from node_probe.engines.openai_compat import EngineRequestError, ProbeOutcome
 from node_probe.proto import probe_pb2, probe_pb2_grpc
 
-FIXTURES = Path("/work/shared/fixtures/vllm-0.32.0-cpu")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu"
 VENV_BIN = Path(sys.executable).parent
 NODE_PROBE = VENV_BIN / "node-probe"
 if not NODE_PROBE.exists():

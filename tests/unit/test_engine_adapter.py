@@ -23,10 +23,9 @@ from node_probe.engines.openai_compat import (
 )
 from node_probe.proto import probe_pb2
 
-FIXTURES = Path("/work/shared/fixtures/vllm-0.32.0-cpu")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu"
 MODEL = "local/tiny-llama-1"
 
-pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason="vLLM fixtures not available")
 
 
 # ---------------------------------------------------------------------------------------------

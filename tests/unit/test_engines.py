@@ -31,10 +31,9 @@ from node_probe.engines import (
 from node_probe.engines.base import EngineRequestError
 from node_probe.proto import probe_pb2
 
-VLLM = Path("/work/shared/fixtures/vllm-0.32.0-cpu")
+VLLM = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu"
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 
-needs_vllm = pytest.mark.skipif(not VLLM.is_dir(), reason="vLLM fixtures not available")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -103,7 +102,6 @@ def test_registry_and_kinds():
 # vLLM (real captures)
 
 
-@needs_vllm
 def test_vllm_metrics_real_capture_groups_and_progress():
     r = VllmAdapter().parse_metrics(vllm_body("13_metrics_during_load.raw").decode())
     assert (r.requests_running, r.requests_waiting, r.generation_tokens_total) == (3.0, 0.0, 247.0)
@@ -114,7 +112,6 @@ def test_vllm_metrics_real_capture_groups_and_progress():
     assert r.stall_capable and "vllm:generation_tokens_total" in r.progress_metric
 
 
-@needs_vllm
 def test_vllm_keepalive_dead_metrics_still_parse():
     # Engine dead, API kept alive: /metrics answers 200 with stale numbers (fixture 12b).
     r = VllmAdapter().parse_metrics(vllm_body("12b_keepalive_dead_metrics.raw").decode())
@@ -161,7 +158,6 @@ def test_vllm_v0_prefix_hit_rate_gauge():
     assert r.prefix_cache_hit_ratio == pytest.approx(0.3)
 
 
-@needs_vllm
 async def test_vllm_probe_request_shape_cache_salt_and_header(serve, session):
     seen: list = []
     url = await serve({("POST", "/v1/completions"): sse(vllm_body("05_completion_stream.raw"), [0.03], seen)})
@@ -174,7 +170,6 @@ async def test_vllm_probe_request_shape_cache_salt_and_header(serve, session):
     assert (body["max_tokens"], body["temperature"], body["stream"], body["model"]) == (1, 0, True, "local/tiny-llama-1")
 
 
-@needs_vllm
 async def test_vllm_fatal_500_after_sigkill_is_engine_fatal(serve, session):
     url = await serve({("POST", "/v1/completions"): text(
         vllm_body("sigkill_fine_v1_completions_500.raw").decode(), 500, "application/json")})
@@ -361,7 +356,6 @@ def test_kind_from_metrics_prefixes():
     assert kind_from_metrics("# HELP x\nprocess_cpu_seconds_total 1\n") is None
 
 
-@needs_vllm
 async def test_detect_each_family(serve, session):
     vllm = await serve({("GET", "/metrics"): text(vllm_body("03a_metrics_before_requests.raw").decode())})
     tgi = await serve({("GET", "/info"): text((FIX / "tgi" / "info.json").read_text(), ctype="application/json")})
