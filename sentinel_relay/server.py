@@ -1,0 +1,430 @@
+"""The relay's HTTP shell: client -> relay -> Envoy -> engines.
+
+:class:`Relay` serves HTTP (aiohttp's low-level server: no router, no middlewares) and forwards
+every request to Envoy. A streaming completion or chat request that can be continued ("armed")
+is relayed event by event through a :class:`~sentinel_relay.stream.StreamBook`; when its attempt
+fails it is continued on whatever node Envoy routes the continuation to. Triggers:
+
+- health: the routing feed says the node (Envoy's ``x-sentinel-upstream-host``) is UNHEALTHY
+  (DRAINING is left alone: a drain lets requests finish);
+- reset: the upstream connection broke, or ended without finish_reason;
+- error: an in-band error event, or a 5xx status before the first byte;
+- stall: no byte for ``stall_gap_s`` (``first_chunk_timeout_s`` before an attempt's first chunk).
+
+A non-streaming request is re-issued on reset/5xx, and re-issued at once on any ejection while it
+waits (its node is unknown until its answer; the first answer wins). Everything else (refused
+requests, other paths) is passed through unchanged with ``x-sentinel-relay: passthrough; ...``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.web_server import Server
+
+from .config import RelayConfig
+from .metrics import RelayMetrics
+from .plan import Plan, Refused, plan_request
+from .sse import SSESplitter
+from .stream import PING, St, StreamBook
+
+__all__ = ["Relay", "RELAY_HEADER"]
+
+log = logging.getLogger("sentinel_relay")
+
+RELAY_HEADER = "x-sentinel-relay"
+_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
+                  "trailer", "upgrade", "host", "content-length"})
+
+
+class _Kill(Exception):
+    """Raised into an upstream read to end an attempt; ``args[0]`` is the trigger."""
+
+
+class _Ctx:
+    """One armed stream in flight (the shell's handle on it)."""
+
+    __slots__ = ("up", "node", "last_rx", "last_tx", "rescuing", "fault_tx", "kill_reason",
+                 "client", "first_chunk")
+
+    def __init__(self, now: float) -> None:
+        self.up: aiohttp.ClientResponse | None = None
+        self.node: str | None = None
+        self.last_rx = now
+        self.last_tx = now
+        self.rescuing = False
+        self.fault_tx = now
+        self.kill_reason: str | None = None
+        self.client: web.StreamResponse | None = None
+        self.first_chunk = False
+
+    def kill(self, reason: str) -> None:
+        if self.kill_reason is None and self.up is not None:
+            self.kill_reason = reason
+            self.up.content.set_exception(_Kill(reason))
+            self.up.close()
+
+
+class _Unary:
+    """One armed non-streaming request in flight: its attempts and their answers."""
+
+    __slots__ = ("results", "tasks", "hedges", "args", "pending")
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args  # url, body, headers
+        self.results: asyncio.Queue = asyncio.Queue()
+        self.pending = 0  # attempts started whose answer is not yet in ``results``
+        self.tasks: set[asyncio.Task] = set()
+        self.hedges = 0
+
+
+def _out_headers(h: Any, extra: str | None = None) -> dict[str, str]:
+    out = {k: v for k, v in h.items() if k.lower() not in _HOP}
+    if extra:
+        out[RELAY_HEADER] = extra
+    return out
+
+
+class Relay:
+    """``await Relay(cfg).start()`` serves until ``await stop()``. ``metrics``: its registry.
+    ``sock``: an already bound socket to serve on (worker mode), else ``cfg.listen``."""
+
+    def __init__(self, cfg: RelayConfig, metrics: RelayMetrics | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or RelayMetrics()
+        self.by_node: dict[str, set[_Ctx]] = {}
+        self.streams: set[_Ctx] = set()
+        self.unary: set[_Unary] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.ServerRunner | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.port: int | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self, reuse_port: bool = False) -> "Relay":
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        self._runner = web.ServerRunner(Server(self._handle), handle_signals=False)
+        await self._runner.setup()
+        host, _, port = self.cfg.listen.rpartition(":")
+        site = web.TCPSite(self._runner, host, int(port), reuse_port=reuse_port or None)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._watchdog(), name="relay-watchdog"))
+        log.info("relay listening on %s:%s -> %s", host, self.port, self.cfg.upstream)
+        return self
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._runner:
+            await self._runner.cleanup()
+        if self._session:
+            await self._session.close()
+
+    # -- the health signal ---------------------------------------------------------------------
+    def on_node(self, node: Any, snapshot: bool = False) -> int:
+        """A routing update (``NodeRouting``-shaped: ``address``, ``state``, ``node_id``).
+        UNHEALTHY: rescue every stream on ``address`` and re-issue waiting non-streaming
+        requests. Returns how many requests it acted on."""
+        if node.state != "UNHEALTHY":
+            return 0
+        n = 0
+        for ctx in list(self.by_node.get(node.address, ())):
+            ctx.kill("health")
+            n += 1
+        if self.cfg.hedge_unary_on_ejection:
+            for u in list(self.unary):
+                if u.hedges < self.cfg.max_rescues and u.pending:
+                    u.hedges += 1
+                    self.metrics.rescues.labels("health", "hedged").inc()
+                    n += 1
+                    self._spawn_unary_attempt(u)
+        if n:
+            log.info("node %s (%s) ejected: rescuing %d requests (%s)", node.node_id,
+                     node.address, n, getattr(node, "reason", ""))
+        return n
+
+    async def _watchdog(self) -> None:
+        """Stall detection and pings: one timer per process, not one per chunk."""
+        tick = min(self.cfg.ping_interval_s, self.cfg.stall_gap_s / 4, 0.1)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(tick)
+            now = loop.time()
+            for ctx in list(self.streams):
+                gap = self.cfg.stall_gap_s if ctx.first_chunk else self.cfg.first_chunk_timeout_s
+                if ctx.up is not None and now - ctx.last_rx > gap:
+                    ctx.kill("stall")
+                if ctx.rescuing and ctx.client is not None and now - ctx.last_tx >= self.cfg.ping_interval_s:
+                    ctx.last_tx = now
+                    loop.create_task(self._ping(ctx.client))
+
+    @staticmethod
+    async def _ping(client: web.StreamResponse) -> None:
+        try:
+            await client.write(PING)
+        except Exception:  # noqa: BLE001 - the client left; the handler finds out itself
+            pass
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def _upstream_headers(self, request: web.BaseRequest, armed: bool) -> dict[str, str]:
+        h = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        if armed:
+            h.pop("Accept-Encoding", None)
+            h.pop("accept-encoding", None)
+        return h
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        raw = await request.read()
+        plan = plan_request(request.path, raw) if request.method == "POST" else \
+            Plan("other", None, False, "method", raw)
+        self.metrics.requests.labels("passthrough" if plan.refusal else "rescue").inc()
+        if plan.refusal is not None:
+            return await self._passthrough(request, raw, f"passthrough; reason={plan.refusal}")
+        headers = self._upstream_headers(request, armed=True)
+        if plan.stream:
+            return await self._stream(request, plan, headers)
+        return await self._unary_request(request, plan, headers)
+
+    async def _passthrough(self, request: web.BaseRequest, raw: bytes, note: str) -> web.StreamResponse:
+        assert self._session is not None
+        url = self.cfg.upstream + request.path_qs
+        try:
+            up = await self._session.request(request.method, url, data=raw or None,
+                                             headers=self._upstream_headers(request, False))
+        except aiohttp.ClientError as e:
+            return web.json_response({"error": {"message": f"upstream: {e}", "code": 502}},
+                                     status=502, headers={RELAY_HEADER: note})
+        try:
+            resp = web.StreamResponse(status=up.status, reason=up.reason,
+                                      headers=_out_headers(up.headers, note))
+            await resp.prepare(request)
+            try:
+                async for data in up.content.iter_any():
+                    await resp.write(data)
+            except (aiohttp.ClientError, OSError):
+                if request.transport is not None:  # pass the cut on, as it was
+                    request.transport.abort()
+                return resp
+            await resp.write_eof()
+            return resp
+        finally:
+            up.close()
+
+    async def _stream(self, request: web.BaseRequest, plan: Plan, headers: dict[str, str]) -> web.StreamResponse:
+        assert self._session is not None and plan.body is not None
+        loop = asyncio.get_running_loop()
+        url = self.cfg.upstream + request.path_qs
+        book = StreamBook(plan.kind, plan.body, plan.include_usage)
+        ctx = _Ctx(loop.time())
+        body = plan.upstream_body
+        client: web.StreamResponse | None = None
+        last_error: tuple[int, str | None, Any, bytes] | None = None
+        rescues = 0
+        trigger: str | None = None
+        self.streams.add(ctx)
+        try:
+            while True:
+                ctx.kill_reason, ctx.first_chunk, ctx.last_rx = None, False, loop.time()
+                reason = None
+                try:
+                    up = await self._session.post(url, data=body, headers=headers)
+                except (aiohttp.ClientError, OSError):
+                    up, reason = None, "reset"
+                if up is not None and up.status != 200:
+                    err_body = await self._read_quietly(up)
+                    if client is None and up.status < 500:
+                        return await self._reply(request, up.status, up.reason, up.headers, err_body)
+                    last_error, up, reason = (up.status, up.reason, up.headers, err_body), None, "error"
+                if up is not None:
+                    if client is None:
+                        client = web.StreamResponse(status=200, headers=_out_headers(up.headers, "rescue"))
+                        await client.prepare(request)
+                        ctx.client = client
+                    reason = await self._pump(ctx, up, book, client)
+                    if reason is None:
+                        if trigger is not None:
+                            self.metrics.rescues.labels(trigger, "resumed").inc()
+                        await client.write_eof()
+                        return client
+                else:
+                    book.set_fault(reason or "reset")
+                trigger = _trigger(reason or "reset")
+                rescues += 1
+                if not ctx.rescuing:
+                    ctx.rescuing, ctx.fault_tx = True, ctx.last_tx
+                refusal = None
+                nxt = None
+                if rescues > self.cfg.max_rescues:
+                    refusal = f"attempts exhausted ({rescues} failed)"
+                else:
+                    try:
+                        nxt = book.next_request(self.cfg.max_resume_tokens)
+                    except Refused as e:
+                        refusal = str(e)
+                    if nxt is None and refusal is None:
+                        if client is not None:
+                            await client.write(book.finish_length())
+                            await client.write_eof()
+                            return client
+                if refusal is not None:
+                    self.metrics.rescues.labels(trigger, "refused" if rescues <= self.cfg.max_rescues else "failed").inc()
+                    log.warning("stream not rescued (%s after %s)", refusal, reason)
+                    if client is None:
+                        if last_error is not None:
+                            return await self._reply(request, *last_error)
+                        return web.json_response({"error": {"message": f"upstream failed: {reason}", "code": 502}},
+                                                 status=502, headers={RELAY_HEADER: "rescue"})
+                    await client.write(book.give_up(f"the serving node failed ({reason}); {refusal}"))
+                    await client.write_eof()
+                    return client
+                self.metrics.wasted.labels("prefill").inc(book.usage()["prompt_tokens"] + book.resent_tokens)
+                log.info("rescuing stream (trigger %s, attempt %d, %d tokens delivered)",
+                         reason, book.attempt, book.rx.tokens)
+                body = json.dumps(nxt, separators=(",", ":")).encode()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            return client or web.Response(status=499)
+        finally:
+            self.streams.discard(ctx)
+            self._detach(ctx)
+
+    async def _pump(self, ctx: _Ctx, up: aiohttp.ClientResponse, book: StreamBook,
+                    client: web.StreamResponse) -> str | None:
+        """Relay one attempt. Returns None when the response is whole, else the fault reason."""
+        loop = asyncio.get_running_loop()
+        node = up.headers.get(self.cfg.upstream_host_header)
+        self._attach(ctx, up, node)
+        sp = SSESplitter()
+        feed, write, content = book.feed, client.write, up.content
+        try:
+            while True:
+                try:
+                    data = await content.readany()
+                except _Kill as k:
+                    tail = book.set_fault(k.args[0])
+                    break
+                except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                    tail = book.set_fault(ctx.kill_reason or "reset")
+                    break
+                ctx.last_rx = loop.time()
+                if not data:
+                    tail = book.eof()
+                    break
+                out = feed(sp.feed(data))
+                if out:
+                    ctx.first_chunk = True
+                    if ctx.rescuing:
+                        self.metrics.pause.observe(ctx.last_rx - ctx.fault_tx)
+                        ctx.rescuing = False
+                    ctx.last_tx = ctx.last_rx
+                    await write(out)
+                if book.state is not St.OPEN and book.state is not St.FINISHED:
+                    tail = b""
+                    break
+            if tail:
+                await write(tail)
+        finally:
+            self._detach(ctx)
+            up.close()
+        if book.state is St.COMPLETE:
+            return None
+        return ctx.kill_reason or book.fault or "reset"
+
+    def _attach(self, ctx: _Ctx, up: aiohttp.ClientResponse, node: str | None) -> None:
+        ctx.up, ctx.node = up, node
+        if node:
+            self.by_node.setdefault(node, set()).add(ctx)
+            self.metrics.in_flight.labels(node).inc()
+
+    def _detach(self, ctx: _Ctx) -> None:
+        if ctx.node:
+            s = self.by_node.get(ctx.node)
+            if s is not None and ctx in s:
+                s.discard(ctx)
+                self.metrics.in_flight.labels(ctx.node).dec()
+        ctx.up, ctx.node = None, None
+
+    @staticmethod
+    async def _read_quietly(up: aiohttp.ClientResponse) -> bytes:
+        try:
+            return await up.read()
+        except (aiohttp.ClientError, OSError):
+            return b""
+        finally:
+            up.close()
+
+    @staticmethod
+    async def _reply(request: web.BaseRequest, status: int, reason: str | None, headers: Any,
+                     body: bytes, note: str = "rescue") -> web.StreamResponse:
+        resp = web.Response(status=status, reason=reason, body=body, headers=_out_headers(headers, note))
+        return resp
+
+    # -- non-streaming -------------------------------------------------------------------------------
+    def _spawn_unary_attempt(self, u: _Unary) -> None:
+        url, body, headers = u.args
+
+        async def attempt() -> None:
+            assert self._session is not None
+            try:
+                async with self._session.post(url, data=body, headers=headers) as up:
+                    data = await up.read()
+                    res: Any = (up.status, up.reason, up.headers, data)
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, OSError) as e:
+                res = e
+            u.pending -= 1
+            u.results.put_nowait(res)
+        u.pending += 1
+        t = asyncio.get_running_loop().create_task(attempt())
+        u.tasks.add(t)
+        t.add_done_callback(u.tasks.discard)
+
+    async def _unary_request(self, request: web.BaseRequest, plan: Plan, headers: dict[str, str]) -> web.StreamResponse:
+        url = self.cfg.upstream + request.path_qs
+        u = _Unary(url, plan.upstream_body, headers)
+        self.unary.add(u)
+        retries = 0
+        last: Any = None
+        try:
+            self._spawn_unary_attempt(u)
+            while True:
+                res = await u.results.get()
+                if isinstance(res, tuple) and res[0] < 500:
+                    if retries or u.hedges:
+                        self.metrics.rescues.labels("health" if u.hedges else "error", "resumed").inc()
+                    return await self._reply(request, *res)
+                last = res
+                if u.pending or not u.results.empty():
+                    continue  # another attempt (a re-issue on an ejection) is still running
+                retries += 1
+                trig = "error" if isinstance(res, tuple) else "reset"
+                if retries + u.hedges > self.cfg.max_rescues:
+                    self.metrics.rescues.labels(trig, "failed").inc()
+                    break
+                self._spawn_unary_attempt(u)
+            if isinstance(last, tuple):
+                return await self._reply(request, *last)
+            return web.json_response({"error": {"message": f"upstream failed: {last}", "code": 502}},
+                                     status=502, headers={RELAY_HEADER: "rescue"})
+        finally:
+            self.unary.discard(u)
+            for t in list(u.tasks):
+                t.cancel()
+
+
+def _trigger(reason: str) -> str:
+    """Metric label for a fault reason: health, reset, stall or error."""
+    if reason in ("health", "stall", "error"):
+        return reason
+    return "reset"  # reset, truncated
