@@ -133,6 +133,8 @@ def _xds_metrics(cp: "ControlPlane"):
                               "resources held back because Envoy would NACK them")
     rej.add_metric([], cache.rejected_count)
     yield rej
+    if getattr(cp, "routing_feed", None) is not None:  # the relay's feed (routing_feed.py)
+        yield from cp.routing_feed.metrics()
 
 
 def build_admin_app(cp: "ControlPlane") -> web.Application:
