@@ -20,24 +20,28 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from aiohttp.web_server import Server
 
 from .config import RelayConfig
 from .metrics import RelayMetrics
 from .plan import Plan, Refused, plan_request
 from .sse import SSESplitter
+from .http1 import build_request
 from .stream import PING, St, StreamBook
+from .upstream import UpstreamExchange, open_exchange
 
 __all__ = ["Relay", "RELAY_HEADER"]
 
 log = logging.getLogger("sentinel_relay")
 
 RELAY_HEADER = "x-sentinel-relay"
+_HIGH_WATER, _LOW_WATER = 1 << 20, 256 << 10  # client write buffer: pause / resume upstream (bytes)
 _HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
                   "trailer", "upgrade", "host", "content-length"})
 
@@ -50,10 +54,10 @@ class _Ctx:
     """One armed stream in flight (the shell's handle on it)."""
 
     __slots__ = ("up", "node", "last_rx", "last_tx", "rescuing", "fault_tx", "kill_reason",
-                 "client", "first_chunk")
+                 "client", "first_chunk", "transport", "chunked", "client_gone", "paused")
 
     def __init__(self, now: float) -> None:
-        self.up: aiohttp.ClientResponse | None = None
+        self.up: UpstreamExchange | None = None
         self.node: str | None = None
         self.last_rx = now
         self.last_tx = now
@@ -61,13 +65,33 @@ class _Ctx:
         self.fault_tx = now
         self.kill_reason: str | None = None
         self.client: web.StreamResponse | None = None
+        self.transport: asyncio.Transport | None = None
+        self.chunked = False
         self.first_chunk = False
+        self.client_gone = False
+        self.paused = False
+
+    def bind_client(self, client: web.StreamResponse, transport: Any) -> None:
+        self.client, self.transport = client, transport
+        w = client._payload_writer
+        self.chunked = bool(getattr(w, "chunked", False))
+
+    def send(self, data: bytes) -> None:
+        """Write to the client now (chunked framing as aiohttp set up); flags a gone client and
+        pauses the upstream while the client's buffer is over 1 MiB (the watchdog resumes it)."""
+        tr = self.transport
+        if tr is None or tr.is_closing():
+            self.client_gone = True
+            return
+        tr.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        if tr.get_write_buffer_size() > _HIGH_WATER and self.up is not None:
+            self.up.pause()
+            self.paused = True
 
     def kill(self, reason: str) -> None:
         if self.kill_reason is None and self.up is not None:
             self.kill_reason = reason
-            self.up.content.set_exception(_Kill(reason))
-            self.up.close()
+            self.up.abort(reason)
 
 
 class _Unary:
@@ -104,6 +128,11 @@ class Relay:
         self._runner: web.ServerRunner | None = None
         self._tasks: list[asyncio.Task] = []
         self.port: int | None = None
+        u = urlsplit(cfg.upstream)
+        if u.scheme != "http" or not u.hostname:
+            raise ValueError(f"upstream: streams are relayed over plain HTTP/1.1 to Envoy; got {cfg.upstream!r}")
+        self._up_host, self._up_port = u.hostname, u.port or 80
+        self._up_hostport = u.netloc
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self, reuse_port: bool = False) -> "Relay":
@@ -163,18 +192,17 @@ class Relay:
             now = loop.time()
             for ctx in list(self.streams):
                 gap = self.cfg.stall_gap_s if ctx.first_chunk else self.cfg.first_chunk_timeout_s
+                if ctx.paused:
+                    if ctx.transport is None or ctx.transport.get_write_buffer_size() < _LOW_WATER:
+                        ctx.paused = False
+                        if ctx.up is not None:
+                            ctx.up.resume()
+                    ctx.last_rx = now  # a slow client is not a stalled engine
                 if ctx.up is not None and now - ctx.last_rx > gap:
                     ctx.kill("stall")
-                if ctx.rescuing and ctx.client is not None and now - ctx.last_tx >= self.cfg.ping_interval_s:
+                if ctx.rescuing and ctx.transport is not None and now - ctx.last_tx >= self.cfg.ping_interval_s:
                     ctx.last_tx = now
-                    loop.create_task(self._ping(ctx.client))
-
-    @staticmethod
-    async def _ping(client: web.StreamResponse) -> None:
-        try:
-            await client.write(PING)
-        except Exception:  # noqa: BLE001 - the client left; the handler finds out itself
-            pass
+                    ctx.send(PING)
 
     # -- HTTP ------------------------------------------------------------------------------------
     def _upstream_headers(self, request: web.BaseRequest, armed: bool) -> dict[str, str]:
@@ -222,9 +250,9 @@ class Relay:
             up.close()
 
     async def _stream(self, request: web.BaseRequest, plan: Plan, headers: dict[str, str]) -> web.StreamResponse:
-        assert self._session is not None and plan.body is not None
+        assert plan.body is not None
         loop = asyncio.get_running_loop()
-        url = self.cfg.upstream + request.path_qs
+        hdrs = [(k, v) for k, v in headers.items() if k.lower() != "accept-encoding"]
         book = StreamBook(plan.kind, plan.body, plan.include_usage)
         ctx = _Ctx(loop.time())
         body = plan.upstream_body
@@ -236,22 +264,33 @@ class Relay:
         try:
             while True:
                 ctx.kill_reason, ctx.first_chunk, ctx.last_rx = None, False, loop.time()
-                reason = None
+                reason: str | None = None
+                head = None
                 try:
-                    up = await self._session.post(url, data=body, headers=headers)
-                except (aiohttp.ClientError, OSError):
-                    up, reason = None, "reset"
-                if up is not None and up.status != 200:
-                    err_body = await self._read_quietly(up)
-                    if client is None and up.status < 500:
-                        return await self._reply(request, up.status, up.reason, up.headers, err_body)
-                    last_error, up, reason = (up.status, up.reason, up.headers, err_body), None, "error"
-                if up is not None:
+                    ex = await open_exchange(self._up_host, self._up_port, build_request(
+                        "POST", request.path_qs, self._up_hostport, hdrs, body))
+                    ctx.up = ex
+                    head = await ex.head
+                except (OSError, asyncio.TimeoutError):
+                    reason = ctx.kill_reason or "reset"
+                if head is not None and head.status != 200:
+                    err = await _collect(ex)
+                    ctx.up = None
+                    hh = CIMultiDict(head.headers)
+                    if client is None and head.status < 500:
+                        return _reply(head.status, head.reason, hh, err)
+                    last_error, head, reason = (head.status, head.reason, hh, err), None, "error"
+                if head is not None:
                     if client is None:
-                        client = web.StreamResponse(status=200, headers=_out_headers(up.headers, "rescue"))
+                        client = web.StreamResponse(status=200, headers=_out_headers(CIMultiDict(head.headers), "rescue"))
                         await client.prepare(request)
-                        ctx.client = client
-                    reason = await self._pump(ctx, up, book, client)
+                        writer = client._payload_writer
+                        if writer is not None and hasattr(writer, "send_headers"):
+                            writer.send_headers()
+                        ctx.bind_client(client, request.transport)
+                    reason = await self._relay_attempt(ctx, ex, head, book)
+                    if ctx.client_gone:
+                        return client
                     if reason is None:
                         if trigger is not None:
                             self.metrics.rescues.labels(trigger, "resumed").inc()
@@ -272,20 +311,19 @@ class Relay:
                         nxt = book.next_request(self.cfg.max_resume_tokens)
                     except Refused as e:
                         refusal = str(e)
-                    if nxt is None and refusal is None:
-                        if client is not None:
-                            await client.write(book.finish_length())
-                            await client.write_eof()
-                            return client
+                    if nxt is None and refusal is None and client is not None:
+                        ctx.send(book.finish_length())
+                        await client.write_eof()
+                        return client
                 if refusal is not None:
                     self.metrics.rescues.labels(trigger, "refused" if rescues <= self.cfg.max_rescues else "failed").inc()
                     log.warning("stream not rescued (%s after %s)", refusal, reason)
                     if client is None:
                         if last_error is not None:
-                            return await self._reply(request, *last_error)
+                            return _reply(*last_error)
                         return web.json_response({"error": {"message": f"upstream failed: {reason}", "code": 502}},
                                                  status=502, headers={RELAY_HEADER: "rescue"})
-                    await client.write(book.give_up(f"the serving node failed ({reason}); {refusal}"))
+                    ctx.send(book.give_up(f"the serving node failed ({reason}); {refusal}"))
                     await client.write_eof()
                     return client
                 self.metrics.wasted.labels("prefill").inc(book.usage()["prompt_tokens"] + book.resent_tokens)
@@ -297,50 +335,50 @@ class Relay:
         finally:
             self.streams.discard(ctx)
             self._detach(ctx)
+            if ctx.up is not None:
+                ctx.up.abort("handler")
 
-    async def _pump(self, ctx: _Ctx, up: aiohttp.ClientResponse, book: StreamBook,
-                    client: web.StreamResponse) -> str | None:
-        """Relay one attempt. Returns None when the response is whole, else the fault reason."""
+    async def _relay_attempt(self, ctx: _Ctx, ex: UpstreamExchange, head: Any, book: StreamBook) -> str | None:
+        """Relay one attempt's body; the hot path runs in ``on_body`` (no await per chunk).
+        Returns None when the response is whole, else the fault reason."""
         loop = asyncio.get_running_loop()
-        node = up.headers.get(self.cfg.upstream_host_header)
-        self._attach(ctx, up, node)
+        self._attach(ctx, ex, head.header(self.cfg.upstream_host_header))
         sp = SSESplitter()
-        feed, write, content = book.feed, client.write, up.content
-        try:
-            while True:
-                try:
-                    data = await content.readany()
-                except _Kill as k:
-                    tail = book.set_fault(k.args[0])
-                    break
-                except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-                    tail = book.set_fault(ctx.kill_reason or "reset")
-                    break
-                ctx.last_rx = loop.time()
-                if not data:
-                    tail = book.eof()
-                    break
-                out = feed(sp.feed(data))
-                if out:
-                    ctx.first_chunk = True
-                    if ctx.rescuing:
-                        self.metrics.pause.observe(ctx.last_rx - ctx.fault_tx)
-                        ctx.rescuing = False
-                    ctx.last_tx = ctx.last_rx
-                    await write(out)
-                if book.state is not St.OPEN and book.state is not St.FINISHED:
-                    tail = b""
-                    break
-            if tail:
-                await write(tail)
-        finally:
-            self._detach(ctx)
-            up.close()
+        feed, split, send, pause = book.feed, sp.feed, ctx.send, self.metrics.pause
+
+        def on_body(data: bytes) -> None:
+            now = ctx.last_rx = loop.time()
+            out = feed(split(data))
+            if out:
+                ctx.first_chunk = True
+                if ctx.rescuing:
+                    pause.observe(now - ctx.fault_tx)
+                    ctx.rescuing = False
+                ctx.last_tx = now
+                send(out)
+                if ctx.client_gone:
+                    ex.abort("client")
+            st = book.state
+            if st is not St.OPEN and st is not St.FINISHED:
+                ex.abort("book")  # whole ([DONE]) or faulted (in-band error): this attempt is over
+
+        ex.consume(on_body)
+        reason = await ex.done
+        if ctx.kill_reason is not None:
+            tail = book.set_fault(ctx.kill_reason)
+        elif reason in (None, "book"):
+            tail = book.eof()
+        else:
+            tail = book.set_fault("reset")
+        if tail:
+            ctx.send(tail)
+        self._detach(ctx)
+        ctx.up = None
         if book.state is St.COMPLETE:
             return None
         return ctx.kill_reason or book.fault or "reset"
 
-    def _attach(self, ctx: _Ctx, up: aiohttp.ClientResponse, node: str | None) -> None:
+    def _attach(self, ctx: _Ctx, up: UpstreamExchange, node: str | None) -> None:
         ctx.up, ctx.node = up, node
         if node:
             self.by_node.setdefault(node, set()).add(ctx)
@@ -352,22 +390,7 @@ class Relay:
             if s is not None and ctx in s:
                 s.discard(ctx)
                 self.metrics.in_flight.labels(ctx.node).dec()
-        ctx.up, ctx.node = None, None
-
-    @staticmethod
-    async def _read_quietly(up: aiohttp.ClientResponse) -> bytes:
-        try:
-            return await up.read()
-        except (aiohttp.ClientError, OSError):
-            return b""
-        finally:
-            up.close()
-
-    @staticmethod
-    async def _reply(request: web.BaseRequest, status: int, reason: str | None, headers: Any,
-                     body: bytes, note: str = "rescue") -> web.StreamResponse:
-        resp = web.Response(status=status, reason=reason, body=body, headers=_out_headers(headers, note))
-        return resp
+        ctx.node = None
 
     # -- non-streaming -------------------------------------------------------------------------------
     def _spawn_unary_attempt(self, u: _Unary) -> None:
@@ -403,7 +426,7 @@ class Relay:
                 if isinstance(res, tuple) and res[0] < 500:
                     if retries or u.hedges:
                         self.metrics.rescues.labels("health" if u.hedges else "error", "resumed").inc()
-                    return await self._reply(request, *res)
+                    return _reply(*res)
                 last = res
                 if u.pending or not u.results.empty():
                     continue  # another attempt (a re-issue on an ejection) is still running
@@ -414,7 +437,7 @@ class Relay:
                     break
                 self._spawn_unary_attempt(u)
             if isinstance(last, tuple):
-                return await self._reply(request, *last)
+                return _reply(*last)
             return web.json_response({"error": {"message": f"upstream failed: {last}", "code": 502}},
                                      status=502, headers={RELAY_HEADER: "rescue"})
         finally:
@@ -428,3 +451,15 @@ def _trigger(reason: str) -> str:
     if reason in ("health", "stall", "error"):
         return reason
     return "reset"  # reset, truncated
+
+
+async def _collect(ex: UpstreamExchange) -> bytes:
+    """The whole (error) body of an exchange."""
+    parts: list[bytes] = []
+    ex.consume(parts.append)
+    await ex.done
+    return b"".join(parts)
+
+
+def _reply(status: int, reason: str | None, headers: Any, body: bytes, note: str = "rescue") -> web.Response:
+    return web.Response(status=status, reason=reason, body=body, headers=_out_headers(headers, note))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from typing import Any
 
 from .plan import Received, Refused, continuation_body
@@ -27,6 +28,11 @@ from .sse import event_data
 __all__ = ["BookError", "In", "St", "StreamBook", "TRANSITIONS", "error_event", "PING", "DONE"]
 
 PING = b": ping\n\n"
+# Compact JSON (vLLM's pydantic output): the string value of a key, the token id list.
+_STR = rb'("(?:[^"\\]|\\.)*")'
+_TEXT = re.compile(rb'"text":' + _STR)
+_CONTENT = re.compile(rb'"delta":\{(?:"role":"assistant",)?"content":' + _STR)
+_IDS = re.compile(rb'"token_ids":(\[[0-9,]*\]|null)')
 DONE = b"data: [DONE]\n\n"
 
 
@@ -97,7 +103,12 @@ class StreamBook:
         self.include_usage = include_usage
         self.state = St.OPEN
         self.attempt = 1
-        self.rx = Received()
+        self._rx = Received()
+        # Fast path (first attempt, compact vLLM-style chunks): the JSON of each chunk's text and
+        # token ids is kept as bytes, comma-joined, and decoded only when needed (see ``rx``).
+        self._fast_text = bytearray()
+        self._fast_ids = bytearray()
+        self._fast_n = 0
         self.fault: str | None = None
         self.resent_tokens = 0
         self._identity: tuple[Any, Any, Any, Any] | None = None  # id, object, created, model
@@ -106,6 +117,51 @@ class StreamBook:
         self._engine_usage_attempt = 0
         self._usage_sent = False
         self._tool_or_reasoning: str | None = None
+
+    @property
+    def rx(self) -> Received:
+        """What the client has received (decodes the fast path's pending bytes first)."""
+        if self._fast_n:
+            rx = self._rx
+            texts = json.loads(b"[" + self._fast_text + b"]")
+            rx.text.extend(t for t in texts if t)
+            if self._fast_ids:
+                rx.token_ids.extend(json.loads(b"[" + self._fast_ids + b"]"))
+            rx.chunks += self._fast_n
+            self._fast_text.clear()
+            self._fast_ids.clear()
+            self._fast_n = 0
+        return self._rx
+
+    def _fast(self, data: bytes) -> bool:
+        """Record a plain token chunk without decoding its JSON; False when it needs the full
+        parse (first chunk, finish_reason, errors, usage, tool calls, reasoning, non-compact
+        JSON)."""
+        # An error event carries no "finish_reason":null; logprobs cannot match the patterns.
+        if b'"finish_reason":null' not in data or b'"usage"' in data:
+            return False
+        if self.kind == "chat":
+            if b'"tool_calls"' in data or b'"reasoning' in data:
+                return False
+            m = _CONTENT.search(data)
+        else:
+            m = _TEXT.search(data)
+        i = _IDS.search(data)
+        if m is None or i is None:
+            return False
+        ft = self._fast_text
+        if ft or self._fast_n:
+            ft += b","
+        ft += m.group(1)
+        ids = i.group(1)
+        if ids != b"null" and len(ids) > 2:
+            if self._fast_ids:
+                self._fast_ids += b","
+            self._fast_ids += ids[1:-1]
+        elif m.group(1) == b'""':
+            return True  # neither text nor ids: not a content chunk
+        self._fast_n += 1
+        return True
 
     # -- transitions -------------------------------------------------------------------------
     def _go(self, inp: In) -> St:
@@ -141,6 +197,10 @@ class StreamBook:
                     out.append(self._closing(raw if (not self.rewriting and before is St.FINISHED) else None))
                 else:
                     self.fault = "truncated"
+                continue
+            if self.state is St.OPEN and self._identity is not None and not self.rewriting \
+                    and self._fast(data):
+                out.append(raw)
                 continue
             try:
                 obj = json.loads(data)
@@ -186,16 +246,17 @@ class StreamBook:
             delta = None
             text = ch.get("text")
         ids = ch.get("token_ids")
-        if self.rx.prompt_token_ids is None and self.resent_tokens == 0:
+        rx = self.rx  # decodes the fast path's pending chunks first: order is kept
+        if rx.prompt_token_ids is None and self.resent_tokens == 0:
             pids = ch.get("prompt_token_ids") or obj.get("prompt_token_ids")
             if isinstance(pids, list):
-                self.rx.prompt_token_ids = pids
+                rx.prompt_token_ids = pids
         if text:
-            self.rx.text.append(text)
+            rx.text.append(text)
         if isinstance(ids, list) and ids:
-            self.rx.token_ids.extend(ids)
+            rx.token_ids.extend(ids)
         if text or ids:
-            self.rx.chunks += 1
+            rx.chunks += 1
         self._go(In.FINISH if finish is not None else In.CHUNK)
         if not self.rewriting:
             return raw

@@ -230,3 +230,24 @@ def test_transition_table_total_for_upstream_inputs(state, inp):
     else:
         with pytest.raises(BookError):
             book._go(inp)
+
+
+@given(st.lists(st.text(max_size=6), min_size=1, max_size=8), st.sampled_from(["completions", "chat"]),
+       st.booleans())
+def test_fast_path_records_any_text_exactly(texts, kind, ascii_only):
+    """Token chunks are recorded without a JSON decode; what a rescue sees is still exact
+    (quotes, backslashes, unicode, empty deltas)."""
+    book = StreamBook(kind, {"prompt": "x"} if kind == "completions" else {"messages": [{"role": "user", "content": "x"}]})
+    evs = []
+    for i, t in enumerate(texts):
+        if kind == "completions":
+            ch = {"index": 0, "text": t, "logprobs": None, "finish_reason": None, "token_ids": [i]}
+        else:
+            ch = {"index": 0, "delta": {"content": t}, "logprobs": None, "finish_reason": None, "token_ids": [i]}
+        o = {"id": "a", "object": "o", "created": 1, "model": "m", "choices": [ch]}
+        evs.append(b"data: " + json.dumps(o, separators=(",", ":"), ensure_ascii=ascii_only).encode() + b"\n\n")
+    book.feed(evs)
+    book.set_fault("health")
+    assert "".join(book.rx.text) == "".join(texts)
+    assert book.rx.token_ids == list(range(len(texts)))
+    assert book.rx.chunks == len(texts)
