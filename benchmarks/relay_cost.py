@@ -91,7 +91,8 @@ async def run(args: argparse.Namespace) -> dict:
         relay = ManagedProcess("relay", [sys.executable, "-m", "sentinel_relay.cli", "--listen",
                                          f"127.0.0.1:{relay_port}", "--upstream", engine_url,
                                          "--admin-listen", f"127.0.0.1:{free_port()}",
-                                         "--workers", "1", "--log-level", "WARNING"],
+                                         "--workers", "1", "--log-level", "WARNING",
+                                         "--loop", args.loop],
                                wd / "relay-bench-relay.log", ready_pattern="ready on").start()
         relay_url = f"http://127.0.0.1:{relay_port}"
         await load(relay_url, 2, 5, 0.5)
@@ -107,7 +108,7 @@ async def run(args: argparse.Namespace) -> dict:
         engine.stop()
     cores = cpu / via["wall_s"]
     return {
-        "streams": args.streams, "interval_ms": args.interval_ms,
+        "streams": args.streams, "interval_ms": args.interval_ms, "loop": args.loop,
         "direct": direct, "relay": via,
         "relay_cores": round(cores, 4),
         "relay_user_system_s": [round(user, 2), round(system, 2)],
@@ -123,6 +124,7 @@ def main() -> None:
     ap.add_argument("--interval-ms", type=float, default=20.0)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto")
     res = asyncio.run(run(ap.parse_args()))
     print(json.dumps(res, indent=1))
 

@@ -65,13 +65,18 @@ async def _serve(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int |
             await r.cleanup()
 
 
-def run_worker(cfg: RelayConfig, index: int = 0, reuse_port: bool = False, ready_fd: int | None = None) -> None:
-    """Run one relay process until SIGTERM/SIGINT (uses uvloop when installed)."""
-    try:
-        import uvloop  # optional: faster event loop
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
+def run_worker(cfg: RelayConfig, index: int = 0, reuse_port: bool = False, ready_fd: int | None = None,
+               loop: str = "auto") -> None:
+    """Run one relay process until SIGTERM/SIGINT. ``loop``: "uvloop", "asyncio" or "auto"
+    (uvloop when installed: the ``relay`` extra)."""
+    runner = asyncio.run
+    if loop in ("auto", "uvloop"):
+        try:
+            import uvloop  # optional: a faster event loop
+            runner = uvloop.run
+        except ImportError:
+            if loop == "uvloop":
+                raise
     runner(_serve(cfg, index, reuse_port, ready_fd))
 
 
@@ -88,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-gap-s", type=float)
     p.add_argument("--first-chunk-timeout-s", type=float)
     p.add_argument("--ping-interval-s", type=float)
+    p.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                   help="event loop (auto: uvloop when installed)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
-    fields = {k: v for k, v in vars(args).items() if k not in ("config", "log_level")}
+    fields = {k: v for k, v in vars(args).items() if k not in ("config", "log_level", "loop")}
     try:
         cfg = load_relay_config(args.config, **fields)
     except RelayConfigError as e:
@@ -107,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - child
             os.close(r)
-            run_worker(cfg, 0, False, w)
+            run_worker(cfg, 0, False, w, args.loop)
             os._exit(0)
         os.close(w)
         return _supervise([pid], r, cfg)
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - child
             os.close(rfd)
-            run_worker(cfg, i, True, wfd)
+            run_worker(cfg, i, True, wfd, args.loop)
             os._exit(0)
         pids.append(pid)
     os.close(wfd)
