@@ -11,9 +11,7 @@ fails it is continued on whatever node Envoy routes the continuation to. Trigger
 - error: an in-band error event, or a 5xx status before the first byte;
 - stall: no byte for ``stall_gap_s`` (``first_chunk_timeout_s`` before an attempt's first chunk).
 
-A non-streaming request is re-issued on reset/5xx, and re-issued at once on any ejection while it
-waits (its node is unknown until its answer; the first answer wins). Everything else (refused
-requests, other paths) is passed through unchanged with ``x-sentinel-relay: passthrough; ...``.
+Non-streaming requests and pass-through (refused requests, other paths): :mod:`.unary`.
 """
 from __future__ import annotations
 
@@ -25,29 +23,23 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 from aiohttp.web_server import Server
+from multidict import CIMultiDict
 
 from .config import RelayConfig
+from .http1 import build_request
 from .metrics import RelayMetrics
 from .plan import Plan, Refused, plan_request
 from .sse import SSESplitter
-from .http1 import build_request
 from .stream import PING, St, StreamBook
+from .unary import HOP_HEADERS, RELAY_HEADER, UnaryRequests, out_headers as _out_headers, reply as _reply
 from .upstream import UpstreamExchange, open_exchange
 
 __all__ = ["Relay", "RELAY_HEADER"]
 
 log = logging.getLogger("sentinel_relay")
 
-RELAY_HEADER = "x-sentinel-relay"
 _HIGH_WATER, _LOW_WATER = 1 << 20, 256 << 10  # client write buffer: pause / resume upstream (bytes)
-_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
-                  "trailer", "upgrade", "host", "content-length"})
-
-
-class _Kill(Exception):
-    """Raised into an upstream read to end an attempt; ``args[0]`` is the trigger."""
 
 
 class _Ctx:
@@ -94,26 +86,6 @@ class _Ctx:
             self.up.abort(reason)
 
 
-class _Unary:
-    """One armed non-streaming request in flight: its attempts and their answers."""
-
-    __slots__ = ("results", "tasks", "hedges", "args", "pending")
-
-    def __init__(self, *args: Any) -> None:
-        self.args = args  # url, body, headers
-        self.results: asyncio.Queue = asyncio.Queue()
-        self.pending = 0  # attempts started whose answer is not yet in ``results``
-        self.tasks: set[asyncio.Task] = set()
-        self.hedges = 0
-
-
-def _out_headers(h: Any, extra: str | None = None) -> dict[str, str]:
-    out = {k: v for k, v in h.items() if k.lower() not in _HOP}
-    if extra:
-        out[RELAY_HEADER] = extra
-    return out
-
-
 class Relay:
     """``await Relay(cfg).start()`` serves until ``await stop()``. ``metrics``: its registry.
     ``sock``: an already bound socket to serve on (worker mode), else ``cfg.listen``."""
@@ -123,7 +95,6 @@ class Relay:
         self.metrics = metrics or RelayMetrics()
         self.by_node: dict[str, set[_Ctx]] = {}
         self.streams: set[_Ctx] = set()
-        self.unary: set[_Unary] = set()
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.ServerRunner | None = None
         self._tasks: list[asyncio.Task] = []
@@ -140,6 +111,7 @@ class Relay:
             connector=aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
             auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        self.unary = UnaryRequests(self.cfg, self.metrics, self._session)
         self._runner = web.ServerRunner(Server(self._handle), handle_signals=False)
         await self._runner.setup()
         host, _, port = self.cfg.listen.rpartition(":")
@@ -172,12 +144,7 @@ class Relay:
             ctx.kill("health")
             n += 1
         if self.cfg.hedge_unary_on_ejection:
-            for u in list(self.unary):
-                if u.hedges < self.cfg.max_rescues and u.pending:
-                    u.hedges += 1
-                    self.metrics.rescues.labels("health", "hedged").inc()
-                    n += 1
-                    self._spawn_unary_attempt(u)
+            n += self.unary.on_ejection()
         if n:
             log.info("node %s (%s) ejected: rescuing %d requests (%s)", node.node_id,
                      node.address, n, getattr(node, "reason", ""))
@@ -206,7 +173,7 @@ class Relay:
 
     # -- HTTP ------------------------------------------------------------------------------------
     def _upstream_headers(self, request: web.BaseRequest, armed: bool) -> dict[str, str]:
-        h = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        h = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         if armed:
             h.pop("Accept-Encoding", None)
             h.pop("accept-encoding", None)
@@ -218,36 +185,11 @@ class Relay:
             Plan("other", None, False, "method", raw)
         self.metrics.requests.labels("passthrough" if plan.refusal else "rescue").inc()
         if plan.refusal is not None:
-            return await self._passthrough(request, raw, f"passthrough; reason={plan.refusal}")
+            return await self.unary.passthrough(request, raw, f"passthrough; reason={plan.refusal}")
         headers = self._upstream_headers(request, armed=True)
         if plan.stream:
             return await self._stream(request, plan, headers)
-        return await self._unary_request(request, plan, headers)
-
-    async def _passthrough(self, request: web.BaseRequest, raw: bytes, note: str) -> web.StreamResponse:
-        assert self._session is not None
-        url = self.cfg.upstream + request.path_qs
-        try:
-            up = await self._session.request(request.method, url, data=raw or None,
-                                             headers=self._upstream_headers(request, False))
-        except aiohttp.ClientError as e:
-            return web.json_response({"error": {"message": f"upstream: {e}", "code": 502}},
-                                     status=502, headers={RELAY_HEADER: note})
-        try:
-            resp = web.StreamResponse(status=up.status, reason=up.reason,
-                                      headers=_out_headers(up.headers, note))
-            await resp.prepare(request)
-            try:
-                async for data in up.content.iter_any():
-                    await resp.write(data)
-            except (aiohttp.ClientError, OSError):
-                if request.transport is not None:  # pass the cut on, as it was
-                    request.transport.abort()
-                return resp
-            await resp.write_eof()
-            return resp
-        finally:
-            up.close()
+        return await self.unary.handle(request, plan, headers)
 
     async def _stream(self, request: web.BaseRequest, plan: Plan, headers: dict[str, str]) -> web.StreamResponse:
         assert plan.body is not None
@@ -392,60 +334,6 @@ class Relay:
                 self.metrics.in_flight.labels(ctx.node).dec()
         ctx.node = None
 
-    # -- non-streaming -------------------------------------------------------------------------------
-    def _spawn_unary_attempt(self, u: _Unary) -> None:
-        url, body, headers = u.args
-
-        async def attempt() -> None:
-            assert self._session is not None
-            try:
-                async with self._session.post(url, data=body, headers=headers) as up:
-                    data = await up.read()
-                    res: Any = (up.status, up.reason, up.headers, data)
-            except asyncio.CancelledError:
-                raise
-            except (aiohttp.ClientError, OSError) as e:
-                res = e
-            u.pending -= 1
-            u.results.put_nowait(res)
-        u.pending += 1
-        t = asyncio.get_running_loop().create_task(attempt())
-        u.tasks.add(t)
-        t.add_done_callback(u.tasks.discard)
-
-    async def _unary_request(self, request: web.BaseRequest, plan: Plan, headers: dict[str, str]) -> web.StreamResponse:
-        url = self.cfg.upstream + request.path_qs
-        u = _Unary(url, plan.upstream_body, headers)
-        self.unary.add(u)
-        retries = 0
-        last: Any = None
-        try:
-            self._spawn_unary_attempt(u)
-            while True:
-                res = await u.results.get()
-                if isinstance(res, tuple) and res[0] < 500:
-                    if retries or u.hedges:
-                        self.metrics.rescues.labels("health" if u.hedges else "error", "resumed").inc()
-                    return _reply(*res)
-                last = res
-                if u.pending or not u.results.empty():
-                    continue  # another attempt (a re-issue on an ejection) is still running
-                retries += 1
-                trig = "error" if isinstance(res, tuple) else "reset"
-                if retries + u.hedges > self.cfg.max_rescues:
-                    self.metrics.rescues.labels(trig, "failed").inc()
-                    break
-                self._spawn_unary_attempt(u)
-            if isinstance(last, tuple):
-                return _reply(*last)
-            return web.json_response({"error": {"message": f"upstream failed: {last}", "code": 502}},
-                                     status=502, headers={RELAY_HEADER: "rescue"})
-        finally:
-            self.unary.discard(u)
-            for t in list(u.tasks):
-                t.cancel()
-
-
 def _trigger(reason: str) -> str:
     """Metric label for a fault reason: health, reset, stall or error."""
     if reason in ("health", "stall", "error"):
@@ -461,5 +349,3 @@ async def _collect(ex: UpstreamExchange) -> bytes:
     return b"".join(parts)
 
 
-def _reply(status: int, reason: str | None, headers: Any, body: bytes, note: str = "rescue") -> web.Response:
-    return web.Response(status=status, reason=reason, body=body, headers=_out_headers(headers, note))

@@ -166,7 +166,7 @@ async def test_non_streaming_reissued_on_500_and_on_ejection(rig):
     up.faults = [("stall",)]
     task = asyncio.create_task(post(url, "/v1/completions", body))
     for _ in range(100):
-        if relay.unary:
+        if relay.unary.inflight:
             break
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.05)
