@@ -97,6 +97,16 @@ class ResponseReader:
             self._mode = "close"
 
     def _chunked(self, data: bytes) -> list[bytes]:
+        if self._need == "size" and not self._buf:
+            # The common read: exactly one whole chunk ("<hex>\r\n<data>\r\n").
+            j = data.find(b"\r\n", 0, 18)
+            if j > 0:
+                try:
+                    size = int(data[:j], 16)
+                except ValueError:
+                    size = -1
+                if size > 0 and len(data) == j + size + 4 and data.endswith(b"\r\n"):
+                    return [data[j + 2:j + 2 + size]]
         out: list[bytes] = []
         buf = self._buf + data if self._buf else data
         self._buf = b""

@@ -33,6 +33,9 @@ class SSESplitter:
         self.max_event_bytes = max_event_bytes
 
     def feed(self, data: bytes) -> list[bytes]:
+        if not self._buf and data.endswith(b"\n\n") and data.find(b"\n\n") == len(data) - 2 \
+                and b"\r" not in data:
+            return [data]  # the common read: exactly one event
         buf = self._buf + data if self._buf else data
         if b"\n\n" in buf and b"\r" not in buf:  # the common case (vLLM, SGLang): split cheaply
             parts = buf.split(b"\n\n")

@@ -251,3 +251,14 @@ def test_fast_path_records_any_text_exactly(texts, kind, ascii_only):
     assert "".join(book.rx.text) == "".join(texts)
     assert book.rx.token_ids == list(range(len(texts)))
     assert book.rx.chunks == len(texts)
+
+
+@given(st.lists(st.binary(max_size=50), min_size=1, max_size=10), st.lists(st.integers(0, 10_000), max_size=20))
+def test_http1_chunked_body_any_chunking(pieces, cuts):
+    from sentinel_relay.http1 import ResponseReader
+    body = b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in pieces if p) + b"0\r\n\r\n"
+    wire = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n" + body
+    rr = ResponseReader()
+    got = b"".join(b"".join(rr.feed(p)) for p in chunked(wire, cuts))
+    assert rr.status == 200 and rr.header("content-type") == "text/event-stream"
+    assert got == b"".join(pieces) and rr.complete
