@@ -4,7 +4,6 @@ from __future__ import annotations
 import grpc
 import pytest
 from envoy.config.endpoint.v3 import endpoint_pb2
-from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from xds_server.config import parse_config
 from xds_server.health.model import Routing
@@ -26,7 +25,7 @@ async def server():
     cache.set_resource(EDS, "llm", build_cla(CFG.clusters[0], {"a": Routing(100, "HEALTHY")}))
     servicer = AdsServicer(cache)
     srv = grpc.aio.server()
-    ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(servicer, srv)
+    servicer.add_to_server(srv)
     port = srv.add_insecure_port("127.0.0.1:0")
     await srv.start()
     clients = []
