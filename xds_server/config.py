@@ -127,6 +127,11 @@ class XdsConfig(_Model):
         description="a NACK's error_detail.message as kept for /xds/clients and logged; Envoy's "
         "messages name the field and the reason in a few hundred characters",
     )
+    clients_view_max_names: int = Field(
+        100, ge=0,
+        description="subscribed names listed per stream and type in /xds/clients (the count is "
+        "always given): a client may hold 200,000 names; the view stays small",
+    )
     memo_max_entries: int = Field(
         1024, ge=1,
         description="entries in each memo of the snapshot cache (encoded response bodies and "

@@ -191,3 +191,15 @@ async def test_closed_streams_leave_no_state(server):
             break
         await asyncio.sleep(0.02)
     assert servicer.streams == {}
+
+
+def test_describe_lists_a_bounded_number_of_subscribed_names_and_their_count():
+    from envoy.service.discovery.v3 import discovery_pb2
+
+    from xds_server.xds.protocol import StreamIdentity, StreamLimits
+    from xds_server.xds.sotw import SotwStream
+
+    s = SotwStream("t", StreamIdentity(1, "t.1.", 0.0), StreamLimits(view_max_names=3))
+    s.on_request(discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=[f"n{i:03d}" for i in range(500)]))
+    view = s.describe()["types"]["ClusterLoadAssignment"]
+    assert view["subscribed"] == ["n000", "n001", "n002"] and view["subscribed_count"] == 500

@@ -35,7 +35,7 @@ from google.protobuf.message import Message
 
 from xds_server.config import XdsConfig
 from xds_server.xds.memo import BoundedMemo, size_of_names
-from xds_server.xds.resources import RESOURCE_TYPES
+from xds_server.xds.resources import RESOURCE_TYPES, type_label
 
 __all__ = ["CachedResource", "InvalidResource", "SnapshotCache", "Validator", "version_of"]
 
@@ -50,7 +50,7 @@ class InvalidResource(ValueError):
         self.type_url = type_url
         self.name = name
         self.problems = problems
-        super().__init__(f"{type_url.rsplit('.', 1)[-1]} {name!r} rejected: " + "; ".join(problems))
+        super().__init__(f"{type_label(type_url)} {name!r} rejected: " + "; ".join(problems))
 
 
 @dataclass(frozen=True, slots=True)

@@ -228,7 +228,7 @@ class DeltaStream(StreamBase):
         view = self._base_view()
         view["types"] = {
             self._view_key(tu): {
-                "subscribed": (["*"] if ts.wildcard else []) + sorted(ts.subscribed),
+                **self._subscribed_view(ts),
                 "resources_held": len(ts.sent),
                 "removed_sent": ts.removed_sent,
                 **ts.ack_view(),

@@ -18,6 +18,7 @@ Protocol rules: see :mod:`xds_server.xds.sotw` and :mod:`xds_server.xds.delta`.
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
 from dataclasses import dataclass
 
@@ -95,7 +96,8 @@ class StreamLimits:
     ``max_types``: distinct type_urls per stream; ``max_tracked_nonces``: delta un-ACKed nonces
     per type; ``max_names``: subscribed names per stream, all types; ``text_max_chars``: node id,
     node cluster, user agent, versions kept from a client; ``nack_message_max_chars``: a NACK's
-    ``error_detail.message`` as kept.
+    ``error_detail.message`` as kept; ``view_max_names``: subscribed names listed per type by
+    ``describe()`` (the count is always given).
     """
 
     max_types: int = 32
@@ -103,13 +105,15 @@ class StreamLimits:
     max_names: int = 200_000
     text_max_chars: int = 256
     nack_message_max_chars: int = 1024
+    view_max_names: int = 100
 
     @classmethod
     def from_config(cls, xds) -> "StreamLimits":
         """From an :class:`~xds_server.config.XdsConfig`."""
         return cls(max_types=xds.max_types_per_stream, max_tracked_nonces=xds.max_tracked_nonces,
                    max_names=xds.max_names_per_stream, text_max_chars=xds.client_text_max_chars,
-                   nack_message_max_chars=xds.nack_message_max_chars)
+                   nack_message_max_chars=xds.nack_message_max_chars,
+                   view_max_names=xds.clients_view_max_names)
 
 
 @dataclass(slots=True)
@@ -233,6 +237,11 @@ class StreamBase:
             "user_agent": self.user_agent,
             "connected_at": self.connected_at,
         }
+
+    def _subscribed_view(self, ts) -> dict:
+        star = ["*"] if ts.wildcard else []
+        shown = (star + heapq.nsmallest(self.limits.view_max_names, ts.subscribed))[: self.limits.view_max_names]
+        return {"subscribed": shown, "subscribed_count": len(star) + len(ts.subscribed)}
 
     @staticmethod
     def _view_key(type_url: str) -> str:

@@ -178,7 +178,7 @@ class SotwStream(StreamBase):
         view = self._base_view()
         view["types"] = {
             self._view_key(tu): {
-                "subscribed": (["*"] if ts.wildcard else []) + sorted(ts.subscribed),
+                **self._subscribed_view(ts),
                 **ts.ack_view(),
             }
             for tu, ts in self.types.items()
