@@ -82,7 +82,7 @@ class XdsConfig(_Model):
         16 * 1024 * 1024, ge=4 * 1024 * 1024,
         description="largest ADS request accepted (gRPC answers RESOURCE_EXHAUSTED above it). "
         "A delta reconnect echoes every name+version and a SotW EDS request names every cluster: "
-        "gRPC's 4 MiB default is too small (notes/xds_protocol.md section 5 item 7); 16 MiB holds "
+        "gRPC's 4 MiB default is too small (docs/xds_protocol.md section 5 item 7); 16 MiB holds "
         "~200,000 names of 64 characters with versions (150,000 long names are ~6.3 MB) while "
         "bounding what one message can make the server parse and hold (was 64 MiB)",
     )

@@ -1,6 +1,6 @@
 """Pure bookkeeping of one delta (incremental) ADS stream (no I/O; see :mod:`xds_server.xds.protocol`).
 
-Protocol rules (notes/xds_protocol.md section 1; checklist 1.9 numbers in brackets):
+Protocol rules (docs/xds_protocol.md section 1; checklist 1.9 numbers in brackets):
 - subscription changes are applied whatever the nonce (stale or empty) [20]; every name in
   ``resource_names_subscribe`` is answered, with the resource or in ``removed_resources`` when it
   does not exist, even if the client should already have it [21];

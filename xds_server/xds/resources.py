@@ -4,7 +4,7 @@
 - :func:`build_cla`: one ``ClusterLoadAssignment`` per cluster, nodes grouped by
   (priority, locality) into ``LocalityLbEndpoints``.
 
-Envoy rules encoded here (notes/xds_protocol.md, checked on Envoy 1.40):
+Envoy rules encoded here (docs/xds_protocol.md, checked on Envoy 1.40):
 - ``load_balancing_weight`` must be >= 1 (0 makes Envoy NACK the whole assignment) and the sum
   of weights in one locality must not exceed 2^32-1 (:func:`clamp_weights`).
 - ``healthy_panic_threshold`` defaults to 50 % in Envoy, which spreads traffic over dead hosts;

@@ -1,6 +1,6 @@
 """Pure bookkeeping of one state-of-the-world ADS stream (no I/O; see :mod:`xds_server.xds.protocol`).
 
-Protocol rules (notes/xds_protocol.md section 1; checklist 1.9 numbers in brackets):
+Protocol rules (docs/xds_protocol.md section 1; checklist 1.9 numbers in brackets):
 - an ACK gets no response unless content changed [3]; a request whose ``response_nonce`` is not
   the last nonce sent for its type is stale and ignored [6];
 - CDS is full state and (legacy) wildcard [10]; EDS is named: only requested names are sent [11];
