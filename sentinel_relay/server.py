@@ -98,6 +98,7 @@ class Relay:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.ServerRunner | None = None
         self._tasks: list[asyncio.Task] = []
+        self._node_state: dict[str, str] = {}  # node id -> last state heard on the routing feed
         self.port: int | None = None
         u = urlsplit(cfg.upstream)
         if u.scheme != "http" or not u.hostname:
@@ -112,7 +113,8 @@ class Relay:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
             auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
         self.unary = UnaryRequests(self.cfg, self.metrics, self._session)
-        self._runner = web.ServerRunner(Server(self._handle), handle_signals=False)
+        # access_log=None: the relay logs what matters (rescues) itself; no line per request
+        self._runner = web.ServerRunner(Server(self._handle, access_log=None), handle_signals=False)
         await self._runner.setup()
         host, _, port = self.cfg.listen.rpartition(":")
         site = web.TCPSite(self._runner, host, int(port), reuse_port=reuse_port or None)
@@ -134,16 +136,21 @@ class Relay:
 
     # -- the health signal ---------------------------------------------------------------------
     def on_node(self, node: Any, snapshot: bool = False) -> int:
-        """A routing update (``NodeRouting``-shaped: ``address``, ``state``, ``node_id``).
-        UNHEALTHY: rescue every stream on ``address`` and re-issue waiting non-streaming
-        requests. Returns how many requests it acted on."""
+        """A routing update (``NodeRouting``-shaped: ``node_id``, ``address``, ``state``).
+
+        UNHEALTHY: rescue every stream on ``address`` (always: they run on an ejected node), and,
+        on a *change* to UNHEALTHY outside a snapshot, re-issue the non-streaming requests
+        waiting for an answer (a reconnect's snapshot repeats old ejections). DRAINING and the
+        other states: nothing. Returns how many requests it acted on."""
+        prev = self._node_state.get(node.node_id)
+        self._node_state[node.node_id] = node.state
         if node.state != "UNHEALTHY":
             return 0
         n = 0
         for ctx in list(self.by_node.get(node.address, ())):
             ctx.kill("health")
             n += 1
-        if self.cfg.hedge_unary_on_ejection:
+        if self.cfg.hedge_unary_on_ejection and not snapshot and prev != "UNHEALTHY":
             n += self.unary.on_ejection()
         if n:
             log.info("node %s (%s) ejected: rescuing %d requests (%s)", node.node_id,

@@ -139,7 +139,7 @@ def relay(kind, body, cuts_per_attempt, chunkings):
     return b"".join(out), book
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(kind=st.sampled_from(["completions", "chat"]), n=st.integers(1, 12),
        usage=st.booleans(), cuts=st.lists(st.integers(0, 5000), max_size=3),
        chunkings=st.lists(st.lists(st.integers(0, 5000), max_size=8), min_size=1, max_size=3))

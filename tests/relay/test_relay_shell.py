@@ -170,6 +170,10 @@ async def test_non_streaming_reissued_on_500_and_on_ejection(rig):
             break
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.05)
-    relay.on_node(SimpleNamespace(node_id="x", address="10.0.0.3:8000", state="UNHEALTHY"))
+    # a reconnect's snapshot repeating an old ejection re-issues nothing
+    assert relay.on_node(SimpleNamespace(node_id="x", address="10.0.0.3:8000", state="UNHEALTHY"), True) == 0
+    relay.on_node(SimpleNamespace(node_id="y", address="10.0.0.4:8000", state="HEALTHY"))
+    relay.on_node(SimpleNamespace(node_id="y", address="10.0.0.4:8000", state="UNHEALTHY"))
     status, _, raw2 = await asyncio.wait_for(task, 5)
     assert status == 200 and json.loads(raw2)["choices"] == json.loads(raw)["choices"]
+    assert relay.metrics.rescues.labels("health", "hedged")._value.get() == 1
