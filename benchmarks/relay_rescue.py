@@ -166,7 +166,7 @@ async def main(args: argparse.Namespace) -> dict:
             rig = Rig(fleet, f"http://127.0.0.1:{port}")
             ref = (await stream(http, fleet.url, {"prompt": "The relay benchmark",
                                                   "max_tokens": args.tokens, "stream": True}))["text"]
-            for fault in ("freeze", "kill"):
+            for fault in (("freeze", "kill") if args.trials > 0 else ()):
                 res[f"{fault}_relay"] = await pauses(rig, http, fault, rig.relay_url, args.trials, ref, args.tokens)
                 res[f"{fault}_direct"] = await pauses(rig, http, fault, fleet.url, args.direct_trials, ref, args.tokens)
                 print(fault, json.dumps(res[f"{fault}_relay"]), json.dumps(res[f"{fault}_direct"]), flush=True)

@@ -147,6 +147,10 @@ def continuation_body(kind: str, body: dict[str, Any], rx: Received,
     """The next attempt's request body, or None when the generation is already complete
     (``max_tokens`` all delivered: the caller finishes with ``length``).
 
+    Completions continue from token ids, except with stop strings and a text prompt (the engine
+    may hold text back behind the ids it sent): then prompt text + the text received. A token-id
+    prompt with stop strings still continues from ids (no text prompt to extend).
+
     ``max_resume_tokens``: the most generated tokens re-sent as context (bounds the re-prefill).
     Raises :class:`Refused` when it cannot be built faithfully.
     """

@@ -7,9 +7,11 @@ one ``finish_reason``, usage computed here (prompt tokens once, completion token
 delivered) and one ``data: [DONE]``; or, when the last attempt fails, one in-band error event and
 no ``[DONE]``.
 
-First attempt: events are forwarded byte for byte (no JSON re-encoding). Later attempts: each
-chunk is rewritten (id, model, created of the first; the repeated chat ``role`` delta, the
-continuation's ``prompt_token_ids`` and the engine's usage dropped).
+First attempt: events are forwarded byte for byte (no JSON re-encoding); a plain token chunk in
+compact JSON (vLLM's) is not even decoded: the JSON of its text and token ids is kept as bytes
+and decoded only when a rescue (or the relay's usage) needs it (:attr:`StreamBook.rx`). Later
+attempts: each chunk is rewritten (id, model, created of the first; the repeated chat ``role``
+delta, the continuation's ``prompt_token_ids`` and the engine's usage dropped).
 
 States and inputs are a table (:data:`TRANSITIONS`); an input the table does not allow in a
 state raises :class:`BookError` (a bug in the caller, never upstream data: every upstream input is
