@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,7 +79,7 @@ async def load(url: str, streams: int, tokens: int, seconds: float) -> dict:
 
 
 async def run(args: argparse.Namespace) -> dict:
-    wd = Path(os.environ.get("TMPDIR", "/tmp"))
+    wd = Path(tempfile.mkdtemp(prefix="relay-bench-"))
     eng_port, relay_port = free_port(), free_port()
     engine = ManagedProcess("clock-engine", [sys.executable, str(Path(__file__).with_name("relay_clock_engine.py")),
                                              str(eng_port), str(args.interval_ms)],
