@@ -24,6 +24,7 @@ __all__ = [
     "Locality",
     "NodeConfig",
     "OutlierDetectionConfig",
+    "ProbeConfig",
     "SentinelConfig",
     "XdsConfig",
     "load_config",
@@ -102,6 +103,12 @@ class XdsConfig(_Model):
         description="delta: un-ACKed nonces remembered per stream and type (to report which "
         "version an ACK or NACK refers to); older ones count as stale",
     )
+    fail_static_history_max: int = Field(
+        1024, ge=2, le=1_000_000,
+        description="assignments per cluster kept to find the last good one when fail-static "
+        "begins; only those that can still be the answer are kept, this caps the rest (ours: "
+        "a burst coalesced at 5 ms publishes 200 assignments per second)",
+    )
 
     _v_listen = field_validator("listen")(_check_hostport)
 
@@ -112,8 +119,61 @@ class AdminConfig(_Model):
     listen: str = Field("127.0.0.1:19000", description="HOST:PORT of the admin HTTP server")
     token: str | None = Field(None, description="bearer token for POST drain/undrain; None = disabled")
     events_buffer: int = Field(1000, ge=10, description="events kept in the ring buffer")
+    event_reason_max_chars: int = Field(
+        512, ge=16, le=65_536,
+        description="an event's reason is clipped to this before it is stored (ours: the longest "
+        "reason the model writes is ~200 characters; agent and operator text is cut)",
+    )
+    drain_reason_max_chars: int = Field(
+        200, ge=1, le=4096, description="the drain/undrain ?reason= text is clipped to this",
+    )
 
     _v_listen = field_validator("listen")(_check_hostport)
+
+
+class ProbeConfig(_Model):
+    """The probe stream to each node_probe agent (gRPC client side) and what it accepts."""
+
+    keepalive_time_ms: int = Field(
+        1000, ge=100,
+        description="HTTP/2 keepalive ping interval on the probe channel (ours: a dead TCP path is "
+        "noticed within ~2 s even if no heartbeat is due; heartbeats catch it sooner anyway)",
+    )
+    keepalive_timeout_ms: int = Field(1000, ge=100, description="keepalive ping ack deadline (ours)")
+    channel_initial_backoff_ms: int = Field(
+        100, ge=1,
+        description="gRPC channel's own first reconnect backoff (gRPC's default is 1 s: too slow "
+        "for a node whose agent restarts); the channel's cap is health.reconnect_backoff_max_ms",
+    )
+    max_unanswered_pings: int = Field(
+        64, ge=1, le=65_536, description="outstanding RTT pings remembered per stream (ours)",
+    )
+    silent_stream_redial_ms: float = Field(
+        2000.0, gt=0,
+        description="a probe stream open but without a heartbeat for this long is closed and "
+        "redialled (ours: 20 heartbeat intervals; the heartbeat rules eject the node long before)",
+    )
+    max_text_chars: int = Field(
+        256, ge=16, le=65_536,
+        description="agent strings (stall_detail, error texts, kv_cache_metric) are clipped to this "
+        "before they reach reasons, events, logs or ProbeNow (ours)",
+    )
+    max_gpus: int = Field(64, ge=1, le=4096, description="GPU readings per heartbeat kept (ours: 8-16 per host)")
+    max_list_items: int = Field(
+        64, ge=1, le=4096, description="xid_events and errors kept per GPU reading (ours)",
+    )
+    max_ttft_ms: float = Field(
+        10_000.0, gt=0,
+        description="a successful probe's TTFT above this is rejected as nonsense, never fed to the "
+        "TTFT EWMA (ours: 12.5 x health.ttft_timeout_ms; an agent gives up at its probe timeout, "
+        "and one absurd value would keep a node an outlier for minutes)",
+    )
+    max_requests: float = Field(
+        1e9, gt=0, description="requests_waiting/running above this are rejected as nonsense (ours)",
+    )
+    malformed_log_interval_s: float = Field(
+        10.0, ge=0, description="a kind of malformed agent message is logged at most once per this (ours)",
+    )
 
 
 class HealthConfig(_Model):
@@ -378,6 +438,7 @@ class SentinelConfig(_Model):
     xds: XdsConfig = XdsConfig()
     admin: AdminConfig = AdminConfig()
     health: HealthConfig = HealthConfig()
+    probe: ProbeConfig = ProbeConfig()
     clusters: list[ClusterConfig] = Field(..., min_length=1)
 
     @model_validator(mode="after")

@@ -23,7 +23,8 @@ from collections.abc import Callable
 import grpc
 
 from node_probe.proto import probe_pb2, probe_pb2_grpc
-from xds_server.config import HealthConfig, NodeConfig
+from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
+from xds_server.control.counters import Counters
 from xds_server.health.model import (
     EngineFatalKind,
     HeartbeatObserved,
@@ -117,9 +118,14 @@ class ProbeSession:
         sink: ObservationSink,
         control_plane_id: str = "xds-sentinel",
         on_malformed: Callable[[str, str], None] | None = None,
+        *,
+        probe: ProbeConfig | None = None,
+        counters: Counters | None = None,
     ) -> None:
         self.node = node
         self.cfg = cfg
+        self.probe_cfg = probe if probe is not None else ProbeConfig()
+        self.counters = counters
         self.sink = sink
         self.control_plane_id = control_plane_id
         self.on_malformed = on_malformed
@@ -195,12 +201,13 @@ class ProbeSession:
 
     async def _run(self) -> None:
         backoff = self.cfg.reconnect_backoff_initial_ms / 1000.0
+        pc = self.probe_cfg
         options = [
-            ("grpc.keepalive_time_ms", 1000),
-            ("grpc.keepalive_timeout_ms", 1000),
+            ("grpc.keepalive_time_ms", pc.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", pc.keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.initial_reconnect_backoff_ms", pc.channel_initial_backoff_ms),
             ("grpc.max_reconnect_backoff_ms", int(self.cfg.reconnect_backoff_max_ms)),
         ]
         while True:
@@ -254,8 +261,9 @@ class ProbeSession:
             while True:
                 seq += 1
                 pings[seq] = loop.time()
-                if len(pings) > 64:  # unanswered pings: keep the map bounded
-                    for k in sorted(pings)[:-64]:
+                keep = self.probe_cfg.max_unanswered_pings
+                if len(pings) > keep:  # unanswered pings: keep the map bounded
+                    for k in sorted(pings)[:-keep]:
                         del pings[k]
                 outq.put_nowait(probe_pb2.ControlMessage(ping=probe_pb2.Ping(seq=seq)))
                 await asyncio.sleep(interval)
@@ -312,5 +320,7 @@ class ProbeSession:
 
     def _malformed(self, what: str) -> None:
         log.warning("malformed message from agent %s: %s", self.node.id, what)
+        if self.counters is not None:
+            self.counters.malformed[self.node.id] += 1
         if self.on_malformed:
             self.on_malformed(self.node.id, what)

@@ -1,217 +1,92 @@
-"""Admin HTTP endpoint (aiohttp): JSON views of health and xDS state, Prometheus metrics.
+"""Admin HTTP endpoint (aiohttp): JSON views of health and xDS state, Prometheus metrics, and
+the operator's drain/undrain.
 
 Routes: ``/healthz`` (process up), ``/readyz`` (every cluster published), ``/nodes``,
-``/nodes/{id}``, ``/clusters``, ``/xds/clients``, ``/config_dump``, ``/events``, ``/metrics``.
-The admin app only reads the control plane's state.
+``/nodes/{id}``, ``/clusters``, ``/xds/clients``, ``/config_dump``, ``/events``, ``/metrics``;
+``POST /nodes/{id}/drain`` and ``/undrain`` (bearer token, ``admin.token``). Every GET only
+reads (:class:`~xds_server.control.views.ControlPlaneView`); drain/undrain change a node's state
+through the ``drain`` command the server passes in.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from aiohttp import web
-from google.protobuf import json_format
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL
+from xds_server.admin.metrics import ControlPlaneCollector
+from xds_server.control.views import ControlPlaneView
 
-if TYPE_CHECKING:
-    from xds_server.server import ControlPlane
+__all__ = ["DrainCommand", "build_admin_app"]
 
-__all__ = ["build_admin_app"]
-
-_CP = web.AppKey("control_plane", object)
-
-_STATES = ("COLD", "WARMING", "HEALTHY", "DEGRADED", "UNHEALTHY", "PROBATION", "DRAINING")
+DrainCommand = Callable[[str, bool, str], dict]
+"""``drain(node_id, drain, reason) -> node view``; KeyError for an unknown node."""
 
 
-class _Collector:
-    """Reads the control plane's state at scrape time (nothing is counted on the hot path twice)."""
-
-    def __init__(self, cp: "ControlPlane") -> None:
-        self.cp = cp
-
-    def collect(self):
-        cp = self.cp
-        state = GaugeMetricFamily("sentinel_node_state", "1 for the node's current health state",
-                                  labels=["cluster", "node", "state"])
-        weight = GaugeMetricFamily("sentinel_node_weight", "published EDS load_balancing_weight",
-                                   labels=["cluster", "node"])
-        routed = GaugeMetricFamily("sentinel_node_routable", "1 if published HEALTHY to Envoy",
-                                   labels=["cluster", "node"])
-        rtt = GaugeMetricFamily("sentinel_node_ewma_rtt_ms", "EWMA of probe-stream ping RTT, ms",
-                                labels=["cluster", "node"])
-        ttft = GaugeMetricFamily("sentinel_node_last_ttft_ms", "last micro-probe TTFT, ms",
-                                 labels=["cluster", "node"])
-        hbs = CounterMetricFamily("sentinel_heartbeats", "heartbeats received", labels=["cluster", "node"])
-        bad = CounterMetricFamily("sentinel_probe_malformed_messages", "malformed agent messages",
-                                  labels=["cluster", "node"])
-        for node_id, nh in cp.health.items():
-            c = cp.node_cluster[node_id]
-            for s in _STATES:
-                state.add_metric([c, node_id, s], 1.0 if nh.state.value == s else 0.0)
-            r = cp.routing.get(node_id)
-            if r is not None:
-                weight.add_metric([c, node_id], r.weight)
-                routed.add_metric([c, node_id], 1.0 if r.health_status == "HEALTHY" else 0.0)
-            if nh.ewma_rtt_ms is not None:
-                rtt.add_metric([c, node_id], nh.ewma_rtt_ms)
-            if nh.last_ttft_ms is not None:
-                ttft.add_metric([c, node_id], nh.last_ttft_ms)
-            hbs.add_metric([c, node_id], cp.heartbeats[node_id])
-            bad.add_metric([c, node_id], cp.malformed[node_id])
-        yield from (state, weight, routed, rtt, ttft, hbs, bad)
-        streams = GaugeMetricFamily("sentinel_xds_connected_streams", "open ADS streams")
-        streams.add_metric([], len(cp.ads.streams))
-        yield streams
-        req = CounterMetricFamily("sentinel_xds_requests", "DiscoveryRequests by type and kind",
-                                  labels=["type", "kind"])
-        for (t, k), v in sorted(cp.xds_requests.items()):
-            req.add_metric([t, k], v)
-        yield req
-        resp = CounterMetricFamily("sentinel_xds_responses", "DiscoveryResponses sent", labels=["type"])
-        for t, v in sorted(cp.xds_responses.items()):
-            resp.add_metric([t], v)
-        yield resp
-        nack = CounterMetricFamily("sentinel_xds_nacks", "NACKs received", labels=["type"])
-        for t, v in sorted(cp.xds_nacks.items()):
-            nack.add_metric([t], v)
-        yield nack
-        yield from _xds_metrics(cp)
-        tr = CounterMetricFamily("sentinel_health_events", "health transitions (kind to_<STATE>) and "
-                                 "cluster-policy events", labels=["kind"])
-        for k, v in sorted(cp.event_counts.items()):
-            tr.add_metric([k], v)
-        yield tr
-        fs = GaugeMetricFamily("sentinel_fail_static", "1 while fail-static holds the last good assignment")
-        fs.add_metric([], 1.0 if cp.fail_static.active else 0.0)
-        yield fs
-        ramp = GaugeMetricFamily("sentinel_node_ramp_percent", "PROBATION ramp, percent of full weight",
-                                 labels=["cluster", "node"])
-        for node_id, nh in cp.health.items():
-            if nh.state.value == "PROBATION":
-                ramp.add_metric([cp.node_cluster[node_id], node_id], nh.ramp_percent)
-        yield ramp
-        lag = CounterMetricFamily("sentinel_detection_timer_lag_deferrals",
-                                  "detection timers deferred because our own event loop was late")
-        lag.add_metric([], sum(s.lag_deferrals for s in cp.sessions.values()))
-        yield lag
-
-
-def _xds_metrics(cp: "ControlPlane"):
-    """xDS server metrics: per-node NACKs, streams by variant, subscriptions, cache encodes."""
-    ads, cache = cp.ads, cp.cache
-    by_node = CounterMetricFamily("sentinel_xds_node_nacks", "NACKs received by Envoy node id and type",
-                                  labels=["node", "type"])
-    for (node, t), v in sorted(ads.nacks.items()):
-        by_node.add_metric([node, t], v)
-    yield by_node
-    variants = GaugeMetricFamily("sentinel_xds_streams", "open ADS streams by variant", labels=["variant"])
-    counts = {"sotw": 0, "delta": 0}
-    for st in ads.streams.values():
-        counts[st.variant] = counts.get(st.variant, 0) + 1
-    for v, n in sorted(counts.items()):
-        variants.add_metric([v], n)
-    yield variants
-    subs = GaugeMetricFamily("sentinel_xds_subscriptions",
-                             "subscriptions held by open streams (named resources + wildcards)")
-    subs.add_metric([], ads.subscription_count())
-    yield subs
-    watchers = GaugeMetricFamily("sentinel_xds_cache_watchers", "streams waiting on cache changes")
-    watchers.add_metric([], cache.watcher_count)
-    yield watchers
-    opened = CounterMetricFamily("sentinel_xds_streams_opened", "ADS streams opened since start")
-    opened.add_metric([], ads.streams_opened)
-    yield opened
-    enc = CounterMetricFamily("sentinel_xds_resources_encoded", "resources validated and encoded into the cache")
-    enc.add_metric([], cache.encode_count)
-    yield enc
-    enc_s = CounterMetricFamily("sentinel_xds_encode_seconds", "time spent validating, serializing, hashing")
-    enc_s.add_metric([], cache.encode_s)
-    yield enc_s
-    rej = CounterMetricFamily("sentinel_xds_resources_rejected",
-                              "resources held back because Envoy would NACK them")
-    rej.add_metric([], cache.rejected_count)
-    yield rej
-
-
-def build_admin_app(cp: "ControlPlane") -> web.Application:
-    """The aiohttp application for a running :class:`~xds_server.server.ControlPlane`."""
+def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Application:
+    """The aiohttp application over a control plane's ``view`` and its ``drain`` command."""
     app = web.Application()
-    app[_CP] = cp
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(cp))
+    registry.register(ControlPlaneCollector(view))
+
+    def unknown_node(node_id: str) -> web.Response:
+        return _json({"error": f"unknown node {node_id!r}"}, status=404)
+
+    def _json(body, status: int = 200) -> web.Response:
+        return web.json_response(body, status=status)
 
     async def healthz(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        return _json({"status": "ok"})
 
     async def readyz(_: web.Request) -> web.Response:
-        missing = [c.name for c in cp.config.clusters if not cp.cla_version(c.name)]
-        body = {"ready": not missing, "unpublished_clusters": missing}
-        return web.json_response(body, status=200 if not missing else 503)
+        ready, missing = view.readiness()
+        return _json({"ready": ready, "unpublished_clusters": missing}, status=200 if ready else 503)
 
     async def nodes(_: web.Request) -> web.Response:
-        return web.json_response({"nodes": [cp.node_view(n) for n in cp.node_cfg]})
+        return _json({"nodes": view.nodes()})
 
     async def node(request: web.Request) -> web.Response:
         node_id = request.match_info["id"]
-        if node_id not in cp.node_cfg:
-            return web.json_response({"error": f"unknown node {node_id!r}"}, status=404)
-        return web.json_response(cp.node_view(node_id))
+        if not view.has_node(node_id):
+            return unknown_node(node_id)
+        return _json(view.node(node_id))
 
     async def clusters(_: web.Request) -> web.Response:
-        out = []
-        for c in cp.config.clusters:
-            views = [cp.node_view(n.id) for n in c.nodes]
-            healthy = sum(1 for v in views if v["eds_health_status"] == "HEALTHY")
-            out.append({
-                "name": c.name,
-                "nodes": len(views),
-                "routable": healthy,
-                "healthy_fraction": healthy / len(views),
-                "xds_version": cp.cla_version(c.name),
-                "published": bool(cp.cla_version(c.name)),
-            })
-        return web.json_response({"clusters": out})
+        return _json({"clusters": view.cluster_summaries()})
 
     async def xds_clients(_: web.Request) -> web.Response:
-        ads = cp.ads
-        return web.json_response({
-            "clients": [s.describe() for s in ads.streams.values()],
-            "streams": len(ads.streams),
-            "subscriptions": ads.subscription_count(),
-            "nacks_by_node": [{"node": n, "type": t, "nacks": v} for (n, t), v in sorted(ads.nacks.items())],
-        })
+        return _json(view.xds_clients())
 
     async def config_dump(_: web.Request) -> web.Response:
-        def dump(tu: str) -> list[dict]:
-            from envoy.config.cluster.v3 import cluster_pb2
-            from envoy.config.endpoint.v3 import endpoint_pb2
-            cls = cluster_pb2.Cluster if tu == CLUSTER_TYPE_URL else endpoint_pb2.ClusterLoadAssignment
-            out = []
-            for name, r in sorted(cp.cache.resources(tu).items()):
-                msg = cls()
-                msg.ParseFromString(r.any.value)
-                out.append({"name": name, "version": r.version,
-                            "resource": json_format.MessageToDict(msg)})
-            return out
-        return web.json_response({
-            "config": cp.config.model_dump(mode="json"),
-            "clusters": {"version": cp.cache.type_version(CLUSTER_TYPE_URL), "resources": dump(CLUSTER_TYPE_URL)},
-            "endpoints": {"version": cp.cache.type_version(CLA_TYPE_URL), "resources": dump(CLA_TYPE_URL)},
-        })
+        return _json(view.config_dump())
 
     async def events(request: web.Request) -> web.Response:
         try:
             limit = int(request.query.get("limit", "200"))
         except ValueError:
-            return web.json_response({"error": "limit must be an integer"}, status=400)
-        recs = list(cp.events)[-max(0, limit):] if limit else []
-        return web.json_response({"events": [r.to_json() for r in recs]})
+            return _json({"error": "limit must be an integer"}, status=400)
+        return _json({"events": view.events(max(0, limit))})
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def drain_handler(request: web.Request) -> web.Response:
+        admin = view.config.admin
+        if admin.token is None:
+            return _json({"error": "drain is disabled: set admin.token in the config"}, status=403)
+        if request.headers.get("Authorization", "") != f"Bearer {admin.token}":
+            return _json({"error": "missing or wrong bearer token"}, status=401)
+        node_id = request.match_info["id"]
+        if not view.has_node(node_id):
+            return unknown_node(node_id)
+        reason = request.query.get("reason", "operator")[:admin.drain_reason_max_chars]
+        want = request.path.endswith("/drain")
+        try:
+            body = drain(node_id, want, reason)
+        except KeyError:
+            return unknown_node(node_id)
+        return _json(body)
 
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -222,22 +97,6 @@ def build_admin_app(cp: "ControlPlane") -> web.Application:
     app.router.add_get("/config_dump", config_dump)
     app.router.add_get("/events", events)
     app.router.add_get("/metrics", metrics)
-
-    async def drain(request: web.Request) -> web.Response:
-        token = cp.config.admin.token
-        if token is None:
-            return web.json_response({"error": "drain is disabled: set admin.token in the config"}, status=403)
-        if request.headers.get("Authorization", "") != f"Bearer {token}":
-            return web.json_response({"error": "missing or wrong bearer token"}, status=401)
-        node_id = request.match_info["id"]
-        reason = request.query.get("reason", "operator")[:200]
-        want = request.path.endswith("/drain")
-        try:
-            view = cp.drain(node_id, want, reason)
-        except KeyError:
-            return web.json_response({"error": f"unknown node {node_id!r}"}, status=404)
-        return web.json_response(view)
-
-    app.router.add_post("/nodes/{id}/drain", drain)
-    app.router.add_post("/nodes/{id}/undrain", drain)
+    app.router.add_post("/nodes/{id}/drain", drain_handler)
+    app.router.add_post("/nodes/{id}/undrain", drain_handler)
     return app

@@ -713,6 +713,25 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         """Subscriptions held by all open streams (named resources + wildcards)."""
         return sum(s.subscription_count() for s in self.streams.values())
 
+    def stream_count(self) -> int:
+        """Open ADS streams."""
+        return len(self.streams)
+
+    def streams_by_variant(self) -> dict[str, int]:
+        """Open streams per variant: ``{"sotw": n, "delta": m}`` (both keys always present)."""
+        counts = {"sotw": 0, "delta": 0}
+        for st in self.streams.values():
+            counts[st.variant] = counts.get(st.variant, 0) + 1
+        return counts
+
+    def client_views(self) -> list[dict]:
+        """``describe()`` of every open stream (JSON-able, for ``/xds/clients``)."""
+        return [s.describe() for s in self.streams.values()]
+
+    def nack_counts(self) -> dict[tuple[str, str], int]:
+        """NACKs received by (Envoy node id, type label) since start (a copy)."""
+        return dict(self.nacks)
+
     async def _serve(self, stream: AdsStream, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
         # Ordering vs back-pressure: one writer per stream computes what is due right before
         # writing it. While a write waits on HTTP/2 flow control (a client that stopped reading),

@@ -1,0 +1,130 @@
+"""Prometheus metrics of the control plane, read from :class:`ControlPlaneView` at scrape time
+(nothing is counted twice on the hot path). Every label set is bounded (see
+:mod:`xds_server.control.counters`)."""
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from xds_server.control.views import ControlPlaneView
+from xds_server.health.model import NodeState
+
+__all__ = ["ControlPlaneCollector"]
+
+_STATES = tuple(s.value for s in NodeState)
+
+
+class ControlPlaneCollector:
+    """A prometheus_client collector over a :class:`ControlPlaneView`."""
+
+    def __init__(self, view: ControlPlaneView) -> None:
+        self.view = view
+
+    def collect(self):
+        yield from self._nodes()
+        yield from self._xds()
+        yield from self._health()
+
+    def _nodes(self):
+        view = self.view
+        c = view.counters
+        state = GaugeMetricFamily("sentinel_node_state", "1 for the node's current (effective) state; "
+                                  "DRAINING overrides the health state", labels=["cluster", "node", "state"])
+        weight = GaugeMetricFamily("sentinel_node_weight", "published EDS load_balancing_weight",
+                                   labels=["cluster", "node"])
+        routed = GaugeMetricFamily("sentinel_node_routable", "1 if published HEALTHY to Envoy",
+                                   labels=["cluster", "node"])
+        rtt = GaugeMetricFamily("sentinel_node_ewma_rtt_ms", "EWMA of probe-stream ping RTT, ms",
+                                labels=["cluster", "node"])
+        ttft = GaugeMetricFamily("sentinel_node_last_ttft_ms", "last micro-probe TTFT, ms",
+                                 labels=["cluster", "node"])
+        hbs = CounterMetricFamily("sentinel_heartbeats", "heartbeats received", labels=["cluster", "node"])
+        bad = CounterMetricFamily("sentinel_probe_malformed_messages", "malformed agent messages",
+                                  labels=["cluster", "node"])
+        ramp = GaugeMetricFamily("sentinel_node_ramp_percent", "PROBATION ramp, percent of full weight",
+                                 labels=["cluster", "node"])
+        for row in view.node_rows():
+            cl, nid, nh, r = row.cluster, row.node_id, row.health, row.routing
+            eff = nh.effective_state.value
+            for s in _STATES:
+                state.add_metric([cl, nid, s], 1.0 if eff == s else 0.0)
+            if r is not None:
+                weight.add_metric([cl, nid], r.weight)
+                routed.add_metric([cl, nid], 1.0 if r.health_status == "HEALTHY" else 0.0)
+            if nh.ewma_rtt_ms is not None:
+                rtt.add_metric([cl, nid], nh.ewma_rtt_ms)
+            if nh.last_ttft_ms is not None:
+                ttft.add_metric([cl, nid], nh.last_ttft_ms)
+            hbs.add_metric([cl, nid], c.heartbeats[nid])
+            bad.add_metric([cl, nid], c.malformed[nid])
+            if nh.state is NodeState.PROBATION:
+                ramp.add_metric([cl, nid], nh.ramp_percent)
+        yield from (state, weight, routed, rtt, ttft, hbs, bad, ramp)
+        fields = CounterMetricFamily("sentinel_probe_bad_fields", "agent message fields rejected or "
+                                     "clamped at the edge, by field and reason", labels=["field", "reason"])
+        for (f, why), v in sorted(c.bad_fields.items()):
+            fields.add_metric([f, why], v)
+        yield fields
+        lag = CounterMetricFamily("sentinel_detection_timer_lag_deferrals",
+                                  "detection timers deferred because our own event loop was late")
+        lag.add_metric([], view.lag_deferrals())
+        yield lag
+
+    def _xds(self):
+        c = self.view.counters
+        x = self.view.xds_stats()
+        streams = GaugeMetricFamily("sentinel_xds_connected_streams", "open ADS streams")
+        streams.add_metric([], x["streams"])
+        yield streams
+        req = CounterMetricFamily("sentinel_xds_requests", "DiscoveryRequests by type and kind",
+                                  labels=["type", "kind"])
+        for (t, k), v in sorted(c.xds_requests.items()):
+            req.add_metric([t, k], v)
+        yield req
+        resp = CounterMetricFamily("sentinel_xds_responses", "DiscoveryResponses sent", labels=["type"])
+        for t, v in sorted(c.xds_responses.items()):
+            resp.add_metric([t], v)
+        yield resp
+        nack = CounterMetricFamily("sentinel_xds_nacks", "NACKs received", labels=["type"])
+        for t, v in sorted(c.xds_nacks.items()):
+            nack.add_metric([t], v)
+        yield nack
+        by_node = CounterMetricFamily("sentinel_xds_node_nacks", "NACKs received by Envoy node id and type",
+                                      labels=["node", "type"])
+        for (node, t), v in sorted(x["nacks_by_node"].items()):
+            by_node.add_metric([node, t], v)
+        yield by_node
+        variants = GaugeMetricFamily("sentinel_xds_streams", "open ADS streams by variant", labels=["variant"])
+        for v, n in sorted(x["streams_by_variant"].items()):
+            variants.add_metric([v], n)
+        yield variants
+        subs = GaugeMetricFamily("sentinel_xds_subscriptions",
+                                 "subscriptions held by open streams (named resources + wildcards)")
+        subs.add_metric([], x["subscriptions"])
+        yield subs
+        watchers = GaugeMetricFamily("sentinel_xds_cache_watchers", "streams waiting on cache changes")
+        watchers.add_metric([], x["watchers"])
+        yield watchers
+        opened = CounterMetricFamily("sentinel_xds_streams_opened", "ADS streams opened since start")
+        opened.add_metric([], x["streams_opened"])
+        yield opened
+        enc = CounterMetricFamily("sentinel_xds_resources_encoded", "resources validated and encoded into the cache")
+        enc.add_metric([], x["encoded"])
+        yield enc
+        enc_s = CounterMetricFamily("sentinel_xds_encode_seconds", "time spent validating, serializing, hashing")
+        enc_s.add_metric([], x["encode_s"])
+        yield enc_s
+        rej = CounterMetricFamily("sentinel_xds_resources_rejected",
+                                  "resources held back because Envoy would NACK them")
+        rej.add_metric([], x["rejected"])
+        yield rej
+
+    def _health(self):
+        c = self.view.counters
+        tr = CounterMetricFamily("sentinel_health_events", "health transitions (kind to_<STATE>) and "
+                                 "cluster-policy events", labels=["kind"])
+        for k, v in sorted(c.events.items()):
+            tr.add_metric([k], v)
+        yield tr
+        fs = GaugeMetricFamily("sentinel_fail_static", "1 while fail-static holds the last good assignment")
+        fs.add_metric([], 1.0 if self.view.fail_static_active else 0.0)
+        yield fs
