@@ -170,17 +170,7 @@ class ControlPlaneView:
         }
         tel = sess.last_telemetry if sess else None
         if tel is not None:
-            load = tel.engine_load
-            view["engine_load"] = {
-                "metrics_ok": load.metrics_ok,
-                "requests_waiting": load.requests_waiting if load.HasField("requests_waiting") else None,
-                "requests_running": load.requests_running if load.HasField("requests_running") else None,
-                "kv_cache_usage_ratio": load.kv_cache_usage_ratio if load.HasField("kv_cache_usage_ratio") else None,
-                "kv_cache_metric": load.kv_cache_metric or None,
-            }
-            from node_probe.proto import probe_pb2
-            view["gpu"] = {"nvml": probe_pb2.NvmlState.Name(tel.gpu.state), "gpus": len(tel.gpu.gpus),
-                           "error": tel.gpu.error or None}
+            view.update(tel.to_json())
         return view
 
     def nodes(self) -> list[dict]:
