@@ -21,7 +21,7 @@ import time
 import grpc
 from aiohttp import web
 
-from xds_server.admin.app import build_admin_app
+from xds_server.admin.app import HttpErrorLog, build_admin_app
 from xds_server.config import NodeConfig, SentinelConfig, parse_hostport
 from xds_server.control.clock import Clock, LoopClock
 from xds_server.control.core import ControlCore
@@ -129,7 +129,8 @@ class ControlPlane:
             raise OSError(f"cannot bind xDS port {self.config.xds.listen}")
         await self._grpc.start()
 
-        self._admin_runner = web.AppRunner(build_admin_app(self.view, self.drain), access_log=None)
+        self._admin_runner = web.AppRunner(build_admin_app(self.view, self.drain), access_log=None,
+                                           logger=HttpErrorLog(logging.getLogger("aiohttp.server")))
         await self._admin_runner.setup()
         ahost, aport = parse_hostport(self.config.admin.listen)
         site = web.TCPSite(self._admin_runner, ahost, aport)

@@ -1,6 +1,11 @@
 """Admin HTTP endpoint (aiohttp): JSON views of health and xDS state, Prometheus metrics, and
 the operator's drain/undrain.
 
+Every answer is a bounded JSON (or Prometheus text) document, never a 5xx for anything a client
+sends: bad query values are 400 with a message naming the parameter, non-finite numbers are
+written as ``null`` (valid JSON always), client text echoed back is clipped and escaped, and a
+malformed HTTP request is logged as one rate-limited line, never a traceback.
+
 Routes: ``/healthz`` (process up), ``/readyz`` (every cluster published), ``/nodes``,
 ``/nodes/{id}``, ``/clusters``, ``/xds/clients``, ``/config_dump``, ``/events``, ``/metrics``;
 ``POST /nodes/{id}/drain`` and ``/undrain`` (bearer token, ``admin.token``). Every GET only
@@ -9,15 +14,69 @@ through the ``drain`` command the server passes in.
 """
 from __future__ import annotations
 
+import hmac
+import json
+import logging
+import math
+import sys
+import time
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from xds_server.admin.metrics import ControlPlaneCollector
 from xds_server.control.views import ControlPlaneView
+from xds_server.untrusted import RateLimitedLog, clip, for_log
 
-__all__ = ["DrainCommand", "build_admin_app"]
+__all__ = ["DrainCommand", "HttpErrorLog", "build_admin_app", "json_dumps"]
+
+log = logging.getLogger(__name__)
+
+EVENTS_DEFAULT_LIMIT = 200
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_dumps(obj: Any) -> str:
+    """JSON text of ``obj`` with every NaN/Infinity written as ``null`` (strict JSON)."""
+    try:
+        return json.dumps(obj, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(obj), allow_nan=False)
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status, dumps=json_dumps)
+
+
+class HttpErrorLog(logging.LoggerAdapter):
+    """The logger aiohttp's request handler writes to: an exception (malformed HTTP, a client
+    that went away) becomes one WARNING line without traceback, at most one per exception type
+    per ``interval_s``; everything else passes through without ``exc_info``."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        super().__init__(logger, {})
+        self._rl = RateLimitedLog(logger, interval_s, max_keys=64)
+
+    def log(self, level: int, msg: object, *args: object, exc_info: object = None, **kwargs: object) -> None:
+        if exc_info:
+            exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+            if level >= logging.WARNING:
+                name = type(exc).__name__ if exc is not None else "error"
+                self._rl.warning(time.monotonic(), name, "admin: request failed (%s: %s)", name,
+                                 for_log(str(exc) if exc is not None else "", 200))
+                return
+        self.logger.log(level, msg, *args)
 
 DrainCommand = Callable[[str, bool, str], dict]
 """``drain(node_id, drain, reason) -> node view``; KeyError for an unknown node."""
@@ -30,10 +89,7 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
     registry.register(ControlPlaneCollector(view))
 
     def unknown_node(node_id: str) -> web.Response:
-        return _json({"error": f"unknown node {node_id!r}"}, status=404)
-
-    def _json(body, status: int = 200) -> web.Response:
-        return web.json_response(body, status=status)
+        return _json({"error": f"unknown node {for_log(node_id, 64)!r}"}, status=404)
 
     async def healthz(_: web.Request) -> web.Response:
         return _json({"status": "ok"})
@@ -61,11 +117,14 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
         return _json(view.config_dump())
 
     async def events(request: web.Request) -> web.Response:
+        raw = request.query.get("limit", str(EVENTS_DEFAULT_LIMIT))
         try:
-            limit = int(request.query.get("limit", "200"))
+            limit = int(raw)
         except ValueError:
-            return _json({"error": "limit must be an integer"}, status=400)
-        return _json({"events": view.events(max(0, limit))})
+            return _json({"error": f"limit must be an integer >= 0, got {for_log(raw, 32)!r}"}, status=400)
+        if limit < 0:
+            return _json({"error": f"limit must be an integer >= 0, got {limit}"}, status=400)
+        return _json({"events": view.events(limit)})
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry),
@@ -75,12 +134,13 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
         admin = view.config.admin
         if admin.token is None:
             return _json({"error": "drain is disabled: set admin.token in the config"}, status=403)
-        if request.headers.get("Authorization", "") != f"Bearer {admin.token}":
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, f"Bearer {admin.token}".encode()):  # constant time
             return _json({"error": "missing or wrong bearer token"}, status=401)
         node_id = request.match_info["id"]
         if not view.has_node(node_id):
             return unknown_node(node_id)
-        reason = request.query.get("reason", "operator")[:admin.drain_reason_max_chars]
+        reason = clip(request.query.get("reason", "operator"), admin.drain_reason_max_chars)
         want = request.path.endswith("/drain")
         try:
             body = drain(node_id, want, reason)
