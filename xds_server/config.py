@@ -98,6 +98,12 @@ class XdsConfig(_Model):
         "matches the 30 s the Envoy bootstrap uses towards us",
     )
     keepalive_timeout_ms: int = Field(5_000, ge=100, description="keepalive ping ack deadline")
+    min_client_ping_interval_ms: int = Field(
+        5_000, ge=0,
+        description="HTTP/2 pings from a client without data in flight closer than this are a "
+        "protocol violation (gRPC's grpc.http2.min_ping_interval_without_data_ms; its default 5 min "
+        "would reject Envoy's 30 s keepalive; ours: 5 s)",
+    )
     max_tracked_nonces: int = Field(
         16, ge=1, le=1024,
         description="delta: un-ACKed nonces remembered per stream and type (to report which "
@@ -173,6 +179,11 @@ class ProbeConfig(_Model):
     )
     malformed_log_interval_s: float = Field(
         10.0, ge=0, description="a kind of malformed agent message is logged at most once per this (ours)",
+    )
+    lag_recheck_ms: float = Field(
+        5.0, gt=0, le=1000,
+        description="a detection timer that fired late (health.self_lag_tolerance_ms) is re-run this "
+        "much later, once, so heartbeats already waiting are read first (ours)",
     )
 
 

@@ -137,7 +137,7 @@ class ProbeSession:
             self._deferred = True
             self.lag_deferrals += 1
             self._timer_at = self._loop.time()
-            self._timer = self._loop.call_later(0.005, self._on_timer)
+            self._timer = self._loop.call_later(self.probe_cfg.lag_recheck_ms / 1000.0, self._on_timer)
             return
         self._deferred = False
         try:
@@ -208,6 +208,7 @@ class ProbeSession:
         self._outq = outq
         loop = asyncio.get_running_loop()
         pings: dict[int, float] = {}
+        ping_seq = [0]  # last Ping.seq sent on this stream
         got_any = False
         last_hb = 0.0
         gap_limit = (self.cfg.heartbeat_interval_ms + self.cfg.heartbeat_grace_ms) / 1000.0
@@ -224,11 +225,11 @@ class ProbeSession:
             # A (re)connected control plane has no probe result yet: ask for one now rather than
             # waiting up to the agent's busy cadence (3-5 s); keeps the warm-up gate short.
             outq.put_nowait(probe_pb2.ControlMessage(probe_now=probe_pb2.ProbeNow(reason="connected")))
-            seq = 0
             interval = self.cfg.ping_interval_ms / 1000.0
             keep = self.probe_cfg.max_unanswered_pings
             while True:
-                seq += 1
+                ping_seq[0] += 1
+                seq = ping_seq[0]
                 pings[seq] = loop.time()
                 if len(pings) > keep:  # unanswered pings: keep the map bounded
                     for k in sorted(pings)[:-keep]:
@@ -290,8 +291,11 @@ class ProbeSession:
                     elif isinstance(checked, CheckedPong):
                         sent = pings.pop(checked.seq, None)
                         if sent is None:
-                            self._bad_fields([BadField("pong.seq", "mismatch")], now)
-                            self._malformed("pong for an unknown seq", now)
+                            if not 0 < checked.seq <= ping_seq[0]:  # never sent: the agent is wrong
+                                self._bad_fields([BadField("pong.seq", "mismatch")], now)
+                                self._malformed("pong for an unknown seq", now)
+                            # else: an answer to a ping dropped after a heartbeat gap, or beyond
+                            # max_unanswered_pings: no sample, not the agent's fault
                             continue
                         self._arm(self.sink(self.node.id, PingObserved(rtt_ms=(now - sent) * 1000.0), now))
                     elif isinstance(checked, CheckedResult):

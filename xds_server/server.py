@@ -120,7 +120,7 @@ class ControlPlane:
             ("grpc.max_receive_message_length", self.config.xds.max_receive_message_bytes),
             ("grpc.keepalive_time_ms", self.config.xds.keepalive_time_ms),
             ("grpc.keepalive_timeout_ms", self.config.xds.keepalive_timeout_ms),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", self.config.xds.min_client_ping_interval_ms),
         ])
         self.ads.add_to_server(self._grpc)  # ADS (SotW + delta), responses encoded once per content
         host, port = parse_hostport(self.config.xds.listen)
