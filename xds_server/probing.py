@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Callable
 
 import grpc
@@ -326,9 +327,12 @@ class ProbeSession:
             self.on_malformed(self.node.id, what)
 
     def _handler_failed(self, where: str) -> None:
+        """Count and log (rate-limited, one line) an exception while handling ``where``
+        ("message", "tick" or "stream_closed"); called from an ``except`` block."""
         self.handler_errors += 1
-        self.counters.bad_fields[("handler", "exception")] += 1
+        self.counters.handler_errors[where] += 1
+        exc = sys.exc_info()[1]
         self._rl.log(logging.ERROR, self._now(), f"handler:{where}",
-                     "probe session %s: handling a %s failed (skipped)", for_log(self.node.id), where,
-                     )
-        log.debug("probe session %s: %s handler failed", self.node.id, where, exc_info=True)
+                     "probe session %s: handling a %s failed, skipped (%s: %s)", for_log(self.node.id), where,
+                     type(exc).__name__, for_log(str(exc), 200))
+        log.debug("probe session %s: %s handler failed", for_log(self.node.id), where, exc_info=True)

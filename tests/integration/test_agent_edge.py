@@ -170,6 +170,7 @@ async def test_a_failure_handling_one_message_does_not_end_the_session(rig):
     agent.send(result(ttft_ms=17.0))
     await until(lambda: cp.health["a"].last_ttft_ms == 17.0)
     assert sess.alive and sess.handler_errors == 2
+    assert cp.counters.handler_errors == {"message": 1, "stream_closed": 1}
     assert await detect_agent_loss_s(cp, agent) < 1.0
 
 

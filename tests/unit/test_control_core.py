@@ -243,3 +243,24 @@ def test_no_import_cycle_in_the_control_plane_and_admin_never_imports_the_server
     assert not reaches("xds_server.admin.app", "xds_server.server")
     assert not reaches("xds_server.control.views", "xds_server.server")
     assert [m for m in mine if reaches(m, m)] == []
+
+
+# -- the in-memory seam ---------------------------------------------------------------------------
+
+
+def test_in_memory_probe_source_detects_silence_on_the_manual_clock_exactly_as_seed_000_says():
+    cp, clock, probes = in_memory(config())
+    all_healthy(cp, clock, probes)
+    for nid in cp.core.node_cfg:
+        probes[nid].heartbeat()
+    t0 = clock.now()
+    for _ in range(37):  # n1 and n2 keep beating every 10 ms; n0 is silent from t0
+        clock.advance(0.01)
+        probes["n1"].heartbeat()
+        probes["n2"].heartbeat()
+    clock.advance_to(t0 + 0.379)
+    assert cp.health["n0"].state is hm.NodeState.HEALTHY and cp.health["n0"].consecutive_misses == 2
+    clock.advance_to(t0 + 0.381)  # 3 misses: +180, +280, +380 ms (interval 100 ms, grace 80 ms)
+    assert cp.health["n0"].state is hm.NodeState.UNHEALTHY
+    assert published(cp)["n0"] == "UNHEALTHY" and cp.routing["n0"].health_status == "UNHEALTHY"
+    assert [e.to_state for e in cp.events][-1] == "UNHEALTHY"

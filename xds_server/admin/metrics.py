@@ -64,6 +64,11 @@ class ControlPlaneCollector:
         for (f, why), v in sorted(c.bad_fields.items()):
             fields.add_metric([f, why], v)
         yield fields
+        herr = CounterMetricFamily("sentinel_probe_handler_errors", "exceptions while handling one agent "
+                                   "message or timer (each skipped; the session goes on)", labels=["where"])
+        for where, v in sorted(c.handler_errors.items()):
+            herr.add_metric([where], v)
+        yield herr
         lag = CounterMetricFamily("sentinel_detection_timer_lag_deferrals",
                                   "detection timers deferred because our own event loop was late")
         lag.add_metric([], view.lag_deferrals())
