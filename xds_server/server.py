@@ -32,7 +32,7 @@ from xds_server.control.publish import ClusterPublish
 from xds_server.control.views import ControlPlaneView
 from xds_server.health import model as hm
 from xds_server.routing_events import RoutingChange, RoutingListener
-from xds_server.xds.ads import AdsHooks, AdsServicer
+from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import InvalidResource, SnapshotCache
 from xds_server.xds.resources import (
     CLA_TYPE_URL,
@@ -45,9 +45,6 @@ from xds_server.xds.resources import (
 __all__ = ["ControlPlane", "EventRecord"]
 
 log = logging.getLogger(__name__)
-
-_SERVED_TYPES = (CLUSTER_TYPE_URL, CLA_TYPE_URL)
-
 
 class ControlPlane:
     """Everything one xds-server process runs. ``await start()`` / ``await stop()``.
@@ -65,15 +62,15 @@ class ControlPlane:
         self.clock: Clock = clock if clock is not None else LoopClock()
         self.counters = Counters()
         self.cache = SnapshotCache(config.xds.server_id,
-                                   validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()})
+                                   validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()},
+                                   memo_max_entries=config.xds.memo_max_entries,
+                                   memo_max_bytes=config.xds.memo_max_bytes)
         self.core = ControlCore(config, self.clock, on_publish=self._write, counters=self.counters)
         self.routing_listeners: list[RoutingListener] = []
         self._notified: dict[str, tuple[str, str]] = {}
         self._probe_factory = probe_sources if probe_sources is not None else grpc_probe_source
         self.sessions: dict[str, ProbeSource] = {}
-        self.ads = AdsServicer(self.cache, AdsHooks(on_request=self._on_xds_request,
-                                                    on_response=self._on_xds_response),
-                               max_tracked_nonces=config.xds.max_tracked_nonces)
+        self.ads = AdsServicer(self.cache, config=config.xds)
         self.view = ControlPlaneView(self.core, self.cache, self.ads, self.sessions, lambda: self._config)
         self._grpc: grpc.aio.Server | None = None
         self._admin_runner: web.AppRunner | None = None
@@ -203,22 +200,6 @@ class ControlPlane:
                     listener(change)
                 except Exception:  # a listener's bug must not stop publishing
                     log.exception("routing listener failed for %s", n.id)
-
-    # -- xDS counters --------------------------------------------------------------------------
-
-    @staticmethod
-    def _type_label(type_url: str) -> str:
-        """Metric label for a type_url; any type we do not serve is "unknown" (bounded labels)."""
-        return type_url.rsplit(".", 1)[-1] if type_url in _SERVED_TYPES else "unknown"
-
-    def _on_xds_request(self, stream, verdict) -> None:
-        label = self._type_label(verdict.type_url)
-        self.counters.xds_requests[(label, verdict.kind)] += 1
-        if verdict.kind == "nack":
-            self.counters.xds_nacks[label] += 1
-
-    def _on_xds_response(self, stream, resp) -> None:
-        self.counters.xds_responses[self._type_label(resp.type_url)] += 1
 
     # -- read-only shortcuts (benchmarks and tests read these) ---------------------------------
 

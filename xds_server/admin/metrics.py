@@ -75,53 +75,7 @@ class ControlPlaneCollector:
         yield lag
 
     def _xds(self):
-        c = self.view.counters
-        x = self.view.xds_stats()
-        streams = GaugeMetricFamily("sentinel_xds_connected_streams", "open ADS streams")
-        streams.add_metric([], x["streams"])
-        yield streams
-        req = CounterMetricFamily("sentinel_xds_requests", "DiscoveryRequests by type and kind",
-                                  labels=["type", "kind"])
-        for (t, k), v in sorted(c.xds_requests.items()):
-            req.add_metric([t, k], v)
-        yield req
-        resp = CounterMetricFamily("sentinel_xds_responses", "DiscoveryResponses sent", labels=["type"])
-        for t, v in sorted(c.xds_responses.items()):
-            resp.add_metric([t], v)
-        yield resp
-        nack = CounterMetricFamily("sentinel_xds_nacks", "NACKs received", labels=["type"])
-        for t, v in sorted(c.xds_nacks.items()):
-            nack.add_metric([t], v)
-        yield nack
-        by_node = CounterMetricFamily("sentinel_xds_node_nacks", "NACKs received by Envoy node id and type",
-                                      labels=["node", "type"])
-        for (node, t), v in sorted(x["nacks_by_node"].items()):
-            by_node.add_metric([node, t], v)
-        yield by_node
-        variants = GaugeMetricFamily("sentinel_xds_streams", "open ADS streams by variant", labels=["variant"])
-        for v, n in sorted(x["streams_by_variant"].items()):
-            variants.add_metric([v], n)
-        yield variants
-        subs = GaugeMetricFamily("sentinel_xds_subscriptions",
-                                 "subscriptions held by open streams (named resources + wildcards)")
-        subs.add_metric([], x["subscriptions"])
-        yield subs
-        watchers = GaugeMetricFamily("sentinel_xds_cache_watchers", "streams waiting on cache changes")
-        watchers.add_metric([], x["watchers"])
-        yield watchers
-        opened = CounterMetricFamily("sentinel_xds_streams_opened", "ADS streams opened since start")
-        opened.add_metric([], x["streams_opened"])
-        yield opened
-        enc = CounterMetricFamily("sentinel_xds_resources_encoded", "resources validated and encoded into the cache")
-        enc.add_metric([], x["encoded"])
-        yield enc
-        enc_s = CounterMetricFamily("sentinel_xds_encode_seconds", "time spent validating, serializing, hashing")
-        enc_s.add_metric([], x["encode_s"])
-        yield enc_s
-        rej = CounterMetricFamily("sentinel_xds_resources_rejected",
-                                  "resources held back because Envoy would NACK them")
-        rej.add_metric([], x["rejected"])
-        yield rej
+        yield from self.view.xds_metric_families()
 
     def _health(self):
         c = self.view.counters

@@ -194,29 +194,12 @@ class ControlPlaneView:
     # -- xDS -----------------------------------------------------------------------------------
 
     def xds_clients(self) -> dict:
-        ads = self._ads
-        return {
-            "clients": ads.client_views(),
-            "streams": ads.stream_count(),
-            "subscriptions": ads.subscription_count(),
-            "nacks_by_node": [{"node": n, "type": t, "nacks": v} for (n, t), v in sorted(ads.nack_counts().items())],
-        }
+        """``/xds/clients``: each open ADS stream's ACKed versions and last NACK (bounded)."""
+        return self._ads.clients_view()
 
-    def xds_stats(self) -> dict:
-        """Numbers for ``/metrics``: streams by variant, subscriptions, NACKs by (node, type),
-        streams opened, cache watchers, encodes, encode seconds, rejected resources."""
-        ads, cache = self._ads, self._cache
-        return {
-            "streams": ads.stream_count(),
-            "streams_by_variant": ads.streams_by_variant(),
-            "subscriptions": ads.subscription_count(),
-            "nacks_by_node": ads.nack_counts(),
-            "streams_opened": ads.streams_opened,
-            "watchers": cache.watcher_count,
-            "encoded": cache.encode_count,
-            "encode_s": cache.encode_s,
-            "rejected": cache.rejected_count,
-        }
+    def xds_metric_families(self) -> Iterator:
+        """The xDS server's Prometheus metric families (streams, requests, NACKs, cache)."""
+        return self._ads.metric_families()
 
     def config_dump(self) -> dict:
         from envoy.config.cluster.v3 import cluster_pb2
