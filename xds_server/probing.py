@@ -25,13 +25,15 @@ import grpc
 from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.config import HealthConfig, NodeConfig
 from xds_server.health.model import (
-    EngineFatalKind,
+    EngineState,
     HeartbeatObserved,
     Observation,
     PingObserved,
     ProbeObserved,
+    ProbeResultKind,
     StreamClosed,
     Tick,
+    miss_after_s,
 )
 
 __all__ = ["ProbeSession", "engine_state_name", "failure_kind", "heartbeat_observation"]
@@ -39,33 +41,33 @@ __all__ = ["ProbeSession", "engine_state_name", "failure_kind", "heartbeat_obser
 log = logging.getLogger(__name__)
 
 _FAILURE = {
-    probe_pb2.FAILURE_KIND_UNSPECIFIED: EngineFatalKind.OK,
-    probe_pb2.FAILURE_KIND_TIMEOUT: EngineFatalKind.TIMEOUT,
-    probe_pb2.FAILURE_KIND_CONNECT: EngineFatalKind.CONNECT,
-    probe_pb2.FAILURE_KIND_HTTP_STATUS: EngineFatalKind.HTTP_STATUS,
-    probe_pb2.FAILURE_KIND_ENGINE_FATAL: EngineFatalKind.ENGINE_FATAL,
-    probe_pb2.FAILURE_KIND_BAD_OUTPUT: EngineFatalKind.BAD_OUTPUT,
+    probe_pb2.FAILURE_KIND_UNSPECIFIED: ProbeResultKind.OK,
+    probe_pb2.FAILURE_KIND_TIMEOUT: ProbeResultKind.TIMEOUT,
+    probe_pb2.FAILURE_KIND_CONNECT: ProbeResultKind.CONNECT,
+    probe_pb2.FAILURE_KIND_HTTP_STATUS: ProbeResultKind.HTTP_STATUS,
+    probe_pb2.FAILURE_KIND_ENGINE_FATAL: ProbeResultKind.ENGINE_FATAL,
+    probe_pb2.FAILURE_KIND_BAD_OUTPUT: ProbeResultKind.BAD_OUTPUT,
 }
 _ENGINE_STATE = {
-    probe_pb2.ENGINE_STATE_UNSPECIFIED: "COLD",
-    probe_pb2.ENGINE_STATE_COLD: "COLD",
-    probe_pb2.ENGINE_STATE_WARMING: "WARMING",
-    probe_pb2.ENGINE_STATE_READY: "READY",
-    probe_pb2.ENGINE_STATE_FAILED: "FAILED",
+    probe_pb2.ENGINE_STATE_UNSPECIFIED: EngineState.COLD,
+    probe_pb2.ENGINE_STATE_COLD: EngineState.COLD,
+    probe_pb2.ENGINE_STATE_WARMING: EngineState.WARMING,
+    probe_pb2.ENGINE_STATE_READY: EngineState.READY,
+    probe_pb2.ENGINE_STATE_FAILED: EngineState.FAILED,
 }
 
 
-def failure_kind(result: probe_pb2.InferenceResult) -> EngineFatalKind:
+def failure_kind(result: probe_pb2.InferenceResult) -> ProbeResultKind:
     """Map an InferenceResult to the health model's outcome class (unknown enum -> BAD_OUTPUT)."""
     if result.ok:
-        return EngineFatalKind.OK
-    kind = _FAILURE.get(result.failure, EngineFatalKind.BAD_OUTPUT)
-    return EngineFatalKind.BAD_OUTPUT if kind is EngineFatalKind.OK else kind
+        return ProbeResultKind.OK
+    kind = _FAILURE.get(result.failure, ProbeResultKind.BAD_OUTPUT)
+    return ProbeResultKind.BAD_OUTPUT if kind is ProbeResultKind.OK else kind
 
 
-def engine_state_name(state: int) -> str:
-    """Name of a probe_pb2.EngineState value (unknown values read as COLD)."""
-    return _ENGINE_STATE.get(state, "COLD")
+def engine_state_name(state: int) -> EngineState:
+    """The health model's EngineState for a probe_pb2.EngineState value (unknown values read as COLD)."""
+    return _ENGINE_STATE.get(state, EngineState.COLD)
 
 
 ObservationSink = Callable[[str, Observation, float], "float | None"]
@@ -236,7 +238,7 @@ class ProbeSession:
         pings: dict[int, float] = {}
         got_any = False
         last_hb = 0.0
-        gap_limit = (self.cfg.heartbeat_interval_ms + self.cfg.heartbeat_grace_ms) / 1000.0
+        gap_limit = miss_after_s(self.cfg)
 
         async def writer() -> None:
             # The only writer of this stream: grpc.aio allows one write in flight at a time.

@@ -194,7 +194,8 @@ class ControlPlane:
         if key != self._keys.get(node_id):
             self._keys[node_id] = key
             self._mark_dirty(cluster)
-        if (prev.consecutive_misses > 0) != (nh.consecutive_misses > 0) or prev.stream_closed != nh.stream_closed:
+        if ((prev.heartbeat.consecutive_misses > 0) != (nh.heartbeat.consecutive_misses > 0)
+                or prev.heartbeat.stream_closed != nh.heartbeat.stream_closed):
             self._check_fail_static(now_s)
         return hm.next_check_s(nh, cfg)
 
@@ -215,8 +216,9 @@ class ControlPlane:
         def bucket(v: float | None) -> int | None:
             return None if v is None else int(math.log1p(max(v, 0.0)) / math.log(1.1))
 
-        return (nr, nh.state, bucket(nh.ewma_rtt_ms), bucket(nh.ewma_ttft_ms),
-                None if nh.gpu_free_ratio is None else round(nh.gpu_free_ratio, 2))
+        free = nh.engine.gpu_free_ratio
+        return (nr, nh.state, bucket(nh.rtt.ewma_ms), bucket(nh.probe.ewma_ttft_ms),
+                None if free is None else round(free, 2))
 
     def _check_fail_static(self, now_s: float) -> None:
         st, evs = hp.fail_static(self.fail_static, self.health, now_s, self.config.health)
@@ -289,7 +291,7 @@ class ControlPlane:
             history = self._history.setdefault(c.name, collections.deque(maxlen=64))
             if self.fail_static.active:
                 # Keep the last assignment published before the burst of losses began.
-                limit = self.fail_static.burst_start_s + (cfg.heartbeat_interval_ms + cfg.heartbeat_grace_ms) / 1000.0
+                limit = self.fail_static.burst_start_s + hm.miss_after_s(cfg)
                 good = [r for t, r in history if t <= limit]
                 if good:
                     routing = dict(good[-1])
@@ -358,22 +360,24 @@ class ControlPlane:
     def _probation_view(self, nh: hm.NodeHealth, now: float) -> dict | None:
         cfg = self.config.health
         if nh.state is hm.NodeState.PROBATION:
-            return {"ramp_percent": nh.ramp_percent,
-                    "next_step_in_s": round(max(0.0, nh.ramp_step_at_s + cfg.ramp_step_s - now), 3),
+            step_at = nh.ramp.step_at_s if nh.ramp.step_at_s is not None else now
+            return {"ramp_percent": nh.ramp.percent,
+                    "next_step_in_s": round(max(0.0, step_at + cfg.ramp_step_s - now), 3),
                     "step_percent": cfg.ramp_step_percent}
         if nh.state is hm.NodeState.UNHEALTHY:
-            need = nh.probation_clean_s or cfg.probation_clean_s
-            clean = 0.0 if nh.clean_since_s is None else now - nh.clean_since_s
+            need = hm.required_clean_s(nh, cfg)
+            since = nh.probe.clean_since_s
+            clean = 0.0 if since is None else now - since
             return {"required_clean_s": need, "clean_for_s": round(clean, 3),
-                    "next_recheck_in_s": round(max(0.0, need - clean), 3) if nh.clean_since_s is not None else None,
-                    "clean_probes": nh.clean_probes}
+                    "next_recheck_in_s": round(max(0.0, need - clean), 3) if since is not None else None,
+                    "clean_probes": nh.probe.clean_probes}
         return None
 
     def _drain_view(self, nh: hm.NodeHealth, now: float) -> dict | None:
-        if not nh.draining or nh.drain_since_s is None:
+        if not nh.drain.active or nh.drain.since_s is None:
             return None
-        in_flight = nh.requests_running
-        elapsed = now - nh.drain_since_s
+        in_flight = nh.engine.requests_running
+        elapsed = now - nh.drain.since_s
         drained = (in_flight is not None and in_flight <= 0) or elapsed >= self.config.health.drain_timeout_s
         return {"draining_for_s": round(elapsed, 3), "in_flight": in_flight, "drained": drained,
                 "timeout_s": self.config.health.drain_timeout_s}
@@ -420,16 +424,16 @@ class ControlPlane:
             "xds_version": self.cla_version(cluster),
             "probe_stream_connected": bool(sess and sess.connected),
             "heartbeats": self.heartbeats[node_id],
-            "consecutive_misses": nh.consecutive_misses,
-            "last_heartbeat_s_ago": None if nh.last_heartbeat_s is None else round(now - nh.last_heartbeat_s, 3),
-            "last_rtt_ms": nh.last_rtt_ms,
-            "ewma_rtt_ms": nh.ewma_rtt_ms,
-            "last_ttft_ms": nh.last_ttft_ms,
-            "ewma_ttft_ms": nh.ewma_ttft_ms,
-            "stalled": nh.stalled,
-            "last_probe": nh.last_probe_kind.value if nh.last_probe_kind else None,
-            "consecutive_probe_failures": nh.consecutive_probe_failures,
-            "engine_state": nh.engine_state,
+            "consecutive_misses": nh.heartbeat.consecutive_misses,
+            "last_heartbeat_s_ago": None if nh.heartbeat.last_s is None else round(now - nh.heartbeat.last_s, 3),
+            "last_rtt_ms": nh.rtt.last_ms,
+            "ewma_rtt_ms": nh.rtt.ewma_ms,
+            "last_ttft_ms": nh.probe.last_ttft_ms,
+            "ewma_ttft_ms": nh.probe.ewma_ttft_ms,
+            "stalled": nh.engine.stalled,
+            "last_probe": nh.probe.last_kind.value if nh.probe.last_kind else None,
+            "consecutive_probe_failures": nh.probe.consecutive_failures,
+            "engine_state": nh.engine.state.value,
         }
         if tel is not None:
             load = tel.engine_load

@@ -6,7 +6,8 @@ import pytest
 from xds_server.config import HealthConfig
 from xds_server.health.model import (
     DrainRequested,
-    EngineFatalKind as K,
+    EjectionCause,
+    ProbeResultKind as K,
     HeartbeatObserved,
     NodeState as S,
     PingObserved,
@@ -36,7 +37,7 @@ def test_cold_warming_probation_healthy_with_startup_grace():
     sim.run_until(0.05)
     assert sim.nh.state is S.WARMING and route(sim.nh, 1, FAST_RAMP).health_status == "UNHEALTHY"
     sim.run_until(1.9)
-    assert sim.nh.state is S.WARMING and sim.nh.consecutive_probe_failures == 0  # failures not counted
+    assert sim.nh.state is S.WARMING and sim.nh.probe.consecutive_failures == 0  # failures not counted
     sim.run_until(6.0)
     assert [e.to_state for e in sim.events] == [S.WARMING, S.PROBATION, S.HEALTHY]
     assert sim.events[1].reason.startswith("first good probe")
@@ -82,7 +83,7 @@ def test_phi_suspicion_ejects_a_frozen_node_faster_than_the_count_rule(freeze_ph
     sim.run_until(5.0)
     ej = [e for e in sim.events if e.to_state is S.UNHEALTHY][0]
     assert "phi" in ej.reason and ej.at_s - t_fault < 0.24
-    assert sim.nh.ejected_by == "heartbeat"  # then proven by the count rule at +380 ms
+    assert sim.nh.ejection.cause is EjectionCause.HEARTBEAT  # then proven by the count rule at +380 ms
 
 
 def test_phi_suspicion_disproved_by_a_late_heartbeat_returns_without_probation():
@@ -97,9 +98,9 @@ def test_phi_suspicion_disproved_by_a_late_heartbeat_returns_without_probation()
 def test_stream_closed_counts_as_a_miss_at_once():
     sim = healthy_sim(cfg=HealthConfig(failure_detector="count", ramp_step_percent=50))
     sim.heartbeat = lambda t: None
-    last = sim.nh.last_heartbeat_s
+    last = sim.nh.heartbeat.last_s
     sim.apply(StreamClosed("UNAVAILABLE"), last + 0.01)
-    assert sim.nh.consecutive_misses == 1
+    assert sim.nh.heartbeat.consecutive_misses == 1
     sim.run_until(5.0)
     ej = [e for e in sim.events if e.to_state is S.UNHEALTHY][0]
     assert abs(ej.at_s - (last + 0.28)) < 1e-6  # closed (1) + misses at +180 and +280 ms
@@ -167,7 +168,7 @@ def test_fc07_busy_engine_with_advancing_tokens_is_saturated_not_ejected():
 def test_engine_fatal_ejects_at_once_and_engine_failed_report_too():
     sim = healthy_sim()
     sim.apply(ProbeObserved(K.ENGINE_FATAL, detail="CUDA error: an illegal memory access"), 4.5)
-    assert sim.nh.state is S.UNHEALTHY and "CUDA error" in sim.nh.reason and sim.nh.ejected_by == "engine"
+    assert sim.nh.state is S.UNHEALTHY and "CUDA error" in sim.nh.reason and sim.nh.ejection.cause is EjectionCause.ENGINE
     sim2 = healthy_sim()
     sim2.apply(HeartbeatObserved(engine_state="FAILED"), 4.05)
     assert sim2.nh.state is S.UNHEALTHY and sim2.nh.reason == "agent reports engine FAILED"
@@ -198,7 +199,7 @@ def test_half_open_after_60s_clean_then_1pct_ramp_then_healthy():
     pcts = []
     for _ in range(5):
         sim.run_until(sim.now + 1.0)
-        pcts.append(sim.nh.ramp_percent)
+        pcts.append(sim.nh.ramp.percent)
     assert [b - a for a, b in zip(pcts, pcts[1:])] == [1.0] * 4  # +1 % per 1 s step
     assert pcts[0] <= 5
     assert route(sim.nh, 1, CFG).weight == int(round(pcts[-1]))
@@ -214,8 +215,8 @@ def test_failure_in_probation_doubles_the_next_clean_period_capped():
     clean = []
     for k in range(3):
         sim.apply(ProbeObserved(K.TIMEOUT), sim.now + 0.01)
-        assert sim.nh.state is S.UNHEALTHY and sim.nh.ramp_percent == 0
-        clean.append(sim.nh.probation_clean_s)
+        assert sim.nh.state is S.UNHEALTHY and sim.nh.ramp.percent == 0
+        clean.append(sim.nh.ejection.clean_period_s)
         sim.run_until(sim.now + clean[-1] + 2.0)
         assert sim.nh.state is S.PROBATION
     assert clean == [20.0, 25.0, 25.0]
@@ -224,9 +225,9 @@ def test_failure_in_probation_doubles_the_next_clean_period_capped():
 def test_rtt_ewma_alpha_02_and_baseline_gate():
     sim = healthy_sim()
     sim.apply(PingObserved(10.0), 4.01)
-    before = sim.nh.ewma_rtt_ms
+    before = sim.nh.rtt.ewma_ms
     sim.apply(PingObserved(20.0), 4.02)
-    assert sim.nh.ewma_rtt_ms == pytest.approx(0.8 * before + 0.2 * 20.0) and sim.nh.last_rtt_ms == 20.0
+    assert sim.nh.rtt.ewma_ms == pytest.approx(0.8 * before + 0.2 * 20.0) and sim.nh.rtt.last_ms == 20.0
 
 
 def test_drain_overrides_everything_until_undrained():
@@ -244,7 +245,7 @@ def test_engine_restart_goes_back_through_warming():
     sim.apply(HeartbeatObserved(engine_state="WARMING"), 4.05)
     assert sim.nh.state is S.WARMING and "engine restarting" in sim.nh.reason
     sim.apply(ProbeObserved(K.OK, ttft_ms=30), 4.2)
-    assert sim.nh.state is S.PROBATION and sim.nh.ramp_percent == 1.0
+    assert sim.nh.state is S.PROBATION and sim.nh.ramp.percent == 1.0
 
 
 def test_heartbeat_ejection_during_fail_static_is_forgiven_when_it_ends():
@@ -253,7 +254,7 @@ def test_heartbeat_ejection_during_fail_static_is_forgiven_when_it_ends():
     sim = healthy_sim()
     sim.heartbeat = lambda t: None if 4.05 <= t < 5.5 else HeartbeatObserved()
     sim.run_until(5.6)
-    assert sim.nh.state is S.UNHEALTHY and sim.nh.ejected_by == "heartbeat"
+    assert sim.nh.state is S.UNHEALTHY and sim.nh.ejection.cause is EjectionCause.HEARTBEAT
     sim.apply(FailStaticEnded(burst_start_s=4.0), 5.65)
     assert sim.nh.state is S.HEALTHY and "forgiven" in sim.events[-1].reason
     # a probe-based ejection is never forgiven
@@ -269,7 +270,7 @@ def test_fail_static_forgiveness_also_for_a_node_whose_heartbeats_return_just_af
     sim.heartbeat = lambda t: None if 4.05 <= t < 5.75 else HeartbeatObserved()
     sim.run_until(5.6)
     sim.apply(FailStaticEnded(burst_start_s=4.0), 5.65)
-    assert sim.nh.state is S.UNHEALTHY and sim.nh.forgive_since_s == 4.0
+    assert sim.nh.state is S.UNHEALTHY and sim.nh.ejection.forgive_since_s == 4.0
     sim.run_until(5.9)
     assert sim.nh.state is S.HEALTHY and "forgiven" in sim.events[-1].reason
     # too late (after ten heartbeat intervals): the normal clean period applies

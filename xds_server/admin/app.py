@@ -54,10 +54,10 @@ class _Collector:
             if r is not None:
                 weight.add_metric([c, node_id], r.weight)
                 routed.add_metric([c, node_id], 1.0 if r.health_status == "HEALTHY" else 0.0)
-            if nh.ewma_rtt_ms is not None:
-                rtt.add_metric([c, node_id], nh.ewma_rtt_ms)
-            if nh.last_ttft_ms is not None:
-                ttft.add_metric([c, node_id], nh.last_ttft_ms)
+            if nh.rtt.ewma_ms is not None:
+                rtt.add_metric([c, node_id], nh.rtt.ewma_ms)
+            if nh.probe.last_ttft_ms is not None:
+                ttft.add_metric([c, node_id], nh.probe.last_ttft_ms)
             hbs.add_metric([c, node_id], cp.heartbeats[node_id])
             bad.add_metric([c, node_id], cp.malformed[node_id])
         yield from (state, weight, routed, rtt, ttft, hbs, bad)
@@ -90,7 +90,7 @@ class _Collector:
                                  labels=["cluster", "node"])
         for node_id, nh in cp.health.items():
             if nh.state.value == "PROBATION":
-                ramp.add_metric([cp.node_cluster[node_id], node_id], nh.ramp_percent)
+                ramp.add_metric([cp.node_cluster[node_id], node_id], nh.ramp.percent)
         yield ramp
         lag = CounterMetricFamily("sentinel_detection_timer_lag_deferrals",
                                   "detection timers deferred because our own event loop was late")

@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 
 from xds_server.config import HealthConfig
 from xds_server.health.model import (
-    EngineFatalKind,
+    EngineState,
     Event,
     HeartbeatObserved,
     NodeHealth,
     Observation,
     PingObserved,
     ProbeObserved,
+    ProbeResultKind,
     Tick,
     initial,
     next_check_s,
@@ -31,11 +32,11 @@ HeartbeatFn = Callable[[float], HeartbeatObserved | None]
 
 
 def _good(_: float) -> ProbeObserved:
-    return ProbeObserved(EngineFatalKind.OK, ttft_ms=20.0)
+    return ProbeObserved(ProbeResultKind.OK, ttft_ms=20.0)
 
 
 def _ready(_: float) -> HeartbeatObserved:
-    return HeartbeatObserved(engine_state="READY")
+    return HeartbeatObserved(engine_state=EngineState.READY)
 
 
 @dataclass
