@@ -126,10 +126,14 @@ def test_prop_ramp_only_goes_up_in_probation_and_restarts_after_failure(items):
         prev_state, prev_pct = nh.state, nh.ramp.percent
 
 
-def test_prop_entering_probation_always_starts_at_ramp_start():
-    sim = NodeSim(cfg=CFG)
-    sim.run_until(0.6)
-    assert sim.nh.state is S.PROBATION and sim.nh.ramp.percent == CFG.ramp_start_percent
+@settings(max_examples=50, deadline=None)
+@given(st.floats(0.5, 50.0), st.floats(0.0, 799.0), st.floats(0.1, 2.0))
+def test_prop_entering_probation_from_warming_starts_at_ramp_start(start_pct, ttft_ms, probe_every_s):
+    cfg = HealthConfig(ramp_start_percent=start_pct, ramp_step_s=60.0)
+    sim = NodeSim(cfg=cfg, probe=lambda t: ProbeObserved(K.OK, ttft_ms=ttft_ms), probe_every_s=probe_every_s)
+    sim.run_until(probe_every_s)  # first probe at half the period: good or slow, both start the ramp
+    assert [e.to_state for e in sim.events] == [S.WARMING, S.PROBATION]
+    assert sim.nh.ramp.percent == start_pct and abs(route(sim.nh, 1, cfg).weight - max(1.0, start_pct)) <= 0.5 + 1e-9
 
 
 @settings(max_examples=100, deadline=None)

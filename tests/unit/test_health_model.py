@@ -14,6 +14,8 @@ from xds_server.health.model import (
     ProbeObserved,
     StreamClosed,
     Tick,
+    Routing,
+    RoutingStatus,
     misses_at,
     node_routing,
     route,
@@ -43,7 +45,7 @@ def test_cold_warming_probation_healthy_with_startup_grace():
     assert sim.events[1].reason.startswith("first good probe")
 
 
-def test_fc08_warming_engine_never_published_routable_before_first_good_probe_then_ramps_from_1pct():
+def test_fc08_warming_engine_never_routed_before_first_good_probe_then_ramps_from_1pct():
     # /health would say 200 from t=10 s, but completions block until t=270 s: every probe times out.
     sim = NodeSim(cfg=CFG, heartbeat=lambda t: HeartbeatObserved(engine_state="WARMING" if t < 270 else "READY"),
                   probe=lambda t: ProbeObserved(K.TIMEOUT) if t < 270 else ProbeObserved(K.OK, ttft_ms=40))
@@ -52,8 +54,11 @@ def test_fc08_warming_engine_never_published_routable_before_first_good_probe_th
         r = route(sim.nh, 1, CFG)
         assert r.health_status == "UNHEALTHY" and sim.nh.state in (S.COLD, S.WARMING)
     sim.run_until(271.0)
+    # no transition into a routed state before the first good probe at t >= 270 s
+    routed_at = [e.at_s for e in sim.events if e.to_state in (S.PROBATION, S.HEALTHY, S.DEGRADED)]
+    assert routed_at and min(routed_at) >= 270.0
     assert sim.nh.state is S.PROBATION
-    assert route(sim.nh, 1, CFG) == route(sim.nh, 1, CFG) and route(sim.nh, 1, CFG).weight == 1
+    assert route(sim.nh, 1, CFG) == Routing(1, RoutingStatus.HEALTHY)  # 1 % of full weight 100
 
 
 def test_misses_counted_at_interval_plus_grace():
@@ -62,7 +67,7 @@ def test_misses_counted_at_interval_plus_grace():
 
 
 @pytest.mark.parametrize("freeze_phase_ms", [1, 30, 60, 99])
-def test_count_rule_three_80ms_misses_eject_within_300ms_of_the_fault(freeze_phase_ms):
+def test_count_rule_third_miss_ejects_380ms_after_the_last_heartbeat(freeze_phase_ms):
     sim = healthy_sim(cfg=HealthConfig(failure_detector="count", ramp_step_percent=50))
     t_fault = 4.0 + freeze_phase_ms / 1000.0  # last heartbeat at 4.0
     sim.heartbeat = lambda t: None if t >= t_fault else HeartbeatObserved()
@@ -135,7 +140,7 @@ def test_fc06_hung_inference_two_probe_timeouts_eject_and_health_200_never_reset
     assert sim.nh.state is S.UNHEALTHY
     assert "inference timeout" in sim.nh.reason or "STALLED" in sim.nh.reason
     sim.run_until(30.0)  # heartbeats (the engine's /health) keep coming: they do not heal it
-    assert sim.nh.state is S.UNHEALTHY
+    assert sim.nh.state is S.UNHEALTHY and not any(e.from_state is S.UNHEALTHY for e in sim.events)
 
 
 def test_stall_counts_as_timeout_and_a_persisting_stall_ejects_after_stall_confirm_ms():
@@ -222,12 +227,19 @@ def test_failure_in_probation_doubles_the_next_clean_period_capped():
     assert clean == [20.0, 25.0, 25.0]
 
 
-def test_rtt_ewma_alpha_02_and_baseline_gate():
+def test_rtt_ewma_alpha_02_and_the_baseline_learns_only_while_healthy():
     sim = healthy_sim()
     sim.apply(PingObserved(10.0), 4.01)
     before = sim.nh.rtt.ewma_ms
+    base = sim.nh.rtt.baseline_ms
     sim.apply(PingObserved(20.0), 4.02)
     assert sim.nh.rtt.ewma_ms == pytest.approx(0.8 * before + 0.2 * 20.0) and sim.nh.rtt.last_ms == 20.0
+    assert sim.nh.rtt.baseline_ms == pytest.approx(0.95 * base + 0.05 * sim.nh.rtt.ewma_ms)  # alpha 0.05
+    sim.apply(ProbeObserved(K.OK, ttft_ms=450), 4.03)  # DEGRADED: the baseline holds
+    assert sim.nh.state is S.DEGRADED
+    held = sim.nh.rtt.baseline_ms
+    sim.apply(PingObserved(200.0), 4.04)
+    assert sim.nh.rtt.baseline_ms == held and sim.nh.rtt.ewma_ms > held
 
 
 def test_drain_overrides_everything_until_undrained():

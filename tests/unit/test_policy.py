@@ -68,14 +68,16 @@ def test_fc05_recovery_restarts_ramp_at_1pct_and_a_joining_node_does_not_change_
     a.apply(ProbeObserved(K.ENGINE_FATAL, detail="CUDA error"), 110.2)
     a.run_until(117.0)
     assert a.nh.state is S.PROBATION and a.nh.ramp.percent <= 2
-    ramp_alone = []
+    ramp_alone, ramp_joined = [], []
     joined = NodeSim(cfg=cfg, node_id="new", now=120.0)
     for t in range(118, 150):
         a.run_until(float(t))
         joined.run_until(float(t))
+        ramp_alone.append(cluster_routing([("a", 1, a.nh)], {}, float(t), cfg).routing["a"].weight)
         members = [("a", 1, a.nh)] + ([("new", 1, joined.nh)] if t >= 120 else [])
-        ramp_alone.append(cluster_routing(members, {}, float(t), cfg).routing["a"].weight)
+        ramp_joined.append(cluster_routing(members, {}, float(t), cfg).routing["a"].weight)
     assert ramp_alone == sorted(ramp_alone) and min(ramp_alone) >= 1 and ramp_alone[-1] <= 40
+    assert ramp_joined == ramp_alone  # the joining node does not change a's ramp
     # second failure and recovery: back to 1 %
     a.apply(ProbeObserved(K.TIMEOUT), 150.1)
     a.apply(ProbeObserved(K.TIMEOUT), 150.2)
