@@ -41,13 +41,17 @@ Envoy sees until undrained, while the underlying state keeps following observati
 Phi suspicion (see :mod:`xds_server.health.phi`) ejects a node as soon as its silence is
 implausible given its own heartbeat history, before the count rule would. If a heartbeat then
 arrives before the count rule fires, the suspicion was false: the node returns to the state it
-had, without a probation (a false suspicion costs ~100 ms of traffic, not minutes). Disproved
+had, without a clean period (a false suspicion costs ~100 ms of traffic, not minutes; a node
+that was in PROBATION restarts its ramp, as every entry to PROBATION does). Disproved
 suspicions are limited per ``phi_suspicion_window_s`` (``phi_max_suspicions_per_min``) so a
 jittery node cannot flap. Likewise a node ejected for heartbeats lost during a fleet-wide
 fail-static episode returns to its previous state when the episode ends.
 
-This module is the public face of the health model: it re-exports the names below from
-``records``, ``clocks``, ``table``, ``rules`` and ``routing``.
+This module is the public face of the health model and re-exports the names below. Homes:
+``records`` (enums, observations, per-node records), ``clocks`` (timers: misses, phi, next
+Tick), ``outcome`` (what a probe result means), ``signals``/``effects``/``table`` (the state
+machine), ``rules`` (``step``: observations to signals), ``routing`` (status and weight).
+Cluster-wide decisions are in :mod:`xds_server.health.policy`.
 """
 from __future__ import annotations
 
@@ -80,7 +84,8 @@ from xds_server.health.records import (
     initial,
 )
 from xds_server.health.routing import NodeRouting, Routing, RoutingStatus, full_weight, node_routing, route, weight
-from xds_server.health.rules import classify_probe, step
+from xds_server.health.outcome import classify_probe
+from xds_server.health.rules import step
 from xds_server.health.table import TABLE, InvalidTransition, Signal
 
 __all__ = [

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
 from xds_server.health.clocks import EPS_S, misses_at, phi_delay_s, required_clean_s
+from xds_server.health.outcome import classify_probe
 from xds_server.health.records import (
     ROUTED_STATES,
     DrainRequested,
@@ -39,10 +40,7 @@ from xds_server.health.records import (
 )
 from xds_server.health.table import Ctx, Fired, Signal, apply
 
-__all__ = ["classify_probe", "step"]
-
-_DETAIL_CHARS = 120       # agent-supplied detail kept in a reason
-_FATAL_DETAIL_CHARS = 160
+__all__ = ["step"]
 
 
 @dataclass(slots=True)
@@ -59,6 +57,13 @@ class _StepCtx(Ctx):
 Record = Callable[[NodeHealth, Observation, _StepCtx], NodeHealth]
 Rule = Callable[[NodeHealth, Observation, _StepCtx], Sequence[Fired]]
 _NONE: tuple[Fired, ...] = ()
+# Signals without a detail, built once (Fired is immutable): these fire on most steps.
+_HEARTBEAT = (Fired(Signal.HEARTBEAT),)
+_PING = (Fired(Signal.PING),)
+_CLEAN_PERIOD_MET = (Fired(Signal.CLEAN_PERIOD_MET),)
+_RAMP_HELD = (Fired(Signal.RAMP_HELD),)
+_RAMP_COMPLETE = (Fired(Signal.RAMP_COMPLETE),)
+_HEALTHY_RUN_MET = (Fired(Signal.HEALTHY_RUN_MET),)
 
 
 def step(nh: NodeHealth, obs: Observation, now_s: float, cfg: HealthConfig) -> tuple[NodeHealth, list[Event]]:
@@ -146,7 +151,7 @@ def _r_forgive_pending(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Se
 
 
 def _r_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fired]:
-    return (Fired(Signal.HEARTBEAT),)
+    return _HEARTBEAT
 
 
 def _r_gpu_fatal(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fired]:
@@ -217,49 +222,7 @@ def _record_ping(nh: NodeHealth, obs: PingObserved, c: _StepCtx) -> NodeHealth:
 
 
 def _r_ping(nh: NodeHealth, obs: PingObserved, c: _StepCtx) -> Sequence[Fired]:
-    return (Fired(Signal.PING),)
-
-
-def _busy_progressing(nh: NodeHealth) -> bool:
-    """The engine is busy and its token counter advances (agent says running > 0, not stalled)."""
-    return (nh.engine.requests_running or 0) > 0 and not nh.engine.stalled
-
-
-def _with(text: str, detail: str) -> str:
-    return text + (f": {detail[:_DETAIL_CHARS]}" if detail else "")
-
-
-def classify_probe(nh: NodeHealth, obs: ProbeObserved, cfg: HealthConfig) -> tuple[ProbeOutcome, str]:
-    """A probe result's outcome class and a description for the reason line.
-
-    A failure while the engine is busy and progressing is BUSY (saturated) when it is a timeout
-    or an HTTP status in ``saturated_http_statuses``; a status in ``busy_http_statuses`` is
-    always BUSY (fc07).
-    """
-    k = obs.kind
-    if k is ProbeResultKind.OK:
-        if obs.ttft_ms < cfg.ttft_healthy_ms:
-            return ProbeOutcome.GOOD, f"TTFT {obs.ttft_ms:.0f} ms"
-        if obs.ttft_ms < cfg.ttft_timeout_ms:
-            return ProbeOutcome.SLOW, f"probe TTFT {obs.ttft_ms:.0f} ms >= {cfg.ttft_healthy_ms:.0f} ms"
-        out, what = ProbeOutcome.FAIL, (f"inference timeout (TTFT {obs.ttft_ms:.0f} ms >= "
-                                        f"{cfg.ttft_timeout_ms:.0f} ms)")
-    elif k is ProbeResultKind.ENGINE_FATAL:
-        return ProbeOutcome.FATAL, f"engine fatal error: {obs.detail[:_FATAL_DETAIL_CHARS]}"
-    elif k is ProbeResultKind.TIMEOUT:
-        out, what = ProbeOutcome.FAIL, _with(f"inference timeout (no token within {cfg.ttft_timeout_ms:.0f} ms)",
-                                             obs.detail)
-    elif k is ProbeResultKind.HTTP_STATUS:
-        out, what = ProbeOutcome.FAIL, _with(f"HTTP {obs.http_status}", obs.detail)
-    else:
-        out, what = ProbeOutcome.FAIL, _with(k.value, obs.detail)
-    http = k is ProbeResultKind.HTTP_STATUS
-    saturated = (http and obs.http_status in cfg.busy_http_statuses) or (_busy_progressing(nh) and (
-        k in (ProbeResultKind.TIMEOUT, ProbeResultKind.OK) or (http and obs.http_status in cfg.saturated_http_statuses)))
-    if saturated:
-        return ProbeOutcome.BUSY, (f"saturated ({what}; {nh.engine.requests_running or 0:.0f} running, "
-                                   "tokens advancing)")
-    return out, what
+    return _PING
 
 
 def _record_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> NodeHealth:
@@ -321,7 +284,7 @@ def _r_clean_period(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[F
         return _NONE
     if nh.engine.state is not EngineState.READY or nh.engine.gpu_fatal:
         return _NONE
-    return (Fired(Signal.CLEAN_PERIOD_MET),)
+    return _CLEAN_PERIOD_MET
 
 
 def _r_ramp(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[Fired]:
@@ -329,10 +292,10 @@ def _r_ramp(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[Fired]:
     if r.step_at_s is None or c.now_s - r.step_at_s < cfg.ramp_step_s - EPS_S:
         return _NONE
     if p.last_kind is ProbeResultKind.OK and (p.last_ttft_ms or 0) >= cfg.ttft_healthy_ms:
-        return (Fired(Signal.RAMP_HELD),)
+        return _RAMP_HELD
     steps = int((c.now_s - r.step_at_s + EPS_S) // cfg.ramp_step_s)
     if r.percent + steps * cfg.ramp_step_percent >= 100.0:
-        return (Fired(Signal.RAMP_COMPLETE),)
+        return _RAMP_COMPLETE
     return (Fired(Signal.RAMP_STEP, arg=steps),)
 
 
@@ -341,7 +304,7 @@ def _r_healthy_run(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[Fi
     ej = nh.ejection
     if (ej.clean_period_s and ej.healthy_since_s is not None
             and c.now_s - ej.healthy_since_s >= c.cfg.probation_clean_max_s):
-        return (Fired(Signal.HEALTHY_RUN_MET),)
+        return _HEALTHY_RUN_MET
     return _NONE
 
 

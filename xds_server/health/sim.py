@@ -15,6 +15,7 @@ from xds_server.health.model import (
     Event,
     HeartbeatObserved,
     NodeHealth,
+    NodeState,
     Observation,
     PingObserved,
     ProbeObserved,
@@ -58,7 +59,7 @@ class NodeSim:
     now: float = 0.0
     nh: NodeHealth = field(init=False)
     events: list[Event] = field(default_factory=list)
-    states: list[tuple[float, str]] = field(default_factory=list)
+    states: list[tuple[float, NodeState]] = field(default_factory=list)  # (time, state entered)
 
     def __post_init__(self) -> None:
         self.nh = initial(self.node_id, self.now)
@@ -74,7 +75,7 @@ class NodeSim:
         self.nh, evs = step(self.nh, obs, t, self.cfg)
         self.events.extend(evs)
         for e in evs:
-            self.states.append((t, e.to_state.value))
+            self.states.append((t, e.to_state))
         self._next_tick = next_check_s(self.nh, self.cfg)
         return evs
 
