@@ -415,7 +415,7 @@ class ControlPlane:
             "not_routed_because": self.why_not_routed.get(node_id) or None,
             "since_s_ago": round(now - nh.since_s, 3),
             "weight": r.weight,
-            "full_weight": n.capacity * 100,
+            "full_weight": hm.full_weight(n.capacity),
             "eds_health_status": r.health_status,
             "probation": self._probation_view(nh, now),
             "drain": self._drain_view(nh, now),
