@@ -24,7 +24,7 @@ from typing import Union
 
 from node_probe.proto import probe_pb2
 from xds_server.config import HealthConfig, ProbeConfig
-from xds_server.health.model import EngineFatalKind, HeartbeatObserved, ProbeObserved
+from xds_server.health.model import EngineState, HeartbeatObserved, ProbeObserved, ProbeResultKind
 from xds_server.untrusted import clip
 
 __all__ = [
@@ -44,19 +44,19 @@ REASONS = frozenset({"not_finite", "negative", "out_of_range", "unknown_enum", "
                      "empty", "mismatch"})
 
 _FAILURE = {
-    probe_pb2.FAILURE_KIND_UNSPECIFIED: EngineFatalKind.OK,
-    probe_pb2.FAILURE_KIND_TIMEOUT: EngineFatalKind.TIMEOUT,
-    probe_pb2.FAILURE_KIND_CONNECT: EngineFatalKind.CONNECT,
-    probe_pb2.FAILURE_KIND_HTTP_STATUS: EngineFatalKind.HTTP_STATUS,
-    probe_pb2.FAILURE_KIND_ENGINE_FATAL: EngineFatalKind.ENGINE_FATAL,
-    probe_pb2.FAILURE_KIND_BAD_OUTPUT: EngineFatalKind.BAD_OUTPUT,
+    probe_pb2.FAILURE_KIND_UNSPECIFIED: ProbeResultKind.OK,
+    probe_pb2.FAILURE_KIND_TIMEOUT: ProbeResultKind.TIMEOUT,
+    probe_pb2.FAILURE_KIND_CONNECT: ProbeResultKind.CONNECT,
+    probe_pb2.FAILURE_KIND_HTTP_STATUS: ProbeResultKind.HTTP_STATUS,
+    probe_pb2.FAILURE_KIND_ENGINE_FATAL: ProbeResultKind.ENGINE_FATAL,
+    probe_pb2.FAILURE_KIND_BAD_OUTPUT: ProbeResultKind.BAD_OUTPUT,
 }
 _ENGINE_STATE = {
-    probe_pb2.ENGINE_STATE_UNSPECIFIED: "COLD",
-    probe_pb2.ENGINE_STATE_COLD: "COLD",
-    probe_pb2.ENGINE_STATE_WARMING: "WARMING",
-    probe_pb2.ENGINE_STATE_READY: "READY",
-    probe_pb2.ENGINE_STATE_FAILED: "FAILED",
+    probe_pb2.ENGINE_STATE_UNSPECIFIED: EngineState.COLD,
+    probe_pb2.ENGINE_STATE_COLD: EngineState.COLD,
+    probe_pb2.ENGINE_STATE_WARMING: EngineState.WARMING,
+    probe_pb2.ENGINE_STATE_READY: EngineState.READY,
+    probe_pb2.ENGINE_STATE_FAILED: EngineState.FAILED,
 }
 _NVML = {
     probe_pb2.NVML_STATE_UNSPECIFIED: "NVML_STATE_UNSPECIFIED",
@@ -107,7 +107,7 @@ class GpuSummary:
 class TelemetrySummary:
     """What the control plane keeps of a heartbeat's telemetry (for ``/nodes``): only checked values."""
 
-    engine_state: str
+    engine_state: EngineState
     stalled: bool
     stall_detail: str
     load: EngineLoadSummary
@@ -196,7 +196,7 @@ class AgentEdge:
         engine_state = _ENGINE_STATE.get(tel.engine_state)
         if engine_state is None:
             bad.append(BadField("heartbeat.telemetry.engine_state", "unknown_enum"))
-            engine_state = "COLD"  # unknown reads as COLD: not routed until a known state arrives
+            engine_state = EngineState.COLD  # unknown reads as COLD: not routed until a known state arrives
         stall_detail = self._text(tel.stall_detail, "heartbeat.telemetry.stall_detail", bad)
         load = self._load(tel.engine_load, bad)
         gpu, free, fatal = self._gpu(tel.gpu, bad)
@@ -285,14 +285,14 @@ class AgentEdge:
             ttft = self._number(r.ttft_ms, p + "ttft_ms", 0.0, self.probe.max_ttft_ms, bad)
             if ttft is None:
                 return None  # an "ok" probe without a believable TTFT says nothing
-            return CheckedResult(ProbeObserved(kind=EngineFatalKind.OK, ttft_ms=ttft, http_status=status,
+            return CheckedResult(ProbeObserved(kind=ProbeResultKind.OK, ttft_ms=ttft, http_status=status,
                                                detail=detail))
         kind = _FAILURE.get(r.failure)
         if kind is None:
             bad.append(BadField(p + "failure", "unknown_enum"))
-            kind = EngineFatalKind.BAD_OUTPUT
-        elif kind is EngineFatalKind.OK:
-            kind = EngineFatalKind.BAD_OUTPUT  # ok=false without a failure kind
+            kind = ProbeResultKind.BAD_OUTPUT
+        elif kind is ProbeResultKind.OK:
+            kind = ProbeResultKind.BAD_OUTPUT  # ok=false without a failure kind
         if r.ttft_ms and not math.isfinite(r.ttft_ms):
             bad.append(BadField(p + "ttft_ms", "not_finite"))
         return CheckedResult(ProbeObserved(kind=kind, ttft_ms=0.0, http_status=status, detail=detail))

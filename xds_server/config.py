@@ -292,8 +292,12 @@ class HealthConfig(_Model):
     phi_min_samples: int = Field(10, ge=1, description="heartbeats before phi is trusted")
     phi_max_suspicions_per_min: int = Field(
         6, ge=0,
-        description="suspicions that heartbeats later disproved, per rolling minute, before phi "
-        "is ignored (count rule only) for the rest of that minute: bounds flapping",
+        description="suspicions that heartbeats later disproved, per phi_suspicion_window_s "
+        "(default one minute, hence the name), before phi is ignored (count rule only) until the "
+        "oldest leaves the window: bounds flapping; 0 = unlimited. Ours",
+    )
+    phi_suspicion_window_s: float = Field(
+        60.0, gt=0, description="rolling window of phi_max_suspicions_per_min (ours: one minute)"
     )
     self_lag_tolerance_ms: float = Field(
         20.0, ge=0,
@@ -302,6 +306,17 @@ class HealthConfig(_Model):
     )
     # -- micro-probes ---------------------------------------------------------------------------
     ttft_ewma_alpha: float = Field(0.2, gt=0, le=1, description="EWMA alpha for TTFT (as RTT, seed 000)")
+    saturated_http_statuses: tuple[int, ...] = Field(
+        (429, 503),
+        description="probe HTTP statuses that mean 'saturated', not dead, while the engine is busy "
+        "and its token counter advances: DEGRADED, never ejected (field case fc07; 429 Too Many "
+        "Requests and 503 Service Unavailable are what vLLM, SGLang and TGI return when full)",
+    )
+    busy_http_statuses: tuple[int, ...] = Field(
+        (429,),
+        description="probe HTTP statuses that always mean 'busy', never a failure: the engine "
+        "itself says it is full (fc07)",
+    )
     stall_confirm_ms: float = Field(
         300.0, ge=0,
         description="an engine still reported STALLED this long after the first report counts "
@@ -327,7 +342,12 @@ class HealthConfig(_Model):
     probation_min_probes: int = Field(3, ge=1, description="probes required inside the clean period")
     rtt_baseline_alpha: float = Field(0.05, gt=0, le=1, description="slow EWMA of RTT while HEALTHY")
     rtt_baseline_tolerance: float = Field(
-        1.5, ge=1, description="'EWMA RTT back under its baseline' means <= baseline x this"
+        1.5, ge=1, description="'EWMA RTT back under its baseline' means <= baseline x this + rtt_baseline_slack_ms"
+    )
+    rtt_baseline_slack_ms: float = Field(
+        1.0, ge=0,
+        description="added to baseline x tolerance so sub-millisecond loopback RTTs (where 1.5 x "
+        "is a few microseconds) do not block PROBATION on noise (ours)",
     )
     ramp_start_percent: float = Field(1.0, gt=0, le=100, description="seed 000: start at 1 % of full weight")
     ramp_step_percent: float = Field(1.0, gt=0, le=100, description="seed 000: +1 % per step")
@@ -359,7 +379,20 @@ class HealthConfig(_Model):
         300.0, gt=0, description="'together': heartbeat losses within this window of each other"
     )
     fail_static_min_nodes: int = Field(3, ge=2, description="fleets smaller than this never go fail-static")
+    fail_static_forgive_intervals: int = Field(
+        10, ge=0,
+        description="a node still silent when fail-static ends is forgiven its heartbeat ejection "
+        "if its heartbeats resume within this many heartbeat intervals (ours: 1 s at 100 ms)",
+    )
     drain_timeout_s: float = Field(600.0, gt=0, description="a drain is complete when in-flight is 0 or after this")
+
+    @field_validator("saturated_http_statuses", "busy_http_statuses")
+    @classmethod
+    def _v_http_statuses(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        bad = [x for x in v if not 100 <= x <= 599]
+        if bad:
+            raise ValueError(f"HTTP statuses must be in 100..599, got {bad}")
+        return v
 
     @model_validator(mode="after")
     def _ordered(self) -> "HealthConfig":

@@ -30,7 +30,7 @@ from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.agent_edge import AgentEdge, BadField, CheckedHeartbeat, CheckedPong, CheckedResult, TelemetrySummary
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
 from xds_server.control.counters import Counters
-from xds_server.health.model import EngineFatalKind, Observation, PingObserved, StreamClosed, Tick
+from xds_server.health.model import Observation, PingObserved, ProbeResultKind, StreamClosed, Tick, miss_after_s
 from xds_server.untrusted import RateLimitedLog, clip, for_log
 
 __all__ = ["ProbeSession", "SilentStream"]
@@ -212,7 +212,7 @@ class ProbeSession:
         ping_seq = [0]  # last Ping.seq sent on this stream
         got_any = False
         last_hb = 0.0
-        gap_limit = (self.cfg.heartbeat_interval_ms + self.cfg.heartbeat_grace_ms) / 1000.0
+        gap_limit = miss_after_s(self.cfg)
         silent_s = self.probe_cfg.silent_stream_redial_ms / 1000.0
 
         async def writer() -> None:
@@ -301,7 +301,7 @@ class ProbeSession:
                         self._arm(self.sink(self.node.id, PingObserved(rtt_ms=(now - sent) * 1000.0), now))
                     elif isinstance(checked, CheckedResult):
                         obs = checked.observation
-                        if obs.kind is not EngineFatalKind.OK:
+                        if obs.kind is not ProbeResultKind.OK:
                             self._probe_now(f"confirm probe failure: {obs.kind.value}")
                         self._arm(self.sink(self.node.id, obs, now))
                 except Exception:  # noqa: BLE001 - one message must never end health checking

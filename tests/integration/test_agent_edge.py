@@ -90,7 +90,7 @@ async def test_ttft_1e308_never_reaches_the_model_nor_makes_an_outlier(rig):
     agent.send(result(ttft_ms=1e308), result(ttft_ms=-5.0))
     await until(lambda: bad(cp, "inference_result.ttft_ms", "out_of_range") == 1
                 and bad(cp, "inference_result.ttft_ms", "negative") == 1)
-    assert cp.health["a"].ewma_ttft_ms == 12.0 and cp.health["a"].last_ttft_ms == 12.0
+    assert cp.health["a"].probe.ewma_ttft_ms == 12.0 and cp.health["a"].probe.last_ttft_ms == 12.0
     async with http.get("/nodes/a") as r:
         v = strict_json(await r.text())
     assert v["ewma_ttft_ms"] == 12.0 and v["state"] == "HEALTHY"
@@ -131,7 +131,7 @@ async def test_nan_and_inf_telemetry_never_reach_nodes_json_or_eds(rig):
     node = strict_json(text)["nodes"][0]
     assert node["engine_load"]["requests_waiting"] is None and node["engine_load"]["requests_running"] is None
     assert node["engine_load"]["kv_cache_usage_ratio"] is None
-    assert cp.health["a"].requests_waiting is None and cp.routing["a"].weight == 100
+    assert cp.health["a"].engine.requests_waiting is None and cp.routing["a"].weight == 100
 
 
 async def test_huge_stall_detail_is_clipped_in_reasons_events_logs_and_probe_now(rig, caplog):
@@ -168,7 +168,7 @@ async def test_a_failure_handling_one_message_does_not_end_the_session(rig):
     agent.end_stream()  # the StreamClosed observation fails too: the old session died here
     await until(lambda: len(failed) == 2 and agent.streams == 2 and sess.connected)
     agent.send(result(ttft_ms=17.0))
-    await until(lambda: cp.health["a"].last_ttft_ms == 17.0)
+    await until(lambda: cp.health["a"].probe.last_ttft_ms == 17.0)
     assert sess.alive and sess.handler_errors == 2
     assert cp.counters.handler_errors == {"message": 1, "stream_closed": 1}
     assert await detect_agent_loss_s(cp, agent) < 1.0

@@ -197,7 +197,7 @@ async def play(rig: Rig, seq: list[Step]) -> None:
         assert el.get(k) is None or 0 <= el[k] <= cp.config.probe.max_requests
     assert el.get("kv_cache_usage_ratio") is None or 0 <= el["kv_cache_usage_ratio"] <= 1
     nh = cp.health["a"]
-    for v in (nh.ewma_ttft_ms, nh.last_ttft_ms):
+    for v in (nh.probe.ewma_ttft_ms, nh.probe.last_ttft_ms):
         assert v is None or 0 <= v <= cp.config.probe.max_ttft_ms
     res = cp.cache.resources(CLA_TYPE_URL).get("llm")
     if res is not None:
@@ -227,11 +227,11 @@ def test_hostile_agent_sequences_never_stop_health_checking_nor_poison_state():
         async def dead_host_detection_s() -> float:
             # a good node again first (an unknown engine state may have sent it to WARMING)
             agent.send(result(ttft_ms=12.0))
-            await until(lambda: cp.health["a"].consecutive_misses == 0 and cp.sessions["a"].connected)
+            await until(lambda: cp.health["a"].heartbeat.consecutive_misses == 0 and cp.sessions["a"].connected)
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             await agent.stop()
-            await until(lambda: cp.health["a"].consecutive_misses >= cp.config.health.consecutive_misses
+            await until(lambda: cp.health["a"].heartbeat.consecutive_misses >= cp.config.health.consecutive_misses
                         and cp.routing["a"].health_status != "HEALTHY", step_s=0.005)
             return loop.time() - t0
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from node_probe.proto import probe_pb2
 from xds_server.agent_edge import REASONS, AgentEdge, CheckedHeartbeat, CheckedResult
 from xds_server.config import HealthConfig, ProbeConfig
-from xds_server.health.model import EngineFatalKind
+from xds_server.health.model import ProbeResultKind
 
 EDGE = AgentEdge(HealthConfig(), ProbeConfig())
 PC = ProbeConfig()
@@ -76,7 +76,7 @@ def test_any_agent_message_is_checked_without_raising_and_only_sane_values_pass(
         o = checked.observation
         assert math.isfinite(o.ttft_ms) and 0 <= o.ttft_ms <= PC.max_ttft_ms
         assert 0 <= o.http_status <= 999 and len(o.detail) <= PC.max_text_chars
-        assert isinstance(o.kind, EngineFatalKind)
+        assert isinstance(o.kind, ProbeResultKind)
 
 
 def test_each_planted_bad_field_is_reported_by_name_and_reason():
@@ -87,7 +87,7 @@ def test_each_planted_bad_field_is_reported_by_name_and_reason():
     assert [(b.field, b.reason) for b in EDGE.check(msg)[1]] == [("inference_result.ttft_ms", "out_of_range")]
     msg = probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(ok=False, failure=77, detail="d" * 10_000))
     checked, bad = EDGE.check(msg)
-    assert checked.observation.kind is EngineFatalKind.BAD_OUTPUT and len(checked.observation.detail) == PC.max_text_chars
+    assert checked.observation.kind is ProbeResultKind.BAD_OUTPUT and len(checked.observation.detail) == PC.max_text_chars
     assert {(b.field, b.reason) for b in bad} == {("inference_result.failure", "unknown_enum"),
                                                    ("inference_result.detail", "too_long")}
     hb = probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(telemetry=probe_pb2.Telemetry(

@@ -259,7 +259,7 @@ def test_in_memory_probe_source_detects_silence_on_the_manual_clock_exactly_as_s
         probes["n1"].heartbeat()
         probes["n2"].heartbeat()
     clock.advance_to(t0 + 0.379)
-    assert cp.health["n0"].state is hm.NodeState.HEALTHY and cp.health["n0"].consecutive_misses == 2
+    assert cp.health["n0"].state is hm.NodeState.HEALTHY and cp.health["n0"].heartbeat.consecutive_misses == 2
     clock.advance_to(t0 + 0.381)  # 3 misses: +180, +280, +380 ms (interval 100 ms, grace 80 ms)
     assert cp.health["n0"].state is hm.NodeState.UNHEALTHY
     assert published(cp)["n0"] == "UNHEALTHY" and cp.routing["n0"].health_status == "UNHEALTHY"

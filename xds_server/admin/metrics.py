@@ -50,14 +50,14 @@ class ControlPlaneCollector:
             if r is not None:
                 weight.add_metric([cl, nid], r.weight)
                 routed.add_metric([cl, nid], 1.0 if r.health_status == "HEALTHY" else 0.0)
-            if nh.ewma_rtt_ms is not None:
-                rtt.add_metric([cl, nid], nh.ewma_rtt_ms)
-            if nh.last_ttft_ms is not None:
-                ttft.add_metric([cl, nid], nh.last_ttft_ms)
+            if nh.rtt.ewma_ms is not None:
+                rtt.add_metric([cl, nid], nh.rtt.ewma_ms)
+            if nh.probe.last_ttft_ms is not None:
+                ttft.add_metric([cl, nid], nh.probe.last_ttft_ms)
             hbs.add_metric([cl, nid], c.heartbeats[nid])
             bad.add_metric([cl, nid], c.malformed[nid])
             if nh.state is NodeState.PROBATION:
-                ramp.add_metric([cl, nid], nh.ramp_percent)
+                ramp.add_metric([cl, nid], nh.ramp.percent)
         yield from (state, weight, routed, rtt, ttft, hbs, bad, ramp)
         fields = CounterMetricFamily("sentinel_probe_bad_fields", "agent message fields rejected or "
                                      "clamped at the edge, by field and reason", labels=["field", "reason"])

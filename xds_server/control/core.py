@@ -25,7 +25,7 @@ from xds_server.config import NodeConfig, SentinelConfig
 from xds_server.control.clock import Clock, Timer
 from xds_server.control.counters import Counters
 from xds_server.control.events import EventLog
-from xds_server.control.publish import ClusterPublish, PublishPlanner, _silence_limit_s
+from xds_server.control.publish import ClusterPublish, PublishPlanner
 from xds_server.health import model as hm
 from xds_server.health import policy as hp
 
@@ -114,7 +114,8 @@ class ControlCore:
         if key != self._keys.get(node_id):
             self._keys[node_id] = key
             self.mark_dirty(cluster)
-        if (prev.consecutive_misses > 0) != (nh.consecutive_misses > 0) or prev.stream_closed != nh.stream_closed:
+        if ((prev.heartbeat.consecutive_misses > 0) != (nh.heartbeat.consecutive_misses > 0)
+                or prev.heartbeat.stream_closed != nh.heartbeat.stream_closed):
             self._check_fail_static(now_s)
         return hm.next_check_s(nh, cfg)
 
@@ -140,14 +141,15 @@ class ControlCore:
         def bucket(v: float | None) -> int | None:
             return None if v is None else int(math.log1p(max(v, 0.0)) / math.log(1.1))
 
-        return (nr, nh.state, bucket(nh.ewma_rtt_ms), bucket(nh.ewma_ttft_ms),
-                None if nh.gpu_free_ratio is None else round(nh.gpu_free_ratio, 2))
+        free = nh.engine.gpu_free_ratio
+        return (nr, nh.state, bucket(nh.rtt.ewma_ms), bucket(nh.probe.ewma_ttft_ms),
+                None if free is None else round(free, 2))
 
     def fail_static_floor_s(self) -> float:
         """The earliest look-back limit a fail-static episode starting from now can use: the
         oldest last heartbeat of any node + interval + grace (-inf before any heartbeat)."""
-        hbs = [nh.last_heartbeat_s for nh in self.health.values() if nh.last_heartbeat_s is not None]
-        return (min(hbs) + _silence_limit_s(self.config.health)) if hbs else float("-inf")
+        hbs = [nh.heartbeat.last_s for nh in self.health.values() if nh.heartbeat.last_s is not None]
+        return (min(hbs) + hm.miss_after_s(self.config.health)) if hbs else float("-inf")
 
     def _check_fail_static(self, now_s: float) -> None:
         st, evs = hp.fail_static(self.fail_static, self.health, now_s, self.config.health)

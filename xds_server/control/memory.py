@@ -64,7 +64,7 @@ class InMemoryProbeSource:
         self.connected = True
         return self.emit(hm.HeartbeatObserved(**fields))
 
-    def probe(self, ttft_ms: float = 20.0, kind: hm.EngineFatalKind = hm.EngineFatalKind.OK,
+    def probe(self, ttft_ms: float = 20.0, kind: hm.ProbeResultKind = hm.ProbeResultKind.OK,
               http_status: int = 0, detail: str = "") -> float | None:
         """A micro-probe result (default: good, 20 ms TTFT)."""
         return self.emit(hm.ProbeObserved(kind=kind, ttft_ms=ttft_ms, http_status=http_status, detail=detail))

@@ -154,7 +154,7 @@ class PublishPlanner:
             hist = self._history[c.name]
             if fail_static.active:
                 # Keep the last assignment published before the burst of losses began.
-                good = hist.before(fail_static.burst_start_s + _silence_limit_s(cfg))
+                good = hist.before(fail_static.burst_start_s + hm.miss_after_s(cfg))
                 if good is not None:
                     routing, held = dict(good), True
             else:
@@ -167,7 +167,3 @@ class PublishPlanner:
             out.append(ClusterPublish(c.name, routing, dict(decision.why_not_routed), decision.events, held))
         return out
 
-
-def _silence_limit_s(cfg) -> float:
-    """Heartbeat interval + grace, s: the earliest a lost node can be judged missing."""
-    return (cfg.heartbeat_interval_ms + cfg.heartbeat_grace_ms) / 1000.0

@@ -102,22 +102,24 @@ class ControlPlaneView:
     def _probation_view(self, nh: hm.NodeHealth, now: float) -> dict | None:
         cfg = self.config.health
         if nh.state is hm.NodeState.PROBATION:
-            return {"ramp_percent": nh.ramp_percent,
-                    "next_step_in_s": round(max(0.0, nh.ramp_step_at_s + cfg.ramp_step_s - now), 3),
+            step_at = nh.ramp.step_at_s if nh.ramp.step_at_s is not None else now
+            return {"ramp_percent": nh.ramp.percent,
+                    "next_step_in_s": round(max(0.0, step_at + cfg.ramp_step_s - now), 3),
                     "step_percent": cfg.ramp_step_percent}
         if nh.state is hm.NodeState.UNHEALTHY:
-            need = nh.probation_clean_s or cfg.probation_clean_s
-            clean = 0.0 if nh.clean_since_s is None else now - nh.clean_since_s
+            need = hm.required_clean_s(nh, cfg)
+            since = nh.probe.clean_since_s
+            clean = 0.0 if since is None else now - since
             return {"required_clean_s": need, "clean_for_s": round(clean, 3),
-                    "next_recheck_in_s": round(max(0.0, need - clean), 3) if nh.clean_since_s is not None else None,
-                    "clean_probes": nh.clean_probes}
+                    "next_recheck_in_s": round(max(0.0, need - clean), 3) if since is not None else None,
+                    "clean_probes": nh.probe.clean_probes}
         return None
 
     def _drain_view(self, nh: hm.NodeHealth, now: float) -> dict | None:
-        if not nh.draining or nh.drain_since_s is None:
+        if not nh.drain.active or nh.drain.since_s is None:
             return None
-        in_flight = nh.requests_running
-        elapsed = now - nh.drain_since_s
+        in_flight = nh.engine.requests_running
+        elapsed = now - nh.drain.since_s
         drained = (in_flight is not None and in_flight <= 0) or elapsed >= self.config.health.drain_timeout_s
         return {"draining_for_s": round(elapsed, 3), "in_flight": in_flight, "drained": drained,
                 "timeout_s": self.config.health.drain_timeout_s}
@@ -148,7 +150,7 @@ class ControlPlaneView:
             "not_routed_because": core.planner.why_not_routed.get(node_id) or None,
             "since_s_ago": round(now - nh.since_s, 3),
             "weight": r.weight,
-            "full_weight": n.capacity * 100,
+            "full_weight": hm.full_weight(n.capacity),
             "eds_health_status": r.health_status,
             "probation": self._probation_view(nh, now),
             "drain": self._drain_view(nh, now),
@@ -157,16 +159,16 @@ class ControlPlaneView:
             "xds_version": self.cla_version(cluster),
             "probe_stream_connected": bool(sess and sess.connected),
             "heartbeats": core.counters.heartbeats[node_id],
-            "consecutive_misses": nh.consecutive_misses,
-            "last_heartbeat_s_ago": None if nh.last_heartbeat_s is None else round(now - nh.last_heartbeat_s, 3),
-            "last_rtt_ms": nh.last_rtt_ms,
-            "ewma_rtt_ms": nh.ewma_rtt_ms,
-            "last_ttft_ms": nh.last_ttft_ms,
-            "ewma_ttft_ms": nh.ewma_ttft_ms,
-            "stalled": nh.stalled,
-            "last_probe": nh.last_probe_kind.value if nh.last_probe_kind else None,
-            "consecutive_probe_failures": nh.consecutive_probe_failures,
-            "engine_state": nh.engine_state,
+            "consecutive_misses": nh.heartbeat.consecutive_misses,
+            "last_heartbeat_s_ago": None if nh.heartbeat.last_s is None else round(now - nh.heartbeat.last_s, 3),
+            "last_rtt_ms": nh.rtt.last_ms,
+            "ewma_rtt_ms": nh.rtt.ewma_ms,
+            "last_ttft_ms": nh.probe.last_ttft_ms,
+            "ewma_ttft_ms": nh.probe.ewma_ttft_ms,
+            "stalled": nh.engine.stalled,
+            "last_probe": nh.probe.last_kind.value if nh.probe.last_kind else None,
+            "consecutive_probe_failures": nh.probe.consecutive_failures,
+            "engine_state": nh.engine.state.value,
         }
         tel = sess.last_telemetry if sess else None
         if tel is not None:
