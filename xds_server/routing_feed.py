@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -35,8 +35,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from xds_server.proto import routing_pb2, routing_pb2_grpc
 from xds_server.routing_events import RoutingChange
 
-if TYPE_CHECKING:  # pragma: no cover
-    from xds_server.server import ControlPlane
+# The control plane is typed structurally (ControlPlane-like: routing_listeners, config,
+# routing, health, cla_version) so this module never imports xds_server.server (no cycle).
+ControlPlane = Any
 
 __all__ = ["DEFAULT_QUEUE_LIMIT", "RoutingFeed", "to_proto"]
 
