@@ -37,6 +37,7 @@ import pytest
 
 from node_probe.agent import AgentConfig, ProbeAgent
 from node_probe.proto import probe_pb2, probe_pb2_grpc
+from xds_server.testing import free_port, wait_for
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SENTINEL_REAL_VLLM") != "1",
@@ -48,11 +49,6 @@ WORK = Path(os.environ.get("SENTINEL_REAL_VLLM_DIR", "/tmp/sentinel-real-vllm"))
 RUNS = int(os.environ.get("SENTINEL_REAL_VLLM_RUNS", "3"))
 RESULTS = os.environ.get("SENTINEL_REAL_VLLM_RESULTS")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def record(name: str, **values: Any) -> None:
@@ -191,15 +187,10 @@ class Watch:
             pass
 
     async def wait(self, pred, timeout: float, what: str):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            v = pred()
-            if v:
-                return v
-            await asyncio.sleep(0.005)
-        raise AssertionError(f"{what}: not within {timeout} s; last results "
-                             f"{[(r.trigger, r.ok, r.failure, round(r.ttft_ms, 1)) for _, r in self.results[-5:]]}; "
-                             f"telemetry {self.agent.telemetry()}")
+        return await wait_for(pred, timeout_s=timeout, step_s=0.005, what=lambda: (
+            f"{what}; last results "
+            f"{[(r.trigger, r.ok, r.failure, round(r.ttft_ms, 1)) for _, r in self.results[-5:]]}; "
+            f"telemetry {self.agent.telemetry()}"))
 
     def result_after(self, t0: float, pred=lambda r: True):
         for t, r in self.results:

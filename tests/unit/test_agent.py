@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from node_probe.agent import AgentConfig, EngineLifecycle, ProbeAgent, run_agent
 from node_probe.engines.base import EngineLoadReading, GroupLoad
 from node_probe.engines.openai_compat import EngineRequestError, ProbeOutcome
 from node_probe.proto import probe_pb2, probe_pb2_grpc
+from xds_server.testing import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu"
 VENV_BIN = Path(sys.executable).parent
@@ -62,11 +62,6 @@ GEN_LINE = 'vllm:generation_tokens_total{engine="0",model_name="local/tiny-llama
 RUNNING_LINE = 'vllm:num_requests_running{engine="0",model_name="local/tiny-llama-1"} 3.0'
 assert GEN_LINE in METRICS_TEXT and RUNNING_LINE in METRICS_TEXT
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeEngine:

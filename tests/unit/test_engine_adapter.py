@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -22,6 +21,7 @@ from node_probe.engines.openai_compat import (
     parse_metrics,
 )
 from node_probe.proto import probe_pb2
+from xds_server.testing import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu"
 MODEL = "local/tiny-llama-1"
@@ -60,11 +60,6 @@ def raw_response(name: str) -> tuple[int, dict[str, str], list[bytes]]:
 def metrics_text(name: str) -> str:
     return b"".join(raw_response(name)[2]).decode()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

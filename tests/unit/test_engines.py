@@ -30,6 +30,7 @@ from node_probe.engines import (
 )
 from node_probe.engines.base import EngineRequestError
 from node_probe.proto import probe_pb2
+from xds_server.testing import free_port
 
 VLLM = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu"
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
@@ -368,11 +369,7 @@ async def test_detect_each_family(serve, session):
 
 
 async def test_detect_refused_raises_connect(session):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(EngineRequestError) as ei:
         await detect_engine_kind(session, f"http://127.0.0.1:{port}", 1.0)
     assert ei.value.kind == probe_pb2.FAILURE_KIND_CONNECT
