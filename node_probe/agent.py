@@ -49,13 +49,14 @@ from typing import Any, AsyncIterator, Callable
 import aiohttp
 import grpc
 
-from node_probe.engines import ADAPTERS, ENGINE_KINDS, detect_engine_kind
-from node_probe.engines.base import (
+from node_probe.engines import (
+    ADAPTERS,
+    ENGINE_KINDS,
     EngineAdapter,
     EngineLoadReading,
     EngineRequestError,
     ProbeOutcome,
-    fetch_metrics_text,
+    detect_engine_kind,
     run_probe,
 )
 from node_probe.proto import probe_pb2, probe_pb2_grpc
@@ -115,7 +116,8 @@ class AgentConfig:
         deep_check_max_tokens: tokens the deep check may generate.
         deep_check_timeout_ms: deadline of a deep check (whole answer).
         gpu_interval_s: NVML collection period; 0 or less disables GPU telemetry.
-        fatal_xids: Xid codes that mark the engine FAILED (default 48, 63, 64, 74, 79, 94, 95).
+        fatal_xids: Xid codes that mark the engine FAILED (default
+            :data:`node_probe.telemetry.FATAL_XIDS`: 48, 63, 64, 74, 79, 94, 95).
         min_probe_now_interval_ms: minimum spacing of probes triggered by ``ProbeNow`` (or by
             stall detection). A request inside the window is not dropped: all such requests
             are coalesced into one probe at the window's end.
@@ -614,14 +616,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         timeout_s = cfg.metrics_timeout_ms / 1000.0
         try:
             adapter = await self._get_adapter()
-            url = adapter.metrics_url(cfg.engine_url, cfg.metrics_url)
-            text = await fetch_metrics_text(self._session, url, timeout_s)
-            try:
-                reading = adapter.parse_metrics(text)
-            except ValueError as exc:
-                raise EngineRequestError(
-                    probe_pb2.FAILURE_KIND_BAD_OUTPUT, f"GET {url}: unparseable metrics: {exc}", 200
-                ) from exc
+            reading = await adapter.read_metrics(self._session, cfg.engine_url, timeout_s, cfg.metrics_url)
             self._lifecycle.observe_metrics(None)
             return reading, ""
         except EngineRequestError as err:

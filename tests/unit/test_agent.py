@@ -21,8 +21,7 @@ import pytest
 from aiohttp import web
 
 from node_probe.agent import AgentConfig, EngineLifecycle, ProbeAgent, run_agent
-from node_probe.engines.base import EngineLoadReading, GroupLoad
-from node_probe.engines.openai_compat import EngineRequestError, ProbeOutcome
+from node_probe.engines import EngineLoadReading, EngineRequestError, GroupLoad, ProbeOutcome
 from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.testing import free_port
 
