@@ -65,16 +65,22 @@ class EngineLifecycle:
         self._fatal_latched = True
         self._set(probe_pb2.ENGINE_STATE_FAILED, reason, "fatal")
 
+    def _failed(self, source: str, kind: int, detail: str, http_status: int) -> None:
+        """A failed request from ``source`` ("metrics" or "probe"): ENGINE_FATAL latches FAILED,
+        CONNECT means the process is gone, any other failure with an HTTP answer means it is up."""
+        if kind == probe_pb2.FAILURE_KIND_ENGINE_FATAL:
+            self._fatal(f"{source}: {detail}")
+        elif kind == probe_pb2.FAILURE_KIND_CONNECT:
+            self._refused(f"{source}: {detail}")
+        elif http_status:
+            self._answered(f"{source} answered HTTP {http_status}")
+
     def observe_metrics(self, error: EngineRequestError | None) -> None:
         """Feed the result of one ``/metrics`` scrape (``None`` = success)."""
         if error is None:
             self._answered("metrics answered")
-        elif error.kind == probe_pb2.FAILURE_KIND_ENGINE_FATAL:
-            self._fatal(f"metrics: {error.detail}")
-        elif error.kind == probe_pb2.FAILURE_KIND_CONNECT:
-            self._refused(f"metrics: {error.detail}")
-        elif error.answered:
-            self._answered(f"metrics answered HTTP {error.http_status}")
+        else:
+            self._failed("metrics", error.kind, error.detail, error.http_status)
 
     def observe_probe(self, outcome: ProbeOutcome) -> None:
         """Feed the outcome of one micro-probe (or of its model discovery)."""
@@ -82,12 +88,8 @@ class EngineLifecycle:
             self._fatal_latched = False
             if not self._gpu_fatal:
                 self._set(probe_pb2.ENGINE_STATE_READY, "probe ok", "probe_ok")
-        elif outcome.failure == probe_pb2.FAILURE_KIND_ENGINE_FATAL:
-            self._fatal(f"probe: {outcome.detail}")
-        elif outcome.failure == probe_pb2.FAILURE_KIND_CONNECT:
-            self._refused(f"probe: {outcome.detail}")
-        elif outcome.answered:
-            self._answered(f"probe answered HTTP {outcome.http_status}")
+        else:
+            self._failed("probe", outcome.failure, outcome.detail, outcome.http_status)
 
     def observe_restart(self, reason: str) -> None:
         """The engine restarted without us seeing it down (its counters went back): a READY

@@ -384,3 +384,11 @@ async def test_detect_hanging_metrics_falls_through(serve, session):
     t0 = time.monotonic()
     assert await detect_engine_kind(session, url, 0.2) == "vllm"
     assert time.monotonic() - t0 < 1.5
+
+
+def test_probe_header_has_one_meaning_for_the_probe_and_the_simulated_engine():
+    from node_probe import sim
+    from node_probe.engines import PROBE_HEADER, PROBE_HEADER_VALUE
+
+    assert (PROBE_HEADER, PROBE_HEADER_VALUE) == ("x-sentinel-probe", "1")
+    assert sim.PROBE_HEADER == PROBE_HEADER

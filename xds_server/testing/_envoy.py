@@ -15,8 +15,17 @@ import aiohttp
 from xds_server.envoy_bootstrap import find_envoy, render_bootstrap, write_bootstrap
 from xds_server.testing._process import ManagedProcess, free_port
 
-__all__ = ["EnvoyHost", "StandaloneEnvoy", "fetch_envoy_hosts", "parse_envoy_clusters",
+__all__ = ["EnvoyHost", "StandaloneEnvoy", "envoy_process", "fetch_envoy_hosts", "parse_envoy_clusters",
            "parse_envoy_stats"]
+
+
+def envoy_process(envoy_bin: str, bootstrap: Path, workdir: Path, concurrency: int) -> ManagedProcess:
+    """An Envoy process (not started) on ``bootstrap``, with ``concurrency`` worker threads,
+    warnings logged to ``workdir/envoy.log`` and its output to ``workdir/envoy.out``."""
+    return ManagedProcess(
+        "envoy", [envoy_bin, "-c", str(bootstrap), "--disable-hot-restart", "--concurrency", str(concurrency),
+                  "-l", "warning", "--log-path", str(workdir / "envoy.log")],
+        workdir / "envoy.out")
 
 
 @dataclass(frozen=True)
@@ -123,10 +132,7 @@ class StandaloneEnvoy:
         boot = write_bootstrap(wd / "envoy.yaml", render_bootstrap(
             xds_port=self.xds_port, listener_port=self.listener_port, admin_port=self.admin_port,
             cluster=self.cluster, node_id=self.node_id, api_type=self.api_type))
-        self.proc = ManagedProcess(
-            "envoy", [envoy_bin, "-c", str(boot), "--disable-hot-restart", "--concurrency", "1",
-                      "-l", "warning", "--log-path", str(wd / "envoy.log")],
-            wd / "envoy.out").start()
+        self.proc = envoy_process(envoy_bin, boot, wd, concurrency=1).start()
         deadline = time.monotonic() + timeout_s
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
             while time.monotonic() < deadline:

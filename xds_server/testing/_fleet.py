@@ -15,7 +15,7 @@ import aiohttp
 import yaml
 
 from xds_server.envoy_bootstrap import find_envoy, render_bootstrap, write_bootstrap
-from xds_server.testing._envoy import fetch_envoy_hosts
+from xds_server.testing._envoy import envoy_process, fetch_envoy_hosts
 from xds_server.testing._process import ManagedProcess, free_port
 
 __all__ = ["Fleet", "NodeProcs", "restart_control_plane"]
@@ -118,22 +118,24 @@ class Fleet:
             cfg = self.config_dict()
             cfg_path = wd / "xds.yaml"
             cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-            self.control_plane = self._spawn(ManagedProcess(
-                "xds-server", self._py("-m", "xds_server.cli", "serve", "--config", str(cfg_path)),
-                wd / "xds-server.log", ready_pattern="admin listening"))
+            self.control_plane = self._spawn(self._control_plane_process())
             self.envoy_port, self.envoy_admin_port = free_port(), free_port()
             boot = write_bootstrap(wd / "envoy.yaml", render_bootstrap(
                 xds_port=self.xds_port, listener_port=self.envoy_port, admin_port=self.envoy_admin_port,
                 cluster=self.cluster, api_type=self.api_type, per_try_timeout_s=self.per_try_timeout_s,
                 per_try_idle_timeout_s=self.per_try_idle_timeout_s))
-            self.envoy = self._spawn(ManagedProcess(
-                "envoy", [envoy_bin, "-c", str(boot), "--disable-hot-restart", "--concurrency", "2",
-                          "-l", "warning", "--log-path", str(wd / "envoy.log")],
-                wd / "envoy.out", ready_pattern=None))
+            self.envoy = self._spawn(envoy_process(envoy_bin, boot, wd, concurrency=2))
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _control_plane_process(self) -> ManagedProcess:
+        """The xds-server process (not started) on ``workdir/xds.yaml``."""
+        assert self.workdir is not None
+        return ManagedProcess(
+            "xds-server", self._py("-m", "xds_server.cli", "serve", "--config", str(self.workdir / "xds.yaml")),
+            self.workdir / "xds-server.log", ready_pattern="admin listening")
 
     def _spawn(self, p: ManagedProcess) -> ManagedProcess:
         self.procs.append(p)
@@ -243,9 +245,7 @@ async def restart_control_plane(fleet: Fleet, down_s: float = 0.5, timeout_s: fl
     t0 = time.monotonic()
     await asyncio.to_thread(old.stop)
     await asyncio.sleep(down_s)
-    new = ManagedProcess(
-        "xds-server", fleet._py("-m", "xds_server.cli", "serve", "--config", str(fleet.workdir / "xds.yaml")),
-        fleet.workdir / "xds-server.log", ready_pattern="admin listening")
+    new = fleet._control_plane_process()
     fleet.procs[fleet.procs.index(old)] = new
     fleet.control_plane = new
     await asyncio.to_thread(new.start, timeout_s)
