@@ -307,6 +307,9 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
             next_t = await sleep_until_tick(loop, next_t + period, period)
 
     def _on_reading(self, reading: EngineLoadReading | None, error: str, now: float) -> None:
+        """Take one scrape (``reading`` ``None`` with ``error`` when it failed) taken at ``now``
+        (monotonic s): a generated-token counter that went back means a restart; stall
+        detection runs (a new stall requests a probe); the load class re-plans the schedule."""
         if error and self._load_reading is not None:
             log.info("metrics scrape failing: %s", error)
         elif not error and self._load_reading is None:

@@ -74,6 +74,7 @@ class Sel:
     labels: tuple[tuple[str, str], ...] = ()
 
     def matches(self, labels: Mapping[str, str]) -> bool:
+        """True if ``labels`` hold every pair of this selector."""
         return all(labels.get(k) == v for k, v in self.labels)
 
     def __str__(self) -> str:
@@ -120,6 +121,7 @@ class MetricSpec:
     group_label: str | None = None
 
     def names(self) -> frozenset[str]:
+        """Every metric name the spec selects (the only lines parsed from a page)."""
         sels: list[Sel] = [*self.running, *self.waiting, *self.kv_usage, *self.prefix_gauges,
                            *self.generation_tokens]
         for pair in (*self.kv_used_total, *self.prefix_pairs):

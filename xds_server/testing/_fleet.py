@@ -33,10 +33,12 @@ class NodeProcs:
 
     @property
     def engine_url(self) -> str:
+        """Base URL of the simulated engine."""
         return f"http://127.0.0.1:{self.engine_port}"
 
     @property
     def address(self) -> str:
+        """``HOST:PORT`` of the engine, as the control plane publishes it to Envoy."""
         return f"127.0.0.1:{self.engine_port}"
 
 

@@ -22,10 +22,12 @@ class LoadStats:
 
     @property
     def ok(self) -> int:
+        """Requests answered 200, over all replicas."""
         return sum(self.ok_by_node.values())
 
     @property
     def failed(self) -> int:
+        """Requests failed, over all causes."""
         return sum(self.failures.values())
 
 
