@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 
 from xds_server.config import ConfigError, load_config
+from xds_server.untrusted import for_log
 
 __all__ = ["main"]
 
@@ -76,7 +77,7 @@ def _status(args: argparse.Namespace) -> int:
         rtt = "-" if v["ewma_rtt_ms"] is None else f"{v['ewma_rtt_ms']:.1f}"
         ttft = "-" if v["last_ttft_ms"] is None else f"{v['last_ttft_ms']:.1f}"
         print(f"{v['id']:<20} {v['cluster']:<16} {v['state']:<10} {v['weight']:>7} "
-              f"{v['eds_health_status']:<10} {rtt:>7} {ttft:>8}  {v['reason']}")
+              f"{v['eds_health_status']:<10} {rtt:>7} {ttft:>8}  {for_log(str(v['reason']), 200)}")
     return 0
 
 

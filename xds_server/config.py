@@ -26,6 +26,7 @@ __all__ = [
     "Locality",
     "NodeConfig",
     "OutlierDetectionConfig",
+    "ProbeConfig",
     "SentinelConfig",
     "XdsConfig",
     "load_config",
@@ -102,10 +103,22 @@ class XdsConfig(_Model):
         "matches the 30 s the Envoy bootstrap uses towards us",
     )
     keepalive_timeout_ms: int = Field(5_000, ge=100, description="keepalive ping ack deadline")
+    min_client_ping_interval_ms: int = Field(
+        5_000, ge=0,
+        description="HTTP/2 pings from a client without data in flight closer than this are a "
+        "protocol violation (gRPC's grpc.http2.min_ping_interval_without_data_ms; its default 5 min "
+        "would reject Envoy's 30 s keepalive; ours: 5 s)",
+    )
     max_tracked_nonces: int = Field(
         16, ge=1, le=1024,
         description="delta: un-ACKed nonces remembered per stream and type (to report which "
         "version an ACK or NACK refers to); older ones count as stale",
+    )
+    fail_static_history_max: int = Field(
+        1024, ge=2, le=1_000_000,
+        description="assignments per cluster kept to find the last good one when fail-static "
+        "begins; only those that can still be the answer are kept, this caps the rest (ours: "
+        "a burst coalesced at 5 ms publishes 200 assignments per second)",
     )
     max_types_per_stream: int = Field(
         32, ge=2, le=1024,
@@ -175,8 +188,66 @@ class AdminConfig(_Model):
     listen: str = Field("127.0.0.1:19000", description="HOST:PORT of the admin HTTP server")
     token: str | None = Field(None, description="bearer token for POST drain/undrain; None = disabled")
     events_buffer: int = Field(1000, ge=10, description="events kept in the ring buffer")
+    event_reason_max_chars: int = Field(
+        512, ge=16, le=65_536,
+        description="an event's reason is clipped to this before it is stored (ours: the longest "
+        "reason the model writes is ~200 characters; agent and operator text is cut)",
+    )
+    drain_reason_max_chars: int = Field(
+        200, ge=1, le=4096, description="the drain/undrain ?reason= text is clipped to this",
+    )
 
     _v_listen = field_validator("listen")(_check_hostport)
+
+
+class ProbeConfig(_Model):
+    """The probe stream to each node_probe agent (gRPC client side) and what it accepts."""
+
+    keepalive_time_ms: int = Field(
+        1000, ge=100,
+        description="HTTP/2 keepalive ping interval on the probe channel (ours: a dead TCP path is "
+        "noticed within ~2 s even if no heartbeat is due; heartbeats catch it sooner anyway)",
+    )
+    keepalive_timeout_ms: int = Field(1000, ge=100, description="keepalive ping ack deadline (ours)")
+    channel_initial_backoff_ms: int = Field(
+        100, ge=1,
+        description="gRPC channel's own first reconnect backoff (gRPC's default is 1 s: too slow "
+        "for a node whose agent restarts); the channel's cap is health.reconnect_backoff_max_ms",
+    )
+    max_unanswered_pings: int = Field(
+        64, ge=1, le=65_536, description="outstanding RTT pings remembered per stream (ours)",
+    )
+    silent_stream_redial_ms: float = Field(
+        2000.0, gt=0,
+        description="a probe stream open but without a heartbeat for this long is closed and "
+        "redialled (ours: 20 heartbeat intervals; the heartbeat rules eject the node long before)",
+    )
+    max_text_chars: int = Field(
+        256, ge=16, le=65_536,
+        description="agent strings (stall_detail, error texts, kv_cache_metric) are clipped to this "
+        "before they reach reasons, events, logs or ProbeNow (ours)",
+    )
+    max_gpus: int = Field(64, ge=1, le=4096, description="GPU readings per heartbeat kept (ours: 8-16 per host)")
+    max_list_items: int = Field(
+        64, ge=1, le=4096, description="xid_events and errors kept per GPU reading (ours)",
+    )
+    max_ttft_ms: float = Field(
+        10_000.0, gt=0,
+        description="a successful probe's TTFT above this is rejected as nonsense, never fed to the "
+        "TTFT EWMA (ours: 12.5 x health.ttft_timeout_ms; an agent gives up at its probe timeout, "
+        "and one absurd value would keep a node an outlier for minutes)",
+    )
+    max_requests: float = Field(
+        1e9, gt=0, description="requests_waiting/running above this are rejected as nonsense (ours)",
+    )
+    malformed_log_interval_s: float = Field(
+        10.0, ge=0, description="a kind of malformed agent message is logged at most once per this (ours)",
+    )
+    lag_recheck_ms: float = Field(
+        5.0, gt=0, le=1000,
+        description="a detection timer that fired late (health.self_lag_tolerance_ms) is re-run this "
+        "much later, once, so heartbeats already waiting are read first (ours)",
+    )
 
 
 class HealthConfig(_Model):
@@ -223,8 +294,12 @@ class HealthConfig(_Model):
     phi_min_samples: int = Field(10, ge=1, description="heartbeats before phi is trusted")
     phi_max_suspicions_per_min: int = Field(
         6, ge=0,
-        description="suspicions that heartbeats later disproved, per rolling minute, before phi "
-        "is ignored (count rule only) for the rest of that minute: bounds flapping",
+        description="suspicions that heartbeats later disproved, per phi_suspicion_window_s "
+        "(default one minute, hence the name), before phi is ignored (count rule only) until the "
+        "oldest leaves the window: bounds flapping; 0 = unlimited. Ours",
+    )
+    phi_suspicion_window_s: float = Field(
+        60.0, gt=0, description="rolling window of phi_max_suspicions_per_min (ours: one minute)"
     )
     self_lag_tolerance_ms: float = Field(
         20.0, ge=0,
@@ -233,6 +308,17 @@ class HealthConfig(_Model):
     )
     # -- micro-probes ---------------------------------------------------------------------------
     ttft_ewma_alpha: float = Field(0.2, gt=0, le=1, description="EWMA alpha for TTFT (as RTT, seed 000)")
+    saturated_http_statuses: tuple[int, ...] = Field(
+        (429, 503),
+        description="probe HTTP statuses that mean 'saturated', not dead, while the engine is busy "
+        "and its token counter advances: DEGRADED, never ejected (field case fc07; 429 Too Many "
+        "Requests and 503 Service Unavailable are what vLLM, SGLang and TGI return when full)",
+    )
+    busy_http_statuses: tuple[int, ...] = Field(
+        (429,),
+        description="probe HTTP statuses that always mean 'busy', never a failure: the engine "
+        "itself says it is full (fc07)",
+    )
     stall_confirm_ms: float = Field(
         300.0, ge=0,
         description="an engine still reported STALLED this long after the first report counts "
@@ -259,7 +345,12 @@ class HealthConfig(_Model):
     probation_min_probes: int = Field(3, ge=1, description="probes required inside the clean period")
     rtt_baseline_alpha: float = Field(0.05, gt=0, le=1, description="slow EWMA of RTT while HEALTHY")
     rtt_baseline_tolerance: float = Field(
-        1.5, ge=1, description="'EWMA RTT back under its baseline' means <= baseline x this"
+        1.5, ge=1, description="'EWMA RTT back under its baseline' means <= baseline x this + rtt_baseline_slack_ms"
+    )
+    rtt_baseline_slack_ms: float = Field(
+        1.0, ge=0,
+        description="added to baseline x tolerance so sub-millisecond loopback RTTs (where 1.5 x "
+        "is a few microseconds) do not block PROBATION on noise (ours)",
     )
     ramp_start_percent: float = Field(1.0, gt=0, le=100, description="seed 000: start at 1 % of full weight")
     ramp_step_percent: float = Field(1.0, gt=0, le=100, description="seed 000: +1 % per step")
@@ -291,7 +382,20 @@ class HealthConfig(_Model):
         300.0, gt=0, description="'together': heartbeat losses within this window of each other"
     )
     fail_static_min_nodes: int = Field(3, ge=2, description="fleets smaller than this never go fail-static")
+    fail_static_forgive_intervals: int = Field(
+        10, ge=0,
+        description="a node still silent when fail-static ends is forgiven its heartbeat ejection "
+        "if its heartbeats resume within this many heartbeat intervals (ours: 1 s at 100 ms)",
+    )
     drain_timeout_s: float = Field(600.0, gt=0, description="a drain is complete when in-flight is 0 or after this")
+
+    @field_validator("saturated_http_statuses", "busy_http_statuses")
+    @classmethod
+    def _v_http_statuses(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        bad = [x for x in v if not 100 <= x <= 599]
+        if bad:
+            raise ValueError(f"HTTP statuses must be in 100..599, got {bad}")
+        return v
 
     @model_validator(mode="after")
     def _ordered(self) -> "HealthConfig":
@@ -442,6 +546,7 @@ class SentinelConfig(_Model):
     xds: XdsConfig = XdsConfig()
     admin: AdminConfig = AdminConfig()
     health: HealthConfig = HealthConfig()
+    probe: ProbeConfig = ProbeConfig()
     clusters: list[ClusterConfig] = Field(..., min_length=1)
 
     @model_validator(mode="after")

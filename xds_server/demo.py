@@ -51,7 +51,6 @@ class FaultTimeline:
     envoy_status: str = ""
     healed_at_s: float | None = None
     envoy_routed_again_s: float | None = None  # after healing
-    phases: list[str] = field(default_factory=list)
     injected_wall_s: float = 0.0
     cp_events: list[dict] = field(default_factory=list)
 
@@ -222,8 +221,7 @@ async def _faults(fleet: Fleet, session: aiohttp.ClientSession) -> int:
     _p(f"Total: {total.ok} requests succeeded, {total.failed} failed"
        + (f" ({dict(total.failures)})" if total.failed else ""))
     ok = total.failed == 0 and all(t.envoy_excluded_s is not None for t in timelines)
-    _p("RESULT: " + ("PASS" if ok else "FAIL")
-       + " (both faults excluded by Envoy, zero failed requests)" if ok else "RESULT: FAIL")
+    _p("RESULT: PASS (both faults excluded by Envoy, zero failed requests)" if ok else "RESULT: FAIL")
     return 0 if ok else 1
 
 
@@ -256,12 +254,10 @@ def _print_timeline(tl: FaultTimeline) -> None:
     back = None if tl.envoy_routed_again_s is None or tl.healed_at_s is None else tl.envoy_routed_again_s
     _p(f"  Envoy routes to it again         {'not seen' if back is None else f'{back * 1000:.0f} ms after healing'}")
     _p("  control plane events:")
-    ramp_shown = False
     for e in tl.cp_events:
         rel = (e["time"] - tl.injected_wall_s) * 1000
         _p(f"    +{rel:>6.0f} ms  {e['from']} -> {e['to']}: {e['reason']}" if e["kind"] == "transition"
            else f"    +{rel:>6.0f} ms  {e['kind']}: {e['reason']}")
-        ramp_shown = ramp_shown or e.get("to") == "PROBATION"
 
 
 def run_demo(keep_running: bool = False, envoy_binary: str | None = None) -> int:

@@ -9,105 +9,49 @@ arrives into health-model observations, timed on the control plane's own monoton
   polling;
 - Ping{seq} every ``ping_interval_ms``; the matching Pong gives the RTT -> :class:`PingObserved`;
 - each InferenceResult -> :class:`ProbeObserved`;
-- the stream ending or failing to open -> :class:`StreamClosed`, then redial with exponential
-  backoff (``reconnect_backoff_initial_ms`` doubling up to ``reconnect_backoff_max_ms``).
+- the stream ending, failing to open, or bringing no heartbeat for ``probe.silent_stream_redial_ms``
+  -> :class:`StreamClosed`, then redial with exponential backoff
+  (``reconnect_backoff_initial_ms`` doubling up to ``reconnect_backoff_max_ms``).
 
-Malformed messages from an agent are logged and counted (``on_malformed``), never fatal.
+Every message is checked field by field at the edge (:class:`~xds_server.agent_edge.AgentEdge`)
+before anything reads it; bad fields are counted per (field, reason) and logged rate-limited.
+A failure while handling one message is counted and skipped: it never ends health checking.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Callable
 
 import grpc
 
 from node_probe.proto import probe_pb2, probe_pb2_grpc
-from xds_server.config import HealthConfig, NodeConfig
-from xds_server.health.model import (
-    EngineFatalKind,
-    HeartbeatObserved,
-    Observation,
-    PingObserved,
-    ProbeObserved,
-    StreamClosed,
-    Tick,
-)
+from xds_server.agent_edge import AgentEdge, BadField, CheckedHeartbeat, CheckedPong, CheckedResult, TelemetrySummary
+from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
+from xds_server.control.counters import Counters
+from xds_server.health.model import Observation, PingObserved, ProbeResultKind, StreamClosed, Tick, miss_after_s
+from xds_server.untrusted import RateLimitedLog, clip, for_log
 
-__all__ = ["ProbeSession", "engine_state_name", "failure_kind", "heartbeat_observation"]
+__all__ = ["ProbeSession", "SilentStream"]
 
 log = logging.getLogger(__name__)
-
-_FAILURE = {
-    probe_pb2.FAILURE_KIND_UNSPECIFIED: EngineFatalKind.OK,
-    probe_pb2.FAILURE_KIND_TIMEOUT: EngineFatalKind.TIMEOUT,
-    probe_pb2.FAILURE_KIND_CONNECT: EngineFatalKind.CONNECT,
-    probe_pb2.FAILURE_KIND_HTTP_STATUS: EngineFatalKind.HTTP_STATUS,
-    probe_pb2.FAILURE_KIND_ENGINE_FATAL: EngineFatalKind.ENGINE_FATAL,
-    probe_pb2.FAILURE_KIND_BAD_OUTPUT: EngineFatalKind.BAD_OUTPUT,
-}
-_ENGINE_STATE = {
-    probe_pb2.ENGINE_STATE_UNSPECIFIED: "COLD",
-    probe_pb2.ENGINE_STATE_COLD: "COLD",
-    probe_pb2.ENGINE_STATE_WARMING: "WARMING",
-    probe_pb2.ENGINE_STATE_READY: "READY",
-    probe_pb2.ENGINE_STATE_FAILED: "FAILED",
-}
-
-
-def failure_kind(result: probe_pb2.InferenceResult) -> EngineFatalKind:
-    """Map an InferenceResult to the health model's outcome class (unknown enum -> BAD_OUTPUT)."""
-    if result.ok:
-        return EngineFatalKind.OK
-    kind = _FAILURE.get(result.failure, EngineFatalKind.BAD_OUTPUT)
-    return EngineFatalKind.BAD_OUTPUT if kind is EngineFatalKind.OK else kind
-
-
-def engine_state_name(state: int) -> str:
-    """Name of a probe_pb2.EngineState value (unknown values read as COLD)."""
-    return _ENGINE_STATE.get(state, "COLD")
-
 
 ObservationSink = Callable[[str, Observation, float], "float | None"]
 """``sink(node_id, observation, now_s) -> next_check_s``: when the next Tick is due, or None."""
 
 
-def heartbeat_observation(hb: probe_pb2.Heartbeat, fatal_xids: frozenset[int] = frozenset()) -> HeartbeatObserved:
-    """Summarize a Heartbeat's telemetry for the health model.
-
-    GPU free ratio is that of the least free GPU with both memory fields known (None if none);
-    ``gpu_fatal`` names the first fatal Xid reported, or "GPU lost" when NVML reports it.
-    """
-    tel = hb.telemetry
-    load = tel.engine_load
-    free: float | None = None
-    fatal = ""
-    for g in tel.gpu.gpus:
-        if g.HasField("memory_total_bytes") and g.HasField("memory_used_bytes") and g.memory_total_bytes > 0:
-            r = max(0.0, 1.0 - g.memory_used_bytes / g.memory_total_bytes)
-            free = r if free is None else min(free, r)
-        if not fatal:
-            bad = [x for x in g.xid_events if x in fatal_xids]
-            if bad:
-                fatal = f"GPU {g.index} Xid {bad[0]}"
-            elif any("GpuIsLost" in e for e in g.errors):
-                fatal = f"GPU {g.index} lost (NVML GpuIsLost)"
-    return HeartbeatObserved(
-        engine_state=engine_state_name(tel.engine_state),
-        stalled=tel.stalled,
-        stall_detail=tel.stall_detail,
-        requests_running=load.requests_running if load.HasField("requests_running") else None,
-        requests_waiting=load.requests_waiting if load.HasField("requests_waiting") else None,
-        gpu_free_ratio=free,
-        gpu_fatal=fatal,
-    )
+class SilentStream(Exception):
+    """The stream stayed open without a heartbeat for ``probe.silent_stream_redial_ms``."""
 
 
 class ProbeSession:
     """Watches one node through its agent. ``sink(node_id, observation, now_s)`` gets every observation.
 
     ``start()`` spawns the dial loop; ``stop()`` cancels it and closes the channel.
-    ``last_telemetry`` holds the latest Telemetry message (for the admin endpoint).
+    ``last_telemetry`` holds the latest checked :class:`~xds_server.agent_edge.TelemetrySummary`.
+    Bad messages and fields are counted in ``counters`` (``malformed`` per node, ``bad_fields``
+    per (field, reason)) and in ``on_malformed(node_id, what)`` if given.
     """
 
     def __init__(
@@ -117,15 +61,22 @@ class ProbeSession:
         sink: ObservationSink,
         control_plane_id: str = "xds-sentinel",
         on_malformed: Callable[[str, str], None] | None = None,
+        *,
+        probe: ProbeConfig | None = None,
+        counters: Counters | None = None,
     ) -> None:
         self.node = node
         self.cfg = cfg
+        self.probe_cfg = probe if probe is not None else ProbeConfig()
+        self.counters = counters if counters is not None else Counters()
         self.sink = sink
         self.control_plane_id = control_plane_id
         self.on_malformed = on_malformed
-        self.last_telemetry: probe_pb2.Telemetry | None = None
+        self.edge = AgentEdge(cfg, self.probe_cfg)
+        self.last_telemetry: TelemetrySummary | None = None
         self.connected = False
         self.connects = 0
+        self.handler_errors = 0
         self._task: asyncio.Task | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
@@ -135,7 +86,7 @@ class ProbeSession:
         self.probe_now_sent = 0
         self.rtt_samples_dropped = 0
         self._stalled = False
-        self._fatal_xids = frozenset(cfg.fatal_xids)
+        self._rl = RateLimitedLog(log, self.probe_cfg.malformed_log_interval_s, max_keys=256)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
@@ -155,6 +106,11 @@ class ProbeSession:
             except asyncio.CancelledError:
                 pass
             self._task = None
+
+    @property
+    def alive(self) -> bool:
+        """The dial loop is running (it only ends through :meth:`stop`)."""
+        return self._task is not None and not self._task.done()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -182,50 +138,69 @@ class ProbeSession:
             self._deferred = True
             self.lag_deferrals += 1
             self._timer_at = self._loop.time()
-            self._timer = self._loop.call_later(0.005, self._on_timer)
+            self._timer = self._loop.call_later(self.probe_cfg.lag_recheck_ms / 1000.0, self._on_timer)
             return
         self._deferred = False
-        self._emit(Tick())
+        try:
+            self._emit(Tick())
+        except Exception:  # noqa: BLE001 - a Tick that fails is retried at the next interval
+            self._handler_failed("tick")
+            self._timer = self._loop.call_later(self.cfg.heartbeat_interval_ms / 1000.0, self._on_timer)
 
     def _probe_now(self, reason: str) -> None:
         """Ask the agent for an immediate micro-probe (the agent rate-limits these)."""
         if self._outq is not None:
             self.probe_now_sent += 1
-            self._outq.put_nowait(probe_pb2.ControlMessage(probe_now=probe_pb2.ProbeNow(reason=reason)))
+            self._outq.put_nowait(probe_pb2.ControlMessage(
+                probe_now=probe_pb2.ProbeNow(reason=clip(reason, self.probe_cfg.max_text_chars))))
 
     async def _run(self) -> None:
         backoff = self.cfg.reconnect_backoff_initial_ms / 1000.0
+        pc = self.probe_cfg
         options = [
-            ("grpc.keepalive_time_ms", 1000),
-            ("grpc.keepalive_timeout_ms", 1000),
+            ("grpc.keepalive_time_ms", pc.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", pc.keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.initial_reconnect_backoff_ms", pc.channel_initial_backoff_ms),
             ("grpc.max_reconnect_backoff_ms", int(self.cfg.reconnect_backoff_max_ms)),
         ]
         while True:
-            channel = grpc.aio.insecure_channel(self.node.probe_address, options=options)
+            got_any = False
             try:
-                got_any = await self._watch(channel)
-                detail = "stream ended by agent"
+                channel = grpc.aio.insecure_channel(self.node.probe_address, options=options)
+                try:
+                    got_any = await self._watch(channel)
+                    detail = "stream ended by agent"
+                except grpc.aio.AioRpcError as e:
+                    got_any = self.connected
+                    detail = f"{e.code().name}: {clip(e.details() or '', pc.max_text_chars)}"
+                except SilentStream as e:
+                    got_any = False  # back off: an agent that holds streams open silently is not well
+                    detail = str(e)
+                finally:
+                    self.connected = False
+                    await channel.close(grace=None)
             except asyncio.CancelledError:
-                await channel.close(grace=None)
                 raise
-            except grpc.aio.AioRpcError as e:
-                got_any = self.connected
-                detail = f"{e.code().name}: {e.details()}"
-            except Exception as e:  # never let one node's session die
-                got_any = self.connected
-                detail = f"{type(e).__name__}: {e}"
-                log.exception("probe session %s failed", self.node.id)
-            self.connected = False
-            await channel.close(grace=None)
-            self._emit(StreamClosed(detail))
-            log.info("probe stream to %s (%s) closed: %s", self.node.id, self.node.probe_address, detail)
+            except Exception as e:  # noqa: BLE001 - never let one node's session die
+                got_any = False
+                detail = f"{type(e).__name__}: {clip(str(e), pc.max_text_chars)}"
+                self._rl.log(logging.ERROR, self._now(), "session", "probe session %s failed: %s",
+                             for_log(self.node.id), for_log(detail, 256))
+            try:
+                self._emit(StreamClosed(detail))
+            except Exception:  # noqa: BLE001
+                self._handler_failed("stream_closed")
+            log.info("probe stream to %s (%s) closed: %s", self.node.id, self.node.probe_address,
+                     for_log(detail, 256))
             if got_any:
                 backoff = self.cfg.reconnect_backoff_initial_ms / 1000.0
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.cfg.reconnect_backoff_max_ms / 1000.0)
+
+    def _now(self) -> float:
+        return self._loop.time() if self._loop is not None else 0.0
 
     async def _watch(self, channel: grpc.aio.Channel) -> bool:
         stub = probe_pb2_grpc.NodeProbeStub(channel)
@@ -234,9 +209,11 @@ class ProbeSession:
         self._outq = outq
         loop = asyncio.get_running_loop()
         pings: dict[int, float] = {}
+        ping_seq = [0]  # last Ping.seq sent on this stream
         got_any = False
         last_hb = 0.0
-        gap_limit = (self.cfg.heartbeat_interval_ms + self.cfg.heartbeat_grace_ms) / 1000.0
+        gap_limit = miss_after_s(self.cfg)
+        silent_s = self.probe_cfg.silent_stream_redial_ms / 1000.0
 
         async def writer() -> None:
             # The only writer of this stream: grpc.aio allows one write in flight at a time.
@@ -249,68 +226,113 @@ class ProbeSession:
             # A (re)connected control plane has no probe result yet: ask for one now rather than
             # waiting up to the agent's busy cadence (3-5 s); keeps the warm-up gate short.
             outq.put_nowait(probe_pb2.ControlMessage(probe_now=probe_pb2.ProbeNow(reason="connected")))
-            seq = 0
             interval = self.cfg.ping_interval_ms / 1000.0
+            keep = self.probe_cfg.max_unanswered_pings
             while True:
-                seq += 1
+                ping_seq[0] += 1
+                seq = ping_seq[0]
                 pings[seq] = loop.time()
-                if len(pings) > 64:  # unanswered pings: keep the map bounded
-                    for k in sorted(pings)[:-64]:
+                if len(pings) > keep:  # unanswered pings: keep the map bounded
+                    for k in sorted(pings)[:-keep]:
                         del pings[k]
                 outq.put_nowait(probe_pb2.ControlMessage(ping=probe_pb2.Ping(seq=seq)))
                 await asyncio.sleep(interval)
 
+        last_rx = [loop.time()]
+        silent = [False]
+
+        async def watchdog() -> None:
+            # A stream open but without heartbeats is cancelled here; the read below then ends.
+            while True:
+                await asyncio.sleep(max(0.005, last_rx[0] + silent_s - loop.time()))
+                if loop.time() - last_rx[0] >= silent_s:
+                    silent[0] = True
+                    call.cancel()
+                    return
+
         ping_task = asyncio.create_task(pinger())
         write_task = asyncio.create_task(writer())
+        dog_task = asyncio.create_task(watchdog())
         try:
             while True:
-                msg = await call.read()
+                try:
+                    msg = await call.read()
+                except asyncio.CancelledError:
+                    if silent[0]:
+                        raise SilentStream(f"no heartbeat for {silent_s:g} s: redialling") from None
+                    raise
                 if msg is grpc.aio.EOF:
+                    if silent[0]:
+                        raise SilentStream(f"no heartbeat for {silent_s:g} s: redialling")
                     return got_any
                 now = loop.time()
-                which = msg.WhichOneof("msg")
-                if which == "heartbeat":
-                    if not got_any:
-                        got_any = True
-                        self.connected = True
-                        self.connects += 1
-                    hb = msg.heartbeat
-                    if last_hb and now - last_hb > gap_limit:
-                        # Pings outstanding across a heartbeat gap would measure the silence (a
-                        # frozen host), which the heartbeat rules already judged, not the network.
-                        self.rtt_samples_dropped += len(pings)
-                        pings.clear()
-                    last_hb = now
-                    self.last_telemetry = hb.telemetry
-                    if hb.telemetry.stalled and not self._stalled:
-                        self._probe_now(f"engine stalled: {hb.telemetry.stall_detail}")
-                    self._stalled = hb.telemetry.stalled
-                    self._arm(self.sink(self.node.id, heartbeat_observation(hb, self._fatal_xids), now))
-                elif which == "pong":
-                    sent = pings.pop(msg.pong.seq, None)
-                    if sent is None:
-                        self._malformed(f"pong for unknown seq {msg.pong.seq}")
-                        continue
-                    self._arm(self.sink(self.node.id, PingObserved(rtt_ms=(now - sent) * 1000.0), now))
-                elif which == "inference_result":
-                    r = msg.inference_result
-                    if r.ok and not (r.ttft_ms >= 0):
-                        self._malformed(f"inference result with ttft_ms={r.ttft_ms}")
-                        continue
-                    if not r.ok:
-                        self._probe_now(f"confirm probe failure: {failure_kind(r).value}")
-                    self._arm(self.sink(self.node.id, ProbeObserved(
-                        kind=failure_kind(r), ttft_ms=r.ttft_ms, http_status=r.http_status,
-                        detail=r.detail), now))
-                else:
-                    self._malformed("agent message with no payload")
+                try:
+                    checked, bad = self.edge.check(msg)
+                    if bad:
+                        self._bad_fields(bad, now)
+                    if checked is None:
+                        self._malformed("rejected message", now)
+                    elif isinstance(checked, CheckedHeartbeat):
+                        if not got_any:
+                            got_any = True
+                            self.connected = True
+                            self.connects += 1
+                        if last_hb and now - last_hb > gap_limit:
+                            # Pings outstanding across a heartbeat gap would measure the silence (a
+                            # frozen host), which the heartbeat rules already judged, not the network.
+                            self.rtt_samples_dropped += len(pings)
+                            pings.clear()
+                        last_hb = last_rx[0] = now
+                        tel = checked.telemetry
+                        self.last_telemetry = tel
+                        if tel.stalled and not self._stalled:
+                            self._probe_now(f"engine stalled: {tel.stall_detail}")
+                        self._stalled = tel.stalled
+                        self._arm(self.sink(self.node.id, checked.observation, now))
+                    elif isinstance(checked, CheckedPong):
+                        sent = pings.pop(checked.seq, None)
+                        if sent is None:
+                            if not 0 < checked.seq <= ping_seq[0]:  # never sent: the agent is wrong
+                                self._bad_fields([BadField("pong.seq", "mismatch")], now)
+                                self._malformed("pong for an unknown seq", now)
+                            # else: an answer to a ping dropped after a heartbeat gap, or beyond
+                            # max_unanswered_pings: no sample, not the agent's fault
+                            continue
+                        self._arm(self.sink(self.node.id, PingObserved(rtt_ms=(now - sent) * 1000.0), now))
+                    elif isinstance(checked, CheckedResult):
+                        obs = checked.observation
+                        if obs.kind is not ProbeResultKind.OK:
+                            self._probe_now(f"confirm probe failure: {obs.kind.value}")
+                        self._arm(self.sink(self.node.id, obs, now))
+                except Exception:  # noqa: BLE001 - one message must never end health checking
+                    self._handler_failed("message")
         finally:
             self._outq = None
             ping_task.cancel()
             write_task.cancel()
+            dog_task.cancel()
             call.cancel()
 
-    def _malformed(self, what: str) -> None:
-        log.warning("malformed message from agent %s: %s", self.node.id, what)
+    def _bad_fields(self, bad: list[BadField], now: float) -> None:
+        for b in bad:
+            self.counters.bad_fields[(b.field, b.reason)] += 1
+            self._rl.warning(now, f"{b.field}:{b.reason}", "agent %s sent a bad field %s (%s)",
+                             for_log(self.node.id), b.field, b.reason)
+
+    def _malformed(self, what: str, now: float) -> None:
+        self.counters.malformed[self.node.id] += 1
+        self._rl.warning(now, f"malformed:{what}", "malformed message from agent %s: %s",
+                         for_log(self.node.id), what)
         if self.on_malformed:
             self.on_malformed(self.node.id, what)
+
+    def _handler_failed(self, where: str) -> None:
+        """Count and log (rate-limited, one line) an exception while handling ``where``
+        ("message", "tick" or "stream_closed"); called from an ``except`` block."""
+        self.handler_errors += 1
+        self.counters.handler_errors[where] += 1
+        exc = sys.exc_info()[1]
+        self._rl.log(logging.ERROR, self._now(), f"handler:{where}",
+                     "probe session %s: handling a %s failed, skipped (%s: %s)", for_log(self.node.id), where,
+                     type(exc).__name__, for_log(str(exc), 200))
+        log.debug("probe session %s: %s handler failed", for_log(self.node.id), where, exc_info=True)

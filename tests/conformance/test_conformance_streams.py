@@ -357,7 +357,7 @@ async def test_isolated_change_goes_out_at_once_and_a_burst_within_the_window_is
 
             def node_up(node: str) -> None:
                 cp.observe(node, hm.HeartbeatObserved(engine_state="READY"), loop.time())
-                cp.observe(node, hm.ProbeObserved(hm.EngineFatalKind.OK, ttft_ms=20.0), loop.time())
+                cp.observe(node, hm.ProbeObserved(hm.ProbeResultKind.OK, ttft_ms=20.0), loop.time())
 
             t0 = loop.time()
             node_up("a")  # isolated: published at once

@@ -1,17 +1,25 @@
 """Hypothesis properties of the health model and cluster policy."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xds_server.config import HealthConfig
 from xds_server.health.model import (
     DrainRequested,
-    EngineFatalKind as K,
+    Engine,
     HeartbeatObserved,
+    Heartbeats,
+    NodeHealth,
     NodeState as S,
     PingObserved,
     ProbeObserved,
+    ProbeResultKind as K,
+    Probes,
+    Ramp,
+    Rtt,
     StreamClosed,
     Tick,
     initial,
@@ -110,18 +118,22 @@ def test_prop_ramp_only_goes_up_in_probation_and_restarts_after_failure(items):
     for _, nh, evs, _ in play(items):
         if nh.state is S.PROBATION:
             if prev_state is S.PROBATION and not any(e.to_state is S.PROBATION for e in evs):
-                assert nh.ramp_percent >= prev_pct
+                assert nh.ramp.percent >= prev_pct
             elif any(e.to_state is S.PROBATION for e in evs):
-                assert nh.ramp_percent == CFG.ramp_start_percent  # every probation starts at 1 %
+                assert nh.ramp.percent == CFG.ramp_start_percent  # every probation starts at 1 %
         if any(e.from_state is S.PROBATION and e.to_state is S.UNHEALTHY for e in evs):
-            assert nh.ramp_percent == 0.0
-        prev_state, prev_pct = nh.state, nh.ramp_percent
+            assert nh.ramp.percent == 0.0
+        prev_state, prev_pct = nh.state, nh.ramp.percent
 
 
-def test_prop_entering_probation_always_starts_at_ramp_start():
-    sim = NodeSim(cfg=CFG)
-    sim.run_until(0.6)
-    assert sim.nh.state is S.PROBATION and sim.nh.ramp_percent == CFG.ramp_start_percent
+@settings(max_examples=50, deadline=None)
+@given(st.floats(0.5, 50.0), st.floats(0.0, 799.0), st.floats(0.1, 2.0))
+def test_prop_entering_probation_from_warming_starts_at_ramp_start(start_pct, ttft_ms, probe_every_s):
+    cfg = HealthConfig(ramp_start_percent=start_pct, ramp_step_s=60.0)
+    sim = NodeSim(cfg=cfg, probe=lambda t: ProbeObserved(K.OK, ttft_ms=ttft_ms), probe_every_s=probe_every_s)
+    sim.run_until(probe_every_s)  # first probe at half the period: good or slow, both start the ramp
+    assert [e.to_state for e in sim.events] == [S.WARMING, S.PROBATION]
+    assert sim.nh.ramp.percent == start_pct and abs(route(sim.nh, 1, cfg).weight - max(1.0, start_pct)) <= 0.5 + 1e-9
 
 
 @settings(max_examples=100, deadline=None)
@@ -163,9 +175,10 @@ def test_prop_jittery_heartbeats_are_not_a_flapping_source(gaps):
 
 
 node_health = st.builds(
-    lambda state, rtt, ttft, free, waiting: initial("x", 0.0).__class__(
-        node_id="x", state=state, ewma_rtt_ms=rtt, ewma_ttft_ms=ttft, gpu_free_ratio=free,
-        requests_waiting=waiting, ramp_percent=37.0, last_heartbeat_s=0.0),
+    lambda state, rtt, ttft, free, waiting: NodeHealth(
+        node_id="x", state=state, rtt=Rtt(ewma_ms=rtt), probe=Probes(ewma_ttft_ms=ttft),
+        engine=Engine(gpu_free_ratio=free, requests_waiting=waiting), ramp=Ramp(percent=37.0),
+        heartbeat=Heartbeats(last_s=0.0)),
     st.sampled_from(list(S)), st.one_of(st.none(), st.floats(0, 1000)), st.one_of(st.none(), st.floats(0, 3000)),
     st.one_of(st.none(), st.floats(0, 1)), st.one_of(st.none(), st.floats(0, 300)))
 
@@ -175,8 +188,7 @@ node_health = st.builds(
        st.floats(0, 100))
 def test_prop_cluster_policy_weights_valid_and_soft_ejections_capped(nodes, pct):
     cfg = HealthConfig(max_ejection_percent=pct)
-    items = [(f"n{i}", cap, nh.__class__(**{**{f: getattr(nh, f) for f in nh.__slots__}, "node_id": f"n{i}"}))
-             for i, (nh, cap) in enumerate(nodes)]
+    items = [(f"n{i}", cap, replace(nh, node_id=f"n{i}")) for i, (nh, cap) in enumerate(nodes)]
     d = cluster_routing(items, {}, 100.0, cfg)
     assert set(d.routing) == {nid for nid, _, _ in items}
     for nid, cap, nh in items:

@@ -6,13 +6,16 @@ import pytest
 from xds_server.config import HealthConfig
 from xds_server.health.model import (
     DrainRequested,
-    EngineFatalKind as K,
+    EjectionCause,
+    ProbeResultKind as K,
     HeartbeatObserved,
     NodeState as S,
     PingObserved,
     ProbeObserved,
     StreamClosed,
     Tick,
+    Routing,
+    RoutingStatus,
     misses_at,
     node_routing,
     route,
@@ -36,13 +39,13 @@ def test_cold_warming_probation_healthy_with_startup_grace():
     sim.run_until(0.05)
     assert sim.nh.state is S.WARMING and route(sim.nh, 1, FAST_RAMP).health_status == "UNHEALTHY"
     sim.run_until(1.9)
-    assert sim.nh.state is S.WARMING and sim.nh.consecutive_probe_failures == 0  # failures not counted
+    assert sim.nh.state is S.WARMING and sim.nh.probe.consecutive_failures == 0  # failures not counted
     sim.run_until(6.0)
     assert [e.to_state for e in sim.events] == [S.WARMING, S.PROBATION, S.HEALTHY]
     assert sim.events[1].reason.startswith("first good probe")
 
 
-def test_fc08_warming_engine_never_published_routable_before_first_good_probe_then_ramps_from_1pct():
+def test_fc08_warming_engine_never_routed_before_first_good_probe_then_ramps_from_1pct():
     # /health would say 200 from t=10 s, but completions block until t=270 s: every probe times out.
     sim = NodeSim(cfg=CFG, heartbeat=lambda t: HeartbeatObserved(engine_state="WARMING" if t < 270 else "READY"),
                   probe=lambda t: ProbeObserved(K.TIMEOUT) if t < 270 else ProbeObserved(K.OK, ttft_ms=40))
@@ -51,8 +54,11 @@ def test_fc08_warming_engine_never_published_routable_before_first_good_probe_th
         r = route(sim.nh, 1, CFG)
         assert r.health_status == "UNHEALTHY" and sim.nh.state in (S.COLD, S.WARMING)
     sim.run_until(271.0)
+    # no transition into a routed state before the first good probe at t >= 270 s
+    routed_at = [e.at_s for e in sim.events if e.to_state in (S.PROBATION, S.HEALTHY, S.DEGRADED)]
+    assert routed_at and min(routed_at) >= 270.0
     assert sim.nh.state is S.PROBATION
-    assert route(sim.nh, 1, CFG) == route(sim.nh, 1, CFG) and route(sim.nh, 1, CFG).weight == 1
+    assert route(sim.nh, 1, CFG) == Routing(1, RoutingStatus.HEALTHY)  # 1 % of full weight 100
 
 
 def test_misses_counted_at_interval_plus_grace():
@@ -61,7 +67,7 @@ def test_misses_counted_at_interval_plus_grace():
 
 
 @pytest.mark.parametrize("freeze_phase_ms", [1, 30, 60, 99])
-def test_count_rule_three_80ms_misses_eject_within_300ms_of_the_fault(freeze_phase_ms):
+def test_count_rule_third_miss_ejects_380ms_after_the_last_heartbeat(freeze_phase_ms):
     sim = healthy_sim(cfg=HealthConfig(failure_detector="count", ramp_step_percent=50))
     t_fault = 4.0 + freeze_phase_ms / 1000.0  # last heartbeat at 4.0
     sim.heartbeat = lambda t: None if t >= t_fault else HeartbeatObserved()
@@ -82,7 +88,7 @@ def test_phi_suspicion_ejects_a_frozen_node_faster_than_the_count_rule(freeze_ph
     sim.run_until(5.0)
     ej = [e for e in sim.events if e.to_state is S.UNHEALTHY][0]
     assert "phi" in ej.reason and ej.at_s - t_fault < 0.24
-    assert sim.nh.ejected_by == "heartbeat"  # then proven by the count rule at +380 ms
+    assert sim.nh.ejection.cause is EjectionCause.HEARTBEAT  # then proven by the count rule at +380 ms
 
 
 def test_phi_suspicion_disproved_by_a_late_heartbeat_returns_without_probation():
@@ -97,9 +103,9 @@ def test_phi_suspicion_disproved_by_a_late_heartbeat_returns_without_probation()
 def test_stream_closed_counts_as_a_miss_at_once():
     sim = healthy_sim(cfg=HealthConfig(failure_detector="count", ramp_step_percent=50))
     sim.heartbeat = lambda t: None
-    last = sim.nh.last_heartbeat_s
+    last = sim.nh.heartbeat.last_s
     sim.apply(StreamClosed("UNAVAILABLE"), last + 0.01)
-    assert sim.nh.consecutive_misses == 1
+    assert sim.nh.heartbeat.consecutive_misses == 1
     sim.run_until(5.0)
     ej = [e for e in sim.events if e.to_state is S.UNHEALTHY][0]
     assert abs(ej.at_s - (last + 0.28)) < 1e-6  # closed (1) + misses at +180 and +280 ms
@@ -134,7 +140,7 @@ def test_fc06_hung_inference_two_probe_timeouts_eject_and_health_200_never_reset
     assert sim.nh.state is S.UNHEALTHY
     assert "inference timeout" in sim.nh.reason or "STALLED" in sim.nh.reason
     sim.run_until(30.0)  # heartbeats (the engine's /health) keep coming: they do not heal it
-    assert sim.nh.state is S.UNHEALTHY
+    assert sim.nh.state is S.UNHEALTHY and not any(e.from_state is S.UNHEALTHY for e in sim.events)
 
 
 def test_stall_counts_as_timeout_and_a_persisting_stall_ejects_after_stall_confirm_ms():
@@ -167,7 +173,7 @@ def test_fc07_busy_engine_with_advancing_tokens_is_saturated_not_ejected():
 def test_engine_fatal_ejects_at_once_and_engine_failed_report_too():
     sim = healthy_sim()
     sim.apply(ProbeObserved(K.ENGINE_FATAL, detail="CUDA error: an illegal memory access"), 4.5)
-    assert sim.nh.state is S.UNHEALTHY and "CUDA error" in sim.nh.reason and sim.nh.ejected_by == "engine"
+    assert sim.nh.state is S.UNHEALTHY and "CUDA error" in sim.nh.reason and sim.nh.ejection.cause is EjectionCause.ENGINE
     sim2 = healthy_sim()
     sim2.apply(HeartbeatObserved(engine_state="FAILED"), 4.05)
     assert sim2.nh.state is S.UNHEALTHY and sim2.nh.reason == "agent reports engine FAILED"
@@ -198,7 +204,7 @@ def test_half_open_after_60s_clean_then_1pct_ramp_then_healthy():
     pcts = []
     for _ in range(5):
         sim.run_until(sim.now + 1.0)
-        pcts.append(sim.nh.ramp_percent)
+        pcts.append(sim.nh.ramp.percent)
     assert [b - a for a, b in zip(pcts, pcts[1:])] == [1.0] * 4  # +1 % per 1 s step
     assert pcts[0] <= 5
     assert route(sim.nh, 1, CFG).weight == int(round(pcts[-1]))
@@ -214,19 +220,26 @@ def test_failure_in_probation_doubles_the_next_clean_period_capped():
     clean = []
     for k in range(3):
         sim.apply(ProbeObserved(K.TIMEOUT), sim.now + 0.01)
-        assert sim.nh.state is S.UNHEALTHY and sim.nh.ramp_percent == 0
-        clean.append(sim.nh.probation_clean_s)
+        assert sim.nh.state is S.UNHEALTHY and sim.nh.ramp.percent == 0
+        clean.append(sim.nh.ejection.clean_period_s)
         sim.run_until(sim.now + clean[-1] + 2.0)
         assert sim.nh.state is S.PROBATION
     assert clean == [20.0, 25.0, 25.0]
 
 
-def test_rtt_ewma_alpha_02_and_baseline_gate():
+def test_rtt_ewma_alpha_02_and_the_baseline_learns_only_while_healthy():
     sim = healthy_sim()
     sim.apply(PingObserved(10.0), 4.01)
-    before = sim.nh.ewma_rtt_ms
+    before = sim.nh.rtt.ewma_ms
+    base = sim.nh.rtt.baseline_ms
     sim.apply(PingObserved(20.0), 4.02)
-    assert sim.nh.ewma_rtt_ms == pytest.approx(0.8 * before + 0.2 * 20.0) and sim.nh.last_rtt_ms == 20.0
+    assert sim.nh.rtt.ewma_ms == pytest.approx(0.8 * before + 0.2 * 20.0) and sim.nh.rtt.last_ms == 20.0
+    assert sim.nh.rtt.baseline_ms == pytest.approx(0.95 * base + 0.05 * sim.nh.rtt.ewma_ms)  # alpha 0.05
+    sim.apply(ProbeObserved(K.OK, ttft_ms=450), 4.03)  # DEGRADED: the baseline holds
+    assert sim.nh.state is S.DEGRADED
+    held = sim.nh.rtt.baseline_ms
+    sim.apply(PingObserved(200.0), 4.04)
+    assert sim.nh.rtt.baseline_ms == held and sim.nh.rtt.ewma_ms > held
 
 
 def test_drain_overrides_everything_until_undrained():
@@ -244,7 +257,7 @@ def test_engine_restart_goes_back_through_warming():
     sim.apply(HeartbeatObserved(engine_state="WARMING"), 4.05)
     assert sim.nh.state is S.WARMING and "engine restarting" in sim.nh.reason
     sim.apply(ProbeObserved(K.OK, ttft_ms=30), 4.2)
-    assert sim.nh.state is S.PROBATION and sim.nh.ramp_percent == 1.0
+    assert sim.nh.state is S.PROBATION and sim.nh.ramp.percent == 1.0
 
 
 def test_heartbeat_ejection_during_fail_static_is_forgiven_when_it_ends():
@@ -253,7 +266,7 @@ def test_heartbeat_ejection_during_fail_static_is_forgiven_when_it_ends():
     sim = healthy_sim()
     sim.heartbeat = lambda t: None if 4.05 <= t < 5.5 else HeartbeatObserved()
     sim.run_until(5.6)
-    assert sim.nh.state is S.UNHEALTHY and sim.nh.ejected_by == "heartbeat"
+    assert sim.nh.state is S.UNHEALTHY and sim.nh.ejection.cause is EjectionCause.HEARTBEAT
     sim.apply(FailStaticEnded(burst_start_s=4.0), 5.65)
     assert sim.nh.state is S.HEALTHY and "forgiven" in sim.events[-1].reason
     # a probe-based ejection is never forgiven
@@ -269,7 +282,7 @@ def test_fail_static_forgiveness_also_for_a_node_whose_heartbeats_return_just_af
     sim.heartbeat = lambda t: None if 4.05 <= t < 5.75 else HeartbeatObserved()
     sim.run_until(5.6)
     sim.apply(FailStaticEnded(burst_start_s=4.0), 5.65)
-    assert sim.nh.state is S.UNHEALTHY and sim.nh.forgive_since_s == 4.0
+    assert sim.nh.state is S.UNHEALTHY and sim.nh.ejection.forgive_since_s == 4.0
     sim.run_until(5.9)
     assert sim.nh.state is S.HEALTHY and "forgiven" in sim.events[-1].reason
     # too late (after ten heartbeat intervals): the normal clean period applies

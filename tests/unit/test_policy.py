@@ -4,16 +4,29 @@ from __future__ import annotations
 from dataclasses import replace
 
 from xds_server.config import HealthConfig
-from xds_server.health.model import EngineFatalKind as K, NodeState as S, ProbeObserved, initial
+from xds_server.health.model import (
+    Engine,
+    Heartbeats,
+    NodeState as S,
+    ProbeObserved,
+    ProbeResultKind as K,
+    Probes,
+    Rtt,
+    initial,
+)
 from xds_server.health.policy import FailStaticState, OutlierState, cluster_routing, fail_static, score
 from xds_server.health.sim import NodeSim
 
 CFG = HealthConfig()
 
 
-def node(nid, state=S.HEALTHY, **kw):
-    kw.setdefault("last_heartbeat_s", 0.0)
-    return replace(initial(nid, 0.0), state=state, **kw)
+def node(nid, state=S.HEALTHY, reason=None, last_heartbeat_s=0.0, ewma_rtt_ms=None, ewma_ttft_ms=None,
+         gpu_free_ratio=None, requests_waiting=None):
+    nh = initial(nid, 0.0)
+    return replace(nh, state=state, reason=nh.reason if reason is None else reason,
+                   heartbeat=Heartbeats(last_s=last_heartbeat_s), rtt=Rtt(ewma_ms=ewma_rtt_ms),
+                   probe=Probes(ewma_ttft_ms=ewma_ttft_ms),
+                   engine=Engine(gpu_free_ratio=gpu_free_ratio, requests_waiting=requests_waiting))
 
 
 def test_seed_score_formula():
@@ -54,15 +67,17 @@ def test_fc05_recovery_restarts_ramp_at_1pct_and_a_joining_node_does_not_change_
     assert a.nh.state is S.HEALTHY
     a.apply(ProbeObserved(K.ENGINE_FATAL, detail="CUDA error"), 110.2)
     a.run_until(117.0)
-    assert a.nh.state is S.PROBATION and a.nh.ramp_percent <= 2
-    ramp_alone = []
+    assert a.nh.state is S.PROBATION and a.nh.ramp.percent <= 2
+    ramp_alone, ramp_joined = [], []
     joined = NodeSim(cfg=cfg, node_id="new", now=120.0)
     for t in range(118, 150):
         a.run_until(float(t))
         joined.run_until(float(t))
+        ramp_alone.append(cluster_routing([("a", 1, a.nh)], {}, float(t), cfg).routing["a"].weight)
         members = [("a", 1, a.nh)] + ([("new", 1, joined.nh)] if t >= 120 else [])
-        ramp_alone.append(cluster_routing(members, {}, float(t), cfg).routing["a"].weight)
+        ramp_joined.append(cluster_routing(members, {}, float(t), cfg).routing["a"].weight)
     assert ramp_alone == sorted(ramp_alone) and min(ramp_alone) >= 1 and ramp_alone[-1] <= 40
+    assert ramp_joined == ramp_alone  # the joining node does not change a's ramp
     # second failure and recovery: back to 1 %
     a.apply(ProbeObserved(K.TIMEOUT), 150.1)
     a.apply(ProbeObserved(K.TIMEOUT), 150.2)
@@ -107,7 +122,7 @@ def test_fail_static_when_most_nodes_go_silent_together_and_resume_when_they_ret
     st, evs = fail_static(st, h, 10.5, CFG)
     assert st.active and evs[0].kind == "fail_static_on" and "4 of 4 nodes" in st.reason
     assert st.burst_start_s == 10.0
-    h = {k: replace(v, last_heartbeat_s=11.0) for k, v in h.items()}
+    h = {k: replace(v, heartbeat=Heartbeats(last_s=11.0)) for k, v in h.items()}
     st, evs = fail_static(st, h, 11.05, CFG)
     assert not st.active and evs[0].kind == "fail_static_off"
 

@@ -1,158 +1,152 @@
-"""Admin HTTP endpoint (aiohttp): JSON views of health and xDS state, Prometheus metrics.
+"""Admin HTTP endpoint (aiohttp): JSON views of health and xDS state, Prometheus metrics, and
+the operator's drain/undrain.
+
+Every answer is a bounded JSON (or Prometheus text) document, never a 5xx for anything a client
+sends: bad query values are 400 with a message naming the parameter, non-finite numbers are
+written as ``null`` (valid JSON always), client text echoed back is clipped and escaped, and a
+malformed HTTP request is logged as one rate-limited line, never a traceback.
 
 Routes: ``/healthz`` (process up), ``/readyz`` (every cluster published), ``/nodes``,
-``/nodes/{id}``, ``/clusters``, ``/xds/clients``, ``/config_dump``, ``/events``, ``/metrics``.
-The admin app only reads the control plane's state.
+``/nodes/{id}``, ``/clusters``, ``/xds/clients``, ``/config_dump``, ``/events``, ``/metrics``;
+``POST /nodes/{id}/drain`` and ``/undrain`` (bearer token, ``admin.token``). Every GET only
+reads (:class:`~xds_server.control.views.ControlPlaneView`); drain/undrain change a node's state
+through the ``drain`` command the server passes in.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import hmac
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
-from google.protobuf import json_format
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL
+from xds_server.admin.metrics import ControlPlaneCollector
+from xds_server.control.views import ControlPlaneView
+from xds_server.untrusted import RateLimitedLog, clip, for_log
 
-if TYPE_CHECKING:
-    from xds_server.server import ControlPlane
+__all__ = ["DrainCommand", "HttpErrorLog", "build_admin_app", "json_dumps"]
 
-__all__ = ["build_admin_app"]
+log = logging.getLogger(__name__)
 
-_CP = web.AppKey("control_plane", object)
-
-_STATES = ("COLD", "WARMING", "HEALTHY", "DEGRADED", "UNHEALTHY", "PROBATION", "DRAINING")
+EVENTS_DEFAULT_LIMIT = 200
 
 
-class _Collector:
-    """Reads the control plane's state at scrape time (nothing is counted on the hot path twice)."""
-
-    def __init__(self, cp: "ControlPlane") -> None:
-        self.cp = cp
-
-    def collect(self):
-        cp = self.cp
-        state = GaugeMetricFamily("sentinel_node_state", "1 for the node's current health state",
-                                  labels=["cluster", "node", "state"])
-        weight = GaugeMetricFamily("sentinel_node_weight", "published EDS load_balancing_weight",
-                                   labels=["cluster", "node"])
-        routed = GaugeMetricFamily("sentinel_node_routable", "1 if published HEALTHY to Envoy",
-                                   labels=["cluster", "node"])
-        rtt = GaugeMetricFamily("sentinel_node_ewma_rtt_ms", "EWMA of probe-stream ping RTT, ms",
-                                labels=["cluster", "node"])
-        ttft = GaugeMetricFamily("sentinel_node_last_ttft_ms", "last micro-probe TTFT, ms",
-                                 labels=["cluster", "node"])
-        hbs = CounterMetricFamily("sentinel_heartbeats", "heartbeats received", labels=["cluster", "node"])
-        bad = CounterMetricFamily("sentinel_probe_malformed_messages", "malformed agent messages",
-                                  labels=["cluster", "node"])
-        for node_id, nh in cp.health.items():
-            c = cp.node_cluster[node_id]
-            for s in _STATES:
-                state.add_metric([c, node_id, s], 1.0 if nh.state.value == s else 0.0)
-            r = cp.routing.get(node_id)
-            if r is not None:
-                weight.add_metric([c, node_id], r.weight)
-                routed.add_metric([c, node_id], 1.0 if r.health_status == "HEALTHY" else 0.0)
-            if nh.ewma_rtt_ms is not None:
-                rtt.add_metric([c, node_id], nh.ewma_rtt_ms)
-            if nh.last_ttft_ms is not None:
-                ttft.add_metric([c, node_id], nh.last_ttft_ms)
-            hbs.add_metric([c, node_id], cp.heartbeats[node_id])
-            bad.add_metric([c, node_id], cp.malformed[node_id])
-        yield from (state, weight, routed, rtt, ttft, hbs, bad)
-        yield from cp.ads.metric_families()
-        tr = CounterMetricFamily("sentinel_health_events", "health transitions (kind to_<STATE>) and "
-                                 "cluster-policy events", labels=["kind"])
-        for k, v in sorted(cp.event_counts.items()):
-            tr.add_metric([k], v)
-        yield tr
-        fs = GaugeMetricFamily("sentinel_fail_static", "1 while fail-static holds the last good assignment")
-        fs.add_metric([], 1.0 if cp.fail_static.active else 0.0)
-        yield fs
-        ramp = GaugeMetricFamily("sentinel_node_ramp_percent", "PROBATION ramp, percent of full weight",
-                                 labels=["cluster", "node"])
-        for node_id, nh in cp.health.items():
-            if nh.state.value == "PROBATION":
-                ramp.add_metric([cp.node_cluster[node_id], node_id], nh.ramp_percent)
-        yield ramp
-        lag = CounterMetricFamily("sentinel_detection_timer_lag_deferrals",
-                                  "detection timers deferred because our own event loop was late")
-        lag.add_metric([], sum(s.lag_deferrals for s in cp.sessions.values()))
-        yield lag
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
-def build_admin_app(cp: "ControlPlane") -> web.Application:
-    """The aiohttp application for a running :class:`~xds_server.server.ControlPlane`."""
+def json_dumps(obj: Any) -> str:
+    """JSON text of ``obj`` with every NaN/Infinity written as ``null`` (strict JSON)."""
+    try:
+        return json.dumps(obj, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(obj), allow_nan=False)
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status, dumps=json_dumps)
+
+
+class HttpErrorLog(logging.LoggerAdapter):
+    """The logger aiohttp's request handler writes to: an exception (malformed HTTP, a client
+    that went away) becomes one WARNING line without traceback, at most one per exception type
+    per ``interval_s``; everything else passes through without ``exc_info``."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        super().__init__(logger, {})
+        self._rl = RateLimitedLog(logger, interval_s, max_keys=64)
+
+    def log(self, level: int, msg: object, *args: object, exc_info: object = None, **kwargs: object) -> None:
+        if exc_info:
+            exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+            if level >= logging.WARNING:
+                name = type(exc).__name__ if exc is not None else "error"
+                self._rl.warning(time.monotonic(), name, "admin: request failed (%s: %s)", name,
+                                 for_log(str(exc) if exc is not None else "", 200))
+                return
+        self.logger.log(level, msg, *args)
+
+DrainCommand = Callable[[str, bool, str], dict]
+"""``drain(node_id, drain, reason) -> node view``; KeyError for an unknown node."""
+
+
+def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Application:
+    """The aiohttp application over a control plane's ``view`` and its ``drain`` command."""
     app = web.Application()
-    app[_CP] = cp
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(cp))
+    registry.register(ControlPlaneCollector(view))
+
+    def unknown_node(node_id: str) -> web.Response:
+        return _json({"error": f"unknown node {for_log(node_id, 64)!r}"}, status=404)
 
     async def healthz(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        return _json({"status": "ok"})
 
     async def readyz(_: web.Request) -> web.Response:
-        missing = [c.name for c in cp.config.clusters if not cp.cla_version(c.name)]
-        body = {"ready": not missing, "unpublished_clusters": missing}
-        return web.json_response(body, status=200 if not missing else 503)
+        ready, missing = view.readiness()
+        return _json({"ready": ready, "unpublished_clusters": missing}, status=200 if ready else 503)
 
     async def nodes(_: web.Request) -> web.Response:
-        return web.json_response({"nodes": [cp.node_view(n) for n in cp.node_cfg]})
+        return _json({"nodes": view.nodes()})
 
     async def node(request: web.Request) -> web.Response:
         node_id = request.match_info["id"]
-        if node_id not in cp.node_cfg:
-            return web.json_response({"error": f"unknown node {node_id!r}"}, status=404)
-        return web.json_response(cp.node_view(node_id))
+        if not view.has_node(node_id):
+            return unknown_node(node_id)
+        return _json(view.node(node_id))
 
     async def clusters(_: web.Request) -> web.Response:
-        out = []
-        for c in cp.config.clusters:
-            views = [cp.node_view(n.id) for n in c.nodes]
-            healthy = sum(1 for v in views if v["eds_health_status"] == "HEALTHY")
-            out.append({
-                "name": c.name,
-                "nodes": len(views),
-                "routable": healthy,
-                "healthy_fraction": healthy / len(views),
-                "xds_version": cp.cla_version(c.name),
-                "published": bool(cp.cla_version(c.name)),
-            })
-        return web.json_response({"clusters": out})
+        return _json({"clusters": view.cluster_summaries()})
 
     async def xds_clients(_: web.Request) -> web.Response:
-        return web.json_response(cp.ads.clients_view())
+        return _json(view.xds_clients())
 
     async def config_dump(_: web.Request) -> web.Response:
-        def dump(tu: str) -> list[dict]:
-            from envoy.config.cluster.v3 import cluster_pb2
-            from envoy.config.endpoint.v3 import endpoint_pb2
-            cls = cluster_pb2.Cluster if tu == CLUSTER_TYPE_URL else endpoint_pb2.ClusterLoadAssignment
-            out = []
-            for name, r in sorted(cp.cache.resources(tu).items()):
-                msg = cls()
-                msg.ParseFromString(r.any.value)
-                out.append({"name": name, "version": r.version,
-                            "resource": json_format.MessageToDict(msg)})
-            return out
-        return web.json_response({
-            "config": cp.config.model_dump(mode="json"),
-            "clusters": {"version": cp.cache.type_version(CLUSTER_TYPE_URL), "resources": dump(CLUSTER_TYPE_URL)},
-            "endpoints": {"version": cp.cache.type_version(CLA_TYPE_URL), "resources": dump(CLA_TYPE_URL)},
-        })
+        return _json(view.config_dump())
 
     async def events(request: web.Request) -> web.Response:
+        raw = request.query.get("limit", str(EVENTS_DEFAULT_LIMIT))
         try:
-            limit = int(request.query.get("limit", "200"))
+            limit = int(raw)
         except ValueError:
-            return web.json_response({"error": "limit must be an integer"}, status=400)
-        recs = list(cp.events)[-max(0, limit):] if limit else []
-        return web.json_response({"events": [r.to_json() for r in recs]})
+            return _json({"error": f"limit must be an integer >= 0, got {for_log(raw, 32)!r}"}, status=400)
+        if limit < 0:
+            return _json({"error": f"limit must be an integer >= 0, got {limit}"}, status=400)
+        return _json({"events": view.events(limit)})
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def drain_handler(request: web.Request) -> web.Response:
+        admin = view.config.admin
+        if admin.token is None:
+            return _json({"error": "drain is disabled: set admin.token in the config"}, status=403)
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, f"Bearer {admin.token}".encode()):  # constant time
+            return _json({"error": "missing or wrong bearer token"}, status=401)
+        node_id = request.match_info["id"]
+        if not view.has_node(node_id):
+            return unknown_node(node_id)
+        reason = clip(request.query.get("reason", "operator"), admin.drain_reason_max_chars)
+        want = request.path.endswith("/drain")
+        try:
+            body = drain(node_id, want, reason)
+        except KeyError:
+            return unknown_node(node_id)
+        return _json(body)
 
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -163,22 +157,6 @@ def build_admin_app(cp: "ControlPlane") -> web.Application:
     app.router.add_get("/config_dump", config_dump)
     app.router.add_get("/events", events)
     app.router.add_get("/metrics", metrics)
-
-    async def drain(request: web.Request) -> web.Response:
-        token = cp.config.admin.token
-        if token is None:
-            return web.json_response({"error": "drain is disabled: set admin.token in the config"}, status=403)
-        if request.headers.get("Authorization", "") != f"Bearer {token}":
-            return web.json_response({"error": "missing or wrong bearer token"}, status=401)
-        node_id = request.match_info["id"]
-        reason = request.query.get("reason", "operator")[:200]
-        want = request.path.endswith("/drain")
-        try:
-            view = cp.drain(node_id, want, reason)
-        except KeyError:
-            return web.json_response({"error": f"unknown node {node_id!r}"}, status=404)
-        return web.json_response(view)
-
-    app.router.add_post("/nodes/{id}/drain", drain)
-    app.router.add_post("/nodes/{id}/undrain", drain)
+    app.router.add_post("/nodes/{id}/drain", drain_handler)
+    app.router.add_post("/nodes/{id}/undrain", drain_handler)
     return app

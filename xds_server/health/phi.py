@@ -50,7 +50,11 @@ def phi(stats: ArrivalStats, elapsed_ms: float, min_std_ms: float, acceptable_pa
     return -math.log10(p_later)
 
 
-@lru_cache(maxsize=64)
+_Z_MEMO = 64
+"""Normal quantiles kept, one per distinct phi threshold (a process has one per config)."""
+
+
+@lru_cache(maxsize=_Z_MEMO)
 def _z_for(threshold: float) -> float:
     return NormalDist().inv_cdf(1.0 - 10.0 ** (-threshold))
 

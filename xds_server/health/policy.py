@@ -11,10 +11,11 @@ Per cluster (:func:`cluster_routing`):
    ejected nodes would exceed that share of the cluster; hard evidence (lost heartbeats, failed
    probes, engine fatal) is never held back, since a node that cannot answer must not get
    traffic (field case fc04);
-4. weight = capacity x 100 x state factor x score factor, integer >= 1, where the seed score
-   (seed 000) is ``0.7 x EWMA RTT ms + 0.3 x (1 - GPU free ratio) x 100`` (lower is better) and
-   the score factor is ``(best + slack) / (score + slack)`` clamped to [score_min_factor, 1] and
-   quantized to ``score_step`` so measurement noise does not churn EDS. Unknown values are
+4. weight (:func:`~xds_server.health.routing.weight`) = capacity x 100 x state factor x score
+   factor, integer >= 1, where the seed score (seed 000) is
+   ``0.7 x EWMA RTT ms + 0.3 x (1 - GPU free ratio) x 100`` (lower is better) and the score
+   factor is ``(best + slack) / (score + slack)`` clamped to [score_min_factor, 1] and quantized
+   to ``score_step`` so measurement noise does not churn EDS. Unknown values are
    neutral: they take the median of the known ones (fc11).
 
 Across the fleet (:func:`fail_static`): when more than ``fail_static_fraction`` of all nodes lost
@@ -24,19 +25,23 @@ and alert, until fewer than that share are still lost.
 """
 from __future__ import annotations
 
+import enum
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from xds_server.config import HealthConfig
-from xds_server.health.model import NodeHealth, NodeState, Routing, node_routing
+from xds_server.health.clocks import miss_after_s
+from xds_server.health.records import NodeHealth, NodeState
+from xds_server.health.routing import Routing, RoutingStatus, full_weight, node_routing, weight
 
 __all__ = [
     "ClusterDecision",
     "FailStaticState",
     "OutlierState",
     "PolicyEvent",
+    "PolicyEventKind",
     "cluster_routing",
     "fail_static",
     "score",
@@ -52,13 +57,24 @@ class OutlierState:
     reason: str = ""
 
 
+class PolicyEventKind(enum.StrEnum):
+    """What a cluster-policy event reports."""
+
+    OUTLIER_EJECTED = "outlier_ejected"
+    OUTLIER_RETURNED = "outlier_returned"
+    HELD_BACK = "held_back"
+    FAIL_STATIC_ON = "fail_static_on"
+    FAIL_STATIC_OFF = "fail_static_off"
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyEvent:
-    """A cluster-policy decision worth an event line (outlier ejection/return, held back)."""
+    """A cluster-policy decision worth an event line (outlier ejection/return, held back,
+    fail-static on/off; ``node_id`` "*" for the fleet)."""
 
     at_s: float
     node_id: str
-    kind: str  # "outlier_ejected" | "outlier_returned" | "held_back" | "fail_static_on" | "fail_static_off"
+    kind: PolicyEventKind
     reason: str
 
 
@@ -76,6 +92,12 @@ class ClusterDecision:
 def score(ewma_rtt_ms: float, gpu_free_ratio: float, cfg: HealthConfig) -> float:
     """Seed 000 score: ``0.7 x EWMA RTT ms + 0.3 x (1 - GPU free ratio) x 100``; lower is better."""
     return cfg.score_rtt_weight * ewma_rtt_ms + cfg.score_gpu_weight * (1.0 - gpu_free_ratio) * 100.0
+
+
+def _outlier_metrics(cfg: HealthConfig) -> tuple[tuple[Callable[[NodeHealth], float | None], float, str], ...]:
+    """(EWMA metric of a node, minimum gap above the median in ms, label) for outlier detection."""
+    return ((lambda nh: nh.probe.ewma_ttft_ms, cfg.outlier_min_gap_ttft_ms, "TTFT"),
+            (lambda nh: nh.rtt.ewma_ms, cfg.outlier_min_gap_rtt_ms, "RTT"))
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -97,13 +119,12 @@ def cluster_routing(
     new_out: dict[str, OutlierState] = {nid: outliers.get(nid, OutlierState()) for nid, _, _ in nodes}
 
     routed = [nid for nid, _, nh in nodes
-              if views[nid].status == "HEALTHY" and nh.state in (NodeState.HEALTHY, NodeState.DEGRADED)]
+              if views[nid].status is RoutingStatus.HEALTHY and nh.state in (NodeState.HEALTHY, NodeState.DEGRADED)]
 
     # 2. outlier detection against the cluster median.
     outlier_now: dict[str, str] = {}
-    for metric, gap, label in (("ewma_ttft_ms", cfg.outlier_min_gap_ttft_ms, "TTFT"),
-                               ("ewma_rtt_ms", cfg.outlier_min_gap_rtt_ms, "RTT")):
-        vals = {nid: getattr(health[nid], metric) for nid in routed if getattr(health[nid], metric) is not None}
+    for metric, gap, label in _outlier_metrics(cfg):
+        vals = {nid: v for nid in routed if (v := metric(health[nid])) is not None}
         if len(vals) < cfg.outlier_min_nodes:
             continue
         med = _median(list(vals.values()))
@@ -117,10 +138,10 @@ def cluster_routing(
         if nid in outlier_now:
             dur = min(cfg.outlier_ejection_s * (2 ** st.count), cfg.outlier_ejection_max_s)
             new_out[nid] = OutlierState(now_s + dur, st.count + 1, f"{outlier_now[nid]}; ejected {dur:.0f} s")
-            events.append(PolicyEvent(now_s, nid, "outlier_ejected", new_out[nid].reason))
+            events.append(PolicyEvent(now_s, nid, PolicyEventKind.OUTLIER_EJECTED, new_out[nid].reason))
         elif st.reason:
             new_out[nid] = replace(st, reason="")
-            events.append(PolicyEvent(now_s, nid, "outlier_returned", "outlier ejection time over"))
+            events.append(PolicyEvent(now_s, nid, PolicyEventKind.OUTLIER_RETURNED, "outlier ejection time over"))
 
     # 3. max ejection percent: hard ejections count first, soft ones fill the rest of the cap.
     hard = [nid for nid, _, nh in nodes if views[nid].hard and nh.state is NodeState.UNHEALTHY]
@@ -130,7 +151,7 @@ def cluster_routing(
     soft: list[tuple[str, str]] = []
     for nid, _, nh in nodes:
         v = views[nid]
-        if v.status != "HEALTHY":
+        if v.status is not RoutingStatus.HEALTHY:
             continue
         if v.soft_block:
             soft.append((nid, v.soft_block))
@@ -145,36 +166,36 @@ def cluster_routing(
         if nid in ejected_soft:
             why[nid] = reason
         else:
-            events.append(PolicyEvent(now_s, nid, "held_back",
+            events.append(PolicyEvent(now_s, nid, PolicyEventKind.HELD_BACK,
                                       f"{reason}; not ejected: {len(hard) + len(ejected_soft)} of {n} already out "
                                       f"(max_ejection_percent {cfg.max_ejection_percent:g})"))
 
     # 4. weights among routable nodes from the seed score.
-    routable = [nid for nid, _, _ in nodes if views[nid].status == "HEALTHY" and nid not in why]
-    rtts = [health[nid].ewma_rtt_ms for nid in routable if health[nid].ewma_rtt_ms is not None]
-    frees = [health[nid].gpu_free_ratio for nid in routable if health[nid].gpu_free_ratio is not None]
+    routable = [nid for nid, _, _ in nodes if views[nid].status is RoutingStatus.HEALTHY and nid not in why]
+    rtts = [v for nid in routable if (v := health[nid].rtt.ewma_ms) is not None]
+    frees = [v for nid in routable if (v := health[nid].engine.gpu_free_ratio) is not None]
     rtt_mid = _median(rtts) or 0.0
     free_mid = _median(frees)
     scores: dict[str, float] = {}
     for nid in routable:
         nh = health[nid]
-        rtt = nh.ewma_rtt_ms if nh.ewma_rtt_ms is not None else rtt_mid
-        free = nh.gpu_free_ratio if nh.gpu_free_ratio is not None else (free_mid if free_mid is not None else 1.0)
+        rtt = nh.rtt.ewma_ms if nh.rtt.ewma_ms is not None else rtt_mid
+        gpu_free = nh.engine.gpu_free_ratio
+        free = gpu_free if gpu_free is not None else (free_mid if free_mid is not None else 1.0)
         scores[nid] = score(rtt, free, cfg)
     best = min(scores.values()) if scores else 0.0
     routing: dict[str, Routing] = {}
     for nid, cap_units, nh in nodes:
-        full = cap_units * 100
         v = views[nid]
-        if v.status == "DRAINING":
-            routing[nid] = Routing(full, "DRAINING")
-        elif nid in why or v.status != "HEALTHY":
-            routing[nid] = Routing(full, "UNHEALTHY")
+        if v.status is RoutingStatus.DRAINING:
+            routing[nid] = Routing(full_weight(cap_units), RoutingStatus.DRAINING)
+        elif nid in why or v.status is not RoutingStatus.HEALTHY:
+            routing[nid] = Routing(full_weight(cap_units), RoutingStatus.UNHEALTHY)
         else:
             sf = (best + cfg.score_slack) / (scores[nid] + cfg.score_slack) if scores[nid] + cfg.score_slack > 0 else 1.0
             sf = min(1.0, max(cfg.score_min_factor, sf))
             sf = max(cfg.score_min_factor, round(sf / cfg.score_step) * cfg.score_step)
-            routing[nid] = Routing(max(1, int(round(full * v.factor * min(sf, 1.0)))), "HEALTHY")
+            routing[nid] = Routing(weight(cap_units, v.factor, min(sf, 1.0)), RoutingStatus.HEALTHY)
     return ClusterDecision(routing, why, new_out, tuple(events), held)
 
 
@@ -205,10 +226,10 @@ def fail_static(
     if total < cfg.fail_static_min_nodes:
         return (FailStaticState(), []) if state.active else (state, [])
     need = math.floor(total * cfg.fail_static_fraction + 1e-9) + 1  # "most": more than the fraction
-    limit = (cfg.heartbeat_interval_ms + cfg.heartbeat_grace_ms) / 1000.0
+    limit = miss_after_s(cfg)
     silent_since = sorted(
-        nh.last_heartbeat_s for nh in health.values()
-        if nh.last_heartbeat_s is not None and (now_s - nh.last_heartbeat_s > limit or nh.stream_closed)
+        last for nh in health.values()
+        if (last := nh.heartbeat.last_s) is not None and (now_s - last > limit or nh.heartbeat.stream_closed)
     )
     events: list[PolicyEvent] = []
     if not state.active:
@@ -218,11 +239,11 @@ def fail_static(
                 reason = (f"{len(silent_since)} of {total} nodes lost heartbeats within "
                           f"{cfg.fail_static_window_ms:.0f} ms: suspect the control plane's own network; "
                           "keeping the last good assignment")
-                events.append(PolicyEvent(now_s, "*", "fail_static_on", reason))
+                events.append(PolicyEvent(now_s, "*", PolicyEventKind.FAIL_STATIC_ON, reason))
                 return FailStaticState(True, now_s, reason, silent_since[i]), events
         return state, events
     if len(silent_since) < need:
-        events.append(PolicyEvent(now_s, "*", "fail_static_off",
+        events.append(PolicyEvent(now_s, "*", PolicyEventKind.FAIL_STATIC_OFF,
                                   f"heartbeats back ({len(silent_since)} of {total} silent): normal decisions resume"))
         return FailStaticState(), events
     return state, events

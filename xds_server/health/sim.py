@@ -11,13 +11,15 @@ from dataclasses import dataclass, field
 
 from xds_server.config import HealthConfig
 from xds_server.health.model import (
-    EngineFatalKind,
+    EngineState,
     Event,
     HeartbeatObserved,
     NodeHealth,
+    NodeState,
     Observation,
     PingObserved,
     ProbeObserved,
+    ProbeResultKind,
     Tick,
     initial,
     next_check_s,
@@ -31,11 +33,11 @@ HeartbeatFn = Callable[[float], HeartbeatObserved | None]
 
 
 def _good(_: float) -> ProbeObserved:
-    return ProbeObserved(EngineFatalKind.OK, ttft_ms=20.0)
+    return ProbeObserved(ProbeResultKind.OK, ttft_ms=20.0)
 
 
 def _ready(_: float) -> HeartbeatObserved:
-    return HeartbeatObserved(engine_state="READY")
+    return HeartbeatObserved(engine_state=EngineState.READY)
 
 
 @dataclass
@@ -57,7 +59,7 @@ class NodeSim:
     now: float = 0.0
     nh: NodeHealth = field(init=False)
     events: list[Event] = field(default_factory=list)
-    states: list[tuple[float, str]] = field(default_factory=list)
+    states: list[tuple[float, NodeState]] = field(default_factory=list)  # (time, state entered)
 
     def __post_init__(self) -> None:
         self.nh = initial(self.node_id, self.now)
@@ -73,7 +75,7 @@ class NodeSim:
         self.nh, evs = step(self.nh, obs, t, self.cfg)
         self.events.extend(evs)
         for e in evs:
-            self.states.append((t, e.to_state.value))
+            self.states.append((t, e.to_state))
         self._next_tick = next_check_s(self.nh, self.cfg)
         return evs
 

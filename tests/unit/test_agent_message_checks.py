@@ -1,0 +1,106 @@
+"""The agent edge (xds_server.agent_edge): every field checked once, by type; nothing raises."""
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node_probe.proto import probe_pb2
+from xds_server.agent_edge import REASONS, AgentEdge, CheckedHeartbeat, CheckedResult
+from xds_server.config import HealthConfig, ProbeConfig
+from xds_server.health.model import ProbeResultKind
+
+EDGE = AgentEdge(HealthConfig(), ProbeConfig())
+PC = ProbeConfig()
+
+nasty_floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                         st.sampled_from([1e308, -1e308, -0.0, 5e-324, 1e9 + 1, 2.0, -1.0]))
+enums = st.one_of(st.integers(0, 6), st.integers(-(2 ** 31), 2 ** 31 - 1))
+texts = st.one_of(st.text(max_size=40), st.integers(0, 5000).map(lambda n: "x\n\x1b" * n))
+
+
+@st.composite
+def agent_messages(draw) -> probe_pb2.AgentMessage:
+    kind = draw(st.sampled_from(["heartbeat", "pong", "result", "empty"]))
+    if kind == "empty":
+        return probe_pb2.AgentMessage()
+    if kind == "pong":
+        return probe_pb2.AgentMessage(pong=probe_pb2.Pong(seq=draw(st.integers(0, 2 ** 64 - 1))))
+    if kind == "result":
+        return probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(
+            ok=draw(st.booleans()), ttft_ms=draw(nasty_floats), failure=draw(enums),
+            http_status=draw(st.integers(-(2 ** 31), 2 ** 31 - 1)), detail=draw(texts),
+            headers_ms=draw(nasty_floats), trigger=draw(texts)))
+    tel = probe_pb2.Telemetry(engine_state=draw(enums), stalled=draw(st.booleans()), stall_detail=draw(texts))
+    load = tel.engine_load
+    for name in ("requests_waiting", "requests_running", "kv_cache_usage_ratio", "prefix_cache_hit_ratio",
+                 "generation_tokens_total"):
+        if draw(st.booleans()):
+            setattr(load, name, draw(nasty_floats))
+    load.kv_cache_metric = draw(texts)
+    tel.gpu.state = draw(enums)
+    tel.gpu.error = draw(texts)
+    for i in range(draw(st.sampled_from([0, 1, 2, 100]))):
+        g = tel.gpu.gpus.add(index=i)
+        if draw(st.booleans()):
+            g.memory_total_bytes = draw(st.integers(0, 2 ** 64 - 1))
+            g.memory_used_bytes = draw(st.integers(0, 2 ** 64 - 1))
+        if draw(st.booleans()):
+            g.utilization_ratio = draw(nasty_floats)
+        g.xid_events.extend(draw(st.lists(st.integers(0, 2 ** 32 - 1), max_size=3)) * draw(st.sampled_from([1, 50])))
+        g.errors.extend(draw(st.lists(texts, max_size=3)))
+    return probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(
+        seq=draw(st.integers(0, 2 ** 64 - 1)), interval_ms=draw(st.integers(0, 2 ** 32 - 1)), telemetry=tel))
+
+
+def _finite_in(v, lo, hi) -> bool:
+    return v is None or (math.isfinite(v) and lo <= v <= hi)
+
+
+@given(agent_messages())
+@settings(max_examples=150, deadline=None)
+def test_any_agent_message_is_checked_without_raising_and_only_sane_values_pass(msg):
+    checked, bad = EDGE.check(msg)
+    assert all(b.reason in REASONS for b in bad)
+    assert all(len(b.field) < 80 for b in bad)
+    if isinstance(checked, CheckedHeartbeat):
+        o, t = checked.observation, checked.telemetry
+        assert o.engine_state in ("COLD", "WARMING", "READY", "FAILED")
+        assert _finite_in(o.requests_waiting, 0, PC.max_requests) and _finite_in(o.requests_running, 0, PC.max_requests)
+        assert _finite_in(o.gpu_free_ratio, 0, 1) and _finite_in(t.load.kv_cache_usage_ratio, 0, 1)
+        assert len(o.stall_detail) <= PC.max_text_chars and len(t.gpu.error) <= PC.max_text_chars
+        assert len(t.load.kv_cache_metric) <= PC.max_text_chars and len(o.gpu_fatal) < 100
+        assert t.gpu.nvml.startswith("NVML_STATE_")
+    elif isinstance(checked, CheckedResult):
+        o = checked.observation
+        assert math.isfinite(o.ttft_ms) and 0 <= o.ttft_ms <= PC.max_ttft_ms
+        assert 0 <= o.http_status <= 999 and len(o.detail) <= PC.max_text_chars
+        assert isinstance(o.kind, ProbeResultKind)
+
+
+def test_each_planted_bad_field_is_reported_by_name_and_reason():
+    msg = probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(ok=True, ttft_ms=math.inf))
+    assert EDGE.check(msg)[0] is None
+    assert [(b.field, b.reason) for b in EDGE.check(msg)[1]] == [("inference_result.ttft_ms", "not_finite")]
+    msg = probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(ok=True, ttft_ms=1e308))
+    assert [(b.field, b.reason) for b in EDGE.check(msg)[1]] == [("inference_result.ttft_ms", "out_of_range")]
+    msg = probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(ok=False, failure=77, detail="d" * 10_000))
+    checked, bad = EDGE.check(msg)
+    assert checked.observation.kind is ProbeResultKind.BAD_OUTPUT and len(checked.observation.detail) == PC.max_text_chars
+    assert {(b.field, b.reason) for b in bad} == {("inference_result.failure", "unknown_enum"),
+                                                   ("inference_result.detail", "too_long")}
+    hb = probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(telemetry=probe_pb2.Telemetry(
+        engine_state=probe_pb2.ENGINE_STATE_READY)))
+    hb.heartbeat.telemetry.gpu.state = 77
+    hb.heartbeat.telemetry.engine_load.requests_waiting = -3.0
+    hb.heartbeat.telemetry.gpu.gpus.add(memory_total_bytes=10, memory_used_bytes=20, xid_events=[79] * 100)
+    checked, bad = EDGE.check(hb)
+    assert checked.telemetry.gpu.nvml == "NVML_STATE_UNKNOWN" and checked.observation.requests_waiting is None
+    assert checked.observation.gpu_free_ratio == 0.0 and checked.observation.gpu_fatal == "GPU 0 Xid 79"
+    assert {(b.field, b.reason) for b in bad} == {
+        ("heartbeat.telemetry.gpu.state", "unknown_enum"),
+        ("heartbeat.telemetry.engine_load.requests_waiting", "negative"),
+        ("heartbeat.telemetry.gpu.gpus.memory_used_bytes", "out_of_range"),
+        ("heartbeat.telemetry.gpu.gpus.xid_events", "too_many")}
+    assert [(b.field, b.reason) for b in EDGE.check(probe_pb2.AgentMessage())[1]] == [("agent_message", "empty")]

@@ -1,0 +1,266 @@
+"""The control plane driven in memory: a ManualClock, in-memory probe sources, no sockets.
+
+Covers the publish planner (coalescing, warm-up gate), the three bugs of issue 10 (fail-static
+look-back, DRAINING state metric, outlier wake-up timers) and the layering (no import cycle).
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from xds_server.admin.metrics import ControlPlaneCollector
+from xds_server.config import parse_config
+from xds_server.control.clock import ManualClock
+from xds_server.control.memory import InMemoryProbes
+from xds_server.control.publish import LastGoodHistory, PublishPlanner
+from xds_server.health import model as hm
+from xds_server.server import ControlPlane
+from xds_server.xds.resources import CLA_TYPE_URL
+
+
+def config(n: int = 3, xds: dict | None = None, **health) -> dict:
+    return {
+        "xds": {"listen": "127.0.0.1:0", "coalesce_window_ms": 0, "warmup_timeout_ms": 5000, **(xds or {})},
+        "admin": {"listen": "127.0.0.1:0"},
+        "health": {"failure_detector": "count", "ramp_start_percent": 100.0, **health},
+        "clusters": [{"name": "llm", "nodes": [
+            {"id": f"n{i}", "address": f"127.0.0.1:{8001 + i}", "probe_address": f"127.0.0.1:{9001 + i}"}
+            for i in range(n)]}],
+    }
+
+
+def in_memory(cfg: dict) -> tuple[ControlPlane, ManualClock, InMemoryProbes]:
+    clock, probes = ManualClock(), InMemoryProbes()
+    cp = ControlPlane(parse_config(cfg), clock=clock, probe_sources=probes)
+    cp.open()
+    return cp, clock, probes
+
+
+def all_healthy(cp: ControlPlane, clock: ManualClock, probes: InMemoryProbes, hb_s: float = 0.1,
+                rounds: int = 20) -> None:
+    for _ in range(rounds):
+        for nid in cp.core.node_cfg:
+            probes[nid].heartbeat()
+            probes[nid].probe(ttft_ms=20.0)
+        clock.advance(hb_s)
+    assert {nh.state for nh in cp.health.values()} == {hm.NodeState.HEALTHY}
+
+
+def published(cp: ControlPlane) -> dict[str, str]:
+    from envoy.config.endpoint.v3 import endpoint_pb2
+
+    m = endpoint_pb2.ClusterLoadAssignment()
+    m.ParseFromString(cp.cache.resources(CLA_TYPE_URL)["llm"].any.value)
+    names = {0: "UNKNOWN", 1: "HEALTHY", 2: "UNHEALTHY", 3: "DRAINING"}
+    return {e.endpoint.hostname: names[e.health_status] for lle in m.endpoints for e in lle.lb_endpoints}
+
+
+def metric_samples(cp: ControlPlane, name: str) -> dict:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(ControlPlaneCollector(cp.view))
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+    return {tuple(sorted(s.labels.items())): s.value for s in fams[name].samples}
+
+
+# -- publish planner (pure) ---------------------------------------------------------------------
+
+
+def test_planner_publishes_an_isolated_change_at_once_and_coalesces_within_the_window():
+    p = PublishPlanner(parse_config(config(xds={"coalesce_window_ms": 100})))
+    assert p.mark_dirty("llm", warm=False, now_s=1.0) is None  # gate closed: held
+    assert p.mark_dirty("llm", warm=True, now_s=1.0) == 1.0     # quiet: at once
+    assert p.mark_dirty("llm", warm=True, now_s=1.0) is None    # already scheduled
+    p.last_publish_s, p.scheduled, p.dirty = 1.0, False, set()
+    assert p.mark_dirty("llm", warm=True, now_s=1.03) == 1.1    # within the window: at its end
+
+
+def test_warm_up_gate_holds_a_cluster_until_every_node_left_warming_or_the_timeout():
+    cp, clock, probes = in_memory(config())
+    for nid in ("n0", "n1"):
+        probes[nid].heartbeat()
+        probes[nid].probe()
+    clock.advance(0.01)
+    assert cp.cla_version("llm") == ""  # n2 still COLD
+    clock.advance(5.0)  # warm-up timeout
+    assert cp.cla_version("llm") != ""
+    assert published(cp)["n2"] == "UNHEALTHY"
+
+
+# -- bug 1: fail-static look-back ----------------------------------------------------------------
+
+
+def test_fail_static_keeps_last_good_assignment_after_more_publishes_than_the_old_bound():
+    """The old look-back kept the last 64 publishes: more than 64 publishes between the burst's
+    start and fail-static left no good one, so the bad state was published. Now the last good
+    assignment itself is always kept (here with a history cap of 8)."""
+    cp, clock, probes = in_memory(config(
+        5, xds={"fail_static_history_max": 8}, consecutive_misses=1, fail_static_window_ms=400))
+    all_healthy(cp, clock, probes)
+    # n2, n3, n4 (3 of 5: most) go silent 300 ms apart in total; n2 is ejected at +180 ms, before
+    # fail-static starts (when n4's first miss is seen at +480 ms); meanwhile n0 publishes every 1 ms.
+    for nid in cp.core.node_cfg:
+        probes[nid].heartbeat()
+    bad_publishes = []
+    write = cp.core.on_publish
+
+    def counting(p):
+        if p.routing["n2"].health_status == "UNHEALTHY" and not p.held:
+            bad_publishes.append(p)
+        write(p)
+
+    cp.core.on_publish = counting
+    t0 = clock.now()
+    last = {"n2": t0, "n3": t0 + 0.15, "n4": t0 + 0.3}
+    i = 0
+    while not cp.core.fail_static.active and clock.now() < t0 + 2.0:
+        now = clock.now()
+        probes["n0"].heartbeat(gpu_free_ratio=0.5 + 0.1 * (i % 2))
+        probes["n1"].heartbeat()
+        for nid, until in last.items():
+            if now <= until and round((now - t0) * 1000) % 100 == 0:
+                probes[nid].heartbeat()
+        i += 1
+        clock.advance(0.001)
+    assert cp.core.fail_static.active
+    assert len(bad_publishes) > 64  # n2 ejected and published that way, many times, before fail-static
+    clock.advance(0.001)
+    assert published(cp) == {f"n{k}": "HEALTHY" for k in range(5)}
+
+
+@given(st.lists(st.tuples(st.floats(0, 100), st.integers(0, 5)), min_size=1, max_size=60),
+       st.floats(0, 100), st.integers(2, 6))
+@settings(max_examples=200, deadline=None)
+def test_last_good_history_answers_like_an_unbounded_one_or_older_never_missing(entries, floor_frac, cap):
+    """For any limit at or after every floor passed so far, the bounded history answers with the
+    unbounded answer or an older recorded entry, and never with nothing when one exists."""
+    entries = sorted(entries)
+    h = LastGoodHistory(cap)
+    full: list[tuple[float, dict]] = []
+    floor = entries[0][0] * floor_frac / 100.0
+    for t, v in entries:
+        r = {"x": hm.Routing(v + 1, "HEALTHY")}
+        h.record(t, r, floor)
+        full.append((t, r))
+    for limit in [floor] + [t for t, _ in full] + [t + 0.5 for t, _ in full]:
+        if limit < floor:
+            continue
+        want = [r for t, r in full if t < limit]
+        got = h.before(limit)
+        if want:
+            assert got is not None and any(got is r for r in want)
+        else:
+            assert got is None
+    assert len(h) <= cap
+
+
+# -- bug 2: DRAINING state metric ------------------------------------------------------------------
+
+
+def test_node_state_metric_draining_is_one_while_drained():
+    cp, clock, probes = in_memory(config())
+    all_healthy(cp, clock, probes)
+    cp.drain("n1", True, "maintenance")
+    s = metric_samples(cp, "sentinel_node_state")
+    assert s[(("cluster", "llm"), ("node", "n1"), ("state", "DRAINING"))] == 1.0
+    assert s[(("cluster", "llm"), ("node", "n1"), ("state", "HEALTHY"))] == 0.0
+    assert sum(v for k, v in s.items() if ("node", "n1") in k) == 1.0
+    cp.drain("n1", False, "done")
+    s = metric_samples(cp, "sentinel_node_state")
+    assert s[(("cluster", "llm"), ("node", "n1"), ("state", "DRAINING"))] == 0.0
+    assert s[(("cluster", "llm"), ("node", "n1"), ("state", "HEALTHY"))] == 1.0
+
+
+# -- bug 3: outlier wake-up timers -------------------------------------------------------------------
+
+
+def test_outlier_ejection_wake_up_is_one_timer_per_cluster_not_one_per_publish():
+    cp, clock, probes = in_memory(config(4, outlier_ejection_s=30.0))
+    all_healthy(cp, clock, probes)
+    for _ in range(30):  # n3's TTFT far above the others': an outlier
+        for nid in cp.core.node_cfg:
+            probes[nid].heartbeat()
+            probes[nid].probe(ttft_ms=500.0 if nid == "n3" else 20.0)
+        clock.advance(0.1)
+    assert published(cp)["n3"] == "UNHEALTHY" and cp.core.wake_timer_count() == 1
+    pending = clock.pending()
+    for i in range(200):  # 200 publishes while n3 serves its ejection
+        probes["n0"].heartbeat(gpu_free_ratio=0.5 + 0.1 * (i % 2))
+        for nid in ("n1", "n2", "n3"):
+            probes[nid].heartbeat()
+        clock.advance(0.01)
+    assert cp.core.wake_timer_count() == 1
+    assert clock.pending() <= pending + 1  # old code: one more call_at per publish (~200)
+    for _ in range(300):  # 30 s: n3's TTFT is normal again; its ejection time runs out
+        for nid in cp.core.node_cfg:
+            probes[nid].heartbeat()
+            probes[nid].probe(ttft_ms=20.0)
+        clock.advance(0.1)
+    assert published(cp)["n3"] == "HEALTHY"  # the wake-up re-published the cluster
+    assert cp.core.wake_timer_count() == 0
+
+
+# -- layering -----------------------------------------------------------------------------------
+
+
+def _imports(pkg_root: pathlib.Path, package: str) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for f in pkg_root.rglob("*.py"):
+        rel = f.relative_to(pkg_root.parent).with_suffix("")
+        mod = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps.add(node.module)
+                deps.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+        graph[mod] = {d for d in deps if d.startswith(package + ".") or d == package}
+    return {m: {d for d in ds if d in graph and d != m} for m, ds in graph.items()}
+
+
+def test_no_import_cycle_in_the_control_plane_and_admin_never_imports_the_server():
+    root = pathlib.Path(__file__).resolve().parents[2] / "xds_server"
+    g = _imports(root, "xds_server")
+
+    def reaches(a: str, b: str) -> bool:
+        seen, todo = set(), [a]
+        while todo:
+            m = todo.pop()
+            for d in g.get(m, ()):
+                if d == b:
+                    return True
+                if d not in seen:
+                    seen.add(d)
+                    todo.append(d)
+        return False
+
+    mine = [m for m in g if m.startswith(("xds_server.control", "xds_server.admin")) or m == "xds_server.server"]
+    assert not reaches("xds_server.admin.app", "xds_server.server")
+    assert not reaches("xds_server.control.views", "xds_server.server")
+    assert [m for m in mine if reaches(m, m)] == []
+
+
+# -- the in-memory seam ---------------------------------------------------------------------------
+
+
+def test_in_memory_probe_source_detects_silence_on_the_manual_clock_exactly_as_seed_000_says():
+    cp, clock, probes = in_memory(config())
+    all_healthy(cp, clock, probes)
+    for nid in cp.core.node_cfg:
+        probes[nid].heartbeat()
+    t0 = clock.now()
+    for _ in range(37):  # n1 and n2 keep beating every 10 ms; n0 is silent from t0
+        clock.advance(0.01)
+        probes["n1"].heartbeat()
+        probes["n2"].heartbeat()
+    clock.advance_to(t0 + 0.379)
+    assert cp.health["n0"].state is hm.NodeState.HEALTHY and cp.health["n0"].heartbeat.consecutive_misses == 2
+    clock.advance_to(t0 + 0.381)  # 3 misses: +180, +280, +380 ms (interval 100 ms, grace 80 ms)
+    assert cp.health["n0"].state is hm.NodeState.UNHEALTHY
+    assert published(cp)["n0"] == "UNHEALTHY" and cp.routing["n0"].health_status == "UNHEALTHY"
+    assert [e.to_state for e in cp.events][-1] == "UNHEALTHY"

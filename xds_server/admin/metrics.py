@@ -1,0 +1,89 @@
+"""Prometheus metrics of the control plane, read from :class:`ControlPlaneView` at scrape time
+(nothing is counted twice on the hot path). Every label set is bounded (see
+:mod:`xds_server.control.counters`)."""
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from xds_server.control.views import ControlPlaneView
+from xds_server.health.model import NodeState
+
+__all__ = ["ControlPlaneCollector"]
+
+_STATES = tuple(s.value for s in NodeState)
+
+
+class ControlPlaneCollector:
+    """A prometheus_client collector over a :class:`ControlPlaneView`."""
+
+    def __init__(self, view: ControlPlaneView) -> None:
+        self.view = view
+
+    def collect(self):
+        yield from self._nodes()
+        yield from self._xds()
+        yield from self._health()
+
+    def _nodes(self):
+        view = self.view
+        c = view.counters
+        state = GaugeMetricFamily("sentinel_node_state", "1 for the node's current (effective) state; "
+                                  "DRAINING overrides the health state", labels=["cluster", "node", "state"])
+        weight = GaugeMetricFamily("sentinel_node_weight", "published EDS load_balancing_weight",
+                                   labels=["cluster", "node"])
+        routed = GaugeMetricFamily("sentinel_node_routable", "1 if published HEALTHY to Envoy",
+                                   labels=["cluster", "node"])
+        rtt = GaugeMetricFamily("sentinel_node_ewma_rtt_ms", "EWMA of probe-stream ping RTT, ms",
+                                labels=["cluster", "node"])
+        ttft = GaugeMetricFamily("sentinel_node_last_ttft_ms", "last micro-probe TTFT, ms",
+                                 labels=["cluster", "node"])
+        hbs = CounterMetricFamily("sentinel_heartbeats", "heartbeats received", labels=["cluster", "node"])
+        bad = CounterMetricFamily("sentinel_probe_malformed_messages", "malformed agent messages",
+                                  labels=["cluster", "node"])
+        ramp = GaugeMetricFamily("sentinel_node_ramp_percent", "PROBATION ramp, percent of full weight",
+                                 labels=["cluster", "node"])
+        for row in view.node_rows():
+            cl, nid, nh, r = row.cluster, row.node_id, row.health, row.routing
+            eff = nh.effective_state.value
+            for s in _STATES:
+                state.add_metric([cl, nid, s], 1.0 if eff == s else 0.0)
+            if r is not None:
+                weight.add_metric([cl, nid], r.weight)
+                routed.add_metric([cl, nid], 1.0 if r.health_status == "HEALTHY" else 0.0)
+            if nh.rtt.ewma_ms is not None:
+                rtt.add_metric([cl, nid], nh.rtt.ewma_ms)
+            if nh.probe.last_ttft_ms is not None:
+                ttft.add_metric([cl, nid], nh.probe.last_ttft_ms)
+            hbs.add_metric([cl, nid], c.heartbeats[nid])
+            bad.add_metric([cl, nid], c.malformed[nid])
+            if nh.state is NodeState.PROBATION:
+                ramp.add_metric([cl, nid], nh.ramp.percent)
+        yield from (state, weight, routed, rtt, ttft, hbs, bad, ramp)
+        fields = CounterMetricFamily("sentinel_probe_bad_fields", "agent message fields rejected or "
+                                     "clamped at the edge, by field and reason", labels=["field", "reason"])
+        for (f, why), v in sorted(c.bad_fields.items()):
+            fields.add_metric([f, why], v)
+        yield fields
+        herr = CounterMetricFamily("sentinel_probe_handler_errors", "exceptions while handling one agent "
+                                   "message or timer (each skipped; the session goes on)", labels=["where"])
+        for where, v in sorted(c.handler_errors.items()):
+            herr.add_metric([where], v)
+        yield herr
+        lag = CounterMetricFamily("sentinel_detection_timer_lag_deferrals",
+                                  "detection timers deferred because our own event loop was late")
+        lag.add_metric([], view.lag_deferrals())
+        yield lag
+
+    def _xds(self):
+        yield from self.view.xds_metric_families()
+
+    def _health(self):
+        c = self.view.counters
+        tr = CounterMetricFamily("sentinel_health_events", "health transitions (kind to_<STATE>) and "
+                                 "cluster-policy events", labels=["kind"])
+        for k, v in sorted(c.events.items()):
+            tr.add_metric([k], v)
+        yield tr
+        fs = GaugeMetricFamily("sentinel_fail_static", "1 while fail-static holds the last good assignment")
+        fs.add_metric([], 1.0 if self.view.fail_static_active else 0.0)
+        yield fs

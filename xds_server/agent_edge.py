@@ -1,0 +1,298 @@
+"""The agent edge: every field of an ``AgentMessage`` checked once, by type, before use.
+
+Numbers must be finite and in range, enums known, strings and lists bounded. A bad field is
+dropped (read as unknown), clamped, or rejects its message, and is reported as a
+:class:`BadField` ``(field, reason)`` from a bounded set, so it can be a metric label. Nothing
+here raises on agent input; nothing here does I/O.
+
+Shape::
+
+    edge = AgentEdge(health_cfg, probe_cfg)
+    checked, bad = edge.check(agent_message)
+    # checked: CheckedHeartbeat | CheckedPong | CheckedResult | None (message rejected)
+    # bad: [BadField("inference_result.ttft_ms", "not_finite"), ...]
+
+Reasons: ``not_finite``, ``negative``, ``out_of_range``, ``unknown_enum``, ``too_long`` (string
+clipped), ``too_many`` (list cut), ``empty`` (no payload), ``mismatch``.
+Bounds come from :class:`~xds_server.config.ProbeConfig` (each with its default and source).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Union
+
+from node_probe.proto import probe_pb2
+from xds_server.config import HealthConfig, ProbeConfig
+from xds_server.health.model import EngineState, HeartbeatObserved, ProbeObserved, ProbeResultKind
+from xds_server.untrusted import clip
+
+__all__ = [
+    "AgentEdge",
+    "BadField",
+    "Checked",
+    "CheckedHeartbeat",
+    "CheckedPong",
+    "CheckedResult",
+    "EngineLoadSummary",
+    "GpuSummary",
+    "REASONS",
+    "TelemetrySummary",
+]
+
+REASONS = frozenset({"not_finite", "negative", "out_of_range", "unknown_enum", "too_long", "too_many",
+                     "empty", "mismatch"})
+
+_FAILURE = {
+    probe_pb2.FAILURE_KIND_UNSPECIFIED: ProbeResultKind.OK,
+    probe_pb2.FAILURE_KIND_TIMEOUT: ProbeResultKind.TIMEOUT,
+    probe_pb2.FAILURE_KIND_CONNECT: ProbeResultKind.CONNECT,
+    probe_pb2.FAILURE_KIND_HTTP_STATUS: ProbeResultKind.HTTP_STATUS,
+    probe_pb2.FAILURE_KIND_ENGINE_FATAL: ProbeResultKind.ENGINE_FATAL,
+    probe_pb2.FAILURE_KIND_BAD_OUTPUT: ProbeResultKind.BAD_OUTPUT,
+}
+_ENGINE_STATE = {
+    probe_pb2.ENGINE_STATE_UNSPECIFIED: EngineState.COLD,
+    probe_pb2.ENGINE_STATE_COLD: EngineState.COLD,
+    probe_pb2.ENGINE_STATE_WARMING: EngineState.WARMING,
+    probe_pb2.ENGINE_STATE_READY: EngineState.READY,
+    probe_pb2.ENGINE_STATE_FAILED: EngineState.FAILED,
+}
+_NVML = {
+    probe_pb2.NVML_STATE_UNSPECIFIED: "NVML_STATE_UNSPECIFIED",
+    probe_pb2.NVML_STATE_OK: "NVML_STATE_OK",
+    probe_pb2.NVML_STATE_ABSENT: "NVML_STATE_ABSENT",
+    probe_pb2.NVML_STATE_ERROR: "NVML_STATE_ERROR",
+}
+NVML_UNKNOWN = "NVML_STATE_UNKNOWN"
+
+
+@dataclass(frozen=True, slots=True)
+class BadField:
+    """One rejected, dropped or clamped field: dotted proto path and a reason from :data:`REASONS`."""
+
+    field: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoadSummary:
+    """Validated engine load: counts >= 0 (None = unknown), ratio 0..1, metric name clipped."""
+
+    metrics_ok: bool
+    requests_waiting: float | None
+    requests_running: float | None
+    kv_cache_usage_ratio: float | None
+    kv_cache_metric: str
+
+    def to_json(self) -> dict:
+        return {"metrics_ok": self.metrics_ok, "requests_waiting": self.requests_waiting,
+                "requests_running": self.requests_running, "kv_cache_usage_ratio": self.kv_cache_usage_ratio,
+                "kv_cache_metric": self.kv_cache_metric or None}
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSummary:
+    """NVML state name (``NVML_STATE_UNKNOWN`` for a value we do not know), GPU count, error text."""
+
+    nvml: str
+    gpus: int
+    error: str
+
+    def to_json(self) -> dict:
+        return {"nvml": self.nvml, "gpus": self.gpus, "error": self.error or None}
+
+
+@dataclass(frozen=True, slots=True)
+class TelemetrySummary:
+    """What the control plane keeps of a heartbeat's telemetry (for ``/nodes``): only checked values."""
+
+    engine_state: EngineState
+    stalled: bool
+    stall_detail: str
+    load: EngineLoadSummary
+    gpu: GpuSummary
+
+    def to_json(self) -> dict:
+        """The ``engine_load`` and ``gpu`` parts of a ``/nodes`` entry."""
+        return {"engine_load": self.load.to_json(), "gpu": self.gpu.to_json()}
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedHeartbeat:
+    """A heartbeat: ``seq``, the model's observation and the telemetry summary."""
+
+    seq: int
+    observation: HeartbeatObserved
+    telemetry: TelemetrySummary
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedPong:
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedResult:
+    """A micro-probe result for the model (``detail`` clipped, ``ttft_ms`` finite and in range)."""
+
+    observation: ProbeObserved
+
+
+Checked = Union[CheckedHeartbeat, CheckedPong, CheckedResult]
+
+
+class AgentEdge:
+    """Checks agent messages against ``probe`` bounds; fatal Xids from ``health.fatal_xids``."""
+
+    def __init__(self, health: HealthConfig, probe: ProbeConfig) -> None:
+        self.health = health
+        self.probe = probe
+        self._fatal_xids = frozenset(health.fatal_xids)
+
+    # -- field helpers (append to ``bad``) --------------------------------------------------------
+
+    def _text(self, value: str, name: str, bad: list[BadField]) -> str:
+        if len(value) > self.probe.max_text_chars:
+            bad.append(BadField(name, "too_long"))
+            return clip(value, self.probe.max_text_chars)
+        return value
+
+    @staticmethod
+    def _number(value: float, name: str, lo: float, hi: float, bad: list[BadField]) -> float | None:
+        """``value`` if finite and within [lo, hi], else None (counted)."""
+        if not math.isfinite(value):
+            bad.append(BadField(name, "not_finite"))
+            return None
+        if value < lo:
+            bad.append(BadField(name, "negative" if lo == 0 and value < 0 else "out_of_range"))
+            return None
+        if value > hi:
+            bad.append(BadField(name, "out_of_range"))
+            return None
+        return value
+
+    # -- messages ---------------------------------------------------------------------------------
+
+    def check(self, msg: probe_pb2.AgentMessage) -> tuple[Checked | None, list[BadField]]:
+        """Validate one message. Returns (checked message or None when rejected, bad fields)."""
+        bad: list[BadField] = []
+        which = msg.WhichOneof("msg")
+        if which == "heartbeat":
+            return self._heartbeat(msg.heartbeat, bad), bad
+        if which == "pong":
+            return CheckedPong(msg.pong.seq), bad
+        if which == "inference_result":
+            return self._result(msg.inference_result, bad), bad
+        bad.append(BadField("agent_message", "empty"))
+        return None, bad
+
+    def _heartbeat(self, hb: probe_pb2.Heartbeat, bad: list[BadField]) -> CheckedHeartbeat:
+        tel = hb.telemetry
+        if hb.interval_ms and not 1 <= hb.interval_ms <= 3_600_000:
+            bad.append(BadField("heartbeat.interval_ms", "out_of_range"))
+        if len(hb.node_id) > self.probe.max_text_chars:
+            bad.append(BadField("heartbeat.node_id", "too_long"))
+        engine_state = _ENGINE_STATE.get(tel.engine_state)
+        if engine_state is None:
+            bad.append(BadField("heartbeat.telemetry.engine_state", "unknown_enum"))
+            engine_state = EngineState.COLD  # unknown reads as COLD: not routed until a known state arrives
+        stall_detail = self._text(tel.stall_detail, "heartbeat.telemetry.stall_detail", bad)
+        load = self._load(tel.engine_load, bad)
+        gpu, free, fatal = self._gpu(tel.gpu, bad)
+        obs = HeartbeatObserved(
+            engine_state=engine_state, stalled=tel.stalled, stall_detail=stall_detail,
+            requests_running=load.requests_running, requests_waiting=load.requests_waiting,
+            gpu_free_ratio=free, gpu_fatal=fatal)
+        return CheckedHeartbeat(hb.seq, obs, TelemetrySummary(engine_state, tel.stalled, stall_detail, load, gpu))
+
+    def _load(self, load: probe_pb2.EngineLoad, bad: list[BadField]) -> EngineLoadSummary:
+        p = "heartbeat.telemetry.engine_load."
+        hi = self.probe.max_requests
+
+        def opt(name: str, lo: float, top: float) -> float | None:
+            if not load.HasField(name):
+                return None
+            return self._number(getattr(load, name), p + name, lo, top, bad)
+
+        waiting = opt("requests_waiting", 0.0, hi)
+        running = opt("requests_running", 0.0, hi)
+        kv = opt("kv_cache_usage_ratio", 0.0, 1.0)
+        opt("prefix_cache_hit_ratio", 0.0, 1.0)
+        opt("generation_tokens_total", 0.0, math.inf)
+        self._text(load.metrics_error, p + "metrics_error", bad)
+        metric = self._text(load.kv_cache_metric, p + "kv_cache_metric", bad)
+        return EngineLoadSummary(load.metrics_ok, waiting, running, kv, metric)
+
+    def _gpu(self, gpu: probe_pb2.GpuTelemetry, bad: list[BadField]) -> tuple[GpuSummary, float | None, str]:
+        """(summary, free ratio of the least free GPU with both memory fields, first fatal event)."""
+        p = "heartbeat.telemetry.gpu."
+        nvml = _NVML.get(gpu.state)
+        if nvml is None:
+            bad.append(BadField(p + "state", "unknown_enum"))
+            nvml = NVML_UNKNOWN
+        error = self._text(gpu.error, p + "error", bad)
+        readings = list(gpu.gpus)
+        if len(readings) > self.probe.max_gpus:
+            bad.append(BadField(p + "gpus", "too_many"))
+            readings = readings[: self.probe.max_gpus]
+        free: float | None = None
+        fatal = ""
+        n_items = self.probe.max_list_items
+        for g in readings:
+            q = p + "gpus."
+            self._text(g.uuid, q + "uuid", bad)
+            self._text(g.name, q + "name", bad)
+            if g.HasField("utilization_ratio"):
+                self._number(g.utilization_ratio, q + "utilization_ratio", 0.0, 1.0, bad)
+            if g.HasField("temperature_c"):
+                self._number(g.temperature_c, q + "temperature_c", -273.15, 1000.0, bad)
+            if g.HasField("power_w"):
+                self._number(g.power_w, q + "power_w", 0.0, 1e6, bad)
+            xids = list(g.xid_events)
+            if len(xids) > n_items:
+                bad.append(BadField(q + "xid_events", "too_many"))
+                xids = xids[:n_items]
+            errors = list(g.errors)
+            if len(errors) > n_items:
+                bad.append(BadField(q + "errors", "too_many"))
+                errors = errors[:n_items]
+            errors = [self._text(e, q + "errors", bad) for e in errors]
+            if g.HasField("memory_total_bytes") and g.HasField("memory_used_bytes") and g.memory_total_bytes > 0:
+                if g.memory_used_bytes > g.memory_total_bytes:
+                    bad.append(BadField(q + "memory_used_bytes", "out_of_range"))
+                r = max(0.0, 1.0 - g.memory_used_bytes / g.memory_total_bytes)
+                free = r if free is None else min(free, r)
+            if not fatal:
+                hits = [x for x in xids if x in self._fatal_xids]
+                if hits:
+                    fatal = f"GPU {g.index} Xid {hits[0]}"
+                elif any("GpuIsLost" in e for e in errors):
+                    fatal = f"GPU {g.index} lost (NVML GpuIsLost)"
+        return GpuSummary(nvml, len(gpu.gpus), error), free, fatal
+
+    def _result(self, r: probe_pb2.InferenceResult, bad: list[BadField]) -> CheckedResult | None:
+        p = "inference_result."
+        detail = self._text(r.detail, p + "detail", bad)
+        self._text(r.trigger, p + "trigger", bad)
+        if r.headers_ms:
+            self._number(r.headers_ms, p + "headers_ms", 0.0, math.inf, bad)
+        status = r.http_status
+        if not 0 <= status <= 999:
+            bad.append(BadField(p + "http_status", "out_of_range"))
+            status = 0
+        if r.ok:
+            ttft = self._number(r.ttft_ms, p + "ttft_ms", 0.0, self.probe.max_ttft_ms, bad)
+            if ttft is None:
+                return None  # an "ok" probe without a believable TTFT says nothing
+            return CheckedResult(ProbeObserved(kind=ProbeResultKind.OK, ttft_ms=ttft, http_status=status,
+                                               detail=detail))
+        kind = _FAILURE.get(r.failure)
+        if kind is None:
+            bad.append(BadField(p + "failure", "unknown_enum"))
+            kind = ProbeResultKind.BAD_OUTPUT
+        elif kind is ProbeResultKind.OK:
+            kind = ProbeResultKind.BAD_OUTPUT  # ok=false without a failure kind
+        if r.ttft_ms and not math.isfinite(r.ttft_ms):
+            bad.append(BadField(p + "ttft_ms", "not_finite"))
+        return CheckedResult(ProbeObserved(kind=kind, ttft_ms=0.0, http_status=status, detail=detail))

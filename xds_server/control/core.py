@@ -1,0 +1,234 @@
+"""The control plane's decisions: observations -> health -> assignments to publish.
+
+:class:`ControlCore` owns the per-node :class:`~xds_server.health.model.NodeHealth`, feeds each
+observation through the pure model, records events, decides fail-static and asks its
+:class:`~xds_server.control.publish.PublishPlanner` what to publish and when. It does no I/O: time
+comes from the injected :class:`~xds_server.control.clock.Clock` (timers included), and each
+assignment is handed to ``on_publish`` (the server writes it into the snapshot cache). With a
+:class:`~xds_server.control.clock.ManualClock` it runs without an event loop.
+
+Shape::
+
+    core = ControlCore(config, clock, on_publish=lambda cp: ...)
+    core.begin()                                   # nodes COLD, warm-up timer armed
+    next_tick_s = core.observe("gpu-a", HeartbeatObserved(...), clock.now())
+    core.drain("gpu-a", True, "maintenance")       # publishes at once
+    core.end()                                     # cancels every timer
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+from xds_server.config import NodeConfig, SentinelConfig
+from xds_server.control.clock import Clock, Timer
+from xds_server.control.counters import Counters
+from xds_server.control.events import EventLog
+from xds_server.control.publish import ClusterPublish, PublishPlanner
+from xds_server.health import model as hm
+from xds_server.health import policy as hp
+
+__all__ = ["ControlCore"]
+
+log = logging.getLogger("xds_server.server")
+
+_NOT_WARM = (hm.NodeState.COLD, hm.NodeState.WARMING)
+
+
+class ControlCore:
+    """Health state, events, fail-static and publish scheduling for every node of a config.
+
+    Readable state: ``health`` (node id -> NodeHealth), ``routing`` (node id -> Routing as last
+    published), ``fail_static``, ``planner`` (gate, why-not-routed), ``events``, ``counters``,
+    ``node_cfg``, ``node_cluster``. ``on_publish(ClusterPublish)`` is called once per cluster
+    publish, after ``routing`` was updated.
+    """
+
+    def __init__(self, config: SentinelConfig, clock: Clock,
+                 on_publish: Callable[[ClusterPublish], None] | None = None,
+                 counters: Counters | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        self.on_publish = on_publish
+        self.counters = counters if counters is not None else Counters()
+        self.events = EventLog(config.admin.events_buffer, self.counters, config.admin.event_reason_max_chars)
+        self.node_cluster: dict[str, str] = {}
+        self.node_cfg: dict[str, NodeConfig] = {}
+        for cname, n in config.nodes():
+            self.node_cluster[n.id] = cname
+            self.node_cfg[n.id] = n
+        self._cluster_nodes = {c.name: [n.id for n in c.nodes] for c in config.clusters}
+        self.health: dict[str, hm.NodeHealth] = {}
+        self.routing: dict[str, hm.Routing] = {}
+        self.fail_static = hp.FailStaticState()
+        self.planner = PublishPlanner(config)
+        self._keys: dict[str, tuple] = {}
+        self._publish_timer: Timer | None = None
+        self._gate_timer: Timer | None = None
+        self._wake_timers: dict[str, tuple[float, Timer]] = {}
+        self._running = False
+        self.started_s = 0.0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Every node COLD at ``clock.now()``; arm the warm-up timeout (``xds.warmup_timeout_ms``)."""
+        now = self.clock.now()
+        self.started_s = now
+        for node_id in self.node_cfg:
+            self.health[node_id] = hm.initial(node_id, now)
+        self._running = True
+        self._gate_timer = self.clock.call_at(now + self.config.xds.warmup_timeout_ms / 1000.0,
+                                              self._open_all_gates)
+
+    def end(self) -> None:
+        """Cancel every timer; later observations still update state but schedule nothing."""
+        self._running = False
+        for t in (self._gate_timer, self._publish_timer):
+            if t is not None:
+                t.cancel()
+        self._gate_timer = self._publish_timer = None
+        for _, t in self._wake_timers.values():
+            t.cancel()
+        self._wake_timers.clear()
+
+    # -- observations -> health ----------------------------------------------------------------
+
+    def observe(self, node_id: str, obs: hm.Observation, now_s: float) -> float | None:
+        """Feed one observation for a node (from probe sources and the admin API).
+
+        Returns when the node's next :class:`~xds_server.health.model.Tick` is due (the clock's
+        monotonic time, s), or None. KeyError for a node id not in the config.
+        """
+        cfg = self.config.health
+        if isinstance(obs, hm.HeartbeatObserved):
+            self.counters.heartbeats[node_id] += 1
+        prev = self.health[node_id]
+        nh, events = hm.step(prev, obs, now_s, cfg)
+        self.health[node_id] = nh
+        cluster = self.node_cluster[node_id]
+        for ev in events:
+            self._transition(cluster, ev)
+        key = self._routing_key(nh)
+        if key != self._keys.get(node_id):
+            self._keys[node_id] = key
+            self.mark_dirty(cluster)
+        if ((prev.heartbeat.consecutive_misses > 0) != (nh.heartbeat.consecutive_misses > 0)
+                or prev.heartbeat.stream_closed != nh.heartbeat.stream_closed):
+            self._check_fail_static(now_s)
+        return hm.next_check_s(nh, cfg)
+
+    def drain(self, node_id: str, drain: bool, reason: str) -> None:
+        """Operator drain/undrain (enters the model as an observation), published at once.
+
+        KeyError if the node id is unknown.
+        """
+        if node_id not in self.node_cfg:
+            raise KeyError(node_id)
+        self.observe(node_id, hm.DrainRequested(drain, reason), self.clock.now())
+        if self.planner.dirty:
+            self.publish()  # operator actions are rare: publish now, so the answer shows the result
+
+    def _transition(self, cluster: str, ev: hm.Event) -> None:
+        self.events.record(self.clock.wall(), cluster, ev.node_id, "transition", ev.reason,
+                           ev.from_state.value, ev.to_state.value)
+
+    def _routing_key(self, nh: hm.NodeHealth) -> tuple:
+        """What cluster policy reads from a node, coarsened so noise does not trigger recomputes."""
+        nr = hm.node_routing(nh, self.config.health)
+
+        def bucket(v: float | None) -> int | None:
+            return None if v is None else int(math.log1p(max(v, 0.0)) / math.log(1.1))
+
+        free = nh.engine.gpu_free_ratio
+        return (nr, nh.state, bucket(nh.rtt.ewma_ms), bucket(nh.probe.ewma_ttft_ms),
+                None if free is None else round(free, 2))
+
+    def fail_static_floor_s(self) -> float:
+        """The earliest look-back limit a fail-static episode starting from now can use: the
+        oldest last heartbeat of any node + interval + grace (-inf before any heartbeat)."""
+        hbs = [nh.heartbeat.last_s for nh in self.health.values() if nh.heartbeat.last_s is not None]
+        return (min(hbs) + hm.miss_after_s(self.config.health)) if hbs else float("-inf")
+
+    def _check_fail_static(self, now_s: float) -> None:
+        st, evs = hp.fail_static(self.fail_static, self.health, now_s, self.config.health)
+        if st == self.fail_static:
+            return
+        ended = self.fail_static.active and not st.active
+        burst_start = self.fail_static.burst_start_s
+        self.fail_static = st
+        for ev in evs:
+            self.events.record(self.clock.wall(), "*", "*", ev.kind, ev.reason)
+        if ended:
+            for node_id in self.health:
+                nh, events = hm.step(self.health[node_id], hm.FailStaticEnded(burst_start), now_s,
+                                     self.config.health)
+                self.health[node_id] = nh
+                for ev in events:
+                    self._transition(self.node_cluster[node_id], ev)
+                self._keys[node_id] = self._routing_key(nh)
+        for c in self.config.clusters:
+            self.mark_dirty(c.name)
+
+    # -- publishing ----------------------------------------------------------------------------
+
+    def mark_dirty(self, cluster: str) -> None:
+        """Rebuild ``cluster`` at the next publish (held by the warm-up gate until warm)."""
+        warm = all(self.health[n].state not in _NOT_WARM for n in self._cluster_nodes[cluster])
+        at = self.planner.mark_dirty(cluster, warm, self.clock.now())
+        if at is not None:
+            if self._running:
+                self._publish_timer = self.clock.call_at(at, self.publish)
+            else:
+                self.planner.scheduled = False
+
+    def _open_all_gates(self) -> None:
+        self._gate_timer = None
+        for c in self.config.clusters:
+            if c.name in self.planner.gate_open:
+                continue
+            cold = [n.id for n in c.nodes if self.health[n.id].state in _NOT_WARM]
+            log.warning("warm-up timeout: publishing %s with %d node(s) still COLD or WARMING: %s%s",
+                        c.name, len(cold), ", ".join(cold[:20]), " ..." if len(cold) > 20 else "")
+            self.planner.open_gate(c.name)
+            self.mark_dirty(c.name)
+
+    def publish(self) -> list[ClusterPublish]:
+        """Build every dirty cluster now; hand each to ``on_publish``; (re)arm outlier wake-ups."""
+        if self._publish_timer is not None:
+            self._publish_timer.cancel()
+            self._publish_timer = None
+        now = self.clock.now()
+        out = self.planner.publish(now, self.health, self.fail_static, self.fail_static_floor_s())
+        wall = self.clock.wall()
+        for p in out:
+            for ev in p.events:
+                self.events.record(wall, p.cluster, ev.node_id, ev.kind, ev.reason)
+            for n in self._cluster_nodes[p.cluster]:
+                self.routing[n] = p.routing[n]
+            if self.on_publish is not None:
+                self.on_publish(p)
+            self._arm_wake(p.cluster)
+        return out
+
+    def _arm_wake(self, cluster: str) -> None:
+        """One timer per cluster at its earliest outlier-ejection end: re-armed when that time
+        changes, cancelled when no ejection is pending."""
+        want = self.planner.outlier_wake_s.get(cluster)
+        cur = self._wake_timers.get(cluster)
+        if cur is not None and cur[0] == want:
+            return
+        if cur is not None:
+            cur[1].cancel()
+            del self._wake_timers[cluster]
+        if want is not None and self._running:
+            self._wake_timers[cluster] = (want, self.clock.call_at(want, self._wake, cluster))
+
+    def _wake(self, cluster: str) -> None:
+        self._wake_timers.pop(cluster, None)
+        self.mark_dirty(cluster)
+
+    def wake_timer_count(self) -> int:
+        """Outlier wake-up timers armed (at most one per cluster)."""
+        return len(self._wake_timers)

@@ -1,0 +1,70 @@
+"""Where observations come from: the probe-source seam of the control plane.
+
+A probe source watches one node and feeds :class:`~xds_server.health.model.Observation` values
+into ``ctx.sink(node_id, observation, now_s)``, arming its own timer for the next
+:class:`~xds_server.health.model.Tick` at the time the sink returns. The default factory,
+:func:`grpc_probe_source`, dials the node's agent (:class:`~xds_server.probing.ProbeSession`);
+:class:`~xds_server.control.memory.InMemoryProbes` drives nodes from test code.
+
+Shape::
+
+    factory(node: NodeConfig, ctx: ProbeSourceContext) -> ProbeSource
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
+from xds_server.control.clock import Clock
+from xds_server.control.counters import Counters
+from xds_server.health.model import Observation
+
+__all__ = ["ObservationSink", "ProbeSource", "ProbeSourceContext", "ProbeSourceFactory", "grpc_probe_source"]
+
+ObservationSink = Callable[[str, Observation, float], "float | None"]
+"""``sink(node_id, observation, now_s) -> next_check_s``: when the next Tick is due, or None."""
+
+
+class ProbeSource(Protocol):
+    """One node's observation feed, as the control plane and its admin view use it.
+
+    ``connected``: the stream to the agent is up. ``last_telemetry``: the latest validated
+    telemetry (:class:`~xds_server.control.agent_edge.TelemetrySummary`) or None.
+    ``lag_deferrals``: detection timers deferred because the event loop was late.
+    """
+
+    connected: bool
+    lag_deferrals: int
+
+    @property
+    def last_telemetry(self) -> Any: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ProbeSourceContext:
+    """What a probe source gets from the control plane: thresholds, the sink, the clock, the
+    counters (malformed messages and bad fields are counted there) and the server id."""
+
+    health: HealthConfig
+    probe: ProbeConfig
+    sink: ObservationSink
+    clock: Clock
+    counters: Counters = field(default_factory=Counters)
+    control_plane_id: str = "xds-sentinel"
+
+
+ProbeSourceFactory = Callable[[NodeConfig, ProbeSourceContext], ProbeSource]
+
+
+def grpc_probe_source(node: NodeConfig, ctx: ProbeSourceContext) -> ProbeSource:
+    """The real source: a gRPC ``NodeProbe.Watch`` stream to ``node.probe_address``."""
+    from xds_server.probing import ProbeSession
+
+    return ProbeSession(node, ctx.health, ctx.sink, ctx.control_plane_id, probe=ctx.probe,
+                        counters=ctx.counters)

@@ -1,0 +1,169 @@
+"""What to publish and when: coalescing, the warm-up gate, fail-static hold, outlier wake-ups.
+
+Pure: no clock reads, no timers, no I/O; every method takes the caller's monotonic time ``now_s``
+(seconds). The caller (:class:`~xds_server.control.core.ControlCore`) arms the timers this asks
+for and writes the results into the snapshot cache.
+
+Shape::
+
+    p = PublishPlanner(config)
+    at = p.mark_dirty("llm", warm=True, now_s=t)    # when to call publish(); None: nothing to arm
+    out = p.publish(now_s, health, fail_static, floor_s)   # -> [ClusterPublish], one per dirty cluster
+    p.outlier_wake_s["llm"]                         # when an outlier ejection ends (re-mark dirty)
+
+Rules (from the old ``ControlPlane``, behaviour unchanged):
+
+- warm-up gate: a cluster is held back until none of its nodes is COLD or WARMING (``warm``),
+  or until :meth:`open_gate` (the ``xds.warmup_timeout_ms`` timer) opens it;
+- at most one publish per ``xds.coalesce_window_ms``: a change after a quiet window is due at
+  once; changes within the window after a publish are due at its end, as one publish;
+- fail-static: while active, a cluster keeps the last assignment published before the burst of
+  losses began (:class:`LastGoodHistory`);
+- outlier ejections: one wake-up time per cluster, the earliest ejection end (+1 ms).
+"""
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from xds_server.config import SentinelConfig
+from xds_server.health import model as hm
+from xds_server.health import policy as hp
+
+__all__ = ["ClusterPublish", "LastGoodHistory", "PublishPlanner"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterPublish:
+    """One cluster's assignment to publish: routing per node id, why each unrouted node is not
+    routed, the cluster-policy events, and ``held`` (True: fail-static kept an older routing)."""
+
+    cluster: str
+    routing: Mapping[str, hm.Routing]
+    why_not_routed: Mapping[str, str]
+    events: tuple[hp.PolicyEvent, ...]
+    held: bool = False
+
+
+class LastGoodHistory:
+    """Assignments of one cluster published outside fail-static, as ``(time_s, routing)``.
+
+    :meth:`before` answers "the last assignment published before ``limit_s``" (strictly: one
+    published at the very instant a node can first be judged missing may already carry that
+    judgment). Only entries that can still be that answer are kept: ``floor_s`` passed to
+    :meth:`record` is the earliest limit any future fail-static can ask for (see
+    :meth:`ControlCore.fail_static_floor_s`), so of the entries before it only the newest is kept. Beyond ``max_entries`` the oldest
+    *newer* entries are dropped, never the oldest one: a long burst of publishes can make the
+    answer older, never make it missing (the bug where a bounded look-back of 64 publishes let
+    a long burst publish the bad state).
+    """
+
+    def __init__(self, max_entries: int) -> None:
+        if max_entries < 2:
+            raise ValueError(f"max_entries must be >= 2, got {max_entries}")
+        self.max_entries = max_entries
+        self._entries: collections.deque[tuple[float, Mapping[str, hm.Routing]]] = collections.deque()
+
+    def record(self, now_s: float, routing: Mapping[str, hm.Routing], floor_s: float) -> None:
+        """Remember ``routing`` published at ``now_s``."""
+        e = self._entries
+        e.append((now_s, routing))
+        while len(e) >= 2 and e[1][0] < floor_s:
+            e.popleft()
+        while len(e) > self.max_entries:
+            del e[1]
+
+    def before(self, limit_s: float) -> Mapping[str, hm.Routing] | None:
+        """The newest routing recorded before ``limit_s`` (None if there is none)."""
+        for t, r in reversed(self._entries):
+            if t < limit_s:
+                return r
+        return None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class PublishPlanner:
+    """Publish bookkeeping for every cluster of a config (see module docstring)."""
+
+    def __init__(self, config: SentinelConfig, history_max_entries: int | None = None) -> None:
+        self.config = config
+        self._clusters = {c.name: c for c in config.clusters}
+        self.window_s = config.xds.coalesce_window_ms / 1000.0
+        self.gate_open: set[str] = set()
+        self.dirty: set[str] = set()
+        self.scheduled = False          # a publish is due and the caller has armed it
+        self.last_publish_s = float("-inf")
+        self.outliers: dict[str, dict[str, hp.OutlierState]] = {}
+        self.why_not_routed: dict[str, str] = {}
+        self.outlier_wake_s: dict[str, float] = {}
+        n = history_max_entries if history_max_entries is not None else config.xds.fail_static_history_max
+        self._history = {c: LastGoodHistory(n) for c in self._clusters}
+
+    def mark_dirty(self, cluster: str, warm: bool, now_s: float) -> float | None:
+        """Note that ``cluster`` must be rebuilt. ``warm``: none of its nodes is COLD/WARMING.
+
+        Returns the time (s) at which the caller must call :meth:`publish`, when a publish has
+        to be scheduled now; None when the gate holds the cluster or one is already scheduled.
+        """
+        if cluster not in self.gate_open:
+            if not warm:
+                return None
+            self.gate_open.add(cluster)
+        self.dirty.add(cluster)
+        if self.scheduled:
+            return None
+        self.scheduled = True
+        return max(now_s, self.last_publish_s + self.window_s)
+
+    def open_gate(self, cluster: str) -> bool:
+        """Open the warm-up gate (timeout). Returns True if it was closed."""
+        if cluster in self.gate_open:
+            return False
+        self.gate_open.add(cluster)
+        return True
+
+    def history(self, cluster: str) -> LastGoodHistory:
+        """The fail-static look-back of one cluster."""
+        return self._history[cluster]
+
+    def publish(self, now_s: float, health: Mapping[str, hm.NodeHealth], fail_static: hp.FailStaticState,
+                floor_s: float) -> list[ClusterPublish]:
+        """Build the assignment of every dirty cluster (in config order) and clear the dirty set.
+
+        ``floor_s``: the earliest fail-static look-back limit still possible (passed to
+        :meth:`LastGoodHistory.record`).
+        """
+        self.scheduled = False
+        self.last_publish_s = now_s
+        dirty, self.dirty = self.dirty, set()
+        cfg = self.config.health
+        out: list[ClusterPublish] = []
+        for c in self.config.clusters:
+            if c.name not in dirty:
+                continue
+            decision = hp.cluster_routing(
+                [(n.id, n.capacity, health[n.id]) for n in c.nodes],
+                self.outliers.get(c.name, {}), now_s, cfg)
+            self.outliers[c.name] = dict(decision.outliers)
+            self.why_not_routed.update({n.id: decision.why_not_routed.get(n.id, "") for n in c.nodes})
+            routing: Mapping[str, hm.Routing] = dict(decision.routing)
+            held = False
+            hist = self._history[c.name]
+            if fail_static.active:
+                # Keep the last assignment published before the burst of losses began.
+                good = hist.before(fail_static.burst_start_s + hm.miss_after_s(cfg))
+                if good is not None:
+                    routing, held = dict(good), True
+            else:
+                hist.record(now_s, routing, floor_s)
+            ends = [o.until_s for o in decision.outliers.values() if o.until_s > now_s]
+            if ends:
+                self.outlier_wake_s[c.name] = min(ends) + 0.001
+            else:
+                self.outlier_wake_s.pop(c.name, None)
+            out.append(ClusterPublish(c.name, routing, dict(decision.why_not_routed), decision.events, held))
+        return out
+

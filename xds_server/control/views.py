@@ -1,0 +1,226 @@
+"""Read-only JSON views of a running control plane, for the admin endpoint.
+
+:class:`ControlPlaneView` reads the :class:`~xds_server.control.core.ControlCore`, the snapshot
+cache and the ADS servicer through their public read methods, and the probe sources' connection
+state and telemetry. It changes nothing. The admin app depends on this module only (never on
+``xds_server.server``), so data flows one way: server -> view -> admin.
+
+Units: times in seconds, RTT/TTFT in ms, ratios 0..1.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from google.protobuf import json_format
+
+from xds_server.config import ClusterConfig, SentinelConfig
+from xds_server.control.core import ControlCore
+from xds_server.control.counters import Counters
+from xds_server.control.events import EventRecord
+from xds_server.control.probes import ProbeSource
+from xds_server.health import model as hm
+from xds_server.xds.ads import AdsServicer
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL
+
+__all__ = ["ControlPlaneView", "NodeRow"]
+
+
+class NodeRow:
+    """One node as the metrics collector reads it: ``cluster``, ``node_id``, ``health``,
+    ``routing`` (as last published, or None)."""
+
+    __slots__ = ("cluster", "node_id", "health", "routing")
+
+    def __init__(self, cluster: str, node_id: str, health: hm.NodeHealth, routing: hm.Routing | None) -> None:
+        self.cluster = cluster
+        self.node_id = node_id
+        self.health = health
+        self.routing = routing
+
+
+class ControlPlaneView:
+    """Read-only views (see module docstring). ``config`` follows the control plane's config."""
+
+    def __init__(self, core: ControlCore, cache: SnapshotCache, ads: AdsServicer,
+                 sources: Mapping[str, ProbeSource], config: Callable[[], SentinelConfig]) -> None:
+        self._core = core
+        self._cache = cache
+        self._ads = ads
+        self._sources = sources
+        self._config = config
+
+    @property
+    def config(self) -> SentinelConfig:
+        return self._config()
+
+    @property
+    def counters(self) -> Counters:
+        """The control plane's counters (read them; never write)."""
+        return self._core.counters
+
+    @property
+    def fail_static_active(self) -> bool:
+        return self._core.fail_static.active
+
+    def clusters(self) -> list[ClusterConfig]:
+        return list(self.config.clusters)
+
+    def has_node(self, node_id: str) -> bool:
+        return node_id in self._core.node_cfg
+
+    def node_rows(self) -> Iterator[NodeRow]:
+        """Every node with its health and published routing, in config order."""
+        core = self._core
+        for node_id, nh in core.health.items():
+            yield NodeRow(core.node_cluster[node_id], node_id, nh, core.routing.get(node_id))
+
+    def lag_deferrals(self) -> int:
+        """Detection timers deferred by all probe sources (our own loop was late)."""
+        return sum(getattr(s, "lag_deferrals", 0) for s in self._sources.values())
+
+    def cla_version(self, cluster: str) -> str:
+        """Content version of a cluster's ClusterLoadAssignment ("" before first publish)."""
+        r = self._cache.resources(CLA_TYPE_URL).get(cluster)
+        return r.version if r else ""
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        """(every cluster published, names of the clusters not yet published)."""
+        missing = [c.name for c in self.config.clusters if not self.cla_version(c.name)]
+        return not missing, missing
+
+    def events(self, limit: int) -> list[dict]:
+        """The newest ``limit`` events (>= 0), oldest first, as JSON."""
+        return [r.to_json() for r in self._core.events.recent(limit)]
+
+    def event_records(self) -> list[EventRecord]:
+        return list(self._core.events)
+
+    # -- nodes -------------------------------------------------------------------------------
+
+    def _probation_view(self, nh: hm.NodeHealth, now: float) -> dict | None:
+        cfg = self.config.health
+        if nh.state is hm.NodeState.PROBATION:
+            step_at = nh.ramp.step_at_s if nh.ramp.step_at_s is not None else now
+            return {"ramp_percent": nh.ramp.percent,
+                    "next_step_in_s": round(max(0.0, step_at + cfg.ramp_step_s - now), 3),
+                    "step_percent": cfg.ramp_step_percent}
+        if nh.state is hm.NodeState.UNHEALTHY:
+            need = hm.required_clean_s(nh, cfg)
+            since = nh.probe.clean_since_s
+            clean = 0.0 if since is None else now - since
+            return {"required_clean_s": need, "clean_for_s": round(clean, 3),
+                    "next_recheck_in_s": round(max(0.0, need - clean), 3) if since is not None else None,
+                    "clean_probes": nh.probe.clean_probes}
+        return None
+
+    def _drain_view(self, nh: hm.NodeHealth, now: float) -> dict | None:
+        if not nh.drain.active or nh.drain.since_s is None:
+            return None
+        in_flight = nh.engine.requests_running
+        elapsed = now - nh.drain.since_s
+        drained = (in_flight is not None and in_flight <= 0) or elapsed >= self.config.health.drain_timeout_s
+        return {"draining_for_s": round(elapsed, 3), "in_flight": in_flight, "drained": drained,
+                "timeout_s": self.config.health.drain_timeout_s}
+
+    def node(self, node_id: str) -> dict:
+        """JSON-able state of one node for ``/nodes`` (times: seconds; RTT/TTFT: ms).
+
+        KeyError for a node id not in the config.
+        """
+        core = self._core
+        nh = core.health[node_id]
+        n = core.node_cfg[node_id]
+        cluster = core.node_cluster[node_id]
+        r = core.routing.get(node_id) or hm.route(nh, n.capacity, self.config.health)
+        now = core.clock.now()
+        sess = self._sources.get(node_id)
+        view: dict[str, Any] = {
+            "id": node_id,
+            "cluster": cluster,
+            "address": n.address,
+            "probe_address": n.probe_address,
+            "locality": n.locality.model_dump(),
+            "priority": n.priority,
+            "capacity": n.capacity,
+            "state": nh.effective_state.value,
+            "health_state": nh.state.value,
+            "reason": nh.reason,
+            "not_routed_because": core.planner.why_not_routed.get(node_id) or None,
+            "since_s_ago": round(now - nh.since_s, 3),
+            "weight": r.weight,
+            "full_weight": hm.full_weight(n.capacity),
+            "eds_health_status": r.health_status,
+            "probation": self._probation_view(nh, now),
+            "drain": self._drain_view(nh, now),
+            "fail_static": core.fail_static.active,
+            "published": cluster in core.planner.gate_open,
+            "xds_version": self.cla_version(cluster),
+            "probe_stream_connected": bool(sess and sess.connected),
+            "heartbeats": core.counters.heartbeats[node_id],
+            "consecutive_misses": nh.heartbeat.consecutive_misses,
+            "last_heartbeat_s_ago": None if nh.heartbeat.last_s is None else round(now - nh.heartbeat.last_s, 3),
+            "last_rtt_ms": nh.rtt.last_ms,
+            "ewma_rtt_ms": nh.rtt.ewma_ms,
+            "last_ttft_ms": nh.probe.last_ttft_ms,
+            "ewma_ttft_ms": nh.probe.ewma_ttft_ms,
+            "stalled": nh.engine.stalled,
+            "last_probe": nh.probe.last_kind.value if nh.probe.last_kind else None,
+            "consecutive_probe_failures": nh.probe.consecutive_failures,
+            "engine_state": nh.engine.state.value,
+        }
+        tel = sess.last_telemetry if sess else None
+        if tel is not None:
+            view.update(tel.to_json())
+        return view
+
+    def nodes(self) -> list[dict]:
+        return [self.node(n) for n in self._core.node_cfg]
+
+    def cluster_summaries(self) -> list[dict]:
+        out = []
+        for c in self.config.clusters:
+            views = [self.node(n.id) for n in c.nodes]
+            healthy = sum(1 for v in views if v["eds_health_status"] == "HEALTHY")
+            out.append({
+                "name": c.name,
+                "nodes": len(views),
+                "routable": healthy,
+                "healthy_fraction": healthy / len(views),
+                "xds_version": self.cla_version(c.name),
+                "published": bool(self.cla_version(c.name)),
+            })
+        return out
+
+    # -- xDS -----------------------------------------------------------------------------------
+
+    def xds_clients(self) -> dict:
+        """``/xds/clients``: each open ADS stream's ACKed versions and last NACK (bounded)."""
+        return self._ads.clients_view()
+
+    def xds_metric_families(self) -> Iterator:
+        """The xDS server's Prometheus metric families (streams, requests, NACKs, cache)."""
+        return self._ads.metric_families()
+
+    def config_dump(self) -> dict:
+        from envoy.config.cluster.v3 import cluster_pb2
+        from envoy.config.endpoint.v3 import endpoint_pb2
+
+        def dump(tu: str) -> list[dict]:
+            cls = cluster_pb2.Cluster if tu == CLUSTER_TYPE_URL else endpoint_pb2.ClusterLoadAssignment
+            out = []
+            for name, r in sorted(self._cache.resources(tu).items()):
+                msg = cls()
+                msg.ParseFromString(r.any.value)
+                out.append({"name": name, "version": r.version, "resource": json_format.MessageToDict(msg)})
+            return out
+
+        cfg = self.config.model_dump(mode="json")
+        if cfg.get("admin", {}).get("token") is not None:
+            cfg["admin"]["token"] = "<redacted>"
+        return {
+            "config": cfg,
+            "clusters": {"version": self._cache.type_version(CLUSTER_TYPE_URL), "resources": dump(CLUSTER_TYPE_URL)},
+            "endpoints": {"version": self._cache.type_version(CLA_TYPE_URL), "resources": dump(CLA_TYPE_URL)},
+        }

@@ -1,0 +1,199 @@
+"""Effects of the health transition table: what a signal does to a node's records.
+
+Each effect is ``effect(nh, fired, ctx) -> (nh, reason)``: it returns new records (the state is
+unchanged; :func:`xds_server.health.table.apply` enters the next state) and the reason line, or
+None to keep the current one when the state does not change.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from xds_server.health.clocks import required_clean_s
+from xds_server.health.records import EjectionCause, Event, NodeHealth, NodeState, Ramp
+from xds_server.health.signals import Ctx, Effect, Fired
+
+__all__ = [
+    "baseline",
+    "clean_period_met",
+    "disproved",
+    "drain",
+    "eject",
+    "eject_in_probation",
+    "eject_on_count",
+    "fail_to_degraded",
+    "fatal_while_out",
+    "first_good_probe",
+    "first_heartbeat",
+    "forget_backoff",
+    "forgive_later",
+    "forgiven",
+    "good",
+    "heartbeats_resumed",
+    "noop",
+    "not_good",
+    "proven_by_count",
+    "ramp_complete",
+    "ramp_held",
+    "ramp_step",
+    "recovered",
+    "restarting",
+    "stall_counted",
+    "with_detail",
+]
+
+
+def noop(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    return nh, None
+
+
+def with_detail(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    return nh, f.detail
+
+
+def eject(cause: EjectionCause, reason: Callable[[NodeHealth, Fired], str] | None = None) -> Effect:
+    """Move to UNHEALTHY for ``cause``. A failure in PROBATION doubles the next clean period (capped)."""
+
+    def effect(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+        text = f.detail if reason is None else reason(nh, f)
+        clean = required_clean_s(nh, c.cfg)
+        if nh.state is NodeState.PROBATION:
+            clean = min(clean * 2.0, c.cfg.probation_clean_max_s)
+            text += f"; failed in PROBATION at {nh.ramp.percent:.0f} %, next clean period {clean:.0f} s"
+        return replace(
+            nh, ejection=replace(nh.ejection, cause=cause, from_state=nh.state, clean_period_s=clean),
+            probe=replace(nh.probe, clean_since_s=None, clean_probes=0), ramp=replace(nh.ramp, percent=0.0),
+        ), text
+
+    return effect
+
+
+def _counted(nh: NodeHealth) -> NodeHealth:
+    """One more consecutive probe failure (a stall counts as a timeout); the clean run ends."""
+    return replace(nh, probe=replace(nh.probe, consecutive_failures=nh.probe.consecutive_failures + 1,
+                                     consecutive_good=0, clean_since_s=None, clean_probes=0))
+
+
+def _then(first: Callable[[NodeHealth], NodeHealth], effect: Effect) -> Effect:
+    return lambda nh, f, c: effect(first(nh), f, c)
+
+
+fail_to_degraded: Effect = lambda nh, f, c: (_counted(nh), f"probe failure: {f.detail}")
+eject_in_probation = _then(_counted, eject(EjectionCause.PROBE, lambda nh, f: f"probe failure in PROBATION: {f.detail}"))
+eject_on_count = _then(_counted, eject(
+    EjectionCause.PROBE, lambda nh, f: f"probe: {nh.probe.consecutive_failures} consecutive failures, last {f.detail}"))
+
+
+def good(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    good = nh.probe.consecutive_good + 1
+    return replace(nh, probe=replace(nh.probe, consecutive_good=good)), None
+
+
+def recovered(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    good = nh.probe.consecutive_good + 1
+    return nh, f"{good} consecutive good probes (last {f.detail})"
+
+
+def not_good(reason: bool) -> Effect:
+    def effect(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+        return replace(nh, probe=replace(nh.probe, consecutive_good=0)), (f.detail if reason else None)
+
+    return effect
+
+
+def first_good_probe(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    return nh, f"first good probe ({f.detail}); ramping from {c.cfg.ramp_start_percent:g} %"
+
+
+def fatal_while_out(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    return replace(nh, ejection=replace(nh.ejection, cause=EjectionCause.ENGINE)), f.detail
+
+
+def first_heartbeat(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    return nh, f"first heartbeat (engine {nh.engine.state})"
+
+
+def heartbeats_resumed(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    if nh.ejection.cause not in (EjectionCause.HEARTBEAT, EjectionCause.PHI):
+        return nh, None
+    return nh, (f"heartbeats resumed; clean period {required_clean_s(nh, c.cfg):.0f} s "
+                "of good probes before PROBATION")
+
+
+def disproved(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    hb = nh.heartbeat
+    return replace(nh, heartbeat=replace(hb, suspicion_clears=hb.suspicion_clears + (c.now_s,))), f.detail
+
+
+def forgiven(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    return replace(nh, ejection=replace(nh.ejection, forgive_since_s=None, forgive_until_s=0.0)), (
+        "heartbeat loss forgiven: it was part of a fleet-wide loss (fail-static), heartbeats flow again")
+
+
+def forgive_later(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    """Still silent when fail-static ended: forgive it too if heartbeats resume within the window."""
+    until = c.now_s + c.cfg.fail_static_forgive_intervals * c.cfg.heartbeat_interval_ms / 1000.0
+    return replace(nh, ejection=replace(nh.ejection, forgive_since_s=f.arg, forgive_until_s=until)), None
+
+
+def restarting(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    return replace(nh, probe=replace(nh.probe, consecutive_failures=0, clean_since_s=None, clean_probes=0)), f.detail
+
+
+def stall_counted(n: int) -> Effect:
+    return lambda nh, f, c: (replace(nh, engine=replace(nh.engine, stall_counted=n)), None)
+
+
+def proven_by_count(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    """Already out (probe, engine or phi): now proven by the count rule."""
+    if nh.ejection.cause is EjectionCause.HEARTBEAT:
+        return nh, None
+    return replace(nh, ejection=replace(nh.ejection, cause=EjectionCause.HEARTBEAT),
+                   probe=replace(nh.probe, clean_since_s=None, clean_probes=0)), f.detail
+
+
+def baseline(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    """While HEALTHY, the slow RTT baseline follows the EWMA (``rtt_baseline_alpha``)."""
+    r, b = nh.rtt, c.cfg.rtt_baseline_alpha
+    if r.ewma_ms is None:
+        return nh, None
+    base = r.ewma_ms if r.baseline_ms is None else b * r.ewma_ms + (1 - b) * r.baseline_ms
+    return replace(nh, rtt=replace(r, baseline_ms=base)), None
+
+
+def ramp_step(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    steps = int(f.arg)
+    pct = min(100.0, nh.ramp.percent + steps * c.cfg.ramp_step_percent)
+    at = (nh.ramp.step_at_s or 0.0) + steps * c.cfg.ramp_step_s
+    return replace(nh, ramp=Ramp(pct, at)), f"PROBATION ramp {pct:g} %"
+
+
+def ramp_held(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    return replace(nh, ramp=replace(nh.ramp, step_at_s=c.now_s)), f"ramp held at {nh.ramp.percent:g} %: last probe slow"
+
+
+def ramp_complete(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    return replace(nh, ramp=replace(nh.ramp, percent=100.0)), "ramp complete (100 %)"
+
+
+def clean_period_met(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    p = nh.probe
+    clean_for = c.now_s - (p.clean_since_s if p.clean_since_s is not None else c.now_s)
+    rtt = "" if nh.rtt.ewma_ms is None else f", EWMA RTT {nh.rtt.ewma_ms:.1f} ms"
+    return nh, (f"{clean_for:.0f} s of successful probes ({p.clean_probes} probes{rtt}); "
+                f"ramping from {c.cfg.ramp_start_percent:g} %")
+
+
+def forget_backoff(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    return replace(nh, ejection=replace(nh.ejection, clean_period_s=0.0)), None
+
+
+def drain(active: bool) -> Effect:
+    def effect(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+        if active:
+            c.events.append(Event(c.now_s, nh.node_id, nh.state, NodeState.DRAINING, f"drain requested: {f.detail}"))
+            return replace(nh, drain=replace(nh.drain, active=True, since_s=c.now_s)), None
+        c.events.append(Event(c.now_s, nh.node_id, NodeState.DRAINING, nh.state, f"undrained: {f.detail}"))
+        return replace(nh, drain=replace(nh.drain, active=False, since_s=None)), None
+
+    return effect

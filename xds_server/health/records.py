@@ -1,0 +1,310 @@
+"""What the health model knows about a node: enums, observations and the per-node records.
+
+Everything here is a frozen value; :mod:`xds_server.health.rules` derives new values from old ones.
+Times are seconds on the caller's monotonic clock; durations carry their unit in the name.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Union
+
+from xds_server.health import phi as phimod
+
+__all__ = [
+    "DrainRequested",
+    "Drain",
+    "Ejection",
+    "EjectionCause",
+    "Engine",
+    "EngineState",
+    "Event",
+    "FailStaticEnded",
+    "Heartbeats",
+    "HeartbeatObserved",
+    "MACHINE_STATES",
+    "NodeHealth",
+    "NodeState",
+    "Observation",
+    "PingObserved",
+    "ProbeObserved",
+    "ProbeOutcome",
+    "ProbeResultKind",
+    "Probes",
+    "ROUTED_STATES",
+    "Ramp",
+    "Rtt",
+    "StreamClosed",
+    "Tick",
+    "initial",
+]
+
+
+class NodeState(str, enum.Enum):
+    """Per-node health state (DESIGN.md section 4). DRAINING is the operator overlay only."""
+
+    COLD = "COLD"
+    WARMING = "WARMING"
+    HEALTHY = "HEALTHY"
+    DEGRADED = "DEGRADED"
+    UNHEALTHY = "UNHEALTHY"
+    PROBATION = "PROBATION"
+    DRAINING = "DRAINING"
+
+
+MACHINE_STATES: tuple[NodeState, ...] = (
+    NodeState.COLD, NodeState.WARMING, NodeState.PROBATION, NodeState.HEALTHY, NodeState.DEGRADED,
+    NodeState.UNHEALTHY,
+)
+"""The states of the transition table (``NodeHealth.state`` is always one of these)."""
+
+ROUTED_STATES: frozenset[NodeState] = frozenset({NodeState.PROBATION, NodeState.HEALTHY, NodeState.DEGRADED})
+"""States in which a node gets traffic (before cluster policy)."""
+
+
+class ProbeResultKind(enum.StrEnum):
+    """What a micro-inference probe returned, as the agent reports it (``InferenceResult``)."""
+
+    OK = "OK"
+    TIMEOUT = "TIMEOUT"
+    CONNECT = "CONNECT"
+    HTTP_STATUS = "HTTP_STATUS"
+    ENGINE_FATAL = "ENGINE_FATAL"
+    BAD_OUTPUT = "BAD_OUTPUT"
+
+
+class ProbeOutcome(enum.StrEnum):
+    """How the model classes a probe result (thresholds in HealthConfig)."""
+
+    GOOD = "good"      # OK and TTFT < ttft_healthy_ms
+    SLOW = "slow"      # OK and TTFT < ttft_timeout_ms
+    FAIL = "fail"      # a timeout, connect error, bad HTTP status or bad output
+    FATAL = "fatal"    # the engine reported a fatal error
+    BUSY = "busy"      # a failure while the engine is busy and its tokens advance: saturation (fc07)
+
+
+class EjectionCause(enum.StrEnum):
+    """Why a node is UNHEALTHY."""
+
+    HEARTBEAT = "heartbeat"  # consecutive_misses heartbeats missed (the count rule)
+    PHI = "phi"              # phi-accrual suspicion, not yet proven by the count rule
+    PROBE = "probe"          # probe failures (or a stall counted as timeouts)
+    ENGINE = "engine"        # engine fatal error or the agent reports the engine FAILED
+    GPU = "gpu"              # a fatal GPU event (Xid, GPU lost)
+
+
+class EngineState(enum.StrEnum):
+    """The engine's lifecycle as the agent reports it (``Telemetry.engine_state``)."""
+
+    COLD = "COLD"
+    WARMING = "WARMING"
+    READY = "READY"
+    FAILED = "FAILED"
+
+
+def _coerce(obj: object, name: str, enum_cls: type[enum.Enum]) -> None:
+    """Turn a string field of a frozen dataclass into ``enum_cls``; ValueError names the field."""
+    v = getattr(obj, name)
+    if isinstance(v, enum_cls):
+        return
+    try:
+        object.__setattr__(obj, name, enum_cls(v))
+    except ValueError:
+        allowed = ", ".join(m.value for m in enum_cls)
+        raise ValueError(f"{type(obj).__name__}.{name}: {v!r} is not one of {allowed}") from None
+
+
+# ---- observations -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatObserved:
+    """A heartbeat arrived, with the agent's telemetry summary.
+
+    Load fields are None when unknown (never read as 0). ``gpu_free_ratio`` is 0..1 (the least
+    free GPU of the node). ``gpu_fatal`` names a fatal GPU event (e.g. "Xid 79"), empty when
+    none. ``engine_state`` accepts the enum or its name; another value raises ValueError.
+    """
+
+    engine_state: EngineState = EngineState.READY
+    stalled: bool = False
+    stall_detail: str = ""
+    requests_running: float | None = None
+    requests_waiting: float | None = None
+    gpu_free_ratio: float | None = None
+    gpu_fatal: str = ""
+
+    def __post_init__(self) -> None:
+        _coerce(self, "engine_state", EngineState)
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time passed: count heartbeats that did not arrive, advance ramps and clean periods."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamClosed:
+    """The probe stream to the agent ended or could not be opened (counts as one miss at once)."""
+
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PingObserved:
+    """A Pong came back; ``rtt_ms`` measured on the control plane's monotonic clock."""
+
+    rtt_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeObserved:
+    """A micro-inference result. ``ttft_ms`` is meaningful when ``kind`` is OK."""
+
+    kind: ProbeResultKind
+    ttft_ms: float = 0.0
+    http_status: int = 0
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        _coerce(self, "kind", ProbeResultKind)
+
+
+@dataclass(frozen=True, slots=True)
+class FailStaticEnded:
+    """Fleet-wide fail-static ended: heartbeat losses since ``burst_start_s`` were our own fault.
+
+    A node ejected only for lost heartbeats during the episode, whose heartbeats flow again,
+    returns to the state it had (no probation): the evidence against it was our network's.
+    """
+
+    burst_start_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DrainRequested:
+    """Operator drain (``drain=True``) or undrain."""
+
+    drain: bool
+    reason: str = "operator"
+
+
+Observation = Union[HeartbeatObserved, Tick, StreamClosed, PingObserved, ProbeObserved, DrainRequested,
+                    FailStaticEnded]
+
+
+# ---- per-node records ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeats:
+    """Liveness: heartbeat arrivals, misses and the phi-accrual estimate."""
+
+    last_s: float | None = None             # arrival of the last heartbeat
+    consecutive_misses: int = 0
+    stream_closed: bool = False
+    arrivals: phimod.ArrivalStats | None = None
+    suspicion_clears: tuple[float, ...] = ()  # times of disproved phi suspicions (last window)
+
+
+@dataclass(frozen=True, slots=True)
+class Rtt:
+    """Ping round trips (ms): EWMA, last sample and the slow baseline learned while HEALTHY."""
+
+    ewma_ms: float | None = None
+    last_ms: float | None = None
+    baseline_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Probes:
+    """Micro-inference probes: counters, TTFT (ms) and the current clean run."""
+
+    consecutive_failures: int = 0
+    consecutive_good: int = 0
+    last_ttft_ms: float | None = None
+    ewma_ttft_ms: float | None = None
+    last_kind: ProbeResultKind | None = None
+    seen: int = 0
+    clean_since_s: float | None = None      # start of the current run of successful probes
+    clean_probes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """The engine and GPUs as the agent's telemetry reports them (last heartbeat)."""
+
+    state: EngineState = EngineState.COLD
+    stalled: bool = False
+    stalled_since_s: float | None = None
+    stall_counted: int = 0                  # probe timeouts already counted for this stall (0..2)
+    requests_running: float | None = None
+    requests_waiting: float | None = None
+    gpu_free_ratio: float | None = None
+    gpu_fatal: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Ejection:
+    """The current (or last) ejection, its backoff and a pending fail-static forgiveness."""
+
+    cause: EjectionCause | None = None      # set while UNHEALTHY, None otherwise
+    from_state: NodeState | None = None     # state before the last ejection
+    clean_period_s: float = 0.0             # required clean period; 0 = cfg.probation_clean_s
+    healthy_since_s: float | None = None    # start of the current HEALTHY run (forgets the backoff)
+    forgive_since_s: float | None = None    # fail-static ended while this node was still silent:
+    forgive_until_s: float = 0.0            # forgive its heartbeat ejection if heartbeats resume soon
+
+
+@dataclass(frozen=True, slots=True)
+class Ramp:
+    """PROBATION's weight ramp: ``percent`` of full weight; ``step_at_s`` None when no ramp runs."""
+
+    percent: float = 0.0
+    step_at_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """Operator drain: ``active`` since ``since_s``."""
+
+    active: bool = False
+    since_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHealth:
+    """Everything the model knows about one node: its state and one record per concern."""
+
+    node_id: str
+    state: NodeState = NodeState.COLD
+    reason: str = "no data yet"
+    since_s: float = 0.0
+    heartbeat: Heartbeats = field(default_factory=Heartbeats)
+    rtt: Rtt = field(default_factory=Rtt)
+    probe: Probes = field(default_factory=Probes)
+    engine: Engine = field(default_factory=Engine)
+    ejection: Ejection = field(default_factory=Ejection)
+    ramp: Ramp = field(default_factory=Ramp)
+    drain: Drain = field(default_factory=Drain)
+
+    @property
+    def effective_state(self) -> NodeState:
+        """The state Envoy's view follows: DRAINING overrides everything."""
+        return NodeState.DRAINING if self.drain.active else self.state
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One state transition with the reason and the numbers that caused it."""
+
+    at_s: float
+    node_id: str
+    from_state: NodeState
+    to_state: NodeState
+    reason: str
+
+
+def initial(node_id: str, now_s: float) -> NodeHealth:
+    """A node with no data yet (COLD)."""
+    return NodeHealth(node_id=node_id, since_s=now_s)

@@ -1,0 +1,355 @@
+"""From observations to signals: the health model's ``step``.
+
+``step(nh, obs, now_s, cfg) -> (nh, events)`` first records what the observation says in the
+node's records (bookkeeping that does not depend on the state), then runs the observation's rules
+in order. Each rule reads the node as it is after the signals before it, and gives zero or more
+signals; each signal goes through :func:`xds_server.health.table.apply`. Rules read records, not
+the state: what a signal does in each state is the table's business alone. After heartbeats,
+silence, pings and probes the time rules run (stall confirmation, clean period, ramp, backoff).
+
+Thresholds are fields of :class:`~xds_server.config.HealthConfig` (defaults and sources there).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from xds_server.config import HealthConfig
+from xds_server.health import phi as phimod
+from xds_server.health.clocks import EPS_S, misses_at, phi_delay_s, required_clean_s
+from xds_server.health.outcome import classify_probe
+from xds_server.health.records import (
+    ROUTED_STATES,
+    DrainRequested,
+    EjectionCause,
+    Engine,
+    EngineState,
+    Event,
+    FailStaticEnded,
+    HeartbeatObserved,
+    Heartbeats,
+    NodeHealth,
+    Observation,
+    PingObserved,
+    ProbeObserved,
+    ProbeOutcome,
+    ProbeResultKind,
+    StreamClosed,
+    Tick,
+)
+from xds_server.health.table import Ctx, Fired, Signal, apply
+
+__all__ = ["step"]
+
+
+@dataclass(slots=True)
+class _StepCtx(Ctx):
+    """Ctx plus what the recording phase saw before it overwrote the records."""
+
+    gap_ms: float | None = None                     # silence before this heartbeat
+    prev_engine: EngineState | None = None          # engine state before this heartbeat
+    pending: tuple[float, float] | None = None      # (burst start, until) of a pending forgiveness
+    outcome: ProbeOutcome = ProbeOutcome.GOOD
+    what: str = ""
+
+
+Record = Callable[[NodeHealth, Observation, _StepCtx], NodeHealth]
+Rule = Callable[[NodeHealth, Observation, _StepCtx], Sequence[Fired]]
+_NONE: tuple[Fired, ...] = ()
+# Signals without a detail, built once (Fired is immutable): these fire on most steps.
+_HEARTBEAT = (Fired(Signal.HEARTBEAT),)
+_PING = (Fired(Signal.PING),)
+_CLEAN_PERIOD_MET = (Fired(Signal.CLEAN_PERIOD_MET),)
+_RAMP_HELD = (Fired(Signal.RAMP_HELD),)
+_RAMP_COMPLETE = (Fired(Signal.RAMP_COMPLETE),)
+_HEALTHY_RUN_MET = (Fired(Signal.HEALTHY_RUN_MET),)
+
+
+def step(nh: NodeHealth, obs: Observation, now_s: float, cfg: HealthConfig) -> tuple[NodeHealth, list[Event]]:
+    """Apply one observation at ``now_s``; return the new health and the transitions it caused.
+
+    Rules (thresholds from ``cfg``): heartbeats: ``consecutive_misses`` misses (a closed stream
+    counts one at once) or a phi suspicion -> UNHEALTHY. Probes: TTFT < ``ttft_healthy_ms`` is
+    good; up to ``ttft_timeout_ms`` or one failure -> DEGRADED; ``probe_failures_to_eject``
+    consecutive failures or one ENGINE_FATAL -> UNHEALTHY; DEGRADED -> HEALTHY after
+    ``good_probes_to_recover`` good probes. A timeout or an HTTP status in
+    ``saturated_http_statuses`` while the engine is busy and its token counter advances is
+    saturation, not death (DEGRADED only, field case fc07). A STALLED engine counts as one probe
+    timeout, and as a second one if still stalled after ``stall_confirm_ms`` (fc06).
+    COLD/WARMING: not routed, failures not counted.
+
+    Raises TypeError for an unknown observation type and
+    :class:`~xds_server.health.table.InvalidTransition` for a (state, signal) pair the table
+    does not have (e.g. a NodeHealth whose ``state`` is DRAINING, which is an overlay only).
+    """
+    try:
+        record, rules = _OBSERVERS[type(obs)]
+    except KeyError:
+        raise TypeError(f"unknown observation {obs!r}") from None
+    ctx = _StepCtx(now_s, cfg, [])
+    nh = record(nh, obs, ctx)
+    for rule in rules:
+        for fired in rule(nh, obs, ctx):
+            nh = apply(nh, fired, ctx)
+    return nh, ctx.events
+
+
+def _failure(nh: NodeHealth, what: str, cfg: HealthConfig) -> Fired:
+    """One more probe failure: does it reach ``probe_failures_to_eject``?"""
+    reach = nh.probe.consecutive_failures + 1 >= cfg.probe_failures_to_eject
+    return Fired(Signal.FAILURES_REACH_EJECT if reach else Signal.PROBE_FAIL, what)
+
+
+# ---- heartbeats ---------------------------------------------------------------------------
+
+
+def _record_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> NodeHealth:
+    cfg, now, h, e = c.cfg, c.now_s, nh.heartbeat, nh.engine
+    arrivals = h.arrivals
+    if h.last_s is not None and not h.stream_closed:
+        if arrivals is None:
+            arrivals = phimod.ArrivalStats(cfg.heartbeat_interval_ms, cfg.phi_min_std_ms ** 2, 0)
+        arrivals = phimod.update(arrivals, (now - h.last_s) * 1000.0, cfg.phi_alpha)
+    c.gap_ms = None if h.last_s is None else (now - h.last_s) * 1000.0
+    clears = tuple(t for t in h.suspicion_clears if now - t < cfg.phi_suspicion_window_s)
+    c.prev_engine = e.state
+    stalled_since, counted = e.stalled_since_s, e.stall_counted
+    if hb.stalled and not e.stalled:
+        stalled_since, counted = now, 0
+    elif not hb.stalled:
+        stalled_since, counted = None, 0
+    ej = nh.ejection
+    if ej.forgive_since_s is not None:  # consumed by this heartbeat either way
+        c.pending = (ej.forgive_since_s, ej.forgive_until_s)
+        ej = replace(ej, forgive_since_s=None, forgive_until_s=0.0)
+    return replace(
+        nh, heartbeat=Heartbeats(now, 0, False, arrivals, clears), ejection=ej,
+        engine=Engine(hb.engine_state, hb.stalled, stalled_since, counted, hb.requests_running,
+                      hb.requests_waiting, hb.gpu_free_ratio, hb.gpu_fatal),
+    )
+
+
+def _r_disproved(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fired]:
+    if nh.ejection.cause is EjectionCause.PHI and nh.ejection.from_state in ROUTED_STATES:
+        return (Fired(Signal.SUSPICION_DISPROVED,
+                      f"phi suspicion disproved: heartbeat arrived after {c.gap_ms or 0.0:.0f} ms"),)
+    return _NONE
+
+
+def _forgivable(nh: NodeHealth, burst_start_s: float) -> bool:
+    """Ejected only for lost heartbeats, from a routed state, during the fail-static burst."""
+    ej = nh.ejection
+    return (ej.cause in (EjectionCause.HEARTBEAT, EjectionCause.PHI) and ej.from_state in ROUTED_STATES
+            and nh.since_s >= burst_start_s)
+
+
+def _r_forgive_pending(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fired]:
+    if c.pending is not None and c.now_s <= c.pending[1] and _forgivable(nh, c.pending[0]):
+        return (Fired(Signal.FAIL_STATIC_FORGIVES),)
+    return _NONE
+
+
+def _r_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fired]:
+    return _HEARTBEAT
+
+
+def _r_gpu_fatal(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fired]:
+    return (Fired(Signal.GPU_FATAL, f"GPU fatal event: {hb.gpu_fatal}"),) if hb.gpu_fatal else _NONE
+
+
+def _r_engine_failed(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fired]:
+    if hb.engine_state is EngineState.FAILED:
+        return (Fired(Signal.ENGINE_FAILED, "agent reports engine FAILED"),)
+    return _NONE
+
+
+def _r_engine_restarting(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fired]:
+    if hb.engine_state in (EngineState.COLD, EngineState.WARMING) and c.prev_engine is EngineState.READY:
+        return (Fired(Signal.ENGINE_RESTARTING, f"engine restarting (agent reports {hb.engine_state})"),)
+    return _NONE
+
+
+def _r_stall(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fired]:
+    if hb.stalled and nh.engine.stall_counted == 0:  # the first report counts as one timeout
+        return (Fired(Signal.STALL),
+                _failure(nh, f"engine STALLED ({hb.stall_detail or 'tokens frozen'})", c.cfg))
+    return _NONE
+
+
+# ---- silence: Tick and StreamClosed -------------------------------------------------------
+
+
+def _record_silence(nh: NodeHealth, obs: Tick | StreamClosed, c: _StepCtx) -> NodeHealth:
+    h = nh.heartbeat
+    if h.last_s is None:
+        return nh
+    closed = h.stream_closed or isinstance(obs, StreamClosed)
+    # A closed stream counts as one miss at once, on top of the heartbeats not arrived.
+    misses = max(misses_at(h.last_s, c.now_s, c.cfg) + (1 if closed else 0), h.consecutive_misses)
+    return replace(nh, heartbeat=replace(h, consecutive_misses=misses, stream_closed=closed))
+
+
+def _r_silence(nh: NodeHealth, obs: Tick | StreamClosed, c: _StepCtx) -> Sequence[Fired]:
+    cfg, h = c.cfg, nh.heartbeat
+    if h.last_s is None:
+        return _NONE
+    gap_ms = (c.now_s - h.last_s) * 1000.0
+    if h.consecutive_misses >= cfg.consecutive_misses:
+        detail = f"; stream closed: {obs.detail}" if isinstance(obs, StreamClosed) and obs.detail else ""
+        return (Fired(Signal.MISS_THRESHOLD, f"heartbeat: {h.consecutive_misses} consecutive misses "
+                                             f"(last heartbeat {gap_ms:.0f} ms ago){detail}"),)
+    if nh.ejection.cause is EjectionCause.PHI:
+        return _NONE  # suspected already
+    d = phi_delay_s(nh, cfg)
+    if d is None or c.now_s - h.last_s < d - EPS_S:
+        return _NONE
+    a = h.arrivals
+    assert a is not None  # phi_delay_s is None without arrivals
+    value = phimod.phi(a, gap_ms, cfg.phi_min_std_ms, cfg.phi_acceptable_pause_ms)
+    return (Fired(Signal.PHI_SUSPICION,
+                  f"heartbeat: phi {value:.1f} >= {cfg.phi_threshold:g} after {gap_ms:.0f} ms silence "
+                  f"(mean interval {a.mean_ms:.0f} ms, sd {math.sqrt(a.var_ms2):.1f} ms)"),)
+
+
+# ---- pings and probes ---------------------------------------------------------------------
+
+
+def _record_ping(nh: NodeHealth, obs: PingObserved, c: _StepCtx) -> NodeHealth:
+    a, r = c.cfg.rtt_ewma_alpha, nh.rtt
+    ewma = obs.rtt_ms if r.ewma_ms is None else a * obs.rtt_ms + (1 - a) * r.ewma_ms
+    return replace(nh, rtt=replace(r, ewma_ms=ewma, last_ms=obs.rtt_ms))
+
+
+def _r_ping(nh: NodeHealth, obs: PingObserved, c: _StepCtx) -> Sequence[Fired]:
+    return _PING
+
+
+def _record_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> NodeHealth:
+    c.outcome, c.what = classify_probe(nh, obs, c.cfg)
+    p = nh.probe
+    last, ewma = p.last_ttft_ms, p.ewma_ttft_ms
+    if obs.kind is ProbeResultKind.OK:
+        a = c.cfg.ttft_ewma_alpha
+        last, ewma = obs.ttft_ms, obs.ttft_ms if ewma is None else a * obs.ttft_ms + (1 - a) * ewma
+    if c.outcome in (ProbeOutcome.GOOD, ProbeOutcome.SLOW):  # a successful probe extends the clean run
+        failures = 0
+        clean_since = p.clean_since_s if p.clean_since_s is not None else c.now_s
+        clean_probes = p.clean_probes + 1
+    else:
+        failures, clean_since, clean_probes = p.consecutive_failures, None, 0
+    return replace(nh, probe=replace(p, consecutive_failures=failures, last_ttft_ms=last, ewma_ttft_ms=ewma,
+                                     last_kind=obs.kind, seen=p.seen + 1, clean_since_s=clean_since,
+                                     clean_probes=clean_probes))
+
+
+_PROBE_SIGNAL = {ProbeOutcome.SLOW: Signal.PROBE_SLOW, ProbeOutcome.BUSY: Signal.PROBE_BUSY,
+                 ProbeOutcome.FATAL: Signal.PROBE_FATAL}
+
+
+def _r_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> Sequence[Fired]:
+    o = c.outcome
+    if o is ProbeOutcome.FAIL:
+        return (_failure(nh, c.what, c.cfg),)
+    if o is ProbeOutcome.GOOD:
+        recover = nh.probe.consecutive_good + 1 >= c.cfg.good_probes_to_recover
+        return (Fired(Signal.GOOD_PROBES_RECOVER if recover else Signal.PROBE_GOOD, c.what),)
+    return (Fired(_PROBE_SIGNAL[o], c.what),)
+
+
+# ---- time ---------------------------------------------------------------------------------
+
+
+def _r_stall_confirmed(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[Fired]:
+    e, cfg = nh.engine, c.cfg
+    if (e.stalled and e.stall_counted == 1 and e.stalled_since_s is not None
+            and c.now_s - e.stalled_since_s >= cfg.stall_confirm_ms / 1000.0 - EPS_S):
+        return (Fired(Signal.STALL_CONFIRMED),
+                _failure(nh, f"engine still STALLED {cfg.stall_confirm_ms:.0f} ms later", cfg))
+    return _NONE
+
+
+def _r_clean_period(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[Fired]:
+    """Half-open entry (seed 000): a clean run of probes, heartbeats flowing, RTT back at baseline
+    (EWMA <= baseline x ``rtt_baseline_tolerance`` + ``rtt_baseline_slack_ms``), engine READY."""
+    cfg, p, h, r = c.cfg, nh.probe, nh.heartbeat, nh.rtt
+    if p.clean_since_s is None or nh.ejection.cause is EjectionCause.PHI:
+        return _NONE
+    if c.now_s - p.clean_since_s < required_clean_s(nh, cfg) - EPS_S or p.clean_probes < cfg.probation_min_probes:
+        return _NONE
+    if h.last_s is None or h.consecutive_misses >= cfg.consecutive_misses:
+        return _NONE
+    if (r.baseline_ms is not None and r.ewma_ms is not None
+            and r.ewma_ms > r.baseline_ms * cfg.rtt_baseline_tolerance + cfg.rtt_baseline_slack_ms):
+        return _NONE
+    if nh.engine.state is not EngineState.READY or nh.engine.gpu_fatal:
+        return _NONE
+    return _CLEAN_PERIOD_MET
+
+
+def _r_ramp(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[Fired]:
+    cfg, r, p = c.cfg, nh.ramp, nh.probe
+    if r.step_at_s is None or c.now_s - r.step_at_s < cfg.ramp_step_s - EPS_S:
+        return _NONE
+    if p.last_kind is ProbeResultKind.OK and (p.last_ttft_ms or 0) >= cfg.ttft_healthy_ms:
+        return _RAMP_HELD
+    steps = int((c.now_s - r.step_at_s + EPS_S) // cfg.ramp_step_s)
+    if r.percent + steps * cfg.ramp_step_percent >= 100.0:
+        return _RAMP_COMPLETE
+    return (Fired(Signal.RAMP_STEP, arg=steps),)
+
+
+def _r_healthy_run(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[Fired]:
+    """A HEALTHY run of ``probation_clean_max_s`` forgets earlier failed probations."""
+    ej = nh.ejection
+    if (ej.clean_period_s and ej.healthy_since_s is not None
+            and c.now_s - ej.healthy_since_s >= c.cfg.probation_clean_max_s):
+        return _HEALTHY_RUN_MET
+    return _NONE
+
+
+# ---- operator and fleet -------------------------------------------------------------------
+
+
+def _keep(nh: NodeHealth, obs: Observation, c: _StepCtx) -> NodeHealth:
+    return nh
+
+
+def _r_drain(nh: NodeHealth, obs: DrainRequested, c: _StepCtx) -> Sequence[Fired]:
+    if obs.drain == nh.drain.active:
+        return _NONE
+    return (Fired(Signal.DRAIN if obs.drain else Signal.UNDRAIN, obs.reason),)
+
+
+def _flowing(nh: NodeHealth) -> bool:
+    return nh.heartbeat.consecutive_misses == 0 and not nh.heartbeat.stream_closed
+
+
+def _record_fail_static_end(nh: NodeHealth, obs: FailStaticEnded, c: _StepCtx) -> NodeHealth:
+    ej = nh.ejection
+    if _flowing(nh) and ej.cause is not None and ej.forgive_since_s is not None:
+        return replace(nh, ejection=replace(ej, forgive_since_s=None, forgive_until_s=0.0))
+    return nh
+
+
+def _r_fail_static_end(nh: NodeHealth, obs: FailStaticEnded, c: _StepCtx) -> Sequence[Fired]:
+    if not _flowing(nh):  # still silent: forgive it too if its heartbeats resume soon
+        return (Fired(Signal.FORGIVENESS_PENDING, arg=obs.burst_start_s),)
+    if _forgivable(nh, obs.burst_start_s):
+        return (Fired(Signal.FAIL_STATIC_FORGIVES),)
+    return _NONE
+
+
+_TIME: tuple[Rule, ...] = (_r_stall_confirmed, _r_clean_period, _r_ramp, _r_healthy_run)
+_SILENCE: tuple[Record, tuple[Rule, ...]] = (_record_silence, (_r_silence, *_TIME))
+_OBSERVERS: dict[type, tuple[Record, tuple[Rule, ...]]] = {
+    HeartbeatObserved: (_record_heartbeat, (_r_disproved, _r_forgive_pending, _r_heartbeat, _r_gpu_fatal,
+                                            _r_engine_failed, _r_engine_restarting, _r_stall, *_TIME)),
+    Tick: _SILENCE,
+    StreamClosed: _SILENCE,
+    PingObserved: (_record_ping, (_r_ping, *_TIME)),
+    ProbeObserved: (_record_probe, (_r_probe, *_TIME)),
+    DrainRequested: (_keep, (_r_drain,)),
+    FailStaticEnded: (_record_fail_static_end, (_r_fail_static_end,)),
+}
+"""Observation type -> (recording, rules in order)."""
