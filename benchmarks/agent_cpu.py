@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from node_probe.proto import probe_pb2, probe_pb2_grpc  # noqa: E402
+from xds_server.testing import free_port  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "vllm-0.32.0-cpu" / "13_metrics_during_load.raw"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -84,11 +84,6 @@ def cpu_seconds(pid: int) -> float:
     fields = stat[stat.rindex(")") + 2:].split()
     return (int(fields[11]) + int(fields[12])) / TICK
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def measure(engine_url: str, counts: dict, streams: int, seconds: float, extra: list[str]) -> dict:

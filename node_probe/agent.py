@@ -1,6 +1,7 @@
 """The node_probe agent: a gRPC ``NodeProbe`` server that runs beside one inference engine.
 
-One agent per inference node. Control planes dial it and open ``Watch`` streams (DESIGN.md §3):
+One agent per inference node. Control planes dial it and open ``Watch`` streams
+(the protocol: ``protos/node_probe/``):
 
 * every stream gets an unprompted ``Heartbeat`` every ``heartbeat_interval_ms`` (fixed-rate on
   ``loop.time()``, no drift) carrying the latest *cached* telemetry: a heartbeat never waits on
@@ -26,6 +27,11 @@ Engine lifecycle reported in telemetry (see :class:`EngineLifecycle`): COLD unti
 first answers HTTP, WARMING until the first successful probe, READY after; FAILED on a fatal
 engine error, on a refused connection after having been up, or on a lost GPU / fatal Xid.
 
+Modules by job: :mod:`node_probe.config` (settings), :mod:`node_probe.lifecycle` (engine
+state), :mod:`node_probe.schedule` (the pure probe schedule), :mod:`node_probe.prober` (one probe
+through the adapter), :mod:`node_probe.streams` (the ``Watch`` streams); this module wires them
+to the gRPC server and runs the loops.
+
 Usage from code/tests::
 
     agent = ProbeAgent(AgentConfig(engine_url="http://127.0.0.1:8000", listen="127.0.0.1:0"))
@@ -37,304 +43,38 @@ Usage from code/tests::
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import itertools
 import logging
-import random
-import socket
 import time
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 import grpc
 
-from node_probe.engines import ADAPTERS, ENGINE_KINDS, detect_engine_kind
-from node_probe.engines.base import (
-    EngineAdapter,
-    EngineLoadReading,
-    EngineRequestError,
-    ProbeOutcome,
-    fetch_metrics_text,
-    run_probe,
-)
+from node_probe.config import UINT32_MAX, AgentConfig
+from node_probe.engines import EngineLoadReading, EngineRequestError, ProbeOutcome
+from node_probe.gpu_poll import GpuPoller
+from node_probe.lifecycle import STATE_NAMES, EngineLifecycle
+from node_probe.prober import Prober
 from node_probe.proto import probe_pb2, probe_pb2_grpc
+from node_probe.schedule import ProbeScheduler, Trigger, load_is_busy
 from node_probe.stall import StallDetector
-from node_probe.telemetry import FATAL_XIDS, GpuCollector, gpu_fatal_reason
+from node_probe.streams import StreamHub
+from node_probe.telemetry import GpuCollector, gpu_fatal_reason
+from node_probe.ticks import sleep_until_tick
 
+# AgentConfig and EngineLifecycle live in their own modules; this module is their public face.
 __all__ = ["AgentConfig", "EngineLifecycle", "ProbeAgent", "run_agent"]
 
 log = logging.getLogger(__name__)
 
-_UINT32_MAX = 2**32 - 1
-_STATE_NAMES = {v: k for k, v in probe_pb2.EngineState.items()}
-
-#: ``InferenceResult.trigger`` values.
-TRIGGER_SCHEDULED = "scheduled"
-TRIGGER_PROBE_NOW = "probe_now"
-TRIGGER_STALL = "stall"
-TRIGGER_DEEP = "deep"
-
-
-# --------------------------------------------------------------------------------------------
-# Configuration
-
-
-@dataclass
-class AgentConfig:
-    """Agent settings. Durations carry their unit in the name.
-
-    Attributes:
-        engine_url: engine root URL, e.g. ``http://127.0.0.1:8000``.
-        listen: gRPC listen address ``HOST:PORT``; port 0 picks a free port (returned by
-            :meth:`ProbeAgent.start`).
-        node_id: reported in every heartbeat; default: this host's name.
-        heartbeat_interval_ms: heartbeat period per stream.
-        engine_kind: ``"auto"`` (detect from ``/metrics`` and the endpoints the engine serves)
-            or one of ``vllm``, ``sglang``, ``tgi``, ``triton``, ``openai``.
-        metrics_url: the engine's Prometheus page; ``None``: the adapter's default (the engine
-            URL + ``/metrics``; Triton: port 8002 of the engine host).
-        metrics_interval_ms: ``/metrics`` scrape period (also the stall-detection sampling
-            period); ``None``: the heartbeat interval.
-        metrics_timeout_ms: deadline for one scrape.
-        stall_window_ms: how long the engine's progress counter may stay frozen while requests
-            run before telemetry says ``stalled``.
-        probe_interval_s: mean period between scheduled micro-probes while the engine is busy
-            (requests running or waiting, and its progress counter makes stall detection
-            possible). Default 4 s, i.e. 3-5 s with the default jitter.
-        probe_idle_interval_s: mean period while the engine is idle, its load unknown or its
-            progress unobservable; never longer than ``probe_interval_s``. ``None``: same as
-            ``probe_interval_s``.
-        probe_jitter_ratio: each probe interval is uniform in ``[i*(1-j), i*(1+j)]``; 0..<1.
-        probe_timeout_ms: deadline for the first token of one probe (also for model discovery).
-        model: model id to probe; ``None`` discovers it (``/v1/models``; Triton: repository
-            index), re-discovered after a 404.
-        deep_check_interval_s: period of the deep check, a fixed arithmetic prompt whose answer
-            is checked (catches silently corrupt weights); ``None`` or 0: off.
-        deep_check_prompt, deep_check_expect: its prompt and the text the answer must contain.
-        deep_check_max_tokens: tokens the deep check may generate.
-        deep_check_timeout_ms: deadline of a deep check (whole answer).
-        gpu_interval_s: NVML collection period; 0 or less disables GPU telemetry.
-        fatal_xids: Xid codes that mark the engine FAILED (default 48, 63, 64, 74, 79, 94, 95).
-        min_probe_now_interval_ms: minimum spacing of probes triggered by ``ProbeNow`` (or by
-            stall detection). A request inside the window is not dropped: all such requests
-            are coalesced into one probe at the window's end.
-        stream_queue_max: outbound messages buffered per stream; beyond it messages for that
-            stream are dropped (and counted) rather than growing memory for a stuck client.
-        grpc_keepalive_time_ms: server-side HTTP/2 keepalive ping period (detects dead
-            control planes on silent networks).
-
-    Raises:
-        ValueError: (on construction) a value is out of range.
-    """
-
-    engine_url: str
-    listen: str = "127.0.0.1:50051"
-    node_id: str = field(default_factory=socket.gethostname)
-    heartbeat_interval_ms: int = 100
-    engine_kind: str = "auto"
-    metrics_url: str | None = None
-    metrics_interval_ms: int | None = None
-    metrics_timeout_ms: int = 1000
-    stall_window_ms: int = 1000
-    probe_interval_s: float = 4.0
-    probe_idle_interval_s: float | None = 0.5
-    probe_jitter_ratio: float = 0.25
-    probe_timeout_ms: int = 800
-    model: str | None = None
-    deep_check_interval_s: float | None = None
-    deep_check_prompt: str = "1+1="
-    deep_check_expect: str = "2"
-    deep_check_max_tokens: int = 4
-    deep_check_timeout_ms: int = 3000
-    gpu_interval_s: float = 1.0
-    fatal_xids: frozenset[int] = FATAL_XIDS
-    min_probe_now_interval_ms: int = 1000
-    stream_queue_max: int = 1024
-    grpc_keepalive_time_ms: int = 10_000
-
-    def __post_init__(self) -> None:
-        if not self.engine_url.startswith(("http://", "https://")):
-            raise ValueError(f"engine_url must start with http:// or https://: {self.engine_url!r}")
-        if self.metrics_url is not None and not self.metrics_url.startswith(("http://", "https://")):
-            raise ValueError(f"metrics_url must start with http:// or https://: {self.metrics_url!r}")
-        if self.engine_kind not in ENGINE_KINDS:
-            raise ValueError(f"engine_kind must be one of {', '.join(ENGINE_KINDS)}: {self.engine_kind!r}")
-        if ":" not in self.listen:
-            raise ValueError(f"listen must be HOST:PORT: {self.listen!r}")
-        if not 1 <= self.heartbeat_interval_ms <= _UINT32_MAX:
-            raise ValueError("heartbeat_interval_ms must be >= 1")
-        if (self.metrics_interval_ms is not None and self.metrics_interval_ms < 1) \
-                or self.metrics_timeout_ms < 1:
-            raise ValueError("metrics_interval_ms and metrics_timeout_ms must be >= 1")
-        if self.stall_window_ms < 1:
-            raise ValueError("stall_window_ms must be >= 1")
-        if self.probe_interval_s <= 0:
-            raise ValueError("probe_interval_s must be > 0")
-        if self.probe_idle_interval_s is not None and self.probe_idle_interval_s <= 0:
-            raise ValueError("probe_idle_interval_s must be > 0")
-        if not 0 <= self.probe_jitter_ratio < 1:
-            raise ValueError("probe_jitter_ratio must be in [0, 1)")
-        if not 1 <= self.probe_timeout_ms <= _UINT32_MAX:
-            raise ValueError("probe_timeout_ms must be >= 1")
-        if self.deep_check_interval_s is not None and self.deep_check_interval_s < 0:
-            raise ValueError("deep_check_interval_s must be >= 0")
-        if self.deep_check_interval_s and (not self.deep_check_prompt or not self.deep_check_expect):
-            raise ValueError("deep_check_prompt and deep_check_expect must not be empty")
-        if self.deep_check_max_tokens < 1 or not 1 <= self.deep_check_timeout_ms <= _UINT32_MAX:
-            raise ValueError("deep_check_max_tokens and deep_check_timeout_ms must be >= 1")
-        if self.min_probe_now_interval_ms < 0:
-            raise ValueError("min_probe_now_interval_ms must be >= 0")
-        if self.stream_queue_max < 1:
-            raise ValueError("stream_queue_max must be >= 1")
-        if not self.node_id:
-            raise ValueError("node_id must not be empty")
-        self.fatal_xids = frozenset(self.fatal_xids)
-
-    @property
-    def effective_metrics_interval_ms(self) -> int:
-        """The scrape period in use (``metrics_interval_ms`` or the heartbeat interval)."""
-        return self.metrics_interval_ms or self.heartbeat_interval_ms
-
-    @property
-    def effective_idle_interval_s(self) -> float:
-        """The idle probe period in use (never longer than the busy one)."""
-        if self.probe_idle_interval_s is None:
-            return self.probe_interval_s
-        return min(self.probe_idle_interval_s, self.probe_interval_s)
-
-
-# --------------------------------------------------------------------------------------------
-# Engine lifecycle
-
-
-class EngineLifecycle:
-    """Engine lifecycle state machine (``probe_pb2.EngineState`` values).
-
-    * COLD until the engine first answers HTTP (``/metrics`` or a probe, any status);
-    * WARMING while it answers but no probe has succeeded yet (weights loading, compiling: the
-      control plane counts no failures here), and again after a restart;
-    * READY after a successful probe (from any state but a GPU-fatal FAILED);
-    * FAILED on ENGINE_FATAL, on a refused/reset connection after the engine had been up
-      (WARMING or READY), or while the GPU is lost / has a fatal Xid. From FAILED it goes back
-      to WARMING when the engine answers again, except after a fatal error: an engine kept
-      alive after its EngineCore died keeps serving ``/metrics`` (stale), so only a refused
-      connection (process gone) or a successful probe clears a fatal FAILED. A GPU-fatal
-      FAILED lasts while the GPU telemetry says so, then goes to WARMING.
-    """
-
-    def __init__(self, on_change: Callable[[int, int, str], None] | None = None) -> None:
-        self.state: int = probe_pb2.ENGINE_STATE_COLD
-        self.reason = "no engine answer yet"
-        #: what caused the last transition: "answered", "refused", "fatal", "probe_ok",
-        #: "restart" or "gpu".
-        self.cause = ""
-        self._fatal_latched = False
-        self._gpu_fatal: str | None = None
-        self._on_change = on_change
-
-    def _set(self, new: int, reason: str, cause: str = "") -> None:
-        if new != self.state:
-            self.cause = cause
-            old, self.state = self.state, new
-            self.reason = reason
-            if self._on_change is not None:
-                self._on_change(old, new, reason)
-
-    def _answered(self, reason: str) -> None:
-        if self._gpu_fatal:
-            return
-        if self.state == probe_pb2.ENGINE_STATE_COLD or (
-            self.state == probe_pb2.ENGINE_STATE_FAILED and not self._fatal_latched
-        ):
-            self._set(probe_pb2.ENGINE_STATE_WARMING, reason, "answered")
-
-    def _refused(self, reason: str) -> None:
-        self._fatal_latched = False
-        if self.state in (probe_pb2.ENGINE_STATE_WARMING, probe_pb2.ENGINE_STATE_READY):
-            self._set(probe_pb2.ENGINE_STATE_FAILED, reason, "refused")
-
-    def _fatal(self, reason: str) -> None:
-        self._fatal_latched = True
-        self._set(probe_pb2.ENGINE_STATE_FAILED, reason, "fatal")
-
-    def observe_metrics(self, error: EngineRequestError | None) -> None:
-        """Feed the result of one ``/metrics`` scrape (``None`` = success)."""
-        if error is None:
-            self._answered("metrics answered")
-        elif error.kind == probe_pb2.FAILURE_KIND_ENGINE_FATAL:
-            self._fatal(f"metrics: {error.detail}")
-        elif error.kind == probe_pb2.FAILURE_KIND_CONNECT:
-            self._refused(f"metrics: {error.detail}")
-        elif error.answered:
-            self._answered(f"metrics answered HTTP {error.http_status}")
-
-    def observe_probe(self, outcome: ProbeOutcome) -> None:
-        """Feed the outcome of one micro-probe (or of its model discovery)."""
-        if outcome.ok:
-            self._fatal_latched = False
-            if not self._gpu_fatal:
-                self._set(probe_pb2.ENGINE_STATE_READY, "probe ok", "probe_ok")
-        elif outcome.failure == probe_pb2.FAILURE_KIND_ENGINE_FATAL:
-            self._fatal(f"probe: {outcome.detail}")
-        elif outcome.failure == probe_pb2.FAILURE_KIND_CONNECT:
-            self._refused(f"probe: {outcome.detail}")
-        elif outcome.answered:
-            self._answered(f"probe answered HTTP {outcome.http_status}")
-
-    def observe_restart(self, reason: str) -> None:
-        """The engine restarted without us seeing it down (its counters went back): a READY
-        engine goes back through WARMING."""
-        if self.state == probe_pb2.ENGINE_STATE_READY and not self._gpu_fatal:
-            self._set(probe_pb2.ENGINE_STATE_WARMING, reason, "restart")
-
-    def observe_gpu(self, fatal_reason: str | None) -> None:
-        """Feed the GPU verdict of one NVML collection (``None``: nothing fatal)."""
-        if fatal_reason:
-            self._gpu_fatal = fatal_reason
-            self._set(probe_pb2.ENGINE_STATE_FAILED, f"gpu: {fatal_reason}", "gpu")
-        elif self._gpu_fatal:
-            self._gpu_fatal = None
-            if self.state == probe_pb2.ENGINE_STATE_FAILED and not self._fatal_latched:
-                self._set(probe_pb2.ENGINE_STATE_WARMING, "gpu fault cleared", "gpu")
-
-
-# --------------------------------------------------------------------------------------------
-# Per-stream state
-
-
-@dataclass(frozen=True)
-class _HeartbeatTick:
-    seq: int
-
-
-@dataclass(frozen=True)
-class _PendingPong:
-    seq: int
-    received_ns: int
-
-
-_CLOSE = object()
-
-
-@dataclass(eq=False)
-class _Stream:
-    id: int
-    peer: str
-    queue: asyncio.Queue[Any]
-    control_plane_id: str = ""
-    hb_seq: int = 0
-    dropped: int = 0
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-
 
 def _clamp_u32(value: float) -> int:
-    return int(min(max(value, 0), _UINT32_MAX))
+    return int(min(max(value, 0), UINT32_MAX))
 
 
-def _load_message(
-    reading: EngineLoadReading | None, error: str
-) -> probe_pb2.EngineLoad:
+def _load_message(reading: EngineLoadReading | None, error: str) -> probe_pb2.EngineLoad:
+    """The ``EngineLoad`` telemetry of one scrape (``metrics_ok`` false with ``error`` when the
+    scrape failed); unknown values (``None``) are left unset."""
     msg = probe_pb2.EngineLoad(metrics_ok=reading is not None, metrics_error=error)
     if reading is not None:
         for name in (
@@ -349,20 +89,6 @@ def _load_message(
                 setattr(msg, name, value)
         msg.kv_cache_metric = reading.kv_cache_metric
     return msg
-
-
-def _load_class(reading: EngineLoadReading | None, stalled: bool) -> str:
-    """"busy" when the engine runs or queues requests and stall detection can watch it;
-    "idle" otherwise (idle, unknown load, or progress not observable)."""
-    if reading is None or stalled or not reading.stall_capable:
-        return "idle"
-    if (reading.requests_running or 0) > 0 or (reading.requests_waiting or 0) > 0:
-        return "busy"
-    return "idle"
-
-
-# --------------------------------------------------------------------------------------------
-# The agent
 
 
 class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
@@ -381,20 +107,16 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         self.cfg = cfg
         self._gpu_collector = gpu_collector
         self._lifecycle = EngineLifecycle(self._on_state_change)
-        self._streams: set[_Stream] = set()
-        self._stream_ids = itertools.count(1)
+        self._prober = Prober(cfg)
+        self._schedule = ProbeScheduler(cfg.schedule_settings())
+        self._hub = StreamHub(node_id=cfg.node_id, heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+                              queue_max=cfg.stream_queue_max, telemetry=self.telemetry,
+                              on_probe_now=self.request_probe)
         self._probe_seq = 0
         self._last_failure: int | None = None
-        self._adapter: EngineAdapter | None = (
-            None if cfg.engine_kind == "auto" else ADAPTERS[cfg.engine_kind]
-        )
-        self._adapter_lock = asyncio.Lock()
-        self._model: str | None = cfg.model
-        self._model_discovered = False
         self._load_reading: EngineLoadReading | None = None
         self._load_msg = probe_pb2.EngineLoad(metrics_ok=False, metrics_error="no scrape yet")
         self._load_at: float | None = None
-        self._load_class = "idle"
         self._stall = StallDetector(cfg.stall_window_ms / 1000.0)
         self._stalled = False
         self._stall_detail = ""
@@ -404,15 +126,11 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
             self._gpu_msg = probe_pb2.GpuTelemetry(
                 state=probe_pb2.NVML_STATE_ABSENT, error="GPU telemetry disabled"
             )
-        self._probe_now_pending = False
-        self._probe_now_trigger = TRIGGER_PROBE_NOW
-        self._last_probe_now_at: float | None = None
-        self._last_deep_at: float | None = None
         self._probe_wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._server: grpc.aio.Server | None = None
-        self._gpu_executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._gpu_poller: GpuPoller | None = None
         self._port: int | None = None
         self._started = False
         self._stopped = False
@@ -432,7 +150,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
     @property
     def engine_kind(self) -> str | None:
         """Adapter in use (``None`` while ``auto`` has not detected the engine yet)."""
-        return None if self._adapter is None else self._adapter.kind
+        return self._prober.adapter_kind
 
     @property
     def probe_count(self) -> int:
@@ -442,7 +160,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
     @property
     def subscriber_count(self) -> int:
         """Number of open ``Watch`` streams."""
-        return len(self._streams)
+        return len(self._hub)
 
     @property
     def stalled(self) -> bool:
@@ -459,16 +177,14 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         tel.gpu.CopyFrom(self._gpu_msg)
         return tel
 
-    def request_probe(self, reason: str = "", *, trigger: str = TRIGGER_PROBE_NOW) -> None:
+    def request_probe(self, reason: str = "", *, trigger: Trigger = Trigger.PROBE_NOW) -> None:
         """Ask for an immediate micro-probe (what ``ProbeNow`` does).
 
         Rate-limited: probes triggered this way start at least ``min_probe_now_interval_ms``
         apart; requests inside the window are coalesced into one probe at its end.
         """
         log.debug("probe requested (%s): %s", trigger, reason or "(no reason)")
-        if not self._probe_now_pending or trigger == TRIGGER_PROBE_NOW:
-            self._probe_now_trigger = trigger
-        self._probe_now_pending = True
+        self._schedule.request(trigger)
         self._probe_wake.set()
 
     # -- start / stop --------------------------------------------------------------------------
@@ -514,10 +230,8 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         if cfg.gpu_interval_s > 0:
             if self._gpu_collector is None:
                 self._gpu_collector = GpuCollector(fatal_xids=cfg.fatal_xids)
-            self._gpu_executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="np-nvml"
-            )
-            self._tasks.append(loop.create_task(self._gpu_loop(), name="np-agent-gpu"))
+            self._gpu_poller = GpuPoller(self._gpu_collector, cfg.gpu_interval_s, self._on_gpu)
+            self._tasks.append(loop.create_task(self._gpu_poller.run(), name="np-agent-gpu"))
         log.info(
             "agent %s serving NodeProbe on %s:%d, engine=%s (%s)",
             cfg.node_id,
@@ -539,73 +253,29 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        for st in list(self._streams):
-            try:
-                st.queue.put_nowait(_CLOSE)
-            except asyncio.QueueFull:
-                pass  # the server stop below cancels it
+        self._hub.end_all()
         if self._server is not None:
             try:
                 await self._server.stop(grace_s)
             except Exception:  # noqa: BLE001
                 log.exception("grpc server stop failed")
-        for st in list(self._streams):
-            await self._close_stream(st)
+        await self._hub.close()
         if self._session is not None:
             await self._session.close()
-        if self._gpu_executor is not None:
-            close = getattr(self._gpu_collector, "close", None)
-            if close is not None:
-                self._gpu_executor.submit(close)  # runs after a stuck collect, never blocks us
-            self._gpu_executor.shutdown(wait=False, cancel_futures=False)
+        if self._gpu_poller is not None:
+            self._gpu_poller.close()
         log.info("node-probe %s stopped", self.cfg.node_id)
 
     # -- state callbacks -----------------------------------------------------------------------
 
     def _on_state_change(self, old: int, new: int, reason: str) -> None:
-        log.info(
-            "engine state %s -> %s (%s)",
-            _STATE_NAMES.get(old, old),
-            _STATE_NAMES.get(new, new),
-            reason,
-        )
+        log.info("engine state %s -> %s (%s)", STATE_NAMES.get(old, old), STATE_NAMES.get(new, new), reason)
         if self._lifecycle.cause == "refused" and self.cfg.engine_kind == "auto":
             # Process gone: whatever comes back on this port is detected afresh.
-            self._adapter = None
+            self._prober.forget_adapter()
             self._stall.reset()
 
-    # -- engine adapter ------------------------------------------------------------------------
-
-    async def _get_adapter(self) -> EngineAdapter:
-        """The adapter in use, detecting the engine first when ``engine_kind`` is auto.
-
-        Raises:
-            EngineRequestError: detection found no answering engine (CONNECT / TIMEOUT).
-        """
-        if self._adapter is not None:
-            return self._adapter
-        async with self._adapter_lock:
-            if self._adapter is None:
-                assert self._session is not None
-                kind = await detect_engine_kind(
-                    self._session, self.cfg.engine_url, self.cfg.metrics_timeout_ms / 1000.0,
-                    self.cfg.metrics_url,
-                )
-                self._adapter = ADAPTERS[kind]
-                log.info("engine detected as %s", kind)
-            return self._adapter
-
     # -- background loops ----------------------------------------------------------------------
-
-    @staticmethod
-    async def _sleep_until(loop: asyncio.AbstractEventLoop, next_t: float, period: float) -> float:
-        """Sleep to the next tick of a fixed-rate grid; skip ticks missed in a stall.
-        Returns the tick slept to."""
-        now = loop.time()
-        if now - next_t > period:
-            next_t += ((now - next_t) // period) * period
-        await asyncio.sleep(max(0.0, next_t - now))
-        return next_t
 
     async def _scrape(self) -> tuple[EngineLoadReading | None, str]:
         """One ``/metrics`` scrape through the adapter; feeds the lifecycle."""
@@ -613,15 +283,8 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         cfg = self.cfg
         timeout_s = cfg.metrics_timeout_ms / 1000.0
         try:
-            adapter = await self._get_adapter()
-            url = adapter.metrics_url(cfg.engine_url, cfg.metrics_url)
-            text = await fetch_metrics_text(self._session, url, timeout_s)
-            try:
-                reading = adapter.parse_metrics(text)
-            except ValueError as exc:
-                raise EngineRequestError(
-                    probe_pb2.FAILURE_KIND_BAD_OUTPUT, f"GET {url}: unparseable metrics: {exc}", 200
-                ) from exc
+            adapter = await self._prober.adapter(self._session)
+            reading = await adapter.read_metrics(self._session, cfg.engine_url, timeout_s, cfg.metrics_url)
             self._lifecycle.observe_metrics(None)
             return reading, ""
         except EngineRequestError as err:
@@ -641,9 +304,12 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
                 log.exception("metrics scrape failed unexpectedly")
                 reading, error = None, f"agent error: {type(exc).__name__}: {exc}"
             self._on_reading(reading, error, time.monotonic())
-            next_t = await self._sleep_until(loop, next_t + period, period)
+            next_t = await sleep_until_tick(loop, next_t + period, period)
 
     def _on_reading(self, reading: EngineLoadReading | None, error: str, now: float) -> None:
+        """Take one scrape (``reading`` ``None`` with ``error`` when it failed) taken at ``now``
+        (monotonic s): a generated-token counter that went back means a restart; stall
+        detection runs (a new stall requests a probe); the load class re-plans the schedule."""
         if error and self._load_reading is not None:
             log.info("metrics scrape failing: %s", error)
         elif not error and self._load_reading is None:
@@ -661,144 +327,41 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
             verdict = self._stall.observe(reading, now)
             if verdict.stalled and not self._stalled:
                 log.warning("engine stalled: %s", verdict.detail)
-                self.request_probe(verdict.detail, trigger=TRIGGER_STALL)
+                self.request_probe(verdict.detail, trigger=Trigger.STALL)
             elif self._stalled and not verdict.stalled:
                 log.info("engine progressing again")
             self._stalled, self._stall_detail = verdict.stalled, verdict.detail
         elif self._stalled:
             # No reading, no verdict: the scrape error is the signal now.
             self._stalled, self._stall_detail = False, ""
-        load_class = _load_class(reading, self._stalled)
-        if load_class != self._load_class:
-            self._load_class = load_class
+        if self._schedule.set_busy(load_is_busy(reading, self._stalled)):
             self._probe_wake.set()  # the probe schedule follows load: re-plan now
 
-    async def _gpu_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        period = self.cfg.gpu_interval_s
-        stuck_after = max(5.0, 5 * period)
-        collector = self._gpu_collector
-        next_t = loop.time()
-        while True:
-            started = loop.time()
-            fut = loop.run_in_executor(self._gpu_executor, collector.collect)
-            while True:
-                done, _ = await asyncio.wait({fut}, timeout=stuck_after)
-                if done:
-                    break
-                stuck = probe_pb2.GpuTelemetry()
-                stuck.CopyFrom(self._gpu_msg)
-                stuck.state = probe_pb2.NVML_STATE_ERROR
-                stuck.error = f"NVML collect stuck for {loop.time() - started:.0f} s"
-                self._gpu_msg = stuck
-                log.warning("GPU telemetry: %s", stuck.error)
-            try:
-                self._gpu_msg = fut.result()
-            except Exception as exc:  # noqa: BLE001
-                log.exception("GPU collect failed unexpectedly")
-                self._gpu_msg = probe_pb2.GpuTelemetry(
-                    state=probe_pb2.NVML_STATE_ERROR, error=f"collector: {type(exc).__name__}: {exc}"
-                )
-            self._lifecycle.observe_gpu(gpu_fatal_reason(self._gpu_msg, self.cfg.fatal_xids))
-            next_t = await self._sleep_until(loop, next_t + period, period)
-
-    def _base_probe_interval(self) -> float:
-        if _load_class(self._load_reading, self._stalled) == "busy":
-            return self.cfg.probe_interval_s
-        return self.cfg.effective_idle_interval_s
-
-    def _next_probe_interval(self) -> float:
-        """The next scheduled-probe interval under the current load, with jitter."""
-        j = self.cfg.probe_jitter_ratio
-        return self._base_probe_interval() * random.uniform(1 - j, 1 + j)
-
-    def _deep_due(self, now: float) -> bool:
-        interval = self.cfg.deep_check_interval_s
-        if not interval:
-            return False
-        return self._last_deep_at is None or now - self._last_deep_at >= interval
+    def _on_gpu(self, tel: probe_pb2.GpuTelemetry) -> None:
+        self._gpu_msg = tel
+        self._lifecycle.observe_gpu(gpu_fatal_reason(tel, self.cfg.fatal_xids))
 
     async def _probe_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        min_gap = self.cfg.min_probe_now_interval_ms / 1000.0
-        j = self.cfg.probe_jitter_ratio
-        last_end: float | None = None  # first probe right at start
-        jitter = 1.0
         while True:
-            now = loop.time()
-            due = now if last_end is None else last_end + self._base_probe_interval() * jitter
-            forced_ok_at = None
-            if self._probe_now_pending:
-                forced_ok_at = (
-                    now if self._last_probe_now_at is None else max(now, self._last_probe_now_at + min_gap)
-                )
-                due = min(due, forced_ok_at)
-            if now < due:
+            decision = self._schedule.decide(loop.time())
+            if decision.trigger is None:
                 self._probe_wake.clear()
                 try:
-                    await asyncio.wait_for(self._probe_wake.wait(), due - now)
+                    await asyncio.wait_for(self._probe_wake.wait(), decision.wait_s)
                 except TimeoutError:
                     pass
                 continue
-            trigger = TRIGGER_SCHEDULED
-            if forced_ok_at is not None and now >= forced_ok_at:
-                trigger = self._probe_now_trigger
-                self._probe_now_pending = False
-                self._last_probe_now_at = now
-            elif self._deep_due(now):
-                trigger = TRIGGER_DEEP
-                self._last_deep_at = now
-            await self._run_probe(trigger)
-            last_end = loop.time()
-            jitter = random.uniform(1 - j, 1 + j)
+            await self._run_probe(decision.trigger)
+            self._schedule.probe_done(loop.time())
 
-    async def _resolve_model(self, adapter: EngineAdapter, timeout_s: float) -> str | None:
-        """The model to probe (raises :class:`EngineRequestError` when discovery fails)."""
-        if self._model or not adapter.needs_model:
-            return self._model
+    async def _run_probe(self, trigger: Trigger) -> None:
         assert self._session is not None
-        try:
-            model = await adapter.discover_model(self._session, self.cfg.engine_url, timeout_s)
-        except EngineRequestError as err:
-            raise EngineRequestError(err.kind, f"model discovery: {err.detail}", err.http_status) from err
-        self._model = model
-        self._model_discovered = True
-        log.info("probing model %s (discovered)", model)
-        return model
-
-    async def _probe_once(self, trigger: str) -> ProbeOutcome:
-        assert self._session is not None
-        cfg = self.cfg
-        deep = trigger == TRIGGER_DEEP
-        timeout_s = (cfg.deep_check_timeout_ms if deep else cfg.probe_timeout_ms) / 1000.0
-        try:
-            adapter = await self._get_adapter()
-            model = await self._resolve_model(adapter, cfg.probe_timeout_ms / 1000.0)
-        except EngineRequestError as err:
-            return ProbeOutcome(False, None, err.kind, err.http_status, err.detail)
-        outcome = await run_probe(
-            self._session, adapter, cfg.engine_url, model, timeout_s,
-            deep_prompt=cfg.deep_check_prompt if deep else None,
-            max_tokens=cfg.deep_check_max_tokens if deep else 1,
-        )
-        if outcome.http_status == 404 and self._model_discovered:
-            self._model = None  # engine restarted with another model: rediscover
-            self._model_discovered = False
-        if deep and outcome.ok and cfg.deep_check_expect not in outcome.text:
-            outcome = ProbeOutcome(
-                False, outcome.ttft_ms, probe_pb2.FAILURE_KIND_BAD_OUTPUT, outcome.http_status,
-                f"deep check: {cfg.deep_check_prompt!r} answered {outcome.text[:80]!r}, "
-                f"expected {cfg.deep_check_expect!r}",
-                outcome.headers_ms, outcome.text,
-            )
-        return outcome
-
-    async def _run_probe(self, trigger: str) -> None:
         self._probe_seq += 1
         seq = self._probe_seq
-        deep = trigger == TRIGGER_DEEP
+        deep = trigger == Trigger.DEEP
         try:
-            outcome = await self._probe_once(trigger)
+            outcome = await self._prober.probe(self._session, deep)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - never let a probe kill the loop
@@ -836,119 +399,21 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
                 outcome.detail,
             )
         msg = probe_pb2.AgentMessage(inference_result=result)
-        for st in list(self._streams):
-            self._enqueue(st, msg)
+        self._hub.broadcast(msg)
 
     # -- streams -------------------------------------------------------------------------------
-
-    def _enqueue(self, st: _Stream, item: Any) -> None:
-        try:
-            st.queue.put_nowait(item)
-        except asyncio.QueueFull:
-            st.dropped += 1
-            if st.dropped == 1 or st.dropped % 100 == 0:
-                log.warning(
-                    "stream %d (%s): outbound queue full, %d message(s) dropped",
-                    st.id,
-                    st.peer,
-                    st.dropped,
-                )
-
-    async def _heartbeat_loop(self, st: _Stream) -> None:
-        loop = asyncio.get_running_loop()
-        period = self.cfg.heartbeat_interval_ms / 1000.0
-        next_t = loop.time()  # first heartbeat as soon as the stream opens
-        while True:
-            st.hb_seq += 1
-            self._enqueue(st, _HeartbeatTick(st.hb_seq))
-            next_t = await self._sleep_until(loop, next_t + period, period)
-
-    async def _read_loop(self, st: _Stream, requests: AsyncIterator[probe_pb2.ControlMessage]) -> None:
-        try:
-            async for msg in requests:
-                kind = msg.WhichOneof("msg")
-                if kind == "ping":
-                    self._enqueue(st, _PendingPong(msg.ping.seq, time.perf_counter_ns()))
-                elif kind == "probe_now":
-                    self.request_probe(msg.probe_now.reason or f"stream {st.id}")
-                elif kind == "hello":
-                    st.control_plane_id = msg.hello.control_plane_id
-                    log.info(
-                        "stream %d: hello from control plane %r (%s)",
-                        st.id,
-                        st.control_plane_id,
-                        st.peer,
-                    )
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the client went away; the writer ends too
-            log.debug("stream %d: read side ended: %r", st.id, exc)
-        # Half-closed by the client: keep sending heartbeats until it cancels.
-
-    def _materialize(self, st: _Stream, item: Any) -> probe_pb2.AgentMessage:
-        if isinstance(item, _HeartbeatTick):
-            return probe_pb2.AgentMessage(
-                heartbeat=probe_pb2.Heartbeat(
-                    seq=item.seq,
-                    interval_ms=self.cfg.heartbeat_interval_ms,
-                    node_id=self.cfg.node_id,
-                    telemetry=self.telemetry(),
-                )
-            )
-        if isinstance(item, _PendingPong):
-            processing_us = (time.perf_counter_ns() - item.received_ns) // 1000
-            return probe_pb2.AgentMessage(pong=probe_pb2.Pong(seq=item.seq, processing_us=processing_us))
-        return item
-
-    async def _close_stream(self, st: _Stream) -> None:
-        if st not in self._streams:
-            return
-        self._streams.discard(st)
-        for task in st.tasks:
-            task.cancel()
-        await asyncio.gather(*st.tasks, return_exceptions=True)
-        st.tasks.clear()
-        log.info(
-            "stream %d closed (%s, control plane %r, %d dropped)",
-            st.id,
-            st.peer,
-            st.control_plane_id,
-            st.dropped,
-        )
 
     async def Watch(  # noqa: N802 - gRPC method name
         self,
         request_iterator: AsyncIterator[probe_pb2.ControlMessage],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[probe_pb2.AgentMessage]:
-        """Serve one control plane's stream (see module docstring). Ends when the client
-        cancels or the agent stops; per-stream tasks and the queue are cleaned up either way."""
-        loop = asyncio.get_running_loop()
-        st = _Stream(
-            id=next(self._stream_ids),
-            peer=context.peer() or "?",
-            queue=asyncio.Queue(maxsize=self.cfg.stream_queue_max),
-        )
+        """Serve one control plane's stream (see module docstring and :class:`StreamHub`).
+        Ends when the client cancels or the agent stops."""
         if self._stopped:
             return
-        self._streams.add(st)
-        log.info("stream %d opened by %s", st.id, st.peer)
-        st.tasks.append(loop.create_task(self._heartbeat_loop(st), name=f"np-stream-{st.id}-heartbeat"))
-        st.tasks.append(
-            loop.create_task(self._read_loop(st, request_iterator), name=f"np-stream-{st.id}-reader")
-        )
-        try:
-            while True:
-                item = await st.queue.get()
-                if item is _CLOSE:
-                    return
-                yield self._materialize(st, item)
-        finally:
-            await self._close_stream(st)
-
-
-# --------------------------------------------------------------------------------------------
-# Running
+        async for msg in self._hub.serve(request_iterator, context.peer() or "?"):
+            yield msg
 
 
 async def run_agent(

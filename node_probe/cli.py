@@ -22,6 +22,7 @@ import sys
 from typing import Sequence
 
 from node_probe.engines import ENGINE_KINDS
+from node_probe.telemetry import FATAL_XIDS
 
 __all__ = ["build_parser", "main"]
 
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NVML collection period, s; 0 disables GPU telemetry (default %(default)s)")
     p.add_argument("--fatal-xids", type=_xids, default=None,
                    help="comma-separated Xid codes that mark the engine FAILED "
-                        "(default 48,63,64,74,79,94,95)")
+                        f"(default {','.join(map(str, sorted(FATAL_XIDS)))})")
     p.add_argument("--model", default=None,
                    help="model id to probe (default: first id from GET /v1/models)")
     p.add_argument("--log-level", default="INFO", type=str.upper,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from node_probe.engines.base import EngineLoadReading
+from node_probe.engines.prometheus import EngineLoadReading
 
 __all__ = ["StallDetector", "StallVerdict"]
 

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from node_probe.telemetry import FATAL_XIDS
+
 __all__ = [
     "AdminConfig",
     "ClusterConfig",
@@ -330,9 +332,10 @@ class HealthConfig(_Model):
     queue_warning_weight_factor: float = Field(0.5, gt=0, le=1, description="weight kept above queue_warning")
     queue_critical: float = Field(100, ge=0, description="seed 001: > 100 waiting -> not routed while it lasts")
     fatal_xids: list[int] = Field(
-        [48, 63, 64, 74, 79, 94, 95],
+        sorted(FATAL_XIDS),
         description="NVIDIA Xid codes that mean the GPU cannot be trusted (DBE, row-remap "
-        "failure, NVLink, fallen off the bus, contained/uncontained ECC)",
+        "failure, NVLink, fallen off the bus, contained/uncontained ECC); default: "
+        "node_probe.telemetry.FATAL_XIDS, the agent's list (one home)",
     )
     # -- half-open probation and ramp (seed 000) ---------------------------------------------
     probation_clean_s: float = Field(

@@ -13,7 +13,7 @@ import re
 
 import aiohttp
 
-from node_probe.engines.base import EngineRequestError, get_text
+from node_probe.engines.http_helpers import EngineRequestError, get_text
 from node_probe.proto import probe_pb2
 
 __all__ = ["detect_engine_kind", "kind_from_metrics"]

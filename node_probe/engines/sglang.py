@@ -14,19 +14,16 @@
 
 from __future__ import annotations
 
-from node_probe.engines.base import MetricSpec, sel
 from node_probe.engines.openai_compat import OpenAICompatAdapter
+from node_probe.engines.prometheus import MetricSpec, sel
 
-__all__ = ["SglangAdapter"]
+__all__ = ["SGLANG"]
 
-
-class SglangAdapter(OpenAICompatAdapter):
-    """SGLang's OpenAI-compatible server."""
-
-    kind = "sglang"
-    cache_salt_field = None
-    stall_detection = False
-    metrics_spec = MetricSpec(
+#: SGLang's OpenAI-compatible server: no salt field (a random prefix instead), no progress counter.
+SGLANG = OpenAICompatAdapter(
+    kind="sglang",
+    cache_salt_field=None,
+    metrics_spec=MetricSpec(
         running=(sel("sglang:num_running_reqs"),),
         waiting=(sel("sglang:num_queue_reqs"),),
         kv_usage=(sel("sglang:token_usage"),),
@@ -34,4 +31,5 @@ class SglangAdapter(OpenAICompatAdapter):
         generation_tokens=(sel("sglang:generation_tokens_total"),),
         progress=(),
         group_label="dp_rank",
-    )
+    ),
+)

@@ -6,7 +6,6 @@
   "generated_text":..}``; an error arrives as ``data:{"error":"...","error_type":"..."}``. A
   token chunk counts even when its text is empty (a special token is still a decode step).
   TGI caches prefixes (v3): a random prompt prefix defeats it. No model id is needed.
-* Readiness: ``GET /health`` (200 once the router and shards serve; 503 otherwise).
 * Metrics (``/metrics``, names from ``docs/source/reference/metrics.md``): ``tgi_queue_size``
   (waiting), ``tgi_batch_current_size`` (running), generated tokens from
   ``tgi_request_generated_tokens_sum`` (observed when a request ends). There is no KV-usage
@@ -16,28 +15,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from node_probe.engines.base import (
-    ChunkError,
-    ChunkToken,
-    EngineAdapter,
-    MetricSpec,
-    ProbeRequest,
-    sel,
-)
+from node_probe.engines.base import ChunkError, ChunkToken, EngineAdapter, ProbeRequest
+from node_probe.engines.prometheus import MetricSpec, sel
 
-__all__ = ["TgiAdapter"]
+__all__ = ["TGI", "TgiAdapter"]
 
 
+@dataclass(frozen=True, kw_only=True)
 class TgiAdapter(EngineAdapter):
     """Hugging Face TGI (native ``/generate_stream`` API)."""
 
-    kind = "tgi"
-    readiness_path = "/health"
-    needs_model = False
-    cache_salt_field = None
-    metrics_spec = MetricSpec(
+    kind: str = "tgi"
+    needs_model: bool = False
+    metrics_spec: MetricSpec = MetricSpec(
         running=(sel("tgi_batch_current_size"),),
         waiting=(sel("tgi_queue_size"),),
         generation_tokens=(sel("tgi_request_generated_tokens_sum"),),
@@ -70,3 +63,6 @@ class TgiAdapter(EngineAdapter):
         if isinstance(doc, dict) and isinstance(doc.get("generated_text"), str):
             return doc["generated_text"]
         return None
+
+
+TGI = TgiAdapter()

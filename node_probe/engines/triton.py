@@ -19,39 +19,30 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from node_probe.engines.base import (
-    ChunkError,
-    ChunkToken,
-    EngineAdapter,
-    EngineRequestError,
-    MetricSpec,
-    ProbeRequest,
-    get_text,
-    sel,
-    truncate,
-)
+from node_probe.engines.base import ChunkError, ChunkToken, EngineAdapter, ProbeRequest
+from node_probe.engines.http_helpers import EngineRequestError, get_text, truncate
+from node_probe.engines.prometheus import MetricSpec, sel
 from node_probe.proto import probe_pb2
 
-__all__ = ["TRITON_METRICS_PORT", "TritonAdapter"]
+__all__ = ["TRITON", "TRITON_METRICS_PORT", "TritonAdapter"]
 
 #: Triton's default metrics port.
 TRITON_METRICS_PORT = 8002
 _PREFERRED_MODELS = ("ensemble", "tensorrt_llm_bls")
 
 
+@dataclass(frozen=True, kw_only=True)
 class TritonAdapter(EngineAdapter):
     """Triton with a TensorRT-LLM model (generate extension)."""
 
-    kind = "triton"
-    readiness_path = "/v2/health/ready"
-    needs_model = True
-    cache_salt_field = None
-    metrics_spec = MetricSpec(
+    kind: str = "triton"
+    metrics_spec: MetricSpec = MetricSpec(
         running=(sel("nv_trt_llm_request_metrics", request_type="scheduled"),
                  sel("nv_trt_llm_request_metrics", request_type="active")),
         waiting=(sel("nv_trt_llm_request_metrics", request_type="waiting"),
@@ -117,3 +108,6 @@ class TritonAdapter(EngineAdapter):
         if isinstance(doc, dict) and isinstance(doc.get("text_output"), str):
             return doc["text_output"]
         return None
+
+
+TRITON = TritonAdapter()

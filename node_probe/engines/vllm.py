@@ -3,8 +3,8 @@
 * Probe: ``POST /v1/completions`` with ``max_tokens: 1``, ``temperature: 0``, ``stream: true`` and
   a fresh non-empty ``cache_salt`` (vLLM >= 0.9 mixes it into the first KV block hash, so the
   prefix cache cannot answer; an empty or non-string salt is a 400, see fixture 06c/06d).
-* Readiness: ``GET /health`` (200; 503 once the engine is dead). During startup the port refuses
-  connections: there is no "loading" phase to read.
+* During startup the port refuses connections: there is no "loading" phase to read; ``GET /health``
+  answers 200, and 503 once the engine is dead.
 * Metrics (both generations): ``vllm:num_requests_running``/``_waiting``, KV usage from
   ``vllm:kv_cache_usage_perc`` or, on older servers, ``vllm:gpu_cache_usage_perc`` (never both
   added), prefix-cache counters ``vllm:prefix_cache_{queries,hits}_total`` or the older
@@ -16,14 +16,9 @@
 
 from __future__ import annotations
 
-from node_probe.engines.openai_compat import OpenAICompatAdapter
+from node_probe.engines.openai_compat import OPENAI_METRICS, OpenAICompatAdapter
 
-__all__ = ["VllmAdapter"]
+__all__ = ["VLLM"]
 
-
-class VllmAdapter(OpenAICompatAdapter):
-    """vLLM (V1 and the older V0 metric names)."""
-
-    kind = "vllm"
-    cache_salt_field = "cache_salt"
-    metrics_spec = OpenAICompatAdapter.metrics_spec
+#: vLLM (V1 and the older V0 metric names), salted with ``cache_salt``.
+VLLM = OpenAICompatAdapter(kind="vllm", cache_salt_field="cache_salt", metrics_spec=OPENAI_METRICS)

@@ -14,21 +14,10 @@ from conformance_support import CDS, EDS, cla, empty_cla, start_ads_server, stop
 from xds_server.config import parse_config
 from xds_server.envoy_bootstrap import EnvoyNotFound, find_envoy
 from xds_server.health.model import Routing
-from xds_server.testing import StandaloneEnvoy
+from xds_server.testing import StandaloneEnvoy, wait_for
 from xds_server.xds.resources import MAX_LOCALITY_WEIGHT_SUM, build_cla
 
 pytestmark = [pytest.mark.envoy, pytest.mark.parametrize("api_type", ["GRPC", "DELTA_GRPC"])]
-
-
-async def wait_for(pred, timeout_s: float = 5.0, step_s: float = 0.02):
-    """Poll the async predicate until it returns something truthy; AssertionError on timeout."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        v = await pred()
-        if v:
-            return v
-        await asyncio.sleep(step_s)
-    raise AssertionError(f"condition not met within {timeout_s} s")
 
 
 @pytest.fixture
@@ -65,7 +54,7 @@ async def acked_all(ads) -> bool:
 
 async def test_envoy_cluster_change_is_active_within_1s_not_warming_15s(envoy_and_ads, api_type):
     ads, envoy = envoy_and_ads
-    await wait_for(lambda: _active_with_hosts(envoy, "llm", 2))
+    await wait_for(lambda: _active_with_hosts(envoy, "llm", 2), timeout_s=5.0, step_s=0.02)
     ads.publish_clusters("llm", "llm2", connect_timeout_ms=2500)
     t0 = time.monotonic()
 
@@ -76,7 +65,7 @@ async def test_envoy_cluster_change_is_active_within_1s_not_warming_15s(envoy_an
                 return await envoy.cluster_state("llm") == "active"
         return False
 
-    await wait_for(updated_and_active, timeout_s=3.0)
+    await wait_for(updated_and_active, timeout_s=3.0, step_s=0.02)
     elapsed = time.monotonic() - t0
     stats = await envoy.stats(r"^cluster\.llm\.init_fetch_timeout$")
     print(f"\n{api_type}: changed cluster active again after {elapsed * 1000:.0f} ms")
@@ -87,9 +76,9 @@ async def test_envoy_cluster_change_is_active_within_1s_not_warming_15s(envoy_an
 
 async def test_envoy_cluster_left_out_of_cds_is_deleted(envoy_and_ads, api_type):
     ads, envoy = envoy_and_ads
-    await wait_for(lambda: _state_is(envoy, "llm2", "active"))
+    await wait_for(lambda: _state_is(envoy, "llm2", "active"), timeout_s=5.0, step_s=0.02)
     ads.publish_clusters("llm")
-    await wait_for(lambda: _state_is(envoy, "llm2", "absent"), timeout_s=2.0)
+    await wait_for(lambda: _state_is(envoy, "llm2", "absent"), timeout_s=2.0, step_s=0.02)
     assert await envoy.cluster_state("llm") == "active"
     s = envoy_stream(ads)
     if api_type == "DELTA_GRPC":
@@ -98,18 +87,18 @@ async def test_envoy_cluster_left_out_of_cds_is_deleted(envoy_and_ads, api_type)
 
 async def test_envoy_empty_assignment_drains_every_endpoint(envoy_and_ads, api_type):
     ads, envoy = envoy_and_ads
-    await wait_for(lambda: _active_with_hosts(envoy, "llm", 2))
+    await wait_for(lambda: _active_with_hosts(envoy, "llm", 2), timeout_s=5.0, step_s=0.02)
     ads.cache.set_resource(EDS, "llm", empty_cla("llm"))
-    await wait_for(lambda: _host_count_is(envoy, "llm", 0), timeout_s=2.0)
-    await wait_for(lambda: acked_all(ads), timeout_s=2.0)  # accepted, not NACKed
+    await wait_for(lambda: _host_count_is(envoy, "llm", 0), timeout_s=2.0, step_s=0.02)
+    await wait_for(lambda: acked_all(ads), timeout_s=2.0, step_s=0.02)  # accepted, not NACKed
     assert not ads.servicer.stats.nacks
     ads.cache.set_resource(EDS, "llm", cla())
-    await wait_for(lambda: _active_with_hosts(envoy, "llm", 2), timeout_s=2.0)
+    await wait_for(lambda: _active_with_hosts(envoy, "llm", 2), timeout_s=2.0, step_s=0.02)
 
 
 async def test_fc01_real_envoy_acks_every_push_with_extreme_weights(envoy_and_ads, api_type):
     ads, envoy = envoy_and_ads
-    await wait_for(lambda: acked_all(ads))
+    await wait_for(lambda: acked_all(ads), timeout_s=5.0, step_s=0.02)
     # 150 healthy nodes sharing a budget, one scoring 0 (queue 500, KV cache 100 %)
     many = parse_config({"clusters": [{"name": "llm", "nodes": [
         {"id": f"n{i:03d}", "address": f"127.0.0.1:{20000 + i}", "probe_address": "127.0.0.1:1"}
@@ -129,7 +118,7 @@ async def test_fc01_real_envoy_acks_every_push_with_extreme_weights(envoy_and_ad
             ws = [e.load_balancing_weight.value for e in lle.lb_endpoints]
             assert min(ws) >= 1 and sum(ws) <= MAX_LOCALITY_WEIGHT_SUM
         ads.cache.set_resource(EDS, "llm", cla_msg)
-        await wait_for(lambda: acked_all(ads), timeout_s=3.0)
+        await wait_for(lambda: acked_all(ads), timeout_s=3.0, step_s=0.02)
     hosts = await envoy.hosts("llm")
     assert sorted(h["weight"] for h in hosts.values()) == sorted(
         e.load_balancing_weight.value for e in pushes[-1].endpoints[0].lb_endpoints)
@@ -143,7 +132,7 @@ async def test_fc01_real_envoy_acks_every_push_with_extreme_weights(envoy_and_ad
 
 async def test_envoy_nack_is_recorded_once_and_the_rejected_content_not_resent(envoy_and_ads, api_type):
     ads, envoy = envoy_and_ads
-    await wait_for(lambda: acked_all(ads))
+    await wait_for(lambda: acked_all(ads), timeout_s=5.0, step_s=0.02)
     bad = cla(weight=5)
     bad.endpoints[0].lb_endpoints[0].load_balancing_weight.value = 0  # Envoy NACKs weight 0
     ads.cache.set_resource(EDS, "llm", bad)  # this cache does not validate: the test wants a NACK
@@ -152,7 +141,7 @@ async def test_envoy_nack_is_recorded_once_and_the_rejected_content_not_resent(e
         s = envoy_stream(ads)
         return s is not None and s.types[EDS].nacks >= 1
 
-    await wait_for(nacked, timeout_s=3.0)
+    await wait_for(nacked, timeout_s=3.0, step_s=0.02)
     s = envoy_stream(ads)
     responses = s.types[EDS].responses
     await asyncio.sleep(1.0)  # no ping-pong: nothing resent, nothing re-NACKed
@@ -164,7 +153,7 @@ async def test_envoy_nack_is_recorded_once_and_the_rejected_content_not_resent(e
     assert {"node": "envoy-llm-gw-1", "variant": variant, "type": "ClusterLoadAssignment",
             "nacks": 1} in ads.servicer.clients_view()["nacks_by_node"]
     ads.cache.set_resource(EDS, "llm", cla(weight=6))  # newer good content is sent and ACKed
-    await wait_for(lambda: acked_all(ads), timeout_s=3.0)
+    await wait_for(lambda: acked_all(ads), timeout_s=3.0, step_s=0.02)
     hosts = await envoy.hosts("llm")
     assert sorted(h["weight"] for h in hosts.values()) == [6, 6]
     assert s.types[EDS].nacks == 1
@@ -184,7 +173,7 @@ async def _state_is(envoy: StandaloneEnvoy, cluster: str, state: str) -> bool:
 
 async def test_envoy_acks_priorities_localities_overprovisioning_and_one_drop_category(envoy_and_ads, api_type):
     ads, envoy = envoy_and_ads
-    await wait_for(lambda: acked_all(ads))
+    await wait_for(lambda: acked_all(ads), timeout_s=5.0, step_s=0.02)
     c = parse_config({"clusters": [{"name": "llm", "overprovisioning_factor": 100,
                                     "drop_overloads": [{"category": "lost", "drop_percent": 10}], "nodes": [
         {"id": "a", "address": "127.0.0.1:8001", "probe_address": "127.0.0.1:1", "locality": {"region": "eu", "zone": "z1"}},
@@ -195,7 +184,7 @@ async def test_envoy_acks_priorities_localities_overprovisioning_and_one_drop_ca
     msg = build_cla(c, routing)
     assert len(msg.policy.drop_overloads) == 1
     ads.cache.set_resource(EDS, "llm", msg)
-    await wait_for(lambda: acked_all(ads), timeout_s=3.0)
+    await wait_for(lambda: acked_all(ads), timeout_s=3.0, step_s=0.02)
     hosts = await envoy.hosts("llm")
     assert sorted((h["priority"], h["health"]) for h in hosts.values()) == [
         (0, "UNHEALTHY"), (0, "UNHEALTHY"), (1, "HEALTHY")]

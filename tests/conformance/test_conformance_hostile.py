@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from conformance_support import CDS, EDS, cla, rss_bytes, start_ads_server, stop_ads_server
 from xds_server.config import XdsConfig
+from xds_server.testing import wait_for
 from xds_server.xds.delta import DeltaStream
 from xds_server.xds.protocol import StreamIdentity, Verdict
 
@@ -46,14 +47,6 @@ async def drain_call(call, timeout_s: float = 0.5) -> grpc.StatusCode | None:
                 return await call.code()
     except grpc.aio.AioRpcError as e:
         return e.code()
-
-
-async def wait_until(pred, timeout_s: float = 5.0) -> bool:
-    for _ in range(int(timeout_s / 0.02)):
-        if pred():
-            return True
-        await asyncio.sleep(0.02)
-    return pred()
 
 
 # ---- random hostile request sequences ---------------------------------------------------------
@@ -149,7 +142,7 @@ async def test_hostile_xds_client_random_sequences_never_stop_the_server_or_a_cl
         await clean_client_gets_the_next_update(s, clean, state)
     finally:
         call.cancel()
-    assert await wait_until(lambda: len(s.servicer.streams) == 1)  # only the clean client is left
+    await wait_for(lambda: len(s.servicer.streams) == 1, timeout_s=5.0, step_s=0.02)  # only the clean client is left
     for key in s.servicer.stats.requests:  # labels come from bounded sets only
         assert key[0] in ("sotw", "delta") and key[1] in ("Cluster", "ClusterLoadAssignment", "unknown")
         assert key[2] in {v.value for v in Verdict}
@@ -191,11 +184,11 @@ async def test_issue9_closed_ads_streams_of_20k_names_leave_no_memory_behind(var
 
         for i in range(5):  # warm-up: grpc pools, code paths
             await one(i)
-        assert await wait_until(lambda: not s.servicer.streams)
+        await wait_for(lambda: not s.servicer.streams, timeout_s=5.0, step_s=0.02)
         base = rss_bytes()
         for i in range(5, 45):
             await one(i)
-        assert await wait_until(lambda: not s.servicer.streams)
+        await wait_for(lambda: not s.servicer.streams, timeout_s=5.0, step_s=0.02)
         growth = rss_bytes() - base
         print(f"\n{variant}: 40 closed streams of 20k names: RSS growth {growth / 1e6:.1f} MB, "
               f"memo {s.cache.memo_bytes() / 1e6:.2f} MB")
@@ -220,7 +213,7 @@ async def test_issue9_client_chosen_node_ids_never_become_metric_labels(control_
             nack.error_detail.message = "m" * 100_000
             await call.write(nack.SerializeToString())
             calls.append(call)
-        assert await wait_until(lambda: cp.ads.stats.nacks[("sotw", "ClusterLoadAssignment")] == 30)
+        await wait_for(lambda: cp.ads.stats.nacks[("sotw", "ClusterLoadAssignment")] == 30, timeout_s=5.0, step_s=0.02)
         async with aiohttp.ClientSession() as http:
             async with http.get(f"{admin}/metrics") as resp:
                 metrics_text = await resp.text()
@@ -233,7 +226,7 @@ async def test_issue9_client_chosen_node_ids_never_become_metric_labels(control_
         assert len(clients_text) < 30 * 4_000
         for c in calls:
             c.cancel()
-    assert await wait_until(lambda: not cp.ads.streams)
+    await wait_for(lambda: not cp.ads.streams, timeout_s=5.0, step_s=0.02)
     assert cp.ads.clients_view()["nacks_by_node"] == []
 
 
@@ -249,7 +242,7 @@ async def test_issue9_node_ids_and_nonces_are_escaped_in_every_log_line(hostile_
         nack = discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=["llm"], response_nonce=r.nonce)
         nack.error_detail.message = "bad\nINFO forged line"
         await call.write(nack.SerializeToString())
-        assert await wait_until(lambda: s.servicer.stats.nacks[("sotw", "ClusterLoadAssignment")] == 1)
+        await wait_for(lambda: s.servicer.stats.nacks[("sotw", "ClusterLoadAssignment")] == 1, timeout_s=5.0, step_s=0.02)
         bad = raw_call(channel, "delta")
         breq = discovery_pb2.DeltaDiscoveryRequest(type_url="")
         breq.node.id = forged

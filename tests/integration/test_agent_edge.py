@@ -3,6 +3,7 @@ and a scripted fake agent (a real gRPC NodeProbe server)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 
@@ -14,6 +15,7 @@ from node_probe.proto import probe_pb2
 from xds_server.config import parse_config
 from xds_server.health.model import NodeState, ProbeObserved, StreamClosed
 from xds_server.server import ControlPlane
+from xds_server.testing import wait_for
 
 
 def config(agent_port: int, probe: dict | None = None, **health) -> dict:
@@ -27,15 +29,8 @@ def config(agent_port: int, probe: dict | None = None, **health) -> dict:
     }
 
 
-async def until(pred, timeout_s: float = 5.0, step_s: float = 0.02):
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while loop.time() < end:
-        v = pred()
-        if v:
-            return v
-        await asyncio.sleep(step_s)
-    raise AssertionError("condition not met in time")
+#: ``wait_for`` with this module's polling defaults (s).
+until = functools.partial(wait_for, timeout_s=5.0, step_s=0.02)
 
 
 def strict_json(text: str):

@@ -16,7 +16,7 @@ from node_probe.proto import probe_pb2, probe_pb2_grpc
 from node_probe.sim import SimConfig, build_app
 from xds_server.config import parse_config
 from xds_server.server import ControlPlane
-from xds_server.testing import free_port
+from xds_server.testing import free_port, wait_for
 
 
 async def start_engine(replica: str) -> tuple[web.AppRunner, int]:
@@ -37,17 +37,6 @@ def cp_config(nodes: list[tuple[str, int, int]], **health) -> dict:
             {"id": nid, "address": f"127.0.0.1:{eport}", "probe_address": f"127.0.0.1:{aport}"}
             for nid, eport, aport in nodes]}],
     }
-
-
-async def wait_for(pred, timeout_s: float = 10.0, step_s: float = 0.05):
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while loop.time() < end:
-        v = await pred()
-        if v:
-            return v
-        await asyncio.sleep(step_s)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.fixture

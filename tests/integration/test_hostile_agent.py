@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import math
 import threading
@@ -27,6 +28,7 @@ from node_probe.proto import probe_pb2
 from xds_server.config import parse_config
 from xds_server.health.model import NodeState
 from xds_server.server import ControlPlane
+from xds_server.testing import wait_for
 from xds_server.xds.resources import CLA_TYPE_URL
 
 BIG = "\n\x1b[2J" + "Z" * 20_000
@@ -148,14 +150,8 @@ class Rig:
         self.loop.close()
 
 
-async def until(pred, timeout_s: float = 10.0, step_s: float = 0.01):
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while loop.time() < end:
-        if pred():
-            return
-        await asyncio.sleep(step_s)
-    raise AssertionError("condition not met in time")
+#: ``wait_for`` with this module's polling defaults (s).
+until = functools.partial(wait_for, timeout_s=10.0, step_s=0.01)
 
 
 def _all_finite(obj) -> bool:

@@ -34,6 +34,7 @@ import pytest
 from node_probe.agent import AgentConfig, ProbeAgent
 from node_probe.proto import probe_pb2, probe_pb2_grpc
 from real_vllm_support import Server, ensure_install, launch, record, stop, wait_ready
+from xds_server.testing import wait_for
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SENTINEL_REAL_VLLM") != "1",
@@ -95,15 +96,10 @@ class Watch:
             pass
 
     async def wait(self, pred, timeout: float, what: str):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            v = pred()
-            if v:
-                return v
-            await asyncio.sleep(0.005)
-        raise AssertionError(f"{what}: not within {timeout} s; last results "
-                             f"{[(r.trigger, r.ok, r.failure, round(r.ttft_ms, 1)) for _, r in self.results[-5:]]}; "
-                             f"telemetry {self.agent.telemetry()}")
+        return await wait_for(pred, timeout_s=timeout, step_s=0.005, what=lambda: (
+            f"{what}; last results "
+            f"{[(r.trigger, r.ok, r.failure, round(r.ttft_ms, 1)) for _, r in self.results[-5:]]}; "
+            f"telemetry {self.agent.telemetry()}"))
 
     def result_after(self, t0: float, pred=lambda r: True):
         for t, r in self.results:

@@ -7,26 +7,15 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
-from xds_server.testing import LoadGenerator, restart_control_plane
+from xds_server.testing import LoadGenerator, restart_control_plane, wait_for
 
 pytestmark = [pytest.mark.envoy, pytest.mark.parametrize("api_type", ["GRPC", "DELTA_GRPC"])]
 
 # Short half-open period and ramp (defaults: 60 s clean, 1 %/s) so a test sees the recovery.
 FAST = {"probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2}
-
-
-async def _wait(pred, timeout_s: float, step_s: float = 0.05):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        v = await pred()
-        if v:
-            return v
-        await asyncio.sleep(step_s)
-    raise AssertionError(f"condition not met within {timeout_s} s")
 
 
 async def test_priority0_fails_traffic_moves_to_priority1_and_returns_after_heal(make_fleet, http, api_type):
@@ -51,7 +40,7 @@ async def test_priority0_fails_traffic_moves_to_priority1_and_returns_after_heal
             hosts = await fleet.envoy_hosts(http)
             return all(hosts.get(n) != "HEALTHY" for n in p0) and all(hosts.get(n) == "HEALTHY" for n in p1)
 
-        await _wait(p0_out, timeout_s=6.0)
+        await wait_for(p0_out, timeout_s=6.0)
         failed_over = load.phase("p0 ejected")
         await asyncio.sleep(1.0)
         for n in sorted(p0):
@@ -62,7 +51,7 @@ async def test_priority0_fails_traffic_moves_to_priority1_and_returns_after_heal
             hosts = await fleet.envoy_hosts(http)
             return all(hosts.get(n) == "HEALTHY" for n in p0)
 
-        await _wait(p0_back, timeout_s=10.0)
+        await wait_for(p0_back, timeout_s=10.0)
         await asyncio.sleep(0.2)
         healed = load.phase("p0 healed")
         await asyncio.sleep(1.0)
@@ -116,7 +105,7 @@ async def test_control_plane_restart_under_load_fails_no_request(make_fleet, htt
             return any(c["node_id"] == "envoy-llm-gw-1" and len(c["types"]) == 2 and all(
                 t["acked_nonce"] == t["last_nonce"] for t in c["types"].values()) for c in clients)
 
-        await _wait(envoy_synced, timeout_s=15.0)
+        await wait_for(envoy_synced, timeout_s=15.0)
         after = load.phase("after restart")
         await asyncio.sleep(1.0)
     finally:

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,9 +21,9 @@ import pytest
 from aiohttp import web
 
 from node_probe.agent import AgentConfig, EngineLifecycle, ProbeAgent, run_agent
-from node_probe.engines.base import EngineLoadReading, GroupLoad
-from node_probe.engines.openai_compat import EngineRequestError, ProbeOutcome
+from node_probe.engines import EngineLoadReading, EngineRequestError, GroupLoad, ProbeOutcome
 from node_probe.proto import probe_pb2, probe_pb2_grpc
+from xds_server.testing import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu"
 VENV_BIN = Path(sys.executable).parent
@@ -62,11 +61,6 @@ GEN_LINE = 'vllm:generation_tokens_total{engine="0",model_name="local/tiny-llama
 RUNNING_LINE = 'vllm:num_requests_running{engine="0",model_name="local/tiny-llama-1"} 3.0'
 assert GEN_LINE in METRICS_TEXT and RUNNING_LINE in METRICS_TEXT
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeEngine:
@@ -828,23 +822,29 @@ def _reading(running: float, waiting: float = 0.0, progress: float | None = 10.0
                              progress_metric="vllm:generation_tokens_total")
 
 
+def _next_probe_interval(agent: ProbeAgent) -> float:
+    """The wait the agent's schedule plans right after a probe ends (fresh jitter each call)."""
+    agent._schedule.probe_done(0.0)
+    return agent._schedule.decide(0.0).wait_s
+
+
 def test_probe_interval_follows_load_with_jitter():
     agent = ProbeAgent(AgentConfig(engine_url="http://x", probe_interval_s=4.0, probe_jitter_ratio=0.25))
     # unknown load (no scrape yet) -> idle cadence: 0.5 s +- 25 %
-    values = [agent._next_probe_interval() for _ in range(2000)]
+    values = [_next_probe_interval(agent) for _ in range(2000)]
     assert 0.375 <= min(values) < 0.39 and 0.61 < max(values) <= 0.625
     agent._on_reading(_reading(running=0), "", 1.0)
-    assert 0.375 <= agent._next_probe_interval() <= 0.625
+    assert 0.375 <= _next_probe_interval(agent) <= 0.625
     # busy and progress observable -> slow cadence 3-5 s
     agent._on_reading(_reading(running=4, waiting=2), "", 1.1)
-    values = [agent._next_probe_interval() for _ in range(2000)]
+    values = [_next_probe_interval(agent) for _ in range(2000)]
     assert 3.0 <= min(values) < 3.1 and 4.9 < max(values) <= 5.0
     # busy but no progress counter (e.g. SGLang): stall detection cannot cover it -> idle cadence
     agent._on_reading(_reading(running=4, progress=None), "", 1.2)
-    assert agent._next_probe_interval() <= 0.625
+    assert _next_probe_interval(agent) <= 0.625
     # scrape failing: load unknown -> idle cadence
     agent._on_reading(None, "refused", 1.3)
-    assert agent._next_probe_interval() <= 0.625
+    assert _next_probe_interval(agent) <= 0.625
 
 
 def _outcome(ok=False, failure=0, status=0) -> ProbeOutcome:

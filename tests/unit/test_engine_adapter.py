@@ -1,10 +1,10 @@
-"""Tests for node_probe.engines.openai_compat against real vLLM 0.32.0 fixture bytes."""
+"""The OpenAI-compatible adapters (vLLM as the probe, the generic one for metrics) against real
+vLLM 0.32.0 fixture bytes."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -13,15 +13,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from node_probe.engines.openai_compat import (
-    EngineRequestError,
-    fetch_metrics,
-    fetch_models,
-    is_engine_fatal_text,
-    micro_probe,
-    parse_metrics,
-)
+from node_probe.engines import OPENAI, VLLM, EngineRequestError, run_probe
+from node_probe.engines.http_helpers import is_engine_fatal_text
+from node_probe.engines.openai_compat import fetch_models
 from node_probe.proto import probe_pb2
+from xds_server.testing import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu"
 MODEL = "local/tiny-llama-1"
@@ -60,11 +56,6 @@ def raw_response(name: str) -> tuple[int, dict[str, str], list[bytes]]:
 def metrics_text(name: str) -> str:
     return b"".join(raw_response(name)[2]).decode()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -113,7 +104,7 @@ def sse_handler(events: list[tuple[float, str]], status: int = 200) -> Handler:
 
 
 def test_parse_real_vllm_metrics_after_requests():
-    r = parse_metrics(metrics_text("03b_metrics_after_requests.raw"))
+    r = OPENAI.parse_metrics(metrics_text("03b_metrics_after_requests.raw"))
     assert r.requests_running == 0.0
     assert r.requests_waiting == 0.0
     assert r.kv_cache_usage_ratio == 0.0
@@ -123,7 +114,7 @@ def test_parse_real_vllm_metrics_after_requests():
 
 
 def test_parse_real_vllm_metrics_during_load():
-    r = parse_metrics(metrics_text("13_metrics_during_load.raw"))
+    r = OPENAI.parse_metrics(metrics_text("13_metrics_during_load.raw"))
     assert r.requests_running == 3.0
     assert r.requests_waiting == 0.0
     assert r.kv_cache_usage_ratio == pytest.approx(0.00073260073260073)
@@ -134,7 +125,7 @@ def test_parse_real_vllm_metrics_during_load():
 def test_parse_fixture_txt_body_matches_raw():
     txt = (FIXTURES / "03b_metrics_after_requests.txt").read_text()
     body = txt.split("## BODY (de-chunked)\n", 1)[1].split("\n## ", 1)[0]
-    assert parse_metrics(body) == parse_metrics(metrics_text("03b_metrics_after_requests.raw"))
+    assert OPENAI.parse_metrics(body) == OPENAI.parse_metrics(metrics_text("03b_metrics_after_requests.raw"))
 
 
 def _gauge(name: str, engine: str, value: float) -> str:
@@ -142,25 +133,25 @@ def _gauge(name: str, engine: str, value: float) -> str:
 
 
 def test_kv_only_old_name():
-    r = parse_metrics(_gauge("vllm:gpu_cache_usage_perc", "0", 0.91))
+    r = OPENAI.parse_metrics(_gauge("vllm:gpu_cache_usage_perc", "0", 0.91))
     assert r.kv_cache_usage_ratio == pytest.approx(0.91)
     assert r.kv_cache_metric == "vllm:gpu_cache_usage_perc"
 
 
 def test_kv_both_names_counted_once_new_preferred():
     text = _gauge("vllm:gpu_cache_usage_perc", "0", 0.91) + _gauge("vllm:kv_cache_usage_perc", "0", 0.91)
-    r = parse_metrics(text)
+    r = OPENAI.parse_metrics(text)
     assert r.kv_cache_usage_ratio == pytest.approx(0.91)
     assert r.kv_cache_metric == "vllm:kv_cache_usage_perc"
 
 
 def test_kv_two_engines_takes_max():
     text = _gauge("vllm:kv_cache_usage_perc", "0", 0.91) + _gauge("vllm:kv_cache_usage_perc", "1", 0.40)
-    assert parse_metrics(text).kv_cache_usage_ratio == pytest.approx(0.91)
+    assert OPENAI.parse_metrics(text).kv_cache_usage_ratio == pytest.approx(0.91)
 
 
 def test_kv_neither_name_is_unknown():
-    r = parse_metrics(_gauge("vllm:num_requests_running", "0", 1))
+    r = OPENAI.parse_metrics(_gauge("vllm:num_requests_running", "0", 1))
     assert r.kv_cache_usage_ratio is None
     assert r.kv_cache_metric == ""
     assert r.requests_waiting is None  # unknown, not 0
@@ -185,7 +176,7 @@ def test_counts_summed_over_engines_and_prefix_ratio():
         + _gauge("vllm:generation_tokens_total", "1", 23)
         + _gauge("vllm:external_prefix_cache_queries_total", "0", 999)
     )
-    r = parse_metrics(text)
+    r = OPENAI.parse_metrics(text)
     assert r.requests_running == 5
     assert r.requests_waiting == 8
     assert r.prefix_cache_hit_ratio == pytest.approx(0.25)
@@ -198,7 +189,7 @@ def test_prefix_ratio_unknown_without_queries_and_nan_ignored():
         + _gauge("vllm:prefix_cache_hits_total", "0", 0)
         + _gauge("vllm:kv_cache_usage_perc", "0", "NaN")
     )
-    r = parse_metrics(text)
+    r = OPENAI.parse_metrics(text)
     assert r.prefix_cache_hit_ratio is None
     assert r.kv_cache_usage_ratio is None
 
@@ -210,7 +201,7 @@ def test_sglang_names():
         'sglang:token_usage{model_name="m"} 0.5\n'
         'sglang:cache_hit_rate{model_name="m"} 0.25\n'
     )
-    r = parse_metrics(text)
+    r = OPENAI.parse_metrics(text)
     assert (r.requests_running, r.requests_waiting) == (4, 2)
     assert r.kv_cache_usage_ratio == 0.5 and r.kv_cache_metric == "sglang:token_usage"
     assert r.prefix_cache_hit_ratio == 0.25
@@ -218,7 +209,7 @@ def test_sglang_names():
 
 def test_parse_metrics_rejects_garbage():
     with pytest.raises(ValueError):
-        parse_metrics('vllm:num_requests_running{engine="0"} not-a-number\n')
+        OPENAI.parse_metrics('vllm:num_requests_running{engine="0"} not-a-number\n')
 
 
 def test_fatal_text_matcher():
@@ -231,18 +222,18 @@ def test_fatal_text_matcher():
 
 
 # ---------------------------------------------------------------------------------------------
-# micro_probe
+# run_probe through the vLLM adapter
 
 
 async def test_probe_completion_stream_ok_and_request_shape(serve, session):
     seen: list = []
     url = await serve({("POST", "/v1/completions"): replay("05_completion_stream.raw", [0.05], seen)})
-    out = await micro_probe(session, url, MODEL, 2.0)
+    out = await run_probe(session, VLLM, url, MODEL, 2.0)
     assert out.ok, out
     assert out.failure == probe_pb2.FAILURE_KIND_UNSPECIFIED
     assert out.http_status == 200
     assert 45 <= out.ttft_ms < 1000
-    out2 = await micro_probe(session, url, MODEL, 2.0)
+    out2 = await run_probe(session, VLLM, url, MODEL, 2.0)
     assert out2.ok
     (h1, b1), (_h2, b2) = seen
     assert h1.get("x-sentinel-probe") == "1"
@@ -257,7 +248,7 @@ async def test_probe_completion_stream_ok_and_request_shape(serve, session):
 async def test_probe_chat_stream_ttft_is_content_not_role(serve, session):
     # role-only chunk at once, the content chunk 150 ms later
     url = await serve({("POST", "/v1/completions"): replay("07_chat_stream.raw", [0.0, 0.15])})
-    out = await micro_probe(session, url, MODEL, 2.0)
+    out = await run_probe(session, VLLM, url, MODEL, 2.0)
     assert out.ok, out
     assert out.ttft_ms >= 145
 
@@ -272,7 +263,7 @@ async def test_probe_headers_then_silence_is_timeout(serve, session):
 
     url = await serve({("POST", "/v1/completions"): frozen})
     t0 = time.monotonic()
-    out = await micro_probe(session, url, MODEL, 0.3)
+    out = await run_probe(session, VLLM, url, MODEL, 0.3)
     elapsed = time.monotonic() - t0
     assert out.failure == probe_pb2.FAILURE_KIND_TIMEOUT, out
     assert not out.ok and out.http_status == 200
@@ -285,13 +276,13 @@ async def test_probe_no_headers_is_timeout(serve, session):
         return web.Response()
 
     url = await serve({("POST", "/v1/completions"): stuck})
-    out = await micro_probe(session, url, MODEL, 0.2)
+    out = await run_probe(session, VLLM, url, MODEL, 0.2)
     assert out.failure == probe_pb2.FAILURE_KIND_TIMEOUT and out.http_status == 0
 
 
 async def test_probe_500_engine_dead_is_engine_fatal(serve, session):
     url = await serve({("POST", "/v1/completions"): replay("sigkill_fine_v1_completions_500.raw")})
-    out = await micro_probe(session, url, MODEL, 2.0)
+    out = await run_probe(session, VLLM, url, MODEL, 2.0)
     assert out.failure == probe_pb2.FAILURE_KIND_ENGINE_FATAL, out
     assert out.http_status == 500
     assert "EngineCore encountered an issue" in out.detail
@@ -303,19 +294,19 @@ async def test_probe_http_status(serve, session, status):
         return web.json_response({"error": {"message": "busy", "code": status}}, status=status)
 
     url = await serve({("POST", "/v1/completions"): h})
-    out = await micro_probe(session, url, MODEL, 2.0)
+    out = await run_probe(session, VLLM, url, MODEL, 2.0)
     assert out.failure == probe_pb2.FAILURE_KIND_HTTP_STATUS, out
     assert out.http_status == status
 
 
 async def test_probe_unknown_model_404_from_fixture(serve, session):
     url = await serve({("POST", "/v1/completions"): replay("08d_unknown_model.raw")})
-    out = await micro_probe(session, url, "nope", 2.0)
+    out = await run_probe(session, VLLM, url, "nope", 2.0)
     assert out.failure == probe_pb2.FAILURE_KIND_HTTP_STATUS and out.http_status == 404
 
 
 async def test_probe_connection_refused_is_connect(session):
-    out = await micro_probe(session, f"http://127.0.0.1:{free_port()}", MODEL, 1.0)
+    out = await run_probe(session, VLLM, f"http://127.0.0.1:{free_port()}", MODEL, 1.0)
     assert out.failure == probe_pb2.FAILURE_KIND_CONNECT, out
     assert out.http_status == 0 and not out.answered
 
@@ -329,7 +320,7 @@ async def test_probe_closed_without_response_is_connect(session):
     server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        out = await micro_probe(session, f"http://127.0.0.1:{port}", MODEL, 1.0)
+        out = await run_probe(session, VLLM, f"http://127.0.0.1:{port}", MODEL, 1.0)
     finally:
         server.close()
         await server.wait_closed()
@@ -340,20 +331,20 @@ async def test_probe_done_without_token_is_bad_output(serve, session):
     role_only = json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
     empty = json.dumps({"choices": [{"index": 0, "text": ""}]})
     url = await serve({("POST", "/v1/completions"): sse_handler([(0, role_only), (0, empty), (0, "[DONE]")])})
-    out = await micro_probe(session, url, MODEL, 2.0)
+    out = await run_probe(session, VLLM, url, MODEL, 2.0)
     assert out.failure == probe_pb2.FAILURE_KIND_BAD_OUTPUT, out
     assert out.http_status == 200 and not out.ok
 
 
 async def test_probe_stream_closed_without_token_is_bad_output(serve, session):
     url = await serve({("POST", "/v1/completions"): sse_handler([])})
-    out = await micro_probe(session, url, MODEL, 2.0)
+    out = await run_probe(session, VLLM, url, MODEL, 2.0)
     assert out.failure == probe_pb2.FAILURE_KIND_BAD_OUTPUT
 
 
 async def test_probe_unparseable_chunk_is_bad_output(serve, session):
     url = await serve({("POST", "/v1/completions"): sse_handler([(0, "{not json")])})
-    out = await micro_probe(session, url, MODEL, 2.0)
+    out = await run_probe(session, VLLM, url, MODEL, 2.0)
     assert out.failure == probe_pb2.FAILURE_KIND_BAD_OUTPUT
     assert "unparseable" in out.detail
 
@@ -362,14 +353,14 @@ async def test_probe_error_chunk_after_200_is_engine_fatal(serve, session):
     err = json.dumps({"error": {"message": "CUDA error: an illegal memory access was encountered",
                                 "type": "InternalServerError", "code": 500}})
     url = await serve({("POST", "/v1/completions"): sse_handler([(0, err), (0, "[DONE]")])})
-    out = await micro_probe(session, url, MODEL, 2.0)
+    out = await run_probe(session, VLLM, url, MODEL, 2.0)
     assert out.failure == probe_pb2.FAILURE_KIND_ENGINE_FATAL, out
     assert out.http_status == 200
 
 
 async def test_probe_non_streaming_answer_accepted(serve, session):
     url = await serve({("POST", "/v1/completions"): replay("04_completion_nostream.raw")})
-    out = await micro_probe(session, url, MODEL, 2.0)
+    out = await run_probe(session, VLLM, url, MODEL, 2.0)
     assert out.ok, out
 
 
@@ -395,14 +386,14 @@ async def test_probe_closes_stream_right_after_first_token(serve, session):
 
     url = await serve({("POST", "/v1/completions"): long_stream})
     t0 = time.monotonic()
-    out = await micro_probe(session, url, MODEL, 2.0)
+    out = await run_probe(session, VLLM, url, MODEL, 2.0)
     assert out.ok and time.monotonic() - t0 < 0.5
     await asyncio.wait_for(cancelled.wait(), 1.0)
     assert not finished.is_set()
 
 
 # ---------------------------------------------------------------------------------------------
-# fetch_models / fetch_metrics
+# fetch_models / read_metrics
 
 
 async def test_fetch_models_from_fixture(serve, session):
@@ -410,19 +401,19 @@ async def test_fetch_models_from_fixture(serve, session):
     assert await fetch_models(session, url, 1.0) == [MODEL]
 
 
-async def test_fetch_metrics_ok_and_errors(serve, session):
+async def test_read_metrics_ok_and_errors(serve, session):
     async def boom(request: web.Request) -> web.Response:
         return web.Response(status=500, text="internal")
 
     url = await serve({("GET", "/metrics"): replay("13_metrics_during_load.raw")})
-    reading = await fetch_metrics(session, url, 1.0)
+    reading = await OPENAI.read_metrics(session, url, 1.0)
     assert reading.requests_running == 3.0
 
     bad = await serve({("GET", "/metrics"): boom})
     with pytest.raises(EngineRequestError) as ei:
-        await fetch_metrics(session, bad, 1.0)
+        await OPENAI.read_metrics(session, bad, 1.0)
     assert ei.value.kind == probe_pb2.FAILURE_KIND_HTTP_STATUS and ei.value.http_status == 500
 
     with pytest.raises(EngineRequestError) as ei:
-        await fetch_metrics(session, f"http://127.0.0.1:{free_port()}", 1.0)
+        await OPENAI.read_metrics(session, f"http://127.0.0.1:{free_port()}", 1.0)
     assert ei.value.kind == probe_pb2.FAILURE_KIND_CONNECT and not ei.value.answered

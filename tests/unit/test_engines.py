@@ -19,19 +19,20 @@ from node_probe.agent import _load_message
 from node_probe.engines import (
     ADAPTERS,
     ENGINE_KINDS,
-    SglangAdapter,
-    TgiAdapter,
-    TritonAdapter,
-    VllmAdapter,
+    SGLANG,
+    TGI,
+    TRITON,
+    VLLM,
     detect_engine_kind,
     get_adapter,
     kind_from_metrics,
     run_probe,
 )
-from node_probe.engines.base import EngineRequestError
+from node_probe.engines import EngineRequestError
 from node_probe.proto import probe_pb2
+from xds_server.testing import free_port
 
-VLLM = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu"
+VLLM_FIX = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu"
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 
 
@@ -40,7 +41,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def vllm_body(name: str) -> bytes:
     """Body of a captured vLLM response (de-chunked)."""
-    data = (VLLM / name).read_bytes()
+    data = (VLLM_FIX / name).read_bytes()
     head, _, body = data.partition(b"\r\n\r\n")
     if b"transfer-encoding: chunked" not in head.lower():
         return body
@@ -91,11 +92,10 @@ def text(body: str, status: int = 200, ctype: str = "text/plain") -> Handler:
 
 def test_registry_and_kinds():
     assert ENGINE_KINDS == ("auto", "vllm", "sglang", "tgi", "triton", "openai")
-    assert isinstance(get_adapter("vllm"), VllmAdapter)
+    assert get_adapter("vllm") is VLLM
     assert {k: a.kind for k, a in ADAPTERS.items()} == {k: k for k in ADAPTERS}
     assert ADAPTERS["vllm"].cache_salt_field == "cache_salt"
     assert all(ADAPTERS[k].cache_salt_field is None for k in ("sglang", "tgi", "triton", "openai"))
-    assert (ADAPTERS["vllm"].readiness_path, ADAPTERS["triton"].readiness_path) == ("/health", "/v2/health/ready")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def test_registry_and_kinds():
 
 
 def test_vllm_metrics_real_capture_groups_and_progress():
-    r = VllmAdapter().parse_metrics(vllm_body("13_metrics_during_load.raw").decode())
+    r = VLLM.parse_metrics(vllm_body("13_metrics_during_load.raw").decode())
     assert (r.requests_running, r.requests_waiting, r.generation_tokens_total) == (3.0, 0.0, 247.0)
     assert r.kv_cache_metric == "vllm:kv_cache_usage_perc"
     assert set(r.groups) == {"0"}  # the engine label
@@ -114,7 +114,7 @@ def test_vllm_metrics_real_capture_groups_and_progress():
 
 def test_vllm_keepalive_dead_metrics_still_parse():
     # Engine dead, API kept alive: /metrics answers 200 with stale numbers (fixture 12b).
-    r = VllmAdapter().parse_metrics(vllm_body("12b_keepalive_dead_metrics.raw").decode())
+    r = VLLM.parse_metrics(vllm_body("12b_keepalive_dead_metrics.raw").decode())
     assert r.requests_running is not None and r.kv_cache_metric == "vllm:kv_cache_usage_perc"
 
 
@@ -125,7 +125,7 @@ def _g(name: str, engine: str, value) -> str:
 def test_fc12_kv_cache_metric_rename():
     """fc12: vLLM renamed its KV gauge; both generations are read, never counted twice, max
     across engines, and unknown stays unknown (never 0 or 1), with the metric name kept."""
-    a = VllmAdapter()
+    a = VLLM
     old = a.parse_metrics(_g("vllm:gpu_cache_usage_perc", "0", 0.91))
     assert old.kv_cache_usage_ratio == pytest.approx(0.91)
     assert old.kv_cache_metric == "vllm:gpu_cache_usage_perc"
@@ -143,7 +143,7 @@ def test_fc12_kv_cache_metric_rename():
 
 
 def test_vllm_per_engine_groups_keep_a_stuck_engine_visible():
-    a = VllmAdapter()
+    a = VLLM
     text_ = (_g("vllm:num_requests_running", "0", 2) + _g("vllm:num_requests_running", "1", 5)
              + _g("vllm:num_requests_waiting", "1", 4)
              + _g("vllm:generation_tokens_total", "0", 100) + _g("vllm:generation_tokens_total", "1", 900))
@@ -154,14 +154,14 @@ def test_vllm_per_engine_groups_keep_a_stuck_engine_visible():
 
 
 def test_vllm_v0_prefix_hit_rate_gauge():
-    r = VllmAdapter().parse_metrics('vllm:gpu_prefix_cache_hit_rate{model_name="m"} 0.3\n')
+    r = VLLM.parse_metrics('vllm:gpu_prefix_cache_hit_rate{model_name="m"} 0.3\n')
     assert r.prefix_cache_hit_ratio == pytest.approx(0.3)
 
 
 async def test_vllm_probe_request_shape_cache_salt_and_header(serve, session):
     seen: list = []
     url = await serve({("POST", "/v1/completions"): sse(vllm_body("05_completion_stream.raw"), [0.03], seen)})
-    out = await run_probe(session, VllmAdapter(), url, "local/tiny-llama-1", 2.0)
+    out = await run_probe(session, VLLM, url, "local/tiny-llama-1", 2.0)
     assert out.ok and out.http_status == 200 and 25 <= out.ttft_ms < 1000, out
     assert out.headers_ms is not None and 0 < out.headers_ms <= out.ttft_ms
     headers, body = seen[0]
@@ -173,7 +173,7 @@ async def test_vllm_probe_request_shape_cache_salt_and_header(serve, session):
 async def test_vllm_fatal_500_after_sigkill_is_engine_fatal(serve, session):
     url = await serve({("POST", "/v1/completions"): text(
         vllm_body("sigkill_fine_v1_completions_500.raw").decode(), 500, "application/json")})
-    out = await run_probe(session, VllmAdapter(), url, "m", 2.0)
+    out = await run_probe(session, VLLM, url, "m", 2.0)
     assert out.failure == probe_pb2.FAILURE_KIND_ENGINE_FATAL and out.http_status == 500
     assert out.headers_ms is not None
 
@@ -184,7 +184,7 @@ async def test_role_only_first_chunk_is_not_a_token(serve, session):
     tok = json.dumps({"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]})
     body = f"data: {role}\n\ndata: {tok}\n\ndata: [DONE]\n\n".encode()
     url = await serve({("POST", "/v1/completions"): sse(body, [0.0, 0.2])})
-    out = await run_probe(session, VllmAdapter(), url, "m", 2.0)
+    out = await run_probe(session, VLLM, url, "m", 2.0)
     assert out.ok and out.ttft_ms >= 190 and out.text == "hi", out
     assert out.headers_ms < 100  # headers came at once; the token did not
 
@@ -193,13 +193,13 @@ async def test_eos_as_first_token_counts(serve, session):
     # Greedy first token = end of sequence: empty text, finish_reason "stop". The engine decoded.
     eos = json.dumps({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]})
     url = await serve({("POST", "/v1/completions"): sse(f"data: {eos}\n\ndata: [DONE]\n\n".encode())})
-    out = await run_probe(session, VllmAdapter(), url, "m", 2.0)
+    out = await run_probe(session, VLLM, url, "m", 2.0)
     assert out.ok, out
 
 
 async def test_429_is_http_status_marked_as_load(serve, session):
     url = await serve({("POST", "/v1/completions"): text('{"error":{"message":"Too many requests"}}', 429)})
-    out = await run_probe(session, VllmAdapter(), url, "m", 2.0)
+    out = await run_probe(session, VLLM, url, "m", 2.0)
     assert out.failure == probe_pb2.FAILURE_KIND_HTTP_STATUS and out.http_status == 429
     assert "load, not death" in out.detail
 
@@ -210,7 +210,7 @@ async def test_deep_probe_reads_the_whole_answer(serve, session):
     seen: list = []
     body = "".join(f"data: {c}\n\n" for c in chunks).encode() + b"data: [DONE]\n\n"
     url = await serve({("POST", "/v1/completions"): sse(body, seen=seen)})
-    out = await run_probe(session, VllmAdapter(), url, "m", 2.0, deep_prompt="1+1=", max_tokens=4)
+    out = await run_probe(session, VLLM, url, "m", 2.0, deep_prompt="1+1=", max_tokens=4)
     assert out.ok and out.text == " 2\n3"
     assert seen[0][1]["prompt"] == "1+1=" and seen[0][1]["max_tokens"] == 4  # prompt not altered
     assert seen[0][1]["cache_salt"]
@@ -221,7 +221,7 @@ async def test_deep_probe_reads_the_whole_answer(serve, session):
 
 
 def test_sglang_metrics_fixture_tp_ranks_counted_once():
-    r = SglangAdapter().parse_metrics((FIX / "sglang" / "metrics.txt").read_text())
+    r = SGLANG.parse_metrics((FIX / "sglang" / "metrics.txt").read_text())
     assert (r.requests_running, r.requests_waiting) == (14.0, 3.0)  # two TP ranks report the same
     assert r.kv_cache_usage_ratio == pytest.approx(0.41) and r.kv_cache_metric == "sglang:token_usage"
     assert r.prefix_cache_hit_ratio == pytest.approx(0.25)
@@ -233,7 +233,7 @@ async def test_sglang_probe_random_prefix_no_salt(serve, session):
     seen: list = []
     url = await serve({("POST", "/v1/completions"): sse((FIX / "sglang" / "completion_stream.sse").read_bytes(),
                                                         seen=seen)})
-    a = SglangAdapter()
+    a = SGLANG
     out = await run_probe(session, a, url, "meta-llama/Llama-3.1-8B-Instruct", 2.0)
     out2 = await run_probe(session, a, url, "meta-llama/Llama-3.1-8B-Instruct", 2.0)
     assert out.ok and out2.ok and out.text == " Paris"
@@ -248,7 +248,7 @@ async def test_sglang_probe_random_prefix_no_salt(serve, session):
 
 
 def test_tgi_metrics_fixture():
-    r = TgiAdapter().parse_metrics((FIX / "tgi" / "metrics.txt").read_text())
+    r = TGI.parse_metrics((FIX / "tgi" / "metrics.txt").read_text())
     assert (r.requests_running, r.requests_waiting) == (24.0, 9.0)
     assert r.kv_cache_usage_ratio is None and r.kv_cache_metric == ""  # TGI has no KV metric
     assert r.generation_tokens_total == 402117.0
@@ -260,7 +260,7 @@ async def test_tgi_probe_generate_stream(serve, session):
     seen: list = []
     url = await serve({("POST", "/generate_stream"): sse((FIX / "tgi" / "generate_stream.sse").read_bytes(),
                                                          [0.02], seen)})
-    out = await run_probe(session, TgiAdapter(), url, None, 2.0)
+    out = await run_probe(session, TGI, url, None, 2.0)
     assert out.ok and out.text == " Paris" and out.ttft_ms >= 15, out
     body = seen[0][1]
     assert body["parameters"] == {"max_new_tokens": 1, "do_sample": False, "details": False}
@@ -269,7 +269,7 @@ async def test_tgi_probe_generate_stream(serve, session):
 
 async def test_tgi_error_event_cuda_is_engine_fatal(serve, session):
     url = await serve({("POST", "/generate_stream"): sse((FIX / "tgi" / "generate_stream_error.sse").read_bytes())})
-    out = await run_probe(session, TgiAdapter(), url, None, 2.0)
+    out = await run_probe(session, TGI, url, None, 2.0)
     assert out.failure == probe_pb2.FAILURE_KIND_ENGINE_FATAL and out.http_status == 200
 
 
@@ -277,7 +277,7 @@ async def test_tgi_special_token_counts(serve, session):
     ev = json.dumps({"index": 1, "token": {"id": 2, "text": "", "logprob": 0.0, "special": True},
                      "generated_text": "", "details": None})
     url = await serve({("POST", "/generate_stream"): sse(f"data:{ev}\n\n".encode())})
-    assert (await run_probe(session, TgiAdapter(), url, None, 2.0)).ok
+    assert (await run_probe(session, TGI, url, None, 2.0)).ok
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,7 +285,7 @@ async def test_tgi_special_token_counts(serve, session):
 
 
 def test_triton_metrics_fixture():
-    r = TritonAdapter().parse_metrics((FIX / "triton" / "metrics_trtllm.txt").read_text())
+    r = TRITON.parse_metrics((FIX / "triton" / "metrics_trtllm.txt").read_text())
     assert (r.requests_running, r.requests_waiting) == (17.0, 5.0)
     assert r.kv_cache_usage_ratio == pytest.approx(0.625)
     assert r.kv_cache_metric == 'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction"}'
@@ -300,18 +300,18 @@ def test_triton_kv_from_used_over_max_and_pending_queue():
         'nv_inference_pending_request_count{model="ensemble",version="1"} 2\n'
         'nv_inference_pending_request_count{model="tensorrt_llm",version="1"} 1\n'
     )
-    r = TritonAdapter().parse_metrics(text_)
+    r = TRITON.parse_metrics(text_)
     assert r.requests_running == 6 and r.requests_waiting == 3
     assert r.kv_cache_usage_ratio == pytest.approx(0.25)
     assert not r.stall_capable  # no iteration counter in this page
 
 
 def test_triton_metrics_url_port_8002():
-    a = TritonAdapter()
+    a = TRITON
     assert a.metrics_url("http://10.0.0.5:8000") == "http://10.0.0.5:8002/metrics"
     assert a.metrics_url("http://[::1]:8000/") == "http://[::1]:8002/metrics"
     assert a.metrics_url("http://h:8000", "http://h:9000/m") == "http://h:9000/m"
-    assert VllmAdapter().metrics_url("http://h:8000/") == "http://h:8000/metrics"
+    assert VLLM.metrics_url("http://h:8000/") == "http://h:8000/metrics"
 
 
 async def test_triton_discovery_and_probe(serve, session):
@@ -322,7 +322,7 @@ async def test_triton_discovery_and_probe(serve, session):
         ("POST", "/v2/models/ensemble/generate_stream"): sse(
             (FIX / "triton" / "generate_stream.sse").read_bytes(), seen=seen),
     })
-    a = TritonAdapter()
+    a = TRITON
     model = await a.discover_model(session, url, 1.0)
     assert model == "ensemble"
     out = await run_probe(session, a, url, model, 2.0)
@@ -334,14 +334,14 @@ async def test_triton_discovery_and_probe(serve, session):
 async def test_triton_error_event_is_engine_fatal(serve, session):
     url = await serve({("POST", "/v2/models/ensemble/generate_stream"): sse(
         (FIX / "triton" / "generate_stream_error.sse").read_bytes())})
-    out = await run_probe(session, TritonAdapter(), url, "ensemble", 2.0)
+    out = await run_probe(session, TRITON, url, "ensemble", 2.0)
     assert out.failure == probe_pb2.FAILURE_KIND_ENGINE_FATAL, out
 
 
 async def test_triton_discovery_without_ready_models_fails(serve, session):
     url = await serve({("POST", "/v2/repository/index"): text('[{"name":"x","state":"UNAVAILABLE"}]')})
     with pytest.raises(EngineRequestError) as ei:
-        await TritonAdapter().discover_model(session, url, 1.0)
+        await TRITON.discover_model(session, url, 1.0)
     assert ei.value.kind == probe_pb2.FAILURE_KIND_BAD_OUTPUT
 
 
@@ -368,11 +368,7 @@ async def test_detect_each_family(serve, session):
 
 
 async def test_detect_refused_raises_connect(session):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(EngineRequestError) as ei:
         await detect_engine_kind(session, f"http://127.0.0.1:{port}", 1.0)
     assert ei.value.kind == probe_pb2.FAILURE_KIND_CONNECT
@@ -388,3 +384,11 @@ async def test_detect_hanging_metrics_falls_through(serve, session):
     t0 = time.monotonic()
     assert await detect_engine_kind(session, url, 0.2) == "vllm"
     assert time.monotonic() - t0 < 1.5
+
+
+def test_probe_header_has_one_meaning_for_the_probe_and_the_simulated_engine():
+    from node_probe import sim
+    from node_probe.engines import PROBE_HEADER, PROBE_HEADER_VALUE
+
+    assert (PROBE_HEADER, PROBE_HEADER_VALUE) == ("x-sentinel-probe", "1")
+    assert sim.PROBE_HEADER == PROBE_HEADER

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from node_probe.sim import SIM_ENGINE_KEY, SimConfig, build_app
+from xds_server.testing import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "sim-model"
@@ -578,14 +578,9 @@ async def test_unknown_fields_accepted(client: TestClient) -> None:
 
 
 # ------------------------------------------------------------------------ real process
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 async def test_cli_subprocess_serves_and_exits_cleanly_on_sigterm() -> None:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
         [sys.executable, "-m", "node_probe.sim", "--port", str(port), "--token-interval-ms", "2"],

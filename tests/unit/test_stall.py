@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from node_probe.engines import VllmAdapter
-from node_probe.engines.base import EngineLoadReading, GroupLoad
+from node_probe.engines import VLLM
+from node_probe.engines import EngineLoadReading, GroupLoad
 from node_probe.stall import StallDetector
 
 
@@ -26,7 +26,7 @@ def test_fc06_running_with_frozen_tokens_is_stalled():
     """fc06: /metrics shows 1 running, 3 waiting, generation tokens frozen -> stalled after the
     1 s window (sampled every 100 ms), with a detail naming what is frozen."""
     det = StallDetector(1.0)
-    adapter = VllmAdapter()
+    adapter = VLLM
     verdicts = []
     for i in range(16):
         r = adapter.parse_metrics(vllm_page(1, 3, 0.4, 5000))
@@ -43,7 +43,7 @@ def test_fc07_busy_engine_with_rising_tokens_never_stalled():
     """fc07: 256 running, 1024 waiting, KV 97 %, tokens rising steadily for 60 s (probes are slow
     or 429 meanwhile): never stalled."""
     det = StallDetector(1.0)
-    adapter = VllmAdapter()
+    adapter = VLLM
     tokens = 1e6
     for i in range(600):
         tokens += 256 * 3  # ~3 decode steps of the whole batch per 100 ms

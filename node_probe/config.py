@@ -1,0 +1,150 @@
+"""The agent's settings (:class:`AgentConfig`), validated on construction."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+from node_probe.engines import ENGINE_KINDS
+from node_probe.schedule import ScheduleSettings
+from node_probe.telemetry import FATAL_XIDS
+
+__all__ = ["AgentConfig"]
+
+#: Largest value of a ``uint32`` proto field (timeouts and intervals in ms travel as uint32).
+UINT32_MAX = 2**32 - 1
+
+
+@dataclass
+class AgentConfig:
+    """Agent settings. Durations carry their unit in the name.
+
+    Attributes:
+        engine_url: engine root URL, e.g. ``http://127.0.0.1:8000``.
+        listen: gRPC listen address ``HOST:PORT``; port 0 picks a free port (returned by
+            :meth:`ProbeAgent.start`).
+        node_id: reported in every heartbeat; default: this host's name.
+        heartbeat_interval_ms: heartbeat period per stream.
+        engine_kind: ``"auto"`` (detect from ``/metrics`` and the endpoints the engine serves)
+            or one of ``vllm``, ``sglang``, ``tgi``, ``triton``, ``openai``.
+        metrics_url: the engine's Prometheus page; ``None``: the adapter's default (the engine
+            URL + ``/metrics``; Triton: port 8002 of the engine host).
+        metrics_interval_ms: ``/metrics`` scrape period (also the stall-detection sampling
+            period); ``None``: the heartbeat interval.
+        metrics_timeout_ms: deadline for one scrape.
+        stall_window_ms: how long the engine's progress counter may stay frozen while requests
+            run before telemetry says ``stalled``.
+        probe_interval_s: mean period between scheduled micro-probes while the engine is busy
+            (requests running or waiting, and its progress counter makes stall detection
+            possible). Default 4 s, i.e. 3-5 s with the default jitter.
+        probe_idle_interval_s: mean period while the engine is idle, its load unknown or its
+            progress unobservable; never longer than ``probe_interval_s``. ``None``: same as
+            ``probe_interval_s``.
+        probe_jitter_ratio: each probe interval is uniform in ``[i*(1-j), i*(1+j)]``; 0..<1.
+        probe_timeout_ms: deadline for the first token of one probe (also for model discovery).
+        model: model id to probe; ``None`` discovers it (``/v1/models``; Triton: repository
+            index), re-discovered after a 404.
+        deep_check_interval_s: period of the deep check, a fixed arithmetic prompt whose answer
+            is checked (catches silently corrupt weights); ``None`` or 0: off.
+        deep_check_prompt, deep_check_expect: its prompt and the text the answer must contain.
+        deep_check_max_tokens: tokens the deep check may generate.
+        deep_check_timeout_ms: deadline of a deep check (whole answer).
+        gpu_interval_s: NVML collection period; 0 or less disables GPU telemetry.
+        fatal_xids: Xid codes that mark the engine FAILED (default
+            :data:`node_probe.telemetry.FATAL_XIDS`: 48, 63, 64, 74, 79, 94, 95).
+        min_probe_now_interval_ms: minimum spacing of probes triggered by ``ProbeNow`` (or by
+            stall detection). A request inside the window is not dropped: all such requests
+            are coalesced into one probe at the window's end.
+        stream_queue_max: outbound messages buffered per stream; beyond it messages for that
+            stream are dropped (and counted) rather than growing memory for a stuck client.
+        grpc_keepalive_time_ms: server-side HTTP/2 keepalive ping period (detects dead
+            control planes on silent networks).
+
+    Raises:
+        ValueError: (on construction) a value is out of range.
+    """
+
+    engine_url: str
+    listen: str = "127.0.0.1:50051"
+    node_id: str = field(default_factory=socket.gethostname)
+    heartbeat_interval_ms: int = 100
+    engine_kind: str = "auto"
+    metrics_url: str | None = None
+    metrics_interval_ms: int | None = None
+    metrics_timeout_ms: int = 1000
+    stall_window_ms: int = 1000
+    probe_interval_s: float = 4.0
+    probe_idle_interval_s: float | None = 0.5
+    probe_jitter_ratio: float = 0.25
+    probe_timeout_ms: int = 800
+    model: str | None = None
+    deep_check_interval_s: float | None = None
+    deep_check_prompt: str = "1+1="
+    deep_check_expect: str = "2"
+    deep_check_max_tokens: int = 4
+    deep_check_timeout_ms: int = 3000
+    gpu_interval_s: float = 1.0
+    fatal_xids: frozenset[int] = FATAL_XIDS
+    min_probe_now_interval_ms: int = 1000
+    stream_queue_max: int = 1024
+    grpc_keepalive_time_ms: int = 10_000
+
+    def __post_init__(self) -> None:
+        if not self.engine_url.startswith(("http://", "https://")):
+            raise ValueError(f"engine_url must start with http:// or https://: {self.engine_url!r}")
+        if self.metrics_url is not None and not self.metrics_url.startswith(("http://", "https://")):
+            raise ValueError(f"metrics_url must start with http:// or https://: {self.metrics_url!r}")
+        if self.engine_kind not in ENGINE_KINDS:
+            raise ValueError(f"engine_kind must be one of {', '.join(ENGINE_KINDS)}: {self.engine_kind!r}")
+        if ":" not in self.listen:
+            raise ValueError(f"listen must be HOST:PORT: {self.listen!r}")
+        if not 1 <= self.heartbeat_interval_ms <= UINT32_MAX:
+            raise ValueError("heartbeat_interval_ms must be >= 1")
+        if (self.metrics_interval_ms is not None and self.metrics_interval_ms < 1) \
+                or self.metrics_timeout_ms < 1:
+            raise ValueError("metrics_interval_ms and metrics_timeout_ms must be >= 1")
+        if self.stall_window_ms < 1:
+            raise ValueError("stall_window_ms must be >= 1")
+        if self.probe_interval_s <= 0:
+            raise ValueError("probe_interval_s must be > 0")
+        if self.probe_idle_interval_s is not None and self.probe_idle_interval_s <= 0:
+            raise ValueError("probe_idle_interval_s must be > 0")
+        if not 0 <= self.probe_jitter_ratio < 1:
+            raise ValueError("probe_jitter_ratio must be in [0, 1)")
+        if not 1 <= self.probe_timeout_ms <= UINT32_MAX:
+            raise ValueError("probe_timeout_ms must be >= 1")
+        if self.deep_check_interval_s is not None and self.deep_check_interval_s < 0:
+            raise ValueError("deep_check_interval_s must be >= 0")
+        if self.deep_check_interval_s and (not self.deep_check_prompt or not self.deep_check_expect):
+            raise ValueError("deep_check_prompt and deep_check_expect must not be empty")
+        if self.deep_check_max_tokens < 1 or not 1 <= self.deep_check_timeout_ms <= UINT32_MAX:
+            raise ValueError("deep_check_max_tokens and deep_check_timeout_ms must be >= 1")
+        if self.min_probe_now_interval_ms < 0:
+            raise ValueError("min_probe_now_interval_ms must be >= 0")
+        if self.stream_queue_max < 1:
+            raise ValueError("stream_queue_max must be >= 1")
+        if not self.node_id:
+            raise ValueError("node_id must not be empty")
+        self.fatal_xids = frozenset(self.fatal_xids)
+
+    @property
+    def effective_metrics_interval_ms(self) -> int:
+        """The scrape period in use (``metrics_interval_ms`` or the heartbeat interval)."""
+        return self.metrics_interval_ms or self.heartbeat_interval_ms
+
+    @property
+    def effective_idle_interval_s(self) -> float:
+        """The idle probe period in use (never longer than the busy one)."""
+        if self.probe_idle_interval_s is None:
+            return self.probe_interval_s
+        return min(self.probe_idle_interval_s, self.probe_interval_s)
+
+    def schedule_settings(self) -> ScheduleSettings:
+        """The probe schedule's settings (:mod:`node_probe.schedule`) from these."""
+        return ScheduleSettings(
+            busy_interval_s=self.probe_interval_s,
+            idle_interval_s=self.effective_idle_interval_s,
+            jitter_ratio=self.probe_jitter_ratio,
+            min_request_gap_s=self.min_probe_now_interval_ms / 1000.0,
+            deep_interval_s=self.deep_check_interval_s,
+        )

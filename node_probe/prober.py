@@ -1,0 +1,111 @@
+"""One micro-probe through the engine's adapter (:class:`Prober`): the adapter is detected
+first when ``engine_kind`` is auto, the model discovered when the adapter needs one and none
+is configured, and a deep check's answer is checked against the expected text."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from node_probe.config import AgentConfig
+from node_probe.engines import (
+    ADAPTERS,
+    EngineAdapter,
+    EngineRequestError,
+    ProbeOutcome,
+    detect_engine_kind,
+    run_probe,
+)
+from node_probe.proto import probe_pb2
+
+__all__ = ["Prober"]
+
+log = logging.getLogger(__name__)
+
+
+class Prober:
+    """The engine's adapter and model, and the probe through them.
+
+    Args:
+        cfg: the agent's settings (engine URL and kind, model, probe and deep-check settings).
+    """
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self._adapter: EngineAdapter | None = None if cfg.engine_kind == "auto" else ADAPTERS[cfg.engine_kind]
+        self._adapter_lock = asyncio.Lock()
+        self._model: str | None = cfg.model
+        self._model_discovered = False
+
+    @property
+    def adapter_kind(self) -> str | None:
+        """Adapter in use (``None`` while ``auto`` has not detected the engine yet)."""
+        return None if self._adapter is None else self._adapter.kind
+
+    def forget_adapter(self) -> None:
+        """With ``engine_kind`` auto, detect the engine afresh next time (the process behind the
+        URL went away: whatever comes back may be another engine). No-op otherwise."""
+        if self.cfg.engine_kind == "auto":
+            self._adapter = None
+
+    async def adapter(self, session: aiohttp.ClientSession) -> EngineAdapter:
+        """The adapter in use, detecting the engine first when ``engine_kind`` is auto.
+
+        Raises:
+            EngineRequestError: detection found no answering engine (CONNECT / TIMEOUT).
+        """
+        if self._adapter is not None:
+            return self._adapter
+        async with self._adapter_lock:
+            if self._adapter is None:
+                kind = await detect_engine_kind(
+                    session, self.cfg.engine_url, self.cfg.metrics_timeout_ms / 1000.0, self.cfg.metrics_url,
+                )
+                self._adapter = ADAPTERS[kind]
+                log.info("engine detected as %s", kind)
+            return self._adapter
+
+    async def _resolve_model(self, session: aiohttp.ClientSession, adapter: EngineAdapter,
+                             timeout_s: float) -> str | None:
+        """The model to probe (raises :class:`EngineRequestError` when discovery fails)."""
+        if self._model or not adapter.needs_model:
+            return self._model
+        try:
+            model = await adapter.discover_model(session, self.cfg.engine_url, timeout_s)
+        except EngineRequestError as err:
+            raise EngineRequestError(err.kind, f"model discovery: {err.detail}", err.http_status) from err
+        self._model = model
+        self._model_discovered = True
+        log.info("probing model %s (discovered)", model)
+        return model
+
+    async def probe(self, session: aiohttp.ClientSession, deep: bool) -> ProbeOutcome:
+        """One probe: a regular 1-token probe within ``probe_timeout_ms``, or (``deep``) the deep
+        check within ``deep_check_timeout_ms``, whose answer must contain ``deep_check_expect``
+        (else BAD_OUTPUT). A 404 forgets a discovered model (the engine restarted with another).
+        Never raises for engine behaviour (see :func:`~node_probe.engines.run_probe`)."""
+        cfg = self.cfg
+        timeout_s = (cfg.deep_check_timeout_ms if deep else cfg.probe_timeout_ms) / 1000.0
+        try:
+            adapter = await self.adapter(session)
+            model = await self._resolve_model(session, adapter, cfg.probe_timeout_ms / 1000.0)
+        except EngineRequestError as err:
+            return ProbeOutcome(False, None, err.kind, err.http_status, err.detail)
+        outcome = await run_probe(
+            session, adapter, cfg.engine_url, model, timeout_s,
+            deep_prompt=cfg.deep_check_prompt if deep else None,
+            max_tokens=cfg.deep_check_max_tokens if deep else 1,
+        )
+        if outcome.http_status == 404 and self._model_discovered:
+            self._model = None  # engine restarted with another model: rediscover
+            self._model_discovered = False
+        if deep and outcome.ok and cfg.deep_check_expect not in outcome.text:
+            outcome = ProbeOutcome(
+                False, outcome.ttft_ms, probe_pb2.FAILURE_KIND_BAD_OUTPUT, outcome.http_status,
+                f"deep check: {cfg.deep_check_prompt!r} answered {outcome.text[:80]!r}, "
+                f"expected {cfg.deep_check_expect!r}",
+                outcome.headers_ms, outcome.text,
+            )
+        return outcome

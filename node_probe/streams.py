@@ -1,0 +1,178 @@
+"""The agent's ``Watch`` streams (:class:`StreamHub`): per stream, a bounded outbound queue, a
+fixed-rate heartbeat loop and a reader of the control plane's messages; probe results are
+fanned out to every open stream.
+
+A heartbeat or pong is queued as a placeholder and turned into its message only when the stream
+writes it, so a heartbeat carries the telemetry of the moment it leaves (never waits on a scrape,
+a probe or NVML) and a pong's ``processing_us`` covers the time it waited in the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from node_probe.proto import probe_pb2
+from node_probe.ticks import sleep_until_tick
+
+__all__ = ["StreamHub"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _HeartbeatTick:
+    seq: int
+
+
+@dataclass(frozen=True)
+class _PendingPong:
+    seq: int
+    received_ns: int
+
+
+_CLOSE = object()
+
+
+@dataclass(eq=False)
+class _Stream:
+    id: int
+    peer: str
+    queue: asyncio.Queue[Any]
+    control_plane_id: str = ""
+    hb_seq: int = 0
+    dropped: int = 0
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+class StreamHub:
+    """The open ``Watch`` streams of one agent.
+
+    Args:
+        node_id: sent in every heartbeat.
+        heartbeat_interval_ms: heartbeat period per stream, in ms.
+        queue_max: outbound messages buffered per stream; beyond it messages for that stream
+            are dropped (and counted) rather than growing memory for a stuck client.
+        telemetry: returns the telemetry a heartbeat sent now carries (must not block).
+        on_probe_now: called with the reason of each ``ProbeNow`` received.
+    """
+
+    def __init__(self, *, node_id: str, heartbeat_interval_ms: int, queue_max: int,
+                 telemetry: Callable[[], probe_pb2.Telemetry],
+                 on_probe_now: Callable[[str], None]) -> None:
+        self._node_id = node_id
+        self._interval_ms = heartbeat_interval_ms
+        self._queue_max = queue_max
+        self._telemetry = telemetry
+        self._on_probe_now = on_probe_now
+        self._streams: set[_Stream] = set()
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    def __len__(self) -> int:
+        """Number of open streams."""
+        return len(self._streams)
+
+    def broadcast(self, msg: probe_pb2.AgentMessage) -> None:
+        """Queue ``msg`` on every open stream (dropped, and counted, where a queue is full)."""
+        for st in list(self._streams):
+            self._enqueue(st, msg)
+
+    async def serve(self, requests: AsyncIterator[probe_pb2.ControlMessage],
+                    peer: str) -> AsyncIterator[probe_pb2.AgentMessage]:
+        """The outbound messages of one stream, until the client cancels or :meth:`close`;
+        its tasks and queue are cleaned up either way. Yields nothing after :meth:`close`."""
+        loop = asyncio.get_running_loop()
+        st = _Stream(id=next(self._ids), peer=peer, queue=asyncio.Queue(maxsize=self._queue_max))
+        if self._closed:
+            return
+        self._streams.add(st)
+        log.info("stream %d opened by %s", st.id, st.peer)
+        st.tasks.append(loop.create_task(self._heartbeat_loop(st), name=f"np-stream-{st.id}-heartbeat"))
+        st.tasks.append(loop.create_task(self._read_loop(st, requests), name=f"np-stream-{st.id}-reader"))
+        try:
+            while True:
+                item = await st.queue.get()
+                if item is _CLOSE:
+                    return
+                yield self._materialize(item)
+        finally:
+            await self._close_stream(st)
+
+    def end_all(self) -> None:
+        """Ask every stream to end cleanly (after what is queued); refuse new ones."""
+        self._closed = True
+        for st in list(self._streams):
+            try:
+                st.queue.put_nowait(_CLOSE)
+            except asyncio.QueueFull:
+                pass  # the gRPC server stop cancels it
+
+    async def close(self) -> None:
+        """Refuse new streams and cancel every open one's tasks."""
+        self._closed = True
+        for st in list(self._streams):
+            await self._close_stream(st)
+
+    # -- per stream ------------------------------------------------------------------------------
+
+    def _enqueue(self, st: _Stream, item: Any) -> None:
+        try:
+            st.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            st.dropped += 1
+            if st.dropped == 1 or st.dropped % 100 == 0:
+                log.warning("stream %d (%s): outbound queue full, %d message(s) dropped",
+                            st.id, st.peer, st.dropped)
+
+    async def _heartbeat_loop(self, st: _Stream) -> None:
+        loop = asyncio.get_running_loop()
+        period = self._interval_ms / 1000.0
+        next_t = loop.time()  # first heartbeat as soon as the stream opens
+        while True:
+            st.hb_seq += 1
+            self._enqueue(st, _HeartbeatTick(st.hb_seq))
+            next_t = await sleep_until_tick(loop, next_t + period, period)
+
+    async def _read_loop(self, st: _Stream, requests: AsyncIterator[probe_pb2.ControlMessage]) -> None:
+        try:
+            async for msg in requests:
+                kind = msg.WhichOneof("msg")
+                if kind == "ping":
+                    self._enqueue(st, _PendingPong(msg.ping.seq, time.perf_counter_ns()))
+                elif kind == "probe_now":
+                    self._on_probe_now(msg.probe_now.reason or f"stream {st.id}")
+                elif kind == "hello":
+                    st.control_plane_id = msg.hello.control_plane_id
+                    log.info("stream %d: hello from control plane %r (%s)",
+                             st.id, st.control_plane_id, st.peer)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the client went away; the writer ends too
+            log.debug("stream %d: read side ended: %r", st.id, exc)
+        # Half-closed by the client: keep sending heartbeats until it cancels.
+
+    def _materialize(self, item: Any) -> probe_pb2.AgentMessage:
+        if isinstance(item, _HeartbeatTick):
+            return probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(
+                seq=item.seq, interval_ms=self._interval_ms, node_id=self._node_id,
+                telemetry=self._telemetry()))
+        if isinstance(item, _PendingPong):
+            processing_us = (time.perf_counter_ns() - item.received_ns) // 1000
+            return probe_pb2.AgentMessage(pong=probe_pb2.Pong(seq=item.seq, processing_us=processing_us))
+        return item
+
+    async def _close_stream(self, st: _Stream) -> None:
+        if st not in self._streams:
+            return
+        self._streams.discard(st)
+        for task in st.tasks:
+            task.cancel()
+        await asyncio.gather(*st.tasks, return_exceptions=True)
+        st.tasks.clear()
+        log.info("stream %d closed (%s, control plane %r, %d dropped)",
+                 st.id, st.peer, st.control_plane_id, st.dropped)

@@ -1,0 +1,37 @@
+"""The public surface of ``xds_server.testing``: exactly the curated names, nothing leaked from
+the private modules, nothing dropped by accident (as httpx's tests/test_exported_members.py)."""
+from __future__ import annotations
+
+import xds_server.testing as testing
+
+#: The names users' tests may import. Adding one is a decision; removing one breaks users.
+PUBLIC = {
+    "EnvoyHost", "Fleet", "InMemoryProbeSource", "InMemoryProbes", "LoadGenerator", "LoadStats",
+    "ManagedProcess", "ManualClock", "NodeProcs",
+    "ScriptedAdsClient", "ScriptedDeltaAdsClient", "StandaloneEnvoy", "fetch_envoy_hosts",
+    "free_port", "parse_envoy_clusters", "parse_envoy_stats", "restart_control_plane", "wait_for",
+}
+
+
+def test_all_is_exactly_the_public_surface():
+    assert testing.__all__ == sorted(testing.__all__)
+    assert set(testing.__all__) == PUBLIC
+
+
+def test_nothing_else_leaks():
+    public_vars = {name for name in vars(testing) if not name.startswith("_")}
+    assert public_vars == PUBLIC
+
+
+#: Seams whose one home is the control plane; the testing package only re-exports them.
+REEXPORTED = {"InMemoryProbeSource": "xds_server.control.memory", "InMemoryProbes": "xds_server.control.memory",
+              "ManualClock": "xds_server.control.clock"}
+
+
+def test_each_name_lives_in_a_private_module_or_is_a_named_reexport():
+    for name in PUBLIC:
+        module = getattr(testing, name).__module__
+        if name in REEXPORTED:
+            assert module == REEXPORTED[name], (name, module)
+        else:
+            assert module.startswith("xds_server.testing._"), (name, module)

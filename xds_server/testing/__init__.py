@@ -1,0 +1,61 @@
+"""Test seam and local fleet harness, used by the demo, our integration tests and users' tests.
+
+One private module per job, behind this curated surface (import from ``xds_server.testing``
+only; the underscored modules may move):
+
+- processes (``_process``): :func:`free_port`, a free TCP port on 127.0.0.1; :class:`ManagedProcess`,
+  a child process in its own process group, with its output captured, a "ready" line to wait
+  for, freeze/thaw (SIGSTOP/SIGCONT) and a stop that always reaps it. Every process started
+  here is killed at interpreter exit as a last resort, so a failed test never leaves an Envoy
+  behind.
+- fleet (``_fleet``): :class:`Fleet`, N simulated engines (:class:`NodeProcs`), N node_probe
+  agents, one xds-server and one real Envoy on free 127.0.0.1 ports, with helpers to read
+  Envoy's and the control plane's view; :func:`restart_control_plane`.
+- load (``_load``): :class:`LoadGenerator`, a steady request load through Envoy counting
+  requests per serving replica (``x-served-by``) and every failure, per phase (:class:`LoadStats`).
+- scripted xDS clients (``_ads_clients``): :class:`ScriptedAdsClient` (SotW) and
+  :class:`ScriptedDeltaAdsClient` (delta).
+- Envoy admin (``_envoy``): :class:`StandaloneEnvoy`, a real Envoy against the test's own ADS
+  server; :func:`parse_envoy_clusters` (the one parser of ``/clusters?format=json``, into
+  :class:`EnvoyHost` values), :func:`fetch_envoy_hosts`, :func:`parse_envoy_stats`.
+- polling (``_wait``): :func:`wait_for` a condition with a deadline.
+- in-memory seams, re-exported from :mod:`xds_server.control`: :class:`ManualClock` (time moves
+  only when told, due timers run in order; also a ``Callable[[], float]``), :class:`InMemoryProbes`
+  and :class:`InMemoryProbeSource` (drive a control plane's probe observations without agents:
+  ``ControlPlane(cfg, clock=ManualClock(), probe_sources=InMemoryProbes())``).
+"""
+
+from xds_server.testing._ads_clients import ScriptedAdsClient, ScriptedDeltaAdsClient
+from xds_server.control import InMemoryProbes, InMemoryProbeSource, ManualClock
+from xds_server.testing._envoy import (
+    EnvoyHost,
+    StandaloneEnvoy,
+    fetch_envoy_hosts,
+    parse_envoy_clusters,
+    parse_envoy_stats,
+)
+from xds_server.testing._fleet import Fleet, NodeProcs, restart_control_plane
+from xds_server.testing._load import LoadGenerator, LoadStats
+from xds_server.testing._process import ManagedProcess, free_port
+from xds_server.testing._wait import wait_for
+
+__all__ = [
+    "EnvoyHost",
+    "Fleet",
+    "InMemoryProbeSource",
+    "InMemoryProbes",
+    "LoadGenerator",
+    "LoadStats",
+    "ManagedProcess",
+    "ManualClock",
+    "NodeProcs",
+    "ScriptedAdsClient",
+    "ScriptedDeltaAdsClient",
+    "StandaloneEnvoy",
+    "fetch_envoy_hosts",
+    "free_port",
+    "parse_envoy_clusters",
+    "parse_envoy_stats",
+    "restart_control_plane",
+    "wait_for",
+]

@@ -1,0 +1,254 @@
+"""A local fleet on free 127.0.0.1 ports: N simulated engines, N node_probe agents, one
+xds-server and one real Envoy (:class:`Fleet`), and :func:`restart_control_plane`."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from xds_server.envoy_bootstrap import find_envoy, render_bootstrap, write_bootstrap
+from xds_server.testing._envoy import envoy_process, fetch_envoy_hosts
+from xds_server.testing._process import ManagedProcess, free_port
+
+__all__ = ["Fleet", "NodeProcs", "restart_control_plane"]
+
+
+@dataclass
+class NodeProcs:
+    """One simulated inference node: its engine and its agent, with their ports."""
+
+    node_id: str
+    engine_port: int
+    agent_port: int
+    engine: ManagedProcess | None = None
+    agent: ManagedProcess | None = None
+
+    @property
+    def engine_url(self) -> str:
+        """Base URL of the simulated engine."""
+        return f"http://127.0.0.1:{self.engine_port}"
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` of the engine, as the control plane publishes it to Envoy."""
+        return f"127.0.0.1:{self.engine_port}"
+
+
+@dataclass
+class Fleet:
+    """A local fleet on free 127.0.0.1 ports: engines, agents, xds-server, Envoy.
+
+    Durations in seconds unless named otherwise. ``health`` overrides keys of the config's
+    ``health`` section. Use as a context manager, or call :meth:`start` and :meth:`stop`.
+    """
+
+    n_nodes: int = 3
+    cluster: str = "llm"
+    probe_interval_s: float = 1.0
+    probe_timeout_ms: int = 800
+    heartbeat_interval_ms: int = 100
+    token_interval_ms: float = 10.0
+    per_try_timeout_s: float = 1.0
+    per_try_idle_timeout_s: float = 2.0
+    api_type: str = "GRPC"
+    envoy_binary: str | None = None
+    health: dict[str, Any] = field(default_factory=dict)
+    cluster_options: dict[str, Any] = field(default_factory=dict)
+    workdir: Path | None = None
+    node_prefix: str = "gpu-"
+    # Extra config per node (by index: {"priority": 1, "locality": {...}}) and for the xds
+    # section; merged into :meth:`config_dict`. Empty: the spine's config.
+    node_options: list[dict[str, Any]] = field(default_factory=list)
+    xds_options: dict[str, Any] = field(default_factory=dict)
+    nodes: list[NodeProcs] = field(default_factory=list)
+    procs: list[ManagedProcess] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.xds_port = self.admin_port = self.envoy_port = self.envoy_admin_port = 0
+        self.envoy: ManagedProcess | None = None
+        self.control_plane: ManagedProcess | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> "Fleet":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _py(self, *args: str) -> list[str]:
+        return [sys.executable, *args]
+
+    def start(self) -> "Fleet":
+        """Start everything; raises EnvoyNotFound or RuntimeError (with output) on failure."""
+        envoy_bin = find_envoy(self.envoy_binary)
+        if self.workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="xds-sentinel-")
+            self.workdir = Path(self._tmp.name)
+        wd = self.workdir
+        try:
+            letters = "abcdefghijklmnopqrstuvwxyz"
+            for i in range(self.n_nodes):
+                nid = f"{self.node_prefix}{letters[i] if i < 26 else i}"
+                self.nodes.append(NodeProcs(nid, free_port(), free_port()))
+            for n in self.nodes:
+                n.engine = self._spawn(ManagedProcess(
+                    f"engine-{n.node_id}",
+                    self._py("-m", "node_probe.cli", "sim-engine", "--port", str(n.engine_port),
+                             "--replica-id", n.node_id, "--token-interval-ms", str(self.token_interval_ms)),
+                    wd / f"engine-{n.node_id}.log", ready_pattern="listening"))
+            for n in self.nodes:
+                n.agent = self._spawn(ManagedProcess(
+                    f"agent-{n.node_id}",
+                    self._py("-m", "node_probe.cli", "--engine-url", n.engine_url,
+                             "--listen", f"127.0.0.1:{n.agent_port}", "--node-id", n.node_id,
+                             "--heartbeat-interval-ms", str(self.heartbeat_interval_ms),
+                             "--probe-interval-s", str(self.probe_interval_s),
+                             "--probe-timeout-ms", str(self.probe_timeout_ms)),
+                    wd / f"agent-{n.node_id}.log", ready_pattern="listening"))
+            self.xds_port, self.admin_port = free_port(), free_port()
+            cfg = self.config_dict()
+            cfg_path = wd / "xds.yaml"
+            cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+            self.control_plane = self._spawn(self._control_plane_process())
+            self.envoy_port, self.envoy_admin_port = free_port(), free_port()
+            boot = write_bootstrap(wd / "envoy.yaml", render_bootstrap(
+                xds_port=self.xds_port, listener_port=self.envoy_port, admin_port=self.envoy_admin_port,
+                cluster=self.cluster, api_type=self.api_type, per_try_timeout_s=self.per_try_timeout_s,
+                per_try_idle_timeout_s=self.per_try_idle_timeout_s))
+            self.envoy = self._spawn(envoy_process(envoy_bin, boot, wd, concurrency=2))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _control_plane_process(self) -> ManagedProcess:
+        """The xds-server process (not started) on ``workdir/xds.yaml``."""
+        assert self.workdir is not None
+        return ManagedProcess(
+            "xds-server", self._py("-m", "xds_server.cli", "serve", "--config", str(self.workdir / "xds.yaml")),
+            self.workdir / "xds-server.log", ready_pattern="admin listening")
+
+    def _spawn(self, p: ManagedProcess) -> ManagedProcess:
+        self.procs.append(p)
+        return p.start()
+
+    def stop(self) -> None:
+        """Stop every process (Envoy first), always; then remove the temp dir."""
+        for p in reversed(self.procs):
+            p.stop()
+        self.procs.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def config_dict(self) -> dict[str, Any]:
+        """The xds-server config this fleet runs with."""
+        health = {"heartbeat_interval_ms": self.heartbeat_interval_ms}
+        health.update(self.health)
+
+        def node_opts(i: int) -> dict[str, Any]:
+            return self.node_options[i] if i < len(self.node_options) else {}
+
+        return {
+            "xds": {"listen": f"127.0.0.1:{self.xds_port}", **self.xds_options},
+            "admin": {"listen": f"127.0.0.1:{self.admin_port}"},
+            "health": health,
+            "clusters": [{
+                **self.cluster_options,
+                "name": self.cluster,
+                "nodes": [{"id": n.node_id, "address": n.address,
+                           "probe_address": f"127.0.0.1:{n.agent_port}", **node_opts(i)}
+                          for i, n in enumerate(self.nodes)],
+            }],
+        }
+
+    def addresses(self) -> list[tuple[str, str]]:
+        """(what, address) for every listening port, in a stable order."""
+        out = [
+            ("xDS (ADS gRPC)", f"127.0.0.1:{self.xds_port}"),
+            ("xds-server admin", f"http://127.0.0.1:{self.admin_port}"),
+            ("Envoy listener", f"http://127.0.0.1:{self.envoy_port}"),
+            ("Envoy admin", f"http://127.0.0.1:{self.envoy_admin_port}"),
+        ]
+        for n in self.nodes:
+            out.append((f"{n.node_id} engine", n.engine_url))
+            out.append((f"{n.node_id} agent", f"127.0.0.1:{n.agent_port}"))
+        return out
+
+    @property
+    def url(self) -> str:
+        """Base URL of Envoy's listener."""
+        return f"http://127.0.0.1:{self.envoy_port}"
+
+    def node(self, node_id: str) -> NodeProcs:
+        """The NodeProcs of a node id (KeyError if unknown)."""
+        for n in self.nodes:
+            if n.node_id == node_id:
+                return n
+        raise KeyError(node_id)
+
+    # -- views -------------------------------------------------------------------------------
+
+    async def envoy_hosts(self, session: aiohttp.ClientSession) -> dict[str, str]:
+        """Envoy's view: node id -> "HEALTHY" or the reason it is excluded (from /clusters JSON)."""
+        by_port = {n.engine_port: n.node_id for n in self.nodes}
+        hosts = await fetch_envoy_hosts(session, f"http://127.0.0.1:{self.envoy_admin_port}", self.cluster)
+        return {by_port.get(h.port, str(h.port)): h.status for h in hosts}
+
+    async def envoy_weights(self, session: aiohttp.ClientSession) -> dict[str, int]:
+        """Envoy's view of endpoint weights: node id -> load_balancing_weight."""
+        by_port = {n.engine_port: n.node_id for n in self.nodes}
+        hosts = await fetch_envoy_hosts(session, f"http://127.0.0.1:{self.envoy_admin_port}", self.cluster)
+        return {by_port.get(h.port, str(h.port)): h.weight for h in hosts}
+
+    async def cp_nodes(self, session: aiohttp.ClientSession) -> dict[str, dict]:
+        """The control plane's view: node id -> /nodes entry."""
+        async with session.get(f"http://127.0.0.1:{self.admin_port}/nodes") as r:
+            data = await r.json()
+        return {v["id"]: v for v in data["nodes"]}
+
+    async def wait_all_routed(self, session: aiohttp.ClientSession, timeout_s: float = 30.0) -> float:
+        """Wait until Envoy routes to every node; returns seconds waited. Raises TimeoutError."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
+                hosts = await self.envoy_hosts(session)
+                if len(hosts) == len(self.nodes) and all(v == "HEALTHY" for v in hosts.values()):
+                    return time.monotonic() - t0
+            await asyncio.sleep(0.1)
+        tails = "\n".join(f"--- {p.name}\n{p.output_tail(10)}" for p in self.procs)
+        raise TimeoutError(f"Envoy did not route to all {len(self.nodes)} nodes in {timeout_s}s\n{tails}")
+
+    async def set_fault(self, session: aiohttp.ClientSession, node_id: str, mode: str, **params: Any) -> dict:
+        """Set a simulated engine's fault (none, hang, slow, error, queue)."""
+        async with session.post(f"{self.node(node_id).engine_url}/sim/fault",
+                                json={"mode": mode, **params}) as r:
+            r.raise_for_status()
+            return await r.json()
+
+
+async def restart_control_plane(fleet: Fleet, down_s: float = 0.5, timeout_s: float = 20.0) -> float:
+    """Stop the fleet's xds-server (SIGTERM), wait ``down_s``, start it again with the same config
+    and ports; blocking steps run in a thread so the caller's load keeps flowing. Returns the
+    seconds the control plane was unreachable. Raises RuntimeError if it does not come back."""
+    assert fleet.control_plane is not None and fleet.workdir is not None
+    old = fleet.control_plane
+    t0 = time.monotonic()
+    await asyncio.to_thread(old.stop)
+    await asyncio.sleep(down_s)
+    new = fleet._control_plane_process()
+    fleet.procs[fleet.procs.index(old)] = new
+    fleet.control_plane = new
+    await asyncio.to_thread(new.start, timeout_s)
+    return time.monotonic() - t0

@@ -1,0 +1,140 @@
+"""Child processes for tests: free ports and :class:`ManagedProcess`.
+
+Every process started here is registered and killed at interpreter exit as a last resort, so a
+failed test never leaves an Envoy behind.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["ManagedProcess", "free_port"]
+
+_LIVE: set["ManagedProcess"] = set()
+
+
+def _kill_all_at_exit() -> None:
+    for p in list(_LIVE):
+        with contextlib.suppress(Exception):
+            p.stop(timeout_s=1.0)
+
+
+atexit.register(_kill_all_at_exit)
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ManagedProcess:
+    """A child process in its own process group (so signals reach all of it).
+
+    Output (stdout+stderr) goes to ``log_path`` and is scanned for ``ready_pattern``.
+    """
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, ready_pattern: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self.ready_re = re.compile(ready_pattern) if ready_pattern else None
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._ready = threading.Event()
+        self._lines: collections.deque[str] = collections.deque(maxlen=200)
+        self.frozen = False
+
+    @property
+    def pid(self) -> int:
+        """PID of the child (raises RuntimeError before start)."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} not started")
+        return self.proc.pid
+
+    def start(self, timeout_s: float = 20.0) -> "ManagedProcess":
+        """Start and wait for the ready line. Raises RuntimeError (with the output tail) on failure."""
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.env:
+            env.update(self.env)
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, env=env,
+        )
+        _LIVE.add(self)
+        threading.Thread(target=self._pump, daemon=True, name=f"pump-{self.name}").start()
+        if self.ready_re is None:
+            return self
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._ready.wait(0.05):
+                return self
+            if self.proc.poll() is not None:
+                break
+        tail = "\n".join(list(self._lines)[-30:])
+        rc = self.proc.poll()
+        self.stop()
+        raise RuntimeError(f"{self.name} did not become ready (exit code {rc}); output:\n{tail}")
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        with open(self.log_path, "ab") as log:
+            for raw in self.proc.stdout:
+                log.write(raw)
+                log.flush()
+                line = raw.decode("utf-8", "replace").rstrip()
+                self._lines.append(line)
+                if self.ready_re is not None and not self._ready.is_set() and self.ready_re.search(line):
+                    self._ready.set()
+
+    def output_tail(self, n: int = 30) -> str:
+        """Last ``n`` lines of output."""
+        return "\n".join(list(self._lines)[-n:])
+
+    def freeze(self) -> None:
+        """SIGSTOP the whole process group (a host freeze, as a hung kernel or VM pause)."""
+        os.killpg(self.pid, signal.SIGSTOP)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        """SIGCONT the process group."""
+        os.killpg(self.pid, signal.SIGCONT)
+        self.frozen = False
+
+    def alive(self) -> bool:
+        """True while the child runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 5.0) -> int | None:
+        """SIGTERM the group (SIGCONT first if frozen), SIGKILL after ``timeout_s``; returns exit code."""
+        if self.proc is None:
+            return None
+        try:
+            if self.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGCONT)
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait(5)
+            # Reap anything left in the group (e.g. grandchildren).
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            return self.proc.returncode
+        finally:
+            _LIVE.discard(self)
