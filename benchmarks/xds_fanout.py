@@ -119,7 +119,7 @@ async def run_server(endpoints: int, window_ms: float) -> None:
     cache.set_resources(CDS, {"llm": build_cluster(c)})
     cache.set_resource(EDS, "llm", build_cla(c, routing_of(c)))
     servicer = AdsServicer(cache)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", XdsConfig().max_receive_message_bytes)])
     servicer.add_to_server(server)  # as ControlPlane.start() does
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -79,9 +79,12 @@ class XdsConfig(_Model):
         "this long has passed, so a restart never publishes 'everything unhealthy' (DESIGN.md 6)",
     )
     max_receive_message_bytes: int = Field(
-        64 * 1024 * 1024, ge=4 * 1024 * 1024,
-        description="delta reconnects echo every name+version; 4 MiB default is too small "
-        "(notes/xds_protocol.md section 5 item 7)",
+        16 * 1024 * 1024, ge=4 * 1024 * 1024,
+        description="largest ADS request accepted (gRPC answers RESOURCE_EXHAUSTED above it). "
+        "A delta reconnect echoes every name+version and a SotW EDS request names every cluster: "
+        "gRPC's 4 MiB default is too small (docs/xds_protocol.md section 5 item 7); 16 MiB holds "
+        "~200,000 names of 64 characters with versions (150,000 long names are ~6.3 MB) while "
+        "bounding what one message can make the server parse and hold (was 64 MiB)",
     )
     coalesce_window_ms: float = Field(
         5.0, ge=0, le=1000,
@@ -101,6 +104,64 @@ class XdsConfig(_Model):
         16, ge=1, le=1024,
         description="delta: un-ACKed nonces remembered per stream and type (to report which "
         "version an ACK or NACK refers to); older ones count as stale",
+    )
+    max_types_per_stream: int = Field(
+        32, ge=2, le=1024,
+        description="distinct type_urls one stream may ask for (INVALID_ARGUMENT beyond); Envoy "
+        "uses a handful (CDS, EDS, LDS, RDS, SDS, ...)",
+    )
+    max_names_per_stream: int = Field(
+        200_000, ge=1,
+        description="subscribed resource names one stream may hold, all types (INVALID_ARGUMENT "
+        "beyond): ~100 B each, so at most ~20 MB per stream; ours, above the 150,000-name "
+        "request the conformance suite accepts",
+    )
+    client_text_max_chars: int = Field(
+        256, ge=16,
+        description="node id, node cluster, user agent, type_url and versions kept from a client "
+        "are clipped to this many characters (type_urls longer are INVALID_ARGUMENT); Envoy's are "
+        "far shorter. Ours (issue 9: 64 KB node ids grew /metrics and /xds/clients to 19.7 MB)",
+    )
+    nack_message_max_chars: int = Field(
+        1024, ge=16,
+        description="a NACK's error_detail.message as kept for /xds/clients and logged; Envoy's "
+        "messages name the field and the reason in a few hundred characters",
+    )
+    clients_view_max_names: int = Field(
+        100, ge=0,
+        description="subscribed names listed per stream and type in /xds/clients (the count is "
+        "always given): a client may hold 200,000 names; the view stays small",
+    )
+    memo_max_entries: int = Field(
+        1024, ge=1,
+        description="entries in each memo of the snapshot cache (encoded response bodies and "
+        "subscription-set versions; two memos per served type, emptied on every change of the "
+        "type). Ours: distinct responses in flight between two changes are few",
+    )
+    memo_max_bytes: int = Field(
+        4 * 1024 * 1024, ge=64 * 1024,
+        description="bytes (estimated) in each memo of the snapshot cache, least recently used "
+        "out first; an entry over a quarter of it is not memoized. Bounds what closed streams "
+        "leave behind (issue 9: an unbounded memo held 529 MB after 200 closed streams)",
+    )
+    request_bytes_per_s: int = Field(
+        1024 * 1024, ge=1024,
+        description="per-stream request budget, sustained: bytes of requests per second a stream "
+        "may send before the server stops reading it for a while (HTTP/2 flow control then holds "
+        "the client back). An Envoy sends a few small ACKs per update; ours: one stream flooding "
+        "1.7 MB requests slowed every other stream's EDS delivery 60x (issue 9)",
+    )
+    request_burst_bytes: int = Field(
+        16 * 1024 * 1024, ge=4 * 1024,
+        description="per-stream request budget, burst: bytes a stream may send at once; one request "
+        "is always read when the budget is not overdrawn, so a reconnect with every name (up to "
+        "max_receive_message_bytes) is served at once",
+    )
+    request_cost_min_bytes: int = Field(
+        1024, ge=0,
+        description="what each request costs at least from the budget, bytes, whatever its size "
+        "(so a flood of tiny requests is bounded too: 1,024 B/request at 1 MiB/s = 1,024 "
+        "requests/s)",
     )
 
     _v_listen = field_validator("listen")(_check_hostport)

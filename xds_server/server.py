@@ -24,7 +24,7 @@ from xds_server.health import model as hm
 from xds_server.health import policy as hp
 from xds_server.probing import ProbeSession
 from xds_server.routing_events import RoutingChange, RoutingListener
-from xds_server.xds.ads import AdsHooks, AdsServicer
+from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import InvalidResource, SnapshotCache
 from xds_server.xds.resources import (
     CLA_TYPE_URL,
@@ -79,7 +79,9 @@ class ControlPlane:
     def __init__(self, config: SentinelConfig) -> None:
         self.config = config
         self.cache = SnapshotCache(config.xds.server_id,
-                                   validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()})
+                                   validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()},
+                                   memo_max_entries=config.xds.memo_max_entries,
+                                   memo_max_bytes=config.xds.memo_max_bytes)
         self.events: collections.deque[EventRecord] = collections.deque(maxlen=config.admin.events_buffer)
         self.node_cluster: dict[str, str] = {}
         self.node_cfg: dict[str, NodeConfig] = {}
@@ -93,9 +95,6 @@ class ControlPlane:
         self.sessions: dict[str, ProbeSession] = {}
         self.heartbeats: collections.Counter[str] = collections.Counter()
         self.malformed: collections.Counter[str] = collections.Counter()
-        self.xds_requests: collections.Counter[tuple[str, str]] = collections.Counter()
-        self.xds_responses: collections.Counter[str] = collections.Counter()
-        self.xds_nacks: collections.Counter[str] = collections.Counter()
         self.outliers: dict[str, dict[str, hp.OutlierState]] = {}
         self.why_not_routed: dict[str, str] = {}
         self.fail_static = hp.FailStaticState()
@@ -107,9 +106,7 @@ class ControlPlane:
         self._last_publish_s = float("-inf")  # loop time of the last publish (coalescing window)
         self._gate_open: set[str] = set()
         self._started_mono = 0.0
-        self.ads = AdsServicer(self.cache, AdsHooks(on_request=self._on_xds_request,
-                                                    on_response=self._on_xds_response),
-                               max_tracked_nonces=config.xds.max_tracked_nonces)
+        self.ads = AdsServicer(self.cache, config=config.xds)
         self._grpc: grpc.aio.Server | None = None
         self._admin_runner: web.AppRunner | None = None
         self._gate_timer: asyncio.TimerHandle | None = None
@@ -335,20 +332,6 @@ class ControlPlane:
 
     def _on_malformed(self, node_id: str, what: str) -> None:
         self.malformed[node_id] += 1
-
-    @staticmethod
-    def _type_label(type_url: str) -> str:
-        """Metric label for a type_url; any type we do not serve is "unknown" (bounded labels)."""
-        return type_url.rsplit(".", 1)[-1] if type_url in (CLUSTER_TYPE_URL, CLA_TYPE_URL) else "unknown"
-
-    def _on_xds_request(self, stream, verdict) -> None:
-        label = self._type_label(verdict.type_url)
-        self.xds_requests[(label, verdict.kind)] += 1
-        if verdict.kind == "nack":
-            self.xds_nacks[label] += 1
-
-    def _on_xds_response(self, stream, resp) -> None:
-        self.xds_responses[self._type_label(resp.type_url)] += 1
 
     # -- views -------------------------------------------------------------------------------
 

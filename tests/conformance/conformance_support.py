@@ -35,6 +35,11 @@ def cla(cluster: str = "llm", weight: int = 100, health: str = "HEALTHY") -> end
     return build_cla(c, {n.id: Routing(weight, health) for n in c.nodes})
 
 
+def empty_cla(cluster: str) -> endpoint_pb2.ClusterLoadAssignment:
+    """An assignment with no endpoints (how a test takes every endpoint of a cluster away)."""
+    return endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster)
+
+
 def clas_of(resp) -> list[endpoint_pb2.ClusterLoadAssignment]:
     """Unpacked assignments of a SotW response."""
     out = []

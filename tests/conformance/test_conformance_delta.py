@@ -6,8 +6,7 @@ import grpc
 import pytest
 from envoy.config.endpoint.v3 import endpoint_pb2
 
-from conformance_support import EDS, CDS, cla, delta_names
-from xds_server.xds.resources import build_empty_cla
+from conformance_support import EDS, CDS, cla, delta_names, empty_cla
 
 QUIET_S = 0.25
 
@@ -63,7 +62,7 @@ async def test_delta_03_subscription_change_with_a_stale_nonce_is_applied(ads):
     await c.send(type_url=EDS, subscribe=["llm2"], nonce=eds.nonce)  # eds.nonce is superseded
     r = await c.recv()
     assert delta_names(r) == ["llm2"]
-    assert ads.servicer.requests[("delta", "ClusterLoadAssignment", "stale")] == 1
+    assert ads.servicer.stats.requests[("delta", "ClusterLoadAssignment", "stale")] == 1
     assert newer.nonce != eds.nonce
 
 
@@ -80,7 +79,7 @@ async def test_delta_05_nonexistent_name_is_listed_removed_and_sent_once_it_exis
     r = await c.recv()
     assert list(r.removed_resources) == ["no-such-cluster"] and not r.resources
     await c.expect_silence(QUIET_S)  # said once, not repeated
-    ads.cache.set_resource(EDS, "no-such-cluster", build_empty_cla("no-such-cluster"))
+    ads.cache.set_resource(EDS, "no-such-cluster", empty_cla("no-such-cluster"))
     r = await c.recv()
     assert delta_names(r) == ["no-such-cluster"]  # the subscription was kept (go-control-plane #488)
 
@@ -155,7 +154,7 @@ async def test_delta_11_unsubscribe_only_request_gets_no_response_and_name_is_un
 
 async def test_delta_12_draining_every_endpoint_is_an_empty_assignment_not_removed_resources(ads):
     c, cds, eds = await delta_handshake(ads)
-    ads.cache.set_resource(EDS, "llm", build_empty_cla("llm"))
+    ads.cache.set_resource(EDS, "llm", empty_cla("llm"))
     r = await c.recv()
     assert delta_names(r) == ["llm"] and not r.removed_resources
     assert len(cla_in(r).endpoints) == 0

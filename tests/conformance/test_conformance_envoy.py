@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from conformance_support import CDS, EDS, cla, start_ads_server, stop_ads_server
+from conformance_support import CDS, EDS, cla, empty_cla, start_ads_server, stop_ads_server
 from xds_server.config import parse_config
 from xds_server.envoy_bootstrap import EnvoyNotFound, find_envoy
 from xds_server.health.model import Routing
 from xds_server.testing import StandaloneEnvoy
-from xds_server.xds.resources import MAX_LOCALITY_WEIGHT_SUM, build_cla, build_empty_cla
+from xds_server.xds.resources import MAX_LOCALITY_WEIGHT_SUM, build_cla
 
 pytestmark = [pytest.mark.envoy, pytest.mark.parametrize("api_type", ["GRPC", "DELTA_GRPC"])]
 
@@ -99,10 +99,10 @@ async def test_envoy_cluster_left_out_of_cds_is_deleted(envoy_and_ads, api_type)
 async def test_envoy_empty_assignment_drains_every_endpoint(envoy_and_ads, api_type):
     ads, envoy = envoy_and_ads
     await wait_for(lambda: _active_with_hosts(envoy, "llm", 2))
-    ads.cache.set_resource(EDS, "llm", build_empty_cla("llm"))
+    ads.cache.set_resource(EDS, "llm", empty_cla("llm"))
     await wait_for(lambda: _host_count_is(envoy, "llm", 0), timeout_s=2.0)
     await wait_for(lambda: acked_all(ads), timeout_s=2.0)  # accepted, not NACKed
-    assert not ads.servicer.nacks
+    assert not ads.servicer.stats.nacks
     ads.cache.set_resource(EDS, "llm", cla())
     await wait_for(lambda: _active_with_hosts(envoy, "llm", 2), timeout_s=2.0)
 
@@ -136,7 +136,7 @@ async def test_fc01_real_envoy_acks_every_push_with_extreme_weights(envoy_and_ad
     w = sorted(h["weight"] for h in hosts.values())
     assert abs(w[2] / w[0] - 2.0) < 1e-6 and w[1] == w[2]  # 100:100:50 kept
     s = envoy_stream(ads)
-    assert sum(ts.nacks for ts in s.types.values()) == 0 and not ads.servicer.nacks
+    assert sum(ts.nacks for ts in s.types.values()) == 0 and not ads.servicer.stats.nacks
     stats = await envoy.stats(r"update_rejected")
     assert all(v == 0 for v in stats.values())
 
@@ -159,7 +159,10 @@ async def test_envoy_nack_is_recorded_once_and_the_rejected_content_not_resent(e
     ts = s.types[EDS]
     assert ts.nacks == 1 and ts.responses == responses
     assert "LoadBalancingWeight" in ts.nack_message or "load_balancing_weight" in ts.nack_message.lower()
-    assert ads.servicer.nacks[("envoy-llm-gw-1", "ClusterLoadAssignment")] == 1
+    variant = "sotw" if api_type == "GRPC" else "delta"
+    assert ads.servicer.stats.nacks[(variant, "ClusterLoadAssignment")] == 1
+    assert {"node": "envoy-llm-gw-1", "variant": variant, "type": "ClusterLoadAssignment",
+            "nacks": 1} in ads.servicer.clients_view()["nacks_by_node"]
     ads.cache.set_resource(EDS, "llm", cla(weight=6))  # newer good content is sent and ACKed
     await wait_for(lambda: acked_all(ads), timeout_s=3.0)
     hosts = await envoy.hosts("llm")
@@ -196,4 +199,4 @@ async def test_envoy_acks_priorities_localities_overprovisioning_and_one_drop_ca
     hosts = await envoy.hosts("llm")
     assert sorted((h["priority"], h["health"]) for h in hosts.values()) == [
         (0, "UNHEALTHY"), (0, "UNHEALTHY"), (1, "HEALTHY")]
-    assert not ads.servicer.nacks
+    assert not ads.servicer.stats.nacks

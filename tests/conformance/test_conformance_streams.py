@@ -152,9 +152,10 @@ async def test_fc02_nack_counted_once_quiet_period_silent_then_exactly_one_respo
         assert eds["last_nack"]["nonce"] == n2.nonce and eds["last_nack"]["message"] == "weight must be >= 1"
         if variant == "sotw":
             assert eds["last_nack"]["version"] == v1.version_info
+        assert {"node": "envoy-fc02", "variant": variant, "type": "ClusterLoadAssignment",
+                "nacks": 1} in view["nacks_by_node"]
         m = await metrics(admin)
-        assert m[("sentinel_xds_nacks_total", (("type", "ClusterLoadAssignment"),))] == 1
-        assert m[("sentinel_xds_node_nacks_total", (("node", "envoy-fc02"), ("type", "ClusterLoadAssignment")))] == 1
+        assert m[("sentinel_xds_nacks_total", (("type", "ClusterLoadAssignment"), ("variant", variant)))] == 1
         # one weight change -> exactly one response
         c2 = cp.config.clusters[1]
         cp.cache.set_resource(EDS, "llm2", build_cla(c2, {"c": Routing(37, "HEALTHY")}))
@@ -162,10 +163,10 @@ async def test_fc02_nack_counted_once_quiet_period_silent_then_exactly_one_respo
         assert r.nonce not in (v1.nonce, n2.nonce)
         await expect_silence(s, 0.3)
         m = await metrics(admin)
-        assert m[("sentinel_xds_nacks_total", (("type", "ClusterLoadAssignment"),))] == 1
+        assert m[("sentinel_xds_nacks_total", (("type", "ClusterLoadAssignment"), ("variant", variant)))] == 1
 
 
-async def test_nack_metrics_are_exposed_per_node_and_type(control_plane):
+async def test_nacks_are_counted_per_variant_and_type_and_shown_per_node_only_while_connected(control_plane):
     cp, admin = control_plane
     async with grpc.aio.insecure_channel(f"127.0.0.1:{cp.xds_port}") as ch:
         stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch)
@@ -176,10 +177,21 @@ async def test_nack_metrics_are_exposed_per_node_and_type(control_plane):
             await s.call.write(sotw_req(CDS, version="", nonce="bogus-stale", error="ignored: stale"))
         await asyncio.sleep(0.2)
         m = await metrics(admin)
-    for node in ("envoy-x", "envoy-y"):
-        assert m[("sentinel_xds_node_nacks_total", (("node", node), ("type", "ClusterLoadAssignment")))] == 1
-    assert ("sentinel_xds_node_nacks_total", (("node", "envoy-x"), ("type", "Cluster"))) not in m
-    assert m[("sentinel_xds_requests_total", (("kind", "stale"), ("type", "Cluster")))] == 2
+        view = await xds_clients(admin)
+        for node in ("envoy-x", "envoy-y"):
+            assert {"node": node, "variant": "sotw", "type": "ClusterLoadAssignment",
+                    "nacks": 1} in view["nacks_by_node"]
+        assert not [n for n in view["nacks_by_node"] if n["type"] == "Cluster"]
+    assert m[("sentinel_xds_nacks_total", (("type", "ClusterLoadAssignment"), ("variant", "sotw")))] == 2
+    assert ("sentinel_xds_nacks_total", (("type", "Cluster"), ("variant", "sotw"))) not in m
+    assert m[("sentinel_xds_requests_total", (("kind", "stale"), ("type", "Cluster"), ("variant", "sotw")))] == 2
+    assert not any("node" in dict(labels) for name, labels in m if name.startswith("sentinel_xds"))
+    for _ in range(100):  # the streams are closed: their node ids are gone from /xds/clients
+        view = await xds_clients(admin)
+        if not view["clients"]:
+            break
+        await asyncio.sleep(0.02)
+    assert view["nacks_by_node"] == [] and view["clients"] == []
 
 
 async def test_large_request_of_150k_names_over_4mib_is_accepted(control_plane):

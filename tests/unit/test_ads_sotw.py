@@ -4,7 +4,6 @@ from __future__ import annotations
 import grpc
 import pytest
 from envoy.config.endpoint.v3 import endpoint_pb2
-from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from xds_server.config import parse_config
 from xds_server.health.model import Routing
@@ -26,7 +25,7 @@ async def server():
     cache.set_resource(EDS, "llm", build_cla(CFG.clusters[0], {"a": Routing(100, "HEALTHY")}))
     servicer = AdsServicer(cache)
     srv = grpc.aio.server()
-    ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(servicer, srv)
+    servicer.add_to_server(srv)
     port = srv.add_insecure_port("127.0.0.1:0")
     await srv.start()
     clients = []
@@ -192,3 +191,15 @@ async def test_closed_streams_leave_no_state(server):
             break
         await asyncio.sleep(0.02)
     assert servicer.streams == {}
+
+
+def test_describe_lists_a_bounded_number_of_subscribed_names_and_their_count():
+    from envoy.service.discovery.v3 import discovery_pb2
+
+    from xds_server.xds.protocol import StreamIdentity, StreamLimits
+    from xds_server.xds.sotw import SotwStream
+
+    s = SotwStream("t", StreamIdentity(1, "t.1.", 0.0), StreamLimits(view_max_names=3))
+    s.on_request(discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=[f"n{i:03d}" for i in range(500)]))
+    view = s.describe()["types"]["ClusterLoadAssignment"]
+    assert view["subscribed"] == ["n000", "n001", "n002"] and view["subscribed_count"] == 500

@@ -86,3 +86,12 @@ def test_prop_clamped_weights_valid_and_order_kept(ws):
     for (a, b), (x, y) in zip(zip(ws, ws[1:]), zip(out, out[1:])):
         if a <= b:
             assert x <= y
+
+
+def test_type_label_is_the_short_name_of_served_types_and_unknown_otherwise():
+    from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL, type_label
+
+    assert type_label(CLUSTER_TYPE_URL) == "Cluster"
+    assert type_label(CLA_TYPE_URL) == "ClusterLoadAssignment"
+    assert type_label("type.googleapis.com/envoy.config.listener.v3.Listener") == "unknown"
+    assert type_label("x" * 10_000) == "unknown"

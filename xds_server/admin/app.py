@@ -61,23 +61,9 @@ class _Collector:
             hbs.add_metric([c, node_id], cp.heartbeats[node_id])
             bad.add_metric([c, node_id], cp.malformed[node_id])
         yield from (state, weight, routed, rtt, ttft, hbs, bad)
-        streams = GaugeMetricFamily("sentinel_xds_connected_streams", "open ADS streams")
-        streams.add_metric([], len(cp.ads.streams))
-        yield streams
-        req = CounterMetricFamily("sentinel_xds_requests", "DiscoveryRequests by type and kind",
-                                  labels=["type", "kind"])
-        for (t, k), v in sorted(cp.xds_requests.items()):
-            req.add_metric([t, k], v)
-        yield req
-        resp = CounterMetricFamily("sentinel_xds_responses", "DiscoveryResponses sent", labels=["type"])
-        for t, v in sorted(cp.xds_responses.items()):
-            resp.add_metric([t], v)
-        yield resp
-        nack = CounterMetricFamily("sentinel_xds_nacks", "NACKs received", labels=["type"])
-        for t, v in sorted(cp.xds_nacks.items()):
-            nack.add_metric([t], v)
-        yield nack
-        yield from _xds_metrics(cp)
+        yield from cp.ads.metric_families()
+        if getattr(cp, "routing_feed", None) is not None:  # the relay's feed (routing_feed.py)
+            yield from cp.routing_feed.metrics()
         tr = CounterMetricFamily("sentinel_health_events", "health transitions (kind to_<STATE>) and "
                                  "cluster-policy events", labels=["kind"])
         for k, v in sorted(cp.event_counts.items()):
@@ -96,45 +82,6 @@ class _Collector:
                                   "detection timers deferred because our own event loop was late")
         lag.add_metric([], sum(s.lag_deferrals for s in cp.sessions.values()))
         yield lag
-
-
-def _xds_metrics(cp: "ControlPlane"):
-    """xDS server metrics: per-node NACKs, streams by variant, subscriptions, cache encodes."""
-    ads, cache = cp.ads, cp.cache
-    by_node = CounterMetricFamily("sentinel_xds_node_nacks", "NACKs received by Envoy node id and type",
-                                  labels=["node", "type"])
-    for (node, t), v in sorted(ads.nacks.items()):
-        by_node.add_metric([node, t], v)
-    yield by_node
-    variants = GaugeMetricFamily("sentinel_xds_streams", "open ADS streams by variant", labels=["variant"])
-    counts = {"sotw": 0, "delta": 0}
-    for st in ads.streams.values():
-        counts[st.variant] = counts.get(st.variant, 0) + 1
-    for v, n in sorted(counts.items()):
-        variants.add_metric([v], n)
-    yield variants
-    subs = GaugeMetricFamily("sentinel_xds_subscriptions",
-                             "subscriptions held by open streams (named resources + wildcards)")
-    subs.add_metric([], ads.subscription_count())
-    yield subs
-    watchers = GaugeMetricFamily("sentinel_xds_cache_watchers", "streams waiting on cache changes")
-    watchers.add_metric([], cache.watcher_count)
-    yield watchers
-    opened = CounterMetricFamily("sentinel_xds_streams_opened", "ADS streams opened since start")
-    opened.add_metric([], ads.streams_opened)
-    yield opened
-    enc = CounterMetricFamily("sentinel_xds_resources_encoded", "resources validated and encoded into the cache")
-    enc.add_metric([], cache.encode_count)
-    yield enc
-    enc_s = CounterMetricFamily("sentinel_xds_encode_seconds", "time spent validating, serializing, hashing")
-    enc_s.add_metric([], cache.encode_s)
-    yield enc_s
-    rej = CounterMetricFamily("sentinel_xds_resources_rejected",
-                              "resources held back because Envoy would NACK them")
-    rej.add_metric([], cache.rejected_count)
-    yield rej
-    if getattr(cp, "routing_feed", None) is not None:  # the relay's feed (routing_feed.py)
-        yield from cp.routing_feed.metrics()
 
 
 def build_admin_app(cp: "ControlPlane") -> web.Application:
@@ -177,13 +124,7 @@ def build_admin_app(cp: "ControlPlane") -> web.Application:
         return web.json_response({"clusters": out})
 
     async def xds_clients(_: web.Request) -> web.Response:
-        ads = cp.ads
-        return web.json_response({
-            "clients": [s.describe() for s in ads.streams.values()],
-            "streams": len(ads.streams),
-            "subscriptions": ads.subscription_count(),
-            "nacks_by_node": [{"node": n, "type": t, "nacks": v} for (n, t), v in sorted(ads.nacks.items())],
-        })
+        return web.json_response(cp.ads.clients_view())
 
     async def config_dump(_: web.Request) -> web.Response:
         def dump(tu: str) -> list[dict]:

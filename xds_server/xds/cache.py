@@ -12,11 +12,19 @@ cluster dirty on every health change and builds and stores its assignment at mos
 ``xds.coalesce_window_ms`` (server.py): an isolated change at once, a burst within the window
 after a publish as one encode and one push.
 
+Data derived from a type's content (encoded response bodies, versions of subscription sets) is
+memoized per type in :class:`~xds_server.xds.memo.BoundedMemo` s, emptied when the type changes
+and bounded by count and bytes (``xds.memo_max_entries``, ``xds.memo_max_bytes`` each), so what
+closed streams asked for cannot pile up.
+
+:meth:`SnapshotCache.consistent` is the named consistency check (go-control-plane's
+``Consistent()``): every assignment belongs to a cluster that refers to it, and, when asked for
+completeness, every EDS cluster has its assignment.
+
 This module knows nothing about probes or health; it stores what it is given.
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -24,6 +32,10 @@ from dataclasses import dataclass
 
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
+
+from xds_server.config import XdsConfig
+from xds_server.xds.memo import BoundedMemo, size_of_names
+from xds_server.xds.resources import RESOURCE_TYPES, type_label
 
 __all__ = ["CachedResource", "InvalidResource", "SnapshotCache", "Validator", "version_of"]
 
@@ -38,7 +50,7 @@ class InvalidResource(ValueError):
         self.type_url = type_url
         self.name = name
         self.problems = problems
-        super().__init__(f"{type_url.rsplit('.', 1)[-1]} {name!r} rejected: " + "; ".join(problems))
+        super().__init__(f"{type_label(type_url)} {name!r} rejected: " + "; ".join(problems))
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,28 +83,27 @@ class SnapshotCache:
 
     Counters for metrics and benchmarks: ``encode_count`` (resources encoded), ``encode_s``
     (seconds spent validating, serializing and hashing), ``rejected_count``.
+    ``memo_max_entries`` / ``memo_max_bytes`` bound each memo (defaults: ``XdsConfig``).
     """
 
-    def __init__(self, server_id: str, validators: Mapping[str, Validator] | None = None) -> None:
+    def __init__(self, server_id: str, validators: Mapping[str, Validator] | None = None, *,
+                 memo_max_entries: int | None = None, memo_max_bytes: int | None = None) -> None:
+        defaults = XdsConfig()
         self.server_id = server_id
         self.validators: dict[str, Validator] = dict(validators or {})
+        self.memo_max_entries = memo_max_entries or defaults.memo_max_entries
+        self.memo_max_bytes = memo_max_bytes or defaults.memo_max_bytes
         self._resources: dict[str, dict[str, CachedResource]] = {}
         self._type_version: dict[str, str] = {}
         self._type_generation: dict[str, int] = {}
-        self._subset_versions: dict[str, dict[frozenset[str], str]] = {}
-        self._memos: dict[str, dict] = {}
-        self._generation = 0
-        self._changed = asyncio.Event()
+        self._subset_versions: dict[str, BoundedMemo] = {}
+        self._memos: dict[str, BoundedMemo] = {}
+        self._generation = 0  # increments on every content change of any type
         self._watchers: dict[int, Callable[[], None]] = {}
         self._watch_ids = 0
         self.encode_count = 0
         self.encode_s = 0.0
         self.rejected_count = 0
-
-    @property
-    def generation(self) -> int:
-        """Increments on every content change of any type."""
-        return self._generation
 
     def _encode(self, type_url: str, name: str, message: Message) -> tuple[str, bytes]:
         t0 = time.perf_counter()
@@ -163,8 +174,6 @@ class SnapshotCache:
         self._type_generation[type_url] = self._generation
         self._subset_versions.pop(type_url, None)
         self._memos.pop(type_url, None)
-        self._changed.set()
-        self._changed = asyncio.Event()
         for cb in list(self._watchers.values()):
             cb()
 
@@ -177,31 +186,67 @@ class SnapshotCache:
         return self._type_version.get(type_url, "")
 
     def type_generation(self, type_url: str) -> int:
-        """The :attr:`generation` at this type's last change (0: never set). Streams compare it
-        to skip types that did not change since they last looked."""
+        """A counter value taken at this type's last change, increasing over all types (0: never
+        set). Streams compare it to skip types that did not change since they last looked."""
         return self._type_generation.get(type_url, 0)
 
     def subset_version(self, type_url: str, names: frozenset[str]) -> str:
         """Version of the resources of ``names`` that exist (``server_id``-prefixed hash), memoized
-        until the type changes, so 1,000 streams asking for the same set hash it once."""
-        memo = self._subset_versions.setdefault(type_url, {})
+        until the type changes (bounded: :class:`BoundedMemo`), so 1,000 streams asking for the
+        same set hash it once. A set too large for the memo is hashed each time: it costs no
+        more than the request that named it."""
+        memo = self._subset_versions.get(type_url)
+        if memo is None:
+            memo = self._subset_versions[type_url] = self._new_memo()
         ver = memo.get(names)
         if ver is None:
             res = self._resources.get(type_url, {})
-            ver = memo[names] = version_of(((n, res[n].version) for n in names if n in res), self.server_id)
-            if len(memo) > 4096:  # bound: many distinct subscriptions
-                memo.clear()
-                memo[names] = ver
+            small, large = (names, res) if len(names) <= len(res) else (res.keys(), names)
+            ver = version_of(((n, res[n].version) for n in small if n in large), self.server_id)
+            memo.put(names, ver, size_of_names(names) + 128)
         return ver
 
-    def memo(self, type_url: str) -> dict:
-        """A scratch dict for data derived from this type's current content (the ADS layer keeps
-        encoded response bodies there); emptied whenever the type changes."""
-        return self._memos.setdefault(type_url, {})
+    def memo(self, type_url: str) -> BoundedMemo:
+        """A bounded scratch memo for data derived from this type's current content (the ADS
+        layer keeps encoded response bodies there); emptied whenever the type changes."""
+        memo = self._memos.get(type_url)
+        if memo is None:
+            memo = self._memos[type_url] = self._new_memo()
+        return memo
 
-    def changed_event(self) -> asyncio.Event:
-        """An event set at the next content change (a new event is handed out after each change)."""
-        return self._changed
+    def _new_memo(self) -> BoundedMemo:
+        return BoundedMemo(self.memo_max_entries, self.memo_max_bytes)
+
+    def memo_bytes(self) -> int:
+        """Bytes (estimated) held by every memo of the cache."""
+        return sum(m.nbytes for m in (*self._memos.values(), *self._subset_versions.values()))
+
+    def consistent(self, *, complete: bool = False) -> list[str]:
+        """Problems with how the types fit together, as readable strings ([] = consistent):
+        a resource of a type with a parent type (an assignment) that no parent resource refers to
+        (an assignment without its EDS cluster), and with ``complete`` a referenced resource that
+        does not exist (an EDS cluster without its assignment: normal while the warm-up gate holds
+        it, so only a finished snapshot is checked with ``complete=True``)."""
+        problems: list[str] = []
+        referenced: dict[str, set[str]] = {}
+        for tu, rtype in RESOURCE_TYPES.items():
+            if rtype.references is None:
+                continue
+            for r in self._resources.get(tu, {}).values():
+                for child_tu, child in rtype.references(r.any.value):
+                    referenced.setdefault(child_tu, set()).add(child)
+                    if complete and child not in self._resources.get(child_tu, {}):
+                        problems.append(f"{rtype.short_name} {r.name!r} refers to "
+                                        f"{RESOURCE_TYPES[child_tu].short_name} {child!r}, which does not exist")
+        for tu, rtype in RESOURCE_TYPES.items():
+            if rtype.parent_type_url is None:
+                continue
+            refs = referenced.get(tu, set())
+            parent = RESOURCE_TYPES[rtype.parent_type_url].short_name
+            for name in sorted(self._resources.get(tu, {})):
+                if name not in refs:
+                    problems.append(f"{rtype.short_name} {name!r} is not referred to by any {parent}")
+        return problems
 
     def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback()`` synchronously after every content change; returns the function

@@ -4,7 +4,7 @@
 - :func:`build_cla`: one ``ClusterLoadAssignment`` per cluster, nodes grouped by
   (priority, locality) into ``LocalityLbEndpoints``.
 
-Envoy rules encoded here (notes/xds_protocol.md, checked on Envoy 1.40):
+Envoy rules encoded here (docs/xds_protocol.md, checked on Envoy 1.40):
 - ``load_balancing_weight`` must be >= 1 (0 makes Envoy NACK the whole assignment) and the sum
   of weights in one locality must not exceed 2^32-1 (:func:`clamp_weights`).
 - ``healthy_panic_threshold`` defaults to 50 % in Envoy, which spreads traffic over dead hosts;
@@ -13,8 +13,8 @@ Envoy rules encoded here (notes/xds_protocol.md, checked on Envoy 1.40):
   ``policy.overprovisioning_factor`` comes from config; ``drop_overloads`` has at most one
   category (Envoy NACKs two). :func:`validate_cla` checks all of it before anything is cached,
   so a bad assignment is held back instead of being NACKed by every Envoy.
-- draining every endpoint is a ClusterLoadAssignment with no endpoints
-  (:func:`build_empty_cla`); a delta ``removed_resources`` does not clear endpoints in Envoy.
+- the control plane never takes an assignment away: a configured cluster always has one, with
+  every node listed (a delta ``removed_resources`` does not clear endpoints in Envoy).
 
 :data:`RESOURCE_TYPES` is the registry of the types served over ADS (grpc-go style: a type is a
 value with its properties and validator, not a subclass).
@@ -45,9 +45,9 @@ __all__ = [
     "ResourceType",
     "build_cla",
     "build_cluster",
-    "build_empty_cla",
     "clamp_weights",
     "routable_capacity_ratio",
+    "type_label",
     "validate_cla",
     "validate_cluster",
 ]
@@ -208,15 +208,6 @@ def build_cla(
     return cla
 
 
-def build_empty_cla(cluster_name: str) -> endpoint_pb2.ClusterLoadAssignment:
-    """An assignment with no endpoints: how every endpoint of a cluster is taken away.
-
-    In delta xDS, listing the name in ``removed_resources`` does *not* clear Envoy's hosts
-    (``EdsClusterImpl`` ignores removals; notes/xds_protocol.md 1.5); this does.
-    """
-    return endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster_name)
-
-
 # ---- validation (checklist 1.9 item 17) -----------------------------------------------------
 
 
@@ -296,6 +287,9 @@ class ResourceType:
       *pending* (EDS of a known cluster whose assignment the warm-up gate still holds): it is
       held, never reported as removed.
     - ``validate(name, message) -> problems``: empty list when the resource is valid.
+    - ``references(encoded) -> names``: the names of resources of *other* types this resource
+      (serialized) refers to, as ``(type_url, name)`` pairs (a Cluster of type EDS -> its
+      ClusterLoadAssignment); used by :meth:`~xds_server.xds.cache.SnapshotCache.consistent`.
     """
 
     type_url: str
@@ -304,11 +298,29 @@ class ResourceType:
     sotw_full_state: bool
     parent_type_url: str | None
     validate: Callable[[str, Message], list[str]]
+    references: Callable[[bytes], list[tuple[str, str]]] | None = None
+
+
+def cluster_references(encoded: bytes) -> list[tuple[str, str]]:
+    """The ClusterLoadAssignment an EDS Cluster (serialized) needs: ``[(CLA_TYPE_URL, name)]``
+    with ``eds_cluster_config.service_name`` or else the cluster name; [] for other cluster types."""
+    c = cluster_pb2.Cluster.FromString(encoded)
+    if c.type != cluster_pb2.Cluster.EDS:
+        return []
+    return [(CLA_TYPE_URL, c.eds_cluster_config.service_name or c.name)]
 
 
 RESOURCE_TYPES: dict[str, ResourceType] = {
-    CLUSTER_TYPE_URL: ResourceType(CLUSTER_TYPE_URL, "Cluster", True, True, None, validate_cluster),
+    CLUSTER_TYPE_URL: ResourceType(CLUSTER_TYPE_URL, "Cluster", True, True, None, validate_cluster,
+                                   cluster_references),
     CLA_TYPE_URL: ResourceType(CLA_TYPE_URL, "ClusterLoadAssignment", False, False, CLUSTER_TYPE_URL,
                                validate_cla),
 }
 """Served types in make-before-break order: CDS before EDS (checklist 1.9 item 27)."""
+
+
+def type_label(type_url: str) -> str:
+    """The one label of a type_url for metrics, logs and views: the served type's ``short_name``
+    ("Cluster", "ClusterLoadAssignment"), "unknown" for anything else (labels stay bounded)."""
+    rtype = RESOURCE_TYPES.get(type_url)
+    return rtype.short_name if rtype is not None else "unknown"
