@@ -10,6 +10,14 @@ some tokens the EngineCore of the engine serving it (named by ``x-sentinel-upstr
 killed (SIGKILL). The client must receive exactly the tokens of an uninterrupted run of the same
 request: same text, same token ids (``return_token_ids``), one finish_reason, one ``[DONE]``.
 The pause the client saw is printed (``-s``) and recorded.
+
+Measured (vLLM 0.32 CPU, this model): a continuation from ``prompt ids + generated ids`` always
+gives the same ids; its text is the same except when the cut falls right after a token whose text
+vLLM held back (an incomplete UTF-8 sequence: the chunk has ``"text": ""``). Then vLLM's
+incremental detokenizer cannot prime on the prompt's last tokens and the continuation's first
+chunk carries the decoded prompt and earlier output as text (e.g. ``"alpha beta gamma delta node
+probe..."``). A relay avoids it by resuming from the ids up to the last token whose chunk carried
+text, generating the held-back tokens again (their text was never shown).
 """
 from __future__ import annotations
 
@@ -76,6 +84,19 @@ async def read_stream(resp: aiohttp.ClientResponse, on_token=None) -> dict[str, 
     return out
 
 
+async def busiest(servers: list) -> Any:
+    """The server with the most running requests (``vllm:num_requests_running``)."""
+    running = []
+    async with aiohttp.ClientSession() as s:
+        for srv in servers:
+            async with s.get(srv.url + "/metrics") as r:
+                text = await r.text()
+            n = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("vllm:num_requests_running{"))
+            running.append((n, srv.port, srv))
+    return max(running)[2]
+
+
 async def direct(url: str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s:
         async with s.post(url + "/v1/completions", json=dict(BODY, stream=True)) as r:
@@ -138,21 +159,28 @@ async def test_real_vllm_stream_rescued_after_enginecore_kill_is_exact():
             async with http.post(f"http://127.0.0.1:{relay_port}/v1/completions",
                                  json=dict(BODY, stream=True)) as r:
                 assert r.status == 200
-                victim = by_addr[r.headers["x-sentinel-upstream-host"]]
+                host = r.headers.get("x-sentinel-upstream-host")
 
                 async def on_token(n: int) -> None:
                     if n == KILL_AFTER and not killed:
+                        # The relay passes Envoy's header on; without it, ask the engines.
+                        victim = by_addr[host] if host in by_addr else await busiest(servers)
+                        killed["port"] = victim.port
                         os.kill(victim.engine_core, signal.SIGKILL)
                         killed["at"] = time.monotonic()
 
                 got = await read_stream(r, on_token)
         assert killed, "the stream ended before the kill"
+        diverge = next((i for i, (a, b) in enumerate(zip(got["text"], ref["text"])) if a != b),
+                       min(len(got["text"]), len(ref["text"])))
         record("real_vllm_rescue", killed_after_tokens=KILL_AFTER,
                client_max_gap_ms=round(got["max_gap_s"] * 1000),
-               same_text=got["text"] == ref["text"], same_ids=got["ids"] == ref["ids"])
+               same_ids=got["ids"] == ref["ids"], same_text=got["text"] == ref["text"],
+               text_diverges_at=None if got["text"] == ref["text"] else diverge,
+               got_text_there=got["text"][max(0, diverge - 10):diverge + 50])
         assert got["errors"] == []
-        assert got["text"] == ref["text"]
-        assert got["ids"] == ref["ids"]
+        assert got["ids"] == ref["ids"]  # the tokens: exact
+        assert got["text"] == ref["text"]  # the text the client saw: exact (see module docstring)
         assert got["finish"] == ["length"] and got["done"] == 1
         assert got["usage"]["completion_tokens"] == MAX_TOKENS
         assert got["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
