@@ -71,12 +71,21 @@ class Received:
     ``text``: the text (completions ``text`` / chat ``delta.content``) in order. ``token_ids``: ids
     of the tokens delivered (when the engine returns them). ``prompt_token_ids``: from the first
     attempt's first chunk (None if the engine did not send them). ``chunks``: content chunks sent.
+    ``ids_with_text``: how many of ``token_ids`` were delivered up to the last chunk with text
+    (None: all of them).
     """
 
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
     chunks: int = 0
+    ids_with_text: int | None = None
+
+    @property
+    def held_back(self) -> int:
+        """Ids delivered after the last chunk that carried text: tokens whose text the engine
+        still held back (an incomplete UTF-8 sequence). A continuation regenerates them."""
+        return 0 if self.ids_with_text is None else len(self.token_ids) - self.ids_with_text
 
     @property
     def tokens(self) -> int:
@@ -149,7 +158,10 @@ def continuation_body(kind: str, body: dict[str, Any], rx: Received,
 
     Completions continue from token ids, except with stop strings and a text prompt (the engine
     may hold text back behind the ids it sent): then prompt text + the text received. A token-id
-    prompt with stop strings still continues from ids (no text prompt to extend).
+    prompt with stop strings still continues from ids (no text prompt to extend). Ids delivered
+    with empty text (held back inside an incomplete UTF-8 sequence: ``rx.held_back``) are not
+    resent: continuing from them makes vLLM's detokenizer emit the whole context as text (seen
+    on vLLM 0.32); they are regenerated, and the caller drops their ids the second time.
 
     ``max_resume_tokens``: the most generated tokens re-sent as context (bounds the re-prefill).
     Raises :class:`Refused` when it cannot be built faithfully.
@@ -168,23 +180,26 @@ def continuation_body(kind: str, body: dict[str, Any], rx: Received,
     max_tokens = body.get(mt_key)
     if kind == "completions" and max_tokens is None:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    # Tokens whose text was held back are regenerated (the caller skips their ids again), so
+    # the continuation starts after the last token the client saw text for.
+    kept = delivered - rx.held_back
     if isinstance(max_tokens, int):
-        left = max_tokens - delivered
-        if left <= 0:
+        if max_tokens - delivered <= 0:
             return None
-        new[mt_key] = left
+        new[mt_key] = max_tokens - kept
     mn = body.get("min_tokens")
     if isinstance(mn, int) and mn > 0:
-        new["min_tokens"] = max(0, mn - delivered)
+        new["min_tokens"] = max(0, mn - kept)
     text = "".join(rx.text)
+    seen_ids = rx.token_ids[:len(rx.token_ids) - rx.held_back]
     if kind == "completions":
         prompt = body.get("prompt")
         if _text_continuation(body) and isinstance(prompt, str):
             new["prompt"] = prompt + text
         elif rx.prompt_token_ids is not None and rx.token_ids:
-            new["prompt"] = rx.prompt_token_ids + rx.token_ids
+            new["prompt"] = rx.prompt_token_ids + seen_ids
         elif isinstance(prompt, list) and rx.token_ids:
-            new["prompt"] = list(prompt) + rx.token_ids
+            new["prompt"] = list(prompt) + seen_ids
         elif isinstance(prompt, str):
             new["prompt"] = prompt + text
         else:

@@ -113,6 +113,7 @@ class StreamBook:
         self._fast_n = 0
         self.fault: str | None = None
         self.resent_tokens = 0
+        self._skip_ids = 0  # held-back ids the current attempt regenerates: not delivered twice
         self._identity: tuple[Any, Any, Any, Any] | None = None  # id, object, created, model
         self._identity_attempt = 0
         self._engine_usage: dict[str, Any] | None = None
@@ -129,6 +130,7 @@ class StreamBook:
             rx.text.extend(t for t in texts if t)
             if self._fast_ids:
                 rx.token_ids.extend(json.loads(b"[" + self._fast_ids + b"]"))
+            rx.ids_with_text = len(rx.token_ids)  # every fast-path chunk carried text
             rx.chunks += self._fast_n
             self._fast_text.clear()
             self._fast_ids.clear()
@@ -151,6 +153,8 @@ class StreamBook:
         i = _IDS.search(data)
         if m is None or i is None:
             return False
+        if m.group(1) == b'""' and i.group(1) not in (b"null", b"[]"):
+            return False  # ids whose text is held back: the full parse keeps track of them
         ft = self._fast_text
         if ft or self._fast_n:
             ft += b","
@@ -253,10 +257,19 @@ class StreamBook:
             pids = ch.get("prompt_token_ids") or obj.get("prompt_token_ids")
             if isinstance(pids, list):
                 rx.prompt_token_ids = pids
+        if isinstance(ids, list) and ids and self._skip_ids:
+            drop = min(self._skip_ids, len(ids))
+            self._skip_ids -= drop
+            ids = ids[drop:]
+            ch["token_ids"] = ids
+            if not ids and not text and finish is None:
+                return b""  # a regenerated held-back token the client already has
         if text:
             rx.text.append(text)
         if isinstance(ids, list) and ids:
             rx.token_ids.extend(ids)
+        if text:
+            rx.ids_with_text = len(rx.token_ids)
         if text or ids:
             rx.chunks += 1
         self._go(In.FINISH if finish is not None else In.CHUNK)
@@ -344,6 +357,7 @@ class StreamBook:
         self.attempt += 1
         self.fault = None
         self.resent_tokens = self.rx.tokens
+        self._skip_ids = self.rx.held_back
         return body
 
     def finish_length(self) -> bytes:

@@ -262,3 +262,42 @@ def test_http1_chunked_body_any_chunking(pieces, cuts):
     got = b"".join(b"".join(rr.feed(p)) for p in chunked(wire, cuts))
     assert rr.status == 200 and rr.header("content-type") == "text/event-stream"
     assert got == b"".join(pieces) and rr.complete
+
+
+def _cmpl_chunk(rid: str, text: str, ids: list[int], finish: str | None = None, prompt_ids=None) -> bytes:
+    ch = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+          "token_ids": ids}
+    if prompt_ids is not None:
+        ch["prompt_token_ids"] = prompt_ids
+    obj = {"id": rid, "object": "text_completion", "created": 1, "model": "m", "choices": [ch]}
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def test_cut_after_held_back_utf8_resumes_before_it_and_never_delivers_its_id_twice():
+    # vLLM holds a token's text back while it is an incomplete UTF-8 sequence (text "" with its
+    # id); continuing from that id makes its detokenizer emit the whole context as text, so the
+    # relay resumes from the last token with text and drops the regenerated id.
+    book = StreamBook("completions", {"prompt": "hi", "max_tokens": 4, "stream": True,
+                                      "stream_options": {"include_usage": True}}, True)
+    first = [_cmpl_chunk("c1", "a", [5], prompt_ids=[1, 2]), _cmpl_chunk("c1", "", [6])]
+    out = [book.feed(first)]
+    book.set_fault("reset")
+    assert book.rx.held_back == 1
+    req = book.next_request(100)
+    assert req["prompt"] == [1, 2, 5] and req["max_tokens"] == 3
+    second = [_cmpl_chunk("c2", "", [6], prompt_ids=[1, 2, 5]), _cmpl_chunk("c2", "é", [7]),
+              _cmpl_chunk("c2", "b", [8], finish="length"), b"data: [DONE]\n\n"]
+    out.append(book.feed(second))
+    got = parse_client(b"".join(out))
+    assert got["text"] == "aéb"
+    assert got["token_ids"] == [5, 6, 7, 8]
+    assert got["usage"][-1]["completion_tokens"] == 4 and got["usage"][-1]["prompt_tokens"] == 2
+    assert got["finishes"] == ["length"] and got["dones"] == 1 and book.state is St.COMPLETE
+
+
+def test_continuation_budget_counts_held_back_tokens_as_regenerated():
+    rx = Received(text=["a"], token_ids=[5, 6, 7], prompt_token_ids=[1], chunks=3, ids_with_text=1)
+    new = continuation_body("completions", {"prompt": "x", "max_tokens": 10, "min_tokens": 4}, rx, 100)
+    assert new["prompt"] == [1, 5] and new["max_tokens"] == 9 and new["min_tokens"] == 3
+    chat = continuation_body("chat", {"messages": [{"role": "user", "content": "u"}], "max_tokens": 10}, rx, 100)
+    assert chat["messages"][-1] == {"role": "assistant", "content": "a"} and chat["max_tokens"] == 9
