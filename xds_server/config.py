@@ -525,7 +525,10 @@ class ClusterConfig(_Model):
         description="at most one category: Envoy 1.40 NACKs an assignment with two "
         "(notes/xds_protocol.md 2.5)",
     )
-    nodes: list[NodeConfig] = Field(..., min_length=1)
+    nodes: list[NodeConfig] = Field(
+        default_factory=list,
+        description="may be empty: a pool scaled to zero is served an assignment with no endpoints",
+    )
 
     @model_validator(mode="after")
     def _unique_nodes(self) -> "ClusterConfig":

@@ -187,7 +187,7 @@ class ControlPlaneView:
                 "name": c.name,
                 "nodes": len(views),
                 "routable": healthy,
-                "healthy_fraction": healthy / len(views),
+                "healthy_fraction": healthy / len(views) if views else 0.0,  # a pool scaled to zero
                 "xds_version": self.cla_version(c.name),
                 "published": bool(self.cla_version(c.name)),
             })

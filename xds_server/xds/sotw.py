@@ -4,7 +4,9 @@ Protocol rules (docs/xds_protocol.md section 1; checklist 1.9 numbers in bracket
 - an ACK gets no response unless content changed [3]; a request whose ``response_nonce`` is not
   the last nonce sent for its type is stale and ignored [6];
 - CDS is full state and (legacy) wildcard [10]; EDS is named: only requested names are sent [11];
-  a name added to ``resource_names`` is sent even if sent before [7, 12];
+  a name added to ``resource_names`` is sent even if sent before [7, 12]; a requested EDS name
+  that exists nowhere (no assignment, no cluster) is answered with an empty assignment, since
+  SotW has no "does not exist" answer and Envoy would wait on it (issue 11);
 - on a new stream everything requested is sent in full whatever ``version_info`` says [14];
 - a NACK is recorded with nonce, version and message; the rejected content is not sent again,
   only newer content is [4, 5, 29]; a type we do not serve gets one empty response [18].
@@ -154,6 +156,8 @@ class SotwStream(StreamBase):
                 self._eds_owed |= {n for n, v in state.items() if ts.sent.get(n) != v}
         else:
             send = [r for n, r in wanted.items() if ts.sent.get(n) != r.version or n in ts.force]
+            if not ts.wildcard and len(wanted) < len(ts.subscribed):
+                send.extend(self._absent(ts, cache, res))
             if not send:
                 return None
         if ts.wildcard:
@@ -172,6 +176,19 @@ class SotwStream(StreamBase):
                 ts.sent[r.name] = r.version
                 ts.force.discard(r.name)
         return resp
+
+    @staticmethod
+    def _absent(ts: TypeState, cache: SnapshotCache, res) -> list[CachedResource]:
+        """Stand-ins for subscribed names that exist nowhere and were not answered yet
+        (EDS: an empty assignment, so Envoy does not wait on the name; issue 11)."""
+        out = []
+        for n in ts.subscribed.difference(res):
+            if n in ts.sent and n not in ts.force:
+                continue
+            r = cache.absent(ts.type_url, n)
+            if r is not None and ts.sent.get(n) != r.version:
+                out.append(r)
+        return out
 
     def describe(self) -> dict:
         """JSON-able summary for the admin endpoint (``/xds/clients``)."""
