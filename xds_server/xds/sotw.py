@@ -47,6 +47,7 @@ class TypeState(AckState):
     requested: bool = False              # the client has sent at least one request of this type
     sent: dict[str, str] = field(default_factory=dict)  # name -> resource version the client got
     force: set[str] = field(default_factory=set)        # names to re-push even if unchanged
+    absent: set[str] = field(default_factory=set)       # names answered with a stand-in (bounded)
     unserved: bool = False               # a type we do not serve
     answered_unserved: bool = False
     dirty: bool = True                   # subscription changed since plans() last looked
@@ -91,6 +92,7 @@ class SotwStream(StreamBase):
             for n in names ^ ts.subscribed:
                 ts.sent.pop(n, None)  # a re-added name is sent again even if unchanged
                 ts.force.discard(n)
+                ts.absent.discard(n)
             ts.subscribed = names
         self._check_names()
         changed = first or not nonce or before != (ts.wildcard, frozenset(ts.subscribed))
@@ -157,7 +159,7 @@ class SotwStream(StreamBase):
         else:
             send = [r for n, r in wanted.items() if ts.sent.get(n) != r.version or n in ts.force]
             if not ts.wildcard and len(wanted) < len(ts.subscribed):
-                send.extend(self._absent(ts, cache, res))
+                send.extend(self._absent(ts, cache, res, self.limits.max_absent_names))
             if not send:
                 return None
         if ts.wildcard:
@@ -175,19 +177,27 @@ class SotwStream(StreamBase):
             for r in send:
                 ts.sent[r.name] = r.version
                 ts.force.discard(r.name)
+                if r.name in res:
+                    ts.absent.discard(r.name)
         return resp
 
     @staticmethod
-    def _absent(ts: TypeState, cache: SnapshotCache, res) -> list[CachedResource]:
+    def _absent(ts: TypeState, cache: SnapshotCache, res, limit: int) -> list[CachedResource]:
         """Stand-ins for subscribed names that exist nowhere and were not answered yet
-        (EDS: an empty assignment, so Envoy does not wait on the name; issue 11)."""
+        (EDS: an empty assignment, so Envoy does not wait on the name; issue 11), at most
+        ``limit`` names per type held at once (the rest get no answer, as before)."""
         out = []
-        for n in ts.subscribed.difference(res):
+        if len(ts.absent) >= limit:
+            return out
+        for n in sorted(ts.subscribed.difference(res)):
             if n in ts.sent and n not in ts.force:
                 continue
             r = cache.absent(ts.type_url, n)
             if r is not None and ts.sent.get(n) != r.version:
                 out.append(r)
+                ts.absent.add(n)
+                if len(ts.absent) >= limit:
+                    break
         return out
 
     def describe(self) -> dict:
@@ -196,6 +206,7 @@ class SotwStream(StreamBase):
         view["types"] = {
             self._view_key(tu): {
                 **self._subscribed_view(ts),
+                **self._held_view(ts),
                 **ts.ack_view(),
             }
             for tu, ts in self.types.items()
