@@ -123,6 +123,9 @@ class ControlPlane:
             ("grpc.so_reuseport", 0),
         ])
         self.ads.add_to_server(self._grpc)  # ADS (SotW + delta), responses encoded once per content
+        from xds_server.routing_feed import RoutingFeed  # routing feed for the relay, same port
+        self.routing_feed = RoutingFeed(self).add_to_server(self._grpc)
+        self.view.routing_feed = self.routing_feed  # read by admin/metrics.py
         host, port = parse_hostport(self.config.xds.listen)
         try:
             self.xds_port = self._grpc.add_insecure_port(f"{host}:{port}")
