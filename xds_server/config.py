@@ -243,6 +243,11 @@ class ProbeConfig(_Model):
     malformed_log_interval_s: float = Field(
         10.0, ge=0, description="a kind of malformed agent message is logged at most once per this (ours)",
     )
+    reconnect_log_interval_s: float = Field(
+        60.0, ge=0,
+        description="an agent that cannot be reached is logged at most once per this, not once per "
+                    "redial (ours: a dead node must not fill the log)",
+    )
     lag_recheck_ms: float = Field(
         5.0, gt=0, le=1000,
         description="a detection timer that fired late (health.self_lag_tolerance_ms) is re-run this "

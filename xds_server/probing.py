@@ -87,6 +87,7 @@ class ProbeSession:
         self.rtt_samples_dropped = 0
         self._stalled = False
         self._rl = RateLimitedLog(log, self.probe_cfg.malformed_log_interval_s, max_keys=256)
+        self._unreachable_rl = RateLimitedLog(log, self.probe_cfg.reconnect_log_interval_s, max_keys=1)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
@@ -192,8 +193,17 @@ class ProbeSession:
                 self._emit(StreamClosed(detail))
             except Exception:  # noqa: BLE001
                 self._handler_failed("stream_closed")
-            log.info("probe stream to %s (%s) closed: %s", self.node.id, self.node.probe_address,
-                     for_log(detail, 256))
+            # A stream that delivered something is one line each time it ends; an agent that
+            # cannot be reached is one line per probe.reconnect_log_interval_s, not per retry.
+            extra = {"node": self.node.id, "reason": detail}
+            if got_any:
+                self._unreachable_rl.forget("closed")
+                log.info("probe stream to %s (%s) closed: %s", for_log(self.node.id), self.node.probe_address,
+                         for_log(detail, 256), extra=extra)
+            else:
+                self._unreachable_rl.log(logging.WARNING, self._now(), "closed",
+                                         "probe stream to %s (%s) failed, retrying: %s", for_log(self.node.id),
+                                         self.node.probe_address, for_log(detail, 256), extra=extra)
             if got_any:
                 backoff = self.cfg.reconnect_backoff_initial_ms / 1000.0
             await asyncio.sleep(backoff)
