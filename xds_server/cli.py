@@ -89,7 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
     from xds_server.server import ControlPlane
 
     async def run() -> int:
-        cp = ControlPlane(cfg)
+        cp = ControlPlane(cfg, config_path=path)
         try:
             await cp.start()
         except OSError as e:
@@ -103,6 +103,14 @@ def _serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        reloads: set[asyncio.Task] = set()
+
+        def on_hup() -> None:  # reload the config file; a bad file is logged and changes nothing
+            t = loop.create_task(cp.reload_file("SIGHUP"))
+            reloads.add(t)
+            t.add_done_callback(reloads.discard)
+
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
         await stop.wait()
         await cp.stop()
         return 0

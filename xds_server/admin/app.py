@@ -96,7 +96,8 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
 
     async def readyz(_: web.Request) -> web.Response:
         ready, missing = view.readiness()
-        return _json({"ready": ready, "unpublished_clusters": missing}, status=200 if ready else 503)
+        return _json({"ready": ready, "unpublished_clusters": missing, "config_reload": view.reload_status()},
+                     status=200 if ready else 503)
 
     async def nodes(_: web.Request) -> web.Response:
         return _json({"nodes": view.nodes()})

@@ -130,6 +130,36 @@ class ControlCore:
         if self.planner.dirty:
             self.publish()  # operator actions are rare: publish now, so the answer shows the result
 
+    def reconfigure(self, config: SentinelConfig) -> tuple[list[str], list[str]]:
+        """Serve ``config`` from now on (a reload): thresholds apply at the next observation,
+        nodes not known yet start COLD, nodes no longer in ``config`` are forgotten, every
+        cluster is rebuilt. Returns ``(added, dropped)`` node ids. Draining a node before it is
+        dropped is the caller's job (:mod:`xds_server.control.reload`)."""
+        now = self.clock.now()
+        old_ids = set(self.node_cfg)
+        self.config = config
+        self.node_cluster, self.node_cfg = {}, {}
+        for cname, n in config.nodes():
+            self.node_cluster[n.id] = cname
+            self.node_cfg[n.id] = n
+        self._cluster_nodes = {c.name: [n.id for n in c.nodes] for c in config.clusters}
+        added = [i for i in self.node_cfg if i not in old_ids]
+        dropped = [i for i in old_ids if i not in self.node_cfg]
+        for node_id in added:
+            self.health[node_id] = hm.initial(node_id, now)
+        for node_id in dropped:
+            for d in (self.health, self.routing, self._keys):
+                d.pop(node_id, None)
+        self.planner.reconfigure(config, dropped)
+        if self._running and any(c.name not in self.planner.gate_open for c in config.clusters):
+            if self._gate_timer is not None:
+                self._gate_timer.cancel()
+            self._gate_timer = self.clock.call_at(now + config.xds.warmup_timeout_ms / 1000.0,
+                                                  self._open_all_gates)
+        for c in config.clusters:
+            self.mark_dirty(c.name)
+        return added, dropped
+
     def _transition(self, cluster: str, ev: hm.Event) -> None:
         self.events.record(self.clock.wall(), cluster, ev.node_id, "transition", ev.reason,
                            ev.from_state.value, ev.to_state.value)
