@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import time
@@ -34,6 +35,8 @@ from xds_server.control.events import EventLog, EventRecord
 from xds_server.control.probes import ProbeSource, ProbeSourceContext, ProbeSourceFactory, grpc_probe_source
 from xds_server.control.publish import ClusterPublish
 from xds_server.control.reload import diff_configs, drained, serving_config
+from xds_server.control.state import restore as restore_state
+from xds_server.control.state import snapshot as snapshot_state
 from xds_server.control.views import ControlPlaneView
 from xds_server.health import model as hm
 from xds_server.routing_events import RoutingChange, RoutingListener
@@ -110,6 +113,7 @@ class ControlPlane:
             return
         self._opened = True
         self.core.begin()
+        self.core.restored = self._read_state()
         self.cache.set_resources(
             CLUSTER_TYPE_URL, {c.name: build_cluster(c) for c in self.config.clusters}
         )
@@ -151,6 +155,8 @@ class ControlPlane:
         log.info("xds-server: ADS on %s:%d, admin on http://%s:%d", host, self.xds_port, ahost, self.admin_port)
         self._file_sig = self._signature()
         self._tasks.append(asyncio.create_task(self._reap_loop(), name="reload-reaper"))
+        if self.config.state.path:
+            self._tasks.append(asyncio.create_task(self._state_loop(), name="state-writer"))
         if self.config_path and self.config.reload.watch_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._watch_loop(), name="config-watch"))
 
@@ -164,6 +170,8 @@ class ControlPlane:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
                 pass
         self._tasks.clear()
+        if self._opened:
+            self.write_state()
         self.core.end()
         for s in self.sessions.values():
             try:
@@ -174,6 +182,54 @@ class ControlPlane:
             await self._grpc.stop(grace=0.5)
         if self._admin_runner:
             await self._admin_runner.cleanup()
+
+    # -- state kept across restarts (issue 13 item 3; format in xds_server.control.state) ------
+
+    def _read_state(self) -> dict[str, hm.NodeHealth]:
+        """The kept state of this config's nodes from ``state.path``; empty when there is none,
+        it is older than ``state.max_age_s``, or it cannot be read (logged)."""
+        sc = self.config.state
+        if not sc.path:
+            return {}
+        try:
+            with open(sc.path, encoding="utf-8") as f:
+                doc = json.load(f)
+            kept = restore_state(doc, self.clock.now(), self.clock.wall(), sc.max_age_s, self.core.node_cfg)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            log.warning("state file %s not used: %s", sc.path, e)
+            return {}
+        log.info("state file %s: resuming %d node(s) at their first heartbeat", sc.path, len(kept))
+        return kept
+
+    def write_state(self) -> bool:
+        """Write the routing state to ``state.path`` atomically (temp file, fsync, rename).
+        Returns False (logged) when it cannot be written or no path is configured."""
+        path = self.config.state.path
+        if not path:
+            return False
+        doc = snapshot_state(self.core.health, self.clock.now(), self.clock.wall())
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(doc, f, allow_nan=False)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except (OSError, ValueError) as e:
+            log.warning("cannot write state file %s: %s", path, e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return False
+        return True
+
+    async def _state_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.state.write_interval_s)
+            self.write_state()
 
     # -- reload (issue 13 item 2; rules in xds_server.control.reload) ---------------------------
 

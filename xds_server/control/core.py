@@ -17,6 +17,7 @@ Shape::
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -69,6 +70,7 @@ class ControlCore:
         self._wake_timers: dict[str, tuple[float, Timer]] = {}
         self._running = False
         self.started_s = 0.0
+        self.restored: dict[str, hm.NodeHealth] = {}  # resumed at the node's first heartbeat
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -105,6 +107,8 @@ class ControlCore:
         if isinstance(obs, hm.HeartbeatObserved):
             self.counters.heartbeats[node_id] += 1
         prev = self.health[node_id]
+        if node_id in self.restored and isinstance(obs, hm.HeartbeatObserved):
+            prev = self._resume(node_id, prev, now_s)
         nh, events = hm.step(prev, obs, now_s, cfg)
         self.health[node_id] = nh
         cluster = self.node_cluster[node_id]
@@ -118,6 +122,18 @@ class ControlCore:
                 or prev.heartbeat.stream_closed != nh.heartbeat.stream_closed):
             self._check_fail_static(now_s)
         return hm.next_check_s(nh, cfg)
+
+    def _resume(self, node_id: str, prev: hm.NodeHealth, now_s: float) -> hm.NodeHealth:
+        """The kept state of a node (from the state file) at its first heartbeat after a restart:
+        its state, ejection back-off, ramp and drain, with this process's liveness records."""
+        kept = self.restored.pop(node_id)
+        if prev.state is not hm.NodeState.COLD:
+            return prev
+        if prev.drain.active:  # an operator drained it since the restart
+            kept = dataclasses.replace(kept, drain=prev.drain)
+        self.events.record(self.clock.wall(), self.node_cluster[node_id], node_id, "transition",
+                           f"resumed after restart: {kept.reason}", prev.state.value, kept.state.value)
+        return dataclasses.replace(kept, heartbeat=prev.heartbeat, engine=prev.engine, probe=prev.probe)
 
     def drain(self, node_id: str, drain: bool, reason: str) -> None:
         """Operator drain/undrain (enters the model as an observation), published at once.
