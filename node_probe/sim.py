@@ -2,7 +2,7 @@
 
 Used by ``xds-server demo`` and by integration tests that put a real Envoy in front of several
 simulated engines. The wire format follows what a real vLLM 0.32 answers (see
-``shared/fixtures/vllm-0.32.0-cpu``):
+``tests/fixtures/vllm-0.32.0-cpu``):
 
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``, streaming (SSE, ``data: {json}``
   per token then ``data: [DONE]``) and non-streaming; a chat stream opens with a role-only chunk

@@ -1,7 +1,7 @@
 """Control-plane configuration: one YAML file -> validated pydantic models.
 
-Every threshold lives here with its default and the source of that default (the seed articles in
-``shared/seeds/`` and DESIGN.md section 4). Nothing else in the code base hard-codes them.
+Every threshold lives here with its default and the source of that default (the seed articles,
+see docs/sources.md, and DESIGN.md section 4). Nothing else in the code base hard-codes them.
 
 Errors: :func:`load_config` and :func:`parse_config` raise :class:`ConfigError`, whose message
 names each offending field by its dotted path (``clusters.0.nodes.1.address``) and the reason.
@@ -477,7 +477,7 @@ class DropOverloadConfig(_Model):
     """Shed a share of traffic at Envoy (``ClusterLoadAssignment.policy.drop_overloads``) when the
     cluster has lost capacity, instead of overloading the survivors.
 
-    Dropped requests get a local 503 "drop overload" from Envoy (notes/xds_protocol.md 2.5).
+    Dropped requests get a local 503 "drop overload" from Envoy (docs/xds_protocol.md 2.5).
     """
 
     category: str = Field(
@@ -492,7 +492,7 @@ class DropOverloadConfig(_Model):
         description="apply the drop while the routable (HEALTHY, weighted) share of the "
         "cluster's full capacity is below this ratio; the drop and the host change that caused "
         "it land in the same ClusterLoadAssignment, which Envoy 1.40 needs to apply a drop "
-        "change at all (notes/xds_protocol.md 2.5)",
+        "change at all (docs/xds_protocol.md 2.5)",
     )
 
 
@@ -525,12 +525,12 @@ class ClusterConfig(_Model):
         140, ge=1, le=100_000,
         description="ClusterLoadAssignment.policy.overprovisioning_factor, %. Envoy's default 140: "
         "priority 0 keeps all traffic until fewer than ~71.4 % of its hosts are healthy, then "
-        "the rest spills to priority 1 (notes/xds_protocol.md 2.4); 100 spills at the first loss",
+        "the rest spills to priority 1 (docs/xds_protocol.md 2.4); 100 spills at the first loss",
     )
     drop_overloads: list[DropOverloadConfig] = Field(
         default_factory=list, max_length=1,
         description="at most one category: Envoy 1.40 NACKs an assignment with two "
-        "(notes/xds_protocol.md 2.5)",
+        "(docs/xds_protocol.md 2.5)",
     )
     nodes: list[NodeConfig] = Field(..., min_length=1)
 
