@@ -63,9 +63,9 @@ def shortened_settings() -> list[tuple[str, str, str]]:
          f"{h.probation_clean_s:g} s"),
         ("health.ramp_step_percent / ramp_step_s (ramp)", f"+{d['ramp_step_percent']:g} % per {d['ramp_step_s']:g} s",
          f"+{h.ramp_step_percent:g} % per {h.ramp_step_s:g} s"),
-        ("Envoy retry per_try_timeout", f"{DEMO_PER_TRY_TIMEOUT_S:g} s", rp.get("per_try_timeout", "?")),
+        ("Envoy retry per_try_timeout", f"{DEMO_PER_TRY_TIMEOUT_S:g} s", rp.get("per_try_timeout", "none (idle timeout only)")),
         ("Envoy retry per_try_idle_timeout", f"{DEMO_PER_TRY_IDLE_TIMEOUT_S:g} s",
-         rp.get("per_try_idle_timeout", "?")),
+         rp.get("per_try_idle_timeout", "none")),
     ]
 
 

@@ -158,3 +158,15 @@ def test_log_formats_carry_structured_fields_escaped():
     assert doc["reason"] == "probe\\ntimeout" and doc["cluster"] == "llm" and doc["version"] == "v1"
     line = TextFormatter().format(rec)
     assert "\n" not in line and line.endswith("node=n0 cluster=llm reason=probe\\ntimeout version=v1")
+
+
+def test_demo_prints_what_it_shortens_next_to_the_defaults():
+    from xds_server.config import HealthConfig
+    from xds_server.demo import DEMO_HEALTH, shortened_settings
+
+    rows = {name: (demo, prod) for name, demo, prod in shortened_settings()}
+    h = HealthConfig()
+    assert rows["health.probation_clean_s (half-open clean period)"] == (
+        f"{DEMO_HEALTH['probation_clean_s']:g} s", f"{h.probation_clean_s:g} s")
+    assert rows["health.ramp_step_percent / ramp_step_s (ramp)"][1] == f"+{h.ramp_step_percent:g} % per {h.ramp_step_s:g} s"
+    assert rows["Envoy retry per_try_idle_timeout"] == ("2 s", "10s")
