@@ -7,6 +7,11 @@ each assignment it decides is built into a ClusterLoadAssignment in the
 streams to Envoy; routing listeners hear each published change; the admin app (on
 ``admin.listen``) reads a :class:`~xds_server.control.views.ControlPlaneView`.
 
+A reload (:meth:`ControlPlane.reload_file`: SIGHUP, ``POST /reload``, a changed file) serves a new
+config without closing ADS streams (rules in :mod:`xds_server.control.reload`); with
+``state.path`` the routing state is written there and resumed after a restart
+(:mod:`xds_server.state_file`, :mod:`xds_server.control.state`).
+
 :class:`ControlPlane` does the I/O: binding ports, starting probe sources, writing the cache. The
 clock and the probe-source factory are injectable, so tests can drive it without sockets::
 
@@ -16,11 +21,9 @@ clock and the probe-source factory are injectable, so tests can drive it without
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
-import os
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 from aiohttp import web
@@ -35,10 +38,9 @@ from xds_server.control.events import EventLog, EventRecord
 from xds_server.control.probes import ProbeSource, ProbeSourceContext, ProbeSourceFactory, grpc_probe_source
 from xds_server.control.publish import ClusterPublish
 from xds_server.control.reload import diff_configs, drained, serving_config
-from xds_server.control.state import restore as restore_state
-from xds_server.control.state import snapshot as snapshot_state
 from xds_server.control.views import ControlPlaneView
 from xds_server.health import model as hm
+from xds_server.state_file import file_signature, load_kept_state, save_state
 from xds_server.routing_events import RoutingChange, RoutingListener
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import InvalidResource, SnapshotCache
@@ -113,7 +115,8 @@ class ControlPlane:
             return
         self._opened = True
         self.core.begin()
-        self.core.restored = self._read_state()
+        self.core.restored = load_kept_state(self.config.state, self.core.node_cfg, self.clock.now(),
+                                             self.clock.wall())
         self.cache.set_resources(
             CLUSTER_TYPE_URL, {c.name: build_cluster(c) for c in self.config.clusters}
         )
@@ -156,12 +159,14 @@ class ControlPlane:
         await site.start()
         self.admin_port = self._admin_runner.addresses[0][1]
         log.info("xds-server: ADS on %s:%d, admin on http://%s:%d", host, self.xds_port, ahost, self.admin_port)
-        self._file_sig = self._signature()
-        self._tasks.append(asyncio.create_task(self._reap_loop(), name="reload-reaper"))
+        self._file_sig = file_signature(self.config_path)
+        rc = self.config.reload
+        loops = [(lambda: self.config.reload.drain_check_interval_s, self.reap_drained, "dropping drained nodes")]
         if self.config.state.path:
-            self._tasks.append(asyncio.create_task(self._state_loop(), name="state-writer"))
-        if self.config_path and self.config.reload.watch_interval_s > 0:
-            self._tasks.append(asyncio.create_task(self._watch_loop(), name="config-watch"))
+            loops.append((lambda: self.config.state.write_interval_s, self._write_state_async, "writing state"))
+        if self.config_path and rc.watch_interval_s > 0:
+            loops.append((lambda: self.config.reload.watch_interval_s or 1.0, self._check_file, "config watch"))
+        self._tasks = [asyncio.create_task(self._every(*loop)) for loop in loops]
 
     async def stop(self) -> None:
         """Stop probe sources, timers, the ADS server and the admin server."""
@@ -188,51 +193,12 @@ class ControlPlane:
 
     # -- state kept across restarts (issue 13 item 3; format in xds_server.control.state) ------
 
-    def _read_state(self) -> dict[str, hm.NodeHealth]:
-        """The kept state of this config's nodes from ``state.path``; empty when there is none,
-        it is older than ``state.max_age_s``, or it cannot be read (logged)."""
-        sc = self.config.state
-        if not sc.path:
-            return {}
-        try:
-            with open(sc.path, encoding="utf-8") as f:
-                doc = json.load(f)
-            kept = restore_state(doc, self.clock.now(), self.clock.wall(), sc.max_age_s, self.core.node_cfg)
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as e:
-            log.warning("state file %s not used: %s", sc.path, e)
-            return {}
-        log.info("state file %s: resuming %d node(s) at their first heartbeat", sc.path, len(kept))
-        return kept
-
     def write_state(self) -> bool:
-        """Write the routing state to ``state.path`` atomically (temp file, fsync, rename).
-        Returns False (logged) when it cannot be written or no path is configured."""
-        path = self.config.state.path
-        if not path:
-            return False
-        doc = snapshot_state(self.core.health, self.clock.now(), self.clock.wall())
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(doc, f, allow_nan=False)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except (OSError, ValueError) as e:
-            log.warning("cannot write state file %s: %s", path, e)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            return False
-        return True
+        """Write the routing state to ``state.path`` atomically; False (logged) when it cannot."""
+        return save_state(self.config.state.path, self.core.health, self.clock.now(), self.clock.wall())
 
-    async def _state_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.state.write_interval_s)
-            self.write_state()
+    async def _write_state_async(self) -> None:
+        self.write_state()
 
     # -- reload (issue 13 item 2; rules in xds_server.control.reload) ---------------------------
 
@@ -275,7 +241,7 @@ class ControlPlane:
         ``reload_status``."""
         if not self.config_path:
             raise ValueError("no config file to reload (the control plane was started without one)")
-        self._file_sig = self._signature()
+        self._file_sig = file_signature(self.config_path)
         try:
             new = load_config(self.config_path)
         except ConfigError as e:
@@ -325,38 +291,22 @@ class ControlPlane:
             log.info("dropped %d node(s) removed from config: %s", len(done), ", ".join(done))
         return done
 
-    async def _reap_loop(self) -> None:
+    async def _every(self, interval_s: Callable[[], float], step: Callable[[], Awaitable], what: str) -> None:
+        """``await step()`` every ``interval_s()`` seconds until cancelled; failures are logged."""
         while True:
-            await asyncio.sleep(self.config.reload.drain_check_interval_s)
-            if self._leaving:
-                try:
-                    await self.reap_drained()
-                except Exception:  # noqa: BLE001 - keep checking
-                    log.exception("dropping drained nodes failed")
-
-    def _signature(self) -> tuple[float, str] | None:
-        """(mtime, sha256) of the config file, None when it cannot be read."""
-        if not self.config_path:
-            return None
-        try:
-            st = os.stat(self.config_path)
-            with open(self.config_path, "rb") as f:
-                return st.st_mtime, hashlib.sha256(f.read()).hexdigest()
-        except OSError:
-            return None
-
-    async def _watch_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.reload.watch_interval_s)
-            sig = self._signature()
-            if sig is None or self._file_sig is None or sig[1] == self._file_sig[1]:
-                if sig is not None:
-                    self._file_sig = sig
-                continue
+            await asyncio.sleep(interval_s())
             try:
-                await self.reload_file("file change")
-            except Exception:  # noqa: BLE001 - keep watching
-                log.exception("config reload after a file change failed")
+                await step()
+            except Exception:  # noqa: BLE001 - keep going
+                log.exception("%s failed", what)
+
+    async def _check_file(self) -> None:
+        """Reload when the config file's content changed since it was last read."""
+        sig = file_signature(self.config_path)
+        if sig is not None and self._file_sig is not None and sig[1] != self._file_sig[1]:
+            await self.reload_file("file change")
+        elif sig is not None:
+            self._file_sig = sig
 
     # -- observations -> core; core -> cache ---------------------------------------------------
 
