@@ -1,7 +1,14 @@
-"""``xds-server`` command line: serve | check-config | status | demo.
+"""``xds-server`` command line.
 
-Exit codes: 0 success; 1 runtime failure (port in use, Envoy binary missing, demo failed);
-2 bad usage or invalid configuration.
+Commands: serve | check-config | status | drain | undrain | reload | envoy-bootstrap | demo.
+Global options (``--log-level``, ``--log-format``) are accepted before or after the command.
+
+Exit codes (also in ``--help`` and README.md):
+
+- 0: success
+- 1: runtime failure (port in use, admin endpoint unreachable, Envoy binary missing, demo failed)
+- 2: bad usage or invalid configuration (the message names the option or the config field)
+- 3: refused by the server (missing or wrong admin token, unknown node, invalid new config)
 """
 from __future__ import annotations
 
@@ -9,26 +16,81 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
+from importlib import metadata
 
+from xds_server.admin.status_text import format_status
 from xds_server.config import ConfigError, load_config
+from xds_server.logs import FORMATS, LEVELS, configure_logging, quiet_grpc_core
+from xds_server.untrusted import for_log
 
-__all__ = ["main"]
+__all__ = ["EXIT_CODES", "TOKEN_ENV", "admin_base_url", "main"]
+
+TOKEN_ENV = "XDS_SENTINEL_ADMIN_TOKEN"
+EXIT_CODES = {
+    0: "success",
+    1: "runtime failure (port in use, admin endpoint unreachable, Envoy binary missing, demo failed)",
+    2: "bad usage or invalid configuration (the message names the option or config field)",
+    3: "refused by the server (missing or wrong admin token, unknown node, invalid new config)",
+}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("xds-sentinel")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def admin_base_url(value: str) -> str:
+    """``host:port``, ``:port`` or an ``http(s)://`` URL -> the admin base URL, no trailing slash.
+
+    Raises ValueError naming ``--admin`` when the value is neither.
+    """
+    v = value.strip()
+    if "://" not in v:
+        if v.startswith(":"):
+            v = "127.0.0.1" + v
+        v = "http://" + v
+    u = urllib.parse.urlsplit(v)
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if u.scheme not in ("http", "https") or not u.hostname or (port is None and ":" in u.netloc.rsplit("]", 1)[-1]):
+        raise ValueError(f"--admin: expected HOST:PORT or http(s)://HOST:PORT, got {value!r}")
+    return v.rstrip("/")
+
+
+def _config_arg(args: argparse.Namespace) -> str | None:
+    pos, opt = getattr(args, "config_pos", None), getattr(args, "config", None)
+    if pos and opt and pos != opt:
+        print(f"xds-server: config given twice ({pos!r} and --config {opt!r})", file=sys.stderr)
+        return None
+    path = pos or opt
+    if not path:
+        print("xds-server: a config file is required (CONFIG or --config CONFIG)", file=sys.stderr)
+    return path
 
 
 def _serve(args: argparse.Namespace) -> int:
+    path = _config_arg(args)
+    if path is None:
+        return 2
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(path)
     except ConfigError as e:
         print(f"xds-server: {e}", file=sys.stderr)
         return 2
     from xds_server.server import ControlPlane
 
     async def run() -> int:
-        cp = ControlPlane(cfg)
+        cp = ControlPlane(cfg, config_path=path)
         try:
             await cp.start()
         except OSError as e:
@@ -42,6 +104,14 @@ def _serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        reloads: set[asyncio.Task] = set()
+
+        def on_hup() -> None:  # reload the config file; a bad file is logged and changes nothing
+            t = loop.create_task(cp.reload_file("SIGHUP"))
+            reloads.add(t)
+            t.add_done_callback(reloads.discard)
+
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
         await stop.wait()
         await cp.stop()
         return 0
@@ -50,18 +120,25 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
+    path = _config_arg(args)
+    if path is None:
+        return 2
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(path)
     except ConfigError as e:
         print(f"xds-server: {e}", file=sys.stderr)
         return 2
     n = sum(len(c.nodes) for c in cfg.clusters)
-    print(f"{args.config}: OK ({len(cfg.clusters)} cluster(s), {n} node(s))")
+    print(f"{path}: OK ({len(cfg.clusters)} cluster(s), {n} node(s))")
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    url = args.admin.rstrip("/") + "/nodes"
+    try:
+        url = admin_base_url(args.admin) + "/nodes"
+    except ValueError as e:
+        print(f"xds-server: {e}", file=sys.stderr)
+        return 2
     try:
         with urllib.request.urlopen(url, timeout=3) as r:
             data = json.load(r)
@@ -71,8 +148,6 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    from xds_server.admin.status_text import format_status
-
     for line in format_status(data):
         print(line)
     return 0
@@ -84,28 +159,144 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(keep_running=args.keep_running, envoy_binary=args.envoy_binary)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``xds-server`` console script."""
-    p = argparse.ArgumentParser(prog="xds-server", description="Health-aware Envoy control plane for LLM fleets")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="run the control plane")
-    s.add_argument("--config", required=True, help="YAML config file")
-    s.set_defaults(fn=_serve)
-    c = sub.add_parser("check-config", help="validate a config file and exit")
-    c.add_argument("config")
-    c.set_defaults(fn=_check_config)
-    st = sub.add_parser("status", help="print node states from a running server's admin endpoint")
-    st.add_argument("--admin", default="http://127.0.0.1:19000", help="admin base URL")
-    st.add_argument("--json", action="store_true")
-    st.set_defaults(fn=_status)
-    d = sub.add_parser("demo", help="local demo: real Envoy, simulated engines, injected faults")
+def _post(args: argparse.Namespace, path: str) -> int:
+    """POST ``path`` on the admin endpoint with the bearer token; print the JSON answer."""
+    try:
+        url = admin_base_url(args.admin) + path
+    except ValueError as e:
+        print(f"xds-server: {e}", file=sys.stderr)
+        return 2
+    token = args.token or os.environ.get(TOKEN_ENV)
+    if not token:
+        print(f"xds-server: an admin token is required (--token or ${TOKEN_ENV})", file=sys.stderr)
+        return 2
+    req = urllib.request.Request(url, data=b"", method="POST", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read(4096).decode("utf-8", "replace")
+        print(f"xds-server: {url}: HTTP {e.code}: {for_log(detail, 2000)}", file=sys.stderr)
+        return 3 if e.code in (400, 401, 403, 404, 409, 422) else 1
+    except (urllib.error.URLError, OSError) as e:
+        print(f"xds-server: cannot reach admin at {url}: {e}", file=sys.stderr)
+        return 1
+    try:
+        print(json.dumps(json.loads(body), indent=2))
+    except ValueError:
+        print(body.decode("utf-8", "replace"))
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    q = urllib.parse.urlencode({"reason": args.reason}) if args.reason else ""
+    path = f"/nodes/{urllib.parse.quote(args.node, safe='')}/{args.cmd}" + (f"?{q}" if q else "")
+    return _post(args, path)
+
+
+def _envoy_bootstrap(args: argparse.Namespace) -> int:
+    import yaml
+
+    from xds_server.envoy_bootstrap import render_bootstrap
+
+    try:
+        doc = render_bootstrap(xds_port=args.xds_port, listener_port=args.listener_port,
+                               admin_port=args.admin_port, cluster=args.cluster, node_id=args.node_id,
+                               api_type=args.api, per_try_timeout_s=args.per_try_timeout_s)
+    except OSError as e:
+        print(f"xds-server: cannot read the bootstrap template: {e}", file=sys.stderr)
+        return 1
+    text = yaml.safe_dump(doc, sort_keys=False)
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        try:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            print(f"xds-server: cannot write {args.output}: {e}", file=sys.stderr)
+            return 1
+        print(f"wrote {args.output} (ADS 127.0.0.1:{args.xds_port}, listener :{args.listener_port}, "
+              f"admin :{args.admin_port}, cluster {args.cluster})")
+    return 0
+
+
+def _port(v: str) -> int:
+    try:
+        p = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port {v!r} is not an integer") from None
+    if not 1 <= p <= 65535:
+        raise argparse.ArgumentTypeError(f"port {p} outside 1..65535")
+    return p
+
+
+def _level(v: str) -> str:
+    if v.upper() not in LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LEVELS)}")
+    return v.upper()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``xds-server`` argument parser (global options accepted before or after the command)."""
+    glob = argparse.ArgumentParser(add_help=False)
+    g = glob.add_argument_group("global options")
+    # SUPPRESS: an option given after the command must not be reset by the subparser's default
+    g.add_argument("--log-level", type=_level, default=argparse.SUPPRESS,
+                   help=f"{', '.join(LEVELS)} (default INFO)")
+    g.add_argument("--log-format", choices=FORMATS, default=argparse.SUPPRESS, help="text or json (default text)")
+    epilog = "exit codes:\n" + "\n".join(f"  {k}  {v}" for k, v in EXIT_CODES.items())
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="xds-server", parents=[glob], epilog=epilog, formatter_class=fmt,
+                                description="Health-aware Envoy control plane for LLM fleets")
+    p.add_argument("--version", action="version", version=f"xds-server {_version()}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def cmd(name: str, help_: str, fn) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=help_, parents=[glob], epilog=epilog, formatter_class=fmt)
+        sp.set_defaults(fn=fn)
+        return sp
+
+    for name, help_, fn in (("serve", "run the control plane", _serve),
+                            ("check-config", "validate a config file and exit", _check_config)):
+        sp = cmd(name, help_, fn)
+        sp.add_argument("config_pos", nargs="?", metavar="CONFIG", help="YAML config file")
+        sp.add_argument("--config", help="YAML config file (same as CONFIG)")
+    admin_help = "admin endpoint: HOST:PORT or http(s)://HOST:PORT (default 127.0.0.1:19000)"
+    st = cmd("status", "print node states from a running server's admin endpoint", _status)
+    st.add_argument("--admin", default="http://127.0.0.1:19000", help=admin_help)
+    st.add_argument("--json", action="store_true", help="print the /nodes JSON")
+    for name, help_ in (("drain", "drain a node (published DRAINING at once)"),
+                        ("undrain", "end a node's drain")):
+        dr = cmd(name, help_, _drain)
+        dr.add_argument("node", metavar="NODE", help="node id")
+        dr.add_argument("--admin", default="http://127.0.0.1:19000", help=admin_help)
+        dr.add_argument("--token", default=None, help=f"admin token (default: ${TOKEN_ENV})")
+        dr.add_argument("--reason", default=None, help="recorded in events (default: operator)")
+    rl = cmd("reload", "re-read the running server's config file", lambda a: _post(a, "/reload"))
+    rl.add_argument("--admin", default="http://127.0.0.1:19000", help=admin_help)
+    rl.add_argument("--token", default=None, help=f"admin token (default: ${TOKEN_ENV})")
+    eb = cmd("envoy-bootstrap", "render an Envoy bootstrap (envoy.yaml) for this control plane",
+             _envoy_bootstrap)
+    eb.add_argument("--xds-port", type=_port, default=18000, help="xds-server's ADS port (default 18000)")
+    eb.add_argument("--listener-port", type=_port, default=10000, help="Envoy's HTTP listener (default 10000)")
+    eb.add_argument("--admin-port", type=_port, default=9901, help="Envoy's admin port (default 9901)")
+    eb.add_argument("--cluster", default="llm", help="cluster routed for /v1/ (default llm)")
+    eb.add_argument("--node-id", default="envoy-llm-gw-1", help="Envoy's node id (default envoy-llm-gw-1)")
+    eb.add_argument("--api", choices=("GRPC", "DELTA_GRPC"), default="GRPC", help="ADS variant (default GRPC)")
+    eb.add_argument("--per-try-timeout-s", type=float, default=None, help="retry per-try timeout (default 10)")
+    eb.add_argument("-o", "--output", default=None, help="file to write (default stdout)")
+    d = cmd("demo", "local demo: real Envoy, simulated engines, injected faults", _demo)
     d.add_argument("--keep-running", action="store_true", help="stay up until Ctrl-C (no faults)")
     d.add_argument("--envoy-binary", default=None, help="path to envoy (default: `envoy` on PATH)")
-    d.set_defaults(fn=_demo)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``xds-server`` console script; returns the exit code."""
+    quiet_grpc_core()
+    args = build_parser().parse_args(argv)
+    configure_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
     return args.fn(args)
 
 

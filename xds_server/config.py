@@ -1,7 +1,7 @@
 """Control-plane configuration: one YAML file -> validated pydantic models.
 
-Every threshold lives here with its default and the source of that default (the seed articles in
-``shared/seeds/`` and DESIGN.md section 4). Nothing else in the code base hard-codes them.
+Every threshold lives here with its default and the source of that default (the seed articles,
+see docs/sources.md, and DESIGN.md section 4). Nothing else in the code base hard-codes them.
 
 Errors: :func:`load_config` and :func:`parse_config` raise :class:`ConfigError`, whose message
 names each offending field by its dotted path (``clusters.0.nodes.1.address``) and the reason.
@@ -27,7 +27,9 @@ __all__ = [
     "NodeConfig",
     "OutlierDetectionConfig",
     "ProbeConfig",
+    "ReloadConfig",
     "SentinelConfig",
+    "StateConfig",
     "XdsConfig",
     "load_config",
     "parse_config",
@@ -481,7 +483,7 @@ class DropOverloadConfig(_Model):
     """Shed a share of traffic at Envoy (``ClusterLoadAssignment.policy.drop_overloads``) when the
     cluster has lost capacity, instead of overloading the survivors.
 
-    Dropped requests get a local 503 "drop overload" from Envoy (notes/xds_protocol.md 2.5).
+    Dropped requests get a local 503 "drop overload" from Envoy (docs/xds_protocol.md 2.5).
     """
 
     category: str = Field(
@@ -496,7 +498,7 @@ class DropOverloadConfig(_Model):
         description="apply the drop while the routable (HEALTHY, weighted) share of the "
         "cluster's full capacity is below this ratio; the drop and the host change that caused "
         "it land in the same ClusterLoadAssignment, which Envoy 1.40 needs to apply a drop "
-        "change at all (notes/xds_protocol.md 2.5)",
+        "change at all (docs/xds_protocol.md 2.5)",
     )
 
 
@@ -529,12 +531,12 @@ class ClusterConfig(_Model):
         140, ge=1, le=100_000,
         description="ClusterLoadAssignment.policy.overprovisioning_factor, %. Envoy's default 140: "
         "priority 0 keeps all traffic until fewer than ~71.4 % of its hosts are healthy, then "
-        "the rest spills to priority 1 (notes/xds_protocol.md 2.4); 100 spills at the first loss",
+        "the rest spills to priority 1 (docs/xds_protocol.md 2.4); 100 spills at the first loss",
     )
     drop_overloads: list[DropOverloadConfig] = Field(
         default_factory=list, max_length=1,
         description="at most one category: Envoy 1.40 NACKs an assignment with two "
-        "(notes/xds_protocol.md 2.5)",
+        "(docs/xds_protocol.md 2.5)",
     )
     nodes: list[NodeConfig] = Field(
         default_factory=list,
@@ -554,6 +556,36 @@ class ClusterConfig(_Model):
         return self
 
 
+class ReloadConfig(_Model):
+    """Hot reload of the config file (SIGHUP, ``POST /reload``, or a change of the file)."""
+
+    watch_interval_s: float = Field(
+        2.0, ge=0, description="how often the config file's mtime and content hash are checked; 0: "
+                               "no watching, reload on SIGHUP or POST /reload only (ours)",
+    )
+    drain_check_interval_s: float = Field(
+        1.0, gt=0, description="how often nodes removed by a reload are checked for having drained "
+                               "(dropped then; health.drain_timeout_s bounds the wait) (ours)",
+    )
+
+
+class StateConfig(_Model):
+    """Routing state kept across restarts (states, ramps, ejection back-offs, drains)."""
+
+    path: str | None = Field(
+        None, description="state file, written atomically; None: nothing is kept across restarts",
+    )
+    write_interval_s: float = Field(
+        5.0, gt=0, description="the state file is written at most once per this while state changes, "
+                               "and on shutdown (ours)",
+    )
+    max_age_s: float = Field(
+        120.0, ge=0, description="a state file older than this is ignored at start (ours: a node's "
+                                 "agent may have changed a lot in two minutes; heartbeats re-confirm "
+                                 "within 300 ms either way)",
+    )
+
+
 class SentinelConfig(_Model):
     """The whole control-plane configuration file."""
 
@@ -561,6 +593,8 @@ class SentinelConfig(_Model):
     admin: AdminConfig = AdminConfig()
     health: HealthConfig = HealthConfig()
     probe: ProbeConfig = ProbeConfig()
+    reload: ReloadConfig = ReloadConfig()
+    state: StateConfig = StateConfig()
     clusters: list[ClusterConfig] = Field(..., min_length=1)
 
     @model_validator(mode="after")

@@ -40,6 +40,35 @@ __all__ = ["FaultTimeline", "run_demo", "watch_exclusion"]
 DEMO_HEALTH = {"probation_clean_s": 3.0, "ramp_step_percent": 10.0, "ramp_step_s": 0.3}
 
 
+DEMO_PER_TRY_TIMEOUT_S = 1.0
+DEMO_PER_TRY_IDLE_TIMEOUT_S = 2.0
+
+
+def shortened_settings() -> list[tuple[str, str, str]]:
+    """(setting, demo value, production default) for every value the demo shortens; defaults
+    are read from :class:`~xds_server.config.HealthConfig` and the bootstrap template
+    (``envoy/envoy.yaml``), so this never disagrees with them."""
+    from xds_server.config import HealthConfig
+    from xds_server.envoy_bootstrap import BOOTSTRAP_TEMPLATE
+
+    import yaml
+
+    h = HealthConfig()
+    doc = yaml.safe_load(BOOTSTRAP_TEMPLATE.read_text(encoding="utf-8"))
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    rp = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"].get("retry_policy", {})
+    d = DEMO_HEALTH
+    return [
+        ("health.probation_clean_s (half-open clean period)", f"{d['probation_clean_s']:g} s",
+         f"{h.probation_clean_s:g} s"),
+        ("health.ramp_step_percent / ramp_step_s (ramp)", f"+{d['ramp_step_percent']:g} % per {d['ramp_step_s']:g} s",
+         f"+{h.ramp_step_percent:g} % per {h.ramp_step_s:g} s"),
+        ("Envoy retry per_try_timeout", f"{DEMO_PER_TRY_TIMEOUT_S:g} s", rp.get("per_try_timeout", "none (idle timeout only)")),
+        ("Envoy retry per_try_idle_timeout", f"{DEMO_PER_TRY_IDLE_TIMEOUT_S:g} s",
+         rp.get("per_try_idle_timeout", "none")),
+    ]
+
+
 def _p(msg: str = "") -> None:
     print(msg, flush=True)
 
@@ -139,9 +168,12 @@ def _phase_table(load: LoadGenerator, node_ids: list[str], per_try_timeout_s: fl
 
 
 async def _demo(keep_running: bool, envoy_binary: str | None) -> int:
-    fleet = Fleet(n_nodes=3, probe_interval_s=1.0, per_try_timeout_s=1.0, per_try_idle_timeout_s=2.0,
-                  envoy_binary=envoy_binary, health=DEMO_HEALTH)
+    fleet = Fleet(n_nodes=3, probe_interval_s=1.0, per_try_timeout_s=DEMO_PER_TRY_TIMEOUT_S,
+                  per_try_idle_timeout_s=DEMO_PER_TRY_IDLE_TIMEOUT_S, envoy_binary=envoy_binary, health=DEMO_HEALTH)
     _p("xds-sentinel demo: starting 3 simulated engines, 3 agents, xds-server and Envoy ...")
+    _p("The demo shortens these so recovery fits in a minute (production defaults on the right):")
+    for name, demo_v, prod_v in shortened_settings():
+        _p(f"  {name:<52} demo {demo_v:<16} default {prod_v}")
     t_start = time.monotonic()
     try:
         await asyncio.to_thread(fleet.start)

@@ -211,10 +211,11 @@ class ProbeSession:
                 self._emit(StreamClosed(detail))
             except Exception:  # noqa: BLE001
                 self._handler_failed("stream_closed")
+            extra = {"node": self.node.id, "reason": detail}
             if got_any:
                 self.failed_dials = 0
-                log.info("probe stream to %s (%s) closed: %s", self.node.id, self.node.probe_address,
-                         for_log(detail, 256))
+                log.info("probe stream to %s (%s) closed: %s", for_log(self.node.id), self.node.probe_address,
+                         for_log(detail, 256), extra=extra)
                 backoff = self.cfg.reconnect_backoff_initial_ms / 1000.0
             else:
                 # One line when the agent first cannot be reached, then at most one per
@@ -226,7 +227,7 @@ class ProbeSession:
                 self._unreachable_rl.warning(
                     self._now(), "unreachable", "agent of %s at %s unreachable (%d dial(s) failed): %s",
                     for_log(self.node.id), for_log(self.node.probe_address), self.failed_dials,
-                    for_log(detail, 256))
+                    for_log(detail, 256), extra=extra)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.cfg.reconnect_backoff_max_ms / 1000.0)
 

@@ -7,6 +7,11 @@ each assignment it decides is built into a ClusterLoadAssignment in the
 streams to Envoy; routing listeners hear each published change; the admin app (on
 ``admin.listen``) reads a :class:`~xds_server.control.views.ControlPlaneView`.
 
+A reload (:meth:`ControlPlane.reload_file`: SIGHUP, ``POST /reload``, a changed file) serves a new
+config without closing ADS streams (rules in :mod:`xds_server.control.reload`); with
+``state.path`` the routing state is written there and resumed after a restart
+(:mod:`xds_server.state_file`, :mod:`xds_server.control.state`).
+
 :class:`ControlPlane` does the I/O: binding ports, starting probe sources, writing the cache. The
 clock and the probe-source factory are injectable, so tests can drive it without sockets::
 
@@ -15,22 +20,27 @@ clock and the probe-source factory are injectable, so tests can drive it without
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 from aiohttp import web
 
 from xds_server.admin.app import HttpErrorLog, build_admin_app
-from xds_server.config import NodeConfig, SentinelConfig, parse_hostport
+from xds_server.admin.reload import add_reload_route
+from xds_server.config import ClusterConfig, ConfigError, NodeConfig, SentinelConfig, load_config, parse_hostport
 from xds_server.control.clock import Clock, LoopClock
 from xds_server.control.core import ControlCore
 from xds_server.control.counters import Counters
 from xds_server.control.events import EventLog, EventRecord
 from xds_server.control.probes import ProbeSource, ProbeSourceContext, ProbeSourceFactory, grpc_probe_source
 from xds_server.control.publish import ClusterPublish
+from xds_server.control.reload import diff_configs, drained, serving_config
 from xds_server.control.views import ControlPlaneView
 from xds_server.health import model as hm
+from xds_server.state_file import file_signature, load_kept_state, save_state
 from xds_server.routing_events import RoutingChange, RoutingListener
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import InvalidResource, SnapshotCache
@@ -57,8 +67,15 @@ class ControlPlane:
     """
 
     def __init__(self, config: SentinelConfig, *, clock: Clock | None = None,
-                 probe_sources: ProbeSourceFactory | None = None) -> None:
+                 probe_sources: ProbeSourceFactory | None = None, config_path: str | None = None) -> None:
         self._config = config
+        self._declared = config  # the last accepted config, without nodes still draining out
+        self.config_path = config_path
+        self._leaving: dict[str, tuple[ClusterConfig, NodeConfig]] = {}
+        self._file_sig: tuple[float, str] | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.reload_status: dict = {"ok": True, "source": None, "at": None, "errors": [], "changes": None}
+
         self.clock: Clock = clock if clock is not None else LoopClock()
         self.counters = Counters()
         self.cache = SnapshotCache(config.xds.server_id,
@@ -72,6 +89,7 @@ class ControlPlane:
         self.sessions: dict[str, ProbeSource] = {}
         self.ads = AdsServicer(self.cache, config=config.xds)
         self.view = ControlPlaneView(self.core, self.cache, self.ads, self.sessions, lambda: self._config)
+        self.view.reload_status = lambda: self.reload_status
         self._grpc: grpc.aio.Server | None = None
         self._admin_runner: web.AppRunner | None = None
         self._opened = False
@@ -97,6 +115,8 @@ class ControlPlane:
             return
         self._opened = True
         self.core.begin()
+        self.core.restored = load_kept_state(self.config.state, self.core.node_cfg, self.clock.now(),
+                                             self.clock.wall())
         self.cache.set_resources(
             CLUSTER_TYPE_URL, {c.name: build_cluster(c) for c in self.config.clusters}
         )
@@ -136,7 +156,9 @@ class ControlPlane:
             raise OSError(f"cannot bind xDS port {self.config.xds.listen} (xds.listen): in use or not permitted")
         await self._grpc.start()
 
-        self._admin_runner = web.AppRunner(build_admin_app(self.view, self.drain), access_log=None,
+        app = build_admin_app(self.view, self.drain)
+        add_reload_route(app, lambda: self.config, self.reload_file)
+        self._admin_runner = web.AppRunner(app, access_log=None,
                                            logger=HttpErrorLog(logging.getLogger("aiohttp.server")))
         await self._admin_runner.setup()
         ahost, aport = parse_hostport(self.config.admin.listen)
@@ -144,9 +166,27 @@ class ControlPlane:
         await site.start()
         self.admin_port = self._admin_runner.addresses[0][1]
         log.info("xds-server: ADS on %s:%d, admin on http://%s:%d", host, self.xds_port, ahost, self.admin_port)
+        self._file_sig = file_signature(self.config_path)
+        rc = self.config.reload
+        loops = [(lambda: self.config.reload.drain_check_interval_s, self.reap_drained, "dropping drained nodes")]
+        if self.config.state.path:
+            loops.append((lambda: self.config.state.write_interval_s, self._write_state_async, "writing state"))
+        if self.config_path and rc.watch_interval_s > 0:
+            loops.append((lambda: self.config.reload.watch_interval_s or 1.0, self._check_file, "config watch"))
+        self._tasks = [asyncio.create_task(self._every(*loop)) for loop in loops]
 
     async def stop(self) -> None:
         """Stop probe sources, timers, the ADS server and the admin server."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
+                pass
+        self._tasks.clear()
+        if self._opened:
+            self.write_state()
         self.core.end()
         for s in self.sessions.values():
             try:
@@ -157,6 +197,123 @@ class ControlPlane:
             await self._grpc.stop(grace=0.5)
         if self._admin_runner:
             await self._admin_runner.cleanup()
+
+    # -- state kept across restarts (issue 13 item 3; format in xds_server.control.state) ------
+
+    def write_state(self) -> bool:
+        """Write the routing state to ``state.path`` atomically; False (logged) when it cannot."""
+        return save_state(self.config.state.path, self.core.health, self.clock.now(), self.clock.wall())
+
+    async def _write_state_async(self) -> None:
+        self.write_state()
+
+    # -- reload (issue 13 item 2; rules in xds_server.control.reload) ---------------------------
+
+    async def reload(self, new: SentinelConfig, source: str = "api") -> dict:
+        """Serve ``new`` from now on; ADS streams stay open. Nodes added start COLD, nodes removed
+        are published DRAINING and dropped once drained, thresholds apply at once; listen
+        addresses and ``xds.server_id`` keep their running values (``restart_needed``).
+        Returns the changes as JSON (also in ``reload_status``)."""
+        diff = diff_configs(self._declared, new)
+        keep = {"xds": new.xds.model_copy(update={"listen": self._declared.xds.listen,
+                                                  "server_id": self._declared.xds.server_id}),
+                "admin": new.admin.model_copy(update={"listen": self._declared.admin.listen})}
+        new = new.model_copy(update=keep)
+        old_nodes = {n.id: (c, n) for c in self._declared.clusters for n in c.nodes}
+        newly_leaving = [i for i in diff.removed if i not in self._leaving]
+        for node_id in diff.removed:
+            self._leaving[node_id] = old_nodes[node_id]
+        returning = [i for i in list(self._leaving) if any(i == n.id for _, n in new.nodes())]
+        for node_id in returning:
+            del self._leaving[node_id]
+        self._declared = new
+        await self._serve_config(serving_config(new, self._leaving), restart=set(diff.changed))
+        for node_id in newly_leaving:
+            self.core.drain(node_id, True, "removed from config")
+        for node_id in returning:
+            self.core.drain(node_id, False, "back in config")
+        changes = diff.to_json()
+        self.counters.config_reloads["ok"] += 1
+        self.reload_status = {"ok": True, "source": source, "at": self.clock.wall(), "errors": [],
+                              "changes": changes}
+        log.info("config reloaded (%s): %d added, %d removed, %d changed%s", source, len(diff.added),
+                 len(diff.removed), len(diff.changed),
+                 f"; needs a restart to apply: {', '.join(diff.restart_needed)}" if diff.restart_needed else "",
+                 extra={"reason": source})
+        return changes
+
+    async def reload_file(self, source: str = "file") -> dict:
+        """Re-read ``config_path`` and :meth:`reload` it. An invalid file changes nothing: its
+        errors go to the log, ``reload_status`` (admin /readyz) and the reload counter; returns
+        ``reload_status``."""
+        if not self.config_path:
+            raise ValueError("no config file to reload (the control plane was started without one)")
+        self._file_sig = file_signature(self.config_path)
+        try:
+            new = load_config(self.config_path)
+        except ConfigError as e:
+            self.counters.config_reloads["invalid"] += 1
+            errors = str(e).splitlines()
+            self.reload_status = {"ok": False, "source": source, "at": self.clock.wall(), "errors": errors,
+                                  "changes": None}
+            log.error("config reload (%s) rejected, running config kept: %s", source, " | ".join(errors),
+                      extra={"reason": source})
+            return self.reload_status
+        await self.reload(new, source)
+        return self.reload_status
+
+    async def _serve_config(self, serving: SentinelConfig, restart: set[str] = frozenset()) -> None:
+        """Make ``serving`` the running config: core, CDS, one probe source per node."""
+        added, dropped = self.core.reconfigure(serving)
+        self._config = serving
+        self.cache.set_resources(CLUSTER_TYPE_URL, {c.name: build_cluster(c) for c in serving.clusters})
+        for name in [n for n in self.cache.resources(CLA_TYPE_URL) if n not in {c.name for c in serving.clusters}]:
+            self.cache.remove_resource(CLA_TYPE_URL, name)
+        for node_id in dropped:
+            self._notified.pop(node_id, None)
+            s = self.sessions.pop(node_id, None)
+            if s is not None:
+                await s.stop()
+        ctx = ProbeSourceContext(serving.health, serving.probe, self.observe, self.clock,
+                                 self.counters, serving.xds.server_id)
+        for node_id in [*added, *(i for i in restart if i in self.sessions)]:
+            old = self.sessions.pop(node_id, None)
+            if old is not None:
+                await old.stop()
+            s = self._probe_factory(self.core.node_cfg[node_id], ctx)
+            self.sessions[node_id] = s
+            s.start()
+        if self.core.planner.dirty:
+            self.core.publish()
+
+    async def reap_drained(self) -> list[str]:
+        """Drop the nodes removed by a reload that have drained; returns their ids."""
+        now = self.clock.now()
+        done = [i for i in self._leaving
+                if i in self.core.health and drained(self.core.health[i], now, self.config.health.drain_timeout_s)]
+        if done:
+            for node_id in done:
+                del self._leaving[node_id]
+            await self._serve_config(serving_config(self._declared, self._leaving))
+            log.info("dropped %d node(s) removed from config: %s", len(done), ", ".join(done))
+        return done
+
+    async def _every(self, interval_s: Callable[[], float], step: Callable[[], Awaitable], what: str) -> None:
+        """``await step()`` every ``interval_s()`` seconds until cancelled; failures are logged."""
+        while True:
+            await asyncio.sleep(interval_s())
+            try:
+                await step()
+            except Exception:  # noqa: BLE001 - keep going
+                log.exception("%s failed", what)
+
+    async def _check_file(self) -> None:
+        """Reload when the config file's content changed since it was last read."""
+        sig = file_signature(self.config_path)
+        if sig is not None and self._file_sig is not None and sig[1] != self._file_sig[1]:
+            await self.reload_file("file change")
+        elif sig is not None:
+            self._file_sig = sig
 
     # -- observations -> core; core -> cache ---------------------------------------------------
 

@@ -56,8 +56,10 @@ class RateLimitedLog:
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
-    def log(self, level: int, now_s: float, key: str, msg: str, *args: object) -> bool:
-        """Log ``msg % args`` at ``level`` unless ``key`` was logged within the interval.
+    def log(self, level: int, now_s: float, key: str, msg: str, *args: object,
+            extra: dict | None = None) -> bool:
+        """Log ``msg % args`` at ``level`` (structured fields in ``extra``, see
+        :mod:`xds_server.logs`) unless ``key`` was logged within the interval.
 
         Returns True if the line was written.
         """
@@ -74,14 +76,14 @@ class RateLimitedLog:
         n = self._suppressed.pop(key, 0)
         if n:
             msg += f" ({n} similar suppressed)"
-        self.logger.log(level, msg, *args)
+        self.logger.log(level, msg, *args, extra=extra)
         return True
 
     def forget(self, key: str) -> None:
-        """Start ``key`` afresh: its next line is logged whatever the interval (a new episode)."""
+        """Start ``key`` afresh: its next line is written at once (suppressed count dropped)."""
         self._last.pop(key, None)
         self._suppressed.pop(key, None)
 
-    def warning(self, now_s: float, key: str, msg: str, *args: object) -> bool:
+    def warning(self, now_s: float, key: str, msg: str, *args: object, extra: dict | None = None) -> bool:
         """:meth:`log` at WARNING."""
-        return self.log(logging.WARNING, now_s, key, msg, *args)
+        return self.log(logging.WARNING, now_s, key, msg, *args, extra=extra)

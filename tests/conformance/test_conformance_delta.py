@@ -1,4 +1,4 @@
-"""Delta (incremental) ADS conformance (notes/xds_protocol.md 1.9, items 19-26, and the delta
+"""Delta (incremental) ADS conformance (docs/xds_protocol.md 1.9, items 19-26, and the delta
 side of 3, 4, 9, 16), one behaviour per test, driven by a scripted gRPC client."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""State-of-the-world ADS conformance (notes/xds_protocol.md 1.9, items 1-18), one behaviour per
+"""State-of-the-world ADS conformance (docs/xds_protocol.md 1.9, items 1-18), one behaviour per
 test, driven by a scripted gRPC client against the real servicer."""
 from __future__ import annotations
 

@@ -99,3 +99,11 @@ class ControlPlaneCollector:
         fs = GaugeMetricFamily("sentinel_fail_static", "1 while fail-static holds the last good assignment")
         fs.add_metric([], 1.0 if self.view.fail_static_active else 0.0)
         yield fs
+        rl = CounterMetricFamily("sentinel_config_reloads", "config reloads by result (ok, invalid: "
+                                 "rejected, running config kept)", labels=["result"])
+        for k in ("ok", "invalid"):
+            rl.add_metric([k], c.config_reloads[k])
+        yield rl
+        ok = GaugeMetricFamily("sentinel_config_last_reload_ok", "0 when the last reload was rejected")
+        ok.add_metric([], 1.0 if self.view.reload_status()["ok"] else 0.0)
+        yield ok

@@ -17,6 +17,7 @@ Shape::
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -69,6 +70,7 @@ class ControlCore:
         self._wake_timers: dict[str, tuple[float, Timer]] = {}
         self._running = False
         self.started_s = 0.0
+        self.restored: dict[str, hm.NodeHealth] = {}  # resumed at the node's first heartbeat
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -105,6 +107,8 @@ class ControlCore:
         if isinstance(obs, hm.HeartbeatObserved):
             self.counters.heartbeats[node_id] += 1
         prev = self.health[node_id]
+        if node_id in self.restored and isinstance(obs, hm.HeartbeatObserved):
+            prev = self._resume(node_id, prev, now_s)
         nh, events = hm.step(prev, obs, now_s, cfg)
         self.health[node_id] = nh
         cluster = self.node_cluster[node_id]
@@ -119,6 +123,18 @@ class ControlCore:
             self._check_fail_static(now_s)
         return hm.next_check_s(nh, cfg)
 
+    def _resume(self, node_id: str, prev: hm.NodeHealth, now_s: float) -> hm.NodeHealth:
+        """The kept state of a node (from the state file) at its first heartbeat after a restart:
+        its state, ejection back-off, ramp and drain, with this process's liveness records."""
+        kept = self.restored.pop(node_id)
+        if prev.state is not hm.NodeState.COLD:
+            return prev
+        if prev.drain.active:  # an operator drained it since the restart
+            kept = dataclasses.replace(kept, drain=prev.drain)
+        self.events.record(self.clock.wall(), self.node_cluster[node_id], node_id, "transition",
+                           f"resumed after restart: {kept.reason}", prev.state.value, kept.state.value)
+        return dataclasses.replace(kept, heartbeat=prev.heartbeat, engine=prev.engine, probe=prev.probe)
+
     def drain(self, node_id: str, drain: bool, reason: str) -> None:
         """Operator drain/undrain (enters the model as an observation), published at once.
 
@@ -129,6 +145,36 @@ class ControlCore:
         self.observe(node_id, hm.DrainRequested(drain, reason), self.clock.now())
         if self.planner.dirty:
             self.publish()  # operator actions are rare: publish now, so the answer shows the result
+
+    def reconfigure(self, config: SentinelConfig) -> tuple[list[str], list[str]]:
+        """Serve ``config`` from now on (a reload): thresholds apply at the next observation,
+        nodes not known yet start COLD, nodes no longer in ``config`` are forgotten, every
+        cluster is rebuilt. Returns ``(added, dropped)`` node ids. Draining a node before it is
+        dropped is the caller's job (:mod:`xds_server.control.reload`)."""
+        now = self.clock.now()
+        old_ids = set(self.node_cfg)
+        self.config = config
+        self.node_cluster, self.node_cfg = {}, {}
+        for cname, n in config.nodes():
+            self.node_cluster[n.id] = cname
+            self.node_cfg[n.id] = n
+        self._cluster_nodes = {c.name: [n.id for n in c.nodes] for c in config.clusters}
+        added = [i for i in self.node_cfg if i not in old_ids]
+        dropped = [i for i in old_ids if i not in self.node_cfg]
+        for node_id in added:
+            self.health[node_id] = hm.initial(node_id, now)
+        for node_id in dropped:
+            for d in (self.health, self.routing, self._keys):
+                d.pop(node_id, None)
+        self.planner.reconfigure(config, dropped)
+        if self._running and any(c.name not in self.planner.gate_open for c in config.clusters):
+            if self._gate_timer is not None:
+                self._gate_timer.cancel()
+            self._gate_timer = self.clock.call_at(now + config.xds.warmup_timeout_ms / 1000.0,
+                                                  self._open_all_gates)
+        for c in config.clusters:
+            self.mark_dirty(c.name)
+        return added, dropped
 
     def _transition(self, cluster: str, ev: hm.Event) -> None:
         self.events.record(self.clock.wall(), cluster, ev.node_id, "transition", ev.reason,

@@ -20,6 +20,7 @@ class Counters:
     ``("inference_result.ttft_ms", "not_finite")``. ``handler_errors``: exceptions while
     handling one agent message or timer, per where ("message", "tick", "stream_closed"); each
     was skipped. ``events``: per event kind (``to_<STATE>`` for transitions).
+    ``config_reloads``: per result ("ok", "invalid").
     """
 
     heartbeats: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -27,3 +28,4 @@ class Counters:
     bad_fields: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
     handler_errors: collections.Counter[str] = field(default_factory=collections.Counter)
     events: collections.Counter[str] = field(default_factory=collections.Counter)
+    config_reloads: collections.Counter[str] = field(default_factory=collections.Counter)

@@ -64,9 +64,11 @@ class EventLog:
         self._buf.append(rec)
         self._counters.events[kind if kind != "transition" else f"to_{to_state}"] += 1
         if kind == "transition":
-            log.info("node %s: %s -> %s (%s)", node_id, from_state, to_state, for_log(rec.reason, 256))
+            log.info("node %s: %s -> %s (%s)", for_log(node_id), from_state, to_state, for_log(rec.reason, 256),
+                     extra={"node": node_id, "cluster": cluster, "reason": rec.reason})
         else:
-            log.warning("%s %s: %s (%s)", kind, node_id, cluster, for_log(rec.reason, 256))
+            log.warning("%s %s: %s (%s)", kind, for_log(node_id), cluster, for_log(rec.reason, 256),
+                        extra={"node": node_id, "cluster": cluster, "reason": rec.reason})
         return rec
 
     def recent(self, limit: int) -> list[EventRecord]:

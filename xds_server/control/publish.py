@@ -106,6 +106,28 @@ class PublishPlanner:
         n = history_max_entries if history_max_entries is not None else config.xds.fail_static_history_max
         self._history = {c: LastGoodHistory(n) for c in self._clusters}
 
+    def reconfigure(self, config: SentinelConfig, dropped_nodes: list[str]) -> None:
+        """Plan for ``config`` from now on (a reload): new clusters get an empty fail-static
+        look-back and a closed warm-up gate, a cluster whose node set changed a fresh look-back; state of clusters and nodes no longer served is dropped."""
+        old_ids = {c.name: [n.id for n in c.nodes] for c in self.config.clusters}
+        self.config = config
+        self._clusters = {c.name: c for c in config.clusters}
+        self.window_s = config.xds.coalesce_window_ms / 1000.0
+        n = config.xds.fail_static_history_max
+        # a look-back recorded for another node set cannot be published for this one
+        self._history = {name: self._history[name] if old_ids.get(name) == [x.id for x in c.nodes]
+                         else LastGoodHistory(n) for name, c in self._clusters.items()}
+        for name in [c for c in self.outliers if c not in self._clusters]:
+            del self.outliers[name]
+        for name in [c for c in self.outlier_wake_s if c not in self._clusters]:
+            del self.outlier_wake_s[name]
+        self.gate_open &= set(self._clusters)
+        self.dirty &= set(self._clusters)
+        for node_id in dropped_nodes:
+            self.why_not_routed.pop(node_id, None)
+            for outs in self.outliers.values():
+                outs.pop(node_id, None)
+
     def mark_dirty(self, cluster: str, warm: bool, now_s: float) -> float | None:
         """Note that ``cluster`` must be rebuilt. ``warm``: none of its nodes is COLD/WARMING.
 

@@ -51,6 +51,8 @@ class ControlPlaneView:
         self._ads = ads
         self._sources = sources
         self._config = config
+        self.reload_status: Callable[[], dict] = lambda: {"ok": True, "source": None, "at": None,
+                                                          "errors": [], "changes": None}
 
     @property
     def config(self) -> SentinelConfig:

@@ -68,6 +68,9 @@ class Fleet:
     # section; merged into :meth:`config_dict`. Empty: the spine's config.
     node_options: list[dict[str, Any]] = field(default_factory=list)
     xds_options: dict[str, Any] = field(default_factory=dict)
+    # Extra top-level config sections (``{"state": {...}, "reload": {...}}``); a section given
+    # here replaces the fleet's own of that name.
+    config_options: dict[str, Any] = field(default_factory=dict)
     nodes: list[NodeProcs] = field(default_factory=list)
     procs: list[ManagedProcess] = field(default_factory=list)
 
@@ -171,6 +174,7 @@ class Fleet:
                            "probe_address": f"127.0.0.1:{n.agent_port}", **node_opts(i)}
                           for i, n in enumerate(self.nodes)],
             }],
+            **self.config_options,
         }
 
     def addresses(self) -> list[tuple[str, str]]:

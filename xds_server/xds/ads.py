@@ -92,6 +92,8 @@ class AdsServicer:
         self._boot = nonce_prefix if nonce_prefix is not None else secrets.token_hex(3)
         self._ids = itertools.count(1)
         self._log = RateLimitedLog(log, per_key_interval_s=_LOG_INTERVAL_S)
+        self._client_log = RateLimitedLog(log, per_key_interval_s=_LOG_INTERVAL_S, max_keys=256)
+        self._announced: set[int] = set()  # stream ids whose connect line was considered
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register both ADS methods on ``server``. Requests arrive as bytes (decoded here, so an
@@ -150,12 +152,28 @@ class AdsServicer:
     def _on_verdict(self, stream: AdsStream, verdict) -> None:
         label = type_label(verdict.type_url)
         self.stats.requests[(stream.variant, label, verdict.kind.value)] += 1
+        # Per-Envoy lines (client text escaped): connect once per stream, ACK at most once per
+        # stream and type per _LOG_INTERVAL_S; a client reconnecting in a loop is rate-limited too.
+        client = for_log(stream.node_id or "?")
+        if stream.stream_id not in self._announced:
+            self._announced.add(stream.stream_id)
+            self._client_log.log(logging.INFO, self._monotonic(), f"connect:{client[:64]}",
+                                 "Envoy %s connected (%s stream %d)", client, stream.variant, stream.stream_id,
+                                 extra={"client": stream.node_id or "?", "stream": stream.stream_id})
+        if verdict.kind is Verdict.ACK:
+            ts = stream.types.get(verdict.type_url)
+            version = ts.acked_version if ts is not None else ""
+            self._client_log.log(logging.INFO, self._monotonic(), f"ack:{stream.stream_id}:{label}",
+                                 "Envoy %s ACKed %s version %s", client, label, for_log(version),
+                                 extra={"client": stream.node_id or "?", "type": label, "version": version})
         if verdict.kind is Verdict.NACK:
             self.stats.nacks[(stream.variant, label)] += 1
             self._log.warning(self._monotonic(), f"nack:{stream.variant}:{label}",
                               "NACK from %s (%s stream %d) for %s nonce %s: %s", for_log(stream.node_id or "?"),
                               stream.variant, stream.stream_id, label, for_log(verdict.nonce),
-                              for_log(verdict.detail, 500))
+                              for_log(verdict.detail, 500),
+                              extra={"client": stream.node_id or "?", "type": label, "nonce": verdict.nonce,
+                                     "reason": verdict.detail})
 
     def _reject(self, stream: AdsStream, err: _Rejected) -> None:
         self.stats.rejected[(stream.variant, err.reason)] += 1
@@ -225,3 +243,7 @@ class AdsServicer:
             unwatch()
             reader_task.cancel()
             self.streams.pop(stream.stream_id, None)
+            if stream.stream_id in self._announced:
+                self._announced.discard(stream.stream_id)
+                log.info("Envoy %s disconnected (%s stream %d)", for_log(stream.node_id or "?"), stream.variant,
+                         stream.stream_id, extra={"client": stream.node_id or "?", "stream": stream.stream_id})
