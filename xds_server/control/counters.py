@@ -20,6 +20,10 @@ class Counters:
     ``("inference_result.ttft_ms", "not_finite")``. ``handler_errors``: exceptions while
     handling one agent message or timer, per where ("message", "tick", "stream_closed"); each
     was skipped. ``events``: per event kind (``to_<STATE>`` for transitions).
+    ``probe_failures``: probe results that were not good, per (node id, result kind, outcome):
+    kind a :class:`~xds_server.health.model.ProbeResultKind` value ("TIMEOUT" also for a token
+    later than the deadline), outcome "fail", "busy" or "fatal" (cumulative, besides the
+    model's consecutive count).
     """
 
     heartbeats: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -27,3 +31,4 @@ class Counters:
     bad_fields: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
     handler_errors: collections.Counter[str] = field(default_factory=collections.Counter)
     events: collections.Counter[str] = field(default_factory=collections.Counter)
+    probe_failures: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)

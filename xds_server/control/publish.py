@@ -98,6 +98,7 @@ class PublishPlanner:
         self.last_publish_s = float("-inf")
         self.outliers: dict[str, dict[str, hp.OutlierState]] = {}
         self.why_not_routed: dict[str, str] = {}
+        self.held_back: dict[str, tuple[str, ...]] = {}  # cluster -> nodes the cap holds back now
         self.outlier_wake_s: dict[str, float] = {}
         n = history_max_entries if history_max_entries is not None else config.xds.fail_static_history_max
         self._history = {c: LastGoodHistory(n) for c in self._clusters}
@@ -146,8 +147,9 @@ class PublishPlanner:
                 continue
             decision = hp.cluster_routing(
                 [(n.id, n.capacity, health[n.id]) for n in c.nodes],
-                self.outliers.get(c.name, {}), now_s, cfg)
+                self.outliers.get(c.name, {}), now_s, cfg, self.held_back.get(c.name, ()))
             self.outliers[c.name] = dict(decision.outliers)
+            self.held_back[c.name] = decision.held_back
             self.why_not_routed.update({n.id: decision.why_not_routed.get(n.id, "") for n in c.nodes})
             routing: Mapping[str, hm.Routing] = dict(decision.routing)
             held = False

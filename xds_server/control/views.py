@@ -148,6 +148,7 @@ class ControlPlaneView:
             "health_state": nh.state.value,
             "reason": nh.reason,
             "not_routed_because": core.planner.why_not_routed.get(node_id) or None,
+            "held_back": node_id in core.planner.held_back.get(cluster, ()),
             "since_s_ago": round(now - nh.since_s, 3),
             "weight": r.weight,
             "full_weight": hm.full_weight(n.capacity),
@@ -168,6 +169,9 @@ class ControlPlaneView:
             "stalled": nh.engine.stalled,
             "last_probe": nh.probe.last_kind.value if nh.probe.last_kind else None,
             "consecutive_probe_failures": nh.probe.consecutive_failures,
+            "probe_failures": {f"{kind}/{outcome}": v for (nid, kind, outcome), v
+                               in sorted(core.counters.probe_failures.items()) if nid == node_id},
+            "progress_evidence": nh.engine.progress_detail or None,
             "engine_state": nh.engine.state.value,
         }
         tel = sess.last_telemetry if sess else None
