@@ -20,6 +20,14 @@ Fault injection (``POST /sim/fault``), modelled on how a real engine fails:
 - ``slow``: the first token of every new request comes after ``ttft_ms`` milliseconds.
 - ``error``: inference answers HTTP 500 with a CUDA error body before any streaming starts.
 - ``queue``: ``/metrics`` reports ``waiting`` requests waiting; inference still works.
+- ``prefill``: one long prompt is being prefilled in chunks for ``prefill_ms`` (default 5,500 ms,
+  measured on a real vLLM 0.32: a 3,000-token prompt under ``--max-num-batched-tokens 256``).
+  Like vLLM v1, which counts prompt tokens only when a prefill completes, the prompt and
+  generation counters stay frozen while ``vllm:kv_cache_usage_perc`` rises linearly by 0.078
+  (0.008 -> 0.086 measured) and ``/metrics`` shows 1 running; requests arriving meanwhile queue
+  behind it (``waiting``) and get their first token when it ends. Then the prompt counter
+  advances by the prompt's tokens, KV usage returns to its idle value and the mode to ``none``.
+  Deterministic: every value is a function of the time since the fault was set.
 
 Every response carries ``x-served-by: <replica_id>``; a request carrying a non-empty
 ``x-sentinel-probe`` header is counted as a probe in ``GET /sim/stats``.
@@ -45,7 +53,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 __all__ = ["FAULT_MODES", "SIM_ENGINE_KEY", "SimConfig", "SimEngine", "build_app", "main"]
 
 #: Fault modes accepted by ``POST /sim/fault``.
-FAULT_MODES = ("none", "hang", "slow", "error", "queue")
+FAULT_MODES = ("none", "hang", "slow", "error", "queue", "prefill")
 
 #: Header that marks a request as a health probe (any non-empty value).
 PROBE_HEADER = "x-sentinel-probe"
@@ -56,6 +64,11 @@ SERVED_BY_HEADER = "x-served-by"
 DEFAULT_SLOW_TTFT_MS = 1000.0
 #: Default waiting count for ``queue`` when the fault request gives no ``waiting``.
 DEFAULT_QUEUE_WAITING = 120
+#: Default length of a ``prefill`` (ms), its prompt (tokens) and KV-usage rise (ratio): measured
+#: on vLLM 0.32 (CPU build, hidden 1024, 8 layers, --max-num-batched-tokens 256), issue 11.
+DEFAULT_PREFILL_MS = 5500.0
+PREFILL_PROMPT_TOKENS = 3000
+PREFILL_KV_RISE = 0.078
 
 #: Body of the 500 answered under the ``error`` fault (what a vLLM with a broken GPU says).
 CUDA_ERROR_MESSAGE = "CUDA error: an illegal memory access was encountered"
@@ -143,6 +156,9 @@ class SimEngine:
         self.mode = "none"
         self.ttft_ms = 0.0  # first-token delay under ``slow``, ms
         self.waiting = 0  # reported waiting requests under ``queue``
+        self.prefill_ms = 0.0  # length of the current ``prefill``, ms
+        self._prefill_t0 = 0.0  # monotonic s when it started
+        self._prefill_end: asyncio.TimerHandle | None = None
         self.closing = False
         self.requests_total = 0
         self.requests_by_kind = {"probe": 0, "user": 0}
@@ -175,21 +191,27 @@ class SimEngine:
 
     # ----------------------------------------------------------------------------- faults
     def fault_state(self) -> dict[str, Any]:
-        """Current fault as JSON: ``mode``, ``ttft_ms`` (ms, 0 unless slow), ``waiting``."""
-        return {"mode": self.mode, "ttft_ms": self.ttft_ms, "waiting": self.waiting,
-                "replica_id": self.cfg.replica_id}
+        """Current fault as JSON: ``mode``, ``ttft_ms`` (ms, 0 unless slow), ``waiting``, and
+        ``prefill_ms`` while a ``prefill`` runs."""
+        state: dict[str, Any] = {"mode": self.mode, "ttft_ms": self.ttft_ms, "waiting": self.waiting,
+                                 "replica_id": self.cfg.replica_id}
+        if self.mode == "prefill":
+            state["prefill_ms"] = self.prefill_ms
+        return state
 
     def set_fault(self, mode: str, *, ttft_ms: float | None = None,
-                  waiting: int | None = None) -> dict[str, Any]:
+                  waiting: int | None = None, prefill_ms: float | None = None) -> dict[str, Any]:
         """Switch the fault mode and return the new state.
 
         Args:
             mode: one of :data:`FAULT_MODES`.
             ttft_ms: first-token delay for ``slow`` in ms (default 1000).
             waiting: waiting-request count reported under ``queue`` (default 120).
+            prefill_ms: length of a ``prefill`` in ms (default 5500); it needs a running event
+                loop (its end is a timer).
 
         Raises:
-            ValueError: unknown mode or out-of-range value.
+            ValueError: unknown mode or out-of-range value; ``prefill`` without a running loop.
         """
         if mode not in FAULT_MODES:
             raise ValueError(f"mode must be one of {', '.join(FAULT_MODES)}")
@@ -197,18 +219,42 @@ class SimEngine:
             raise ValueError("ttft_ms must be a finite number >= 0")
         if waiting is not None and waiting < 0:
             raise ValueError("waiting must be an integer >= 0")
+        if prefill_ms is not None and not (math.isfinite(prefill_ms) and prefill_ms > 0):
+            raise ValueError("prefill_ms must be a finite number > 0")
+        if self._prefill_end is not None:
+            self._prefill_end.cancel()
+            self._prefill_end = None
+        self.prefill_ms = 0.0
+        if mode == "prefill":
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                raise ValueError("prefill needs a running event loop") from None
+            self.prefill_ms = float(DEFAULT_PREFILL_MS if prefill_ms is None else prefill_ms)
+            self._prefill_t0 = time.monotonic()
+            self._prefill_end = loop.call_later(self.prefill_ms / 1000.0, self._finish_prefill)
+        self._g_kv.set(self.cfg.kv_cache_usage)
         self.mode = mode
         self.ttft_ms = float(DEFAULT_SLOW_TTFT_MS if ttft_ms is None else ttft_ms) \
             if mode == "slow" else 0.0
         self.waiting = int(DEFAULT_QUEUE_WAITING if waiting is None else waiting) \
             if mode == "queue" else 0
-        if mode != "hang":
+        if mode not in ("hang", "prefill"):
             self._release_stuck(True)
         return self.fault_state()
+
+    def _finish_prefill(self) -> None:
+        """The long prompt is prefilled: its tokens are counted, queued requests run."""
+        self._prefill_end = None
+        self._c_prompt.inc(PREFILL_PROMPT_TOKENS)
+        self.set_fault("none")
 
     def close(self) -> None:
         """Stop serving tokens: parked and streaming requests end (called on app shutdown)."""
         self.closing = True
+        if self._prefill_end is not None:
+            self._prefill_end.cancel()
+            self._prefill_end = None
         self._release_stuck(False)
 
     def _release_stuck(self, proceed: bool) -> None:
@@ -224,7 +270,7 @@ class SimEngine:
         """
         if self.closing:
             return False
-        if self.mode != "hang":
+        if self.mode not in ("hang", "prefill"):
             return True
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._stuck[fut] = request
@@ -248,6 +294,13 @@ class SimEngine:
     # ----------------------------------------------------------------------------- metrics
     def render_metrics(self) -> bytes:
         """Prometheus text exposition of the engine's metrics."""
+        if self.mode == "prefill":
+            # the long prompt runs; requests that arrived meanwhile wait behind it
+            frac = min(1.0, (time.monotonic() - self._prefill_t0) / (self.prefill_ms / 1000.0))
+            self._g_kv.set(self.cfg.kv_cache_usage + PREFILL_KV_RISE * frac)
+            self._g_running.set(1 + max(0, self.in_flight - len(self._stuck)))
+            self._g_waiting.set(len(self._stuck))
+            return generate_latest(self.registry)
         self._g_running.set(self.in_flight)
         self._g_waiting.set(self.waiting if self.mode == "queue" else 0)
         return generate_latest(self.registry)
@@ -571,20 +624,23 @@ async def _set_fault(request: web.Request) -> web.Response:
         return _fault_error("body must be a JSON object")
     if not isinstance(body, dict):
         return _fault_error("body must be a JSON object")
-    unknown = set(body) - {"mode", "ttft_ms", "waiting"}
+    unknown = set(body) - {"mode", "ttft_ms", "waiting", "prefill_ms"}
     if unknown:
         return _fault_error(f"unknown fields: {', '.join(sorted(unknown))}")
     mode = body.get("mode")
     ttft = body.get("ttft_ms")
     waiting = body.get("waiting")
+    prefill = body.get("prefill_ms")
     if not isinstance(mode, str):
         return _fault_error(f"mode must be one of {', '.join(FAULT_MODES)}")
     if ttft is not None and (isinstance(ttft, bool) or not isinstance(ttft, (int, float))):
         return _fault_error("ttft_ms must be a number >= 0")
     if waiting is not None and (isinstance(waiting, bool) or not isinstance(waiting, int)):
         return _fault_error("waiting must be an integer >= 0")
+    if prefill is not None and (isinstance(prefill, bool) or not isinstance(prefill, (int, float))):
+        return _fault_error("prefill_ms must be a number > 0")
     try:
-        state = engine.set_fault(mode, ttft_ms=ttft, waiting=waiting)
+        state = engine.set_fault(mode, ttft_ms=ttft, waiting=waiting, prefill_ms=prefill)
     except ValueError as exc:
         return _fault_error(str(exc))
     return web.json_response(state)
