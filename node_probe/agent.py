@@ -362,10 +362,12 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
                 except TimeoutError:
                     pass
                 continue
-            await self._run_probe(decision.trigger)
-            self._schedule.probe_done(loop.time())
+            answered = await self._run_probe(decision.trigger)
+            self._schedule.probe_done(loop.time(), answered)
 
-    async def _run_probe(self, trigger: Trigger) -> None:
+    async def _run_probe(self, trigger: Trigger) -> bool:
+        """Run one probe and broadcast its result; False when it timed out or its token came
+        ``probe_recheck_ms`` or later (re-check at the idle cadence)."""
         assert self._session is not None
         self._probe_seq += 1
         seq = self._probe_seq
@@ -410,6 +412,11 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
             )
         msg = probe_pb2.AgentMessage(inference_result=result)
         self._hub.broadcast(msg)
+        # A probe left without an answer, or answered slowly, is re-checked soon; a 429 is the
+        # engine's own answer (saturated: keep the busy cadence, fc07).
+        if outcome.ok:
+            return (outcome.ttft_ms or 0.0) < self.cfg.probe_recheck_ms
+        return outcome.failure != probe_pb2.FAILURE_KIND_TIMEOUT
 
     # -- streams -------------------------------------------------------------------------------
 
