@@ -129,3 +129,19 @@ def test_gpu_lost_while_warming_first_good_probe_does_not_route_at_1pct():
     assert sim.nh.state is S.WARMING and route(sim.nh, 1, CFG).health_status == "UNHEALTHY"
     assert "Xid 79" in sim.nh.reason and "not routed while warming" in sim.nh.reason
     assert not any(e.to_state is S.PROBATION for e in sim.events)
+
+
+def test_a_probe_queued_behind_the_prefill_answered_300ms_late_after_it_keeps_1_probe_recovery():
+    """The probe sent 0.3 s before a prefill ends gets its token when it ends (TTFT 300 ms, slow),
+    when the agent may already show no load: the node stays DEGRADED busy and the next good
+    probe returns it to full weight."""
+    sim = healthy_sim()
+    sim.apply(HeartbeatObserved(requests_running=1, requests_waiting=1, progress_age_ms=30,
+                                progress_detail="engine 0: vllm:kv_cache_usage_perc 0.08 -> 0.0814 0.0 s ago"), 4.45)
+    sim.apply(ProbeObserved(K.TIMEOUT), 4.5)
+    assert sim.nh.state is S.DEGRADED and sim.nh.reason.startswith("busy:")
+    sim.apply(HeartbeatObserved(requests_running=0, requests_waiting=0), 9.55)
+    sim.apply(ProbeObserved(K.OK, ttft_ms=300), 9.56)
+    assert sim.nh.state is S.DEGRADED
+    sim.apply(ProbeObserved(K.OK, ttft_ms=25), 10.06)
+    assert sim.nh.state is S.HEALTHY and route(sim.nh, 1, CFG).weight == 100

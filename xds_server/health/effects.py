@@ -40,7 +40,6 @@ __all__ = [
     "recovered",
     "restarting",
     "slow_to_degraded",
-    "slow_while_degraded",
     "stall_counted",
     "with_detail",
 ]
@@ -88,10 +87,6 @@ def _not_busy(nh: NodeHealth) -> NodeHealth:
 
 
 slow_to_degraded: Effect = _then(_not_busy, with_detail)
-
-
-def slow_while_degraded(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
-    return not_good(reason=False)(_not_busy(nh), f, c)
 
 
 fail_to_degraded: Effect = lambda nh, f, c: (_counted(nh), f"probe failure: {f.detail}")

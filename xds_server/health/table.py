@@ -70,7 +70,7 @@ _SPEC: tuple[tuple[tuple[NodeState, ...], tuple[Signal, ...], Effect, NodeState 
     ((HEALTHY,), (G.PROBE_SLOW,), fx.slow_to_degraded, DEGRADED),
     ((HEALTHY,), (G.PROBE_BUSY,), fx.with_detail, DEGRADED),
     ((PROBATION,), (G.PROBE_SLOW,), fx.not_good(reason=False), _STAY),  # PROBATION: the ramp holds
-    ((DEGRADED,), (G.PROBE_SLOW,), fx.slow_while_degraded, _STAY),
+    ((DEGRADED,), (G.PROBE_SLOW,), fx.not_good(reason=False), _STAY),  # a busy node's queued probe: still busy
     ((PROBATION,), (G.PROBE_BUSY,), fx.not_good(reason=False), _STAY),
     ((DEGRADED,), (G.PROBE_BUSY,), fx.not_good(reason=True), _STAY),
     ((HEALTHY,), (G.PROBE_FAIL,), fx.fail_to_degraded, DEGRADED),
