@@ -78,6 +78,8 @@ async def main(runs: int, fault: str, probe_interval_s: float, detector: str, bu
                quiet_s: float, nodes: int, hold_s: float = 1.0, busy_cp: bool = False,
                prefill_ms: float = 5500.0) -> None:
     health = {"failure_detector": detector, "probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2}
+    if fault == "prefill":  # "full weight" = 100: the seed score would move weights with RTT noise
+        health.update(score_rtt_weight=0.0, score_gpu_weight=0.0)
     fleet = Fleet(n_nodes=nodes, probe_interval_s=probe_interval_s, per_try_timeout_s=1.0, health=health)
     procs = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(burners)]
     await asyncio.to_thread(fleet.start)
