@@ -10,4 +10,4 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-auto}
 export VLLM_CACHE_ROOT=$scratch/vllm TORCHINDUCTOR_CACHE_DIR=$scratch/inductor TMPDIR=$scratch
 exec "$venv/bin/vllm" serve "$model" --served-model-name tiny-llama --host 127.0.0.1 --port "$port" \
-  --max-model-len "${SENTINEL_MAX_MODEL_LEN:-256}" --dtype float32 --enforce-eager "$@"
+  --max-model-len 256 --dtype float32 --enforce-eager "$@"

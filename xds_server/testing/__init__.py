@@ -18,12 +18,15 @@ only; the underscored modules may move):
 - Envoy admin (``_envoy``): :class:`StandaloneEnvoy`, a real Envoy against the test's own ADS
   server; :func:`parse_envoy_clusters` (the one parser of ``/clusters?format=json``, into
   :class:`EnvoyHost` values), :func:`fetch_envoy_hosts`, :func:`parse_envoy_stats`.
-- polling and time (``_wait``, ``_clock``): :func:`wait_for` a condition with a deadline;
-  :class:`FakeClock` for pure logic driven by an injected clock.
+- polling (``_wait``): :func:`wait_for` a condition with a deadline.
+- in-memory seams, re-exported from :mod:`xds_server.control`: :class:`ManualClock` (time moves
+  only when told, due timers run in order; also a ``Callable[[], float]``), :class:`InMemoryProbes`
+  and :class:`InMemoryProbeSource` (drive a control plane's probe observations without agents:
+  ``ControlPlane(cfg, clock=ManualClock(), probe_sources=InMemoryProbes())``).
 """
 
 from xds_server.testing._ads_clients import ScriptedAdsClient, ScriptedDeltaAdsClient
-from xds_server.testing._clock import FakeClock
+from xds_server.control import InMemoryProbes, InMemoryProbeSource, ManualClock
 from xds_server.testing._envoy import (
     EnvoyHost,
     StandaloneEnvoy,
@@ -38,11 +41,13 @@ from xds_server.testing._wait import wait_for
 
 __all__ = [
     "EnvoyHost",
-    "FakeClock",
     "Fleet",
+    "InMemoryProbeSource",
+    "InMemoryProbes",
     "LoadGenerator",
     "LoadStats",
     "ManagedProcess",
+    "ManualClock",
     "NodeProcs",
     "ScriptedAdsClient",
     "ScriptedDeltaAdsClient",
