@@ -84,11 +84,12 @@ class EngineLoadSummary:
     requests_running: float | None
     kv_cache_usage_ratio: float | None
     kv_cache_metric: str
+    metrics_error: str = ""   # why the agent could not read the engine's /metrics (clipped)
 
     def to_json(self) -> dict:
         return {"metrics_ok": self.metrics_ok, "requests_waiting": self.requests_waiting,
                 "requests_running": self.requests_running, "kv_cache_usage_ratio": self.kv_cache_usage_ratio,
-                "kv_cache_metric": self.kv_cache_metric or None}
+                "kv_cache_metric": self.kv_cache_metric or None, "metrics_error": self.metrics_error or None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,9 +227,10 @@ class AgentEdge:
         kv = opt("kv_cache_usage_ratio", 0.0, 1.0)
         opt("prefix_cache_hit_ratio", 0.0, 1.0)
         opt("generation_tokens_total", 0.0, math.inf)
-        self._text(load.metrics_error, p + "metrics_error", bad)
+        metrics_error = self._text(load.metrics_error, p + "metrics_error", bad)
         metric = self._text(load.kv_cache_metric, p + "kv_cache_metric", bad)
-        return EngineLoadSummary(load.metrics_ok, waiting, running, kv, metric)
+        return EngineLoadSummary(load.metrics_ok, waiting, running, kv, metric,
+                                 "" if load.metrics_ok else metrics_error)
 
     def _gpu(self, gpu: probe_pb2.GpuTelemetry, bad: list[BadField]) -> tuple[GpuSummary, float | None, str]:
         """(summary, free ratio of the least free GPU with both memory fields, first fatal event)."""

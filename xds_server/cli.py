@@ -15,7 +15,6 @@ import urllib.error
 import urllib.request
 
 from xds_server.config import ConfigError, load_config
-from xds_server.untrusted import for_log
 
 __all__ = ["main"]
 
@@ -72,12 +71,10 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    print(f"{'NODE':<20} {'CLUSTER':<16} {'STATE':<10} {'WEIGHT':>7} {'EDS':<10} {'RTT ms':>7} {'TTFT ms':>8}  REASON")
-    for v in data["nodes"]:
-        rtt = "-" if v["ewma_rtt_ms"] is None else f"{v['ewma_rtt_ms']:.1f}"
-        ttft = "-" if v["last_ttft_ms"] is None else f"{v['last_ttft_ms']:.1f}"
-        print(f"{v['id']:<20} {v['cluster']:<16} {v['state']:<10} {v['weight']:>7} "
-              f"{v['eds_health_status']:<10} {rtt:>7} {ttft:>8}  {for_log(str(v['reason']), 200)}")
+    from xds_server.admin.status_text import format_status
+
+    for line in format_status(data):
+        print(line)
     return 0
 
 

@@ -142,6 +142,12 @@ class XdsConfig(_Model):
         description="a NACK's error_detail.message as kept for /xds/clients and logged; Envoy's "
         "messages name the field and the reason in a few hundred characters",
     )
+    absent_names_max_per_stream: int = Field(
+        1000, ge=0,
+        description="SotW EDS names that exist nowhere answered with an empty assignment, per stream "
+        "and type (issue 11: Envoy would otherwise wait on them); names beyond get no answer, so a "
+        "request naming 150,000 unknown clusters cannot make a 20 MB response (ours)",
+    )
     clients_view_max_names: int = Field(
         100, ge=0,
         description="subscribed names listed per stream and type in /xds/clients (the count is "
@@ -242,6 +248,11 @@ class ProbeConfig(_Model):
     )
     malformed_log_interval_s: float = Field(
         10.0, ge=0, description="a kind of malformed agent message is logged at most once per this (ours)",
+    )
+    unreachable_log_interval_s: float = Field(
+        60.0, ge=0,
+        description="an agent that cannot be reached is logged when it first fails, then at most once "
+        "per this while it stays unreachable (with the count of failed dials); /nodes shows it at once (ours)",
     )
     lag_recheck_ms: float = Field(
         5.0, gt=0, le=1000,
@@ -538,7 +549,10 @@ class ClusterConfig(_Model):
         description="at most one category: Envoy 1.40 NACKs an assignment with two "
         "(notes/xds_protocol.md 2.5)",
     )
-    nodes: list[NodeConfig] = Field(..., min_length=1)
+    nodes: list[NodeConfig] = Field(
+        default_factory=list,
+        description="may be empty: a pool scaled to zero is served an assignment with no endpoints",
+    )
 
     @model_validator(mode="after")
     def _unique_nodes(self) -> "ClusterConfig":

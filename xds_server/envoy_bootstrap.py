@@ -59,6 +59,7 @@ def render_bootstrap(
     api_type: str = "GRPC",
     per_try_timeout_s: float | None = None,
     per_try_idle_timeout_s: float | None = None,
+    retry_after_max_s: float | None = None,
     template: Path = BOOTSTRAP_TEMPLATE,
 ) -> dict[str, Any]:
     """The bootstrap from ``template`` with ports, routed cluster, node id and timeouts replaced.
@@ -69,6 +70,8 @@ def render_bootstrap(
     headers; beware that once it expires on a response already streaming, Envoy disables the
     per-try idle timer for that attempt, so streams older than it are no longer cut (see
     ``envoy/envoy.yaml``).
+    ``retry_after_max_s`` bounds how long a retry honours a ``Retry-After`` header
+    (``rate_limited_retry_back_off.max_interval``, s; the template's 3 s when None).
 
     Returns the YAML document as a dict (write it with ``yaml.safe_dump``). Raises OSError when
     the template cannot be read and ValueError for an unknown ``api_type``.
@@ -94,6 +97,8 @@ def render_bootstrap(
                 rp["per_try_timeout"] = f"{per_try_timeout_s:g}s"
             if per_try_idle_timeout_s is not None:
                 rp["per_try_idle_timeout"] = f"{per_try_idle_timeout_s:g}s"
+            if retry_after_max_s is not None and "rate_limited_retry_back_off" in rp:
+                rp["rate_limited_retry_back_off"]["max_interval"] = f"{retry_after_max_s:g}s"
     return doc
 
 

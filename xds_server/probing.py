@@ -30,7 +30,15 @@ from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.agent_edge import AgentEdge, BadField, CheckedHeartbeat, CheckedPong, CheckedResult, TelemetrySummary
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
 from xds_server.control.counters import Counters
-from xds_server.health.model import Observation, PingObserved, ProbeResultKind, StreamClosed, Tick, miss_after_s
+from xds_server.health.model import (
+    Observation,
+    PingObserved,
+    ProbeObserved,
+    ProbeResultKind,
+    StreamClosed,
+    Tick,
+    miss_after_s,
+)
 from xds_server.untrusted import RateLimitedLog, clip, for_log
 
 __all__ = ["ProbeSession", "SilentStream"]
@@ -76,6 +84,12 @@ class ProbeSession:
         self.last_telemetry: TelemetrySummary | None = None
         self.connected = False
         self.connects = 0
+        # The link to the agent, for /nodes: dials in a row that got no message from the agent,
+        # the last error (clipped) and when it happened (loop time, s); the last failed probe.
+        self.failed_dials = 0
+        self.last_error = ""
+        self.last_error_at_s: float | None = None
+        self.last_probe_failure = ""
         self.handler_errors = 0
         self._task: asyncio.Task | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -87,6 +101,7 @@ class ProbeSession:
         self.rtt_samples_dropped = 0
         self._stalled = False
         self._rl = RateLimitedLog(log, self.probe_cfg.malformed_log_interval_s, max_keys=256)
+        self._unreachable_rl = RateLimitedLog(log, self.probe_cfg.unreachable_log_interval_s, max_keys=1)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
@@ -116,6 +131,10 @@ class ProbeSession:
 
     def _emit(self, obs: Observation) -> None:
         assert self._loop is not None
+        if isinstance(obs, ProbeObserved):
+            self.last_probe_failure = "" if obs.kind is ProbeResultKind.OK else clip(
+                f"{obs.kind.value}{f' {obs.http_status}' if obs.http_status else ''}: {obs.detail}",
+                self.probe_cfg.max_text_chars)
         self._arm(self.sink(self.node.id, obs, self._loop.time()))
 
     def _arm(self, at_s: float | None) -> None:
@@ -192,10 +211,22 @@ class ProbeSession:
                 self._emit(StreamClosed(detail))
             except Exception:  # noqa: BLE001
                 self._handler_failed("stream_closed")
-            log.info("probe stream to %s (%s) closed: %s", self.node.id, self.node.probe_address,
-                     for_log(detail, 256))
             if got_any:
+                self.failed_dials = 0
+                log.info("probe stream to %s (%s) closed: %s", self.node.id, self.node.probe_address,
+                         for_log(detail, 256))
                 backoff = self.cfg.reconnect_backoff_initial_ms / 1000.0
+            else:
+                # One line when the agent first cannot be reached, then at most one per
+                # probe.unreachable_log_interval_s (with the count of dials suppressed).
+                self.failed_dials += 1
+                self.last_error, self.last_error_at_s = detail, self._now()
+                if self.failed_dials == 1:
+                    self._unreachable_rl.forget("unreachable")
+                self._unreachable_rl.warning(
+                    self._now(), "unreachable", "agent of %s at %s unreachable (%d dial(s) failed): %s",
+                    for_log(self.node.id), for_log(self.node.probe_address), self.failed_dials,
+                    for_log(detail, 256))
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.cfg.reconnect_backoff_max_ms / 1000.0)
 

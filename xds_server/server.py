@@ -118,15 +118,22 @@ class ControlPlane:
             ("grpc.keepalive_time_ms", self.config.xds.keepalive_time_ms),
             ("grpc.keepalive_timeout_ms", self.config.xds.keepalive_timeout_ms),
             ("grpc.http2.min_ping_interval_without_data_ms", self.config.xds.min_client_ping_interval_ms),
+            # grpc turns SO_REUSEPORT on by default: a second server on the same port would then
+            # bind silently and share the connections. Off, it fails to start (as the agent does).
+            ("grpc.so_reuseport", 0),
         ])
         self.ads.add_to_server(self._grpc)  # ADS (SotW + delta), responses encoded once per content
         from xds_server.routing_feed import RoutingFeed  # routing feed for the relay, same port
         self.routing_feed = RoutingFeed(self).add_to_server(self._grpc)
         self.view.routing_feed = self.routing_feed  # read by admin/metrics.py
         host, port = parse_hostport(self.config.xds.listen)
-        self.xds_port = self._grpc.add_insecure_port(f"{host}:{port}")
+        try:
+            self.xds_port = self._grpc.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:  # grpc raises RuntimeError when the bind fails
+            raise OSError(f"cannot bind xDS port {self.config.xds.listen} (xds.listen): in use or not "
+                          f"permitted ({exc})") from exc
         if self.xds_port == 0:
-            raise OSError(f"cannot bind xDS port {self.config.xds.listen}")
+            raise OSError(f"cannot bind xDS port {self.config.xds.listen} (xds.listen): in use or not permitted")
         await self._grpc.start()
 
         self._admin_runner = web.AppRunner(build_admin_app(self.view, self.drain), access_log=None,

@@ -77,6 +77,11 @@ class RateLimitedLog:
         self.logger.log(level, msg, *args)
         return True
 
+    def forget(self, key: str) -> None:
+        """Start ``key`` afresh: its next line is logged whatever the interval (a new episode)."""
+        self._last.pop(key, None)
+        self._suppressed.pop(key, None)
+
     def warning(self, now_s: float, key: str, msg: str, *args: object) -> bool:
         """:meth:`log` at WARNING."""
         return self.log(logging.WARNING, now_s, key, msg, *args)

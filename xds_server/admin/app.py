@@ -6,7 +6,8 @@ sends: bad query values are 400 with a message naming the parameter, non-finite 
 written as ``null`` (valid JSON always), client text echoed back is clipped and escaped, and a
 malformed HTTP request is logged as one rate-limited line, never a traceback.
 
-Routes: ``/healthz`` (process up), ``/readyz`` (every cluster published), ``/nodes``,
+Routes: ``/healthz`` (process up), ``/readyz`` (every cluster published and at least one node
+routable; the body says why not), ``/nodes``,
 ``/nodes/{id}``, ``/clusters``, ``/xds/clients``, ``/config_dump``, ``/events``, ``/metrics``;
 ``POST /nodes/{id}/drain`` and ``/undrain`` (bearer token, ``admin.token``). Every GET only
 reads (:class:`~xds_server.control.views.ControlPlaneView`); drain/undrain change a node's state
@@ -95,11 +96,21 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
         return _json({"status": "ok"})
 
     async def readyz(_: web.Request) -> web.Response:
-        ready, missing = view.readiness()
-        return _json({"ready": ready, "unpublished_clusters": missing}, status=200 if ready else 503)
+        published, missing = view.readiness()
+        routable = view.routable_counts()
+        total = sum(routable.values())
+        why = []
+        if missing:
+            why.append(f"{len(missing)} cluster(s) not published yet")
+        if published and total == 0:
+            why.append("0 routable nodes: Envoy has nowhere to send requests")
+        ready = not why
+        return _json({"ready": ready, "why_not_ready": "; ".join(why) or None, "unpublished_clusters": missing,
+                      "routable_nodes": total, "routable_by_cluster": routable},
+                     status=200 if ready else 503)
 
     async def nodes(_: web.Request) -> web.Response:
-        return _json({"nodes": view.nodes()})
+        return _json({"fail_static": view.fail_static_view(), "nodes": view.nodes()})
 
     async def node(request: web.Request) -> web.Response:
         node_id = request.match_info["id"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from xds_server.control.display import DISPLAY_STATES
 from xds_server.control.views import ControlPlaneView
 from xds_server.health.model import NodeState
 
@@ -68,6 +69,14 @@ class ControlPlaneCollector:
             if nid in cluster_of:  # node ids come from the config: bounded labels
                 pf.add_metric([cluster_of[nid], nid, kind, outcome], v)
         yield pf
+        shown = GaugeMetricFamily("sentinel_node_display_state", "1 for the state an operator is shown "
+                                  "(health state, or DRAINING, FAIL_STATIC, UNREACHABLE, HELD_BACK; see "
+                                  "xds_server/control/display.py)", labels=["cluster", "node", "state"])
+        for row in view.node_rows():
+            d = view.display(row.node_id).state
+            for s in DISPLAY_STATES:
+                shown.add_metric([row.cluster, row.node_id, s], 1.0 if d == s else 0.0)
+        yield shown
         fields = CounterMetricFamily("sentinel_probe_bad_fields", "agent message fields rejected or "
                                      "clamped at the edge, by field and reason", labels=["field", "reason"])
         for (f, why), v in sorted(c.bad_fields.items()):

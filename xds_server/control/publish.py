@@ -98,7 +98,10 @@ class PublishPlanner:
         self.last_publish_s = float("-inf")
         self.outliers: dict[str, dict[str, hp.OutlierState]] = {}
         self.why_not_routed: dict[str, str] = {}
-        self.held_back: dict[str, tuple[str, ...]] = {}  # cluster -> nodes the cap holds back now
+        # node id -> the soft ejection the max-ejection cap held back (the node stays routed)
+        self.held_back: dict[str, str] = {}
+        # clusters whose last publish kept an older assignment (fail-static)
+        self.fail_static_held: set[str] = set()
         self.outlier_wake_s: dict[str, float] = {}
         n = history_max_entries if history_max_entries is not None else config.xds.fail_static_history_max
         self._history = {c: LastGoodHistory(n) for c in self._clusters}
@@ -147,10 +150,15 @@ class PublishPlanner:
                 continue
             decision = hp.cluster_routing(
                 [(n.id, n.capacity, health[n.id]) for n in c.nodes],
-                self.outliers.get(c.name, {}), now_s, cfg, self.held_back.get(c.name, ()))
+                self.outliers.get(c.name, {}), now_s, cfg, [n.id for n in c.nodes if n.id in self.held_back])
             self.outliers[c.name] = dict(decision.outliers)
-            self.held_back[c.name] = decision.held_back
             self.why_not_routed.update({n.id: decision.why_not_routed.get(n.id, "") for n in c.nodes})
+            for n in c.nodes:
+                self.held_back.pop(n.id, None)
+            for nid in decision.held_back:
+                out_st = decision.outliers.get(nid)
+                self.held_back[nid] = (hm.node_routing(health[nid], cfg).soft_block
+                                       or (out_st.reason if out_st is not None else "") or "soft ejection")
             routing: Mapping[str, hm.Routing] = dict(decision.routing)
             held = False
             hist = self._history[c.name]
@@ -161,6 +169,10 @@ class PublishPlanner:
                     routing, held = dict(good), True
             else:
                 hist.record(now_s, routing, floor_s)
+            if held:
+                self.fail_static_held.add(c.name)
+            else:
+                self.fail_static_held.discard(c.name)
             ends = [o.until_s for o in decision.outliers.values() if o.until_s > now_s]
             if ends:
                 self.outlier_wake_s[c.name] = min(ends) + 0.001

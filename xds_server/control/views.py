@@ -17,6 +17,7 @@ from google.protobuf import json_format
 from xds_server.config import ClusterConfig, SentinelConfig
 from xds_server.control.core import ControlCore
 from xds_server.control.counters import Counters
+from xds_server.control.display import DisplayInputs, NodeDisplay, node_display
 from xds_server.control.events import EventRecord
 from xds_server.control.probes import ProbeSource
 from xds_server.health import model as hm
@@ -90,6 +91,12 @@ class ControlPlaneView:
         missing = [c.name for c in self.config.clusters if not self.cla_version(c.name)]
         return not missing, missing
 
+    def routable_counts(self) -> dict[str, int]:
+        """Cluster name -> nodes published HEALTHY (Envoy routes to them), in config order."""
+        routing = self._core.routing
+        return {c.name: sum(1 for n in c.nodes if (r := routing.get(n.id)) is not None
+                            and r.health_status == "HEALTHY") for c in self.config.clusters}
+
     def events(self, limit: int) -> list[dict]:
         """The newest ``limit`` events (>= 0), oldest first, as JSON."""
         return [r.to_json() for r in self._core.events.recent(limit)]
@@ -136,6 +143,7 @@ class ControlPlaneView:
         r = core.routing.get(node_id) or hm.route(nh, n.capacity, self.config.health)
         now = core.clock.now()
         sess = self._sources.get(node_id)
+        shown = self.display(node_id)
         view: dict[str, Any] = {
             "id": node_id,
             "cluster": cluster,
@@ -147,8 +155,12 @@ class ControlPlaneView:
             "state": nh.effective_state.value,
             "health_state": nh.state.value,
             "reason": nh.reason,
-            "not_routed_because": core.planner.why_not_routed.get(node_id) or None,
-            "held_back": node_id in core.planner.held_back.get(cluster, ()),
+            "display_state": shown.state,
+            "display_reason": shown.reason,
+            "routed": shown.routed,
+            "not_routed_because": shown.not_routed_because,
+            "verdict_not_applied": shown.verdict_not_applied,
+            "held_back": core.planner.held_back.get(node_id) or None,
             "since_s_ago": round(now - nh.since_s, 3),
             "weight": r.weight,
             "full_weight": hm.full_weight(n.capacity),
@@ -159,6 +171,9 @@ class ControlPlaneView:
             "published": cluster in core.planner.gate_open,
             "xds_version": self.cla_version(cluster),
             "probe_stream_connected": bool(sess and sess.connected),
+            "agent_failed_dials": getattr(sess, "failed_dials", 0),
+            "agent_last_error": getattr(sess, "last_error", "") or None,
+            "last_probe_failure": getattr(sess, "last_probe_failure", "") or None,
             "heartbeats": core.counters.heartbeats[node_id],
             "consecutive_misses": nh.heartbeat.consecutive_misses,
             "last_heartbeat_s_ago": None if nh.heartbeat.last_s is None else round(now - nh.heartbeat.last_s, 3),
@@ -179,6 +194,37 @@ class ControlPlaneView:
             view.update(tel.to_json())
         return view
 
+    def display(self, node_id: str) -> NodeDisplay:
+        """The shown state of one node (:func:`~xds_server.control.display.node_display`).
+        KeyError for a node id not in the config."""
+        core = self._core
+        nh = core.health[node_id]
+        sess = self._sources.get(node_id)
+        tel = getattr(sess, "last_telemetry", None)
+        metrics_error = getattr(getattr(tel, "load", None), "metrics_error", "") if tel is not None else ""
+        drain_s = None
+        if nh.drain.active and nh.drain.since_s is not None:
+            drain_s = core.clock.now() - nh.drain.since_s
+        return node_display(DisplayInputs(
+            health=nh, published=core.routing.get(node_id),
+            why_not_routed=core.planner.why_not_routed.get(node_id, ""),
+            held_back=core.planner.held_back.get(node_id, ""),
+            fail_static_held=core.node_cluster[node_id] in core.planner.fail_static_held,
+            agent_connected=bool(sess and sess.connected),
+            failed_dials=getattr(sess, "failed_dials", 0),
+            agent_error=getattr(sess, "last_error", ""),
+            engine_error=getattr(sess, "last_probe_failure", "") or metrics_error,
+            drain_s=drain_s, in_flight=nh.engine.requests_running))
+
+    def fail_static_view(self) -> dict:
+        """``{"active", "since_s_ago", "reason", "held_clusters"}`` (times: s; None when inactive)."""
+        core = self._core
+        fs = core.fail_static
+        return {"active": fs.active,
+                "since_s_ago": round(core.clock.now() - fs.since_s, 3) if fs.active else None,
+                "reason": fs.reason or None if fs.active else None,
+                "held_clusters": sorted(core.planner.fail_static_held)}
+
     def nodes(self) -> list[dict]:
         return [self.node(n) for n in self._core.node_cfg]
 
@@ -191,7 +237,7 @@ class ControlPlaneView:
                 "name": c.name,
                 "nodes": len(views),
                 "routable": healthy,
-                "healthy_fraction": healthy / len(views),
+                "healthy_fraction": healthy / len(views) if views else 0.0,  # a pool scaled to zero
                 "xds_version": self.cla_version(c.name),
                 "published": bool(self.cla_version(c.name)),
             })

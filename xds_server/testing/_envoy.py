@@ -97,14 +97,17 @@ async def fetch_envoy_hosts(session: aiohttp.ClientSession, admin_url: str, clus
 class StandaloneEnvoy:
     """A real Envoy whose ADS server is one the test runs itself (no fleet), on free ports.
 
-    ``xds_port``: where the test's ADS server listens; ``api_type``: "GRPC" or "DELTA_GRPC".
+    ``xds_port``: where the test's ADS server listens; ``api_type``: "GRPC" or "DELTA_GRPC";
+    ``retry_after_max_s``: bound on honouring ``Retry-After`` (s; the bootstrap's when None).
     ``await start()`` waits until Envoy's admin answers (RuntimeError with its output if it
     exits); :meth:`stop` always reaps it. Admin helpers return parsed JSON or stats as a dict.
     """
 
     def __init__(self, xds_port: int, *, api_type: str = "GRPC", cluster: str = "llm",
-                 node_id: str = "envoy-llm-gw-1", envoy_binary: str | None = None) -> None:
+                 node_id: str = "envoy-llm-gw-1", envoy_binary: str | None = None,
+                 retry_after_max_s: float | None = None) -> None:
         self.xds_port = xds_port
+        self.retry_after_max_s = retry_after_max_s
         self.api_type = api_type
         self.cluster = cluster
         self.node_id = node_id
@@ -131,7 +134,8 @@ class StandaloneEnvoy:
         self.listener_port, self.admin_port = free_port(), free_port()
         boot = write_bootstrap(wd / "envoy.yaml", render_bootstrap(
             xds_port=self.xds_port, listener_port=self.listener_port, admin_port=self.admin_port,
-            cluster=self.cluster, node_id=self.node_id, api_type=self.api_type))
+            cluster=self.cluster, node_id=self.node_id, api_type=self.api_type,
+            retry_after_max_s=self.retry_after_max_s))
         self.proc = envoy_process(envoy_bin, boot, wd, concurrency=1).start()
         deadline = time.monotonic() + timeout_s
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:

@@ -181,6 +181,20 @@ class SnapshotCache:
         """Current resources of a type by name (read-only view; do not mutate)."""
         return self._resources.get(type_url, {})
 
+    def absent(self, type_url: str, name: str) -> CachedResource | None:
+        """The stand-in a SotW stream sends for a requested ``name`` that exists neither in
+        ``type_url`` nor in its parent type (``ResourceType.absent``; EDS: an empty assignment),
+        encoded like any resource (same version scheme); None when the type has no stand-in or
+        the name is pending (its parent exists). Not stored: it costs one small encode."""
+        rtype = RESOURCE_TYPES.get(type_url)
+        if rtype is None or rtype.absent is None or name in self.resources(type_url):
+            return None
+        if rtype.parent_type_url and name in self.resources(rtype.parent_type_url):
+            return None
+        data = rtype.absent(name).SerializeToString(deterministic=True)
+        ver = f"{self.server_id}-{hashlib.sha256(data).hexdigest()[:16]}"
+        return CachedResource(name, ver, any_pb2.Any(type_url=type_url, value=data))
+
     def type_version(self, type_url: str) -> str:
         """Version of the whole set of a type ("" when never set)."""
         return self._type_version.get(type_url, "")

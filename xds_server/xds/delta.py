@@ -229,6 +229,7 @@ class DeltaStream(StreamBase):
         view["types"] = {
             self._view_key(tu): {
                 **self._subscribed_view(ts),
+                **self._held_view(ts),
                 "resources_held": len(ts.sent),
                 "removed_sent": ts.removed_sent,
                 **ts.ack_view(),

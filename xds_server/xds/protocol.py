@@ -97,7 +97,8 @@ class StreamLimits:
     per type; ``max_names``: subscribed names per stream, all types; ``text_max_chars``: node id,
     node cluster, user agent, versions kept from a client; ``nack_message_max_chars``: a NACK's
     ``error_detail.message`` as kept; ``view_max_names``: subscribed names listed per type by
-    ``describe()`` (the count is always given).
+    ``describe()`` (the count is always given); ``max_absent_names``: SotW names that exist
+    nowhere answered with a stand-in, per type (``xds.absent_names_max_per_stream``).
     """
 
     max_types: int = 32
@@ -106,6 +107,7 @@ class StreamLimits:
     text_max_chars: int = 256
     nack_message_max_chars: int = 1024
     view_max_names: int = 100
+    max_absent_names: int = 1000
 
     @classmethod
     def from_config(cls, xds) -> "StreamLimits":
@@ -113,7 +115,8 @@ class StreamLimits:
         return cls(max_types=xds.max_types_per_stream, max_tracked_nonces=xds.max_tracked_nonces,
                    max_names=xds.max_names_per_stream, text_max_chars=xds.client_text_max_chars,
                    nack_message_max_chars=xds.nack_message_max_chars,
-                   view_max_names=xds.clients_view_max_names)
+                   view_max_names=xds.clients_view_max_names,
+                   max_absent_names=xds.absent_names_max_per_stream)
 
 
 @dataclass(slots=True)
@@ -242,6 +245,14 @@ class StreamBase:
         star = ["*"] if ts.wildcard else []
         shown = (star + heapq.nsmallest(self.limits.view_max_names, ts.subscribed))[: self.limits.view_max_names]
         return {"subscribed": shown, "subscribed_count": len(star) + len(ts.subscribed)}
+
+    def _held_view(self, ts) -> dict:
+        """What the client holds per resource: ``resource_versions`` (name -> the resource version
+        sent, the same format as ``/clusters``' ``xds_version``; the first ``view_max_names``
+        names) and ``resources_acked`` (the client ACKed the last response of this type)."""
+        names = heapq.nsmallest(self.limits.view_max_names, ts.sent)
+        return {"resource_versions": {n: ts.sent[n] for n in names},
+                "resources_acked": bool(ts.last_nonce) and ts.acked_nonce == ts.last_nonce}
 
     @staticmethod
     def _view_key(type_url: str) -> str:

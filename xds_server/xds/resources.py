@@ -290,6 +290,10 @@ class ResourceType:
     - ``references(encoded) -> names``: the names of resources of *other* types this resource
       (serialized) refers to, as ``(type_url, name)`` pairs (a Cluster of type EDS -> its
       ClusterLoadAssignment); used by :meth:`~xds_server.xds.cache.SnapshotCache.consistent`.
+    - ``absent(name) -> message``: what a SotW request for a name that exists nowhere (not in
+      this type nor in its parent) is answered with, or None to answer without it. SotW has no
+      "does not exist" answer (xds_protocol.md 1.4), so without it Envoy waits out its
+      initial_fetch_timeout on the name; EDS answers an empty assignment (issue 11).
     """
 
     type_url: str
@@ -299,6 +303,7 @@ class ResourceType:
     parent_type_url: str | None
     validate: Callable[[str, Message], list[str]]
     references: Callable[[bytes], list[tuple[str, str]]] | None = None
+    absent: Callable[[str], Message] | None = None
 
 
 def cluster_references(encoded: bytes) -> list[tuple[str, str]]:
@@ -310,11 +315,16 @@ def cluster_references(encoded: bytes) -> list[tuple[str, str]]:
     return [(CLA_TYPE_URL, c.eds_cluster_config.service_name or c.name)]
 
 
+def empty_cla(name: str) -> endpoint_pb2.ClusterLoadAssignment:
+    """An assignment with no endpoints for ``name``: the answer to an EDS name nobody knows."""
+    return endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
+
+
 RESOURCE_TYPES: dict[str, ResourceType] = {
     CLUSTER_TYPE_URL: ResourceType(CLUSTER_TYPE_URL, "Cluster", True, True, None, validate_cluster,
                                    cluster_references),
     CLA_TYPE_URL: ResourceType(CLA_TYPE_URL, "ClusterLoadAssignment", False, False, CLUSTER_TYPE_URL,
-                               validate_cla),
+                               validate_cla, absent=empty_cla),
 }
 """Served types in make-before-break order: CDS before EDS (checklist 1.9 item 27)."""
 

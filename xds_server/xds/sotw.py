@@ -4,7 +4,9 @@ Protocol rules (docs/xds_protocol.md section 1; checklist 1.9 numbers in bracket
 - an ACK gets no response unless content changed [3]; a request whose ``response_nonce`` is not
   the last nonce sent for its type is stale and ignored [6];
 - CDS is full state and (legacy) wildcard [10]; EDS is named: only requested names are sent [11];
-  a name added to ``resource_names`` is sent even if sent before [7, 12];
+  a name added to ``resource_names`` is sent even if sent before [7, 12]; a requested EDS name
+  that exists nowhere (no assignment, no cluster) is answered with an empty assignment, since
+  SotW has no "does not exist" answer and Envoy would wait on it (issue 11);
 - on a new stream everything requested is sent in full whatever ``version_info`` says [14];
 - a NACK is recorded with nonce, version and message; the rejected content is not sent again,
   only newer content is [4, 5, 29]; a type we do not serve gets one empty response [18].
@@ -45,6 +47,7 @@ class TypeState(AckState):
     requested: bool = False              # the client has sent at least one request of this type
     sent: dict[str, str] = field(default_factory=dict)  # name -> resource version the client got
     force: set[str] = field(default_factory=set)        # names to re-push even if unchanged
+    absent: set[str] = field(default_factory=set)       # names answered with a stand-in (bounded)
     unserved: bool = False               # a type we do not serve
     answered_unserved: bool = False
     dirty: bool = True                   # subscription changed since plans() last looked
@@ -89,6 +92,7 @@ class SotwStream(StreamBase):
             for n in names ^ ts.subscribed:
                 ts.sent.pop(n, None)  # a re-added name is sent again even if unchanged
                 ts.force.discard(n)
+                ts.absent.discard(n)
             ts.subscribed = names
         self._check_names()
         changed = first or not nonce or before != (ts.wildcard, frozenset(ts.subscribed))
@@ -154,6 +158,8 @@ class SotwStream(StreamBase):
                 self._eds_owed |= {n for n, v in state.items() if ts.sent.get(n) != v}
         else:
             send = [r for n, r in wanted.items() if ts.sent.get(n) != r.version or n in ts.force]
+            if not ts.wildcard and len(wanted) < len(ts.subscribed):
+                send.extend(self._absent(ts, cache, res, self.limits.max_absent_names))
             if not send:
                 return None
         if ts.wildcard:
@@ -171,7 +177,28 @@ class SotwStream(StreamBase):
             for r in send:
                 ts.sent[r.name] = r.version
                 ts.force.discard(r.name)
+                if r.name in res:
+                    ts.absent.discard(r.name)
         return resp
+
+    @staticmethod
+    def _absent(ts: TypeState, cache: SnapshotCache, res, limit: int) -> list[CachedResource]:
+        """Stand-ins for subscribed names that exist nowhere and were not answered yet
+        (EDS: an empty assignment, so Envoy does not wait on the name; issue 11), at most
+        ``limit`` names per type held at once (the rest get no answer, as before)."""
+        out = []
+        if len(ts.absent) >= limit:
+            return out
+        for n in sorted(ts.subscribed.difference(res)):
+            if n in ts.sent and n not in ts.force:
+                continue
+            r = cache.absent(ts.type_url, n)
+            if r is not None and ts.sent.get(n) != r.version:
+                out.append(r)
+                ts.absent.add(n)
+                if len(ts.absent) >= limit:
+                    break
+        return out
 
     def describe(self) -> dict:
         """JSON-able summary for the admin endpoint (``/xds/clients``)."""
@@ -179,6 +206,7 @@ class SotwStream(StreamBase):
         view["types"] = {
             self._view_key(tu): {
                 **self._subscribed_view(ts),
+                **self._held_view(ts),
                 **ts.ack_view(),
             }
             for tu, ts in self.types.items()
