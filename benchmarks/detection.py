@@ -1,7 +1,13 @@
 """Detection time with the real Envoy: fault injected -> control plane ejects -> Envoy excludes.
 
-Usage: python benchmarks/detection.py [--runs N] [--fault freeze|hang] [--probe-interval-s S]
-           [--detector phi|count] [--cpu-burners K] [--quiet-s S] [--nodes N]
+Usage: python benchmarks/detection.py [--runs N] [--fault freeze|hang|prefill] [--probe-interval-s S]
+           [--detector phi|count] [--cpu-burners K] [--quiet-s S] [--nodes N] [--prefill-ms MS]
+
+``--fault prefill`` is the contrast (issue 11): each run puts one node's engine into a long
+chunked prefill (the sim's ``prefill`` mode, ``--prefill-ms``, default 5,500 ms: KV usage rising,
+token counters frozen, requests queued behind it) and counts false ejections (the node entering
+UNHEALTHY or PROBATION) and the time from the prefill's end until the published assignment has
+it at full weight again.
 
 ``--cpu-burners K`` starts K busy-loop processes for the whole run (the machine has 2 cores, so
 the control plane, agents, engines and Envoy all compete for CPU). ``--busy-cp`` pins the
@@ -44,9 +50,40 @@ async def _false_ejections(fleet: Fleet, http: aiohttp.ClientSession) -> list[di
     return [e for e in evs if e.get("to") == "UNHEALTHY" or e["kind"] == "outlier_ejected"]
 
 
+async def _prefill_run(fleet: Fleet, http: aiohttp.ClientSession, node_id: str, prefill_ms: float
+                       ) -> tuple[int, float | None, set[str]]:
+    """One long prefill on ``node_id``: (false ejections, s from its end to full weight in the
+    published assignment, states the node went through)."""
+    async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events?limit=10000") as r:
+        before = len((await r.json())["events"])
+    t0 = time.monotonic()
+    end = t0 + prefill_ms / 1000.0
+    await fleet.set_fault(http, node_id, "prefill", prefill_ms=prefill_ms)
+    states: set[str] = set()
+    back: float | None = None
+    while time.monotonic() < end + 15.0:
+        states.add((await fleet.cp_nodes(http))[node_id]["state"])
+        if time.monotonic() > end:
+            # the published assignment (what Envoy gets over EDS): Envoy's own passive outlier
+            # detection may also have ejected the node for user requests that hit the 1 s
+            # per-try timeout while queued behind the prefill, which is Envoy's call, not ours
+            v = (await fleet.cp_nodes(http))[node_id]
+            if v["weight"] == 100 and v["eds_health_status"] == "HEALTHY":
+                back = time.monotonic() - end
+                break
+        await asyncio.sleep(0.05)
+    async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events?limit=10000") as r:
+        evs = (await r.json())["events"][before:]
+    false = [e for e in evs if e.get("node") == node_id and e.get("to") in ("UNHEALTHY", "PROBATION")]
+    return len(false), back, states
+
+
 async def main(runs: int, fault: str, probe_interval_s: float, detector: str, burners: int,
-               quiet_s: float, nodes: int, hold_s: float = 1.0, busy_cp: bool = False) -> None:
+               quiet_s: float, nodes: int, hold_s: float = 1.0, busy_cp: bool = False,
+               prefill_ms: float = 5500.0) -> None:
     health = {"failure_detector": detector, "probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2}
+    if fault == "prefill":  # "full weight" = 100: the seed score would move weights with RTT noise
+        health.update(score_rtt_weight=0.0, score_gpu_weight=0.0)
     fleet = Fleet(n_nodes=nodes, probe_interval_s=probe_interval_s, per_try_timeout_s=1.0, health=health)
     procs = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(burners)]
     await asyncio.to_thread(fleet.start)
@@ -77,7 +114,19 @@ async def main(runs: int, fault: str, probe_interval_s: float, detector: str, bu
                 print(f"quiet {quiet_s:.0f} s under load with {burners} CPU burner(s){' on the control plane CPU' if busy_cp else ''}, "
                       f"detector {detector}: {len(false)} false ejection(s) {[e['reason'][:90] for e in false]}; "
                       f"fail-static entered {len(fs)} time(s)", flush=True)
-            for i in range(runs):
+            prefill_false = 0
+            prefill_back: list[float] = []
+            for i in range(runs if fault == "prefill" else 0):
+                node = fleet.nodes[i % len(fleet.nodes)]
+                n_false, back_s, states = await _prefill_run(fleet, http, node.node_id, prefill_ms)
+                prefill_false += n_false
+                if back_s is not None:
+                    prefill_back.append(back_s * 1000)
+                print(f"run {i + 1:>2} {node.node_id}: prefill {prefill_ms:.0f} ms, states {sorted(states)}, "
+                      f"false ejections {n_false}, full weight published "
+                      f"{'never' if back_s is None else f'{back_s * 1000:.0f} ms'} after it ended", flush=True)
+                await asyncio.sleep(0.5)
+            for i in range(runs if fault != "prefill" else 0):
                 node = fleet.nodes[i % len(fleet.nodes)]
                 tl = FaultTimeline(fault, node.node_id)
                 t0 = time.monotonic()
@@ -108,7 +157,10 @@ async def main(runs: int, fault: str, probe_interval_s: float, detector: str, bu
         for p in procs:
             p.kill()
         await asyncio.to_thread(fleet.stop)
-    for name, xs in (("control plane ejected", cp_ms), ("Envoy excluded", envoy_ms)):
+    if fault == "prefill":
+        print(f"long prefills: {runs} runs, false ejections {prefill_false}")
+    for name, xs in (("control plane ejected", cp_ms), ("Envoy excluded", envoy_ms),
+                     ("full weight after the prefill", prefill_back if fault == "prefill" else [])):
         if xs:
             print(f"{name}: n={len(xs)} median {statistics.median(xs):.0f} ms, p90 {_q(xs, 0.9):.0f} ms, "
                   f"p99 {_q(xs, 0.99):.0f} ms, max {max(xs):.0f} ms")
@@ -118,7 +170,8 @@ async def main(runs: int, fault: str, probe_interval_s: float, detector: str, bu
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=10)
-    ap.add_argument("--fault", choices=["freeze", "hang"], default="freeze")
+    ap.add_argument("--fault", choices=["freeze", "hang", "prefill"], default="freeze")
+    ap.add_argument("--prefill-ms", type=float, default=5500.0, help="length of each long prefill (--fault prefill)")
     ap.add_argument("--probe-interval-s", type=float, default=1.0)
     ap.add_argument("--detector", choices=["phi", "count"], default="phi")
     ap.add_argument("--cpu-burners", type=int, default=0)
@@ -128,4 +181,4 @@ if __name__ == "__main__":
     ap.add_argument("--busy-cp", action="store_true")
     a = ap.parse_args()
     asyncio.run(main(a.runs, a.fault, a.probe_interval_s, a.detector, a.cpu_burners, a.quiet_s, a.nodes,
-                     a.hold_s, a.busy_cp))
+                     a.hold_s, a.busy_cp, a.prefill_ms))

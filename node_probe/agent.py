@@ -120,6 +120,8 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         self._stall = StallDetector(cfg.stall_window_ms / 1000.0)
         self._stalled = False
         self._stall_detail = ""
+        self._progress_at: float | None = None  # monotonic s of the last progress evidence
+        self._progress_detail = ""
         if cfg.gpu_interval_s > 0:
             self._gpu_msg = probe_pb2.GpuTelemetry()
         else:
@@ -171,6 +173,9 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         """The telemetry a heartbeat sent now would carry (cached values, never blocks)."""
         tel = probe_pb2.Telemetry(engine_state=self._lifecycle.state, stalled=self._stalled,
                                   stall_detail=self._stall_detail)
+        if self._progress_at is not None:
+            tel.progress_age_ms = _clamp_u32((time.monotonic() - self._progress_at) * 1000.0)
+            tel.progress_detail = self._progress_detail
         tel.engine_load.CopyFrom(self._load_msg)
         if self._load_at is not None:
             tel.engine_load.age_ms = _clamp_u32((time.monotonic() - self._load_at) * 1000.0)
@@ -331,9 +336,14 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
             elif self._stalled and not verdict.stalled:
                 log.info("engine progressing again")
             self._stalled, self._stall_detail = verdict.stalled, verdict.detail
-        elif self._stalled:
-            # No reading, no verdict: the scrape error is the signal now.
+            if verdict.progress_age_s is None:
+                self._progress_at, self._progress_detail = None, ""
+            else:
+                self._progress_at, self._progress_detail = now - verdict.progress_age_s, verdict.progress_detail
+        else:
+            # No reading, no verdict: the scrape error is the signal now (and no evidence either).
             self._stalled, self._stall_detail = False, ""
+            self._progress_at, self._progress_detail = None, ""
         if self._schedule.set_busy(load_is_busy(reading, self._stalled)):
             self._probe_wake.set()  # the probe schedule follows load: re-plan now
 
@@ -352,10 +362,12 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
                 except TimeoutError:
                     pass
                 continue
-            await self._run_probe(decision.trigger)
-            self._schedule.probe_done(loop.time())
+            answered = await self._run_probe(decision.trigger)
+            self._schedule.probe_done(loop.time(), answered)
 
-    async def _run_probe(self, trigger: Trigger) -> None:
+    async def _run_probe(self, trigger: Trigger) -> bool:
+        """Run one probe and broadcast its result; False when it timed out or its token came
+        ``probe_recheck_ms`` or later (re-check at the idle cadence)."""
         assert self._session is not None
         self._probe_seq += 1
         seq = self._probe_seq
@@ -400,6 +412,11 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
             )
         msg = probe_pb2.AgentMessage(inference_result=result)
         self._hub.broadcast(msg)
+        # A probe left without an answer, or answered slowly, is re-checked soon; a 429 is the
+        # engine's own answer (saturated: keep the busy cadence, fc07).
+        if outcome.ok:
+            return (outcome.ttft_ms or 0.0) < self.cfg.probe_recheck_ms
+        return outcome.failure != probe_pb2.FAILURE_KIND_TIMEOUT
 
     # -- streams -------------------------------------------------------------------------------
 

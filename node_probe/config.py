@@ -42,6 +42,10 @@ class AgentConfig:
             ``probe_interval_s``.
         probe_jitter_ratio: each probe interval is uniform in ``[i*(1-j), i*(1+j)]``; 0..<1.
         probe_timeout_ms: deadline for the first token of one probe (also for model discovery).
+        probe_recheck_ms: a probe that timed out, or got its token this late or later, is
+            followed by the next one at the idle cadence even while busy, so a node that was
+            only busy is seen back within ~0.5 s of its load easing (issue 11). Default 200 ms:
+            seed 001's good/slow TTFT boundary (the control plane's ``health.ttft_healthy_ms``).
         model: model id to probe; ``None`` discovers it (``/v1/models``; Triton: repository
             index), re-discovered after a 404.
         deep_check_interval_s: period of the deep check, a fixed arithmetic prompt whose answer
@@ -77,6 +81,7 @@ class AgentConfig:
     probe_idle_interval_s: float | None = 0.5
     probe_jitter_ratio: float = 0.25
     probe_timeout_ms: int = 800
+    probe_recheck_ms: int = 200
     model: str | None = None
     deep_check_interval_s: float | None = None
     deep_check_prompt: str = "1+1="
@@ -113,6 +118,8 @@ class AgentConfig:
             raise ValueError("probe_jitter_ratio must be in [0, 1)")
         if not 1 <= self.probe_timeout_ms <= UINT32_MAX:
             raise ValueError("probe_timeout_ms must be >= 1")
+        if not 0 <= self.probe_recheck_ms <= UINT32_MAX:
+            raise ValueError("probe_recheck_ms must be >= 0")
         if self.deep_check_interval_s is not None and self.deep_check_interval_s < 0:
             raise ValueError("deep_check_interval_s must be >= 0")
         if self.deep_check_interval_s and (not self.deep_check_prompt or not self.deep_check_expect):

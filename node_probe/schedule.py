@@ -6,7 +6,11 @@ Rules (the agent's loop asks :meth:`ProbeScheduler.decide` and sleeps for the an
 
 * the first probe starts at once; each next one ``interval x jitter`` seconds after the
   previous one *ended*, where the interval is ``busy_interval_s`` while the engine is busy and
-  stall detection can watch it (:func:`load_is_busy`), else ``idle_interval_s``; the jitter
+  stall detection can watch it (:func:`load_is_busy`), else ``idle_interval_s``; after a probe
+  that timed out or answered slowly (the agent's ``probe_recheck_ms``) the next one comes at
+  ``idle_interval_s`` even while busy (an HTTP status such as 429 is an answer: the busy
+  cadence holds), so a node that was only busy is seen back within ~0.5 s of its load easing
+  (issue 11: soft states recover in seconds, not at the 3-5 s busy cadence); the jitter
   factor is drawn uniform in ``[1 - jitter_ratio, 1 + jitter_ratio]`` once per probe, so a load
   change re-plans the wait with the same factor;
 * a requested probe (``ProbeNow`` or stall detection, :meth:`request`) starts at once, but
@@ -106,6 +110,7 @@ class ProbeScheduler:
         self._pending: Trigger | None = None
         self._last_request_at: float | None = None
         self._last_deep_at: float | None = None
+        self._recheck = False  # the last probe got no answer: next one at the idle cadence
 
     @property
     def pending(self) -> Trigger | None:
@@ -115,7 +120,7 @@ class ProbeScheduler:
     def interval_s(self) -> float:
         """The mean interval under the current load, in seconds (before jitter)."""
         s = self.settings
-        return s.busy_interval_s if self.busy else s.idle_interval_s
+        return s.busy_interval_s if self.busy and not self._recheck else s.idle_interval_s
 
     def set_busy(self, busy: bool) -> bool:
         """Feed the load class (:func:`load_is_busy`); True when it changed (re-plan now)."""
@@ -150,8 +155,10 @@ class ProbeScheduler:
             return Decision(Trigger.DEEP)
         return Decision(Trigger.SCHEDULED)
 
-    def probe_done(self, now: float) -> None:
-        """The probe started by the last decision ended at ``now``; draws the next jitter."""
+    def probe_done(self, now: float, answered: bool = True) -> None:
+        """The probe started by the last decision ended at ``now`` (``answered`` False: it timed
+        out or answered slowly, re-check at the idle cadence); draws the next jitter."""
         self._last_end = now
+        self._recheck = not answered
         j = self.settings.jitter_ratio
         self._jitter = self._rng.uniform(1 - j, 1 + j)

@@ -201,10 +201,16 @@ class AgentEdge:
         stall_detail = self._text(tel.stall_detail, "heartbeat.telemetry.stall_detail", bad)
         load = self._load(tel.engine_load, bad)
         gpu, free, fatal = self._gpu(tel.gpu, bad)
+        progress_age_ms: float | None = None
+        if tel.HasField("progress_age_ms"):
+            progress_age_ms = self._number(tel.progress_age_ms, "heartbeat.telemetry.progress_age_ms",
+                                           0.0, 3_600_000.0, bad)
+        progress_detail = self._text(tel.progress_detail, "heartbeat.telemetry.progress_detail", bad)
         obs = HeartbeatObserved(
             engine_state=engine_state, stalled=tel.stalled, stall_detail=stall_detail,
             requests_running=load.requests_running, requests_waiting=load.requests_waiting,
-            gpu_free_ratio=free, gpu_fatal=fatal)
+            gpu_free_ratio=free, gpu_fatal=fatal, progress_age_ms=progress_age_ms,
+            progress_detail=progress_detail if progress_age_ms is not None else "")
         return CheckedHeartbeat(hb.seq, obs, TelemetrySummary(engine_state, tel.stalled, stall_detail, load, gpu))
 
     def _load(self, load: probe_pb2.EngineLoad, bad: list[BadField]) -> EngineLoadSummary:

@@ -332,6 +332,19 @@ class HealthConfig(_Model):
         description="probe HTTP statuses that always mean 'busy', never a failure: the engine "
         "itself says it is full (fc07)",
     )
+    busy_progress_window_ms: float = Field(
+        1000.0, gt=0,
+        description="a slow or timed-out probe is 'busy' (DEGRADED, never ejected) only while the "
+        "agent's evidence of progress (a step counter or the KV-cache usage of an instance with "
+        "requests running moved) is at most this old; ours: the agent's stall window (1 s), so a "
+        "hang's last progress stops counting as evidence when the stall is declared (issue 11)",
+    )
+    busy_good_probes_to_recover: int = Field(
+        1, ge=1,
+        description="good probes that return a node DEGRADED only for being busy (slow probes, "
+        "429, busy timeouts; no counted failure) to HEALTHY at full weight: no probation or ramp, "
+        "those are for nodes that failed (ours, issue 11; good_probes_to_recover after a failure)",
+    )
     stall_confirm_ms: float = Field(
         300.0, ge=0,
         description="an engine still reported STALLED this long after the first report counts "

@@ -27,11 +27,15 @@ class GroupLoad:
         progress: a counter that advances with every engine step (vLLM generated + prompt
             tokens, TGI successful batch forwards, TensorRT-LLM iterations); ``None`` when the
             engine exposes none, which disables stall detection for this instance.
+        kv: this instance's KV-cache usage, ratio 0..1 (max over its series); a second
+            progress signal: it grows during a chunked prefill while vLLM's token counters stay
+            frozen (vLLM v1 counts prompt tokens only when a prefill completes). ``None``: unknown.
     """
 
     running: float | None = None
     waiting: float | None = None
     progress: float | None = None
+    kv: float | None = None
 
 
 @dataclass(frozen=True)
@@ -245,12 +249,24 @@ def parse_with_spec(text: str, spec: MetricSpec) -> EngineLoadReading:
             progress_metric = "+".join(str(s) for s in alt if _select(samples, s))
             break
 
+    kv_by_group = per_group_max(spec.kv_usage)
+    if kv_by_group is None:
+        for used_sel, total_sel in spec.kv_used_total:
+            used = _select(samples, used_sel)
+            if used:  # the used-block count alone moves exactly when the ratio does
+                kv_by_group = {}
+                for s in used:
+                    g = group_of(s)
+                    kv_by_group[g] = kv_by_group.get(g, 0.0) + s.value
+                break
+
     groups: dict[str, GroupLoad] = {}
     for g in set(running or ()) | set(waiting or ()) | set(progress or ()):
         groups[g] = GroupLoad(
             running=None if running is None else running.get(g),
             waiting=None if waiting is None else waiting.get(g),
             progress=None if progress is None else progress.get(g),
+            kv=None if kv_by_group is None else kv_by_group.get(g),
         )
 
     kv_ratio: float | None = None

@@ -105,18 +105,22 @@ class Pong(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., processing_us: _Optional[int] = ...) -> None: ...
 
 class Telemetry(_message.Message):
-    __slots__ = ("engine_state", "engine_load", "gpu", "stalled", "stall_detail")
+    __slots__ = ("engine_state", "engine_load", "gpu", "stalled", "stall_detail", "progress_age_ms", "progress_detail")
     ENGINE_STATE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_LOAD_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     STALLED_FIELD_NUMBER: _ClassVar[int]
     STALL_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_DETAIL_FIELD_NUMBER: _ClassVar[int]
     engine_state: EngineState
     engine_load: EngineLoad
     gpu: GpuTelemetry
     stalled: bool
     stall_detail: str
-    def __init__(self, engine_state: _Optional[_Union[EngineState, str]] = ..., engine_load: _Optional[_Union[EngineLoad, _Mapping]] = ..., gpu: _Optional[_Union[GpuTelemetry, _Mapping]] = ..., stalled: _Optional[bool] = ..., stall_detail: _Optional[str] = ...) -> None: ...
+    progress_age_ms: int
+    progress_detail: str
+    def __init__(self, engine_state: _Optional[_Union[EngineState, str]] = ..., engine_load: _Optional[_Union[EngineLoad, _Mapping]] = ..., gpu: _Optional[_Union[GpuTelemetry, _Mapping]] = ..., stalled: _Optional[bool] = ..., stall_detail: _Optional[str] = ..., progress_age_ms: _Optional[int] = ..., progress_detail: _Optional[str] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
     __slots__ = ("metrics_ok", "metrics_error", "age_ms", "requests_waiting", "requests_running", "kv_cache_usage_ratio", "prefix_cache_hit_ratio", "generation_tokens_total", "kv_cache_metric")

@@ -339,7 +339,8 @@ async def _set_fault(request: web.Request) -> web.Response:
         return _fault_error("ttft_ms must be a number >= 0")
     try:
         state = engine.set_fault(mode, ttft_ms=ttft, waiting=body.get("waiting"),
-                                 after_tokens=body.get("after_tokens"), times=body.get("times"))
+                                 after_tokens=body.get("after_tokens"), times=body.get("times"),
+                                 prefill_ms=body.get("prefill_ms"))
     except ValueError as exc:
         return _fault_error(str(exc))
     return web.json_response(state)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from node_probe.sim.faults import Faults
+from node_probe.sim.faults import PREFILL_KV_RISE, PREFILL_PROMPT_TOKENS, Faults
 
 __all__ = ["FINISHED_REASONS", "SimConfig", "SimEngine"]
 
@@ -72,6 +73,8 @@ class SimEngine:
         # Parked requests (engine hung, or hang_after_headers): future -> request.
         self._stuck: dict[asyncio.Future[bool], web.BaseRequest] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self._prefill_t0 = 0.0  # monotonic s when the current ``prefill`` started
+        self._prefill_end: asyncio.TimerHandle | None = None
 
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ("engine", "model_name")
@@ -105,22 +108,46 @@ class SimEngine:
         return dict(self.faults.state(), replica_id=self.cfg.replica_id)
 
     def set_fault(self, mode: str, *, ttft_ms: float | None = None, waiting: int | None = None,
-                  after_tokens: int | None = None, times: int | None = None) -> dict[str, Any]:
+                  after_tokens: int | None = None, times: int | None = None,
+                  prefill_ms: float | None = None) -> dict[str, Any]:
         """Switch the fault mode and return the new state; parked requests resume unless the
-        new mode is ``hang``.
+        new mode is ``hang`` or ``prefill`` (whose end is a timer on the running loop).
 
         Raises:
-            ValueError: unknown mode or out-of-range value (nothing changes).
+            ValueError: unknown mode or out-of-range value (nothing changes); ``prefill``
+                without a running event loop.
         """
+        loop = None
+        if mode == "prefill":
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                raise ValueError("prefill needs a running event loop") from None
         self.faults.set(mode, ttft_ms=ttft_ms, waiting=waiting, after_tokens=after_tokens,
-                        times=times)
-        if mode != "hang":
+                        times=times, prefill_ms=prefill_ms)
+        if self._prefill_end is not None:
+            self._prefill_end.cancel()
+            self._prefill_end = None
+        self._g_kv.set(self.cfg.kv_cache_usage)
+        if loop is not None:
+            self._prefill_t0 = time.monotonic()
+            self._prefill_end = loop.call_later(self.faults.prefill_ms / 1000.0, self._finish_prefill)
+        if mode not in ("hang", "prefill"):
             self._release_stuck(True)
         return self.fault_state()
+
+    def _finish_prefill(self) -> None:
+        """The long prompt is prefilled: its tokens are counted, queued requests run."""
+        self._prefill_end = None
+        self.c_prompt.inc(PREFILL_PROMPT_TOKENS)
+        self.set_fault("none")
 
     def close(self) -> None:
         """Stop serving tokens: parked and streaming requests end (called on app shutdown)."""
         self.closing = True
+        if self._prefill_end is not None:
+            self._prefill_end.cancel()
+            self._prefill_end = None
         self._release_stuck(False)
 
     def _release_stuck(self, proceed: bool) -> None:
@@ -136,7 +163,7 @@ class SimEngine:
         """
         if self.closing:
             return False
-        if self.faults.mode != "hang":
+        if self.faults.mode not in ("hang", "prefill"):
             return True
         return await self.park(request)
 
@@ -166,6 +193,13 @@ class SimEngine:
     # ----------------------------------------------------------------------------- metrics
     def render_metrics(self) -> bytes:
         """Prometheus text exposition of the engine's metrics."""
+        if self.faults.mode == "prefill":
+            # the long prompt runs; requests that arrived meanwhile wait behind it
+            frac = min(1.0, (time.monotonic() - self._prefill_t0) / (self.faults.prefill_ms / 1000.0))
+            self._g_kv.set(self.cfg.kv_cache_usage + PREFILL_KV_RISE * frac)
+            self._g_running.set(1 + max(0, self.in_flight - len(self._stuck)))
+            self._g_waiting.set(len(self._stuck))
+            return generate_latest(self.registry)
         self._g_running.set(self.in_flight)
         self._g_waiting.set(self.faults.waiting if self.faults.mode == "queue" else 0)
         return generate_latest(self.registry)

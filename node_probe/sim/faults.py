@@ -26,6 +26,15 @@ says. Modes (``POST /sim/fault`` body ``{"mode": ..., params}``):
                     ``data: {"error": {"message", "type": "InternalServerError", "param": null,
                     "code": 500}}`` event, then ``data: [DONE]`` (no finish_reason); a
                     non-streaming request gets that error body with HTTP 500.
+``prefill``         one long prompt is prefilled in chunks for ``prefill_ms`` ms (default 5,500,
+                    measured on vLLM 0.32: a 3,000-token prompt, ``--max-num-batched-tokens
+                    256``). As in vLLM v1, which counts prompt tokens only when a prefill
+                    completes, the token counters stay frozen while ``vllm:kv_cache_usage_perc``
+                    rises linearly by 0.078 (0.008 -> 0.086 measured) with 1 running; requests
+                    arriving meanwhile wait behind it (``waiting``) and get their first token
+                    when it ends; then the prompt counter advances by 3,000, KV usage returns
+                    to its idle value and the mode to ``none``. Deterministic: every value is
+                    a function of the time since the fault was set.
 ``hang_after_headers`` new user requests (the next ``times``) send their headers (streams: 200
                     SSE headers; non-streaming: nothing) and then never a token; the rest of
                     the engine works. ``none`` (or any other mode) releases them.
@@ -44,20 +53,25 @@ import math
 from typing import Any
 
 __all__ = ["FAULT_MODES", "MIDSTREAM_MODES", "Faults", "DEFAULT_SLOW_TTFT_MS",
-           "DEFAULT_QUEUE_WAITING"]
+           "DEFAULT_QUEUE_WAITING", "DEFAULT_PREFILL_MS", "PREFILL_PROMPT_TOKENS", "PREFILL_KV_RISE"]
 
 #: Mid-stream modes: what fires when a request reaches ``after_tokens`` tokens.
 MIDSTREAM_MODES = ("freeze_after", "reset_after", "fail_after", "error_after")
 #: Fault modes accepted by ``POST /sim/fault``.
-FAULT_MODES = ("none", "hang", "slow", "error", "queue", *MIDSTREAM_MODES, "hang_after_headers")
+FAULT_MODES = ("none", "hang", "slow", "error", "queue", *MIDSTREAM_MODES, "hang_after_headers", "prefill")
 _COUNTED = (*MIDSTREAM_MODES, "hang_after_headers")
 
 #: Default first-token delay for ``slow`` when the fault request gives no ``ttft_ms`` (ms).
 DEFAULT_SLOW_TTFT_MS = 1000.0
 #: Default waiting count for ``queue`` when the fault request gives no ``waiting``.
 DEFAULT_QUEUE_WAITING = 120
+#: Default length of a ``prefill`` (ms), its prompt (tokens) and KV-usage rise (ratio): measured
+#: on vLLM 0.32 (CPU build, hidden 1024, 8 layers, --max-num-batched-tokens 256), issue 11.
+DEFAULT_PREFILL_MS = 5500.0
+PREFILL_PROMPT_TOKENS = 3000
+PREFILL_KV_RISE = 0.078
 #: Accepted keys of a fault request.
-FAULT_FIELDS = frozenset({"mode", "ttft_ms", "waiting", "after_tokens", "times"})
+FAULT_FIELDS = frozenset({"mode", "ttft_ms", "waiting", "after_tokens", "times", "prefill_ms"})
 
 
 class Faults:
@@ -69,12 +83,15 @@ class Faults:
         self.waiting = 0
         self.after_tokens = 1
         self.times = 1  # requests still to hit (0: every request)
+        self.prefill_ms = 0.0  # length of the current ``prefill``, ms
 
     def state(self) -> dict[str, Any]:
         """JSON view: ``mode``, ``ttft_ms``, ``waiting``; plus ``after_tokens`` and ``times``
         for the modes that use them."""
         out: dict[str, Any] = {"mode": self.mode, "ttft_ms": self.ttft_ms,
                                "waiting": self.waiting}
+        if self.mode == "prefill":
+            out["prefill_ms"] = self.prefill_ms
         if self.mode in _COUNTED:
             out["times"] = self.times
             if self.mode in MIDSTREAM_MODES:
@@ -82,7 +99,8 @@ class Faults:
         return out
 
     def set(self, mode: str, *, ttft_ms: float | None = None, waiting: int | None = None,
-            after_tokens: int | None = None, times: int | None = None) -> None:
+            after_tokens: int | None = None, times: int | None = None,
+            prefill_ms: float | None = None) -> None:
         """Switch mode (all-or-nothing: on error nothing changes).
 
         Raises:
@@ -92,6 +110,9 @@ class Faults:
             raise ValueError(f"mode must be one of {', '.join(FAULT_MODES)}")
         if ttft_ms is not None and not (math.isfinite(ttft_ms) and ttft_ms >= 0):
             raise ValueError("ttft_ms must be a finite number >= 0")
+        if prefill_ms is not None and (isinstance(prefill_ms, bool) or not isinstance(prefill_ms, (int, float))
+                                       or not (math.isfinite(prefill_ms) and prefill_ms > 0)):
+            raise ValueError("prefill_ms must be a finite number > 0")
         for name, value in (("waiting", waiting), ("after_tokens", after_tokens),
                             ("times", times)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -104,6 +125,8 @@ class Faults:
             if mode == "queue" else 0
         self.after_tokens = 1 if after_tokens is None else after_tokens
         self.times = 1 if times is None else times
+        self.prefill_ms = float(DEFAULT_PREFILL_MS if prefill_ms is None else prefill_ms) \
+            if mode == "prefill" else 0.0
 
     def _spend(self) -> None:
         if self.times == 1:

@@ -1,6 +1,7 @@
 """Build a tiny random-weight Llama and a small BPE tokenizer with a chat template, offline.
 
-Usage: VENV/bin/python scripts/real_vllm/mkmodel.py OUT_DIR   (seconds; run with the vLLM venv,
+Usage: VENV/bin/python scripts/real_vllm/mkmodel.py OUT_DIR [HIDDEN LAYERS MAX_LEN]
+(defaults 128 2 256; the long-prefill check uses 1024 8 8192, as measured in issue 11; seconds; run with the vLLM venv,
 which has torch, transformers and tokenizers). The output is deterministic (fixed seeds); its
 text is random: tests check that tokens come back and how fast, not what they say.
 """
@@ -33,7 +34,7 @@ def corpus(n_lines: int) -> list[str]:
     return lines + ["".join(map(chr, range(32, 127)))]
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, hidden: int = 128, layers: int = 2, max_len: int = 256) -> None:
     torch.manual_seed(0)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -42,17 +43,17 @@ def main(out_dir: str) -> None:
         vocab_size=1024, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", model_max_length=256, chat_template=CHAT_TEMPLATE)
+                                   pad_token="<pad>", model_max_length=max_len, chat_template=CHAT_TEMPLATE)
     fast.save_pretrained(out_dir)
-    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                      max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                      max_position_embeddings=max_len, bos_token_id=1, eos_token_id=2, pad_token_id=3,
                       tie_word_embeddings=False, torch_dtype="float32")
     LlamaForCausalLM(cfg).save_pretrained(out_dir, safe_serialization=True)
     print(f"model written to {out_dir} (vocab {tok.get_vocab_size()})")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: mkmodel.py OUT_DIR")
-    main(sys.argv[1])
+    if len(sys.argv) not in (2, 5):
+        sys.exit("usage: mkmodel.py OUT_DIR [HIDDEN LAYERS MAX_LEN]")
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:]))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -33,7 +34,7 @@ import pytest
 
 from node_probe.agent import AgentConfig, ProbeAgent
 from node_probe.proto import probe_pb2, probe_pb2_grpc
-from real_vllm_support import Server, ensure_install, launch, record, stop, wait_ready
+from real_vllm_support import REAL_VLLM, WORK, Server, ensure_install, launch, record, stop, wait_ready
 from xds_server.testing import wait_for
 
 pytestmark = pytest.mark.skipif(
@@ -285,3 +286,76 @@ async def test_real_vllm_sigkill_detected_within_a_few_hundred_ms(server, watch)
            reason=reason[:160])
     assert t_failed - t0 < 1.0, reason
     server.proc.wait(timeout=30)  # the API server exits on its own (code 0, per the fixtures)
+
+
+# -- issue 11: a long prefill is busy, not stalled ---------------------------------------------------
+# A second server with a larger random model (hidden 1024, 8 layers, max-model-len 8192) under a
+# small --max-num-batched-tokens, so one 3,000-token prompt is prefilled in ~12 chunks over
+# seconds (measured: 5.5 s on the project's machine). vLLM v1 counts prompt tokens only when the
+# prefill completes: both token counters stay frozen while KV-cache usage grows at every step.
+LONG_PROMPT_TOKENS = 3000
+
+
+@pytest.fixture(scope="module")
+def long_server():
+    venv, _ = ensure_install()
+    model = WORK / "model-long"
+    if not (model / "config.json").exists():
+        subprocess.run([str(venv / "bin" / "python"), str(REAL_VLLM / "mkmodel.py"), str(model), "1024", "8", "8192"],
+                       check=True, timeout=600, capture_output=True)
+    # a later --max-model-len overrides start.sh's 256
+    srv = launch(venv, model, "--max-model-len", "8192", "--max-num-batched-tokens", "256")
+    try:
+        wait_ready(srv, timeout_s=400)
+        yield srv
+    finally:
+        stop(srv)
+
+
+async def test_real_vllm_long_prompt_prefill_is_not_stalled_but_sigstop_under_load_is(long_server):
+    agent = ProbeAgent(AgentConfig(engine_url=long_server.url, listen="127.0.0.1:0", node_id="real-vllm-long",
+                                   gpu_interval_s=0))
+    port = await agent.start()
+    w = Watch(agent, grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+    session = aiohttp.ClientSession()
+    try:
+        await w.wait(lambda: agent.engine_state == probe_pb2.ENGINE_STATE_READY, 60, "READY")
+        prompt = " ".join(["alpha beta gamma delta"] * (LONG_PROMPT_TOKENS // 4))
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        t0 = time.monotonic()
+        req = asyncio.create_task(session.post(long_server.url + "/v1/completions", json=body))
+        await w.wait(lambda: (agent.telemetry().engine_load.requests_running or 0) >= 1, 10, "prefill running")
+        evidence, stalled = [], []
+        while not req.done():
+            tel = agent.telemetry()
+            stalled.append(tel.stalled)
+            if tel.HasField("progress_age_ms"):
+                evidence.append(tel.progress_detail)
+            await asyncio.sleep(0.05)
+        prefill_s = time.monotonic() - t0
+        resp = await req
+        assert resp.status == 200
+        resp.release()
+        record("long_prompt_prefill", prefill_s=round(prefill_s, 2), stalled=any(stalled),
+               evidence=evidence[-1] if evidence else "")
+        assert prefill_s > 2.0, "the prompt must span many engine steps (raise LONG_PROMPT_TOKENS)"
+        assert not any(stalled), [d for d in evidence[-3:]]
+        assert any("kv_cache_usage" in d for d in evidence), evidence[-3:]
+        # the same engine hung under load is still reported stalled
+        load = Load(long_server.url, n=2, max_tokens=400)
+        try:
+            await w.wait(lambda: (agent.telemetry().engine_load.requests_running or 0) >= 1, 20, "load running")
+            await asyncio.sleep(1.0)
+            engine = long_server.engine_core
+            os.kill(engine, signal.SIGSTOP)
+            t1 = time.monotonic()
+            try:
+                await w.wait(lambda: agent.telemetry().stalled, 5, "stalled after SIGSTOP")
+                record("long_model_sigstop_under_load_stalled_ms", ms=round((time.monotonic() - t1) * 1000))
+            finally:
+                os.kill(engine, signal.SIGCONT)
+        finally:
+            await load.close()
+    finally:
+        await session.close()
+        await w.close()

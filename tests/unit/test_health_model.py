@@ -155,7 +155,9 @@ def test_stall_counts_as_timeout_and_a_persisting_stall_ejects_after_stall_confi
 
 
 def test_fc07_busy_engine_with_advancing_tokens_is_saturated_not_ejected():
-    busy = HeartbeatObserved(requests_running=256, requests_waiting=1024, stalled=False)
+    busy = HeartbeatObserved(requests_running=256, requests_waiting=1024, stalled=False, progress_age_ms=50,
+                             progress_detail="engine 0: vllm:generation_tokens_total+vllm:prompt_tokens_total "
+                                             "1000 -> 1768 0.1 s ago")
     sim = healthy_sim()
     sim.heartbeat = lambda t: busy
     sim.probe = lambda t: ProbeObserved(K.OK, ttft_ms=900) if int(t) % 2 else ProbeObserved(K.HTTP_STATUS, http_status=429)

@@ -71,17 +71,19 @@ def test_a_disproved_suspicion_in_probation_restarts_the_ramp_at_its_start():
     (HealthConfig(saturated_http_statuses=(500, 503)), 500, ProbeOutcome.BUSY),
 ])
 def test_saturated_http_statuses_come_from_config_while_busy(cfg, status, outcome):
-    busy = replace(initial("n", 0.0), engine=Engine(EngineState.READY, requests_running=8))
-    got, what = classify_probe(busy, ProbeObserved(K.HTTP_STATUS, http_status=status), cfg)
+    # busy with evidence: a progress signal moved 0.1 s before the probe result (at 1.0 s)
+    busy = replace(initial("n", 0.0), engine=Engine(EngineState.READY, requests_running=8, progress_at_s=0.9,
+                                                    progress_detail="engine 0: tokens 10 -> 300"))
+    got, what = classify_probe(busy, ProbeObserved(K.HTTP_STATUS, http_status=status), cfg, 1.0)
     assert got is outcome and f"HTTP {status}" in what
 
 
 def test_busy_http_statuses_are_busy_even_when_idle_and_configurable():
     idle = initial("n", 0.0)
-    assert classify_probe(idle, ProbeObserved(K.HTTP_STATUS, http_status=429), HealthConfig())[0] is ProbeOutcome.BUSY
-    assert classify_probe(idle, ProbeObserved(K.HTTP_STATUS, http_status=503), HealthConfig())[0] is ProbeOutcome.FAIL
+    assert classify_probe(idle, ProbeObserved(K.HTTP_STATUS, http_status=429), HealthConfig(), 1.0)[0] is ProbeOutcome.BUSY
+    assert classify_probe(idle, ProbeObserved(K.HTTP_STATUS, http_status=503), HealthConfig(), 1.0)[0] is ProbeOutcome.FAIL
     cfg = HealthConfig(busy_http_statuses=())
-    assert classify_probe(idle, ProbeObserved(K.HTTP_STATUS, http_status=429), cfg)[0] is ProbeOutcome.FAIL
+    assert classify_probe(idle, ProbeObserved(K.HTTP_STATUS, http_status=429), cfg, 1.0)[0] is ProbeOutcome.FAIL
 
 
 def test_fail_static_forgiveness_window_is_config_intervals():

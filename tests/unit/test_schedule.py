@@ -148,3 +148,17 @@ def test_settings_reject_out_of_range(kw):
     base = dict(busy_interval_s=1.0, idle_interval_s=1.0)
     with pytest.raises(ValueError):
         ScheduleSettings(**{**base, **kw})
+
+
+def test_a_probe_without_answer_is_rechecked_at_the_500ms_idle_cadence_even_while_busy_4s():
+    """Issue 11: a busy node whose probe timed out (e.g. queued behind a 5.5 s prefill) is probed
+    again at the idle cadence, so its recovery is seen within ~0.5 s of the load easing; an
+    answered probe goes back to the busy cadence."""
+    sch = ProbeScheduler(ScheduleSettings(busy_interval_s=4.0, idle_interval_s=0.5, jitter_ratio=0.0))
+    sch.set_busy(True)
+    assert sch.decide(0.0).trigger is Trigger.SCHEDULED
+    sch.probe_done(0.8, answered=False)
+    assert sch.decide(0.8).wait_s == pytest.approx(0.5)
+    assert sch.decide(1.3).trigger is Trigger.SCHEDULED
+    sch.probe_done(1.33, answered=True)
+    assert sch.decide(1.33).wait_s == pytest.approx(4.0)

@@ -333,6 +333,36 @@ async def test_hang_under_load_shows_running_with_frozen_counter(client: TestCli
         resp.close()
 
 
+async def test_prefill_600ms_kv_rises_counters_frozen_and_a_queued_probe_answers_after_it(client: TestClient) -> None:
+    """The long-prefill mode (issue 11, measured on vLLM 0.32: 5.5 s, KV 0.008 -> 0.086): KV usage
+    rises at every scrape, prompt and generation counters stay frozen, 1 running; a request sent
+    meanwhile waits and gets its first token only when the prefill ends; then the prompt counter
+    jumps by the prompt's 3,000 tokens and the mode is back to none."""
+    kv, gen, prompt = (f"vllm:{n}{{{L}}}" for n in ("kv_cache_usage_perc", "generation_tokens_total",
+                                                     "prompt_tokens_total"))
+    before = await scrape(client)
+    state = await set_fault(client, mode="prefill", prefill_ms=600)
+    assert state["mode"] == "prefill" and state["prefill_ms"] == 600.0
+    t0 = asyncio.get_running_loop().time()
+    probe = asyncio.ensure_future(client.post("/v1/completions", json=completion_body(max_tokens=1, stream=True)))
+    samples = []
+    for _ in range(4):
+        await asyncio.sleep(0.1)
+        samples.append(await scrape(client))
+    assert all(b[kv] > a[kv] for a, b in zip(samples, samples[1:]))
+    assert all(m[gen] == before[gen] and m[prompt] == before[prompt] for m in samples)
+    assert samples[-1][f"vllm:num_requests_running{{{L}}}"] == 1
+    assert samples[-1][f"vllm:num_requests_waiting{{{L}}}"] == 1
+    assert 0.1 < samples[-1][kv] < 0.1 + 0.078
+    resp = await probe
+    await read_event(resp)
+    assert asyncio.get_running_loop().time() - t0 >= 0.55  # the token came after the prefill
+    resp.close()
+    after = await scrape(client)
+    assert after[prompt] >= before[prompt] + 3000 and after[kv] == 0.1
+    assert (await (await client.get("/sim/fault")).json())["mode"] == "none"
+
+
 # ------------------------------------------------------------------------ faults
 async def test_fault_get_and_set(client: TestClient) -> None:
     resp = await client.get("/sim/fault")
@@ -355,6 +385,8 @@ async def test_fault_get_and_set(client: TestClient) -> None:
     {"mode": "queue", "waiting": 2.5},
     {"mode": "queue", "waiting": True},
     {"mode": "none", "typo": 1},
+    {"mode": "prefill", "prefill_ms": 0},
+    {"mode": "prefill", "prefill_ms": "long"},
     [1, 2],
 ])
 async def test_bad_fault_input_is_400(client: TestClient, body: Any) -> None:

@@ -108,3 +108,41 @@ def test_no_progress_counter_means_no_verdict():
 def test_window_validation():
     with pytest.raises(ValueError):
         StallDetector(0)
+
+
+def vllm_prefill_page(running: float, waiting: float, kv: float, gen: float, prompt: float) -> str:
+    lab = '{engine="0",model_name="m"}'
+    return (f"vllm:num_requests_running{lab} {running}\nvllm:num_requests_waiting{lab} {waiting}\n"
+            f"vllm:kv_cache_usage_perc{lab} {kv}\nvllm:generation_tokens_total{lab} {gen}\n"
+            f"vllm:prompt_tokens_total{lab} {prompt}\n")
+
+
+def test_long_prefill_5500ms_kv_0008_to_0086_with_frozen_counters_is_never_stalled():
+    """Measured on vLLM 0.32 (CPU, --max-num-batched-tokens 256): a 3,000-token prompt prefilled
+    for 5.5 s; prompt and generation counters frozen, KV usage rose every sample 0.008 -> 0.086,
+    a probe queued behind it (1 waiting). Every signal must be frozen for a stall: KV moves."""
+    det = StallDetector(1.0)
+    for i in range(56):
+        kv = 0.008 + (0.086 - 0.008) * i / 55
+        v = det.observe(VLLM.parse_metrics(vllm_prefill_page(1, 1, kv, 120, 340)), 10.0 + i * 0.1)
+        assert not v.stalled and v.capable
+        if i:
+            assert v.progress_age_s == 0.0
+            assert v.progress_detail.startswith("engine 0: vllm:kv_cache_usage_perc ")
+            assert v.progress_detail.endswith("0.0 s ago, 1 running, 1 waiting")
+    # the same engine hung mid-prefill: KV and counters frozen -> stalled after the 1 s window
+    for j in range(1, 12):
+        v = det.observe(VLLM.parse_metrics(vllm_prefill_page(1, 1, 0.086, 120, 340)), 15.5 + j * 0.1)
+    assert v.stalled and "frozen at 460 for 1.1 s" in v.detail
+    assert "vllm:kv_cache_usage_perc frozen at 0.086 too" in v.detail
+    assert abs(v.progress_age_s - 1.1) < 1e-6  # the evidence is 1.1 s old now
+
+
+def test_no_evidence_while_idle_or_before_anything_moved():
+    det = StallDetector(1.0)
+    v = det.observe(VLLM.parse_metrics(vllm_prefill_page(0, 0, 0.0, 10, 10)), 1.0)
+    assert v.progress_age_s is None and v.progress_detail == ""
+    v = det.observe(VLLM.parse_metrics(vllm_prefill_page(2, 0, 0.0, 10, 10)), 1.1)
+    assert v.progress_age_s is None  # running, but nothing has moved yet
+    v = det.observe(VLLM.parse_metrics(vllm_prefill_page(2, 0, 0.0, 12, 10)), 1.2)
+    assert abs(v.progress_age_s) < 1e-9 and "prompt_tokens_total 20 -> 22 0.0 s ago" in v.progress_detail

@@ -60,6 +60,15 @@ class ControlPlaneCollector:
             if nh.state is NodeState.PROBATION:
                 ramp.add_metric([cl, nid], nh.ramp.percent)
         yield from (state, weight, routed, rtt, ttft, hbs, bad, ramp)
+        pf = CounterMetricFamily("sentinel_probe_failures", "micro-probe results that were not good, "
+                                 "cumulative, by node, result kind (TIMEOUT also for a token after the "
+                                 "deadline) and outcome (fail, busy, fatal)",
+                                 labels=["cluster", "node", "kind", "outcome"])
+        cluster_of = {row.node_id: row.cluster for row in view.node_rows()}
+        for (nid, kind, outcome), v in sorted(c.probe_failures.items()):
+            if nid in cluster_of:  # node ids come from the config: bounded labels
+                pf.add_metric([cluster_of[nid], nid, kind, outcome], v)
+        yield pf
         shown = GaugeMetricFamily("sentinel_node_display_state", "1 for the state an operator is shown "
                                   "(health state, or DRAINING, FAIL_STATIC, UNREACHABLE, HELD_BACK; see "
                                   "xds_server/control/display.py)", labels=["cluster", "node", "state"])

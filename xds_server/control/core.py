@@ -104,9 +104,11 @@ class ControlCore:
         monotonic time, s), or None. KeyError for a node id not in the config.
         """
         cfg = self.config.health
+        prev = self.health[node_id]
         if isinstance(obs, hm.HeartbeatObserved):
             self.counters.heartbeats[node_id] += 1
-        prev = self.health[node_id]
+        elif isinstance(obs, hm.ProbeObserved):
+            self._count_probe_failure(node_id, prev, obs, now_s)
         if node_id in self.restored and isinstance(obs, hm.HeartbeatObserved):
             prev = self._resume(node_id, prev, now_s)
         nh, events = hm.step(prev, obs, now_s, cfg)
@@ -134,6 +136,19 @@ class ControlCore:
         self.events.record(self.clock.wall(), self.node_cluster[node_id], node_id, "transition",
                            f"resumed after restart: {kept.reason}", prev.state.value, kept.state.value)
         return dataclasses.replace(kept, heartbeat=prev.heartbeat, engine=prev.engine, probe=prev.probe)
+
+    def _count_probe_failure(self, node_id: str, prev: hm.NodeHealth, obs: hm.ProbeObserved, now_s: float) -> None:
+        """Count a probe result that was not good in ``counters.probe_failures`` (slow answers
+        within the deadline are not failures)."""
+        outcome, _ = hm.classify_probe(prev, obs, self.config.health, now_s)
+        if outcome in (hm.ProbeOutcome.GOOD, hm.ProbeOutcome.SLOW):
+            return
+        kind = obs.kind.value
+        if obs.kind is hm.ProbeResultKind.OK:
+            if obs.ttft_ms < self.config.health.ttft_timeout_ms:
+                return  # a slow answer from a busy engine: not a failure
+            kind = hm.ProbeResultKind.TIMEOUT.value
+        self.counters.probe_failures[(node_id, kind, outcome.value)] += 1
 
     def drain(self, node_id: str, drain: bool, reason: str) -> None:
         """Operator drain/undrain (enters the model as an observation), published at once.

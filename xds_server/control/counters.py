@@ -21,6 +21,10 @@ class Counters:
     handling one agent message or timer, per where ("message", "tick", "stream_closed"); each
     was skipped. ``events``: per event kind (``to_<STATE>`` for transitions).
     ``config_reloads``: per result ("ok", "invalid").
+    ``probe_failures``: probe results that were not good, per (node id, result kind, outcome):
+    kind a :class:`~xds_server.health.model.ProbeResultKind` value ("TIMEOUT" also for a token
+    later than the deadline), outcome "fail", "busy" or "fatal" (cumulative, besides the
+    model's consecutive count).
     """
 
     heartbeats: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -29,3 +33,4 @@ class Counters:
     handler_errors: collections.Counter[str] = field(default_factory=collections.Counter)
     events: collections.Counter[str] = field(default_factory=collections.Counter)
     config_reloads: collections.Counter[str] = field(default_factory=collections.Counter)
+    probe_failures: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)

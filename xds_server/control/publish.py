@@ -172,7 +172,7 @@ class PublishPlanner:
                 continue
             decision = hp.cluster_routing(
                 [(n.id, n.capacity, health[n.id]) for n in c.nodes],
-                self.outliers.get(c.name, {}), now_s, cfg)
+                self.outliers.get(c.name, {}), now_s, cfg, [n.id for n in c.nodes if n.id in self.held_back])
             self.outliers[c.name] = dict(decision.outliers)
             self.why_not_routed.update({n.id: decision.why_not_routed.get(n.id, "") for n in c.nodes})
             for n in c.nodes:

@@ -186,6 +186,9 @@ class ControlPlaneView:
             "stalled": nh.engine.stalled,
             "last_probe": nh.probe.last_kind.value if nh.probe.last_kind else None,
             "consecutive_probe_failures": nh.probe.consecutive_failures,
+            "probe_failures": {f"{kind}/{outcome}": v for (nid, kind, outcome), v
+                               in sorted(core.counters.probe_failures.items()) if nid == node_id},
+            "progress_evidence": nh.engine.progress_detail or None,
             "engine_state": nh.engine.state.value,
         }
         tel = sess.last_telemetry if sess else None

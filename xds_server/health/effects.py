@@ -29,6 +29,7 @@ __all__ = [
     "forgive_later",
     "forgiven",
     "good",
+    "gpu_lost_while_warming",
     "heartbeats_resumed",
     "noop",
     "not_good",
@@ -38,6 +39,7 @@ __all__ = [
     "ramp_step",
     "recovered",
     "restarting",
+    "slow_to_degraded",
     "stall_counted",
     "with_detail",
 ]
@@ -71,11 +73,20 @@ def eject(cause: EjectionCause, reason: Callable[[NodeHealth, Fired], str] | Non
 def _counted(nh: NodeHealth) -> NodeHealth:
     """One more consecutive probe failure (a stall counts as a timeout); the clean run ends."""
     return replace(nh, probe=replace(nh.probe, consecutive_failures=nh.probe.consecutive_failures + 1,
-                                     consecutive_good=0, clean_since_s=None, clean_probes=0))
+                                     consecutive_good=0, clean_since_s=None, clean_probes=0,
+                                     degraded_not_busy=True))
 
 
 def _then(first: Callable[[NodeHealth], NodeHealth], effect: Effect) -> Effect:
     return lambda nh, f, c: effect(first(nh), f, c)
+
+
+def _not_busy(nh: NodeHealth) -> NodeHealth:
+    """Mark the node degraded for more than load (a slow probe without evidence of load)."""
+    return nh if nh.probe.degraded_not_busy else replace(nh, probe=replace(nh.probe, degraded_not_busy=True))
+
+
+slow_to_degraded: Effect = _then(_not_busy, with_detail)
 
 
 fail_to_degraded: Effect = lambda nh, f, c: (_counted(nh), f"probe failure: {f.detail}")
@@ -90,8 +101,18 @@ def good(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
 
 
 def recovered(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    """DEGRADED -> HEALTHY: after a counted failure or an unexplained slow probe
+    ``good_probes_to_recover`` good probes; when
+    the node was only busy (slow, 429, busy timeouts) ``busy_good_probes_to_recover``."""
     good = nh.probe.consecutive_good + 1
-    return nh, f"{good} consecutive good probes (last {f.detail})"
+    text = (f"{good} consecutive good probes (last {f.detail})" if nh.probe.degraded_not_busy
+            else f"load eased: {good} good probe{'s' if good > 1 else ''} (last {f.detail}) after being only busy")
+    return replace(nh, probe=replace(nh.probe, degraded_not_busy=False)), text
+
+
+def gpu_lost_while_warming(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    """WARMING with a fatal GPU event: stays WARMING (never routed, not even at the ramp's 1 %)."""
+    return nh, f"{f.detail}; not routed while warming"
 
 
 def not_good(reason: bool) -> Effect:
@@ -173,7 +194,8 @@ def ramp_held(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]
 
 
 def ramp_complete(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
-    return replace(nh, ramp=replace(nh.ramp, percent=100.0)), "ramp complete (100 %)"
+    return replace(nh, ramp=replace(nh.ramp, percent=100.0),
+                   probe=replace(nh.probe, degraded_not_busy=False)), "ramp complete (100 %)"
 
 
 def clean_period_met(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:

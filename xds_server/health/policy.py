@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from xds_server.config import HealthConfig
@@ -109,8 +109,14 @@ def cluster_routing(
     outliers: Mapping[str, OutlierState],
     now_s: float,
     cfg: HealthConfig,
+    held_before: Collection[str] = (),
 ) -> ClusterDecision:
-    """Routing for one cluster. ``nodes``: (node id, capacity, health). Deterministic."""
+    """Routing for one cluster. ``nodes``: (node id, capacity, health). Deterministic.
+
+    ``held_before``: the nodes the previous decision held back (``ClusterDecision.held_back``);
+    a HELD_BACK event is given once per episode, when a node starts being held back, not at
+    every recompute while it stays held (issue 11: 4 events a second for one node).
+    """
     views = {nid: node_routing(nh, cfg) for nid, _, nh in nodes}
     health = {nid: nh for nid, _, nh in nodes}
     n = len(nodes)
@@ -165,7 +171,7 @@ def cluster_routing(
     for nid, reason in soft:
         if nid in ejected_soft:
             why[nid] = reason
-        else:
+        elif nid not in held_before:
             events.append(PolicyEvent(now_s, nid, PolicyEventKind.HELD_BACK,
                                       f"{reason}; not ejected: {len(hard) + len(ejected_soft)} of {n} already out "
                                       f"(max_ejection_percent {cfg.max_ejection_percent:g})"))

@@ -124,6 +124,9 @@ class HeartbeatObserved:
     Load fields are None when unknown (never read as 0). ``gpu_free_ratio`` is 0..1 (the least
     free GPU of the node). ``gpu_fatal`` names a fatal GPU event (e.g. "Xid 79"), empty when
     none. ``engine_state`` accepts the enum or its name; another value raises ValueError.
+    ``progress_age_ms``: ms since a progress signal of a busy engine instance last moved (the
+    agent's evidence of progress, ``Telemetry.progress_age_ms``), None when there is none;
+    ``progress_detail`` says what moved.
     """
 
     engine_state: EngineState = EngineState.READY
@@ -133,6 +136,8 @@ class HeartbeatObserved:
     requests_waiting: float | None = None
     gpu_free_ratio: float | None = None
     gpu_fatal: str = ""
+    progress_age_ms: float | None = None
+    progress_detail: str = ""
 
     def __post_init__(self) -> None:
         _coerce(self, "engine_state", EngineState)
@@ -228,6 +233,8 @@ class Probes:
     seen: int = 0
     clean_since_s: float | None = None      # start of the current run of successful probes
     clean_probes: int = 0
+    degraded_not_busy: bool = False         # since last HEALTHY: a counted failure or a slow probe
+                                            # without evidence of load (recovery needs more probes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +249,8 @@ class Engine:
     requests_waiting: float | None = None
     gpu_free_ratio: float | None = None
     gpu_fatal: str = ""
+    progress_at_s: float | None = None      # when a progress signal last moved (heartbeat arrival - age)
+    progress_detail: str = ""               # what moved (agent's text)
 
 
 @dataclass(frozen=True, slots=True)

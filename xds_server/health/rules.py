@@ -126,7 +126,9 @@ def _record_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Nod
     return replace(
         nh, heartbeat=Heartbeats(now, 0, False, arrivals, clears), ejection=ej,
         engine=Engine(hb.engine_state, hb.stalled, stalled_since, counted, hb.requests_running,
-                      hb.requests_waiting, hb.gpu_free_ratio, hb.gpu_fatal),
+                      hb.requests_waiting, hb.gpu_free_ratio, hb.gpu_fatal,
+                      None if hb.progress_age_ms is None else now - hb.progress_age_ms / 1000.0,
+                      hb.progress_detail if hb.progress_age_ms is not None else ""),
     )
 
 
@@ -226,13 +228,15 @@ def _r_ping(nh: NodeHealth, obs: PingObserved, c: _StepCtx) -> Sequence[Fired]:
 
 
 def _record_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> NodeHealth:
-    c.outcome, c.what = classify_probe(nh, obs, c.cfg)
+    c.outcome, c.what = classify_probe(nh, obs, c.cfg, c.now_s)
     p = nh.probe
     last, ewma = p.last_ttft_ms, p.ewma_ttft_ms
     if obs.kind is ProbeResultKind.OK:
         a = c.cfg.ttft_ewma_alpha
         last, ewma = obs.ttft_ms, obs.ttft_ms if ewma is None else a * obs.ttft_ms + (1 - a) * ewma
-    if c.outcome in (ProbeOutcome.GOOD, ProbeOutcome.SLOW):  # a successful probe extends the clean run
+    answered = obs.kind is ProbeResultKind.OK and obs.ttft_ms < c.cfg.ttft_timeout_ms
+    if c.outcome in (ProbeOutcome.GOOD, ProbeOutcome.SLOW) or (c.outcome is ProbeOutcome.BUSY and answered):
+        # a successful probe (a slow answer from a busy engine too) extends the clean run
         failures = 0
         clean_since = p.clean_since_s if p.clean_since_s is not None else c.now_s
         clean_probes = p.clean_probes + 1
@@ -248,11 +252,19 @@ _PROBE_SIGNAL = {ProbeOutcome.SLOW: Signal.PROBE_SLOW, ProbeOutcome.BUSY: Signal
 
 
 def _r_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> Sequence[Fired]:
+    """A probe's signal. A success while the last heartbeat reports a fatal GPU event is that
+    event instead (a node whose GPU is lost is never promoted by a probe). A node that was only
+    busy since it was last HEALTHY recovers after ``busy_good_probes_to_recover`` good probes,
+    one with a counted failure after ``good_probes_to_recover``."""
     o = c.outcome
     if o is ProbeOutcome.FAIL:
         return (_failure(nh, c.what, c.cfg),)
+    if nh.engine.gpu_fatal and o in (ProbeOutcome.GOOD, ProbeOutcome.SLOW, ProbeOutcome.BUSY):
+        return (Fired(Signal.GPU_FATAL, f"GPU fatal event: {nh.engine.gpu_fatal} (probe {c.what} ignored)"),)
     if o is ProbeOutcome.GOOD:
-        recover = nh.probe.consecutive_good + 1 >= c.cfg.good_probes_to_recover
+        need = (c.cfg.good_probes_to_recover if nh.probe.degraded_not_busy
+                else c.cfg.busy_good_probes_to_recover)
+        recover = nh.probe.consecutive_good + 1 >= need
         return (Fired(Signal.GOOD_PROBES_RECOVER if recover else Signal.PROBE_GOOD, c.what),)
     return (Fired(_PROBE_SIGNAL[o], c.what),)
 

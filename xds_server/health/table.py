@@ -67,8 +67,10 @@ _SPEC: tuple[tuple[tuple[NodeState, ...], tuple[Signal, ...], Effect, NodeState 
     (ROUTED, (G.PROBE_GOOD,), fx.good, _STAY),
     ((PROBATION, HEALTHY), (G.GOOD_PROBES_RECOVER,), fx.good, _STAY),
     ((DEGRADED,), (G.GOOD_PROBES_RECOVER,), fx.recovered, HEALTHY),
-    ((HEALTHY,), (G.PROBE_SLOW, G.PROBE_BUSY), fx.with_detail, DEGRADED),
-    ((PROBATION, DEGRADED), (G.PROBE_SLOW,), fx.not_good(reason=False), _STAY),  # PROBATION: the ramp holds
+    ((HEALTHY,), (G.PROBE_SLOW,), fx.slow_to_degraded, DEGRADED),
+    ((HEALTHY,), (G.PROBE_BUSY,), fx.with_detail, DEGRADED),
+    ((PROBATION,), (G.PROBE_SLOW,), fx.not_good(reason=False), _STAY),  # PROBATION: the ramp holds
+    ((DEGRADED,), (G.PROBE_SLOW,), fx.not_good(reason=False), _STAY),  # a busy node's queued probe: still busy
     ((PROBATION,), (G.PROBE_BUSY,), fx.not_good(reason=False), _STAY),
     ((DEGRADED,), (G.PROBE_BUSY,), fx.not_good(reason=True), _STAY),
     ((HEALTHY,), (G.PROBE_FAIL,), fx.fail_to_degraded, DEGRADED),
@@ -82,8 +84,9 @@ _SPEC: tuple[tuple[tuple[NodeState, ...], tuple[Signal, ...], Effect, NodeState 
     (ROUTED, (G.GPU_FATAL,), fx.eject(EjectionCause.GPU), UNHEALTHY),
     (ROUTED, (G.ENGINE_FAILED,), fx.eject(EjectionCause.ENGINE), UNHEALTHY),
     (ROUTED, (G.ENGINE_RESTARTING,), fx.restarting, WARMING),
-    ((WARMING, UNHEALTHY), (G.STALL, G.STALL_CONFIRMED, G.GPU_FATAL, G.ENGINE_FAILED, G.ENGINE_RESTARTING),
-     fx.noop, _STAY),
+    ((WARMING, UNHEALTHY), (G.STALL, G.STALL_CONFIRMED, G.ENGINE_FAILED, G.ENGINE_RESTARTING), fx.noop, _STAY),
+    ((WARMING,), (G.GPU_FATAL,), fx.gpu_lost_while_warming, _STAY),   # a good probe cannot promote it
+    ((UNHEALTHY,), (G.GPU_FATAL,), fx.noop, _STAY),
     # time: half-open, ramp, backoff
     ((UNHEALTHY,), (G.CLEAN_PERIOD_MET,), fx.clean_period_met, PROBATION),
     ((WARMING, *ROUTED), (G.CLEAN_PERIOD_MET,), fx.noop, _STAY),
