@@ -8,7 +8,7 @@ import xds_server.testing as testing
 PUBLIC = {
     "EnvoyHost", "FakeClock", "Fleet", "LoadGenerator", "LoadStats", "ManagedProcess", "NodeProcs",
     "ScriptedAdsClient", "ScriptedDeltaAdsClient", "StandaloneEnvoy", "fetch_envoy_hosts",
-    "free_port", "parse_envoy_clusters", "parse_envoy_stats", "restart_control_plane", "wait_for",
+    "free_port", "lint_exposition", "parse_envoy_clusters", "parse_envoy_stats", "restart_control_plane", "wait_for",
 }
 
 

@@ -104,12 +104,16 @@ class ControlCore:
         cfg = self.config.health
         if isinstance(obs, hm.HeartbeatObserved):
             self.counters.heartbeats[node_id] += 1
+        elif isinstance(obs, hm.ProbeObserved):
+            self.counters.probe_results[(node_id, obs.kind.value)] += 1
         prev = self.health[node_id]
         nh, events = hm.step(prev, obs, now_s, cfg)
         self.health[node_id] = nh
         cluster = self.node_cluster[node_id]
         for ev in events:
             self._transition(cluster, ev)
+            if ev.to_state is hm.NodeState.UNHEALTHY and nh.ejection.cause is not None:
+                self.counters.ejections[(node_id, nh.ejection.cause.value)] += 1
         key = self._routing_key(nh)
         if key != self._keys.get(node_id):
             self._keys[node_id] = key
@@ -205,6 +209,8 @@ class ControlCore:
         for p in out:
             for ev in p.events:
                 self.events.record(wall, p.cluster, ev.node_id, ev.kind, ev.reason)
+                if ev.kind == "outlier_ejected":
+                    self.counters.ejections[(ev.node_id, "outlier")] += 1
             for n in self._cluster_nodes[p.cluster]:
                 self.routing[n] = p.routing[n]
             if self.on_publish is not None:

@@ -18,6 +18,8 @@ only; the underscored modules may move):
 - Envoy admin (``_envoy``): :class:`StandaloneEnvoy`, a real Envoy against the test's own ADS
   server; :func:`parse_envoy_clusters` (the one parser of ``/clusters?format=json``, into
   :class:`EnvoyHost` values), :func:`fetch_envoy_hosts`, :func:`parse_envoy_stats`.
+- metrics (``_promlint``): :func:`lint_exposition`, the rules of ``promtool check metrics``
+  over a Prometheus text exposition, for hosts without promtool.
 - polling and time (``_wait``, ``_clock``): :func:`wait_for` a condition with a deadline;
   :class:`FakeClock` for pure logic driven by an injected clock.
 """
@@ -34,6 +36,7 @@ from xds_server.testing._envoy import (
 from xds_server.testing._fleet import Fleet, NodeProcs, restart_control_plane
 from xds_server.testing._load import LoadGenerator, LoadStats
 from xds_server.testing._process import ManagedProcess, free_port
+from xds_server.testing._promlint import lint_exposition
 from xds_server.testing._wait import wait_for
 
 __all__ = [
@@ -49,6 +52,7 @@ __all__ = [
     "StandaloneEnvoy",
     "fetch_envoy_hosts",
     "free_port",
+    "lint_exposition",
     "parse_envoy_clusters",
     "parse_envoy_stats",
     "restart_control_plane",
