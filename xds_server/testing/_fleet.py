@@ -68,6 +68,7 @@ class Fleet:
     # section; merged into :meth:`config_dict`. Empty: the spine's config.
     node_options: list[dict[str, Any]] = field(default_factory=list)
     xds_options: dict[str, Any] = field(default_factory=dict)
+    admin_options: dict[str, Any] = field(default_factory=dict)  # merged into the admin section
     nodes: list[NodeProcs] = field(default_factory=list)
     procs: list[ManagedProcess] = field(default_factory=list)
 
@@ -162,7 +163,7 @@ class Fleet:
 
         return {
             "xds": {"listen": f"127.0.0.1:{self.xds_port}", **self.xds_options},
-            "admin": {"listen": f"127.0.0.1:{self.admin_port}"},
+            "admin": {"listen": f"127.0.0.1:{self.admin_port}", **self.admin_options},
             "health": health,
             "clusters": [{
                 **self.cluster_options,
