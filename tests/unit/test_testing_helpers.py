@@ -1,9 +1,9 @@
-"""The pure helpers of xds_server.testing: Envoy admin parsing, wait_for and FakeClock."""
+"""The pure helpers of xds_server.testing: Envoy admin parsing, wait_for and the re-exported ManualClock."""
 from __future__ import annotations
 
 import pytest
 
-from xds_server.testing import EnvoyHost, FakeClock, parse_envoy_clusters, parse_envoy_stats, wait_for
+from xds_server.testing import EnvoyHost, ManualClock, parse_envoy_clusters, parse_envoy_stats, wait_for
 
 
 def _host(port: int, **health: object) -> dict:
@@ -63,10 +63,13 @@ async def test_wait_for_sync_and_async_predicates_and_timeout():
         await wait_for(lambda: False, timeout_s=0.05, step_s=0.01, what=lambda: "never")
 
 
-def test_fake_clock_moves_only_forward_when_told():
-    clock = FakeClock(10.0)
-    assert clock() == 10.0 == clock.now
-    assert clock.advance(0.25) == 10.25 == clock()
+def test_manual_clock_moves_only_forward_when_told_and_runs_due_timers():
+    clock = ManualClock(10.0)
+    fired: list[float] = []
+    clock.call_at(10.2, lambda: fired.append(clock()))
+    assert clock() == 10.0 == clock.now()
+    clock.advance(0.25)
+    assert clock() == 10.25 and fired == [10.2]
     with pytest.raises(ValueError, match="dt_s"):
         clock.advance(-1)
     assert clock() == 10.25

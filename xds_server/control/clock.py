@@ -97,6 +97,10 @@ class ManualClock:
     def now(self) -> float:
         return self._now
 
+    def __call__(self) -> float:
+        """``now()``, so the clock can stand in for a ``Callable[[], float]`` like ``time.monotonic``."""
+        return self._now
+
     def wall(self) -> float:
         return self.wall_offset_s + self._now
 

@@ -20,12 +20,15 @@ only; the underscored modules may move):
   :class:`EnvoyHost` values), :func:`fetch_envoy_hosts`, :func:`parse_envoy_stats`.
 - metrics (``_promlint``): :func:`lint_exposition`, the rules of ``promtool check metrics``
   over a Prometheus text exposition, for hosts without promtool.
-- polling and time (``_wait``, ``_clock``): :func:`wait_for` a condition with a deadline;
-  :class:`FakeClock` for pure logic driven by an injected clock.
+- polling (``_wait``): :func:`wait_for` a condition with a deadline.
+- in-memory seams, re-exported from :mod:`xds_server.control`: :class:`ManualClock` (time moves
+  only when told, due timers run in order; also a ``Callable[[], float]``), :class:`InMemoryProbes`
+  and :class:`InMemoryProbeSource` (drive a control plane's probe observations without agents:
+  ``ControlPlane(cfg, clock=ManualClock(), probe_sources=InMemoryProbes())``).
 """
 
 from xds_server.testing._ads_clients import ScriptedAdsClient, ScriptedDeltaAdsClient
-from xds_server.testing._clock import FakeClock
+from xds_server.control import InMemoryProbes, InMemoryProbeSource, ManualClock
 from xds_server.testing._envoy import (
     EnvoyHost,
     StandaloneEnvoy,
@@ -41,11 +44,13 @@ from xds_server.testing._wait import wait_for
 
 __all__ = [
     "EnvoyHost",
-    "FakeClock",
     "Fleet",
+    "InMemoryProbeSource",
+    "InMemoryProbes",
     "LoadGenerator",
     "LoadStats",
     "ManagedProcess",
+    "ManualClock",
     "NodeProcs",
     "ScriptedAdsClient",
     "ScriptedDeltaAdsClient",
