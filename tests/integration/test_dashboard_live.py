@@ -149,3 +149,23 @@ async def test_stop_ends_open_live_streams_promptly():
     finally:
         if not stopped:
             await cp.stop()
+
+
+async def test_a_client_joining_does_not_hide_an_event_from_those_already_listening(admin):
+    cp, probes, _ = admin
+    feed = LiveFeed(cp.view, json_dumps)
+    first = feed.subscribe()
+    feed.tick()
+    while not first.queue.empty():
+        first.queue.get_nowait()
+    for _ in range(2):  # n2 ejected between two ticks
+        probes["n2"].probe(kind=hm.ProbeResultKind.TIMEOUT)
+    second = feed.subscribe()  # joins before the next tick
+    feed.tick()
+    for client in (first, second):
+        got = []
+        while not client.queue.empty():
+            got.append(client.queue.get_nowait())
+        events = [json.loads(d) for k, d in got if k == "event"]
+        assert any(e["node"] == "n2" and e["to"] == "UNHEALTHY" for e in events)
+        assert got[-1][0] == "state"

@@ -105,7 +105,11 @@ class LiveFeed:
 
     def subscribe(self) -> LiveClient:
         client = LiveClient(self.view.config.admin.live_queue_max)
-        self._new_events()  # a new client gets the backlog; only later events are "new"
+        if not self.clients:
+            # The feed was idle (no tick ran): the backlog covers the past, only later events are
+            # new. With clients connected the marker stays, so none of theirs is skipped (the new
+            # client may see an event of the last interval twice: in its backlog and as new).
+            self._new_events()
         self.clients.add(client)
         self._wake.set()
         return client
@@ -174,7 +178,7 @@ class LiveFeed:
                 if item is None:
                     break
                 await resp.write(_sse(*item).encode())
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:  # the browser went away
             pass
         finally:
             self.unsubscribe(client)
