@@ -86,12 +86,18 @@ async def test_live_feed_sends_a_snapshot_then_a_node_turning_unhealthy(admin):
         assert r.status == 200 and r.content_type == "text/event-stream"
         msgs = sse_messages(r)
         backlog = []
-        async with asyncio.timeout(5):
+        first = None
+        async with asyncio.timeout(10):
             async for kind, data in msgs:
-                if kind == "state":
-                    first = data
+                if kind == "event":
+                    backlog.append(data)
+                elif first is None:
+                    first = data  # the snapshot sent on connect
+                if kind == "state" and data["clusters"][0]["routable"] == 3:
+                    routed = data  # published (the coalescing window may hold the first publish)
                     break
-                backlog.append(data)
+        assert [n["id"] for n in first["nodes"]] == ["n0", "n1", "n2"]
+        first = routed
         assert [n["id"] for n in first["nodes"]] == ["n0", "n1", "n2"]
         assert {n["state"] for n in first["nodes"]} <= {"PROBATION", "HEALTHY"}  # ramp starts at 100 %
         assert first["fail_static"] is False and first["clusters"][0]["routable"] == 3

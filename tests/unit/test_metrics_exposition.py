@@ -62,6 +62,8 @@ def test_metrics_are_in_base_units_with_probe_results_ejections_and_build_info()
         probes["n1"].probe(kind=hm.ProbeResultKind.TIMEOUT)
         clock.advance(0.1)
     assert cp.health["n1"].state is hm.NodeState.UNHEALTHY
+    probes["n2"].probe(ttft_ms=300.0)  # slow: 200-800 ms (seed 001)
+    probes["n2"].probe(ttft_ms=900.0)  # a token after the 800 ms deadline: a timeout
     text = exposition(cp)
     m = samples(text)
     n1 = (("cluster", "llm"), ("node", "n1"))
@@ -69,9 +71,14 @@ def test_metrics_are_in_base_units_with_probe_results_ejections_and_build_info()
     def key(name: str, **labels: str) -> tuple:
         return name, tuple(sorted({"cluster": "llm", "node": "n1", **labels}.items()))
 
-    assert m[key("sentinel_node_probe_results_total", kind="OK")] == 20.0
-    assert m[key("sentinel_node_probe_results_total", kind="TIMEOUT")] == 2.0
+    assert m[key("sentinel_node_probe_results_total", kind="OK", outcome="good")] == 20.0
+    assert m[key("sentinel_node_probe_results_total", kind="TIMEOUT", outcome="fail")] == 2.0
     assert m[key("sentinel_node_ejections_total", cause="probe")] == 1.0
+    assert m[key("sentinel_node_probe_results_total", node="n2", kind="OK", outcome="slow")] == 1.0
+    assert m[key("sentinel_node_probe_results_total", node="n2", kind="TIMEOUT", outcome="fail")] == 1.0
+    failures = sum(v for (name, labels), v in m.items() if name == "sentinel_node_probe_results_total"
+                   and dict(labels)["outcome"] not in ("good", "slow"))
+    assert failures == 3.0
     assert not any(name == "sentinel_node_ejections_total" and ("node", "n0") in labels for name, labels in m)
     assert m[("sentinel_node_last_ttft_seconds", (("cluster", "llm"), ("node", "n0")))] == 0.02
     assert 0.0 < m[("sentinel_node_ewma_rtt_seconds", n1)] <= 0.04

@@ -69,7 +69,9 @@ class ControlPlaneCollector:
         ramp = GaugeMetricFamily("sentinel_node_ramp_ratio", "PROBATION ramp, fraction of full weight (0..1)",
                                  labels=["cluster", "node"])
         probes = CounterMetricFamily("sentinel_node_probe_results", "micro-probe results received, by kind "
-                                     "(OK or the failure kind)", labels=["cluster", "node", "kind"])
+                                     "(OK, or the failure kind; TIMEOUT also for a token after the "
+                                     "deadline) and the model's outcome (good, slow, fail, busy, fatal)",
+                                     labels=["cluster", "node", "kind", "outcome"])
         ejections = CounterMetricFamily("sentinel_node_ejections", "moves to UNHEALTHY by cause (heartbeat, "
                                         "phi, probe, engine, gpu) and cluster-policy outlier ejections "
                                         "(outlier)", labels=["cluster", "node", "cause"])
@@ -92,9 +94,9 @@ class ControlPlaneCollector:
             if nh.state is NodeState.PROBATION:
                 ramp.add_metric([cl, nid], nh.ramp.percent / 100.0)
         by_node = {row.node_id: row.cluster for row in view.node_rows()}
-        for (nid, kind), v in sorted(c.probe_results.items()):
+        for (nid, kind, outcome), v in sorted(c.probe_results.items()):
             if nid in by_node:
-                probes.add_metric([by_node[nid], nid, kind], v)
+                probes.add_metric([by_node[nid], nid, kind, outcome], v)
         for (nid, cause), v in sorted(c.ejections.items()):
             if nid in by_node:
                 ejections.add_metric([by_node[nid], nid, cause], v)

@@ -102,11 +102,11 @@ class ControlCore:
         monotonic time, s), or None. KeyError for a node id not in the config.
         """
         cfg = self.config.health
+        prev = self.health[node_id]
         if isinstance(obs, hm.HeartbeatObserved):
             self.counters.heartbeats[node_id] += 1
         elif isinstance(obs, hm.ProbeObserved):
-            self.counters.probe_results[(node_id, obs.kind.value)] += 1
-        prev = self.health[node_id]
+            self._count_probe_result(node_id, prev, obs)
         nh, events = hm.step(prev, obs, now_s, cfg)
         self.health[node_id] = nh
         cluster = self.node_cluster[node_id]
@@ -122,6 +122,15 @@ class ControlCore:
                 or prev.heartbeat.stream_closed != nh.heartbeat.stream_closed):
             self._check_fail_static(now_s)
         return hm.next_check_s(nh, cfg)
+
+    def _count_probe_result(self, node_id: str, prev: hm.NodeHealth, obs: hm.ProbeObserved) -> None:
+        """Count one probe result in ``counters.probe_results`` by kind and the model's outcome
+        (a token later than ``ttft_timeout_ms`` counts as kind TIMEOUT)."""
+        outcome, _ = hm.classify_probe(prev, obs, self.config.health)
+        kind = obs.kind
+        if kind is hm.ProbeResultKind.OK and obs.ttft_ms >= self.config.health.ttft_timeout_ms:
+            kind = hm.ProbeResultKind.TIMEOUT
+        self.counters.probe_results[(node_id, kind.value, outcome.value)] += 1
 
     def drain(self, node_id: str, drain: bool, reason: str) -> None:
         """Operator drain/undrain (enters the model as an observation), published at once.

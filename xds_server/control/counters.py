@@ -20,8 +20,11 @@ class Counters:
     ``("inference_result.ttft_ms", "not_finite")``. ``handler_errors``: exceptions while
     handling one agent message or timer, per where ("message", "tick", "stream_closed"); each
     was skipped. ``events``: per event kind (``to_<STATE>`` for transitions).
-    ``probe_results``: per (node id, :class:`~xds_server.health.records.ProbeResultKind` value),
-    every micro-probe result received (failures by kind; "OK" for successes).
+    ``probe_results``: every micro-probe result received, per (node id, kind, outcome): kind a
+    :class:`~xds_server.health.records.ProbeResultKind` value ("TIMEOUT" also for a token later
+    than ``ttft_timeout_ms``), outcome the model's
+    :class:`~xds_server.health.records.ProbeOutcome` ("good", "slow", "fail", "busy", "fatal");
+    the failures are the results whose outcome is not good or slow.
     ``ejections``: per (node id, cause): each move to UNHEALTHY by its
     :class:`~xds_server.health.records.EjectionCause` value, and "outlier" for each
     cluster-policy outlier ejection.
@@ -32,5 +35,5 @@ class Counters:
     bad_fields: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
     handler_errors: collections.Counter[str] = field(default_factory=collections.Counter)
     events: collections.Counter[str] = field(default_factory=collections.Counter)
-    probe_results: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+    probe_results: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
     ejections: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
