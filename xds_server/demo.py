@@ -6,17 +6,22 @@ faults in turn and heals each:
 
 1. host freeze: SIGSTOP of one node's engine and agent (SIGCONT heals);
 2. engine hang: another node's engine stops answering inference while its agent still answers
-   heartbeats, as a CUDA deadlock does (the demo runs micro-probes every 1 s).
+   heartbeats, as a CUDA deadlock does (the demo runs micro-probes every 1 s);
+3. a node dying mid-stream (after the load): a streamed completion through ``sentinel-relay``
+   (in front of Envoy, fed by the routing feed) whose engine is SIGKILLed after 15 tokens still
+   completes, with the same text as an uninterrupted run.
 
 For each fault it prints when it was injected, when the control plane ejected the node, when
 Envoy's own admin (/clusters) showed it excluded, when it was routed again after healing, how
 many requests each node served in each phase, and how many requests failed. Exit code 0 when
-both faults were detected by Envoy and no request failed.
+both faults were detected by Envoy, no request failed and the relayed stream completed whole.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import signal
 import sys
 import time
@@ -214,15 +219,64 @@ async def _faults(fleet: Fleet, session: aiohttp.ClientSession) -> int:
         await asyncio.sleep(2.0)
     finally:
         await load.stop()
+    rescued = await _relay_fault(fleet, session)
     _p("")
     _p("Requests per node and phase (through Envoy):")
     _phase_table(load, ids, fleet.per_try_timeout_s)
     total = load.totals()
     _p(f"Total: {total.ok} requests succeeded, {total.failed} failed"
        + (f" ({dict(total.failures)})" if total.failed else ""))
-    ok = total.failed == 0 and all(t.envoy_excluded_s is not None for t in timelines)
-    _p("RESULT: PASS (both faults excluded by Envoy, zero failed requests)" if ok else "RESULT: FAIL")
+    ok = total.failed == 0 and all(t.envoy_excluded_s is not None for t in timelines) and rescued
+    _p("RESULT: PASS (faults excluded by Envoy, zero failed requests, the stream rescued)"
+       if ok else "RESULT: FAIL")
     return 0 if ok else 1
+
+
+async def _relay_fault(fleet: Fleet, session: aiohttp.ClientSession) -> bool:
+    """Fault 3: SIGKILL the engine serving a relayed stream after 15 tokens; True when the
+    client got the whole uninterrupted text and one [DONE]. The engine is restarted after."""
+    from sentinel_relay.config import RelayConfig
+    from sentinel_relay.feed import FeedClient
+    from sentinel_relay.server import Relay
+
+    relay = await Relay(RelayConfig(listen="127.0.0.1:0", upstream=fleet.url, admin_listen=None)).start()
+    feed = FeedClient(f"127.0.0.1:{fleet.xds_port}", relay.on_node)
+    feed.start()
+    body = {"prompt": "The demo's third fault", "max_tokens": 60, "stream": True}
+
+    async def run(url: str, kill_after: int | None) -> tuple[str, int, float, str | None]:
+        text, dones, gap, node, last = [], 0, 0.0, None, time.monotonic()
+        async with session.post(url + "/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=20)) as r:
+            async for line in r.content:
+                if not line.startswith(b"data: "):
+                    continue
+                now = time.monotonic()
+                gap, last = max(gap, now - last), now
+                if line.strip() == b"data: [DONE]":
+                    dones += 1
+                    continue
+                text += [c.get("text") or "" for c in json.loads(line[6:]).get("choices", [])]
+                if kill_after is not None and len(text) == kill_after:
+                    node = r.headers.get("x-sentinel-upstream-host")
+                    victim = next(n for n in fleet.nodes if n.address == node)
+                    os.killpg(victim.engine.pid, signal.SIGKILL)
+        return "".join(text), dones, gap, node
+    try:
+        ref, _, _, _ = await run(fleet.url, None)
+        got, dones, gap, node = await run(f"http://127.0.0.1:{relay.port}", 15)
+    finally:
+        await feed.stop()
+        await relay.stop()
+        for n in fleet.nodes:
+            if not n.engine.alive():
+                await asyncio.to_thread(n.engine.start)
+    ok = got == ref and dones == 1
+    _p("")
+    _p(f"Fault 3: engine of {node} SIGKILLed mid-stream after 15 of 60 tokens, stream through sentinel-relay:")
+    _p(f"  completed {'whole' if ok else 'NOT whole'} (same text as uninterrupted: {got == ref}, "
+       f"[DONE]: {dones}), largest gap the client saw {gap * 1000:.0f} ms")
+    return ok
 
 
 async def _fault(fleet: Fleet, session: aiohttp.ClientSession, load: LoadGenerator, name: str, node_id: str,

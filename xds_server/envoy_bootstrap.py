@@ -63,6 +63,13 @@ def render_bootstrap(
 ) -> dict[str, Any]:
     """The bootstrap from ``template`` with ports, routed cluster, node id and timeouts replaced.
 
+    ``per_try_idle_timeout_s`` (s) bounds the silence of one attempt before and after its
+    response headers: a stream on a frozen node ends within it (+ <= 1 s). ``per_try_timeout_s``
+    (s, absent from the template) adds Envoy's per_try_timeout, a bound on the time to response
+    headers; beware that once it expires on a response already streaming, Envoy disables the
+    per-try idle timer for that attempt, so streams older than it are no longer cut (see
+    ``envoy/envoy.yaml``).
+
     Returns the YAML document as a dict (write it with ``yaml.safe_dump``). Raises OSError when
     the template cannot be read and ValueError for an unknown ``api_type``.
     """

@@ -120,6 +120,9 @@ class ControlPlane:
             ("grpc.http2.min_ping_interval_without_data_ms", self.config.xds.min_client_ping_interval_ms),
         ])
         self.ads.add_to_server(self._grpc)  # ADS (SotW + delta), responses encoded once per content
+        from xds_server.routing_feed import RoutingFeed  # routing feed for the relay, same port
+        self.routing_feed = RoutingFeed(self).add_to_server(self._grpc)
+        self.view.routing_feed = self.routing_feed  # read by admin/metrics.py
         host, port = parse_hostport(self.config.xds.listen)
         self.xds_port = self._grpc.add_insecure_port(f"{host}:{port}")
         if self.xds_port == 0:

@@ -22,14 +22,10 @@ appended to FILE as JSON lines. ``SENTINEL_REAL_VLLM_RUNS`` (default 3) repeats 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import socket
-import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import grpc
@@ -37,72 +33,15 @@ import pytest
 
 from node_probe.agent import AgentConfig, ProbeAgent
 from node_probe.proto import probe_pb2, probe_pb2_grpc
-from xds_server.testing import free_port, wait_for
+from real_vllm_support import Server, ensure_install, launch, record, stop, wait_ready
+from xds_server.testing import wait_for
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SENTINEL_REAL_VLLM") != "1",
     reason="real vLLM suite: set SENTINEL_REAL_VLLM=1 (installs ~3.4 GB, ~1 min per start)",
 )
 
-REAL_VLLM = Path(__file__).resolve().parents[2] / "scripts" / "real_vllm"
-WORK = Path(os.environ.get("SENTINEL_REAL_VLLM_DIR", "/tmp/sentinel-real-vllm"))
 RUNS = int(os.environ.get("SENTINEL_REAL_VLLM_RUNS", "3"))
-RESULTS = os.environ.get("SENTINEL_REAL_VLLM_RESULTS")
-
-
-
-def record(name: str, **values: Any) -> None:
-    line = json.dumps({"measure": name, **values})
-    print(f"\n[real-vllm] {line}", flush=True)
-    if RESULTS:
-        with open(RESULTS, "a") as fh:
-            fh.write(line + "\n")
-
-
-def children(pid: int) -> list[tuple[int, str]]:
-    """(pid, comm) of the direct children of ``pid``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        if ppid == pid:
-            out.append((int(entry.name), comm))
-    return out
-
-
-def find_engine_core(api_pid: int) -> int:
-    for pid, comm in children(api_pid):
-        if "EngineCor" in comm:
-            return pid
-    raise AssertionError(f"no EngineCore child of {api_pid}: {children(api_pid)}")
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, log: Path) -> None:
-        self.proc = proc
-        self.url = url
-        self.log = log
-
-    @property
-    def engine_core(self) -> int:
-        return find_engine_core(self.proc.pid)
-
-
-def _ensure_install() -> tuple[Path, Path]:
-    venv, model = WORK / "venv", WORK / "model"
-    WORK.mkdir(parents=True, exist_ok=True)
-    if not (venv / "bin" / "vllm").exists():
-        subprocess.run(["bash", str(REAL_VLLM / "setup.sh"), str(venv)], check=True, timeout=1500)
-    if not (model / "config.json").exists():
-        subprocess.run([str(venv / "bin" / "python"), str(REAL_VLLM / "mkmodel.py"), str(model)],
-                       check=True, timeout=300, capture_output=True)
-    return venv, model
 
 
 class _External:
@@ -125,42 +64,12 @@ def server():
         yield Server(_External(int(os.environ["SENTINEL_REAL_VLLM_PID"])),  # type: ignore[arg-type]
                      os.environ["SENTINEL_REAL_VLLM_URL"], Path("/dev/null"))
         return
-    venv, model = _ensure_install()
-    port = free_port()
-    log = WORK / f"serve-{port}.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(["bash", str(REAL_VLLM / "start.sh"), str(venv), str(model), str(port)],
-                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    srv = launch(*ensure_install())
     try:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"vllm exited with {proc.returncode}: {log.read_text()[-3000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    pass
-                import urllib.request
-
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"vllm not ready in 300 s: {log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield Server(proc, url, log)
+        wait_ready(srv)
+        yield srv
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGCONT)
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop(srv)
 
 
 class Watch:

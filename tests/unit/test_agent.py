@@ -9,6 +9,7 @@ import os
 import signal
 import statistics
 import subprocess
+import shutil
 import sys
 import time
 import types
@@ -28,8 +29,8 @@ from xds_server.testing import free_port
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu"
 VENV_BIN = Path(sys.executable).parent
 NODE_PROBE = VENV_BIN / "node-probe"
-if not NODE_PROBE.exists():
-    NODE_PROBE = Path("/work/main/.venv/bin/node-probe")
+if not NODE_PROBE.exists():  # a Python outside the project's venv: the console script on PATH
+    NODE_PROBE = Path(shutil.which("node-probe") or "node-probe")
 
 MODELS_BODY = (
     '{"object":"list","data":[{"id":"local/tiny-llama-1","object":"model","owned_by":"vllm"}]}'

@@ -616,3 +616,467 @@ async def test_cli_subprocess_serves_and_exits_cleanly_on_sigterm() -> None:
             proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+# ------------------------------------------------------------------------ deterministic model
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from node_probe.sim import model as sim_model  # noqa: E402
+
+WORD_IDS = st.integers(sim_model.FIRST_WORD_ID, sim_model.FIRST_HASHED_ID - 1)
+
+
+@given(st.lists(WORD_IDS, max_size=40))
+def test_generated_text_tokenizes_back_to_its_ids(ids: list[int]) -> None:
+    assert sim_model.tokenize(sim_model.detokenize(ids)) == ids
+
+
+@given(st.text(max_size=60), st.text(max_size=60))
+def test_tokenizer_is_stable_and_ids_in_vocab(a: str, b: str) -> None:
+    ids = sim_model.tokenize(a)
+    assert ids == sim_model.tokenize(a)
+    assert all(0 <= t < sim_model.VOCAB_SIZE for t in ids)
+    assert "".join(sim_model.PIECE_RE.findall(a)) == a  # pieces cover the whole text
+
+
+def test_next_token_is_a_function_of_the_whole_context() -> None:
+    base = sim_model.tokenize("the same prompt")
+
+    def gen(ids: list[int]) -> list[int]:
+        d = sim_model.Decoder(ids, 30)
+        while not d.finished:
+            d.step()
+        return d.ids
+
+    assert gen(base) == gen(list(base))  # deterministic
+    # Changing the first token (far from the end) changes the generation.
+    assert gen([base[0] + 1, *base[1:]]) != gen(base)
+    assert len(set(gen(base))) > 5  # not a constant or short cycle
+
+
+def _drive(d: sim_model.Decoder) -> sim_model.Decoder:
+    while not d.finished:
+        d.step()
+    return d
+
+
+@given(prompt=st.lists(st.integers(0, sim_model.VOCAB_SIZE - 1), min_size=1, max_size=20),
+       max_tokens=st.integers(1, 40), cut=st.integers(0, 40), min_tokens=st.integers(0, 10),
+       eos=st.sampled_from([0.0, 0.08]),
+       stop=st.sampled_from([(), (" fox",), (".", " the lazy")]))
+def test_decoder_continuation_from_ids_is_exact(prompt, max_tokens, cut, min_tokens, eos,
+                                                stop) -> None:
+    """A client saw ``cut`` steps (the text released so far, which lags the ids when stop
+    strings hold text back). Continuing from the ids whose text was fully seen, with max_tokens
+    and min_tokens rebased, gives the rest exactly; the first continued token's text starts
+    with the seen remainder (the relay drops it), and stop strings spanning the cut are found."""
+    min_tokens = min(min_tokens, max_tokens)
+    full = sim_model.Decoder(prompt, max_tokens, min_tokens, stop, eos_rate=eos)
+    released = []
+    while not full.finished:
+        full.step()
+        released.append(full.sent)
+    j = min(cut, len(full.ids) - 1)
+    seen = full.text[:released[j - 1]] if j else ""
+    k = max(i for i in range(j + 1) if len(sim_model.detokenize(full.ids[:i])) <= len(seen))
+    rest = _drive(sim_model.Decoder(prompt + full.ids[:k], max_tokens - k,
+                                    max(0, min_tokens - k), stop, eos_rate=eos))
+    assert full.ids[:k] + rest.ids == full.ids
+    assert rest.finish_reason == full.finish_reason and rest.stop_reason == full.stop_reason
+    partial = seen[len(sim_model.detokenize(full.ids[:k])):]
+    assert rest.text.startswith(partial)
+    assert seen + rest.text[len(partial):] == full.text
+
+
+# ------------------------------------------------------------------------ continuation over HTTP
+async def generate(client: TestClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Run one request (streaming or not) and gather ids, text, finish reasons and prompt ids."""
+    body = dict(body, return_token_ids=True)
+    resp = await client.post(path, json=body)
+    assert resp.status == 200, await resp.text()
+    chat = path.endswith("chat/completions")
+    if not body.get("stream"):
+        data = await resp.json()
+        [choice] = data["choices"]
+        return {"ids": choice["token_ids"],
+                "text": choice["message"]["content"] if chat else choice["text"],
+                "finish": [choice["finish_reason"]], "stop_reason": choice["stop_reason"],
+                "prompt_ids": data["prompt_token_ids"] if chat else choice["prompt_token_ids"],
+                "usage": data["usage"]}
+    out: dict[str, Any] = {"ids": [], "text": "", "finish": [], "prompt_ids": None,
+                           "usage": None, "done": 0}
+    for _, ev in await read_sse(resp, time.monotonic()):
+        if ev == "[DONE]":
+            out["done"] += 1
+            continue
+        if ev.get("usage"):
+            out["usage"] = ev["usage"]
+        if chat and ev.get("prompt_token_ids") is not None:
+            out["prompt_ids"] = ev["prompt_token_ids"]
+        for c in ev["choices"]:
+            if "role" in c.get("delta", {}):
+                assert "token_ids" not in c
+                continue
+            out["ids"] += c["token_ids"]
+            out["text"] += c["delta"]["content"] if chat else c["text"]
+            if not chat and c["prompt_token_ids"] is not None:
+                assert out["prompt_ids"] is None  # only in the first chunk
+                out["prompt_ids"] = c["prompt_token_ids"]
+            if c["finish_reason"] is not None:
+                out["finish"].append(c["finish_reason"])
+                out["stop_reason"] = c["stop_reason"]
+    assert out["done"] == 1
+    return out
+
+
+def _run_http(check) -> None:
+    """Run ``check(client)`` against a fresh sim app (sync wrapper for hypothesis)."""
+    async def main() -> None:
+        client = TestClient(TestServer(build_app(SimConfig(token_interval_ms=0, eos_rate=0.03))))
+        await client.start_server()
+        try:
+            await check(client)
+        finally:
+            await client.close()
+    asyncio.run(main())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(prompt=st.text(min_size=1, max_size=40).filter(str.strip), max_tokens=st.integers(2, 30),
+       cut=st.integers(0, 30), stream=st.booleans(), resume_stream=st.booleans(),
+       min_tokens=st.integers(0, 5))
+def test_completion_continuation_from_ids_is_exact(prompt, max_tokens, cut, stream,
+                                                   resume_stream, min_tokens) -> None:
+    """The relay's promise: prompt ids + first k generated ids, max_tokens - k, min_tokens
+    rebased, gives exactly the rest of the uninterrupted generation, ids and text."""
+    min_tokens = min(min_tokens, max_tokens)
+
+    async def check(client: TestClient) -> None:
+        full = await generate(client, "/v1/completions", {
+            "prompt": prompt, "max_tokens": max_tokens, "min_tokens": min_tokens,
+            "stream": stream, "stream_options": {"include_usage": True}})
+        assert full["prompt_ids"] == sim_model.tokenize(prompt)
+        assert full["finish"] in (["length"], ["stop"])
+        assert full["usage"]["completion_tokens"] == len(full["ids"])
+        assert full["usage"]["prompt_tokens"] == len(full["prompt_ids"])
+        assert sim_model.detokenize(full["ids"]) == full["text"]
+        k = min(cut, len(full["ids"]) - 1)
+        rest = await generate(client, "/v1/completions", {
+            "prompt": full["prompt_ids"] + full["ids"][:k], "max_tokens": max_tokens - k,
+            "min_tokens": max(0, min_tokens - k), "stream": resume_stream})
+        assert full["ids"][:k] + rest["ids"] == full["ids"]
+        assert sim_model.detokenize(full["ids"][:k]) + rest["text"] == full["text"]
+        assert rest["finish"] == full["finish"]
+    _run_http(check)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(user=st.text(max_size=40), max_tokens=st.integers(2, 30), cut=st.integers(0, 30),
+       chars=st.integers(0, 3), stream=st.booleans(), resume_stream=st.booleans())
+def test_chat_continuation_from_text_is_exact(user, max_tokens, cut, chars, stream,
+                                              resume_stream) -> None:
+    """Chat: the assistant text seen so far (even cut inside a token) as a final assistant
+    message with continue_final_message gives exactly the rest, ids and text."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": user}]
+
+    async def check(client: TestClient) -> None:
+        full = await generate(client, "/v1/chat/completions", {
+            "messages": messages, "max_tokens": max_tokens, "stream": stream})
+        k = min(cut, len(full["ids"]) - 1)
+        seen = sim_model.detokenize(full["ids"][:k])
+        nxt = sim_model.token_text(full["ids"][k])
+        seen += nxt[:min(chars, max(0, len(nxt) - 1))]  # text can end inside a token
+        rest = await generate(client, "/v1/chat/completions", {
+            "messages": [*messages, {"role": "assistant", "content": seen}],
+            "continue_final_message": True, "add_generation_prompt": False,
+            "max_tokens": max_tokens - k, "stream": resume_stream})
+        assert full["ids"][:k] + rest["ids"] == full["ids"]
+        assert seen + rest["text"] == full["text"]
+        assert rest["finish"] == full["finish"]
+    _run_http(check)
+
+
+# ------------------------------------------------------------------------ request fields
+async def test_return_token_ids_where_vllm_puts_them(client: TestClient) -> None:
+    ids = sim_model.tokenize("hello world")
+    resp = await client.post("/v1/completions", json=completion_body(return_token_ids=True))
+    choice = (await resp.json())["choices"][0]
+    assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 3
+    resp = await client.post("/v1/chat/completions", json=chat_body(return_token_ids=True))
+    body = await resp.json()
+    assert body["prompt_token_ids"] == [sim_model.BOS_ID, sim_model.ROLE_IDS["user"],
+                                        *sim_model.tokenize("hello"), sim_model.END_ID,
+                                        sim_model.ROLE_IDS["assistant"]]
+    assert "prompt_token_ids" not in body["choices"][0]
+    assert len(body["choices"][0]["token_ids"]) == 3
+    # Streaming completions: prompt ids in the first chunk's choice only; ids per chunk.
+    resp = await client.post("/v1/completions",
+                             json=completion_body(stream=True, return_token_ids=True))
+    chunks = [e for _, e in await read_sse(resp, time.monotonic())][:-1]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == ids
+    assert [c["choices"][0]["prompt_token_ids"] for c in chunks[1:]] == [None, None]
+    assert all(len(c["choices"][0]["token_ids"]) == 1 for c in chunks)
+    # Streaming chat: prompt ids top-level on the role chunk; ids per content chunk.
+    resp = await client.post("/v1/chat/completions",
+                             json=chat_body(stream=True, return_token_ids=True))
+    role, *chunks = [e for _, e in await read_sse(resp, time.monotonic())][:-1]
+    assert role["prompt_token_ids"][0] == sim_model.BOS_ID
+    assert all(len(c["choices"][0]["token_ids"]) == 1 for c in chunks)
+    # Without the flag: the fields are null, as in the captures.
+    resp = await client.post("/v1/completions", json=completion_body())
+    choice = (await resp.json())["choices"][0]
+    assert choice["token_ids"] is None and choice["prompt_token_ids"] is None
+
+
+async def test_token_id_prompts_batches_and_vocab_check(client: TestClient) -> None:
+    ids = sim_model.tokenize("hello world")
+    by_text = await generate(client, "/v1/completions", {"prompt": "hello world",
+                                                         "max_tokens": 5})
+    by_ids = await generate(client, "/v1/completions", {"prompt": ids, "max_tokens": 5})
+    assert by_ids["ids"] == by_text["ids"] and by_ids["text"] == by_text["text"]
+    resp = await client.post("/v1/completions", json={"prompt": ["a b", ids], "max_tokens": 2,
+                                                      "n": 2})
+    body = await resp.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["choices"][2]["text"] == body["choices"][3]["text"] == by_text["text"][
+        :len(sim_model.detokenize(by_text["ids"][:2]))]
+    assert body["usage"]["completion_tokens"] == 8
+    assert body["usage"]["prompt_tokens"] == 2 + 2  # each prompt once, not per choice
+    for bad in ([1, sim_model.VOCAB_SIZE], [-1], [1, True]):
+        resp = await client.post("/v1/completions", json={"prompt": bad})
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "prompt"
+
+
+async def test_n_choices_stream_each_finish_once(client: TestClient) -> None:
+    resp = await client.post("/v1/chat/completions", json=chat_body(max_tokens=3, n=2,
+                                                                    stream=True))
+    events = [e for _, e in await read_sse(resp, time.monotonic())]
+    assert events[-1] == "[DONE]"
+    texts = {0: "", 1: ""}
+    finishes = {0: [], 1: []}
+    for ev in events[:-1]:
+        for c in ev["choices"]:
+            texts[c["index"]] += c["delta"].get("content", "")
+            if c["finish_reason"]:
+                finishes[c["index"]].append(c["finish_reason"])
+    assert texts[0] == texts[1] and texts[0]
+    assert finishes == {0: ["length"], 1: ["length"]}
+
+
+async def test_stop_strings_cut_text_and_hold_it_back(client: TestClient) -> None:
+    full = await generate(client, "/v1/completions", {"prompt": "x", "max_tokens": 40})
+    words = [sim_model.token_text(t) for t in full["ids"]]
+    j = 6
+    stop = words[j] + words[j + 1]  # spans two tokens, found when token j+1 arrives
+    first = full["text"].find(stop)
+    for stream in (False, True):
+        got = await generate(client, "/v1/completions", {
+            "prompt": "x", "max_tokens": 40, "stop": [stop], "stream": stream})
+        assert got["finish"] == ["stop"] and got["stop_reason"] == stop
+        assert got["text"] == full["text"][:first]
+        assert got["ids"] == full["ids"][:len(got["ids"])]
+        assert len(got["ids"]) <= j + 2
+    got = await generate(client, "/v1/completions", {
+        "prompt": "x", "max_tokens": 40, "stop": stop, "include_stop_str_in_output": True})
+    assert got["text"] == full["text"][:first + len(stop)]
+    # Streaming: ids run ahead of the text by up to len(stop) - 1 characters.
+    resp = await client.post("/v1/completions", json={
+        "prompt": "x", "max_tokens": 40, "stop": ["zzzzzzzzzzzz"], "stream": True,
+        "return_token_ids": True})
+    seen_ids, seen_text, lags = [], "", []
+    for _, ev in await read_sse(resp, time.monotonic()):
+        if ev == "[DONE]":
+            break
+        c = ev["choices"][0]
+        seen_ids += c["token_ids"]
+        seen_text += c["text"]
+        lags.append(len(sim_model.detokenize(seen_ids)) - len(seen_text))
+    assert max(lags[:-1]) == 11 and lags[-1] == 0  # held back, then flushed at the finish
+    assert seen_text == full["text"]
+
+
+async def test_eos_min_tokens_and_ignore_eos(make_client) -> None:
+    client = await make_client(token_interval_ms=0, eos_rate=0.25)
+    prompts = [f"p{i}" for i in range(12)]
+    stopped = []
+    for p in prompts:
+        got = await generate(client, "/v1/completions", {"prompt": p, "max_tokens": 30})
+        if got["finish"] == ["stop"]:
+            assert got["ids"][-1] == sim_model.EOS_ID and got["stop_reason"] is None
+            assert got["text"] == sim_model.detokenize(got["ids"])  # EOS has no text
+            stopped.append((p, len(got["ids"])))
+    assert stopped  # with eos_rate 0.25 some generations end on their own
+    for p, n in stopped:
+        got = await generate(client, "/v1/completions",
+                             {"prompt": p, "max_tokens": 30, "ignore_eos": True})
+        assert got["finish"] == ["length"] and len(got["ids"]) == 30
+        assert sim_model.EOS_ID not in got["ids"]
+        got = await generate(client, "/v1/completions",
+                             {"prompt": p, "max_tokens": 30, "min_tokens": n})
+        assert len(got["ids"]) > n or got["finish"] == ["length"]
+        assert sim_model.EOS_ID not in got["ids"][:n]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
+      "continue_final_message": True}, "continue_final_message"),  # add_generation_prompt
+    ({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True,
+      "add_generation_prompt": False}, "continue_final_message"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 9, "max_tokens": 3},
+     "min_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop"),
+    ({"messages": [{"role": "user", "content": "hi"}], "ignore_eos": "yes"}, "body.ignore_eos"),
+])
+async def test_bad_chat_fields(client: TestClient, body: dict, param: str) -> None:
+    for stream in (False, True):
+        resp = await client.post("/v1/chat/completions", json=dict(body, stream=stream))
+        assert resp.status == 400
+        assert (await resp.json())["error"]["param"] == param
+
+
+async def test_prompt_too_long_like_vllm(make_client) -> None:
+    client = await make_client(max_model_len=8)
+    resp = await client.post("/v1/completions", json={"prompt": list(range(8, 16)),
+                                                      "max_tokens": 1})
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "input_tokens"
+
+
+# ------------------------------------------------------------------------ mid-stream faults
+async def read_raw_sse(resp: aiohttp.ClientResponse, timeout_s: float = 2.0) -> tuple[list[Any], str]:
+    """Read SSE events until EOF, a cut, or ``timeout_s`` of silence.
+
+    Returns (events, how): how is "eof", "cut" (connection error / incomplete body) or "silent".
+    """
+    events: list[Any] = []
+    buf = b""
+    while True:
+        try:
+            data = await asyncio.wait_for(resp.content.readany(), timeout_s)
+        except asyncio.TimeoutError:
+            return events, "silent"
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError):
+            return events, "cut"
+        if not data:
+            return events, "eof"
+        buf += data
+        while b"\n\n" in buf:
+            raw, buf = buf.split(b"\n\n", 1)
+            payload = raw[len(b"data: "):].decode()
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+
+
+def token_events(events: list[Any]) -> list[dict]:
+    return [e for e in events if e != "[DONE]" and "choices" in e and e["choices"]
+            and "role" not in e["choices"][0].get("delta", {})]
+
+
+@pytest.mark.parametrize("mode,how", [("reset_after", "cut"), ("fail_after", "cut")])
+async def test_cut_mid_stream_after_n_tokens(make_client, mode: str, how: str) -> None:
+    client = await make_client(token_interval_ms=1)
+    assert (await set_fault(client, mode=mode, after_tokens=4)) == {
+        "mode": mode, "ttft_ms": 0.0, "waiting": 0, "times": 1, "after_tokens": 4,
+        "replica_id": REPLICA}
+    resp = await client.post("/v1/completions", json=completion_body(max_tokens=20, stream=True))
+    assert resp.status == 200
+    events, got_how = await read_raw_sse(resp)
+    assert got_how == how
+    assert len(token_events(events)) == 4 and "[DONE]" not in events
+    assert all(e["choices"][0]["finish_reason"] is None for e in token_events(events))
+    # times=1: the fault was spent; the next request is whole and the mode reads none.
+    assert (await (await client.get("/sim/fault")).json())["mode"] == "none"
+    events = [e for _, e in await read_sse(
+        await client.post("/v1/completions", json=completion_body(max_tokens=5, stream=True)),
+        time.monotonic())]
+    assert events[-1] == "[DONE]" and len(events) == 6
+
+
+async def test_fail_after_nonstream_is_engine_dead_500(client: TestClient) -> None:
+    await set_fault(client, mode="fail_after", after_tokens=2)
+    resp = await client.post("/v1/completions", json=completion_body(max_tokens=5))
+    assert resp.status == 500
+    assert (await resp.json())["error"]["message"].startswith("EngineCore encountered an issue")
+
+
+async def test_error_after_is_vllm_in_band_error(client: TestClient) -> None:
+    await set_fault(client, mode="error_after", after_tokens=3, times=0)
+    for path, body in (("/v1/completions", completion_body(max_tokens=9, stream=True)),
+                       ("/v1/chat/completions", chat_body(max_tokens=9, stream=True))):
+        resp = await client.post(path, json=body)
+        events, how = await read_raw_sse(resp)
+        assert how == "eof"
+        assert len(token_events(events)) == 3
+        assert events[-2] == {"error": {"message": "Internal server error",
+                                        "type": "InternalServerError", "param": None,
+                                        "code": 500}}
+        assert events[-1] == "[DONE]"
+        assert all(e["choices"][0]["finish_reason"] is None for e in token_events(events))
+    resp = await client.post("/v1/chat/completions", json=chat_body(max_tokens=9))
+    assert resp.status == 500 and (await resp.json())["error"]["type"] == "InternalServerError"
+    assert (await stats(client))["fault"] == "error_after"  # times=0: every request
+
+
+async def test_freeze_after_n_tokens_then_resume_is_exact(client: TestClient) -> None:
+    whole = await generate(client, "/v1/completions", {"prompt": "hello world",
+                                                       "max_tokens": 12})
+    await set_fault(client, mode="freeze_after", after_tokens=5)
+    resp = await client.post("/v1/completions", json=completion_body(
+        max_tokens=12, stream=True, return_token_ids=True))
+    events, how = await read_raw_sse(resp, timeout_s=0.4)
+    assert how == "silent" and len(token_events(events)) == 5
+    state = await (await client.get("/sim/fault")).json()
+    assert state["mode"] == "hang"  # the whole engine is frozen now
+    assert (await client.get("/health")).status == 200
+    await set_fault(client, mode="none")
+    more, how = await read_raw_sse(resp)
+    assert how == "eof" and more[-1] == "[DONE]"
+    ids = [t for e in token_events(events + more) for t in e["choices"][0]["token_ids"]]
+    assert ids == whole["ids"]
+
+
+async def test_hang_after_headers_hits_new_requests_only(client: TestClient) -> None:
+    running = await client.post("/v1/completions", json=completion_body(max_tokens=40,
+                                                                        stream=True))
+    await read_event(running)
+    await set_fault(client, mode="hang_after_headers")
+    stuck = await asyncio.wait_for(client.post("/v1/chat/completions",
+                                               json=chat_body(stream=True)), 1.0)
+    assert stuck.status == 200 and stuck.content_type == "text/event-stream"
+    events, how = await read_raw_sse(stuck, timeout_s=0.3)
+    assert (events, how) == ([], "silent")
+    # The rest of the engine works: the running stream finishes, a new request is served,
+    # and probes are never hit.
+    rest, how = await read_raw_sse(running)
+    assert how == "eof" and rest[-1] == "[DONE]"
+    resp = await client.post("/v1/completions", json=completion_body(max_tokens=2))
+    assert resp.status == 200
+    await set_fault(client, mode="none")
+    events, how = await read_raw_sse(stuck)
+    assert how == "eof" and events[-1] == "[DONE]" and len(token_events(events)) == 3
+
+
+async def test_midstream_faults_spare_probes(client: TestClient) -> None:
+    await set_fault(client, mode="reset_after", after_tokens=0, times=0)
+    resp = await client.post("/v1/completions", json=completion_body(max_tokens=2, stream=True),
+                             headers={"x-sentinel-probe": "1"})
+    events, how = await read_raw_sse(resp)
+    assert how == "eof" and events[-1] == "[DONE]"
+    resp = await client.post("/v1/completions", json=completion_body(max_tokens=2, stream=True))
+    events, how = await read_raw_sse(resp)
+    assert how == "cut" and token_events(events) == []  # after_tokens=0: before any token
+
+
+@pytest.mark.parametrize("body", [
+    {"mode": "reset_after", "after_tokens": -1},
+    {"mode": "reset_after", "after_tokens": "3"},
+    {"mode": "error_after", "times": 1.5},
+    {"mode": "freeze_after", "times": True},
+])
+async def test_bad_midstream_fault_input_is_400(client: TestClient, body: dict) -> None:
+    resp = await client.post("/sim/fault", json=body)
+    assert resp.status == 400
+    assert (await (await client.get("/sim/fault")).json())["mode"] == "none"

@@ -118,6 +118,9 @@ class ControlPlaneCollector:
 
     def _xds(self):
         yield from self.view.xds_metric_families()
+        feed = getattr(self.view, "routing_feed", None)  # the relay's feed (routing_feed.py), if served
+        if feed is not None:
+            yield from feed.metrics()
 
     def _health(self):
         c = self.view.counters

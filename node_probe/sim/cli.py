@@ -1,0 +1,108 @@
+"""Command line of the simulated engine: ``node-probe sim-engine`` / ``python -m node_probe.sim``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import signal
+import socket
+import sys
+
+from aiohttp import web
+
+from node_probe.sim.app import build_app
+from node_probe.sim.engine import SimConfig
+
+__all__ = ["main"]
+
+
+def _parse_args(argv: list[str] | None) -> SimConfig:
+    parser = argparse.ArgumentParser(
+        prog="sim-engine",
+        description="Simulated OpenAI-compatible LLM engine (vLLM-shaped) with fault injection.")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="listen port (default 8000; 0 picks a free one)")
+    parser.add_argument("--replica-id", default="", help="name in x-served-by (default sim-PORT)")
+    parser.add_argument("--model", default="sim-model", help="served model id (default sim-model)")
+    parser.add_argument("--token-interval-ms", type=float, default=20.0,
+                        help="pace between streamed tokens in ms (default 20)")
+    parser.add_argument("--eos-rate", type=float, default=0.0,
+                        help="chance (0..1) that the model's next token is EOS in a context "
+                             "(default 0: generations run to max_tokens)")
+    parser.add_argument("--max-model-len", type=int, default=4096,
+                        help="context length in tokens (default 4096)")
+    args = parser.parse_args(argv)
+    if args.token_interval_ms < 0 or not math.isfinite(args.token_interval_ms):
+        parser.error("--token-interval-ms must be a finite number >= 0")
+    if not (math.isfinite(args.eos_rate) and 0.0 <= args.eos_rate <= 1.0):
+        parser.error("--eos-rate must be a ratio in 0..1")
+    if args.max_model_len < 2:
+        parser.error("--max-model-len must be an integer >= 2")
+    if not 0 <= args.port <= 65535:
+        parser.error("--port must be in 0..65535")
+    return SimConfig(host=args.host, port=args.port, replica_id=args.replica_id,
+                     model=args.model, token_interval_ms=args.token_interval_ms,
+                     eos_rate=args.eos_rate, max_model_len=args.max_model_len)
+
+
+async def _serve(cfg: SimConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runner: web.AppRunner | None = None
+    try:
+        if cfg.port == 0:
+            # Bind first so the default replica id can name the real port.
+            sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((cfg.host, 0))
+            port = sock.getsockname()[1]
+            if cfg.replica_id == "sim-0":
+                cfg.replica_id = f"sim-{port}"
+            cfg.port = port
+            app = build_app(cfg)
+            runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                   shutdown_timeout=2.0)
+            await runner.setup()
+            site: web.BaseSite = web.SockSite(runner, sock)
+        else:
+            app = build_app(cfg)
+            runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                   shutdown_timeout=2.0)
+            await runner.setup()
+            site = web.TCPSite(runner, cfg.host, cfg.port)
+        await site.start()
+        host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+        print(f"sim-engine {cfg.replica_id} listening on http://{host}:{cfg.port}", flush=True)
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if runner is not None:
+            await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one simulated engine until SIGTERM or SIGINT.
+
+    Args:
+        argv: command-line arguments without the program name (``--host --port --replica-id
+            --model --token-interval-ms --eos-rate
+            --max-model-len``); ``None`` reads ``sys.argv[1:]``.
+
+    Returns:
+        0 after a clean shutdown; 1 when the port cannot be bound.
+    """
+    cfg = _parse_args(argv)
+    try:
+        asyncio.run(_serve(cfg))
+    except OSError as exc:
+        print(f"sim-engine: cannot listen on {cfg.host}:{cfg.port}: {exc}", file=sys.stderr,
+              flush=True)
+        return 1
+    return 0
+
+

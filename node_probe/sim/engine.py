@@ -1,0 +1,191 @@
+"""State of one simulated engine: configuration, fault mode, parked requests and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from node_probe.sim.faults import Faults
+
+__all__ = ["FINISHED_REASONS", "SimConfig", "SimEngine"]
+
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+# How often parked requests are checked for a vanished client, in seconds.
+_REAP_INTERVAL_S = 0.1
+
+
+@dataclass
+class SimConfig:
+    """Configuration of one simulated engine.
+
+    Attributes:
+        host: address to listen on.
+        port: TCP port to listen on (0 lets the OS pick one; ``main`` then reports the real one).
+        replica_id: name sent in ``x-served-by`` and ``/sim/stats``; default ``sim-<port>``.
+        model: the single model id served (``/v1/models``, ``model`` in responses, metric label).
+        token_interval_ms: pace between streamed tokens, and delay of the first token, in ms.
+        default_max_tokens: tokens generated when a request gives no ``max_tokens``.
+        kv_cache_usage: value of ``vllm:kv_cache_usage_perc`` (ratio 0..1).
+        max_model_len: context length in tokens; larger ``max_tokens`` is a 400 like vLLM's.
+        eos_rate: chance (ratio 0..1) that the model's greedy next token is EOS in a given
+            context; 0 (default) means generations always run to ``max_tokens``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    replica_id: str = ""
+    model: str = "sim-model"
+    token_interval_ms: float = 20.0
+    default_max_tokens: int = 16
+    kv_cache_usage: float = 0.1
+    max_model_len: int = 4096
+    eos_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.replica_id:
+            self.replica_id = f"sim-{self.port}"
+        if not (math.isfinite(self.eos_rate) and 0.0 <= self.eos_rate <= 1.0):
+            raise ValueError("eos_rate must be a ratio in 0..1")
+
+
+class SimEngine:
+    """State of one simulated engine: fault mode, counters and Prometheus metrics.
+
+    One instance lives in each app built by :func:`node_probe.sim.build_app`
+    (``app[SIM_ENGINE_KEY]``), so in-process users can also inject faults without HTTP via
+    :meth:`set_fault`.
+    """
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.faults = Faults()
+        self.closing = False
+        self.requests_total = 0
+        self.requests_by_kind = {"probe": 0, "user": 0}
+        self.responses_by_status: dict[str, int] = {}
+        self.in_flight = 0
+        # Parked requests (engine hung, or hang_after_headers): future -> request.
+        self._stuck: dict[asyncio.Future[bool], web.BaseRequest] = {}
+        self._reaper: asyncio.Task[None] | None = None
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ("engine", "model_name")
+        lv = ("0", cfg.model)
+        self._g_running = Gauge("vllm:num_requests_running",
+                                "Number of requests in model execution batches.",
+                                labels, registry=self.registry).labels(*lv)
+        self._g_waiting = Gauge("vllm:num_requests_waiting",
+                                "Number of requests waiting to be processed.",
+                                labels, registry=self.registry).labels(*lv)
+        self._g_kv = Gauge("vllm:kv_cache_usage_perc",
+                           "KV-cache usage. 1 means 100 percent usage.",
+                           labels, registry=self.registry).labels(*lv)
+        self.c_prompt = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                                labels, registry=self.registry).labels(*lv)
+        self.c_gen = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                             labels, registry=self.registry).labels(*lv)
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          ("engine", "finished_reason", "model_name"), registry=self.registry)
+        self.c_success = {r: success.labels("0", r, cfg.model) for r in FINISHED_REASONS}
+        self._g_kv.set(cfg.kv_cache_usage)
+
+    # ----------------------------------------------------------------------------- faults
+    @property
+    def mode(self) -> str:
+        """Current fault mode (see :mod:`node_probe.sim.faults`)."""
+        return self.faults.mode
+
+    def fault_state(self) -> dict[str, Any]:
+        """Current fault as JSON (:meth:`Faults.state` plus ``replica_id``)."""
+        return dict(self.faults.state(), replica_id=self.cfg.replica_id)
+
+    def set_fault(self, mode: str, *, ttft_ms: float | None = None, waiting: int | None = None,
+                  after_tokens: int | None = None, times: int | None = None) -> dict[str, Any]:
+        """Switch the fault mode and return the new state; parked requests resume unless the
+        new mode is ``hang``.
+
+        Raises:
+            ValueError: unknown mode or out-of-range value (nothing changes).
+        """
+        self.faults.set(mode, ttft_ms=ttft_ms, waiting=waiting, after_tokens=after_tokens,
+                        times=times)
+        if mode != "hang":
+            self._release_stuck(True)
+        return self.fault_state()
+
+    def close(self) -> None:
+        """Stop serving tokens: parked and streaming requests end (called on app shutdown)."""
+        self.closing = True
+        self._release_stuck(False)
+
+    def _release_stuck(self, proceed: bool) -> None:
+        for fut in list(self._stuck):
+            if not fut.done():
+                fut.set_result(proceed)
+
+    async def wait_runnable(self, request: web.BaseRequest) -> bool:
+        """Wait while the engine is hung.
+
+        Returns True when the request may produce its next token, False when it must stop (its
+        client went away while parked, or the app is shutting down).
+        """
+        if self.closing:
+            return False
+        if self.faults.mode != "hang":
+            return True
+        return await self.park(request)
+
+    async def park(self, request: web.BaseRequest) -> bool:
+        """Park a request until the fault mode is changed; same result as :meth:`wait_runnable`."""
+        if self.closing:
+            return False
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._stuck[fut] = request
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.create_task(self._reap())
+        try:
+            return await fut
+        finally:
+            self._stuck.pop(fut, None)
+
+    async def _reap(self) -> None:
+        # aiohttp does not cancel handlers on disconnect by default, so parked requests whose
+        # client is gone are found here (one task for all of them) and released.
+        while self._stuck:
+            await asyncio.sleep(_REAP_INTERVAL_S)
+            for fut, req in list(self._stuck.items()):
+                transport = req.transport
+                if (transport is None or transport.is_closing()) and not fut.done():
+                    fut.set_result(False)
+
+    # ----------------------------------------------------------------------------- metrics
+    def render_metrics(self) -> bytes:
+        """Prometheus text exposition of the engine's metrics."""
+        self._g_running.set(self.in_flight)
+        self._g_waiting.set(self.faults.waiting if self.faults.mode == "queue" else 0)
+        return generate_latest(self.registry)
+
+    def stats(self) -> dict[str, Any]:
+        """Traffic counters as JSON.
+
+        ``requests_total`` and ``requests_by_kind`` count inference requests at arrival (bad ones
+        too), ``in_flight`` those being served now, ``responses_by_status`` inference responses
+        by HTTP status once their headers went out.
+        """
+        return {
+            "replica_id": self.cfg.replica_id,
+            "requests_total": self.requests_total,
+            "requests_by_kind": dict(self.requests_by_kind),
+            "in_flight": self.in_flight,
+            "responses_by_status": dict(self.responses_by_status),
+            "fault": self.faults.mode,
+        }
+
+    def count_status(self, status: int) -> None:
+        key = str(status)
+        self.responses_by_status[key] = self.responses_by_status.get(key, 0) + 1

@@ -1,0 +1,134 @@
+"""Fault modes of the simulated engine: what each does and when a mid-stream fault fires.
+
+Pure code, no I/O: :class:`Faults` holds the current fault and answers the generation loop's
+questions ("does this request's next token trip a fault?"); the HTTP layer does what the answer
+says. Modes (``POST /sim/fault`` body ``{"mode": ..., params}``):
+
+=================== ==========================================================================
+``none``            healthy engine.
+``hang``            engine frozen (like SIGSTOP of the EngineCore): new requests get their
+                    headers (streams) and then nothing, in-flight streams stop, ``/health`` and
+                    ``/metrics`` stay 200 with a frozen token counter. ``none`` resumes all.
+``slow``            first token of each new request after ``ttft_ms`` ms (default 1000).
+``error``           inference answers HTTP 500 (CUDA error body) before any streaming.
+``queue``           ``/metrics`` reports ``waiting`` waiting requests (default 120).
+``freeze_after``    the engine runs until a user request has produced ``after_tokens`` tokens,
+                    then the whole engine freezes exactly like ``hang`` (the mode reads
+                    ``hang`` from then on; ``none`` resumes).
+``reset_after``     once a user request has produced ``after_tokens`` tokens its TCP connection
+                    is reset (RST): a stream is cut with no finish_reason and no ``[DONE]``; a
+                    non-streaming request gets no response.
+``fail_after``      like an engine process dying: at ``after_tokens`` a stream's connection is
+                    closed (FIN) without the last chunk, finish_reason or ``[DONE]``; a
+                    non-streaming request is answered HTTP 500 ("EngineCore encountered an
+                    issue").
+``error_after``     vLLM's in-band error: at ``after_tokens`` a stream gets one
+                    ``data: {"error": {"message", "type": "InternalServerError", "param": null,
+                    "code": 500}}`` event, then ``data: [DONE]`` (no finish_reason); a
+                    non-streaming request gets that error body with HTTP 500.
+``hang_after_headers`` new user requests (the next ``times``) send their headers (streams: 200
+                    SSE headers; non-streaming: nothing) and then never a token; the rest of
+                    the engine works. ``none`` (or any other mode) releases them.
+=================== ==========================================================================
+
+``after_tokens`` (int >= 0, default 1) counts the tokens a request has produced (all its
+choices); 0 fires before its first token. ``times`` (int >= 0, default 1) is how many requests a
+``*_after`` or ``hang_after_headers`` fault hits before the mode returns to ``none``; 0 means
+every request. Probe requests (``x-sentinel-probe`` header) are never hit by these per-request
+faults, so the node's own health probes see a healthy engine unless the engine is frozen.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["FAULT_MODES", "MIDSTREAM_MODES", "Faults", "DEFAULT_SLOW_TTFT_MS",
+           "DEFAULT_QUEUE_WAITING"]
+
+#: Mid-stream modes: what fires when a request reaches ``after_tokens`` tokens.
+MIDSTREAM_MODES = ("freeze_after", "reset_after", "fail_after", "error_after")
+#: Fault modes accepted by ``POST /sim/fault``.
+FAULT_MODES = ("none", "hang", "slow", "error", "queue", *MIDSTREAM_MODES, "hang_after_headers")
+_COUNTED = (*MIDSTREAM_MODES, "hang_after_headers")
+
+#: Default first-token delay for ``slow`` when the fault request gives no ``ttft_ms`` (ms).
+DEFAULT_SLOW_TTFT_MS = 1000.0
+#: Default waiting count for ``queue`` when the fault request gives no ``waiting``.
+DEFAULT_QUEUE_WAITING = 120
+#: Accepted keys of a fault request.
+FAULT_FIELDS = frozenset({"mode", "ttft_ms", "waiting", "after_tokens", "times"})
+
+
+class Faults:
+    """Current fault mode and its parameters."""
+
+    def __init__(self) -> None:
+        self.mode = "none"
+        self.ttft_ms = 0.0
+        self.waiting = 0
+        self.after_tokens = 1
+        self.times = 1  # requests still to hit (0: every request)
+
+    def state(self) -> dict[str, Any]:
+        """JSON view: ``mode``, ``ttft_ms``, ``waiting``; plus ``after_tokens`` and ``times``
+        for the modes that use them."""
+        out: dict[str, Any] = {"mode": self.mode, "ttft_ms": self.ttft_ms,
+                               "waiting": self.waiting}
+        if self.mode in _COUNTED:
+            out["times"] = self.times
+            if self.mode in MIDSTREAM_MODES:
+                out["after_tokens"] = self.after_tokens
+        return out
+
+    def set(self, mode: str, *, ttft_ms: float | None = None, waiting: int | None = None,
+            after_tokens: int | None = None, times: int | None = None) -> None:
+        """Switch mode (all-or-nothing: on error nothing changes).
+
+        Raises:
+            ValueError: unknown mode or a value out of range, naming the field.
+        """
+        if mode not in FAULT_MODES:
+            raise ValueError(f"mode must be one of {', '.join(FAULT_MODES)}")
+        if ttft_ms is not None and not (math.isfinite(ttft_ms) and ttft_ms >= 0):
+            raise ValueError("ttft_ms must be a finite number >= 0")
+        for name, value in (("waiting", waiting), ("after_tokens", after_tokens),
+                            ("times", times)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ValueError(f"{name} must be an integer >= 0")
+        self.mode = mode
+        self.ttft_ms = float(DEFAULT_SLOW_TTFT_MS if ttft_ms is None else ttft_ms) \
+            if mode == "slow" else 0.0
+        self.waiting = int(DEFAULT_QUEUE_WAITING if waiting is None else waiting) \
+            if mode == "queue" else 0
+        self.after_tokens = 1 if after_tokens is None else after_tokens
+        self.times = 1 if times is None else times
+
+    def _spend(self) -> None:
+        if self.times == 1:
+            self.mode = "none"
+        elif self.times > 1:
+            self.times -= 1
+
+    def on_token(self, produced: int, probe: bool) -> str | None:
+        """Called before a request produces its next token, ``produced`` tokens so far.
+
+        Returns the mid-stream mode that fires now (``freeze_after`` having switched the mode
+        to ``hang``), or None.
+        """
+        if probe or self.mode not in MIDSTREAM_MODES or produced < self.after_tokens:
+            return None
+        fired = self.mode
+        if fired == "freeze_after":
+            self.mode = "hang"
+        else:
+            self._spend()
+        return fired
+
+    def on_headers(self, probe: bool) -> bool:
+        """Called when a request starts: True when it must hang after its headers."""
+        if probe or self.mode != "hang_after_headers":
+            return False
+        self._spend()
+        return True

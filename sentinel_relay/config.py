@@ -1,0 +1,100 @@
+"""The relay's configuration: CLI flags or a small YAML file -> one validated pydantic model.
+
+Every field has its default and the reason for it. Errors: :func:`load_relay_config` raises
+:class:`RelayConfigError` naming each bad field (``stall_gap_s: ...``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = ["RelayConfig", "RelayConfigError", "load_relay_config"]
+
+
+class RelayConfigError(ValueError):
+    """The relay's config file or flags are invalid; the message names the field and reason."""
+
+
+def _hostport(v: str) -> str:
+    host, sep, port = v.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {v!r}")
+    return v
+
+
+class RelayConfig(BaseModel):
+    """Fields (units in the name: ``_s`` seconds):
+
+    - ``listen``: where clients connect (HOST:PORT).
+    - ``upstream``: Envoy's listener URL; every attempt goes there and Envoy picks the node.
+    - ``routing_feed``: the control plane's gRPC address serving ``sentinel.routing.v1`` (None:
+      no health signal; the relay still rescues on its own evidence).
+    - ``admin_listen``: Prometheus ``/metrics`` (worker *i* listens on port + *i*); None: off.
+    - ``workers``: processes sharing ``listen`` with SO_REUSEPORT (one per core to scale).
+    - ``max_rescues``: continuation attempts after the first (default 2: a second node failing
+      during one request is rare; a third points at the request itself, e.g. a crash it causes).
+    - ``max_resume_tokens``: most generated tokens re-sent as context (8192: re-prefill of 8k
+      tokens takes ~100-400 ms on one H100-class GPU, within the pause goal of 500 ms).
+    - ``stall_gap_s``: silence within a stream, after its first chunk, that counts as a stall
+      (2.0 s: 10x a slow decode step of a busy engine (~200 ms TPOT); the health signal usually
+      acts first, at ~200 ms).
+    - ``first_chunk_timeout_s``: silence before an attempt's first chunk (covers prefill of a
+      long prompt: 30 s).
+    - ``ping_interval_s``: ``: ping`` comment lines while a rescue is prefilling (0.3 s: keeps
+      SDK and proxy read timeouts quiet and shows the client the stream is alive).
+    - ``upstream_host_header``: Envoy's response header naming the node (%UPSTREAM_HOST%).
+    - ``hedge_unary_on_ejection``: a non-streaming request in flight when a node is ejected is
+      re-issued at once (its node is unknown until its headers arrive, so every such request is
+      re-issued and the first answer wins; the other is cancelled).
+    - ``feed_reconnect_max_s``: longest wait between routing feed reconnects (backoff from 0.1 s).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    listen: str = "127.0.0.1:8080"
+    upstream: str = "http://127.0.0.1:10000"
+    routing_feed: str | None = None
+    admin_listen: str | None = "127.0.0.1:9470"
+    workers: int = Field(1, ge=1, le=256)
+    max_rescues: int = Field(2, ge=0, le=10)
+    max_resume_tokens: int = Field(8192, ge=0)
+    stall_gap_s: float = Field(2.0, gt=0)
+    first_chunk_timeout_s: float = Field(30.0, gt=0)
+    ping_interval_s: float = Field(0.3, gt=0)
+    upstream_host_header: str = "x-sentinel-upstream-host"
+    hedge_unary_on_ejection: bool = True
+    feed_reconnect_max_s: float = Field(2.0, gt=0)
+
+    @field_validator("listen", "routing_feed", "admin_listen")
+    @classmethod
+    def _check_hostport(cls, v: str | None) -> str | None:
+        return None if v is None else _hostport(v)
+
+    @field_validator("upstream")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"expected an http(s):// URL, got {v!r}")
+        return v.rstrip("/")
+
+
+def load_relay_config(path: str | Path | None = None, **overrides: Any) -> RelayConfig:
+    """Read a YAML mapping (optional) and apply ``overrides`` (flags; None values ignored)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise RelayConfigError(f"{path}: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise RelayConfigError(f"{path}: expected a mapping at the top level")
+        data.update(loaded or {})
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return RelayConfig(**data)
+    except ValidationError as e:
+        msgs = [f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: {err['msg']}" for err in e.errors()]
+        raise RelayConfigError("; ".join(msgs)) from None

@@ -1,0 +1,75 @@
+"""Client of the control plane's routing feed (``sentinel.routing.v1.RoutingFeed/Watch``).
+
+:class:`FeedClient` keeps one server-streaming call open (grpc.aio), reconnecting with backoff
+(0.1 s doubling to ``reconnect_max_s``), and calls ``on_node(node, snapshot)`` for every
+``NodeRouting`` it receives (each reconnect starts with a full snapshot). It keeps the latest
+routing per node in ``nodes`` (node id -> NodeRouting). ``on_node`` must not block.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import grpc
+
+from xds_server.proto import routing_pb2, routing_pb2_grpc
+
+__all__ = ["FeedClient"]
+
+log = logging.getLogger("sentinel_relay.feed")
+
+
+class FeedClient:
+    def __init__(self, target: str, on_node: Callable[[routing_pb2.NodeRouting, bool], None], *,
+                 subscriber_id: str = "sentinel-relay", reconnect_max_s: float = 2.0,
+                 on_connected: Callable[[bool], None] | None = None) -> None:
+        self.target = target
+        self.on_node = on_node
+        self.subscriber_id = subscriber_id
+        self.reconnect_max_s = reconnect_max_s
+        self.on_connected = on_connected or (lambda up: None)
+        self.nodes: dict[str, routing_pb2.NodeRouting] = {}
+        self.updates = 0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="routing-feed")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(self.target) as ch:
+                    stub = routing_pb2_grpc.RoutingFeedStub(ch)
+                    call = stub.Watch(routing_pb2.WatchRequest(subscriber_id=self.subscriber_id))
+                    async for upd in call:
+                        if upd.snapshot:
+                            self.on_connected(True)
+                            backoff = 0.1
+                            log.info("routing feed: snapshot of %d nodes", len(upd.nodes))
+                        self.updates += 1
+                        for n in upd.nodes:
+                            self.nodes[n.node_id] = n
+                            try:
+                                self.on_node(n, upd.snapshot)
+                            except Exception:  # a bug in a callback must not end the feed
+                                log.exception("routing feed callback failed for %s", n.node_id)
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as e:
+                log.warning("routing feed %s: %s; reconnecting in %.1f s", self.target,
+                            e.code().name, backoff)
+            except Exception as e:  # noqa: BLE001 - any failure: reconnect
+                log.warning("routing feed %s: %r; reconnecting in %.1f s", self.target, e, backoff)
+            self.on_connected(False)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.reconnect_max_s)

@@ -1,0 +1,358 @@
+"""The relay's HTTP shell: client -> relay -> Envoy -> engines.
+
+:class:`Relay` serves HTTP (aiohttp's low-level server: no router, no middlewares) and forwards
+every request to Envoy. A streaming completion or chat request that can be continued ("armed")
+is relayed event by event through a :class:`~sentinel_relay.stream.StreamBook`; when its attempt
+fails it is continued on whatever node Envoy routes the continuation to. Triggers:
+
+- health: the routing feed says the node (Envoy's ``x-sentinel-upstream-host``) is UNHEALTHY
+  (DRAINING is left alone: a drain lets requests finish);
+- reset: the upstream connection broke, or ended without finish_reason;
+- error: an in-band error event, or a 5xx status before the first byte;
+- stall: no byte for ``stall_gap_s`` (``first_chunk_timeout_s`` before an attempt's first chunk).
+
+Non-streaming requests and pass-through (refused requests, other paths): :mod:`.unary`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+from aiohttp.web_server import Server
+from multidict import CIMultiDict
+
+from .config import RelayConfig
+from .http1 import build_request
+from .metrics import RelayMetrics
+from .plan import Plan, Refused, plan_request
+from .sse import SSESplitter
+from .stream import PING, St, StreamBook
+from .unary import HOP_HEADERS, RELAY_HEADER, UnaryRequests, out_headers as _out_headers, reply as _reply
+from .upstream import UpstreamExchange, open_exchange
+
+__all__ = ["Relay", "RELAY_HEADER"]
+
+log = logging.getLogger("sentinel_relay")
+
+_HIGH_WATER, _LOW_WATER = 1 << 20, 256 << 10  # client write buffer: pause / resume upstream (bytes)
+
+
+class _Ctx:
+    """One armed stream in flight (the shell's handle on it)."""
+
+    __slots__ = ("up", "node", "last_rx", "last_tx", "rescuing", "fault_tx", "kill_reason",
+                 "client", "first_chunk", "transport", "chunked", "client_gone", "paused")
+
+    def __init__(self, now: float) -> None:
+        self.up: UpstreamExchange | None = None
+        self.node: str | None = None
+        self.last_rx = now
+        self.last_tx = now
+        self.rescuing = False
+        self.fault_tx = now
+        self.kill_reason: str | None = None
+        self.client: web.StreamResponse | None = None
+        self.transport: asyncio.Transport | None = None
+        self.chunked = False
+        self.first_chunk = False
+        self.client_gone = False
+        self.paused = False
+
+    def bind_client(self, client: web.StreamResponse, transport: Any) -> None:
+        self.client, self.transport = client, transport
+        w = client._payload_writer
+        self.chunked = bool(getattr(w, "chunked", False))
+
+    def send(self, data: bytes) -> None:
+        """Write to the client now (chunked framing as aiohttp set up); flags a gone client and
+        pauses the upstream while the client's buffer is over 1 MiB (the watchdog resumes it)."""
+        tr = self.transport
+        if tr is None or tr.is_closing():
+            self.client_gone = True
+            return
+        tr.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        if tr.get_write_buffer_size() > _HIGH_WATER and self.up is not None:
+            self.up.pause()
+            self.paused = True
+
+    def kill(self, reason: str) -> None:
+        if self.kill_reason is None and self.up is not None:
+            self.kill_reason = reason
+            self.up.abort(reason)
+
+
+class Relay:
+    """``await Relay(cfg).start()`` serves until ``await stop()``. ``metrics``: its registry.
+    ``sock``: an already bound socket to serve on (worker mode), else ``cfg.listen``."""
+
+    def __init__(self, cfg: RelayConfig, metrics: RelayMetrics | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or RelayMetrics()
+        self.by_node: dict[str, set[_Ctx]] = {}
+        self.streams: set[_Ctx] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.ServerRunner | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._node_state: dict[str, str] = {}  # node id -> last state heard on the routing feed
+        self.port: int | None = None
+        u = urlsplit(cfg.upstream)
+        if u.scheme != "http" or not u.hostname:
+            raise ValueError(f"upstream: streams are relayed over plain HTTP/1.1 to Envoy; got {cfg.upstream!r}")
+        self._up_host, self._up_port = u.hostname, u.port or 80
+        self._up_hostport = u.netloc
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self, reuse_port: bool = False) -> "Relay":
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        self.unary = UnaryRequests(self.cfg, self.metrics, self._session)
+        # access_log=None: the relay logs what matters (rescues) itself; no line per request
+        self._runner = web.ServerRunner(Server(self._handle, access_log=None), handle_signals=False)
+        await self._runner.setup()
+        host, _, port = self.cfg.listen.rpartition(":")
+        site = web.TCPSite(self._runner, host, int(port), reuse_port=reuse_port or None)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._watchdog(), name="relay-watchdog"))
+        log.info("relay listening on %s:%s -> %s", host, self.port, self.cfg.upstream)
+        return self
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._runner:
+            await self._runner.cleanup()
+        if self._session:
+            await self._session.close()
+
+    # -- the health signal ---------------------------------------------------------------------
+    def on_node(self, node: Any, snapshot: bool = False) -> int:
+        """A routing update (``NodeRouting``-shaped: ``node_id``, ``address``, ``state``).
+
+        UNHEALTHY: rescue every stream on ``address`` (always: they run on an ejected node), and,
+        on a *change* to UNHEALTHY outside a snapshot, re-issue the non-streaming requests
+        waiting for an answer (a reconnect's snapshot repeats old ejections). DRAINING and the
+        other states: nothing. Returns how many requests it acted on."""
+        prev = self._node_state.get(node.node_id)
+        self._node_state[node.node_id] = node.state
+        if node.state != "UNHEALTHY":
+            return 0
+        n = 0
+        for ctx in list(self.by_node.get(node.address, ())):
+            ctx.kill("health")
+            n += 1
+        if self.cfg.hedge_unary_on_ejection and not snapshot and prev != "UNHEALTHY":
+            n += self.unary.on_ejection()
+        if n:
+            log.info("node %s (%s) ejected: rescuing %d requests (%s)", node.node_id,
+                     node.address, n, getattr(node, "reason", ""))
+        return n
+
+    async def _watchdog(self) -> None:
+        """Stall detection and pings: one timer per process, not one per chunk."""
+        tick = min(self.cfg.ping_interval_s, self.cfg.stall_gap_s / 4, 0.1)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(tick)
+            now = loop.time()
+            for ctx in list(self.streams):
+                gap = self.cfg.stall_gap_s if ctx.first_chunk else self.cfg.first_chunk_timeout_s
+                if ctx.paused:
+                    if ctx.transport is None or ctx.transport.get_write_buffer_size() < _LOW_WATER:
+                        ctx.paused = False
+                        if ctx.up is not None:
+                            ctx.up.resume()
+                    ctx.last_rx = now  # a slow client is not a stalled engine
+                if ctx.up is not None and now - ctx.last_rx > gap:
+                    ctx.kill("stall")
+                if ctx.rescuing and ctx.transport is not None and now - ctx.last_tx >= self.cfg.ping_interval_s:
+                    ctx.last_tx = now
+                    ctx.send(PING)
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def _upstream_headers(self, request: web.BaseRequest, armed: bool) -> dict[str, str]:
+        h = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        if armed:
+            h.pop("Accept-Encoding", None)
+            h.pop("accept-encoding", None)
+        return h
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        raw = await request.read()
+        plan = plan_request(request.path, raw) if request.method == "POST" else \
+            Plan("other", None, False, "method", raw)
+        self.metrics.requests.labels("passthrough" if plan.refusal else "rescue").inc()
+        if plan.refusal is not None:
+            return await self.unary.passthrough(request, raw, f"passthrough; reason={plan.refusal}")
+        headers = self._upstream_headers(request, armed=True)
+        if plan.stream:
+            return await self._stream(request, plan, headers)
+        return await self.unary.handle(request, plan, headers)
+
+    async def _stream(self, request: web.BaseRequest, plan: Plan, headers: dict[str, str]) -> web.StreamResponse:
+        assert plan.body is not None
+        loop = asyncio.get_running_loop()
+        hdrs = [(k, v) for k, v in headers.items() if k.lower() != "accept-encoding"]
+        book = StreamBook(plan.kind, plan.body, plan.include_usage)
+        ctx = _Ctx(loop.time())
+        body = plan.upstream_body
+        client: web.StreamResponse | None = None
+        last_error: tuple[int, str | None, Any, bytes] | None = None
+        rescues = 0
+        trigger: str | None = None
+        self.streams.add(ctx)
+        try:
+            while True:
+                ctx.kill_reason, ctx.first_chunk, ctx.last_rx = None, False, loop.time()
+                reason: str | None = None
+                head = None
+                try:
+                    ex = await open_exchange(self._up_host, self._up_port, build_request(
+                        "POST", request.path_qs, self._up_hostport, hdrs, body))
+                    ctx.up = ex
+                    head = await ex.head
+                except (OSError, asyncio.TimeoutError):
+                    reason = ctx.kill_reason or "reset"
+                if head is not None and head.status != 200:
+                    err = await _collect(ex)
+                    ctx.up = None
+                    hh = CIMultiDict(head.headers)
+                    if client is None and head.status < 500:
+                        return _reply(head.status, head.reason, hh, err)
+                    last_error, head, reason = (head.status, head.reason, hh, err), None, "error"
+                if head is not None:
+                    if client is None:
+                        client = web.StreamResponse(status=200, headers=_out_headers(CIMultiDict(head.headers), "rescue"))
+                        await client.prepare(request)
+                        writer = client._payload_writer
+                        if writer is not None and hasattr(writer, "send_headers"):
+                            writer.send_headers()
+                        ctx.bind_client(client, request.transport)
+                    reason = await self._relay_attempt(ctx, ex, head, book)
+                    if ctx.client_gone:
+                        return client
+                    if reason is None:
+                        if trigger is not None:
+                            self.metrics.rescues.labels(trigger, "resumed").inc()
+                        await client.write_eof()
+                        return client
+                else:
+                    book.set_fault(reason or "reset")
+                trigger = _trigger(reason or "reset")
+                rescues += 1
+                if not ctx.rescuing:
+                    ctx.rescuing, ctx.fault_tx = True, ctx.last_tx
+                refusal = None
+                nxt = None
+                if rescues > self.cfg.max_rescues:
+                    refusal = f"attempts exhausted ({rescues} failed)"
+                else:
+                    try:
+                        nxt = book.next_request(self.cfg.max_resume_tokens)
+                    except Refused as e:
+                        refusal = str(e)
+                    if nxt is None and refusal is None and client is not None:
+                        ctx.send(book.finish_length())
+                        await client.write_eof()
+                        return client
+                if refusal is not None:
+                    self.metrics.rescues.labels(trigger, "refused" if rescues <= self.cfg.max_rescues else "failed").inc()
+                    log.warning("stream not rescued (%s after %s)", refusal, reason)
+                    if client is None:
+                        if last_error is not None:
+                            return _reply(*last_error)
+                        return web.json_response({"error": {"message": f"upstream failed: {reason}", "code": 502}},
+                                                 status=502, headers={RELAY_HEADER: "rescue"})
+                    ctx.send(book.give_up(f"the serving node failed ({reason}); {refusal}"))
+                    await client.write_eof()
+                    return client
+                self.metrics.wasted.labels("prefill").inc(book.usage()["prompt_tokens"] + book.resent_tokens)
+                log.info("rescuing stream (trigger %s, attempt %d, %d tokens delivered)",
+                         reason, book.attempt, book.rx.tokens)
+                body = json.dumps(nxt, separators=(",", ":")).encode()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            return client or web.Response(status=499)
+        finally:
+            self.streams.discard(ctx)
+            self._detach(ctx)
+            if ctx.up is not None:
+                ctx.up.abort("handler")
+
+    async def _relay_attempt(self, ctx: _Ctx, ex: UpstreamExchange, head: Any, book: StreamBook) -> str | None:
+        """Relay one attempt's body; the hot path runs in ``on_body`` (no await per chunk).
+        Returns None when the response is whole, else the fault reason."""
+        loop = asyncio.get_running_loop()
+        self._attach(ctx, ex, head.header(self.cfg.upstream_host_header))
+        sp = SSESplitter()
+        feed, split, send, pause = book.feed, sp.feed, ctx.send, self.metrics.pause
+
+        def on_body(data: bytes) -> None:
+            now = ctx.last_rx = loop.time()
+            out = feed(split(data))
+            if out:
+                ctx.first_chunk = True
+                if ctx.rescuing:
+                    pause.observe(now - ctx.fault_tx)
+                    ctx.rescuing = False
+                ctx.last_tx = now
+                send(out)
+                if ctx.client_gone:
+                    ex.abort("client")
+            st = book.state
+            if st is not St.OPEN and st is not St.FINISHED:
+                ex.abort("book")  # whole ([DONE]) or faulted (in-band error): this attempt is over
+
+        ex.consume(on_body)
+        reason = await ex.done
+        if ctx.kill_reason is not None:
+            tail = book.set_fault(ctx.kill_reason)
+        elif reason in (None, "book"):
+            tail = book.eof()
+        else:
+            tail = book.set_fault("reset")
+        if tail:
+            ctx.send(tail)
+        self._detach(ctx)
+        ctx.up = None
+        if book.state is St.COMPLETE:
+            return None
+        return ctx.kill_reason or book.fault or "reset"
+
+    def _attach(self, ctx: _Ctx, up: UpstreamExchange, node: str | None) -> None:
+        ctx.up, ctx.node = up, node
+        if node:
+            self.by_node.setdefault(node, set()).add(ctx)
+            self.metrics.in_flight.labels(node).inc()
+
+    def _detach(self, ctx: _Ctx) -> None:
+        if ctx.node:
+            s = self.by_node.get(ctx.node)
+            if s is not None and ctx in s:
+                s.discard(ctx)
+                self.metrics.in_flight.labels(ctx.node).dec()
+        ctx.node = None
+
+def _trigger(reason: str) -> str:
+    """Metric label for a fault reason: health, reset, stall or error."""
+    if reason in ("health", "stall", "error"):
+        return reason
+    return "reset"  # reset, truncated
+
+
+async def _collect(ex: UpstreamExchange) -> bytes:
+    """The whole (error) body of an exchange."""
+    parts: list[bytes] = []
+    ex.consume(parts.append)
+    await ex.done
+    return b"".join(parts)
+
+

@@ -1,0 +1,382 @@
+"""Stream bookkeeping for one relayed SSE response, without I/O.
+
+A :class:`StreamBook` takes the upstream's raw SSE events (from :class:`~sentinel_relay.sse.SSESplitter`),
+one attempt after another, and returns the bytes the client must receive, so that across any
+number of attempts the client sees one response id, one model name, its deltas in order, exactly
+one ``finish_reason``, usage computed here (prompt tokens once, completion tokens = tokens
+delivered) and one ``data: [DONE]``; or, when the last attempt fails, one in-band error event and
+no ``[DONE]``.
+
+First attempt: events are forwarded byte for byte (no JSON re-encoding); a plain token chunk in
+compact JSON (vLLM's) is not even decoded: the JSON of its text and token ids is kept as bytes
+and decoded only when a rescue (or the relay's usage) needs it (:attr:`StreamBook.rx`). Later
+attempts: each chunk is rewritten (id, model, created of the first; the repeated chat ``role``
+delta, the continuation's ``prompt_token_ids`` and the engine's usage dropped).
+
+States and inputs are a table (:data:`TRANSITIONS`); an input the table does not allow in a
+state raises :class:`BookError` (a bug in the caller, never upstream data: every upstream input is
+allowed in every state).
+"""
+from __future__ import annotations
+
+import enum
+import json
+import re
+from typing import Any
+
+from .plan import Received, Refused, continuation_body
+from .sse import event_data
+
+__all__ = ["BookError", "In", "St", "StreamBook", "TRANSITIONS", "error_event", "PING", "DONE"]
+
+PING = b": ping\n\n"
+# Compact JSON (vLLM's pydantic output): the string value of a key, the token id list.
+_STR = rb'("(?:[^"\\]|\\.)*")'
+_TEXT = re.compile(rb'"text":' + _STR)
+_CONTENT = re.compile(rb'"delta":\{(?:"role":"assistant",)?"content":' + _STR)
+_IDS = re.compile(rb'"token_ids":(\[[0-9,]*\]|null)')
+DONE = b"data: [DONE]\n\n"
+
+
+class St(enum.Enum):
+    OPEN = "open"            # an attempt is streaming, no finish_reason yet
+    FINISHED = "finished"    # finish_reason delivered; waiting for usage / [DONE]
+    FAULTED = "faulted"      # the attempt failed before finishing; a rescue may follow
+    COMPLETE = "complete"    # [DONE] delivered (terminal)
+    FAILED = "failed"        # error event delivered (terminal)
+
+
+class In(enum.Enum):
+    CHUNK = "chunk"          # a data chunk without finish_reason
+    FINISH = "finish"        # a data chunk with finish_reason
+    USAGE = "usage"          # a usage-only chunk (choices empty)
+    DONE = "done"            # data: [DONE]
+    ERROR = "error"          # an in-band error event (or undecodable data)
+    COMMENT = "comment"      # a comment-only event (an engine's keep-alive)
+    EOF = "eof"              # the upstream response ended
+    FAULT = "fault"          # the shell's verdict: health signal, stall, reset
+    RESUME = "resume"        # a new attempt starts
+    GIVE_UP = "give_up"      # no further attempt
+
+
+_UPSTREAM = (In.CHUNK, In.FINISH, In.USAGE, In.DONE, In.ERROR, In.COMMENT, In.EOF, In.FAULT)
+
+TRANSITIONS: dict[tuple[St, In], St] = {
+    **{(St.OPEN, i): St.OPEN for i in (In.CHUNK, In.USAGE, In.COMMENT)},
+    (St.OPEN, In.FINISH): St.FINISHED,
+    **{(St.OPEN, i): St.FAULTED for i in (In.DONE, In.ERROR, In.EOF, In.FAULT)},
+    **{(St.FINISHED, i): St.FINISHED for i in (In.CHUNK, In.FINISH, In.USAGE, In.COMMENT)},
+    # finish_reason was delivered: whatever happens next, the generation is whole.
+    **{(St.FINISHED, i): St.COMPLETE for i in (In.DONE, In.ERROR, In.EOF, In.FAULT)},
+    **{(St.FAULTED, i): St.FAULTED for i in _UPSTREAM},   # leftovers of a dead attempt
+    (St.FAULTED, In.RESUME): St.OPEN,
+    (St.FAULTED, In.GIVE_UP): St.FAILED,
+    **{(St.COMPLETE, i): St.COMPLETE for i in _UPSTREAM},
+    **{(St.FAILED, i): St.FAILED for i in _UPSTREAM},
+}
+
+
+class BookError(RuntimeError):
+    """An input the state table does not allow (a caller's bug)."""
+
+
+def error_event(message: str, code: int = 502, type_: str = "relay_rescue_failed") -> bytes:
+    """The one in-band error event sent when the last attempt failed (OpenAI error shape)."""
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _dumps(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+class StreamBook:
+    """One streamed response across attempts. ``kind``: "completions" or "chat"; ``body``: the
+    client's request (parsed); ``include_usage``: the client asked for a usage chunk.
+
+    Read-only facts for the shell: ``state``, ``attempt`` (1-based), ``rx`` (what the client has
+    received), ``fault`` (the reason the current attempt failed, or None), ``resent_tokens``
+    (generated tokens re-sent as context in the current attempt).
+    """
+
+    def __init__(self, kind: str, body: dict[str, Any], include_usage: bool = False) -> None:
+        self.kind = kind
+        self.body = body
+        self.include_usage = include_usage
+        self.state = St.OPEN
+        self.attempt = 1
+        self._rx = Received()
+        # Fast path (first attempt, compact vLLM-style chunks): the JSON of each chunk's text and
+        # token ids is kept as bytes, comma-joined, and decoded only when needed (see ``rx``).
+        self._fast_text = bytearray()
+        self._fast_ids = bytearray()
+        self._fast_n = 0
+        self.fault: str | None = None
+        self.resent_tokens = 0
+        self._skip_ids = 0  # held-back ids the current attempt regenerates: not delivered twice
+        self._identity: tuple[Any, Any, Any, Any] | None = None  # id, object, created, model
+        self._identity_attempt = 0
+        self._engine_usage: dict[str, Any] | None = None
+        self._engine_usage_attempt = 0
+        self._usage_sent = False
+        self._tool_or_reasoning: str | None = None
+
+    @property
+    def rx(self) -> Received:
+        """What the client has received (decodes the fast path's pending bytes first)."""
+        if self._fast_n:
+            rx = self._rx
+            texts = json.loads(b"[" + self._fast_text + b"]")
+            rx.text.extend(t for t in texts if t)
+            if self._fast_ids:
+                rx.token_ids.extend(json.loads(b"[" + self._fast_ids + b"]"))
+            rx.ids_with_text = len(rx.token_ids)  # every fast-path chunk carried text
+            rx.chunks += self._fast_n
+            self._fast_text.clear()
+            self._fast_ids.clear()
+            self._fast_n = 0
+        return self._rx
+
+    def _fast(self, data: bytes) -> bool:
+        """Record a plain token chunk without decoding its JSON; False when it needs the full
+        parse (first chunk, finish_reason, errors, usage, tool calls, reasoning, non-compact
+        JSON)."""
+        # An error event carries no "finish_reason":null; logprobs cannot match the patterns.
+        if b'"finish_reason":null' not in data or b'"usage"' in data:
+            return False
+        if self.kind == "chat":
+            if b'"tool_calls"' in data or b'"reasoning' in data:
+                return False
+            m = _CONTENT.search(data)
+        else:
+            m = _TEXT.search(data)
+        i = _IDS.search(data)
+        if m is None or i is None:
+            return False
+        if m.group(1) == b'""' and i.group(1) not in (b"null", b"[]"):
+            return False  # ids whose text is held back: the full parse keeps track of them
+        ft = self._fast_text
+        if ft or self._fast_n:
+            ft += b","
+        ft += m.group(1)
+        ids = i.group(1)
+        if ids != b"null" and len(ids) > 2:
+            if self._fast_ids:
+                self._fast_ids += b","
+            self._fast_ids += ids[1:-1]
+        elif m.group(1) == b'""':
+            return True  # neither text nor ids: not a content chunk
+        self._fast_n += 1
+        return True
+
+    # -- transitions -------------------------------------------------------------------------
+    def _go(self, inp: In) -> St:
+        try:
+            nxt = TRANSITIONS[(self.state, inp)]
+        except KeyError:
+            raise BookError(f"input {inp.value} not allowed in state {self.state.value}") from None
+        self.state = nxt
+        return nxt
+
+    @property
+    def rewriting(self) -> bool:
+        """Chunks are rewritten: the client already has the identity of an earlier attempt."""
+        return self._identity is not None and self._identity_attempt != self.attempt
+
+    def feed(self, events: list[bytes]) -> bytes:
+        """Upstream events of the current attempt -> the bytes to send to the client (may be
+        empty). After it, ``state`` says whether the attempt faulted (``FAULTED``, reason in
+        ``fault``) or the response is whole (``COMPLETE``)."""
+        out: list[bytes] = []
+        for raw in events:
+            if self.state in (St.FAULTED, St.COMPLETE, St.FAILED):
+                break
+            data = event_data(raw)
+            if data is None:
+                self._go(In.COMMENT)
+                out.append(raw)
+                continue
+            if data == b"[DONE]":
+                before = self.state
+                self._go(In.DONE)
+                if self.state is St.COMPLETE:
+                    out.append(self._closing(raw if (not self.rewriting and before is St.FINISHED) else None))
+                else:
+                    self.fault = "truncated"
+                continue
+            if self.state is St.OPEN and self._identity is not None and not self.rewriting \
+                    and self._fast(data):
+                out.append(raw)
+                continue
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                obj = None
+            if not isinstance(obj, dict) or "error" in obj or obj.get("object") == "error":
+                self._go(In.ERROR)
+                if self.state is St.FAULTED:
+                    self.fault = "error"
+                else:
+                    out.append(self._closing(None))
+                continue
+            out.append(self._chunk(raw, obj))
+        return b"".join(out)
+
+    def _chunk(self, raw: bytes, obj: dict[str, Any]) -> bytes:
+        choices = obj.get("choices") or []
+        usage = obj.get("usage")
+        if usage is not None and self._engine_usage_attempt != self.attempt:
+            self._engine_usage = usage
+            self._engine_usage_attempt = self.attempt
+        if not choices:
+            self._go(In.USAGE)
+            if self.rewriting or self.state is not St.FINISHED:
+                return b""  # the relay sends its own usage at the end
+            self._usage_sent = self._usage_sent or usage is not None
+            return raw
+        if self._identity is None:
+            self._identity = (obj.get("id"), obj.get("object"), obj.get("created"), obj.get("model"))
+            self._identity_attempt = self.attempt
+        ch = choices[0]
+        finish = ch.get("finish_reason")
+        if self.state is St.FINISHED:
+            return b""  # a second finish or a late chunk: exactly one finish_reason reaches the client
+        if self.kind == "chat":
+            delta = ch.get("delta") or {}
+            text = delta.get("content")
+            if delta.get("tool_calls"):
+                self._tool_or_reasoning = "tool_call"
+            elif delta.get("reasoning_content") or delta.get("reasoning"):
+                self._tool_or_reasoning = "reasoning"
+        else:
+            delta = None
+            text = ch.get("text")
+        ids = ch.get("token_ids")
+        rx = self.rx  # decodes the fast path's pending chunks first: order is kept
+        if rx.prompt_token_ids is None and self.resent_tokens == 0:
+            pids = ch.get("prompt_token_ids") or obj.get("prompt_token_ids")
+            if isinstance(pids, list):
+                rx.prompt_token_ids = pids
+        if isinstance(ids, list) and ids and self._skip_ids:
+            drop = min(self._skip_ids, len(ids))
+            self._skip_ids -= drop
+            ids = ids[drop:]
+            ch["token_ids"] = ids
+            if not ids and not text and finish is None:
+                return b""  # a regenerated held-back token the client already has
+        if text:
+            rx.text.append(text)
+        if isinstance(ids, list) and ids:
+            rx.token_ids.extend(ids)
+        if text:
+            rx.ids_with_text = len(rx.token_ids)
+        if text or ids:
+            rx.chunks += 1
+        self._go(In.FINISH if finish is not None else In.CHUNK)
+        if not self.rewriting:
+            return raw
+        if delta is not None and "role" in delta:
+            if not text and finish is None and not delta.get("tool_calls"):
+                return b""  # the continuation's opening role chunk: the client has its own
+            ch["delta"] = {k: v for k, v in delta.items() if k != "role"}
+        cid, cobj, created, model = self._identity  # type: ignore[misc]
+        obj["id"], obj["created"], obj["model"] = cid, created, model
+        if cobj is not None:
+            obj["object"] = cobj
+        if "prompt_token_ids" in obj:
+            obj["prompt_token_ids"] = None
+        if "prompt_token_ids" in ch:
+            ch["prompt_token_ids"] = None
+        if usage is not None:
+            obj["usage"] = self.usage()
+        return _dumps(obj)
+
+    def _closing(self, done_raw: bytes | None) -> bytes:
+        """Usage chunk (if asked and not yet sent) and [DONE]."""
+        parts = []
+        if self.include_usage and not self._usage_sent and self._identity is not None:
+            cid, cobj, created, model = self._identity
+            parts.append(_dumps({"id": cid, "object": cobj, "created": created, "model": model,
+                                 "choices": [], "usage": self.usage()}))
+            self._usage_sent = True
+        parts.append(done_raw if done_raw is not None else DONE)
+        return b"".join(parts)
+
+    def usage(self) -> dict[str, int]:
+        """Usage as the relay counts it: prompt tokens of the original prompt, completion tokens
+        = tokens delivered to the client (ids when the engine returned them, else chunks)."""
+        if self.rx.prompt_token_ids is not None:
+            prompt = len(self.rx.prompt_token_ids)
+        elif self._engine_usage is not None:
+            prompt = int(self._engine_usage.get("prompt_tokens") or 0)
+            if self._engine_usage_attempt > 1:
+                prompt = max(0, prompt - self.resent_tokens)
+        else:
+            prompt = 0
+        comp = self.rx.tokens
+        return {"prompt_tokens": prompt, "total_tokens": prompt + comp, "completion_tokens": comp}
+
+    # -- the shell's verdicts ------------------------------------------------------------------
+    def eof(self) -> bytes:
+        """The upstream response ended (cleanly or not). Returns bytes to send (the closing
+        usage and [DONE] when finish_reason was already delivered)."""
+        before = self.state
+        if before in (St.FAULTED, St.COMPLETE, St.FAILED):
+            return b""
+        self._go(In.EOF)
+        if self.state is St.COMPLETE:
+            return self._closing(None)
+        self.fault = "truncated"
+        return b""
+
+    def set_fault(self, reason: str) -> bytes:
+        """The shell declares the current attempt failed (``reason``: health, stall, reset, ...)."""
+        if self.state in (St.FAULTED, St.COMPLETE, St.FAILED):
+            return b""
+        self._go(In.FAULT)
+        if self.state is St.COMPLETE:
+            return self._closing(None)
+        self.fault = reason
+        return b""
+
+    def next_request(self, max_resume_tokens: int) -> dict[str, Any] | None:
+        """The body of the next attempt and the move to it (``attempt`` += 1, state OPEN).
+
+        Returns None when ``max_tokens`` was already all delivered: the book then finished the
+        response itself (call :meth:`finish_length`). Raises :class:`Refused` when a tool call or
+        reasoning block was in progress or the context is too long (then call :meth:`give_up`).
+        """
+        if self.state is not St.FAULTED:
+            raise BookError(f"next_request in state {self.state.value}")
+        if self._tool_or_reasoning:
+            raise Refused(f"{self._tool_or_reasoning}_in_progress")
+        body = continuation_body(self.kind, self.body, self.rx, max_resume_tokens)
+        if body is None:
+            return None
+        self._go(In.RESUME)
+        self.attempt += 1
+        self.fault = None
+        self.resent_tokens = self.rx.tokens
+        self._skip_ids = self.rx.held_back
+        return body
+
+    def finish_length(self) -> bytes:
+        """Close a response whose ``max_tokens`` was all delivered but whose finish chunk was
+        lost: one chunk with ``finish_reason: "length"``, usage, [DONE]."""
+        if self.state is not St.FAULTED or self._identity is None:
+            raise BookError("finish_length needs a faulted stream that delivered chunks")
+        self._go(In.RESUME)
+        self._go(In.FINISH)
+        cid, cobj, created, model = self._identity
+        if self.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+        chunk = _dumps({"id": cid, "object": cobj, "created": created, "model": model, "choices": [choice]})
+        self._go(In.DONE)
+        return chunk + self._closing(None)
+
+    def give_up(self, message: str) -> bytes:
+        """No further attempt: the one in-band error event (no [DONE])."""
+        self._go(In.GIVE_UP)
+        return error_event(message)

@@ -1,0 +1,149 @@
+"""Non-streaming requests and pass-through, for the relay (:mod:`.server` owns streams).
+
+- A non-streaming request that can be continued is re-issued (as it was: nothing reached the
+  client) on a reset or a 5xx, and re-issued at once on any ejection while it waits, because its
+  node is unknown until its answer arrives: the first good answer wins, the others are cancelled.
+- Everything else (refused requests, other paths, other methods) is forwarded unchanged, a cut
+  included, with ``x-sentinel-relay: passthrough; reason=...``.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from .config import RelayConfig
+from .metrics import RelayMetrics
+from .plan import Plan
+
+__all__ = ["HOP_HEADERS", "RELAY_HEADER", "UnaryRequests", "out_headers", "reply"]
+
+RELAY_HEADER = "x-sentinel-relay"
+HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
+                         "trailer", "upgrade", "host", "content-length"})
+
+
+def out_headers(h: Any, extra: str | None = None) -> dict[str, str]:
+    """Response headers for the client: the upstream's, less hop-by-hop, plus the relay's note."""
+    out = {k: v for k, v in h.items() if k.lower() not in HOP_HEADERS}
+    if extra:
+        out[RELAY_HEADER] = extra
+    return out
+
+
+def reply(status: int, reason: str | None, headers: Any, body: bytes, note: str = "rescue") -> web.Response:
+    return web.Response(status=status, reason=reason, body=body, headers=out_headers(headers, note))
+
+
+class _Unary:
+    """One armed non-streaming request in flight: its attempts and their answers."""
+
+    __slots__ = ("results", "tasks", "hedges", "args", "pending")
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args  # url, body, headers
+        self.results: asyncio.Queue = asyncio.Queue()
+        self.pending = 0  # attempts started whose answer is not yet in ``results``
+        self.tasks: set[asyncio.Task] = set()
+        self.hedges = 0
+
+
+
+class UnaryRequests:
+    """The relay's non-streaming side; ``inflight``: armed requests waiting for an answer."""
+
+    def __init__(self, cfg: RelayConfig, metrics: RelayMetrics, session: aiohttp.ClientSession) -> None:
+        self.cfg, self.metrics, self._session = cfg, metrics, session
+        self.inflight: set[_Unary] = set()
+
+    def on_ejection(self) -> int:
+        """A node was ejected: re-issue every waiting request (within ``max_rescues``)."""
+        n = 0
+        for u in list(self.inflight):
+            if u.hedges < self.cfg.max_rescues and u.pending:
+                u.hedges += 1
+                self.metrics.rescues.labels("health", "hedged").inc()
+                self._spawn_unary_attempt(u)
+                n += 1
+        return n
+
+    async def passthrough(self, request: web.BaseRequest, raw: bytes, note: str) -> web.StreamResponse:
+        assert self._session is not None
+        url = self.cfg.upstream + request.path_qs
+        try:
+            up = await self._session.request(request.method, url, data=raw or None,
+                                             headers={k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS})
+        except aiohttp.ClientError as e:
+            return web.json_response({"error": {"message": f"upstream: {e}", "code": 502}},
+                                     status=502, headers={RELAY_HEADER: note})
+        try:
+            resp = web.StreamResponse(status=up.status, reason=up.reason,
+                                      headers=out_headers(up.headers, note))
+            await resp.prepare(request)
+            try:
+                async for data in up.content.iter_any():
+                    await resp.write(data)
+            except (aiohttp.ClientError, OSError):
+                if request.transport is not None:  # pass the cut on, as it was
+                    request.transport.abort()
+                return resp
+            await resp.write_eof()
+            return resp
+        finally:
+            up.close()
+
+    def _spawn_unary_attempt(self, u: _Unary) -> None:
+        url, body, headers = u.args
+
+        async def attempt() -> None:
+            assert self._session is not None
+            try:
+                async with self._session.post(url, data=body, headers=headers) as up:
+                    data = await up.read()
+                    res: Any = (up.status, up.reason, up.headers, data)
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, OSError) as e:
+                res = e
+            u.pending -= 1
+            u.results.put_nowait(res)
+        u.pending += 1
+        t = asyncio.get_running_loop().create_task(attempt())
+        u.tasks.add(t)
+        t.add_done_callback(u.tasks.discard)
+
+    async def handle(self, request: web.BaseRequest, plan: Plan, headers: dict[str, str]) -> web.StreamResponse:
+        url = self.cfg.upstream + request.path_qs
+        u = _Unary(url, plan.upstream_body, headers)
+        self.inflight.add(u)
+        retries = 0
+        last: Any = None
+        try:
+            self._spawn_unary_attempt(u)
+            while True:
+                res = await u.results.get()
+                if isinstance(res, tuple) and res[0] < 500:
+                    if retries or u.hedges:
+                        self.metrics.rescues.labels("health" if u.hedges else "error", "resumed").inc()
+                    return reply(*res)
+                last = res
+                if u.pending or not u.results.empty():
+                    continue  # another attempt (a re-issue on an ejection) is still running
+                retries += 1
+                trig = "error" if isinstance(res, tuple) else "reset"
+                if retries + u.hedges > self.cfg.max_rescues:
+                    self.metrics.rescues.labels(trig, "failed").inc()
+                    break
+                self._spawn_unary_attempt(u)
+            if isinstance(last, tuple):
+                return reply(*last)
+            return web.json_response({"error": {"message": f"upstream failed: {last}", "code": 502}},
+                                     status=502, headers={RELAY_HEADER: "rescue"})
+        finally:
+            self.inflight.discard(u)
+            for t in list(u.tasks):
+                t.cancel()
+
+
