@@ -54,6 +54,7 @@ from node_probe.config import UINT32_MAX, AgentConfig
 from node_probe.engines import EngineLoadReading, EngineRequestError, ProbeOutcome
 from node_probe.gpu_poll import GpuPoller
 from node_probe.lifecycle import STATE_NAMES, EngineLifecycle
+from node_probe.metrics import AgentMetrics
 from node_probe.prober import Prober
 from node_probe.proto import probe_pb2, probe_pb2_grpc
 from node_probe.schedule import ProbeScheduler, Trigger, load_is_busy
@@ -107,6 +108,8 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         self.cfg = cfg
         self._gpu_collector = gpu_collector
         self._lifecycle = EngineLifecycle(self._on_state_change)
+        self.metrics = AgentMetrics(self)
+        self.metrics_port: int | None = None  # bound port of --metrics-listen once started
         self._prober = Prober(cfg)
         self._schedule = ProbeScheduler(cfg.schedule_settings())
         self._hub = StreamHub(node_id=cfg.node_id, heartbeat_interval_ms=cfg.heartbeat_interval_ms,
@@ -206,6 +209,8 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         self._started = True
         loop = asyncio.get_running_loop()
         cfg = self.cfg
+        if cfg.metrics_listen is not None:
+            self.metrics_port = await self.metrics.serve(cfg.metrics_listen)
         server = grpc.aio.server(
             options=[
                 ("grpc.keepalive_time_ms", cfg.grpc_keepalive_time_ms),
@@ -267,6 +272,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         await self._hub.close()
         if self._session is not None:
             await self._session.close()
+        await self.metrics.close()
         if self._gpu_poller is not None:
             self._gpu_poller.close()
         log.info("node-probe %s stopped", self.cfg.node_id)
@@ -319,6 +325,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
             log.info("metrics scrape failing: %s", error)
         elif not error and self._load_reading is None:
             log.info("metrics scrape ok")
+        self.metrics.scrape(error)
         previous = self._load_reading
         if (reading is not None and previous is not None
                 and reading.generation_tokens_total is not None
@@ -384,6 +391,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         if not (deep and outcome.failure == probe_pb2.FAILURE_KIND_BAD_OUTPUT and outcome.ttft_ms):
             # A wrong deep-check answer came from a live engine: it says nothing about liveness.
             self._lifecycle.observe_probe(outcome)
+        self.metrics.probe(outcome.ok, outcome.failure, outcome.ttft_ms)
         result = probe_pb2.InferenceResult(
             seq=seq,
             ok=outcome.ok,

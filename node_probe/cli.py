@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine root URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--listen", default="127.0.0.1:50051", type=_listen,
                    help="gRPC listen address HOST:PORT; port 0 picks a free one (default %(default)s)")
+    p.add_argument("--metrics-listen", default=None, type=_listen,
+                   help="serve the agent's own Prometheus /metrics on HOST:PORT (probe TTFT, scrape "
+                   "errors, stall flag, GPU readings); default: off")
     p.add_argument("--node-id", default=None,
                    help="node id reported in heartbeats (default: host name)")
     p.add_argument("--heartbeat-interval-ms", type=_positive_int, default=100,
@@ -206,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             **extra,
             engine_url=args.engine_url,
             listen=args.listen,
+            metrics_listen=args.metrics_listen,
             node_id=args.node_id or socket.gethostname(),
             heartbeat_interval_ms=args.heartbeat_interval_ms,
             metrics_interval_ms=args.metrics_interval_ms,

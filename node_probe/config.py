@@ -24,6 +24,8 @@ class AgentConfig:
         listen: gRPC listen address ``HOST:PORT``; port 0 picks a free port (returned by
             :meth:`ProbeAgent.start`).
         node_id: reported in every heartbeat; default: this host's name.
+        metrics_listen: ``HOST:PORT`` of the agent's own Prometheus ``/metrics`` (probe TTFT,
+            scrape errors, stall flag, GPU readings; :mod:`node_probe.metrics`); ``None``: off.
         heartbeat_interval_ms: heartbeat period per stream.
         engine_kind: ``"auto"`` (detect from ``/metrics`` and the endpoints the engine serves)
             or one of ``vllm``, ``sglang``, ``tgi``, ``triton``, ``openai``.
@@ -92,6 +94,7 @@ class AgentConfig:
     fatal_xids: frozenset[int] = FATAL_XIDS
     min_probe_now_interval_ms: int = 1000
     stream_queue_max: int = 1024
+    metrics_listen: str | None = None
     grpc_keepalive_time_ms: int = 10_000
 
     def __post_init__(self) -> None:
@@ -103,6 +106,8 @@ class AgentConfig:
             raise ValueError(f"engine_kind must be one of {', '.join(ENGINE_KINDS)}: {self.engine_kind!r}")
         if ":" not in self.listen:
             raise ValueError(f"listen must be HOST:PORT: {self.listen!r}")
+        if self.metrics_listen is not None and not self.metrics_listen.rpartition(":")[2].isdigit():
+            raise ValueError(f"metrics_listen must be HOST:PORT: {self.metrics_listen!r}")
         if not 1 <= self.heartbeat_interval_ms <= UINT32_MAX:
             raise ValueError("heartbeat_interval_ms must be >= 1")
         if (self.metrics_interval_ms is not None and self.metrics_interval_ms < 1) \

@@ -40,8 +40,9 @@ def test_probe_failures_counted_per_node_kind_and_outcome_besides_the_consecutiv
     probes["n0"].probe(kind=K.HTTP_STATUS, http_status=429)
     probes["n1"].probe(ttft_ms=950.0)         # a token after the 800 ms deadline: a timeout
     probes["n1"].probe(ttft_ms=450.0)         # slow, within the deadline: not a failure
-    s = metric_samples(cp, "sentinel_probe_failures")
-    got = {(d["node"], d["kind"], d["outcome"]): v for k, v in s.items() for d in [dict(k)]}
+    s = metric_samples(cp, "sentinel_node_probe_results")  # every result; failures: not OK, not good/slow
+    got = {(d["node"], d["kind"], d["outcome"]): v for k, v in s.items() for d in [dict(k)]
+           if d["kind"] != "OK" and d["outcome"] not in ("good", "slow")}
     assert got == {("n0", "TIMEOUT", "fail"): 2.0, ("n0", "HTTP_STATUS", "busy"): 1.0,
                    ("n1", "TIMEOUT", "fail"): 1.0}
     assert cp.view.node("n0")["probe_failures"] == {"HTTP_STATUS/busy": 1, "TIMEOUT/fail": 2}

@@ -9,7 +9,7 @@ PUBLIC = {
     "EnvoyHost", "Fleet", "InMemoryProbeSource", "InMemoryProbes", "LoadGenerator", "LoadStats",
     "ManagedProcess", "ManualClock", "NodeProcs",
     "ScriptedAdsClient", "ScriptedDeltaAdsClient", "StandaloneEnvoy", "fetch_envoy_hosts",
-    "free_port", "parse_envoy_clusters", "parse_envoy_stats", "restart_control_plane", "wait_for",
+    "free_port", "lint_exposition", "parse_envoy_clusters", "parse_envoy_stats", "restart_control_plane", "wait_for",
 }
 
 

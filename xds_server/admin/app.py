@@ -6,7 +6,9 @@ sends: bad query values are 400 with a message naming the parameter, non-finite 
 written as ``null`` (valid JSON always), client text echoed back is clipped and escaped, and a
 malformed HTTP request is logged as one rate-limited line, never a traceback.
 
-Routes: ``/healthz`` (process up), ``/readyz`` (every cluster published and at least one node
+Routes: ``/`` (the dashboard: static HTML/JS/CSS from ``admin/static``, no build step, no
+CDN), ``/live`` (the dashboard's Server-Sent Events feed, :mod:`xds_server.admin.live`),
+``/healthz`` (process up), ``/readyz`` (every cluster published and at least one node
 routable; the body says why not), ``/nodes``,
 ``/nodes/{id}``, ``/clusters``, ``/xds/clients``, ``/config_dump``, ``/events``, ``/metrics``;
 ``POST /nodes/{id}/drain`` and ``/undrain`` (bearer token, ``admin.token``). Every GET only
@@ -22,11 +24,13 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
+from xds_server.admin.live import LiveFeed
 from xds_server.admin.metrics import ControlPlaneCollector
 from xds_server.control.views import ControlPlaneView
 from xds_server.untrusted import RateLimitedLog, clip, for_log
@@ -36,6 +40,7 @@ __all__ = ["DrainCommand", "HttpErrorLog", "build_admin_app", "json_dumps"]
 log = logging.getLogger(__name__)
 
 EVENTS_DEFAULT_LIMIT = 200
+STATIC_DIR = Path(__file__).parent / "static"
 
 
 def _finite(obj: Any) -> Any:
@@ -88,6 +93,12 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
     app = web.Application()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ControlPlaneCollector(view))
+    live = LiveFeed(view, json_dumps)
+    app.on_startup.append(live.start)
+    app.on_shutdown.append(live.close)  # before aiohttp waits for open requests: ends SSE streams
+
+    async def dashboard(_: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
     def unknown_node(node_id: str) -> web.Response:
         return _json({"error": f"unknown node {for_log(node_id, 64)!r}"}, status=404)
@@ -160,6 +171,9 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
             return unknown_node(node_id)
         return _json(body)
 
+    app.router.add_get("/", dashboard)
+    app.router.add_static("/static/", STATIC_DIR, follow_symlinks=False)
+    app.router.add_get("/live", live.handle)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/nodes", nodes)

@@ -1,17 +1,40 @@
 """Prometheus metrics of the control plane, read from :class:`ControlPlaneView` at scrape time
 (nothing is counted twice on the hot path). Every label set is bounded (see
-:mod:`xds_server.control.counters`)."""
+:mod:`xds_server.control.counters`).
+
+Units follow Prometheus conventions: seconds, bytes and ratios (0..1) in base units, named by
+suffix (``_seconds``, ``_bytes``, ``_ratio``); counters are exposed with ``_total`` (the
+prometheus-client adds it to each ``CounterMetricFamily`` name).
+"""
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+import platform
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from xds_server.control.display import DISPLAY_STATES
 from xds_server.control.views import ControlPlaneView
 from xds_server.health.model import NodeState
 
-__all__ = ["ControlPlaneCollector"]
+__all__ = ["ControlPlaneCollector", "build_info_family", "package_version"]
 
 _STATES = tuple(s.value for s in NodeState)
+
+
+def package_version() -> str:
+    """The installed xds-sentinel distribution's version ("unknown" when not installed)."""
+    from importlib import metadata
+    try:
+        return metadata.version("xds-sentinel")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def build_info_family(prefix: str) -> InfoMetricFamily:
+    """``<prefix>_build_info{version, python}`` = 1 (exposed as a gauge with ``_info`` semantics)."""
+    fam = InfoMetricFamily(f"{prefix}_build", "version of this build and the Python running it")
+    fam.add_metric([], {"version": package_version(), "python": platform.python_version()})
+    return fam
 
 
 class ControlPlaneCollector:
@@ -21,6 +44,7 @@ class ControlPlaneCollector:
         self.view = view
 
     def collect(self):
+        yield build_info_family("sentinel")
         yield from self._nodes()
         yield from self._xds()
         yield from self._health()
@@ -34,15 +58,24 @@ class ControlPlaneCollector:
                                    labels=["cluster", "node"])
         routed = GaugeMetricFamily("sentinel_node_routable", "1 if published HEALTHY to Envoy",
                                    labels=["cluster", "node"])
-        rtt = GaugeMetricFamily("sentinel_node_ewma_rtt_ms", "EWMA of probe-stream ping RTT, ms",
+        rtt = GaugeMetricFamily("sentinel_node_ewma_rtt_seconds", "EWMA of probe-stream ping RTT, seconds",
                                 labels=["cluster", "node"])
-        ttft = GaugeMetricFamily("sentinel_node_last_ttft_ms", "last micro-probe TTFT, ms",
+        ttft = GaugeMetricFamily("sentinel_node_last_ttft_seconds", "last micro-probe TTFT, seconds",
                                  labels=["cluster", "node"])
+        ttft_ewma = GaugeMetricFamily("sentinel_node_ewma_ttft_seconds", "EWMA of micro-probe TTFT, seconds",
+                                      labels=["cluster", "node"])
         hbs = CounterMetricFamily("sentinel_heartbeats", "heartbeats received", labels=["cluster", "node"])
         bad = CounterMetricFamily("sentinel_probe_malformed_messages", "malformed agent messages",
                                   labels=["cluster", "node"])
-        ramp = GaugeMetricFamily("sentinel_node_ramp_percent", "PROBATION ramp, percent of full weight",
+        ramp = GaugeMetricFamily("sentinel_node_ramp_ratio", "PROBATION ramp, fraction of full weight (0..1)",
                                  labels=["cluster", "node"])
+        probes = CounterMetricFamily("sentinel_node_probe_results", "micro-probe results received, by kind "
+                                     "(OK, or the failure kind; TIMEOUT also for a token after the "
+                                     "deadline) and the model's outcome (good, slow, fail, busy, fatal)",
+                                     labels=["cluster", "node", "kind", "outcome"])
+        ejections = CounterMetricFamily("sentinel_node_ejections", "moves to UNHEALTHY by cause (heartbeat, "
+                                        "phi, probe, engine, gpu) and cluster-policy outlier ejections "
+                                        "(outlier)", labels=["cluster", "node", "cause"])
         for row in view.node_rows():
             cl, nid, nh, r = row.cluster, row.node_id, row.health, row.routing
             eff = nh.effective_state.value
@@ -52,23 +85,23 @@ class ControlPlaneCollector:
                 weight.add_metric([cl, nid], r.weight)
                 routed.add_metric([cl, nid], 1.0 if r.health_status == "HEALTHY" else 0.0)
             if nh.rtt.ewma_ms is not None:
-                rtt.add_metric([cl, nid], nh.rtt.ewma_ms)
+                rtt.add_metric([cl, nid], nh.rtt.ewma_ms / 1000.0)
             if nh.probe.last_ttft_ms is not None:
-                ttft.add_metric([cl, nid], nh.probe.last_ttft_ms)
+                ttft.add_metric([cl, nid], nh.probe.last_ttft_ms / 1000.0)
+            if nh.probe.ewma_ttft_ms is not None:
+                ttft_ewma.add_metric([cl, nid], nh.probe.ewma_ttft_ms / 1000.0)
             hbs.add_metric([cl, nid], c.heartbeats[nid])
             bad.add_metric([cl, nid], c.malformed[nid])
             if nh.state is NodeState.PROBATION:
-                ramp.add_metric([cl, nid], nh.ramp.percent)
-        yield from (state, weight, routed, rtt, ttft, hbs, bad, ramp)
-        pf = CounterMetricFamily("sentinel_probe_failures", "micro-probe results that were not good, "
-                                 "cumulative, by node, result kind (TIMEOUT also for a token after the "
-                                 "deadline) and outcome (fail, busy, fatal)",
-                                 labels=["cluster", "node", "kind", "outcome"])
-        cluster_of = {row.node_id: row.cluster for row in view.node_rows()}
-        for (nid, kind, outcome), v in sorted(c.probe_failures.items()):
-            if nid in cluster_of:  # node ids come from the config: bounded labels
-                pf.add_metric([cluster_of[nid], nid, kind, outcome], v)
-        yield pf
+                ramp.add_metric([cl, nid], nh.ramp.percent / 100.0)
+        by_node = {row.node_id: row.cluster for row in view.node_rows()}
+        for (nid, kind, outcome), v in sorted(c.probe_results.items()):
+            if nid in by_node:
+                probes.add_metric([by_node[nid], nid, kind, outcome], v)
+        for (nid, cause), v in sorted(c.ejections.items()):
+            if nid in by_node:
+                ejections.add_metric([by_node[nid], nid, cause], v)
+        yield from (state, weight, routed, rtt, ttft, ttft_ewma, hbs, bad, ramp, probes, ejections)
         shown = GaugeMetricFamily("sentinel_node_display_state", "1 for the state an operator is shown "
                                   "(health state, or DRAINING, FAIL_STATIC, UNREACHABLE, HELD_BACK; see "
                                   "xds_server/control/display.py)", labels=["cluster", "node", "state"])

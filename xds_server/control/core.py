@@ -108,7 +108,7 @@ class ControlCore:
         if isinstance(obs, hm.HeartbeatObserved):
             self.counters.heartbeats[node_id] += 1
         elif isinstance(obs, hm.ProbeObserved):
-            self._count_probe_failure(node_id, prev, obs, now_s)
+            self._count_probe_result(node_id, prev, obs, now_s)
         if node_id in self.restored and isinstance(obs, hm.HeartbeatObserved):
             prev = self._resume(node_id, prev, now_s)
         nh, events = hm.step(prev, obs, now_s, cfg)
@@ -116,6 +116,8 @@ class ControlCore:
         cluster = self.node_cluster[node_id]
         for ev in events:
             self._transition(cluster, ev)
+            if ev.to_state is hm.NodeState.UNHEALTHY and nh.ejection.cause is not None:
+                self.counters.ejections[(node_id, nh.ejection.cause.value)] += 1
         key = self._routing_key(nh)
         if key != self._keys.get(node_id):
             self._keys[node_id] = key
@@ -137,18 +139,15 @@ class ControlCore:
                            f"resumed after restart: {kept.reason}", prev.state.value, kept.state.value)
         return dataclasses.replace(kept, heartbeat=prev.heartbeat, engine=prev.engine, probe=prev.probe)
 
-    def _count_probe_failure(self, node_id: str, prev: hm.NodeHealth, obs: hm.ProbeObserved, now_s: float) -> None:
-        """Count a probe result that was not good in ``counters.probe_failures`` (slow answers
-        within the deadline are not failures)."""
+    def _count_probe_result(self, node_id: str, prev: hm.NodeHealth, obs: hm.ProbeObserved,
+                            now_s: float) -> None:
+        """Count one probe result in ``counters.probe_results`` by kind and the model's outcome
+        (a token later than ``ttft_timeout_ms`` counts as kind TIMEOUT)."""
         outcome, _ = hm.classify_probe(prev, obs, self.config.health, now_s)
-        if outcome in (hm.ProbeOutcome.GOOD, hm.ProbeOutcome.SLOW):
-            return
-        kind = obs.kind.value
-        if obs.kind is hm.ProbeResultKind.OK:
-            if obs.ttft_ms < self.config.health.ttft_timeout_ms:
-                return  # a slow answer from a busy engine: not a failure
-            kind = hm.ProbeResultKind.TIMEOUT.value
-        self.counters.probe_failures[(node_id, kind, outcome.value)] += 1
+        kind = obs.kind
+        if kind is hm.ProbeResultKind.OK and obs.ttft_ms >= self.config.health.ttft_timeout_ms:
+            kind = hm.ProbeResultKind.TIMEOUT
+        self.counters.probe_results[(node_id, kind.value, outcome.value)] += 1
 
     def drain(self, node_id: str, drain: bool, reason: str) -> None:
         """Operator drain/undrain (enters the model as an observation), published at once.
@@ -266,6 +265,8 @@ class ControlCore:
         for p in out:
             for ev in p.events:
                 self.events.record(wall, p.cluster, ev.node_id, ev.kind, ev.reason)
+                if ev.kind == "outlier_ejected":
+                    self.counters.ejections[(ev.node_id, "outlier")] += 1
             for n in self._cluster_nodes[p.cluster]:
                 self.routing[n] = p.routing[n]
             if self.on_publish is not None:

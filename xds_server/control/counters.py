@@ -21,10 +21,14 @@ class Counters:
     handling one agent message or timer, per where ("message", "tick", "stream_closed"); each
     was skipped. ``events``: per event kind (``to_<STATE>`` for transitions).
     ``config_reloads``: per result ("ok", "invalid").
-    ``probe_failures``: probe results that were not good, per (node id, result kind, outcome):
-    kind a :class:`~xds_server.health.model.ProbeResultKind` value ("TIMEOUT" also for a token
-    later than the deadline), outcome "fail", "busy" or "fatal" (cumulative, besides the
-    model's consecutive count).
+    ``probe_results``: every micro-probe result received, per (node id, kind, outcome): kind a
+    :class:`~xds_server.health.records.ProbeResultKind` value ("TIMEOUT" also for a token later
+    than ``ttft_timeout_ms``), outcome the model's
+    :class:`~xds_server.health.records.ProbeOutcome` ("good", "slow", "fail", "busy", "fatal");
+    the failures are the results whose outcome is not good or slow.
+    ``ejections``: per (node id, cause): each move to UNHEALTHY by its
+    :class:`~xds_server.health.records.EjectionCause` value, and "outlier" for each
+    cluster-policy outlier ejection.
     """
 
     heartbeats: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -33,4 +37,12 @@ class Counters:
     handler_errors: collections.Counter[str] = field(default_factory=collections.Counter)
     events: collections.Counter[str] = field(default_factory=collections.Counter)
     config_reloads: collections.Counter[str] = field(default_factory=collections.Counter)
-    probe_failures: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
+    probe_results: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
+    ejections: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+
+    def probe_failures(self, node_id: str) -> dict[tuple[str, str], int]:
+        """The node's probe results that were failures, per (kind, outcome): any kind but OK
+        (a late token is already TIMEOUT) whose outcome is not good or slow (cumulative,
+        besides the model's consecutive count)."""
+        return {(kind, outcome): v for (nid, kind, outcome), v in sorted(self.probe_results.items())
+                if nid == node_id and kind != "OK" and outcome not in ("good", "slow")}

@@ -186,8 +186,8 @@ class ControlPlaneView:
             "stalled": nh.engine.stalled,
             "last_probe": nh.probe.last_kind.value if nh.probe.last_kind else None,
             "consecutive_probe_failures": nh.probe.consecutive_failures,
-            "probe_failures": {f"{kind}/{outcome}": v for (nid, kind, outcome), v
-                               in sorted(core.counters.probe_failures.items()) if nid == node_id},
+            "probe_failures": {f"{kind}/{outcome}": v for (kind, outcome), v
+                               in core.counters.probe_failures(node_id).items()},
             "progress_evidence": nh.engine.progress_detail or None,
             "engine_state": nh.engine.state.value,
         }

@@ -18,6 +18,8 @@ only; the underscored modules may move):
 - Envoy admin (``_envoy``): :class:`StandaloneEnvoy`, a real Envoy against the test's own ADS
   server; :func:`parse_envoy_clusters` (the one parser of ``/clusters?format=json``, into
   :class:`EnvoyHost` values), :func:`fetch_envoy_hosts`, :func:`parse_envoy_stats`.
+- metrics (``_promlint``): :func:`lint_exposition`, the rules of ``promtool check metrics``
+  over a Prometheus text exposition, for hosts without promtool.
 - polling (``_wait``): :func:`wait_for` a condition with a deadline.
 - in-memory seams, re-exported from :mod:`xds_server.control`: :class:`ManualClock` (time moves
   only when told, due timers run in order; also a ``Callable[[], float]``), :class:`InMemoryProbes`
@@ -37,6 +39,7 @@ from xds_server.testing._envoy import (
 from xds_server.testing._fleet import Fleet, NodeProcs, restart_control_plane
 from xds_server.testing._load import LoadGenerator, LoadStats
 from xds_server.testing._process import ManagedProcess, free_port
+from xds_server.testing._promlint import lint_exposition
 from xds_server.testing._wait import wait_for
 
 __all__ = [
@@ -54,6 +57,7 @@ __all__ = [
     "StandaloneEnvoy",
     "fetch_envoy_hosts",
     "free_port",
+    "lint_exposition",
     "parse_envoy_clusters",
     "parse_envoy_stats",
     "restart_control_plane",

@@ -71,6 +71,7 @@ class Fleet:
     # Extra top-level config sections (``{"state": {...}, "reload": {...}}``); a section given
     # here replaces the fleet's own of that name.
     config_options: dict[str, Any] = field(default_factory=dict)
+    admin_options: dict[str, Any] = field(default_factory=dict)  # merged into the admin section
     nodes: list[NodeProcs] = field(default_factory=list)
     procs: list[ManagedProcess] = field(default_factory=list)
 
@@ -165,7 +166,7 @@ class Fleet:
 
         return {
             "xds": {"listen": f"127.0.0.1:{self.xds_port}", **self.xds_options},
-            "admin": {"listen": f"127.0.0.1:{self.admin_port}"},
+            "admin": {"listen": f"127.0.0.1:{self.admin_port}", **self.admin_options},
             "health": health,
             "clusters": [{
                 **self.cluster_options,

@@ -38,15 +38,13 @@ class XdsStats:
         """Prometheus metric families: these counters plus gauges of the open ``streams`` (objects
         with ``variant``), ``subscriptions`` held and the ``cache`` (a SnapshotCache)."""
         streams = list(streams)
-        connected = GaugeMetricFamily("sentinel_xds_connected_streams", "open ADS streams")
-        connected.add_metric([], len(streams))
-        yield connected
-        variants = GaugeMetricFamily("sentinel_xds_streams", "open ADS streams by variant", labels=["variant"])
+        connected = GaugeMetricFamily("sentinel_xds_connected_streams", "open ADS streams by variant "
+                                      "(sum over variant for all)", labels=["variant"])
         counts = collections.Counter({"sotw": 0, "delta": 0})
         counts.update(s.variant for s in streams)
         for v, n in sorted(counts.items()):
-            variants.add_metric([v], n)
-        yield variants
+            connected.add_metric([v], n)
+        yield connected
         req = CounterMetricFamily("sentinel_xds_requests", "Discovery(Delta)Requests by variant, type and kind",
                                   labels=["variant", "type", "kind"])
         for (v, t, k), n in sorted(self.requests.items()):

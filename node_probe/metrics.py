@@ -1,0 +1,185 @@
+"""The agent's own Prometheus metrics, served on ``--metrics-listen`` (``GET /metrics``).
+
+:class:`AgentMetrics` counts what the agent does (micro-probes by result with a TTFT histogram,
+engine ``/metrics`` scrapes and their errors) with prometheus-client's own types in a per-agent
+registry, and reads the rest at scrape time from the agent (engine state, stall flag, open
+streams, GPU readings from the latest NVML telemetry). Units are base units (seconds, bytes,
+ratio 0..1, watts, celsius); counters end in ``_total``. Labels come from bounded sets: result
+(``ok`` or a failure kind), engine state, NVML state, GPU index.
+"""
+from __future__ import annotations
+
+import logging
+import platform
+from typing import Any, Protocol
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+
+from node_probe.lifecycle import STATE_NAMES
+from node_probe.proto import probe_pb2
+
+__all__ = ["AgentMetrics", "TTFT_BUCKETS_S"]
+
+log = logging.getLogger(__name__)
+
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
+"""Probe TTFT histogram buckets, seconds: 200 ms and 800 ms are the good / timeout limits
+(seed 001), the rest spread around them."""
+
+
+class _AgentState(Protocol):
+    cfg: Any
+
+    @property
+    def engine_state(self) -> int: ...
+
+    @property
+    def stalled(self) -> bool: ...
+
+    @property
+    def subscriber_count(self) -> int: ...
+
+    def telemetry(self) -> probe_pb2.Telemetry: ...
+
+
+def _version() -> str:
+    from importlib import metadata
+    try:
+        return metadata.version("xds-sentinel")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class _StateCollector:
+    """Gauges read from the agent at scrape time."""
+
+    def __init__(self, agent: _AgentState) -> None:
+        self.agent = agent
+
+    def collect(self):
+        a = self.agent
+        info = InfoMetricFamily("node_probe_build", "version of this build and the Python running it")
+        info.add_metric([], {"version": _version(), "python": platform.python_version()})
+        yield info
+        state = GaugeMetricFamily("node_probe_engine_state", "1 for the engine's current lifecycle state "
+                                  "(COLD, WARMING, READY, FAILED)", labels=["state"])
+        current = a.engine_state
+        for value, name in sorted(STATE_NAMES.items()):
+            if value:
+                state.add_metric([name.removeprefix("ENGINE_STATE_")], 1.0 if value == current else 0.0)
+        yield state
+        stalled = GaugeMetricFamily("node_probe_engine_stalled", "1 while requests run and the engine's "
+                                    "progress counters have not moved for the stall window")
+        stalled.add_metric([], 1.0 if a.stalled else 0.0)
+        yield stalled
+        streams = GaugeMetricFamily("node_probe_connected_streams", "open Watch streams from control planes")
+        streams.add_metric([], a.subscriber_count)
+        yield streams
+        yield from self._gpu(a.telemetry().gpu)
+
+    def _gpu(self, tel: probe_pb2.GpuTelemetry):
+        nvml = GaugeMetricFamily("node_probe_nvml_state", "1 for the NVML state (OK, ABSENT, ERROR)",
+                                 labels=["state"])
+        for name, value in probe_pb2.NvmlState.items():
+            if value:
+                nvml.add_metric([name.removeprefix("NVML_STATE_")], 1.0 if value == tel.state else 0.0)
+        yield nvml
+        fams = {
+            "memory_total": GaugeMetricFamily("node_probe_gpu_memory_total_bytes", "GPU memory, bytes", labels=["gpu"]),
+            "memory_used": GaugeMetricFamily("node_probe_gpu_memory_used_bytes", "GPU memory in use, bytes",
+                                             labels=["gpu"]),
+            "util": GaugeMetricFamily("node_probe_gpu_utilization_ratio", "GPU utilization, 0..1", labels=["gpu"]),
+            "temp": GaugeMetricFamily("node_probe_gpu_temperature_celsius", "GPU temperature, celsius",
+                                      labels=["gpu"]),
+            "power": GaugeMetricFamily("node_probe_gpu_power_watts", "GPU power draw, watts", labels=["gpu"]),
+            "ecc": GaugeMetricFamily("node_probe_gpu_ecc_uncorrected_errors", "uncorrected ECC errors NVML "
+                                     "reports (its volatile count)", labels=["gpu"]),
+            "throttle": GaugeMetricFamily("node_probe_gpu_clock_event_reasons", "NVML clocks-event "
+                                          "(throttle) reason bit mask", labels=["gpu"]),
+            "xids": GaugeMetricFamily("node_probe_gpu_recent_xid_events", "Xid events in the latest reading",
+                                      labels=["gpu"]),
+        }
+        for g in tel.gpus:
+            idx = [str(g.index)]
+            if g.HasField("memory_total_bytes"):
+                fams["memory_total"].add_metric(idx, g.memory_total_bytes)
+            if g.HasField("memory_used_bytes"):
+                fams["memory_used"].add_metric(idx, g.memory_used_bytes)
+            if g.HasField("utilization_ratio"):
+                fams["util"].add_metric(idx, g.utilization_ratio)
+            if g.HasField("temperature_c"):
+                fams["temp"].add_metric(idx, g.temperature_c)
+            if g.HasField("power_w"):
+                fams["power"].add_metric(idx, g.power_w)
+            if g.HasField("ecc_uncorrected"):
+                fams["ecc"].add_metric(idx, g.ecc_uncorrected)
+            fams["throttle"].add_metric(idx, g.throttle_reasons)
+            fams["xids"].add_metric(idx, len(g.xid_events))
+        yield from fams.values()
+
+
+class AgentMetrics:
+    """The agent's registry; ``probe()`` and ``scrape()`` count, :meth:`serve` exposes them."""
+
+    def __init__(self, agent: _AgentState) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_StateCollector(agent))
+        self.probes = Counter("node_probe_probes", "micro-probes run, by result (ok or the failure kind)",
+                              ["result"], registry=self.registry)
+        for kind in ("ok", *_FAILURE_NAMES.values()):
+            self.probes.labels(kind)
+        self.ttft = Histogram("node_probe_probe_ttft_seconds", "TTFT of successful micro-probes, seconds",
+                              buckets=TTFT_BUCKETS_S, registry=self.registry)
+        self.scrapes = Counter("node_probe_metrics_scrapes", "scrapes of the engine's /metrics",
+                               registry=self.registry)
+        self.scrape_errors = Counter("node_probe_metrics_scrape_errors", "failed scrapes of the engine's "
+                                     "/metrics", registry=self.registry)
+        self._runner: web.AppRunner | None = None
+
+    def probe(self, ok: bool, failure: int, ttft_ms: float | None) -> None:
+        """Count one probe result (``failure`` a ``FailureKind`` value; TTFT in ms)."""
+        self.probes.labels("ok" if ok else _FAILURE_NAMES.get(failure, "OTHER")).inc()
+        if ok and ttft_ms is not None:
+            self.ttft.observe(ttft_ms / 1000.0)
+
+    def scrape(self, error: str) -> None:
+        """Count one engine /metrics scrape (``error`` empty when it worked)."""
+        self.scrapes.inc()
+        if error:
+            self.scrape_errors.inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def serve(self, listen: str) -> int:
+        """Serve ``GET /metrics`` on ``listen`` (HOST:PORT; port 0 picks one); the bound port.
+
+        Raises OSError when it cannot be bound."""
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(body=self.exposition(),
+                                headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        host, _, port = listen.rpartition(":")
+        site = web.TCPSite(self._runner, host.strip("[]"), int(port))
+        try:
+            await site.start()
+        except OSError:
+            await self.close()
+            raise
+        bound = self._runner.addresses[0][1]
+        log.info("agent metrics on http://%s:%d/metrics", host, bound)
+        return bound
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+_FAILURE_NAMES = {v: n.removeprefix("FAILURE_KIND_") for n, v in probe_pb2.FailureKind.items() if v}

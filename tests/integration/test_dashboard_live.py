@@ -1,0 +1,177 @@
+"""Issue 13 item 1, the dashboard's server side: ``/`` and its static files (no external
+resources), the ``/live`` Server-Sent Events feed (snapshot, events, a fault seen live), a slow
+client dropped by its bounded queue, and a stop that ends open streams. Real aiohttp server over
+a ControlPlane with in-memory probe sources."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import aiohttp
+import pytest
+
+from xds_server.admin.live import LiveFeed
+from xds_server.admin.app import json_dumps
+from xds_server.config import parse_config
+from xds_server.control.memory import InMemoryProbes
+from xds_server.health import model as hm
+from xds_server.server import ControlPlane
+
+TOKEN = "dash-s3cret-token"
+
+
+def config(**admin) -> dict:
+    return {
+        "xds": {"listen": "127.0.0.1:0", "warmup_timeout_ms": 0},
+        "admin": {"listen": "127.0.0.1:0", "token": TOKEN, "live_interval_ms": 100, **admin},
+        "health": {"ramp_start_percent": 100},
+        "clusters": [{"name": "llm", "nodes": [
+            {"id": f"n{i}", "address": f"127.0.0.1:{8001 + i}", "probe_address": f"127.0.0.1:{9001 + i}"}
+            for i in range(3)]}],
+    }
+
+
+@pytest.fixture
+async def admin():
+    probes = InMemoryProbes()
+    cp = ControlPlane(parse_config(config()), probe_sources=probes)
+    await cp.start()
+    try:
+        for nid in ("n0", "n1", "n2"):
+            probes[nid].heartbeat()
+            probes[nid].probe(ttft_ms=20.0)
+        yield cp, probes, f"http://127.0.0.1:{cp.admin_port}"
+    finally:
+        await cp.stop()
+
+
+async def sse_messages(resp: aiohttp.ClientResponse):
+    """Yield (event, data) pairs from an SSE response."""
+    kind, data = None, []
+    async for raw in resp.content:
+        line = raw.decode().rstrip("\n")
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: "):
+            data.append(line[6:])
+        elif line == "" and kind is not None:
+            yield kind, json.loads("\n".join(data))
+            kind, data = None, []
+
+
+async def test_dashboard_page_and_static_files_are_served_with_nothing_from_outside(admin):
+    _, _, base = admin
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{base}/") as r:
+            assert r.status == 200 and r.content_type == "text/html"
+            html = await r.text()
+        assert '<script src="/static/dashboard.js">' in html and "/static/dashboard.css" in html
+        bodies = [html]
+        for name, ctype in (("dashboard.js", "javascript"), ("dashboard.css", "text/css")):
+            async with s.get(f"{base}/static/{name}") as r:
+                assert r.status == 200 and ctype in r.content_type
+                bodies.append(await r.text())
+        async with s.get(f"{base}/static/../app.py") as r:
+            assert r.status in (403, 404)
+    urls = {u for b in bodies for u in re.findall(r"https?://[^\s\"'`)]+", b)}
+    assert urls == {"http://www.w3.org/2000/svg"}  # an XML namespace, never fetched
+    assert TOKEN not in "".join(bodies)
+
+
+async def test_live_feed_sends_a_snapshot_then_a_node_turning_unhealthy(admin):
+    cp, probes, base = admin
+    async with aiohttp.ClientSession() as s, s.get(f"{base}/live") as r:
+        assert r.status == 200 and r.content_type == "text/event-stream"
+        msgs = sse_messages(r)
+        backlog = []
+        first = None
+        async with asyncio.timeout(10):
+            async for kind, data in msgs:
+                if kind == "event":
+                    backlog.append(data)
+                elif first is None:
+                    first = data  # the snapshot sent on connect
+                if kind == "state" and data["clusters"][0]["routable"] == 3:
+                    routed = data  # published (the coalescing window may hold the first publish)
+                    break
+        assert [n["id"] for n in first["nodes"]] == ["n0", "n1", "n2"]
+        first = routed
+        assert [n["id"] for n in first["nodes"]] == ["n0", "n1", "n2"]
+        assert {n["state"] for n in first["nodes"]} <= {"PROBATION", "HEALTHY"}  # ramp starts at 100 %
+        assert first["fail_static"] is False and first["clusters"][0]["routable"] == 3
+        assert any(e["to"] == "PROBATION" and e["node"] == "n1" for e in backlog)
+        before = cp.health["n1"].state.value
+        for _ in range(2):  # 2 consecutive probe failures eject (seed 001)
+            probes["n1"].probe(kind=hm.ProbeResultKind.TIMEOUT)
+        assert cp.health["n1"].state is hm.NodeState.UNHEALTHY
+        seen_event = None
+        async with asyncio.timeout(5):
+            async for kind, data in msgs:
+                if kind == "event" and data["node"] == "n1" and data["to"] == "UNHEALTHY":
+                    seen_event = data
+                if kind == "state" and seen_event is not None:
+                    n1 = next(n for n in data["nodes"] if n["id"] == "n1")
+                    break
+        assert seen_event["from"] == before and "probe" in seen_event["reason"].lower()
+        assert n1["state"] == "UNHEALTHY" and n1["eds_health_status"] == "UNHEALTHY"
+        # a failure in PROBATION doubles the clean period (60 s default, DESIGN.md section 4)
+        assert n1["probation"]["required_clean_s"] == (120.0 if before == "PROBATION" else 60.0)
+    body = json.dumps([first, data, backlog])
+    assert TOKEN not in body
+
+
+async def test_a_client_that_does_not_read_is_dropped_when_its_queue_is_full(admin):
+    cp, _, _ = admin
+    feed = LiveFeed(cp.view, json_dumps)
+    slow, fast = feed.subscribe(), feed.subscribe()
+    qmax = cp.config.admin.live_queue_max
+    for _ in range(qmax):
+        feed.tick()
+        fast.queue.get_nowait()  # the fast client keeps up
+    assert slow.queue.qsize() == qmax and not slow.dropped
+    feed.tick()
+    assert slow.dropped and slow not in feed.clients and feed.dropped_total == 1
+    assert slow.queue.get_nowait() is None  # its stream ends; the browser reconnects
+    assert fast in feed.clients and fast.queue.qsize() == 1
+
+
+async def test_stop_ends_open_live_streams_promptly():
+    probes = InMemoryProbes()
+    cp = ControlPlane(parse_config(config()), probe_sources=probes)
+    await cp.start()
+    stopped = False
+    try:
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{cp.admin_port}/live") as r:
+            await r.content.readline()
+            t0 = time.monotonic()
+            await cp.stop()
+            stopped = True
+            assert time.monotonic() - t0 < 5.0
+            async with asyncio.timeout(5):
+                rest = await r.content.read()
+            assert isinstance(rest, bytes)
+    finally:
+        if not stopped:
+            await cp.stop()
+
+
+async def test_a_client_joining_does_not_hide_an_event_from_those_already_listening(admin):
+    cp, probes, _ = admin
+    feed = LiveFeed(cp.view, json_dumps)
+    first = feed.subscribe()
+    feed.tick()
+    while not first.queue.empty():
+        first.queue.get_nowait()
+    for _ in range(2):  # n2 ejected between two ticks
+        probes["n2"].probe(kind=hm.ProbeResultKind.TIMEOUT)
+    second = feed.subscribe()  # joins before the next tick
+    feed.tick()
+    for client in (first, second):
+        got = []
+        while not client.queue.empty():
+            got.append(client.queue.get_nowait())
+        events = [json.loads(d) for k, d in got if k == "event"]
+        assert any(e["node"] == "n2" and e["to"] == "UNHEALTHY" for e in events)
+        assert got[-1][0] == "state"
