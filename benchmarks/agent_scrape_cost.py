@@ -5,7 +5,7 @@ Usage: python benchmarks/agent_scrape_cost.py --url http://127.0.0.1:8000 --pid 
 
 For each rate, GETs URL/metrics at that rate for the given time and prints the CPU the engine
 process used meanwhile (user + system from /proc/PID/stat; 0 Hz is the baseline). Run it against
-an idle engine (e.g. ../shared/real_vllm/start.sh) with nothing else talking to it.
+an idle engine (e.g. scripts/real_vllm/start.sh) with nothing else talking to it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Control-plane configuration: one YAML file -> validated pydantic models.
 
 Every threshold lives here with its default and the source of that default (the seed articles,
-see docs/sources.md, and DESIGN.md section 4). Nothing else in the code base hard-codes them.
+see docs/sources.md, and docs/DESIGN.md section 4). Nothing else in the code base hard-codes them.
 
 Errors: :func:`load_config` and :func:`parse_config` raise :class:`ConfigError`, whose message
 names each offending field by its dotted path (``clusters.0.nodes.1.address``) and the reason.
@@ -81,7 +81,7 @@ class XdsConfig(_Model):
     warmup_timeout_ms: int = Field(
         5000, ge=0,
         description="after start, hold a cluster's assignment until every node has left COLD or "
-        "this long has passed, so a restart never publishes 'everything unhealthy' (DESIGN.md 6)",
+        "this long has passed, so a restart never publishes 'everything unhealthy' (docs/DESIGN.md section 6)",
     )
     max_receive_message_bytes: int = Field(
         16 * 1024 * 1024, ge=4 * 1024 * 1024,
@@ -279,14 +279,14 @@ class ProbeConfig(_Model):
 
 
 class HealthConfig(_Model):
-    """Thresholds of the health model. Defaults come from the seeds (DESIGN.md section 4)."""
+    """Thresholds of the health model. Defaults come from the seeds (docs/DESIGN.md section 4)."""
 
     heartbeat_interval_ms: float = Field(100.0, gt=0, description="seed 000: 100 ms heartbeats")
     heartbeat_grace_ms: float = Field(
         80.0, ge=0, description="seed 000: a heartbeat not arrived within interval + 80 ms is a miss"
     )
     consecutive_misses: int = Field(3, ge=1, description="seed 000: 3 consecutive misses -> UNHEALTHY")
-    ping_interval_ms: float = Field(1000.0, gt=0, description="RTT ping cadence (DESIGN.md section 3)")
+    ping_interval_ms: float = Field(1000.0, gt=0, description="RTT ping cadence (docs/DESIGN.md section 3)")
     rtt_ewma_alpha: float = Field(0.2, gt=0, le=1, description="seed 000: EWMA alpha 0.2 for RTT")
     ttft_healthy_ms: float = Field(200.0, gt=0, description="seed 001: TTFT < 200 ms is healthy")
     ttft_timeout_ms: float = Field(
@@ -369,9 +369,9 @@ class HealthConfig(_Model):
     gpu_min_free_ratio: float = Field(
         0.05, ge=0, le=1, description="seed 000: GPU free memory under 5 % -> not routed while it lasts"
     )
-    queue_warning: float = Field(50, ge=0, description="seed 001: > 50 requests waiting -> weight reduced")
+    queue_warning: float = Field(50, ge=0, description="seed 002: > 50 requests waiting -> weight reduced")
     queue_warning_weight_factor: float = Field(0.5, gt=0, le=1, description="weight kept above queue_warning")
-    queue_critical: float = Field(100, ge=0, description="seed 001: > 100 waiting -> not routed while it lasts")
+    queue_critical: float = Field(100, ge=0, description="seed 002: > 100 waiting -> not routed while it lasts")
     fatal_xids: list[int] = Field(
         sorted(FATAL_XIDS),
         description="NVIDIA Xid codes that mean the GPU cannot be trusted (DBE, row-remap "

@@ -116,7 +116,7 @@ async def test_live_feed_sends_a_snapshot_then_a_node_turning_unhealthy(admin):
                     break
         assert seen_event["from"] == before and "probe" in seen_event["reason"].lower()
         assert n1["state"] == "UNHEALTHY" and n1["eds_health_status"] == "UNHEALTHY"
-        # a failure in PROBATION doubles the clean period (60 s default, DESIGN.md section 4)
+        # a failure in PROBATION doubles the clean period (60 s default, docs/DESIGN.md section 4)
         assert n1["probation"]["required_clean_s"] == (120.0 if before == "PROBATION" else 60.0)
     body = json.dumps([first, data, backlog])
     assert TOKEN not in body

@@ -1,4 +1,4 @@
-"""The per-node health state machine: seed scenarios as tables (DESIGN.md section 4)."""
+"""The per-node health state machine: seed scenarios as tables (docs/DESIGN.md section 4)."""
 from __future__ import annotations
 
 import pytest

@@ -9,7 +9,7 @@ Shape::
 
 No I/O and no clock reads: ``now_s`` is the caller's monotonic clock in seconds. Every threshold
 is a field of :class:`xds_server.config.HealthConfig` with its default and source documented
-there (DESIGN.md section 4, seeds 000 and 001).
+there (docs/DESIGN.md section 4, seeds 000 and 001).
 
 The state machine is the table ``(state, signal) -> (effect, next state)`` in
 :mod:`xds_server.health.table`; :mod:`xds_server.health.rules` turns observations into signals.

@@ -41,7 +41,7 @@ __all__ = [
 
 
 class NodeState(str, enum.Enum):
-    """Per-node health state (DESIGN.md section 4). DRAINING is the operator overlay only."""
+    """Per-node health state (docs/DESIGN.md section 4). DRAINING is the operator overlay only."""
 
     COLD = "COLD"
     WARMING = "WARMING"
