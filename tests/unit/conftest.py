@@ -1,35 +1,8 @@
-"""Shared fixtures for unit tests: tiny aiohttp servers that replay engine answers."""
+"""Shared fixtures for unit tests (``serve`` is in tests/conftest.py): an aiohttp client session."""
 from __future__ import annotations
-
-from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
-from aiohttp import web
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@pytest.fixture
-async def serve():
-    """``await serve({(method, path): handler})`` starts an aiohttp app on 127.0.0.1 (free port)
-    and returns its base URL; every app is stopped at teardown."""
-    runners: list[web.AppRunner] = []
-
-    async def start(routes: dict[tuple[str, str], Handler]) -> str:
-        app = web.Application()
-        for (method, path), handler in routes.items():
-            app.router.add_route(method, path, handler)
-        runner = web.AppRunner(app, shutdown_timeout=0.2, handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        host, port = runner.addresses[0][:2]
-        return f"http://{host}:{port}"
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
 
 
 @pytest.fixture
