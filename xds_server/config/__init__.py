@@ -1,0 +1,120 @@
+"""Control-plane configuration: one YAML file -> validated pydantic models.
+
+Every threshold lives here with its default and the source of that default (the seed articles,
+see docs/sources.md, and docs/DESIGN.md section 4). Nothing else in the code base hard-codes them.
+
+Errors: :func:`load_config` and :func:`parse_config` raise :class:`ConfigError`, whose message
+names each offending field by its dotted path (``clusters.0.nodes.1.address``) and the reason.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from xds_server.config.admin import AdminConfig
+from xds_server.config.base import ConfigError, _Model, parse_hostport
+from xds_server.config.cluster import (
+    ClusterConfig,
+    DropOverloadConfig,
+    Locality,
+    NodeConfig,
+    OutlierDetectionConfig,
+)
+from xds_server.config.health import HealthConfig
+from xds_server.config.ops import ReloadConfig, StateConfig
+from xds_server.config.probe import ProbeConfig
+from xds_server.config.xds import XdsConfig
+
+__all__ = [
+    "AdminConfig",
+    "ClusterConfig",
+    "ConfigError",
+    "DropOverloadConfig",
+    "HealthConfig",
+    "Locality",
+    "NodeConfig",
+    "OutlierDetectionConfig",
+    "ProbeConfig",
+    "ReloadConfig",
+    "SentinelConfig",
+    "StateConfig",
+    "XdsConfig",
+    "load_config",
+    "parse_config",
+    "parse_hostport",
+]
+
+
+
+class SentinelConfig(_Model):
+    """The whole control-plane configuration file."""
+
+    xds: XdsConfig = XdsConfig()
+    admin: AdminConfig = AdminConfig()
+    health: HealthConfig = HealthConfig()
+    probe: ProbeConfig = ProbeConfig()
+    reload: ReloadConfig = ReloadConfig()
+    state: StateConfig = StateConfig()
+    clusters: list[ClusterConfig] = Field(..., min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "SentinelConfig":
+        names: set[str] = set()
+        node_ids: set[str] = set()
+        for c in self.clusters:
+            if c.name in names:
+                raise ValueError(f"duplicate cluster name {c.name!r}")
+            names.add(c.name)
+            for n in c.nodes:
+                if n.id in node_ids:
+                    raise ValueError(f"node id {n.id!r} appears in more than one cluster")
+                node_ids.add(n.id)
+        return self
+
+    def nodes(self) -> list[tuple[str, NodeConfig]]:
+        """All nodes as ``(cluster_name, node)`` pairs, in file order."""
+        return [(c.name, n) for c in self.clusters for n in c.nodes]
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        lines.append(f"{loc}: {msg}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def parse_config(data: Any) -> SentinelConfig:
+    """Validate an already-parsed YAML document. Raises ConfigError naming field and reason."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid configuration: top level must be a mapping, got {type(data).__name__}")
+    try:
+        return SentinelConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None
+
+
+def load_config(path: str | Path) -> SentinelConfig:
+    """Read and validate a YAML config file.
+
+    Raises ConfigError when the file cannot be read, is not valid YAML (with line/column), or
+    fails validation (each error names the dotted field path and the reason).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"config file {p} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    return parse_config(data)

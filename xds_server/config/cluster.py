@@ -1,0 +1,142 @@
+"""``clusters:`` section: clusters, their nodes, localities, outlier detection, drop overload."""
+from __future__ import annotations
+
+import ipaddress
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from xds_server.config.base import _Model, parse_hostport
+
+__all__ = ["ClusterConfig", "DropOverloadConfig", "Locality", "NodeConfig", "OutlierDetectionConfig"]
+
+
+class Locality(_Model):
+    """Envoy locality of a node (region/zone/sub_zone)."""
+
+    region: str = ""
+    zone: str = ""
+    sub_zone: str = ""
+
+
+class NodeConfig(_Model):
+    """One inference node: where Envoy sends traffic and where its node_probe agent listens."""
+
+    id: str = Field(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")
+    address: str = Field(..., description="serving HOST:PORT Envoy routes to (IP literal)")
+    probe_address: str = Field(..., description="HOST:PORT of the node's node_probe agent (gRPC)")
+    locality: Locality = Locality()
+    priority: int = Field(0, ge=0, le=128, description="Envoy priority; 0 is highest")
+    capacity: int = Field(
+        1, ge=1, le=1_000_000,
+        description="relative capacity; full weight = capacity x 100 so a 1 % step is representable",
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _v_address(cls, v: str) -> str:
+        host, port = parse_hostport(v)
+        if port == 0:
+            raise ValueError("port 0 is not a serving port")
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(
+                f"host {host!r} must be an IP literal (the cluster uses EDS with static addresses)"
+            ) from None
+        return v
+
+    @field_validator("probe_address")
+    @classmethod
+    def _v_probe(cls, v: str) -> str:
+        _, port = parse_hostport(v)
+        if port == 0:
+            raise ValueError("port 0 is not a probe port")
+        return v
+
+
+class OutlierDetectionConfig(_Model):
+    """Envoy passive outlier detection served in the Cluster: a second line behind our probes."""
+
+    enabled: bool = True
+    consecutive_5xx: int = Field(5, ge=1, description="Envoy default 5")
+    interval_ms: int = Field(1000, ge=1)
+    base_ejection_time_ms: int = Field(10_000, ge=1)
+    max_ejection_percent: int = Field(50, ge=0, le=100)
+
+
+class DropOverloadConfig(_Model):
+    """Shed a share of traffic at Envoy (``ClusterLoadAssignment.policy.drop_overloads``) when the
+    cluster has lost capacity, instead of overloading the survivors.
+
+    Dropped requests get a local 503 "drop overload" from Envoy (docs/xds_protocol.md 2.5).
+    """
+
+    category: str = Field(
+        "capacity_lost", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$",
+        description="Envoy stat/category name of the drop",
+    )
+    drop_percent: float = Field(
+        ..., gt=0, le=100, description="share of requests dropped while the condition holds, %",
+    )
+    below_routable_capacity_ratio: float = Field(
+        0.5, gt=0, le=1,
+        description="apply the drop while the routable (HEALTHY, weighted) share of the "
+        "cluster's full capacity is below this ratio; the drop and the host change that caused "
+        "it land in the same ClusterLoadAssignment, which Envoy 1.40 needs to apply a drop "
+        "change at all (docs/xds_protocol.md 2.5)",
+    )
+
+
+class ClusterConfig(_Model):
+    """One Envoy cluster (CDS) and its nodes (EDS ClusterLoadAssignment)."""
+
+    name: str = Field(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")
+    lb_policy: Literal["LEAST_REQUEST", "ROUND_ROBIN"] = Field(
+        "LEAST_REQUEST", description="RANDOM ignores endpoint weights, so it is not offered"
+    )
+    healthy_panic_threshold_percent: float = Field(
+        0.0, ge=0, le=100,
+        description="Envoy's default 50 % spreads traffic over dead nodes (fc04); default 0",
+    )
+    update_merge_window_ms: int = Field(
+        0, ge=0, description="Envoy's default 1 s delays ejection inside Envoy; default 0"
+    )
+    connect_timeout_ms: int = Field(1000, ge=1)
+    upstream_protocol: Literal["http1", "http2"] = "http1"
+    max_requests: int = Field(
+        100_000, ge=1, description="circuit breaker; Envoy's 1024 default trips on long streams"
+    )
+    max_retries: int = Field(
+        1024, ge=1,
+        description="circuit breaker on concurrent retries; Envoy's default of 3 overflows when a "
+        "node holding several in-flight requests freezes and they all retry at once",
+    )
+    outlier_detection: OutlierDetectionConfig = OutlierDetectionConfig()
+    overprovisioning_factor: int = Field(
+        140, ge=1, le=100_000,
+        description="ClusterLoadAssignment.policy.overprovisioning_factor, %. Envoy's default 140: "
+        "priority 0 keeps all traffic until fewer than ~71.4 % of its hosts are healthy, then "
+        "the rest spills to priority 1 (docs/xds_protocol.md 2.4); 100 spills at the first loss",
+    )
+    drop_overloads: list[DropOverloadConfig] = Field(
+        default_factory=list, max_length=1,
+        description="at most one category: Envoy 1.40 NACKs an assignment with two "
+        "(docs/xds_protocol.md 2.5)",
+    )
+    nodes: list[NodeConfig] = Field(
+        default_factory=list,
+        description="may be empty: a pool scaled to zero is served an assignment with no endpoints",
+    )
+
+    @model_validator(mode="after")
+    def _unique_nodes(self) -> "ClusterConfig":
+        seen: set[str] = set()
+        for n in self.nodes:
+            if n.id in seen:
+                raise ValueError(f"duplicate node id {n.id!r}")
+            seen.add(n.id)
+        prios = sorted({n.priority for n in self.nodes})
+        if prios != list(range(len(prios))):
+            raise ValueError(f"priorities must be contiguous from 0, got {prios}")
+        return self

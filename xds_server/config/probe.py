@@ -1,0 +1,63 @@
+"""``probe:`` section: the control plane's probe streams to the node_probe agents."""
+from __future__ import annotations
+
+from pydantic import Field
+
+from xds_server.config.base import _Model
+
+__all__ = ["ProbeConfig"]
+
+
+class ProbeConfig(_Model):
+    """The probe stream to each node_probe agent (gRPC client side) and what it accepts."""
+
+    keepalive_time_ms: int = Field(
+        1000, ge=100,
+        description="HTTP/2 keepalive ping interval on the probe channel (ours: a dead TCP path is "
+        "noticed within ~2 s even if no heartbeat is due; heartbeats catch it sooner anyway)",
+    )
+    keepalive_timeout_ms: int = Field(1000, ge=100, description="keepalive ping ack deadline (ours)")
+    channel_initial_backoff_ms: int = Field(
+        100, ge=1,
+        description="gRPC channel's own first reconnect backoff (gRPC's default is 1 s: too slow "
+        "for a node whose agent restarts); the channel's cap is health.reconnect_backoff_max_ms",
+    )
+    max_unanswered_pings: int = Field(
+        64, ge=1, le=65_536, description="outstanding RTT pings remembered per stream (ours)",
+    )
+    silent_stream_redial_ms: float = Field(
+        2000.0, gt=0,
+        description="a probe stream open but without a heartbeat for this long is closed and "
+        "redialled (ours: 20 heartbeat intervals; the heartbeat rules eject the node long before)",
+    )
+    max_text_chars: int = Field(
+        256, ge=16, le=65_536,
+        description="agent strings (stall_detail, error texts, kv_cache_metric) are clipped to this "
+        "before they reach reasons, events, logs or ProbeNow (ours)",
+    )
+    max_gpus: int = Field(64, ge=1, le=4096, description="GPU readings per heartbeat kept (ours: 8-16 per host)")
+    max_list_items: int = Field(
+        64, ge=1, le=4096, description="xid_events and errors kept per GPU reading (ours)",
+    )
+    max_ttft_ms: float = Field(
+        10_000.0, gt=0,
+        description="a successful probe's TTFT above this is rejected as nonsense, never fed to the "
+        "TTFT EWMA (ours: 12.5 x health.ttft_timeout_ms; an agent gives up at its probe timeout, "
+        "and one absurd value would keep a node an outlier for minutes)",
+    )
+    max_requests: float = Field(
+        1e9, gt=0, description="requests_waiting/running above this are rejected as nonsense (ours)",
+    )
+    malformed_log_interval_s: float = Field(
+        10.0, ge=0, description="a kind of malformed agent message is logged at most once per this (ours)",
+    )
+    unreachable_log_interval_s: float = Field(
+        60.0, ge=0,
+        description="an agent that cannot be reached is logged when it first fails, then at most once "
+        "per this while it stays unreachable (with the count of failed dials); /nodes shows it at once (ours)",
+    )
+    lag_recheck_ms: float = Field(
+        5.0, gt=0, le=1000,
+        description="a detection timer that fired late (health.self_lag_tolerance_ms) is re-run this "
+        "much later, once, so heartbeats already waiting are read first (ours)",
+    )

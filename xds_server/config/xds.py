@@ -1,0 +1,128 @@
+"""``xds:`` section: the ADS gRPC server, its bounds and its fail-static history."""
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from xds_server.config.base import _Model, _check_hostport
+
+__all__ = ["XdsConfig"]
+
+
+class XdsConfig(_Model):
+    """The ADS gRPC server."""
+
+    listen: str = Field("127.0.0.1:18000", description="HOST:PORT of the ADS gRPC server")
+    server_id: str = Field(
+        "sentinel", min_length=1, max_length=32,
+        description="prefix of every version_info, so versions from two replicas never collide",
+    )
+    warmup_timeout_ms: int = Field(
+        5000, ge=0,
+        description="after start, hold a cluster's assignment until every node has left COLD or "
+        "this long has passed, so a restart never publishes 'everything unhealthy' (docs/DESIGN.md section 6)",
+    )
+    max_receive_message_bytes: int = Field(
+        16 * 1024 * 1024, ge=4 * 1024 * 1024,
+        description="largest ADS request accepted (gRPC answers RESOURCE_EXHAUSTED above it). "
+        "A delta reconnect echoes every name+version and a SotW EDS request names every cluster: "
+        "gRPC's 4 MiB default is too small (docs/xds_protocol.md section 5 item 7); 16 MiB holds "
+        "~200,000 names of 64 characters with versions (150,000 long names are ~6.3 MB) while "
+        "bounding what one message can make the server parse and hold (was 64 MiB)",
+    )
+    coalesce_window_ms: float = Field(
+        5.0, ge=0, le=1000,
+        description="at most one publish per window: a change after a quiet window is published "
+        "at once; changes arriving within the window after a publish are coalesced into one push "
+        "(one build and encode per cluster, one response per stream) at its end. 0 = changes in "
+        "one event-loop iteration only. Ours: a few ms is far below a heartbeat interval (100 ms) "
+        "and turns a burst (a rack losing power) into two updates instead of one per node",
+    )
+    keepalive_time_ms: int = Field(
+        30_000, ge=1_000,
+        description="HTTP/2 keepalive ping interval on ADS streams (checklist 1.9 item 28); "
+        "matches the 30 s the Envoy bootstrap uses towards us",
+    )
+    keepalive_timeout_ms: int = Field(5_000, ge=100, description="keepalive ping ack deadline")
+    min_client_ping_interval_ms: int = Field(
+        5_000, ge=0,
+        description="HTTP/2 pings from a client without data in flight closer than this are a "
+        "protocol violation (gRPC's grpc.http2.min_ping_interval_without_data_ms; its default 5 min "
+        "would reject Envoy's 30 s keepalive; ours: 5 s)",
+    )
+    max_tracked_nonces: int = Field(
+        16, ge=1, le=1024,
+        description="delta: un-ACKed nonces remembered per stream and type (to report which "
+        "version an ACK or NACK refers to); older ones count as stale",
+    )
+    fail_static_history_max: int = Field(
+        1024, ge=2, le=1_000_000,
+        description="assignments per cluster kept to find the last good one when fail-static "
+        "begins; only those that can still be the answer are kept, this caps the rest (ours: "
+        "a burst coalesced at 5 ms publishes 200 assignments per second)",
+    )
+    max_types_per_stream: int = Field(
+        32, ge=2, le=1024,
+        description="distinct type_urls one stream may ask for (INVALID_ARGUMENT beyond); Envoy "
+        "uses a handful (CDS, EDS, LDS, RDS, SDS, ...)",
+    )
+    max_names_per_stream: int = Field(
+        200_000, ge=1,
+        description="subscribed resource names one stream may hold, all types (INVALID_ARGUMENT "
+        "beyond): ~100 B each, so at most ~20 MB per stream; ours, above the 150,000-name "
+        "request the conformance suite accepts",
+    )
+    client_text_max_chars: int = Field(
+        256, ge=16,
+        description="node id, node cluster, user agent, type_url and versions kept from a client "
+        "are clipped to this many characters (type_urls longer are INVALID_ARGUMENT); Envoy's are "
+        "far shorter. Ours (issue 9: 64 KB node ids grew /metrics and /xds/clients to 19.7 MB)",
+    )
+    nack_message_max_chars: int = Field(
+        1024, ge=16,
+        description="a NACK's error_detail.message as kept for /xds/clients and logged; Envoy's "
+        "messages name the field and the reason in a few hundred characters",
+    )
+    absent_names_max_per_stream: int = Field(
+        1000, ge=0,
+        description="SotW EDS names that exist nowhere answered with an empty assignment, per stream "
+        "and type (issue 11: Envoy would otherwise wait on them); names beyond get no answer, so a "
+        "request naming 150,000 unknown clusters cannot make a 20 MB response (ours)",
+    )
+    clients_view_max_names: int = Field(
+        100, ge=0,
+        description="subscribed names listed per stream and type in /xds/clients (the count is "
+        "always given): a client may hold 200,000 names; the view stays small",
+    )
+    memo_max_entries: int = Field(
+        1024, ge=1,
+        description="entries in each memo of the snapshot cache (encoded response bodies and "
+        "subscription-set versions; two memos per served type, emptied on every change of the "
+        "type). Ours: distinct responses in flight between two changes are few",
+    )
+    memo_max_bytes: int = Field(
+        4 * 1024 * 1024, ge=64 * 1024,
+        description="bytes (estimated) in each memo of the snapshot cache, least recently used "
+        "out first; an entry over a quarter of it is not memoized. Bounds what closed streams "
+        "leave behind (issue 9: an unbounded memo held 529 MB after 200 closed streams)",
+    )
+    request_bytes_per_s: int = Field(
+        1024 * 1024, ge=1024,
+        description="per-stream request budget, sustained: bytes of requests per second a stream "
+        "may send before the server stops reading it for a while (HTTP/2 flow control then holds "
+        "the client back). An Envoy sends a few small ACKs per update; ours: one stream flooding "
+        "1.7 MB requests slowed every other stream's EDS delivery 60x (issue 9)",
+    )
+    request_burst_bytes: int = Field(
+        16 * 1024 * 1024, ge=4 * 1024,
+        description="per-stream request budget, burst: bytes a stream may send at once; one request "
+        "is always read when the budget is not overdrawn, so a reconnect with every name (up to "
+        "max_receive_message_bytes) is served at once",
+    )
+    request_cost_min_bytes: int = Field(
+        1024, ge=0,
+        description="what each request costs at least from the budget, bytes, whatever its size "
+        "(so a flood of tiny requests is bounded too: 1,024 B/request at 1 MiB/s = 1,024 "
+        "requests/s)",
+    )
+
+    _v_listen = field_validator("listen")(_check_hostport)
