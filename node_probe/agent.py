@@ -62,6 +62,7 @@ from node_probe.stall import StallDetector
 from node_probe.streams import StreamHub
 from node_probe.telemetry import GpuCollector, gpu_fatal_reason
 from node_probe.ticks import sleep_until_tick
+from xds_server.tls import ServerCertFiles, server_credentials
 
 # AgentConfig and EngineLifecycle live in their own modules; this module is their public face.
 __all__ = ["AgentConfig", "EngineLifecycle", "ProbeAgent", "run_agent"]
@@ -110,6 +111,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         self._lifecycle = EngineLifecycle(self._on_state_change)
         self.metrics = AgentMetrics(self)
         self.metrics_port: int | None = None  # bound port of --metrics-listen once started
+        self.tls_files: ServerCertFiles | None = None  # the gRPC port's certificate files (TLS)
         self._prober = Prober(cfg)
         self._schedule = ProbeScheduler(cfg.schedule_settings())
         self._hub = StreamHub(node_id=cfg.node_id, heartbeat_interval_ms=cfg.heartbeat_interval_ms,
@@ -201,7 +203,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         """Bind the gRPC server, start the background loops and return the bound port.
 
         Raises:
-            OSError: the listen address cannot be bound.
+            OSError: the listen address cannot be bound, or the TLS files do not load.
             RuntimeError: the agent was already started.
         """
         if self._started:
@@ -223,7 +225,12 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         )
         probe_pb2_grpc.add_NodeProbeServicer_to_server(self, server)
         try:
-            port = server.add_insecure_port(cfg.listen)
+            if cfg.tls_cert_file and cfg.tls_key_file:
+                creds, self.tls_files = server_credentials(cfg.tls_cert_file, cfg.tls_key_file,
+                                                           cfg.tls_client_ca_file)
+                port = server.add_secure_port(cfg.listen, creds)
+            else:
+                port = server.add_insecure_port(cfg.listen)
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {cfg.listen}: {exc}") from exc
         if not port:

@@ -141,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {','.join(map(str, sorted(FATAL_XIDS)))})")
     p.add_argument("--model", default=None,
                    help="model id to probe (default: first id from GET /v1/models)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve the gRPC port over TLS with this certificate (re-read when it changes)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
+    p.add_argument("--tls-client-ca", default=None, metavar="PEM",
+                   help="mutual TLS: the control plane must present a certificate this CA signed")
+    p.add_argument("--plaintext", action="store_true",
+                   help="serve plaintext on a non-loopback --listen (refused unless said)")
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="log level (default %(default)s)")
@@ -220,6 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             min_probe_now_interval_ms=args.min_probe_now_interval_ms,
             gpu_interval_s=args.gpu_interval_s,
             model=args.model,
+            tls_cert_file=args.tls_cert,
+            tls_key_file=args.tls_key,
+            tls_client_ca_file=args.tls_client_ca,
+            plaintext=args.plaintext,
         )
     except ValueError as exc:
         build_parser().error(str(exc))  # exits 2

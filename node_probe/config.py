@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from node_probe.engines import ENGINE_KINDS
 from node_probe.schedule import ScheduleSettings
 from node_probe.telemetry import FATAL_XIDS
+from xds_server.tls import is_loopback
 
 __all__ = ["AgentConfig"]
 
@@ -65,6 +66,12 @@ class AgentConfig:
             stream are dropped (and counted) rather than growing memory for a stuck client.
         grpc_keepalive_time_ms: server-side HTTP/2 keepalive ping period (detects dead
             control planes on silent networks).
+        tls_cert_file, tls_key_file: the agent's server certificate and key (PEM; both or
+            neither): the gRPC port serves TLS, the files re-read when they change.
+        tls_client_ca_file: with a certificate: the control plane must present a client
+            certificate this CA bundle signed (mutual TLS).
+        plaintext: serve plaintext on a non-loopback ``listen`` (must be said; without a
+            certificate a non-loopback listen is refused).
 
     Raises:
         ValueError: (on construction) a value is out of range.
@@ -96,6 +103,10 @@ class AgentConfig:
     stream_queue_max: int = 1024
     metrics_listen: str | None = None
     grpc_keepalive_time_ms: int = 10_000
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    plaintext: bool = False
 
     def __post_init__(self) -> None:
         if not self.engine_url.startswith(("http://", "https://")):
@@ -137,6 +148,16 @@ class AgentConfig:
             raise ValueError("stream_queue_max must be >= 1")
         if not self.node_id:
             raise ValueError("node_id must not be empty")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        if self.plaintext and self.tls_cert_file is not None:
+            raise ValueError("plaintext and tls_cert_file exclude each other")
+        if self.tls_cert_file is None and not self.plaintext and not is_loopback(self.listen.rpartition(":")[0]):
+            raise ValueError(f"listen {self.listen} is not a loopback address: give a certificate "
+                             "(--tls-cert/tls_cert_file and --tls-key/tls_key_file; --tls-client-ca/"
+                             "tls_client_ca_file for mutual TLS) or say --plaintext/plaintext explicitly")
         self.fatal_xids = frozenset(self.fatal_xids)
 
     @property

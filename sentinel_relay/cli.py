@@ -46,7 +46,8 @@ async def _serve(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int |
     if cfg.routing_feed:
         feed = FeedClient(cfg.routing_feed, relay.on_node, subscriber_id=f"sentinel-relay-{os.getpid()}",
                           reconnect_max_s=cfg.feed_reconnect_max_s,
-                          on_connected=lambda up: relay.metrics.feed_connected.set(1 if up else 0))
+                          on_connected=lambda up: relay.metrics.feed_connected.set(1 if up else 0),
+                          tls=cfg.feed_tls())
         feed.start()
     if ready_fd is not None:
         os.write(ready_fd, b"r")
@@ -86,6 +87,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--listen")
     p.add_argument("--upstream", help="Envoy's listener URL")
     p.add_argument("--routing-feed", help="control plane routing feed HOST:PORT")
+    p.add_argument("--feed-tls-ca", dest="feed_tls_ca_file", metavar="PEM",
+                   help="dial the routing feed over TLS, verifying the control plane with this CA")
+    p.add_argument("--feed-tls-cert", dest="feed_tls_cert_file", metavar="PEM",
+                   help="the relay's client certificate (mutual TLS)")
+    p.add_argument("--feed-tls-key", dest="feed_tls_key_file", metavar="PEM", help="its private key")
+    p.add_argument("--feed-tls-server-name", dest="feed_tls_server_name",
+                   help="name the control plane's certificate must carry (default: the feed's host)")
+    p.add_argument("--feed-plaintext", action="store_true", default=None,
+                   help="dial a non-loopback routing feed in plaintext (refused unless said)")
     p.add_argument("--admin-listen")
     p.add_argument("--workers", type=int)
     p.add_argument("--max-rescues", type=int)

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from xds_server.tls import ClientTls, is_loopback
 
 __all__ = ["RelayConfig", "RelayConfigError", "load_relay_config"]
 
@@ -50,6 +52,13 @@ class RelayConfig(BaseModel):
       re-issued at once (its node is unknown until its headers arrive, so every such request is
       re-issued and the first answer wins; the other is cancelled).
     - ``feed_reconnect_max_s``: longest wait between routing feed reconnects (backoff from 0.1 s).
+    - ``feed_tls_ca_file``: dial the routing feed over TLS, verifying the control plane's
+      certificate against this CA bundle (PEM); ``feed_tls_cert_file`` + ``feed_tls_key_file``:
+      the relay's client certificate (mutual TLS, ``tls.mode: mtls`` on the control plane);
+      ``feed_tls_server_name``: the name the control plane's certificate must carry (default the
+      feed's host). Files are re-read at each reconnect when they changed.
+    - ``feed_plaintext``: dial a non-loopback routing feed in plaintext (must be said; refused
+      otherwise).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -67,6 +76,32 @@ class RelayConfig(BaseModel):
     upstream_host_header: str = "x-sentinel-upstream-host"
     hedge_unary_on_ejection: bool = True
     feed_reconnect_max_s: float = Field(2.0, gt=0)
+    feed_tls_ca_file: str | None = None
+    feed_tls_cert_file: str | None = None
+    feed_tls_key_file: str | None = None
+    feed_tls_server_name: str | None = None
+    feed_plaintext: bool = False
+
+    @model_validator(mode="after")
+    def _feed_tls(self) -> "RelayConfig":
+        if (self.feed_tls_cert_file is None) != (self.feed_tls_key_file is None):
+            raise ValueError("feed_tls_cert_file and feed_tls_key_file go together")
+        if self.feed_tls_ca_file is None and (self.feed_tls_cert_file or self.feed_tls_server_name):
+            raise ValueError("feed_tls_cert_file/feed_tls_server_name need feed_tls_ca_file")
+        if self.feed_tls_ca_file is not None and self.feed_plaintext:
+            raise ValueError("feed_plaintext and feed_tls_ca_file exclude each other")
+        if (self.routing_feed and self.feed_tls_ca_file is None and not self.feed_plaintext
+                and not is_loopback(self.routing_feed.rpartition(":")[0])):
+            raise ValueError(f"routing_feed {self.routing_feed} is not a loopback address: set "
+                             "feed_tls_ca_file (--feed-tls-ca) or feed_plaintext (--feed-plaintext)")
+        return self
+
+    def feed_tls(self) -> ClientTls | None:
+        """How to dial the routing feed: None for plaintext."""
+        if self.feed_tls_ca_file is None:
+            return None
+        return ClientTls(self.feed_tls_ca_file, self.feed_tls_cert_file, self.feed_tls_key_file,
+                         self.feed_tls_server_name)
 
     @field_validator("listen", "routing_feed", "admin_listen")
     @classmethod

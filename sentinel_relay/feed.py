@@ -3,7 +3,8 @@
 :class:`FeedClient` keeps one server-streaming call open (grpc.aio), reconnecting with backoff
 (0.1 s doubling to ``reconnect_max_s``), and calls ``on_node(node, snapshot)`` for every
 ``NodeRouting`` it receives (each reconnect starts with a full snapshot). It keeps the latest
-routing per node in ``nodes`` (node id -> NodeRouting). ``on_node`` must not block.
+routing per node in ``nodes`` (node id -> NodeRouting). ``on_node`` must not block. ``tls``: dial
+over TLS (:class:`~xds_server.tls.ClientTls`, files re-read at each reconnect); None: plaintext.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Callable
 import grpc
 
 from xds_server.proto import routing_pb2, routing_pb2_grpc
+from xds_server.tls import ClientTls, dial
 
 __all__ = ["FeedClient"]
 
@@ -23,8 +25,9 @@ log = logging.getLogger("sentinel_relay.feed")
 class FeedClient:
     def __init__(self, target: str, on_node: Callable[[routing_pb2.NodeRouting, bool], None], *,
                  subscriber_id: str = "sentinel-relay", reconnect_max_s: float = 2.0,
-                 on_connected: Callable[[bool], None] | None = None) -> None:
+                 on_connected: Callable[[bool], None] | None = None, tls: ClientTls | None = None) -> None:
         self.target = target
+        self.tls = tls  # None: plaintext; else TLS as xds_server.tls.dial makes it
         self.on_node = on_node
         self.subscriber_id = subscriber_id
         self.reconnect_max_s = reconnect_max_s
@@ -48,7 +51,7 @@ class FeedClient:
         backoff = 0.1
         while True:
             try:
-                async with grpc.aio.insecure_channel(self.target) as ch:
+                async with dial(self.target, tls=self.tls) as ch:
                     stub = routing_pb2_grpc.RoutingFeedStub(ch)
                     call = stub.Watch(routing_pb2.WatchRequest(subscriber_id=self.subscriber_id))
                     async for upd in call:

@@ -206,6 +206,16 @@ def _envoy_bootstrap(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"xds-server: cannot read the bootstrap template: {e}", file=sys.stderr)
         return 1
+    if args.xds_tls_ca:
+        try:
+            _bootstrap_tls(args, doc)
+        except (OSError, ValueError) as e:
+            print(f"xds-server: {e}", file=sys.stderr)
+            return 2 if isinstance(e, ValueError) else 1
+    elif args.xds_tls_cert or args.xds_tls_key or args.xds_tls_sds or args.xds_tls_server_name:
+        print("xds-server: --xds-tls-cert/--xds-tls-key/--xds-tls-server-name/--xds-tls-sds need --xds-tls-ca",
+              file=sys.stderr)
+        return 2
     text = yaml.safe_dump(doc, sort_keys=False)
     if args.output in (None, "-"):
         sys.stdout.write(text)
@@ -219,6 +229,26 @@ def _envoy_bootstrap(args: argparse.Namespace) -> int:
         print(f"wrote {args.output} (ADS 127.0.0.1:{args.xds_port}, listener :{args.listener_port}, "
               f"admin :{args.admin_port}, cluster {args.cluster})")
     return 0
+
+
+def _bootstrap_tls(args: argparse.Namespace, doc: dict) -> None:
+    """Add TLS to the bootstrap's xds_cluster (absolute paths; with --xds-tls-sds also write the
+    SDS file). Raises ValueError for a lone cert or key, OSError when the SDS file cannot be written."""
+    import yaml
+
+    from xds_server.envoy_bootstrap import add_xds_tls, xds_tls_sds_secrets, xds_tls_transport_socket
+
+    absolute = {k: os.path.abspath(v) if v else None
+                for k, v in (("ca", args.xds_tls_ca), ("cert", args.xds_tls_cert), ("key", args.xds_tls_key),
+                             ("sds", args.xds_tls_sds))}
+    if absolute["sds"]:
+        os.makedirs(absolute["sds"], exist_ok=True)
+        for name, secret in xds_tls_sds_secrets(absolute["ca"], absolute["cert"], absolute["key"],
+                                                args.xds_tls_server_name).items():
+            with open(os.path.join(absolute["sds"], name), "w", encoding="utf-8") as f:
+                f.write(yaml.safe_dump(secret, sort_keys=False))
+    add_xds_tls(doc, xds_tls_transport_socket(absolute["ca"], absolute["cert"], absolute["key"],
+                                              args.xds_tls_server_name, absolute["sds"]))
 
 
 def _port(v: str) -> int:
@@ -285,6 +315,15 @@ def build_parser() -> argparse.ArgumentParser:
     eb.add_argument("--node-id", default="envoy-llm-gw-1", help="Envoy's node id (default envoy-llm-gw-1)")
     eb.add_argument("--api", choices=("GRPC", "DELTA_GRPC"), default="GRPC", help="ADS variant (default GRPC)")
     eb.add_argument("--per-try-timeout-s", type=float, default=None, help="retry per-try timeout (default 10)")
+    eb.add_argument("--xds-tls-ca", default=None, metavar="PEM",
+                    help="connect to the ADS port over TLS, verifying xds-server with this CA")
+    eb.add_argument("--xds-tls-cert", default=None, metavar="PEM", help="Envoy's client certificate (mutual TLS)")
+    eb.add_argument("--xds-tls-key", default=None, metavar="PEM", help="its private key")
+    eb.add_argument("--xds-tls-server-name", default=None,
+                    help="DNS SAN xds-server's certificate must carry (also sent as SNI)")
+    eb.add_argument("--xds-tls-sds", default=None, metavar="DIR",
+                    help="write the certificate and CA as filesystem SDS files into DIR and point Envoy "
+                         "at them (Envoy watches DIR: rotation without restart)")
     eb.add_argument("-o", "--output", default=None, help="file to write (default stdout)")
     d = cmd("demo", "local demo: real Envoy, simulated engines, injected faults", _demo)
     d.add_argument("--keep-running", action="store_true", help="stay up until Ctrl-C (no faults)")

@@ -39,6 +39,7 @@ from xds_server.health.model import (
     Tick,
     miss_after_s,
 )
+from xds_server.tls import ClientTls, dial
 from xds_server.untrusted import RateLimitedLog, clip, for_log
 
 __all__ = ["ProbeSession", "SilentStream"]
@@ -56,6 +57,7 @@ class SilentStream(Exception):
 class ProbeSession:
     """Watches one node through its agent. ``sink(node_id, observation, now_s)`` gets every observation.
 
+    ``tls``: dial the agent over TLS (:class:`~xds_server.tls.ClientTls`; None: plaintext).
     ``start()`` spawns the dial loop; ``stop()`` cancels it and closes the channel.
     ``last_telemetry`` holds the latest checked :class:`~xds_server.agent_edge.TelemetrySummary`.
     Bad messages and fields are counted in ``counters`` (``malformed`` per node, ``bad_fields``
@@ -72,8 +74,10 @@ class ProbeSession:
         *,
         probe: ProbeConfig | None = None,
         counters: Counters | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         self.node = node
+        self.tls = tls  # None: plaintext; else how the agent is dialled (xds_server.tls.dial)
         self.cfg = cfg
         self.probe_cfg = probe if probe is not None else ProbeConfig()
         self.counters = counters if counters is not None else Counters()
@@ -187,7 +191,7 @@ class ProbeSession:
         while True:
             got_any = False
             try:
-                channel = grpc.aio.insecure_channel(self.node.probe_address, options=options)
+                channel = dial(self.node.probe_address, options=options, tls=self.tls)
                 try:
                     got_any = await self._watch(channel)
                     detail = "stream ended by agent"

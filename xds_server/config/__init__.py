@@ -26,21 +26,25 @@ from xds_server.config.cluster import (
 from xds_server.config.health import HealthConfig
 from xds_server.config.ops import ReloadConfig, StateConfig
 from xds_server.config.probe import ProbeConfig
+from xds_server.config.tls import AgentTlsConfig, NodeAllowRule, TlsConfig, check_plaintext
 from xds_server.config.xds import XdsConfig
 
 __all__ = [
     "AdminConfig",
+    "AgentTlsConfig",
     "ClusterConfig",
     "ConfigError",
     "DropOverloadConfig",
     "HealthConfig",
     "Locality",
+    "NodeAllowRule",
     "NodeConfig",
     "OutlierDetectionConfig",
     "ProbeConfig",
     "ReloadConfig",
     "SentinelConfig",
     "StateConfig",
+    "TlsConfig",
     "XdsConfig",
     "load_config",
     "parse_config",
@@ -58,6 +62,7 @@ class SentinelConfig(_Model):
     probe: ProbeConfig = ProbeConfig()
     reload: ReloadConfig = ReloadConfig()
     state: StateConfig = StateConfig()
+    tls: TlsConfig = TlsConfig()
     clusters: list[ClusterConfig] = Field(..., min_length=1)
 
     @model_validator(mode="after")
@@ -72,6 +77,9 @@ class SentinelConfig(_Model):
                 if n.id in node_ids:
                     raise ValueError(f"node id {n.id!r} appears in more than one cluster")
                 node_ids.add(n.id)
+        check_plaintext(self.tls, self.xds.listen,
+                        [(f"clusters.{ci}.nodes.{ni}.probe_address", n.probe_address)
+                         for ci, c in enumerate(self.clusters) for ni, n in enumerate(c.nodes)])
         return self
 
     def nodes(self) -> list[tuple[str, NodeConfig]]:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
+from xds_server.config import AgentTlsConfig, HealthConfig, NodeConfig, ProbeConfig
 from xds_server.control.clock import Clock
 from xds_server.control.counters import Counters
 from xds_server.health.model import Observation
@@ -49,7 +49,8 @@ class ProbeSource(Protocol):
 @dataclass(frozen=True)
 class ProbeSourceContext:
     """What a probe source gets from the control plane: thresholds, the sink, the clock, the
-    counters (malformed messages and bad fields are counted there) and the server id."""
+    counters (malformed messages and bad fields are counted there), the server id and how agents
+    are dialled (``tls``, the config's ``tls.agents``)."""
 
     health: HealthConfig
     probe: ProbeConfig
@@ -57,6 +58,7 @@ class ProbeSourceContext:
     clock: Clock
     counters: Counters = field(default_factory=Counters)
     control_plane_id: str = "xds-sentinel"
+    tls: AgentTlsConfig = field(default_factory=AgentTlsConfig)
 
 
 ProbeSourceFactory = Callable[[NodeConfig, ProbeSourceContext], ProbeSource]
@@ -67,4 +69,4 @@ def grpc_probe_source(node: NodeConfig, ctx: ProbeSourceContext) -> ProbeSource:
     from xds_server.probing import ProbeSession
 
     return ProbeSession(node, ctx.health, ctx.sink, ctx.control_plane_id, probe=ctx.probe,
-                        counters=ctx.counters)
+                        counters=ctx.counters, tls=ctx.tls.client(node.id))

@@ -21,6 +21,9 @@ only; the underscored modules may move):
 - metrics (``_promlint``): :func:`lint_exposition`, the rules of ``promtool check metrics``
   over a Prometheus text exposition, for hosts without promtool.
 - polling (``_wait``): :func:`wait_for` a condition with a deadline.
+- certificates (``_certs``, needs ``cryptography`` from the ``dev`` extra, imported on first use):
+  :class:`TestCA` issues server and client certificates (DNS, IP and URI SANs) as PEM files;
+  :class:`CertPair` holds the paths.
 - in-memory seams, re-exported from :mod:`xds_server.control`: :class:`ManualClock` (time moves
   only when told, due timers run in order; also a ``Callable[[], float]``), :class:`InMemoryProbes`
   and :class:`InMemoryProbeSource` (drive a control plane's probe observations without agents:
@@ -43,6 +46,7 @@ from xds_server.testing._promlint import lint_exposition
 from xds_server.testing._wait import wait_for
 
 __all__ = [
+    "CertPair",
     "EnvoyHost",
     "Fleet",
     "InMemoryProbeSource",
@@ -55,6 +59,7 @@ __all__ = [
     "ScriptedAdsClient",
     "ScriptedDeltaAdsClient",
     "StandaloneEnvoy",
+    "TestCA",
     "fetch_envoy_hosts",
     "free_port",
     "lint_exposition",
@@ -63,3 +68,12 @@ __all__ = [
     "restart_control_plane",
     "wait_for",
 ]
+
+
+def __getattr__(name: str):
+    """``TestCA`` and ``CertPair`` load ``cryptography`` (dev extra) only when asked for."""
+    if name in ("TestCA", "CertPair"):
+        from xds_server.testing import _certs
+
+        return getattr(_certs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from xds_server.envoy_bootstrap import find_envoy, render_bootstrap, write_bootstrap
+from xds_server.envoy_bootstrap import add_xds_tls, find_envoy, render_bootstrap, write_bootstrap
 from xds_server.testing._process import ManagedProcess, free_port
 
 __all__ = ["EnvoyHost", "StandaloneEnvoy", "envoy_process", "fetch_envoy_hosts", "parse_envoy_clusters",
@@ -99,14 +99,17 @@ class StandaloneEnvoy:
 
     ``xds_port``: where the test's ADS server listens; ``api_type``: "GRPC" or "DELTA_GRPC";
     ``retry_after_max_s``: bound on honouring ``Retry-After`` (s; the bootstrap's when None).
+    ``xds_tls``: the xds_cluster's ``transport_socket``
+    (:func:`~xds_server.envoy_bootstrap.xds_tls_transport_socket`; None: plaintext).
     ``await start()`` waits until Envoy's admin answers (RuntimeError with its output if it
     exits); :meth:`stop` always reaps it. Admin helpers return parsed JSON or stats as a dict.
     """
 
     def __init__(self, xds_port: int, *, api_type: str = "GRPC", cluster: str = "llm",
                  node_id: str = "envoy-llm-gw-1", envoy_binary: str | None = None,
-                 retry_after_max_s: float | None = None) -> None:
+                 retry_after_max_s: float | None = None, xds_tls: dict[str, Any] | None = None) -> None:
         self.xds_port = xds_port
+        self.xds_tls = xds_tls
         self.retry_after_max_s = retry_after_max_s
         self.api_type = api_type
         self.cluster = cluster
@@ -132,10 +135,13 @@ class StandaloneEnvoy:
         self._tmp = tempfile.TemporaryDirectory(prefix="xds-envoy-")
         wd = Path(self._tmp.name)
         self.listener_port, self.admin_port = free_port(), free_port()
-        boot = write_bootstrap(wd / "envoy.yaml", render_bootstrap(
+        doc = render_bootstrap(
             xds_port=self.xds_port, listener_port=self.listener_port, admin_port=self.admin_port,
             cluster=self.cluster, node_id=self.node_id, api_type=self.api_type,
-            retry_after_max_s=self.retry_after_max_s))
+            retry_after_max_s=self.retry_after_max_s)
+        if self.xds_tls is not None:
+            add_xds_tls(doc, self.xds_tls)
+        boot = write_bootstrap(wd / "envoy.yaml", doc)
         self.proc = envoy_process(envoy_bin, boot, wd, concurrency=1).start()
         deadline = time.monotonic() + timeout_s
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:

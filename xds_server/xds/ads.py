@@ -42,7 +42,7 @@ from google.protobuf.message import DecodeError
 from envoy.service.discovery.v3 import discovery_pb2
 
 from xds_server.config import XdsConfig
-from xds_server.untrusted import RateLimitedLog, for_log
+from xds_server.untrusted import RateLimitedLog, clip, for_log
 from xds_server.xds.budget import RequestBudget
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.delta import DeltaStream
@@ -65,9 +65,15 @@ _LOG_INTERVAL_S = 10.0  # at most one NACK / rejected-stream line per (kind, var
 class _Rejected(Exception):
     """A request ended its stream: ``reason`` is one of stats.REJECT_REASONS."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str,
+                 code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
         super().__init__(message)
         self.reason = reason
+        self.code = code
+
+
+Authorizer = Callable[[grpc.aio.ServicerContext, str], "str | None"]
+"""``authorize(context, node_id) -> None`` to serve the stream, else the reason to refuse it."""
 
 
 class AdsServicer:
@@ -76,13 +82,16 @@ class AdsServicer:
     ``config``: the :class:`~xds_server.config.XdsConfig` (limits and request budget; defaults
     when None). ``clock`` (unix s) stamps connection times; ``monotonic`` (s) drives request
     budgets; ``nonce_prefix`` (default: 6 random hex digits) starts every nonce. ``streams`` maps
-    stream id -> live stream; ``stats`` holds the counters.
+    stream id -> live stream; ``stats`` holds the counters. ``authorize`` (optional) is asked once
+    per stream, with the node id of its first request, before that request is read: a reason
+    ends the stream with PERMISSION_DENIED (counted as reason ``permission_denied``).
     """
 
     def __init__(self, cache: SnapshotCache, *, config: XdsConfig | None = None,
                  clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
-                 nonce_prefix: str | None = None) -> None:
+                 nonce_prefix: str | None = None, authorize: Authorizer | None = None) -> None:
         self.cache = cache
+        self.authorize = authorize
         self.config = config or XdsConfig()
         self.limits = StreamLimits.from_config(self.config)
         self.stats = XdsStats()
@@ -178,8 +187,8 @@ class AdsServicer:
     def _reject(self, stream: AdsStream, err: _Rejected) -> None:
         self.stats.rejected[(stream.variant, err.reason)] += 1
         self._log.log(logging.INFO, self._monotonic(), f"rejected:{stream.variant}:{err.reason}",
-                      "ADS %s stream %d from %s ended (INVALID_ARGUMENT): %s", stream.variant,
-                      stream.stream_id, for_log(stream.node_id or "?"), for_log(str(err), 300))
+                      "ADS %s stream %d from %s ended (%s): %s", stream.variant, stream.stream_id,
+                      for_log(stream.node_id or "?"), err.code.name, for_log(str(err), 300))
 
     async def _serve(self, stream: AdsStream, request_cls, request_iterator: AsyncIterator[bytes],
                      context: grpc.aio.ServicerContext) -> None:
@@ -197,6 +206,7 @@ class AdsServicer:
         unwatch = self.cache.watch(wake.set)
 
         async def reader() -> None:
+            authorized = False
             try:
                 async for raw in request_iterator:
                     wait_s = budget.wait_s(self._monotonic())
@@ -209,6 +219,13 @@ class AdsServicer:
                     except DecodeError as e:
                         failure.append(_Rejected("undecodable", f"undecodable {request_cls.__name__}: {e}"))
                         return
+                    if not authorized and self.authorize is not None:
+                        node_id = clip(req.node.id, cfg.client_text_max_chars) if req.HasField("node") else ""
+                        refused = self.authorize(context, node_id)
+                        if refused is not None:
+                            failure.append(_Rejected("permission_denied", refused, grpc.StatusCode.PERMISSION_DENIED))
+                            return
+                    authorized = True
                     try:
                         verdict = stream.on_request(req)
                     except ValueError as e:
@@ -236,7 +253,7 @@ class AdsServicer:
                     err = failure[0]
                     if isinstance(err, _Rejected):
                         self._reject(stream, err)
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                        await context.abort(err.code, str(err))
                     return
                 await wake.wait()
         finally:

@@ -16,9 +16,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ["REJECT_REASONS", "XdsStats"]
 
-REJECT_REASONS = ("undecodable", "invalid")
+REJECT_REASONS = ("undecodable", "invalid", "permission_denied")
 """Why a stream was ended by the server: a request that is not a Discovery(Delta)Request
-(undecodable), or one that breaks a protocol rule or a limit (invalid: INVALID_ARGUMENT)."""
+(undecodable), one that breaks a protocol rule or a limit (invalid: INVALID_ARGUMENT), or a node
+id the client's certificate may not use (permission_denied: PERMISSION_DENIED, ``tls.node_allow``)."""
 
 
 @dataclass

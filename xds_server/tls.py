@@ -1,0 +1,248 @@
+"""gRPC credentials from PEM files, re-read when the files change: the one home of TLS for the
+control plane's ADS port, its probe streams to the agents, the agent's server and the relay's feed.
+
+No import from the rest of the project (node_probe and sentinel_relay use it too).
+
+- :func:`server_credentials` -> ``grpc.ServerCredentials`` whose certificate (and client CA) are
+  re-read when the files change: gRPC asks :class:`ServerCertFiles` at every new handshake, which
+  compares the files' (inode, size, mtime) and loads them anew when they moved. A pair that does not
+  load (half-written, key not matching the certificate) is refused, logged and counted; the last
+  good one stays in use. Open connections keep the certificate they were opened with.
+- :func:`dial` -> a ``grpc.aio.Channel`` to ``target``: plaintext when ``tls`` is None, else TLS
+  (verifying the server against ``ClientTls.ca_file`` and ``server_name``), with a client
+  certificate when ``cert_file`` is set (mutual TLS). The files are read at each dial when they
+  changed, so a redial after rotation presents and trusts the new files.
+- :func:`peer_identities` -> the names a client's certificate proves (URI SANs such as SPIFFE
+  ids, DNS SANs, the subject's common name), from a call's ``auth_context()``.
+- :func:`node_allowed`: the pure allow-list check of an Envoy node id against those names.
+- :func:`is_loopback`: whether a listen or dial host stays on this machine (plaintext there needs
+  no explicit setting).
+"""
+from __future__ import annotations
+
+import fnmatch
+import ipaddress
+import logging
+import os
+import ssl
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+__all__ = [
+    "ClientTls",
+    "ServerCertFiles",
+    "dial",
+    "channel_credentials",
+    "is_loopback",
+    "node_allowed",
+    "peer_identities",
+    "server_credentials",
+]
+
+log = logging.getLogger(__name__)
+
+FileSig = tuple[tuple[int, int, int], ...]
+
+
+def _signature(paths: Sequence[str | None]) -> FileSig:
+    """(inode, size, mtime ns) of each path; (-1, -1, -1) for a missing file or None."""
+    out = []
+    for p in paths:
+        if p is None:
+            out.append((0, 0, 0))
+            continue
+        try:
+            st = os.stat(p)
+        except OSError:
+            out.append((-1, -1, -1))
+        else:
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _check_pair(cert_file: str, key_file: str, ca_file: str | None) -> None:
+    """Raise ssl.SSLError/OSError unless the key matches the certificate and the CA bundle loads."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_cert_chain(cert_file, key_file)
+    if ca_file:
+        ctx.load_verify_locations(cafile=ca_file)
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IPs (127.0.0.0/8, ::1); False for anything else,
+    wildcards (0.0.0.0, ::) and other host names included."""
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# -- server side -------------------------------------------------------------------------------
+
+
+class ServerCertFiles:
+    """A server certificate, its key and (mutual TLS) the client CA bundle, as files watched for
+    change. ``fetch()`` is gRPC's certificate-config fetcher: called on every new handshake (from a
+    gRPC thread), it returns a new configuration when the files changed and load, else None (keep
+    the current one). Counters: ``reloads`` (new files taken), ``reload_errors`` (refused).
+
+    Raises OSError or ssl.SSLError from the constructor when the files do not load at start.
+    """
+
+    def __init__(self, cert_file: str, key_file: str, client_ca_file: str | None = None) -> None:
+        self.cert_file, self.key_file, self.client_ca_file = cert_file, key_file, client_ca_file
+        self.reloads = 0
+        self.reload_errors = 0
+        self.last_error = ""
+        self._lock = threading.Lock()
+        self._sig = _signature(self._paths())
+        self.initial = self._load()
+
+    def _paths(self) -> tuple[str | None, ...]:
+        return (self.cert_file, self.key_file, self.client_ca_file)
+
+    def _load(self) -> grpc.ServerCertificateConfiguration:
+        _check_pair(self.cert_file, self.key_file, self.client_ca_file)
+        pair = (_read(self.key_file), _read(self.cert_file))
+        ca = _read(self.client_ca_file) if self.client_ca_file else None
+        return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """The new configuration when the files changed and load; None to keep the current one.
+        Never raises (gRPC would fail the handshake)."""
+        try:
+            with self._lock:
+                sig = _signature(self._paths())
+                if sig == self._sig:
+                    return None
+                self._sig = sig
+                try:
+                    cfg = self._load()
+                except (OSError, ssl.SSLError, ValueError) as e:
+                    self.reload_errors += 1
+                    self.last_error = f"{type(e).__name__}: {e}"
+                    log.warning("TLS: new certificate files %s / %s not taken, the previous ones stay "
+                                "in use: %s", self.cert_file, self.key_file, self.last_error)
+                    return None
+                if _signature(self._paths()) != sig:  # changed while loading: take it next time
+                    self._sig = ()
+                    return None
+                self.reloads += 1
+                log.info("TLS: certificate files %s reloaded; new connections use them", self.cert_file)
+                return cfg
+        except Exception:  # noqa: BLE001 - a fetcher that raises fails the handshake
+            log.exception("TLS: certificate reload check failed")
+            return None
+
+
+def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None = None
+                       ) -> tuple[grpc.ServerCredentials, ServerCertFiles]:
+    """TLS server credentials reloaded on file change; with ``client_ca_file`` clients must present
+    a certificate it signed (mutual TLS). Returns the credentials and their watcher (counters).
+    Raises OSError or ssl.SSLError when the files do not load."""
+    files = ServerCertFiles(cert_file, key_file, client_ca_file)
+    creds = grpc.dynamic_ssl_server_credentials(files.initial, files.fetch,
+                                                require_client_authentication=client_ca_file is not None)
+    return creds, files
+
+
+# -- client side -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """How a client dials over TLS: ``ca_file`` verifies the server's certificate; ``cert_file``
+    and ``key_file`` (both or neither) are the client's own certificate (mutual TLS);
+    ``server_name``: the name the server's certificate must carry (None: the target's host)."""
+
+    ca_file: str
+    cert_file: str | None = None
+    key_file: str | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("ClientTls: cert_file and key_file go together")
+
+
+_cache: dict[tuple[str | None, ...], tuple[FileSig, grpc.ChannelCredentials]] = {}
+_cache_lock = threading.Lock()
+
+
+def channel_credentials(tls: ClientTls) -> grpc.ChannelCredentials:
+    """Channel credentials from ``tls``'s files, re-read when they changed since the last call.
+    Raises OSError or ssl.SSLError when they do not load."""
+    paths = (tls.ca_file, tls.cert_file, tls.key_file)
+    sig = _signature(paths)
+    with _cache_lock:
+        hit = _cache.get(paths)
+        if hit is not None and hit[0] == sig:
+            return hit[1]
+    if tls.cert_file and tls.key_file:
+        _check_pair(tls.cert_file, tls.key_file, tls.ca_file)
+        creds = grpc.ssl_channel_credentials(_read(tls.ca_file), _read(tls.key_file), _read(tls.cert_file))
+    else:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=tls.ca_file)
+        creds = grpc.ssl_channel_credentials(_read(tls.ca_file))
+    with _cache_lock:
+        _cache[paths] = (sig, creds)
+    return creds
+
+
+def dial(target: str, *, options: Sequence[tuple[str, object]] = (), tls: ClientTls | None = None
+         ) -> grpc.aio.Channel:
+    """A grpc.aio channel to ``target`` (``HOST:PORT``): plaintext when ``tls`` is None, else TLS
+    as :class:`ClientTls` says. Raises OSError or ssl.SSLError when the TLS files do not load."""
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=list(options))
+    opts = list(options)
+    if tls.server_name:
+        opts.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.aio.secure_channel(target, channel_credentials(tls), options=opts)
+
+
+# -- identities and the node allow-list ------------------------------------------------------
+
+
+def peer_identities(auth_context: Mapping[str, Iterable[bytes]]) -> list[str]:
+    """Names the peer's verified certificate carries: SPIFFE id and other URI SANs, DNS SANs, the
+    common name (in that order, without repeats). Empty without a client certificate."""
+    out: list[str] = []
+    for key in ("peer_spiffe_id", "peer_uri", "x509_subject_alternative_name", "x509_common_name"):
+        for v in auth_context.get(key, ()):
+            s = v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+            if s and s not in out:
+                out.append(s)
+    return out
+
+
+def node_allowed(rules: Iterable[tuple[str, Sequence[str]]], identities: Sequence[str], node_id: str
+                 ) -> str | None:
+    """Pure allow-list check. ``rules``: (identity pattern, node id patterns) pairs, fnmatch
+    patterns, case-sensitive. A node id is allowed when a rule whose identity pattern matches one
+    of ``identities`` has a node id pattern matching it. Returns None when allowed, else the reason
+    (for the PERMISSION_DENIED status)."""
+    if not node_id:
+        return "the stream's first request carries no node id"
+    if not identities:
+        return "no client certificate identity"
+    matched = False
+    for ident_pat, node_pats in rules:
+        if any(fnmatch.fnmatchcase(i, ident_pat) for i in identities):
+            matched = True
+            if any(fnmatch.fnmatchcase(node_id, p) for p in node_pats):
+                return None
+    if not matched:
+        return f"client identity {identities[0]!r} is not in tls.node_allow"
+    return f"client identity {identities[0]!r} may not use node id {node_id!r}"
