@@ -1,0 +1,213 @@
+"""TLS pieces without a network: the allow-list check, loopback rule, ``tls:`` config validation,
+certificate reload decisions, client credential caching, the Envoy transport_socket and the
+agent's and relay's TLS options. End to end (real Envoy, agents, feed): tests/integration/test_tls.py.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from envoy.extensions.transport_sockets.tls.v3 import secret_pb2, tls_pb2
+from google.protobuf import json_format
+from hypothesis import given
+from hypothesis import strategies as st
+
+from node_probe.agent import AgentConfig
+from sentinel_relay.config import RelayConfigError, load_relay_config
+from xds_server.cli import main as xds_main
+from xds_server.config import ConfigError, parse_config
+from xds_server.envoy_bootstrap import xds_tls_sds_secrets, xds_tls_transport_socket
+from xds_server.testing import TestCA
+from xds_server.tls import ClientTls, ServerCertFiles, channel_credentials, is_loopback, node_allowed
+
+ENVOY = "spiffe://cluster.local/ns/llm/sa/envoy"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca = TestCA(d, "ca")
+    return ca, ca.issue("srv", dns=["xds.test"], ips=["127.0.0.1"]), ca.issue("cli", uris=[ENVOY], client=True)
+
+
+def _cfg(tls=None, listen="127.0.0.1:18000", probe="127.0.0.1:50051"):
+    doc = {"xds": {"listen": listen},
+           "clusters": [{"name": "llm", "nodes": [{"id": "a", "address": "10.0.0.1:8000", "probe_address": probe}]}]}
+    if tls is not None:
+        doc["tls"] = tls
+    return parse_config(doc)
+
+
+# -- the allow-list -----------------------------------------------------------------------------
+
+RULES = [("spiffe://cluster.local/ns/llm/sa/envoy", ["envoy-llm-*"]), ("gw.example.com", ["gw-1", "gw-2"])]
+
+
+@pytest.mark.parametrize("identities, node, allowed", [
+    ([ENVOY], "envoy-llm-gw-1", True),
+    ([ENVOY], "gw-1", False),                                   # its identity does not cover this id
+    (["gw.example.com"], "gw-2", True),
+    (["spiffe://cluster.local/ns/other/sa/envoy"], "envoy-llm-1", False),  # unknown identity
+    ([], "envoy-llm-1", False),                                 # no certificate
+    ([ENVOY], "", False),                                       # no node id
+    (["CN-only", ENVOY], "envoy-llm-a", True),                  # any of the certificate's names
+])
+def test_node_allowed_table(identities, node, allowed):
+    reason = node_allowed(RULES, identities, node)
+    assert (reason is None) is allowed
+    if not allowed:
+        assert reason
+
+
+@given(st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=3), st.text(min_size=1, max_size=12))
+def test_node_allowed_properties(identities, node):
+    assert node_allowed([("*", ["*"])], identities, node) is None
+    assert node_allowed([], identities, node) is not None
+    exact = [(identities[0].replace("[", "[[]").replace("*", "[*]").replace("?", "[?]"), ["nomatch-*"])]
+    assert "may not use" in node_allowed(exact, identities, node if not node.startswith("nomatch-") else "x")
+
+
+def test_loopback():
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost", "LOCALHOST"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "gpu-a", "example.com"))
+
+
+# -- config -------------------------------------------------------------------------------------
+
+
+def test_plaintext_off_loopback_must_be_said():
+    assert _cfg().tls.mode is None  # loopback everywhere: existing configs keep working
+    with pytest.raises(ConfigError, match=r"xds.listen 0.0.0.0:18000 is not a loopback address: set tls.mode"):
+        _cfg(listen="0.0.0.0:18000")
+    with pytest.raises(ConfigError, match=r"clusters.0.nodes.0.probe_address 10.0.0.2:50051 .*tls.agents.mode"):
+        _cfg(probe="10.0.0.2:50051")
+    ok = _cfg({"mode": "plaintext", "agents": {"mode": "plaintext"}}, listen="0.0.0.0:18000", probe="10.0.0.2:1")
+    assert ok.tls.mode == "plaintext" and ok.tls.agents.client("a") is None
+
+
+def test_tls_section_names_missing_and_misplaced_fields(pki, tmp_path):
+    ca, srv, cli = pki
+    with pytest.raises(ConfigError, match=r"tls: cert_file and key_file are required with mode tls"):
+        _cfg({"mode": "tls"})
+    with pytest.raises(ConfigError, match=r"tls: client_ca_file is required with mode mtls"):
+        _cfg({"mode": "mtls", "cert_file": srv.cert, "key_file": srv.key})
+    with pytest.raises(ConfigError, match=r"node_allow are used with mode mtls only"):
+        _cfg({"mode": "tls", "cert_file": srv.cert, "key_file": srv.key,
+              "node_allow": [{"identity": "*", "node_ids": ["*"]}]})
+    with pytest.raises(ConfigError, match=r"cert_file: cannot read '.*nope.pem'"):
+        _cfg({"mode": "tls", "cert_file": str(tmp_path / "nope.pem"), "key_file": srv.key})
+    with pytest.raises(ConfigError, match=r"tls.agents: ca_file is required with mode tls"):
+        _cfg({"agents": {"mode": "tls"}})
+    with pytest.raises(ConfigError, match=r"tls.node_allow.0.node_ids"):
+        _cfg({"mode": "mtls", "cert_file": srv.cert, "key_file": srv.key, "client_ca_file": ca.cert,
+              "node_allow": [{"identity": ENVOY, "node_ids": []}]})
+    c = _cfg({"mode": "mtls", "cert_file": srv.cert, "key_file": srv.key, "client_ca_file": ca.cert,
+              "agents": {"mode": "mtls", "ca_file": ca.cert, "cert_file": cli.cert, "key_file": cli.key,
+                         "server_name": "{node_id}.agents.internal"}}, listen="0.0.0.0:18000", probe="10.0.0.2:1")
+    assert c.tls.agents.client("gpu-a") == ClientTls(ca.cert, cli.cert, cli.key, "gpu-a.agents.internal")
+
+
+# -- certificate reload -------------------------------------------------------------------------
+
+
+def test_server_cert_files_take_a_good_pair_and_refuse_a_half_written_one(tmp_path):
+    ca = TestCA(tmp_path, "ca")
+    first = ca.issue("srv", dns=["a"])
+    files = ServerCertFiles(first.cert, first.key, ca.cert)
+    assert files.fetch() is None  # unchanged
+    other = ca.issue("other", dns=["a"])
+    shutil.copy(other.cert, first.cert)  # the new certificate before its key: refused, old pair stays
+    assert files.fetch() is None and files.reload_errors == 1 and files.reloads == 0
+    assert "SSLError" in files.last_error or "KEY_VALUES_MISMATCH" in files.last_error
+    shutil.copy(other.key, first.key)
+    assert files.fetch() is not None and files.reloads == 1
+    assert files.fetch() is None
+
+
+def test_client_credentials_are_reread_when_files_change(tmp_path):
+    ca = TestCA(tmp_path, "ca")
+    pair = ca.issue("cli", client=True)
+    tls = ClientTls(ca.cert, pair.cert, pair.key)
+    first = channel_credentials(tls)
+    assert channel_credentials(tls) is first
+    ca.issue("cli", client=True)  # rotated in place (atomic renames)
+    assert channel_credentials(tls) is not first
+    with pytest.raises(ValueError, match="go together"):
+        ClientTls(ca.cert, pair.cert)
+
+
+# -- Envoy bootstrap ----------------------------------------------------------------------------
+
+
+def _upstream(ts: dict) -> tls_pb2.UpstreamTlsContext:
+    body = {k: v for k, v in ts["typed_config"].items() if k != "@type"}
+    return json_format.ParseDict(body, tls_pb2.UpstreamTlsContext())
+
+
+def test_transport_socket_parses_as_envoy_types():
+    files = _upstream(xds_tls_transport_socket("/p/ca.pem", "/p/e.pem", "/p/e.key", "xds.test"))
+    assert files.sni == "xds.test"
+    assert files.common_tls_context.tls_certificates[0].certificate_chain.filename == "/p/e.pem"
+    vc = files.common_tls_context.validation_context
+    assert vc.trusted_ca.filename == "/p/ca.pem" and vc.match_typed_subject_alt_names[0].matcher.exact == "xds.test"
+    sds = _upstream(xds_tls_transport_socket("/p/ca.pem", "/p/e.pem", "/p/e.key", sds_dir="/s"))
+    cfg = sds.common_tls_context.tls_certificate_sds_secret_configs[0]
+    assert cfg.name == "xds_client_cert" and cfg.sds_config.path_config_source.watched_directory.path == "/s"
+    docs = xds_tls_sds_secrets("/p/ca.pem", "/p/e.pem", "/p/e.key")
+    assert sorted(docs) == ["xds-ca-sds.yaml", "xds-client-sds.yaml"]
+    for doc in docs.values():
+        (res,) = doc["resources"]
+        json_format.ParseDict({k: v for k, v in res.items() if k != "@type"}, secret_pb2.Secret())
+    with pytest.raises(ValueError):
+        xds_tls_transport_socket("/p/ca.pem", "/p/e.pem")
+
+
+def test_envoy_bootstrap_command_emits_tls(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "envoy.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert xds_main(["envoy-bootstrap", "--xds-tls-ca", "ca.pem", "--xds-tls-cert", "e.pem", "--xds-tls-key",
+                     "e.key", "--xds-tls-server-name", "xds.test", "--xds-tls-sds", "sds", "-o", str(out)]) == 0
+    doc = yaml.safe_load(out.read_text())
+    xds = next(c for c in doc["static_resources"]["clusters"] if c["name"] == "xds_cluster")
+    up = _upstream(xds["transport_socket"])
+    assert up.sni == "xds.test"
+    client = yaml.safe_load((tmp_path / "sds" / "xds-client-sds.yaml").read_text())
+    assert client["resources"][0]["tls_certificate"]["private_key"]["filename"] == str(tmp_path / "e.key")
+    assert xds_main(["envoy-bootstrap", "--xds-tls-cert", "e.pem"]) == 2
+    assert "need --xds-tls-ca" in capsys.readouterr().err
+
+
+# -- agent and relay options --------------------------------------------------------------------
+
+
+def test_agent_and_relay_refuse_implicit_plaintext_off_loopback(pki):
+    ca, srv, _ = pki
+    with pytest.raises(ValueError, match=r"listen 0.0.0.0:50051 is not a loopback address.*--plaintext"):
+        AgentConfig(engine_url="http://127.0.0.1:8000", listen="0.0.0.0:50051")
+    assert AgentConfig(engine_url="http://127.0.0.1:8000", listen="0.0.0.0:50051", plaintext=True).plaintext
+    a = AgentConfig(engine_url="http://127.0.0.1:8000", listen="0.0.0.0:50051", tls_cert_file=srv.cert,
+                    tls_key_file=srv.key, tls_client_ca_file=ca.cert)
+    assert a.tls_client_ca_file == ca.cert
+    with pytest.raises(ValueError, match="tls_client_ca_file needs"):
+        AgentConfig(engine_url="http://127.0.0.1:8000", tls_client_ca_file=ca.cert)
+    with pytest.raises(RelayConfigError, match=r"routing_feed 10.0.0.5:18000 is not a loopback address"):
+        load_relay_config(routing_feed="10.0.0.5:18000")
+    r = load_relay_config(routing_feed="10.0.0.5:18000", feed_tls_ca_file=ca.cert,
+                          feed_tls_cert_file=srv.cert, feed_tls_key_file=srv.key)
+    assert r.feed_tls() == ClientTls(ca.cert, srv.cert, srv.key, None)
+    assert load_relay_config(routing_feed="10.0.0.5:18000", feed_plaintext=True).feed_tls() is None
+
+
+def test_readme_tls_example_is_valid(pki, tmp_path, monkeypatch):
+    """The README's TLS block parses once its files exist."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = text.split("<!-- tls-example:begin -->")[1].split("<!-- tls-example:end -->")[0]
+    doc = yaml.safe_load(block.split("```yaml")[1].split("```")[0])
+    monkeypatch.chdir(tmp_path)
+    ca = TestCA(tmp_path / "certs", "ca")
+    for name in ("xds-server", "xds-client"):
+        ca.issue(name)
+    cfg = parse_config(doc)
+    assert cfg.tls.mode == "mtls" and cfg.tls.node_allow and cfg.tls.agents.mode == "mtls"
