@@ -43,6 +43,7 @@ Usage from code/tests::
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import logging
 import time
 from typing import Any, AsyncIterator, Callable
@@ -62,7 +63,7 @@ from node_probe.stall import StallDetector
 from node_probe.streams import StreamHub
 from node_probe.telemetry import GpuCollector, gpu_fatal_reason
 from node_probe.ticks import sleep_until_tick
-from xds_server.tls import ServerCertFiles, server_credentials
+from xds_server.tls import ServerCertFiles, peer_identities, server_credentials
 
 # AgentConfig and EngineLifecycle live in their own modules; this module is their public face.
 __all__ = ["AgentConfig", "EngineLifecycle", "ProbeAgent", "run_agent"]
@@ -444,6 +445,13 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         Ends when the client cancels or the agent stops."""
         if self._stopped:
             return
+        if self.cfg.tls_allow_clients:
+            names = peer_identities(context.auth_context())
+            if not any(fnmatch.fnmatchcase(n, p) for n in names for p in self.cfg.tls_allow_clients):
+                log.warning("refused a stream from %s: certificate names %s match no --tls-allow-client",
+                            context.peer() or "?", names[:4])
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    "the client certificate's names match no --tls-allow-client pattern")
         async for msg in self._hub.serve(request_iterator, context.peer() or "?"):
             yield msg
 

@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
     p.add_argument("--tls-client-ca", default=None, metavar="PEM",
                    help="mutual TLS: the control plane must present a certificate this CA signed")
+    p.add_argument("--tls-allow-client", action="append", default=[], metavar="PATTERN",
+                   help="mutual TLS: serve only clients whose certificate carries a name (SPIFFE id, "
+                        "DNS SAN, CN) matching this fnmatch pattern; repeatable (default: any the CA signed)")
     p.add_argument("--plaintext", action="store_true",
                    help="serve plaintext on a non-loopback --listen (refused unless said)")
     p.add_argument("--log-level", default="INFO", type=str.upper,
@@ -230,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tls_cert_file=args.tls_cert,
             tls_key_file=args.tls_key,
             tls_client_ca_file=args.tls_client_ca,
+            tls_allow_clients=tuple(args.tls_allow_clients),
             plaintext=args.plaintext,
         )
     except ValueError as exc:

@@ -70,6 +70,9 @@ class AgentConfig:
             neither): the gRPC port serves TLS, the files re-read when they change.
         tls_client_ca_file: with a certificate: the control plane must present a client
             certificate this CA bundle signed (mutual TLS).
+        tls_allow_clients: with ``tls_client_ca_file``: fnmatch patterns; a stream is served only
+            when one matches a name of the client's certificate (URI SAN such as a SPIFFE id,
+            DNS SAN, CN), else it ends with PERMISSION_DENIED. Empty: any certificate the CA signed.
         plaintext: serve plaintext on a non-loopback ``listen`` (must be said; without a
             certificate a non-loopback listen is refused).
 
@@ -106,6 +109,7 @@ class AgentConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
+    tls_allow_clients: tuple[str, ...] = ()
     plaintext: bool = False
 
     def __post_init__(self) -> None:
@@ -152,6 +156,9 @@ class AgentConfig:
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        self.tls_allow_clients = tuple(self.tls_allow_clients)
+        if self.tls_allow_clients and self.tls_client_ca_file is None:
+            raise ValueError("tls_allow_clients needs tls_client_ca_file (mutual TLS)")
         if self.plaintext and self.tls_cert_file is not None:
             raise ValueError("plaintext and tls_cert_file exclude each other")
         if self.tls_cert_file is None and not self.plaintext and not is_loopback(self.listen.rpartition(":")[0]):

@@ -9,7 +9,7 @@ a real Envoy whose ADS connection presents a SPIFFE client certificate through f
   fails: UNAVAILABLE), and a good certificate with a node id the allow-list does not give it
   (PERMISSION_DENIED, counted);
 - the routing feed works for the relay's FeedClient over mTLS; an agent refuses a client
-  without a certificate;
+  without a certificate, and one whose certificate names no allowed identity (PERMISSION_DENIED);
 - rotation: the ADS certificate files are replaced by ones from a new CA; new connections get
   the new certificate, Envoy's open ADS stream stays.
 """
@@ -81,7 +81,8 @@ async def test_mtls_envoy_agents_feed_allow_list_and_rotation(tmp_path: Path):
             agent = ProbeAgent(AgentConfig(
                 engine_url=f"http://127.0.0.1:{port}", listen="127.0.0.1:0", node_id=nid,
                 probe_interval_s=0.2, gpu_interval_s=0, tls_cert_file=agent_cert.cert,
-                tls_key_file=agent_cert.key, tls_client_ca_file=ca.cert))
+                tls_key_file=agent_cert.key, tls_client_ca_file=ca.cert,
+                tls_allow_clients=("spiffe://cluster.local/ns/sentinel/sa/*",)))
             aport = await agent.start()
             cleanups.insert(0, agent.stop)
             nodes.append({"id": nid, "address": f"127.0.0.1:{port}", "probe_address": f"127.0.0.1:{aport}"})
@@ -147,6 +148,14 @@ async def test_mtls_envoy_agents_feed_allow_list_and_rotation(tmp_path: Path):
                 await call.write(probe_pb2.ControlMessage())
                 await asyncio.wait_for(call.read(), 10)
             assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        # ... and one whose certificate (right CA) carries no allowed name (--tls-allow-client).
+        async with dial(nodes[0]["probe_address"], tls=ClientTls(ca.cert, relay_cert.cert, relay_cert.key,
+                                                                 "n1.agents.test")) as ch:
+            call = probe_pb2_grpc.NodeProbeStub(ch).Watch()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.write(probe_pb2.ControlMessage())
+                await asyncio.wait_for(call.read(), 10)
+            assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
 
         # Rotation: the ADS certificate files are replaced by ones from a new CA.
         ca2 = TestCA(tmp_path / "ca2", "ca2")

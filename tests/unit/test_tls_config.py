@@ -1,6 +1,6 @@
 """TLS pieces without a network: the allow-list check, loopback rule, ``tls:`` config validation,
 certificate reload decisions, client credential caching, the Envoy transport_socket and the
-agent's and relay's TLS options. End to end (real Envoy, agents, feed): tests/integration/test_tls.py.
+agent's and relay's TLS options. End to end (real Envoy, agents, feed): tests/integration/test_tls_envoy.py.
 """
 from __future__ import annotations
 
