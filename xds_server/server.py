@@ -150,6 +150,7 @@ class ControlPlane:
         self.view.routing_feed = self.routing_feed  # read by admin/metrics.py
         host, port = parse_hostport(self.config.xds.listen)
         creds = self._ads_credentials()
+        self.view.tls_files = self.tls_files  # read by admin/metrics.py
         try:
             if creds is None:
                 self.xds_port = self._grpc.add_insecure_port(f"{host}:{port}")

@@ -26,10 +26,11 @@ import logging
 import os
 import ssl
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
+from prometheus_client.core import CounterMetricFamily
 
 __all__ = [
     "ClientTls",
@@ -144,6 +145,15 @@ class ServerCertFiles:
         except Exception:  # noqa: BLE001 - a fetcher that raises fails the handshake
             log.exception("TLS: certificate reload check failed")
             return None
+
+    def metric_families(self, prefix: str = "sentinel") -> Iterator[CounterMetricFamily]:
+        """``<prefix>_tls_certificate_reloads_total{result="ok"|"refused"}``: changed certificate
+        files taken, or refused (the previous ones stayed in use)."""
+        fam = CounterMetricFamily(f"{prefix}_tls_certificate_reloads", "changed TLS certificate files "
+                                  "taken (ok) or refused, the previous ones kept (refused)", labels=["result"])
+        fam.add_metric(["ok"], self.reloads)
+        fam.add_metric(["refused"], self.reload_errors)
+        yield fam
 
 
 def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None = None

@@ -165,6 +165,11 @@ async def test_mtls_envoy_agents_feed_allow_list_and_rotation(tmp_path: Path):
         assert not isinstance(resp, grpc.StatusCode), resp
         assert await ads_first_response(port, good, "envoy-llm-x") == grpc.StatusCode.UNAVAILABLE
         assert cp.tls_files is not None and cp.tls_files.reloads == 1
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{cp.admin_port}/metrics") as r:
+                text = await r.text()
+        assert 'sentinel_tls_certificate_reloads_total{result="ok"} 1.0' in text
+        assert 'sentinel_xds_streams_rejected_total{reason="permission_denied",variant="sotw"} 1.0' in text
         assert [s.node_id for s in cp.ads.streams.values()] == ["envoy-llm-gw-1"]  # Envoy's stream stayed
     finally:
         if envoy is not None:

@@ -130,6 +130,9 @@ class ControlPlaneCollector:
         feed = getattr(self.view, "routing_feed", None)  # the relay's feed (routing_feed.py), if served
         if feed is not None:
             yield from feed.metrics()
+        tls_files = getattr(self.view, "tls_files", None)  # the ADS port's certificate (tls, mtls)
+        if tls_files is not None:
+            yield from tls_files.metric_families()
 
     def _health(self):
         c = self.view.counters

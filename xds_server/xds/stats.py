@@ -63,7 +63,8 @@ class XdsStats:
             nack.add_metric([v, t], n)
         yield nack
         rej = CounterMetricFamily("sentinel_xds_streams_rejected", "streams ended by the server for a bad "
-                                  "request (undecodable, invalid)", labels=["variant", "reason"])
+                                  "request (undecodable, invalid) or a node id its client certificate "
+                                  "may not use (permission_denied)", labels=["variant", "reason"])
         for (v, r), n in sorted(self.rejected.items()):
             rej.add_metric([v, r], n)
         yield rej
