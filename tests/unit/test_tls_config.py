@@ -211,3 +211,30 @@ def test_readme_tls_example_is_valid(pki, tmp_path, monkeypatch):
         ca.issue(name)
     cfg = parse_config(doc)
     assert cfg.tls.mode == "mtls" and cfg.tls.node_allow and cfg.tls.agents.mode == "mtls"
+
+
+# -- reload ---------------------------------------------------------------------------------------
+
+
+async def test_reload_applies_the_allow_list_and_keeps_the_ads_tls_mode(pki):
+    from types import SimpleNamespace
+
+    from xds_server.server import ControlPlane
+    from xds_server.testing import InMemoryProbes, ManualClock
+
+    ca, srv, _ = pki
+    base = {"mode": "mtls", "cert_file": srv.cert, "key_file": srv.key, "client_ca_file": ca.cert}
+    cp = ControlPlane(_cfg(base), clock=ManualClock(), probe_sources=InMemoryProbes())
+    cp.open()
+    ctx = SimpleNamespace(auth_context=lambda: {"peer_spiffe_id": [ENVOY.encode()]})
+    try:
+        assert cp._authorize(ctx, "anything") is None  # no allow-list: any node id
+        changes = await cp.reload(_cfg({**base, "node_allow": [{"identity": ENVOY, "node_ids": ["gw-*"]}]}))
+        assert changes["restart_needed"] == []
+        assert cp._authorize(ctx, "gw-1") is None
+        assert "may not use node id 'other'" in cp._authorize(ctx, "other")
+        changes = await cp.reload(_cfg({"mode": "plaintext"}))
+        assert changes["restart_needed"] == ["tls.mode", "tls.cert_file", "tls.key_file", "tls.client_ca_file"]
+        assert cp.config.tls.mode == "mtls"  # the running listener's mode stays until a restart
+    finally:
+        await cp.stop()

@@ -10,8 +10,9 @@ Shape::
 
 Rules (issue 13 item 2): nodes added start COLD (WARMING once their agent answers; neither is
 routed nor counted as failing); removed nodes are drained (published DRAINING) and dropped once
-drained; changed thresholds apply at once; listen addresses and ``xds.server_id`` need a restart
-(reported in ``restart_needed``, the running values stay).
+drained; changed thresholds apply at once; listen addresses, ``xds.server_id`` and the ADS port's
+TLS mode and file paths need a restart (reported in ``restart_needed``, the running values stay;
+the files' content is reloaded when it changes, see :mod:`xds_server.tls`).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from xds_server.health import model as hm
 
 __all__ = ["ConfigDiff", "diff_configs", "drained", "serving_config"]
 
-_RESTART_FIELDS = (("xds", "listen"), ("admin", "listen"), ("xds", "server_id"))
+_RESTART_FIELDS = (("xds", "listen"), ("admin", "listen"), ("xds", "server_id"), ("tls", "mode"),
+                   ("tls", "cert_file"), ("tls", "key_file"), ("tls", "client_ca_file"))
 
 
 @dataclass(frozen=True, slots=True)
