@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
     p.add_argument("--tls-client-ca", default=None, metavar="PEM",
                    help="mutual TLS: the control plane must present a certificate this CA signed")
-    p.add_argument("--tls-allow-client", action="append", default=[], metavar="PATTERN",
+    p.add_argument("--tls-allow-client", dest="tls_allow_clients", action="append", default=[], metavar="PATTERN",
                    help="mutual TLS: serve only clients whose certificate carries a name (SPIFFE id, "
                         "DNS SAN, CN) matching this fnmatch pattern; repeatable (default: any the CA signed)")
     p.add_argument("--plaintext", action="store_true",

@@ -238,3 +238,27 @@ async def test_reload_applies_the_allow_list_and_keeps_the_ads_tls_mode(pki):
         assert cp.config.tls.mode == "mtls"  # the running listener's mode stays until a restart
     finally:
         await cp.stop()
+
+
+def test_node_probe_command_refuses_implicit_plaintext_off_loopback(capsys):
+    from node_probe.cli import main as probe_main
+
+    with pytest.raises(SystemExit) as e:
+        probe_main(["--engine-url", "http://127.0.0.1:8000", "--listen", "0.0.0.0:0", "--tls-allow-client", "x"])
+    assert e.value.code == 2
+    assert "tls_allow_clients needs tls_client_ca_file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        probe_main(["--engine-url", "http://127.0.0.1:8000", "--listen", "0.0.0.0:0"])
+    assert e.value.code == 2
+    assert "is not a loopback address" in capsys.readouterr().err
+
+
+def test_relay_command_flags_reach_the_feed_tls(pki):
+    from sentinel_relay.cli import _parser
+
+    ca, srv, _ = pki
+    args = _parser().parse_args(["--routing-feed", "xds.internal:18000", "--feed-tls-ca", ca.cert,
+                                 "--feed-tls-cert", srv.cert, "--feed-tls-key", srv.key,
+                                 "--feed-tls-server-name", "xds.internal"])
+    fields = {k: v for k, v in vars(args).items() if k not in ("config", "log_level", "loop")}
+    assert load_relay_config(None, **fields).feed_tls() == ClientTls(ca.cert, srv.cert, srv.key, "xds.internal")
