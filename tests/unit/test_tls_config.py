@@ -262,3 +262,21 @@ def test_relay_command_flags_reach_the_feed_tls(pki):
                                  "--feed-tls-server-name", "xds.internal"])
     fields = {k: v for k, v in vars(args).items() if k not in ("config", "log_level", "loop")}
     assert load_relay_config(None, **fields).feed_tls() == ClientTls(ca.cert, srv.cert, srv.key, "xds.internal")
+
+
+async def test_start_refuses_a_certificate_whose_key_does_not_match(tmp_path):
+    from xds_server.server import ControlPlane
+    from xds_server.testing import InMemoryProbes
+
+    ca = TestCA(tmp_path, "ca")
+    srv, other = ca.issue("srv"), ca.issue("other")
+    cfg = parse_config({"xds": {"listen": "127.0.0.1:0"}, "admin": {"listen": "127.0.0.1:0"},
+                        "tls": {"mode": "tls", "cert_file": srv.cert, "key_file": other.key},
+                        "clusters": [{"name": "llm", "nodes": [{"id": "a", "address": "127.0.0.1:1",
+                                                                 "probe_address": "127.0.0.1:2"}]}]})
+    cp = ControlPlane(cfg, probe_sources=InMemoryProbes())
+    try:
+        with pytest.raises(OSError, match=r"cannot load the ADS certificate \(tls.cert_file .*srv.pem"):
+            await cp.start()
+    finally:
+        await cp.stop()
