@@ -21,9 +21,12 @@ COPY sentinel_relay ./sentinel_relay
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE} AS runtime
+# Optional extras installed with the wheel: "kubernetes" brings the client that pod discovery
+# (the config's discovery.kubernetes) uses; pip warns and goes on where a build lacks an extra.
+ARG EXTRAS=kubernetes
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY --from=wheel /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl \
+RUN pip install --no-cache-dir "$(ls /wheels/xds_sentinel-*.whl)[${EXTRAS}]" \
     && rm -rf /wheels \
     && groupadd --system --gid 10001 sentinel \
     && useradd --system --uid 10001 --gid 10001 --home-dir /var/lib/xds-sentinel \
