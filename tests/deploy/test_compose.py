@@ -86,8 +86,10 @@ def test_referenced_files_and_build_targets_exist(compose):
 
 
 def test_mounted_xds_config_passes_check_config(compose):
-    for name in ("xds-server-1", "xds-server-2"):
-        cfg = _mounted(compose["services"][name], "/etc/xds-sentinel/xds.yaml")
+    configs = {_mounted(compose["services"][name], "/etc/xds-sentinel/xds.yaml")
+               for name in ("xds-server-1", "xds-server-2")}
+    assert configs == {"./deploy/compose/xds.yaml"}  # both replicas read one file
+    for cfg in configs:
         out = subprocess.run([script("xds-server"), "check-config", str(ROOT / cfg)],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
