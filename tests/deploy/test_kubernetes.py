@@ -23,7 +23,7 @@ from deploy_checks import (
 from node_probe.cli import build_parser as agent_parser
 from xds_server.config import parse_config, parse_hostport
 
-K8S_VERSION = "1.33.0"  # the oldest Kubernetes these manifests target (PDB unhealthyPodEvictionPolicy: 1.27+)
+K8S_VERSION = "1.33.0"  # schemas checked against; the manifests need 1.27+ (PDB unhealthyPodEvictionPolicy)
 DIR = ROOT / "deploy" / "kubernetes"
 NS = "llm"
 
