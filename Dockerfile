@@ -50,8 +50,10 @@ CMD ["--log-format", "json", "serve", "/etc/xds-sentinel/xds.yaml"]
 # The agent beside one engine: NodeProbe gRPC on 50051, its own /metrics and /healthz on 9464.
 # The default engine URL is the engine in the same network namespace (a Kubernetes sidecar, or
 # compose's network_mode "service:ENGINE"); the node id defaults to the host (pod) name.
+# Plaintext is said explicitly (a non-loopback --listen refuses it otherwise); for mTLS replace the
+# command's --plaintext with --tls-cert, --tls-key and --tls-client-ca (README "TLS").
 FROM runtime AS node-probe
 ENV SENTINEL_HEALTHCHECK_URL=http://127.0.0.1:9464/healthz
 EXPOSE 50051 9464
 ENTRYPOINT ["node-probe"]
-CMD ["--engine-url", "http://127.0.0.1:8000", "--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9464"]
+CMD ["--engine-url", "http://127.0.0.1:8000", "--listen", "0.0.0.0:50051", "--plaintext", "--metrics-listen", "0.0.0.0:9464"]
