@@ -43,7 +43,6 @@ Usage from code/tests::
 from __future__ import annotations
 
 import asyncio
-import fnmatch
 import logging
 import time
 from typing import Any, AsyncIterator, Callable
@@ -63,7 +62,7 @@ from node_probe.stall import StallDetector
 from node_probe.streams import StreamHub
 from node_probe.telemetry import GpuCollector, gpu_fatal_reason
 from node_probe.ticks import sleep_until_tick
-from xds_server.tls import ServerCertFiles, peer_identities, server_credentials
+from xds_server.tls import ServerCertFiles, add_port, listener_credentials, refused_client
 
 # AgentConfig and EngineLifecycle live in their own modules; this module is their public face.
 __all__ = ["AgentConfig", "EngineLifecycle", "ProbeAgent", "run_agent"]
@@ -226,12 +225,10 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         )
         probe_pb2_grpc.add_NodeProbeServicer_to_server(self, server)
         try:
-            if cfg.tls_cert_file and cfg.tls_key_file:
-                creds, self.tls_files = server_credentials(cfg.tls_cert_file, cfg.tls_key_file,
-                                                           cfg.tls_client_ca_file)
-                port = server.add_secure_port(cfg.listen, creds)
-            else:
-                port = server.add_insecure_port(cfg.listen)
+            mode = None if not cfg.tls_cert_file else "mtls" if cfg.tls_client_ca_file else "tls"
+            creds, self.tls_files = listener_credentials(mode, cfg.tls_cert_file, cfg.tls_key_file,
+                                                         cfg.tls_client_ca_file, fields="tls_")
+            port = add_port(server, cfg.listen, creds)
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {cfg.listen}: {exc}") from exc
         if not port:
@@ -445,13 +442,10 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         Ends when the client cancels or the agent stops."""
         if self._stopped:
             return
-        if self.cfg.tls_allow_clients:
-            names = peer_identities(context.auth_context())
-            if not any(fnmatch.fnmatchcase(n, p) for n in names for p in self.cfg.tls_allow_clients):
-                log.warning("refused a stream from %s: certificate names %s match no --tls-allow-client",
-                            context.peer() or "?", names[:4])
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                    "the client certificate's names match no --tls-allow-client pattern")
+        refused = refused_client(self.cfg.tls_allow_clients, context.auth_context())  # --tls-allow-client
+        if refused:
+            log.warning("refused a stream from %s: %s", context.peer() or "?", refused)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
         async for msg in self._hub.serve(request_iterator, context.peer() or "?"):
             yield msg
 

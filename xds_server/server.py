@@ -40,7 +40,7 @@ from xds_server.control.publish import ClusterPublish
 from xds_server.control.reload import diff_configs, drained, serving_config
 from xds_server.control.views import ControlPlaneView
 from xds_server.health import model as hm
-from xds_server.tls import ServerCertFiles, node_allowed, peer_identities, server_credentials
+from xds_server.tls import add_port, listener_credentials, node_allow_authorizer
 from xds_server.state_file import file_signature, load_kept_state, save_state
 from xds_server.routing_events import RoutingChange, RoutingListener
 from xds_server.xds.ads import AdsServicer
@@ -88,8 +88,8 @@ class ControlPlane:
         self._notified: dict[str, tuple[str, str]] = {}
         self._probe_factory = probe_sources if probe_sources is not None else grpc_probe_source
         self.sessions: dict[str, ProbeSource] = {}
-        self.ads = AdsServicer(self.cache, config=config.xds, authorize=self._authorize)
-        self.tls_files: ServerCertFiles | None = None  # the ADS port's certificate files (tls, mtls)
+        self.ads = AdsServicer(self.cache, config=config.xds,
+                               authorize=node_allow_authorizer(lambda: self._config.tls.node_allow))
         self.view = ControlPlaneView(self.core, self.cache, self.ads, self.sessions, lambda: self._config)
         self.view.reload_status = lambda: self.reload_status
         self._grpc: grpc.aio.Server | None = None
@@ -149,13 +149,9 @@ class ControlPlane:
         self.routing_feed = RoutingFeed(self).add_to_server(self._grpc)
         self.view.routing_feed = self.routing_feed  # read by admin/metrics.py
         host, port = parse_hostport(self.config.xds.listen)
-        creds = self._ads_credentials()
-        self.view.tls_files = self.tls_files  # read by admin/metrics.py
+        creds, self.view.tls_files = listener_credentials(**self.config.tls.listener())  # None: plaintext
         try:
-            if creds is None:
-                self.xds_port = self._grpc.add_insecure_port(f"{host}:{port}")
-            else:
-                self.xds_port = self._grpc.add_secure_port(f"{host}:{port}", creds)
+            self.xds_port = add_port(self._grpc, f"{host}:{port}", creds)
         except RuntimeError as exc:  # grpc raises RuntimeError when the bind fails
             raise OSError(f"cannot bind xDS port {self.config.xds.listen} (xds.listen): in use or not "
                           f"permitted ({exc})") from exc
@@ -173,7 +169,7 @@ class ControlPlane:
         await site.start()
         self.admin_port = self._admin_runner.addresses[0][1]
         log.info("xds-server: ADS on %s:%d (%s), admin on http://%s:%d", host, self.xds_port,
-                 self.config.tls.mode or "plaintext, loopback", ahost, self.admin_port)
+                 self.config.tls.mode or "plaintext", ahost, self.admin_port)
         self._file_sig = file_signature(self.config_path)
         rc = self.config.reload
         loops = [(lambda: self.config.reload.drain_check_interval_s, self.reap_drained, "dropping drained nodes")]
@@ -182,30 +178,6 @@ class ControlPlane:
         if self.config_path and rc.watch_interval_s > 0:
             loops.append((lambda: self.config.reload.watch_interval_s or 1.0, self._check_file, "config watch"))
         self._tasks = [asyncio.create_task(self._every(*loop)) for loop in loops]
-
-    def _ads_credentials(self) -> grpc.ServerCredentials | None:
-        """The ADS port's TLS credentials from ``tls`` (None: plaintext), reloaded when the files
-        change. Raises OSError naming the field when the files do not load."""
-        t = self.config.tls
-        if t.mode in (None, "plaintext"):
-            return None
-        assert t.cert_file is not None and t.key_file is not None
-        try:
-            creds, self.tls_files = server_credentials(t.cert_file, t.key_file,
-                                                       t.client_ca_file if t.mode == "mtls" else None)
-        except OSError as e:  # ssl.SSLError included
-            raise OSError(f"cannot load the ADS certificate (tls.cert_file {t.cert_file}, tls.key_file "
-                          f"{t.key_file}, tls.client_ca_file {t.client_ca_file}): {e}") from e
-        return creds
-
-    def _authorize(self, context: grpc.aio.ServicerContext, node_id: str) -> str | None:
-        """``tls.node_allow`` (as configured now, reloads included) for an ADS stream's node id:
-        None when allowed or when there is no allow-list, else why not."""
-        rules = self.config.tls.node_allow
-        if not rules:
-            return None
-        return node_allowed([(r.identity, r.node_ids) for r in rules],
-                            peer_identities(context.auth_context()), node_id)
 
     async def stop(self) -> None:
         """Stop probe sources, timers, the ADS server and the admin server."""
@@ -244,15 +216,13 @@ class ControlPlane:
     async def reload(self, new: SentinelConfig, source: str = "api") -> dict:
         """Serve ``new`` from now on; ADS streams stay open. Nodes added start COLD, nodes removed
         are published DRAINING and dropped once drained, thresholds apply at once; listen
-        addresses, ``xds.server_id`` and the ADS port's TLS mode and files keep their running values
-        (``restart_needed``; the files' content is reloaded when it changes).
+        addresses, ``xds.server_id`` and ``tls.listener()`` keep their running values (``restart_needed``).
         Returns the changes as JSON (also in ``reload_status``)."""
         diff = diff_configs(self._declared, new)
         keep = {"xds": new.xds.model_copy(update={"listen": self._declared.xds.listen,
                                                   "server_id": self._declared.xds.server_id}),
                 "admin": new.admin.model_copy(update={"listen": self._declared.admin.listen}),
-                "tls": new.tls.model_copy(update={k: getattr(self._declared.tls, k) for k in
-                                                  ("mode", "cert_file", "key_file", "client_ca_file")})}
+                "tls": new.tls.model_copy(update=self._declared.tls.listener())}
         new = new.model_copy(update=keep)
         old_nodes = {n.id: (c, n) for c in self._declared.clusters for n in c.nodes}
         newly_leaving = [i for i in diff.removed if i not in self._leaving]

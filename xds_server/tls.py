@@ -14,6 +14,8 @@ No import from the rest of the project (node_probe and sentinel_relay use it too
   changed, so a redial after rotation presents and trusts the new files.
 - :func:`peer_identities` -> the names a client's certificate proves (URI SANs such as SPIFFE
   ids, DNS SANs, the subject's common name), from a call's ``auth_context()``.
+- :func:`listener_credentials` and :func:`add_port`: a listener's credentials for a mode, its bind.
+- :func:`refused_client`: whether a client's certificate names match allowed patterns (the agent).
 - :func:`node_allowed`: the pure allow-list check of an Envoy node id against those names.
 - :func:`is_loopback`: whether a listen or dial host stays on this machine (plaintext there needs
   no explicit setting).
@@ -26,7 +28,7 @@ import logging
 import os
 import ssl
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -35,11 +37,15 @@ from prometheus_client.core import CounterMetricFamily
 __all__ = [
     "ClientTls",
     "ServerCertFiles",
-    "dial",
+    "add_port",
     "channel_credentials",
+    "dial",
     "is_loopback",
+    "listener_credentials",
+    "node_allow_authorizer",
     "node_allowed",
     "peer_identities",
+    "refused_client",
     "server_credentials",
 ]
 
@@ -167,6 +173,28 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None
     return creds, files
 
 
+def listener_credentials(mode: str | None, cert_file: str | None, key_file: str | None,
+                         client_ca_file: str | None, fields: str = "tls."
+                         ) -> tuple[grpc.ServerCredentials | None, ServerCertFiles | None]:
+    """Credentials for a listener in ``mode`` (None or "plaintext": none; "tls"; "mtls": clients
+    must present a certificate ``client_ca_file`` signed) and their watcher. Raises OSError naming
+    the fields (``fields`` prefixes their names) when the files do not load."""
+    if mode in (None, "plaintext"):
+        return None, None
+    assert cert_file is not None and key_file is not None
+    try:
+        return server_credentials(cert_file, key_file, client_ca_file if mode == "mtls" else None)
+    except OSError as e:  # ssl.SSLError included
+        raise OSError(f"cannot load the certificate ({fields}cert_file {cert_file}, {fields}key_file {key_file}, "
+                      f"{fields}client_ca_file {client_ca_file}): {e}") from e
+
+
+def add_port(server: grpc.aio.Server, address: str, creds: grpc.ServerCredentials | None) -> int:
+    """Bind ``address`` on ``server``: plaintext when ``creds`` is None. Returns the port (0: not
+    bound); grpc raises RuntimeError when the bind fails."""
+    return server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
+
+
 # -- client side -------------------------------------------------------------------------------
 
 
@@ -256,3 +284,26 @@ def node_allowed(rules: Iterable[tuple[str, Sequence[str]]], identities: Sequenc
     if not matched:
         return f"client identity {identities[0]!r} is not in tls.node_allow"
     return f"client identity {identities[0]!r} may not use node id {node_id!r}"
+
+
+def refused_client(patterns: Sequence[str], auth_context: Mapping[str, Iterable[bytes]]) -> str | None:
+    """None when ``patterns`` is empty or one (fnmatch) matches a name of the peer's certificate
+    (:func:`peer_identities`); else the reason to refuse it."""
+    if not patterns:
+        return None
+    names = peer_identities(auth_context)
+    if any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns):
+        return None
+    return f"client certificate names {names[:4]} match no allowed pattern"
+
+
+def node_allow_authorizer(rules: Callable[[], Sequence[object]]) -> Callable[[object, str], str | None]:
+    """An ADS ``authorize(context, node_id)`` over the allow-list ``rules()`` returns when asked
+    (objects with ``identity`` and ``node_ids``, as ``tls.node_allow``; empty: every node id)."""
+    def authorize(context, node_id: str) -> str | None:
+        current = rules()
+        if not current:
+            return None
+        return node_allowed([(r.identity, r.node_ids) for r in current],  # type: ignore[attr-defined]
+                            peer_identities(context.auth_context()), node_id)
+    return authorize

@@ -164,7 +164,7 @@ async def test_mtls_envoy_agents_feed_allow_list_and_rotation(tmp_path: Path):
         resp = await ads_first_response(port, rotated, "envoy-llm-y")
         assert not isinstance(resp, grpc.StatusCode), resp
         assert await ads_first_response(port, good, "envoy-llm-x") == grpc.StatusCode.UNAVAILABLE
-        assert cp.tls_files is not None and cp.tls_files.reloads == 1
+        assert cp.view.tls_files is not None and cp.view.tls_files.reloads == 1
         async with aiohttp.ClientSession() as s:
             async with s.get(f"http://127.0.0.1:{cp.admin_port}/metrics") as r:
                 text = await r.text()

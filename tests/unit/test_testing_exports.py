@@ -6,9 +6,9 @@ import xds_server.testing as testing
 
 #: The names users' tests may import. Adding one is a decision; removing one breaks users.
 PUBLIC = {
-    "EnvoyHost", "Fleet", "InMemoryProbeSource", "InMemoryProbes", "LoadGenerator", "LoadStats",
+    "CertPair", "EnvoyHost", "Fleet", "InMemoryProbeSource", "InMemoryProbes", "LoadGenerator", "LoadStats",
     "ManagedProcess", "ManualClock", "NodeProcs",
-    "ScriptedAdsClient", "ScriptedDeltaAdsClient", "StandaloneEnvoy", "fetch_envoy_hosts",
+    "ScriptedAdsClient", "ScriptedDeltaAdsClient", "StandaloneEnvoy", "TestCA", "fetch_envoy_hosts",
     "free_port", "lint_exposition", "parse_envoy_clusters", "parse_envoy_stats", "restart_control_plane", "wait_for",
 }
 

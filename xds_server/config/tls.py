@@ -96,6 +96,11 @@ class TlsConfig(_Model):
     )
     agents: AgentTlsConfig = AgentTlsConfig()
 
+    def listener(self) -> dict[str, str | None]:
+        """The restart-only part (mode and files of the ADS port) as keyword arguments of
+        :func:`xds_server.tls.listener_credentials`."""
+        return {k: getattr(self, k) for k in ("mode", "cert_file", "key_file", "client_ca_file")}
+
     @model_validator(mode="after")
     def _files(self) -> "TlsConfig":
         if self.mode in ("tls", "mtls") and not (self.cert_file and self.key_file):

@@ -21,7 +21,7 @@ only; the underscored modules may move):
 - metrics (``_promlint``): :func:`lint_exposition`, the rules of ``promtool check metrics``
   over a Prometheus text exposition, for hosts without promtool.
 - polling (``_wait``): :func:`wait_for` a condition with a deadline.
-- certificates (``_certs``, needs ``cryptography`` from the ``dev`` extra, imported on first use):
+- certificates (``_certs``; ``cryptography`` from the ``dev`` extra, imported when a CA is made):
   :class:`TestCA` issues server and client certificates (DNS, IP and URI SANs) as PEM files;
   :class:`CertPair` holds the paths.
 - in-memory seams, re-exported from :mod:`xds_server.control`: :class:`ManualClock` (time moves
@@ -31,6 +31,7 @@ only; the underscored modules may move):
 """
 
 from xds_server.testing._ads_clients import ScriptedAdsClient, ScriptedDeltaAdsClient
+from xds_server.testing._certs import CertPair, TestCA
 from xds_server.control import InMemoryProbes, InMemoryProbeSource, ManualClock
 from xds_server.testing._envoy import (
     EnvoyHost,
@@ -69,11 +70,3 @@ __all__ = [
     "wait_for",
 ]
 
-
-def __getattr__(name: str):
-    """``TestCA`` and ``CertPair`` load ``cryptography`` (dev extra) only when asked for."""
-    if name in ("TestCA", "CertPair"):
-        from xds_server.testing import _certs
-
-        return getattr(_certs, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,8 @@ validity of one day from an hour ago (so clock skew between processes does not m
     pair = ca.issue("envoy", uris=["spiffe://cluster.local/ns/x/sa/envoy"], client=True)
     pair.cert, pair.key, ca.cert                      # paths (str)
 
-Raises ImportError when ``cryptography`` is not installed.
+``cryptography`` is imported when a CA is made (so importing this module needs only the runtime
+dependencies); :class:`TestCA` raises ImportError when it is not installed.
 """
 from __future__ import annotations
 
@@ -17,10 +18,7 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from typing import Any
 
 __all__ = ["CertPair", "TestCA"]
 
@@ -33,11 +31,16 @@ class CertPair:
     key: str
 
 
-def _name(common_name: str) -> x509.Name:
+def _name(common_name: str) -> Any:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+def _key_pem(key: Any) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
 
@@ -48,6 +51,10 @@ class TestCA:
     __test__ = False  # not a pytest class
 
     def __init__(self, directory: str | Path, name: str = "ca") -> None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._key = ec.generate_private_key(ec.SECP256R1())
@@ -72,9 +79,14 @@ class TestCA:
         """Issue a leaf certificate and write ``<name>.pem`` and ``<name>.key`` (into ``directory``,
         default the CA's). ``client``: extended key usage clientAuth (else serverAuth and
         clientAuth). Returns the paths."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID
+
         key = ec.generate_private_key(ec.SECP256R1())
         now = dt.datetime.now(dt.timezone.utc)
-        sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
+        sans: list[Any] = [x509.DNSName(d) for d in dns]
         sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
         sans += [x509.UniformResourceIdentifier(u) for u in uris]
         usages = [ExtendedKeyUsageOID.CLIENT_AUTH] if client else [ExtendedKeyUsageOID.SERVER_AUTH,
