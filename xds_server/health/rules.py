@@ -112,7 +112,9 @@ def _record_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Nod
             arrivals = phimod.ArrivalStats(cfg.heartbeat_interval_ms, cfg.phi_min_std_ms ** 2, 0)
         arrivals = phimod.update(arrivals, (now - h.last_s) * 1000.0, cfg.phi_alpha)
     c.gap_ms = None if h.last_s is None else (now - h.last_s) * 1000.0
-    clears = tuple(t for t in h.suspicion_clears if now - t < cfg.phi_suspicion_window_s)
+    clears = h.suspicion_clears
+    if clears:
+        clears = tuple(t for t in clears if now - t < cfg.phi_suspicion_window_s)
     c.prev_engine = e.state
     stalled_since, counted = e.stalled_since_s, e.stall_counted
     if hb.stalled and not e.stalled:
@@ -123,13 +125,23 @@ def _record_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Nod
     if ej.forgive_since_s is not None:  # consumed by this heartbeat either way
         c.pending = (ej.forgive_since_s, ej.forgive_until_s)
         ej = replace(ej, forgive_since_s=None, forgive_until_s=0.0)
-    return replace(
-        nh, heartbeat=Heartbeats(now, 0, False, arrivals, clears), ejection=ej,
-        engine=Engine(hb.engine_state, hb.stalled, stalled_since, counted, hb.requests_running,
-                      hb.requests_waiting, hb.gpu_free_ratio, hb.gpu_fatal,
-                      None if hb.progress_age_ms is None else now - hb.progress_age_ms / 1000.0,
-                      hb.progress_detail if hb.progress_age_ms is not None else ""),
-    )
+    progress_at = None if hb.progress_age_ms is None else now - hb.progress_age_ms / 1000.0
+    progress_detail = hb.progress_detail if hb.progress_age_ms is not None else ""
+    if not (progress_at is None and e.progress_at_s is None and e.state is hb.engine_state
+            and e.stalled == hb.stalled and e.stalled_since_s == stalled_since and e.stall_counted == counted
+            and _same(e.requests_running, hb.requests_running) and _same(e.requests_waiting, hb.requests_waiting)
+            and _same(e.gpu_free_ratio, hb.gpu_free_ratio) and e.gpu_fatal == hb.gpu_fatal
+            and e.progress_detail == progress_detail):
+        e = Engine(hb.engine_state, hb.stalled, stalled_since, counted, hb.requests_running,
+                   hb.requests_waiting, hb.gpu_free_ratio, hb.gpu_fatal, progress_at, progress_detail)
+    # else: the engine record is unchanged (a steady node): the same immutable value is kept
+    return NodeHealth(nh.node_id, nh.state, nh.reason, nh.since_s, Heartbeats(now, 0, False, arrivals, clears),
+                      nh.rtt, nh.probe, e, ej, nh.ramp, nh.drain)
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    """Equal and of the same type and zero sign (so keeping ``a`` is exactly keeping ``b``)."""
+    return a is b or (type(a) is type(b) and a == b and (a != 0.0 or str(a) == str(b)))
 
 
 def _r_disproved(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fired]:
