@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import multiprocessing
 import os
+import random
 import resource
 import statistics
 import time
@@ -80,6 +81,9 @@ def _fleet_main(port: int, frozen_port: int, gpus: int, freeze_at, ready, cpu: i
     def watch(frozen: bool):
         async def handler(request_iterator, context):
             loop = asyncio.get_running_loop()
+            # a random phase per stream, as a real fleet's agents have: heartbeats spread over the
+            # interval, and frozen nodes stop at different points of their interval
+            await asyncio.sleep(random.random() * 0.1)
             nxt = loop.time()
             yield beats[0]
             # one good probe result so the node is routed (PROBATION) and can be (falsely) ejected
@@ -111,7 +115,9 @@ def _fleet_main(port: int, frozen_port: int, gpus: int, freeze_at, ready, cpu: i
             await srv.start()
             servers.append(srv)
         ready.set()
-        await servers[0].wait_for_termination()
+        parent = os.getppid()
+        while os.getppid() == parent:  # the benchmark process died without stopping us: exit too
+            await asyncio.sleep(1.0)
 
     asyncio.run(run())
 
@@ -308,7 +314,8 @@ async def measure(n: int, seconds: float, *, gpus: int = 0, freeze: int = 0, cp_
         fleet.stop()
 
 
-async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: bool = False) -> dict:
+async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: bool = False,
+                   steady: bool = False) -> dict:
     """Our share of a heartbeat without gRPC: the serialized heartbeats a real stream would bring
     are parsed (as grpc.aio's deserializer does) and handed to each node's real
     ``ProbeSession.on_message`` (edge check, health step, routing key, timer re-arm) with a real
@@ -321,7 +328,7 @@ async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: b
     from xds_server.control.core import ControlCore
     from xds_server.probing import ProbeSession, _Stream
 
-    cfg = _hot_config(nodes)
+    cfg = _hot_config(nodes, steady)
     core = ControlCore(cfg, LoopClock())
     core.begin()
     loop = asyncio.get_running_loop()
@@ -372,11 +379,11 @@ async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: b
             "routed": routed, "false_ejections": ejections, "handler_errors": sum(s.handler_errors for s in sessions)}
 
 
-def _hot_config(n: int) -> SentinelConfig:
+def _hot_config(n: int, steady: bool) -> SentinelConfig:
     return parse_config({
         "xds": {"listen": "127.0.0.1:0", "warmup_timeout_ms": 0},
         "admin": {"listen": "127.0.0.1:0"},
-        "health": {"ping_interval_ms": 60_000},
+        "health": {"ping_interval_ms": 60_000, **({"ramp_start_percent": 100.0} if steady else {})},
         "clusters": [{"name": "llm", "nodes": [
             {"id": f"n{i}", "address": f"127.0.0.{1 + i // 60000}:{1 + i % 60000}",
              "probe_address": "127.0.0.1:1"} for i in range(n)]}],
@@ -399,7 +406,7 @@ def main() -> None:
     a = ap.parse_args()
     for n in a.nodes:
         if a.hot_path:
-            r = asyncio.run(hot_path(n, gpus=a.gpus))
+            r = asyncio.run(hot_path(n, gpus=a.gpus, steady=a.steady))
             print(f"{n:>5} nodes, {a.gpus} GPUs: our hot path {r['our_us_per_heartbeat']:.1f} us CPU per heartbeat "
                   f"({r['heartbeats']} heartbeats), routed {r['routed']}, ejections {r['false_ejections']}", flush=True)
             continue
