@@ -141,9 +141,11 @@ class FakeFleet:
 
     def start(self) -> "FakeFleet":
         self._proc.start()
-        if not self._ready.wait(60.0):  # the spawned interpreter imports grpc and binds both ports
-            self.stop()
-            raise RuntimeError("fake fleet did not start within 60 s")
+        deadline = time.monotonic() + 60.0  # the spawned interpreter imports grpc and binds both ports
+        while not self._ready.wait(0.2):
+            if not self._proc.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("fake fleet did not start (see its output)")
         return self
 
     def freeze(self) -> float:
@@ -191,6 +193,7 @@ class _OurTime:
 
         self.s = 0.0
         self.messages = 0
+        self.calls = 0  # timed calls (messages and timer firings)
         self._undo: list[tuple[Any, str, Any]] = []
         self.available = hasattr(ProbeSession, "on_message")
         if not self.available:  # an older tree (--before via PYTHONPATH): process CPU only
@@ -203,6 +206,7 @@ class _OurTime:
             orig = getattr(cls, name)
 
             def timed(self: Any, *a: Any) -> None:
+                me.calls += 1
                 t0 = clock()
                 try:
                     if not noop:
@@ -217,6 +221,7 @@ class _OurTime:
 
         def on_message(self: Any, msg: Any, now: float) -> None:
             me.messages += 1
+            me.calls += 1
             t0 = clock()
             try:
                 if not floor:
@@ -237,6 +242,26 @@ class _OurTime:
             setattr(cls, name, orig)
 
 
+def _clock_cost_s(n: int = 20_000) -> float:
+    """CPU seconds one ``time.thread_time()`` read costs now (a system call: ~0.3 us on an idle
+    machine, several us when the machine's CPUs are oversubscribed)."""
+    t0 = time.process_time()
+    for _ in range(n):
+        time.thread_time()
+    return (time.process_time() - t0) / n
+
+
+def _speed_us(n: int = 200_000) -> float:
+    """CPU us of a fixed pure-Python loop, printed beside each result: the same code costs more
+    CPU time on a machine shared with other work, so numbers taken at different loads can be
+    compared by this ratio."""
+    t0 = time.process_time()
+    x = 0
+    for i in range(n):
+        x += i & 7
+    return (time.process_time() - t0) * 1e6
+
+
 def _q(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -255,7 +280,7 @@ async def measure(n: int, seconds: float, *, gpus: int = 0, freeze: int = 0, cp_
         os.sched_setaffinity(0, {cp_cpu})
     fleet = FakeFleet(gpus, fleet_cpu).start()
     ours = _OurTime(floor)
-    ejected: dict[str, float] = {}
+    ejected: list[tuple[float, str]] = []  # (wall s, node id) of every move to UNHEALTHY
     try:
         cfg = fleet_config(n, fleet, freeze, extra)
         cp = (control_plane or ControlPlane)(cfg)
@@ -264,17 +289,18 @@ async def measure(n: int, seconds: float, *, gpus: int = 0, freeze: int = 0, cp_
         def record(wall_s: float, cluster: str, node_id: str, kind: str, reason: str, *a: Any, **k: Any):
             to_state = a[1] if len(a) > 1 else k.get("to_state")
             if to_state == "UNHEALTHY":
-                ejected.setdefault(node_id, wall_s)
+                ejected.append((wall_s, node_id))
             return rec(wall_s, cluster, node_id, kind, reason, *a, **k)
 
         cp.core.events.record = record
+        probe_s, speed_us = _clock_cost_s(), _speed_us()  # before any stream: they block the loop
         await cp.start()
         try:
             await asyncio.sleep(settle_s)  # connect and settle
             frozen_ids = {f"n{i}" for i in range(freeze)}
-            false0 = sum(1 for i in ejected if i not in frozen_ids)
-            ejected_before = dict(ejected)
-            m0, s0 = ours.messages, ours.s
+            false0 = sum(1 for _, i in ejected if i not in frozen_ids)
+            e0 = len(ejected)
+            m0, s0, c0 = ours.messages, ours.s, ours.calls
             hb0 = sum(cp.heartbeats.values())
             r0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.monotonic()
@@ -287,13 +313,20 @@ async def measure(n: int, seconds: float, *, gpus: int = 0, freeze: int = 0, cp_
                 await asyncio.sleep(seconds)
             r1 = resource.getrusage(resource.RUSAGE_SELF)
             dt = time.monotonic() - t0
-            msgs, our_s = ours.messages - m0, ours.s - s0
+            msgs, our_s, calls = ours.messages - m0, ours.s - s0, ours.calls - c0
             if not ours.available:
                 msgs = sum(cp.heartbeats.values()) - hb0
             cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-            false = sum(1 for i in ejected if i not in frozen_ids and i not in ejected_before)
-            detect = [(ejected[i] - freeze_at) * 1000.0 for i in frozen_ids
-                      if freeze_at is not None and i in ejected and ejected[i] >= freeze_at]
+            # each timed call adds two clock reads: about one lands inside "ours", both in the total
+            our_s = max(0.0, our_s - calls * probe_s)
+            cpu = max(0.0, cpu - 2 * calls * probe_s)
+            window = ejected[e0:]
+            false = sum(1 for _, i in window if i not in frozen_ids)
+            first: dict[str, float] = {}
+            for at, i in window:
+                if i in frozen_ids and freeze_at is not None and at >= freeze_at:
+                    first.setdefault(i, at)
+            detect = [(at - freeze_at) * 1000.0 for at in first.values()]  # type: ignore[operator]
             hb = max(msgs, 1)
             out = {"nodes": n, "gpus": gpus, "floor": floor, "heartbeats_per_s": msgs / dt,
                    "expected_per_s": n * 10, "cpu_cores": cpu / dt, "cpu_us_per_heartbeat": cpu / hb * 1e6,
@@ -302,7 +335,7 @@ async def measure(n: int, seconds: float, *, gpus: int = 0, freeze: int = 0, cp_
                    "false_ejections": false, "false_before_window": false0,
                    "connected": sum(1 for s in cp.sessions.values() if s.connected),
                    "frozen": freeze, "detected": len(detect),
-                   "load_avg": os.getloadavg()[0]}
+                   "load_avg": os.getloadavg()[0], "clock_read_us": probe_s * 1e6, "speed_us": speed_us}
             if detect:
                 out.update(detect_p50_ms=statistics.median(detect), detect_p99_ms=_q(detect, 0.99),
                            detect_max_ms=max(detect))
@@ -408,6 +441,7 @@ def main() -> None:
         if a.hot_path:
             r = asyncio.run(hot_path(n, gpus=a.gpus, steady=a.steady))
             print(f"{n:>5} nodes, {a.gpus} GPUs: our hot path {r['our_us_per_heartbeat']:.1f} us CPU per heartbeat "
+                  f"(speed index {_speed_us() / 1000:.1f} ms) "
                   f"({r['heartbeats']} heartbeats), routed {r['routed']}, ejections {r['false_ejections']}", flush=True)
             continue
         r = asyncio.run(measure(n, a.seconds, gpus=a.gpus, freeze=a.freeze, cp_cpu=a.cp_cpu,
@@ -421,7 +455,8 @@ def main() -> None:
               f"({r['cpu_us_per_heartbeat']:.0f} us per heartbeat: ours {r['our_us_per_heartbeat']:.1f}, "
               f"gRPC+loop {r['rest_us_per_heartbeat']:.0f}), {r['nodes_per_core']:.0f} nodes per core, "
               f"connected {r['connected']}, false ejections {r['false_ejections']}{det}, "
-              f"load avg {r['load_avg']:.2f}", flush=True)
+              f"load avg {r['load_avg']:.2f}, speed index {r['speed_us'] / 1000:.1f} ms, "
+              f"clock read {r['clock_read_us']:.1f} us (subtracted)", flush=True)
 
 
 if __name__ == "__main__":
