@@ -237,7 +237,9 @@ class AgentEdge:
         else:
             gpu_bad = []
             gpu, free, fatal = self._gpu(gpu_msg, gpu_bad)
-            self._gpu_memo = (gpu_msg, (gpu, free, fatal, tuple(gpu_bad)))
+            kept = probe_pb2.GpuTelemetry()
+            kept.CopyFrom(gpu_msg)  # our own copy: the caller may change its message later
+            self._gpu_memo = (kept, (gpu, free, fatal, tuple(gpu_bad)))
         if gpu_bad:
             bad.extend(gpu_bad)
         progress_age_ms: float | None = None
