@@ -135,8 +135,7 @@ def _record_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Nod
         e = Engine(hb.engine_state, hb.stalled, stalled_since, counted, hb.requests_running,
                    hb.requests_waiting, hb.gpu_free_ratio, hb.gpu_fatal, progress_at, progress_detail)
     # else: the engine record is unchanged (a steady node): the same immutable value is kept
-    return NodeHealth(nh.node_id, nh.state, nh.reason, nh.since_s, Heartbeats(now, 0, False, arrivals, clears),
-                      nh.rtt, nh.probe, e, ej, nh.ramp, nh.drain)
+    return replace(nh, heartbeat=Heartbeats(now, 0, False, arrivals, clears), ejection=ej, engine=e)
 
 
 def _same(a: float | None, b: float | None) -> bool:
