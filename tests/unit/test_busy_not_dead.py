@@ -145,3 +145,46 @@ def test_a_probe_queued_behind_the_prefill_answered_300ms_late_after_it_keeps_1_
     assert sim.nh.state is S.DEGRADED
     sim.apply(ProbeObserved(K.OK, ttft_ms=25), 10.06)
     assert sim.nh.state is S.HEALTHY and route(sim.nh, 1, CFG).weight == 100
+
+
+# -- a reason never says "progressing" about progress older than the probe's wait (issue 11) ------
+
+
+def _busy_heartbeat(age_ms: float) -> HeartbeatObserved:
+    return HeartbeatObserved(requests_running=4, requests_waiting=2, progress_age_ms=age_ms,
+                             progress_detail="engine 0: tokens 100 -> 140")
+
+
+def test_timeout_with_progress_900ms_old_older_than_the_800ms_wait_is_a_failure_never_busy():
+    """The engine hung 0.9 s ago, before the probe was sent: nothing moved while it waited."""
+    sim = healthy_sim()
+    sim.apply(_busy_heartbeat(850), 4.45)
+    sim.apply(ProbeObserved(K.TIMEOUT), 4.5)
+    assert sim.nh.state is S.DEGRADED and sim.nh.reason.startswith("probe failure: inference timeout")
+    assert "busy" not in sim.nh.reason and "progress" not in sim.nh.reason
+    assert sim.nh.probe.consecutive_failures == 1
+
+
+def test_timeout_with_progress_700ms_old_within_the_800ms_wait_is_busy_and_says_the_age_and_the_wait():
+    sim = healthy_sim()
+    sim.apply(_busy_heartbeat(650), 4.45)
+    sim.apply(ProbeObserved(K.TIMEOUT), 4.5)
+    assert sim.nh.state is S.DEGRADED
+    assert sim.nh.reason == ("busy: saturated, inference timeout (no token within 800 ms); progressing: moved 0.7 s "
+                             "ago, within the probe's 0.8 s wait: engine 0: tokens 100 -> 140")
+
+
+def test_slow_probe_450ms_with_progress_600ms_old_is_slow_not_busy():
+    sim = healthy_sim()
+    sim.apply(_busy_heartbeat(550), 4.45)
+    sim.apply(ProbeObserved(K.OK, ttft_ms=450), 4.5)
+    assert sim.nh.state is S.DEGRADED and sim.nh.reason == "probe TTFT 450 ms >= 200 ms"
+    assert sim.nh.probe.degraded_not_busy   # unexplained slowness: 3 good probes to recover
+
+
+def test_503_with_progress_500ms_old_is_busy_and_gives_the_age_never_progressing():
+    sim = healthy_sim()
+    sim.apply(_busy_heartbeat(450), 4.45)
+    sim.apply(ProbeObserved(K.HTTP_STATUS, http_status=503), 4.5)
+    assert sim.nh.reason == "busy: saturated, HTTP 503; last progress 0.5 s ago: engine 0: tokens 100 -> 140"
+    assert "progressing" not in sim.nh.reason
