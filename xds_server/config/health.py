@@ -109,8 +109,10 @@ class HealthConfig(_Model):
     )
     stall_confirm_ms: float = Field(
         300.0, ge=0,
-        description="an engine still reported STALLED this long after the first report counts "
-        "as a second probe timeout (-> UNHEALTHY); the first report counts as one",
+        description="an engine still reported STALLED this long after the first report, or once "
+        "its last progress is busy_progress_window_ms + this old (measured from the freeze, not "
+        "from the report's arrival), counts as a second probe timeout (-> UNHEALTHY); the first "
+        "report counts as one",
     )
     # -- GPU and engine load --------------------------------------------------------------------
     gpu_min_free_ratio: float = Field(

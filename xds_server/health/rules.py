@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
-from xds_server.health.clocks import EPS_S, misses_at, phi_delay_s, required_clean_s
+from xds_server.health.clocks import EPS_S, misses_at, phi_delay_s, required_clean_s, stall_confirm_at_s
 from xds_server.health.outcome import classify_probe, is_refusal, refusal_evidence
 from xds_server.health.records import (
     ROUTED_STATES,
@@ -287,12 +287,20 @@ def _r_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> Sequence[Fired]
 
 
 def _r_stall_confirmed(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[Fired]:
+    """A reported stall still reported at :func:`~xds_server.health.clocks.stall_confirm_at_s`
+    counts as a second probe timeout; the reason gives the evidence that confirmed it."""
     e, cfg = nh.engine, c.cfg
-    if (e.stalled and e.stall_counted == 1 and e.stalled_since_s is not None
-            and c.now_s - e.stalled_since_s >= cfg.stall_confirm_ms / 1000.0 - EPS_S):
-        return (Fired(Signal.STALL_CONFIRMED),
-                _failure(nh, f"engine still STALLED {cfg.stall_confirm_ms:.0f} ms later", cfg))
-    return _NONE
+    at = stall_confirm_at_s(nh, cfg)
+    if e.stall_counted != 1 or at is None or c.now_s < at - EPS_S:
+        return _NONE
+    assert e.stalled_since_s is not None  # stall_confirm_at_s is None without it
+    if c.now_s - e.stalled_since_s >= cfg.stall_confirm_ms / 1000.0 - EPS_S:
+        what = f"engine still STALLED {cfg.stall_confirm_ms:.0f} ms later"
+    else:
+        assert e.progress_at_s is not None
+        what = (f"engine still STALLED: no progress for {c.now_s - e.progress_at_s:.2f} s (stall window "
+                f"{cfg.busy_progress_window_ms:.0f} ms + {cfg.stall_confirm_ms:.0f} ms)")
+    return (Fired(Signal.STALL_CONFIRMED), _failure(nh, what, cfg))
 
 
 def _r_clean_period(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[Fired]:
