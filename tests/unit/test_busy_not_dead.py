@@ -193,47 +193,41 @@ def test_503_with_progress_500ms_old_is_busy_and_gives_the_age_never_progressing
 # -- hang detection: the stall's confirmation is measured from the freeze (issue 11) ---------------
 
 
-def _hung_after(t_last: float, report_after_s: float, age_before_ms: float = 0.0):
-    """Tokens last moved at ``t_last`` (the agent's evidence ages from then, plus ``age_before_ms``);
-    the agent's STALLED report arrives ``report_after_s`` later (its 1 s window, a scrape and a
-    heartbeat interval)."""
+def _hung_after(t_last: float, report_after_s: float, age_before_ms: float = 0.0) -> NodeSim:
+    """A HEALTHY node whose tokens last moved at ``t_last`` (the agent's evidence ages from then,
+    plus ``age_before_ms``); the agent's STALLED report arrives ``report_after_s`` later (its 1 s
+    window, a scrape and a heartbeat interval). No probes."""
     def hb(t: float) -> HeartbeatObserved:
         age = max(0.0, t - t_last) * 1000.0 + age_before_ms
         return HeartbeatObserved(requests_running=4, stalled=t >= t_last + report_after_s,
                                  stall_detail="engine 0: 4 running, tokens frozen", progress_age_ms=age,
                                  progress_detail="engine 0: tokens 100 -> 140")
-    return hb
+    sim = healthy_sim()
+    sim.heartbeat, sim.probe = hb, (lambda t: None)
+    return sim
 
 
 def test_hang_reported_1200ms_after_the_last_progress_is_ejected_at_1300ms_not_1500ms():
-    sim = healthy_sim()
-    t_last = 4.02
-    sim.heartbeat = _hung_after(t_last, 1.2)
-    sim.probe = lambda t: None
-    sim.run_until(t_last + 1.6)
+    sim = _hung_after(4.02, 1.2)
+    sim.run_until(4.02 + 1.6)
     eject = next(e for e in sim.events if e.to_state is S.UNHEALTHY)
-    assert abs(eject.at_s - (t_last + 1.3)) < 0.005, eject
+    assert abs(eject.at_s - (4.02 + 1.3)) < 0.005, eject
     assert "engine still STALLED: no progress for 1.30 s (stall window 1000 ms + 300 ms)" in eject.reason
 
 
 def test_hang_reported_1050ms_after_progress_still_needs_1300ms_of_freeze():
-    sim = healthy_sim()
-    t_last = 4.02
-    sim.heartbeat = _hung_after(t_last, 1.05)
-    sim.probe = lambda t: None
-    sim.run_until(t_last + 1.29)
+    sim = _hung_after(4.02, 1.05)
+    sim.run_until(4.02 + 1.29)
     assert sim.nh.state is S.DEGRADED and "STALLED" in sim.nh.reason
-    sim.run_until(t_last + 1.31)
+    sim.run_until(4.02 + 1.31)
     assert sim.nh.state is S.UNHEALTHY
 
 
 def test_stall_of_a_request_at_an_engine_idle_for_5s_is_confirmed_300ms_after_the_report():
     """Progress 5 s old at the first report is the idle time before the request, not this
     freeze: the report's own time decides (the first report at t 4.02 + 1.1)."""
-    sim = healthy_sim()
     t_req = 4.02
-    sim.heartbeat = _hung_after(t_req, 1.1, age_before_ms=5000.0)
-    sim.probe = lambda t: None
+    sim = _hung_after(t_req, 1.1, age_before_ms=5000.0)
     sim.run_until(t_req + 1.35)
     assert sim.nh.state is S.DEGRADED
     sim.run_until(t_req + 1.6)

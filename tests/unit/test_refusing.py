@@ -19,15 +19,9 @@ from xds_server.health.model import (
 from xds_server.health.policy import PolicyEventKind, cluster_routing
 from xds_server.health.sim import NodeSim
 
-CFG = HealthConfig(ramp_step_percent=50, ramp_step_s=1.0)
+from test_busy_not_dead import CFG, healthy_sim
+
 R429 = ProbeObserved(K.HTTP_STATUS, http_status=429)
-
-
-def healthy_sim() -> NodeSim:
-    sim = NodeSim(cfg=CFG)
-    sim.run_until(4.0)
-    assert sim.nh.state is S.HEALTHY, sim.events
-    return sim
 
 
 def refuse_from(sim: NodeSim, t0: float, t_end: float, every_s: float = 0.5) -> None:
