@@ -96,8 +96,8 @@ class HealthConfig(_Model):
         "and no good probe before it is soft-blocked (REFUSING: not routed, counted against "
         "max_ejection_percent, back at its busy or full weight on its first answered probe, no "
         "probation). Ours (issue 11): long enough that a load burst an engine works off in seconds "
-        "(its queue draining; 3-30 probes at the agent's 3-5 s busy or 0.5 s idle cadence) keeps its DEGRADED share, "
-        "short against what the share costs: every request Envoy sends to a node that refuses "
+        "(its queue draining; 3-30 probes at the agent's 3-5 s busy or 0.5 s idle cadence) keeps "
+        "its DEGRADED share, short against what the share costs: every request Envoy sends to a node that refuses "
         "everything is a 429 to retry elsewhere. 15 s is half Envoy's default outlier "
         "base_ejection_time (30 s) and within the 10-30 s an operator expects of a soft ejection",
     )

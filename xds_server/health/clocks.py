@@ -12,7 +12,8 @@ from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
 from xds_server.health.records import ROUTED_STATES, EjectionCause, NodeHealth
 
-__all__ = ["EPS_S", "miss_after_s", "misses_at", "next_check_s", "phi_delay_s", "required_clean_s", "stall_confirm_at_s"]
+__all__ = ["EPS_S", "miss_after_s", "misses_at", "next_check_s", "phi_delay_s", "required_clean_s",
+           "stall_confirm_at_s"]
 
 EPS_S = 1e-9
 """Tolerance (s) for float error when a time lands exactly on a boundary."""

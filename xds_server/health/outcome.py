@@ -50,8 +50,8 @@ def classify_probe(nh: NodeHealth, obs: ProbeObserved, cfg: HealthConfig,
     moved 0.1 s ago, within the probe's 0.8 s wait: <evidence>"``; an HTTP status in
     ``saturated_http_statuses`` with evidence at most ``busy_progress_window_ms`` old is BUSY
     with ``"last progress 0.3 s ago: <evidence>"``; a status in ``busy_http_statuses`` is always
-    BUSY (the engine says it is full, fc07; :func:`is_refusal`). Without evidence a timeout is a failure, however
-    many requests run: a hung engine is never called busy.
+    BUSY (the engine says it is full, fc07; :func:`is_refusal`). Without evidence a timeout is a
+    failure, however many requests run: a hung engine is never called busy.
     """
     k = obs.kind
     if k is ProbeResultKind.OK:
