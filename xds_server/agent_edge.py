@@ -65,6 +65,24 @@ _NVML = {
     probe_pb2.NVML_STATE_ERROR: "NVML_STATE_ERROR",
 }
 NVML_UNKNOWN = "NVML_STATE_UNKNOWN"
+_P_LOAD = "heartbeat.telemetry.engine_load."
+_P_WAITING = _P_LOAD + "requests_waiting"
+_P_RUNNING = _P_LOAD + "requests_running"
+_P_KV = _P_LOAD + "kv_cache_usage_ratio"
+_P_PREFIX = _P_LOAD + "prefix_cache_hit_ratio"
+_P_TOKENS = _P_LOAD + "generation_tokens_total"
+_P_GPU = "heartbeat.telemetry.gpu."
+_P_READING = _P_GPU + "gpus."
+
+
+def _same_zero_sign(last: "EngineLoadSummary", waiting: float | None, running: float | None,
+                    kv: float | None) -> bool:
+    """``-0.0 == 0.0``: the kept summary is reused only when its zeros have the same sign too."""
+    for a, b in ((last.requests_waiting, waiting), (last.requests_running, running),
+                 (last.kv_cache_usage_ratio, kv)):
+        if a == 0.0 and math.copysign(1.0, a) != math.copysign(1.0, b):  # type: ignore[arg-type]
+            return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +168,12 @@ class AgentEdge:
         self.health = health
         self.probe = probe
         self._fatal_xids = frozenset(health.fatal_xids)
+        # Kept from the last heartbeat: the GPU part as received with its checked result and bad
+        # fields, and the engine-load summary (reused while equal: no object per heartbeat).
+        self._gpu_memo: tuple[probe_pb2.GpuTelemetry, tuple[GpuSummary, float | None, str,
+                                                            tuple[BadField, ...]]] | None = None
+        self._last_load: EngineLoadSummary | None = None
+        self._last_hb: CheckedHeartbeat | None = None
 
     # -- field helpers (append to ``bad``) --------------------------------------------------------
 
@@ -190,94 +214,151 @@ class AgentEdge:
 
     def _heartbeat(self, hb: probe_pb2.Heartbeat, bad: list[BadField]) -> CheckedHeartbeat:
         tel = hb.telemetry
-        if hb.interval_ms and not 1 <= hb.interval_ms <= 3_600_000:
+        max_text = self.probe.max_text_chars
+        interval = hb.interval_ms
+        if interval and not 1 <= interval <= 3_600_000:
             bad.append(BadField("heartbeat.interval_ms", "out_of_range"))
-        if len(hb.node_id) > self.probe.max_text_chars:
+        if len(hb.node_id) > max_text:
             bad.append(BadField("heartbeat.node_id", "too_long"))
         engine_state = _ENGINE_STATE.get(tel.engine_state)
         if engine_state is None:
             bad.append(BadField("heartbeat.telemetry.engine_state", "unknown_enum"))
             engine_state = EngineState.COLD  # unknown reads as COLD: not routed until a known state arrives
-        stall_detail = self._text(tel.stall_detail, "heartbeat.telemetry.stall_detail", bad)
+        stall_detail = tel.stall_detail
+        if len(stall_detail) > max_text:
+            stall_detail = self._text(stall_detail, "heartbeat.telemetry.stall_detail", bad)
         load = self._load(tel.engine_load, bad)
-        gpu, free, fatal = self._gpu(tel.gpu, bad)
+        # GPU readings move once per NVML poll (1 s), heartbeats every 100 ms: an unchanged GPU
+        # part (equal message) is not checked again; its result and bad fields are the last ones.
+        gpu_msg = tel.gpu
+        memo = self._gpu_memo
+        if memo is not None and memo[0] == gpu_msg:
+            gpu, free, fatal, gpu_bad = memo[1]
+        else:
+            gpu_bad = []
+            gpu, free, fatal = self._gpu(gpu_msg, gpu_bad)
+            kept = probe_pb2.GpuTelemetry()
+            kept.CopyFrom(gpu_msg)  # our own copy: the caller may change its message later
+            self._gpu_memo = (kept, (gpu, free, fatal, tuple(gpu_bad)))
+        if gpu_bad:
+            bad.extend(gpu_bad)
         progress_age_ms: float | None = None
         if tel.HasField("progress_age_ms"):
             progress_age_ms = self._number(tel.progress_age_ms, "heartbeat.telemetry.progress_age_ms",
                                            0.0, 3_600_000.0, bad)
-        progress_detail = self._text(tel.progress_detail, "heartbeat.telemetry.progress_detail", bad)
+        progress_detail = tel.progress_detail
+        if len(progress_detail) > max_text:
+            progress_detail = self._text(progress_detail, "heartbeat.telemetry.progress_detail", bad)
+        stalled = tel.stalled
+        if progress_age_ms is None:
+            progress_detail = ""
+        last = self._last_hb
+        if last is not None:
+            o, t = last.observation, last.telemetry
+            if (t.load is load and t.gpu is gpu and o.engine_state is engine_state and o.stalled == stalled
+                    and o.stall_detail == stall_detail and o.gpu_free_ratio == free and o.gpu_fatal == fatal
+                    and o.progress_age_ms is None and progress_age_ms is None):
+                # the same values as the last heartbeat: its (immutable) observation and summary
+                if self._same_free_sign(o.gpu_free_ratio, free):
+                    return CheckedHeartbeat(hb.seq, o, t)
         obs = HeartbeatObserved(
-            engine_state=engine_state, stalled=tel.stalled, stall_detail=stall_detail,
+            engine_state=engine_state, stalled=stalled, stall_detail=stall_detail,
             requests_running=load.requests_running, requests_waiting=load.requests_waiting,
             gpu_free_ratio=free, gpu_fatal=fatal, progress_age_ms=progress_age_ms,
-            progress_detail=progress_detail if progress_age_ms is not None else "")
-        return CheckedHeartbeat(hb.seq, obs, TelemetrySummary(engine_state, tel.stalled, stall_detail, load, gpu))
+            progress_detail=progress_detail)
+        out = CheckedHeartbeat(hb.seq, obs, TelemetrySummary(engine_state, stalled, stall_detail, load, gpu))
+        self._last_hb = out
+        return out
+
+    @staticmethod
+    def _same_free_sign(a: float | None, b: float | None) -> bool:
+        return a is None or b is None or a != 0.0 or math.copysign(1.0, a) == math.copysign(1.0, b)
 
     def _load(self, load: probe_pb2.EngineLoad, bad: list[BadField]) -> EngineLoadSummary:
-        p = "heartbeat.telemetry.engine_load."
+        """The engine load, checked; the last summary again when nothing it keeps changed."""
+        num = self._number
+        has = load.HasField
         hi = self.probe.max_requests
-
-        def opt(name: str, lo: float, top: float) -> float | None:
-            if not load.HasField(name):
-                return None
-            return self._number(getattr(load, name), p + name, lo, top, bad)
-
-        waiting = opt("requests_waiting", 0.0, hi)
-        running = opt("requests_running", 0.0, hi)
-        kv = opt("kv_cache_usage_ratio", 0.0, 1.0)
-        opt("prefix_cache_hit_ratio", 0.0, 1.0)
-        opt("generation_tokens_total", 0.0, math.inf)
-        metrics_error = self._text(load.metrics_error, p + "metrics_error", bad)
-        metric = self._text(load.kv_cache_metric, p + "kv_cache_metric", bad)
-        return EngineLoadSummary(load.metrics_ok, waiting, running, kv, metric,
-                                 "" if load.metrics_ok else metrics_error)
+        waiting = num(load.requests_waiting, _P_WAITING, 0.0, hi, bad) if has("requests_waiting") else None
+        running = num(load.requests_running, _P_RUNNING, 0.0, hi, bad) if has("requests_running") else None
+        kv = num(load.kv_cache_usage_ratio, _P_KV, 0.0, 1.0, bad) if has("kv_cache_usage_ratio") else None
+        if has("prefix_cache_hit_ratio"):
+            num(load.prefix_cache_hit_ratio, _P_PREFIX, 0.0, 1.0, bad)
+        if has("generation_tokens_total"):
+            num(load.generation_tokens_total, _P_TOKENS, 0.0, math.inf, bad)
+        max_text = self.probe.max_text_chars
+        metrics_error = load.metrics_error
+        if len(metrics_error) > max_text:
+            metrics_error = self._text(metrics_error, _P_LOAD + "metrics_error", bad)
+        metric = load.kv_cache_metric
+        if len(metric) > max_text:
+            metric = self._text(metric, _P_LOAD + "kv_cache_metric", bad)
+        ok = load.metrics_ok
+        last = self._last_load
+        if (last is not None and last.metrics_ok == ok and last.requests_waiting == waiting
+                and last.requests_running == running and last.kv_cache_usage_ratio == kv
+                and last.kv_cache_metric == metric and last.metrics_error == ("" if ok else metrics_error)
+                and _same_zero_sign(last, waiting, running, kv)):
+            return last
+        self._last_load = out = EngineLoadSummary(ok, waiting, running, kv, metric, "" if ok else metrics_error)
+        return out
 
     def _gpu(self, gpu: probe_pb2.GpuTelemetry, bad: list[BadField]) -> tuple[GpuSummary, float | None, str]:
         """(summary, free ratio of the least free GPU with both memory fields, first fatal event)."""
-        p = "heartbeat.telemetry.gpu."
+        p = _P_GPU
         nvml = _NVML.get(gpu.state)
         if nvml is None:
             bad.append(BadField(p + "state", "unknown_enum"))
             nvml = NVML_UNKNOWN
         error = self._text(gpu.error, p + "error", bad)
-        readings = list(gpu.gpus)
-        if len(readings) > self.probe.max_gpus:
+        readings = gpu.gpus
+        count = len(readings)
+        if count > self.probe.max_gpus:
             bad.append(BadField(p + "gpus", "too_many"))
-            readings = readings[: self.probe.max_gpus]
+            readings = list(readings)[: self.probe.max_gpus]
         free: float | None = None
         fatal = ""
         n_items = self.probe.max_list_items
+        max_text = self.probe.max_text_chars
+        num = self._number
         for g in readings:
-            q = p + "gpus."
-            self._text(g.uuid, q + "uuid", bad)
-            self._text(g.name, q + "name", bad)
-            if g.HasField("utilization_ratio"):
-                self._number(g.utilization_ratio, q + "utilization_ratio", 0.0, 1.0, bad)
-            if g.HasField("temperature_c"):
-                self._number(g.temperature_c, q + "temperature_c", -273.15, 1000.0, bad)
-            if g.HasField("power_w"):
-                self._number(g.power_w, q + "power_w", 0.0, 1e6, bad)
-            xids = list(g.xid_events)
+            if len(g.uuid) > max_text:
+                bad.append(BadField(_P_READING + "uuid", "too_long"))
+            if len(g.name) > max_text:
+                bad.append(BadField(_P_READING + "name", "too_long"))
+            has = g.HasField
+            if has("utilization_ratio"):
+                num(g.utilization_ratio, _P_READING + "utilization_ratio", 0.0, 1.0, bad)
+            if has("temperature_c"):
+                num(g.temperature_c, _P_READING + "temperature_c", -273.15, 1000.0, bad)
+            if has("power_w"):
+                num(g.power_w, _P_READING + "power_w", 0.0, 1e6, bad)
+            xids = g.xid_events
             if len(xids) > n_items:
-                bad.append(BadField(q + "xid_events", "too_many"))
-                xids = xids[:n_items]
-            errors = list(g.errors)
-            if len(errors) > n_items:
-                bad.append(BadField(q + "errors", "too_many"))
-                errors = errors[:n_items]
-            errors = [self._text(e, q + "errors", bad) for e in errors]
-            if g.HasField("memory_total_bytes") and g.HasField("memory_used_bytes") and g.memory_total_bytes > 0:
-                if g.memory_used_bytes > g.memory_total_bytes:
-                    bad.append(BadField(q + "memory_used_bytes", "out_of_range"))
-                r = max(0.0, 1.0 - g.memory_used_bytes / g.memory_total_bytes)
-                free = r if free is None else min(free, r)
-            if not fatal:
+                bad.append(BadField(_P_READING + "xid_events", "too_many"))
+                xids = list(xids)[:n_items]
+            errors = g.errors
+            if errors:
+                errors = list(errors)
+                if len(errors) > n_items:
+                    bad.append(BadField(_P_READING + "errors", "too_many"))
+                    errors = errors[:n_items]
+                errors = [self._text(e, _P_READING + "errors", bad) for e in errors]
+            if has("memory_total_bytes") and has("memory_used_bytes"):
+                total = g.memory_total_bytes
+                if total > 0:
+                    used = g.memory_used_bytes
+                    if used > total:
+                        bad.append(BadField(_P_READING + "memory_used_bytes", "out_of_range"))
+                    r = max(0.0, 1.0 - used / total)
+                    free = r if free is None else min(free, r)
+            if not fatal and (xids or errors):
                 hits = [x for x in xids if x in self._fatal_xids]
                 if hits:
                     fatal = f"GPU {g.index} Xid {hits[0]}"
                 elif any("GpuIsLost" in e for e in errors):
                     fatal = f"GPU {g.index} lost (NVML GpuIsLost)"
-        return GpuSummary(nvml, len(gpu.gpus), error), free, fatal
+        return GpuSummary(nvml, count, error), free, fatal
 
     def _result(self, r: probe_pb2.InferenceResult, bad: list[BadField]) -> CheckedResult | None:
         p = "inference_result."

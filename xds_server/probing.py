@@ -39,6 +39,7 @@ from xds_server.health.model import (
     Tick,
     miss_after_s,
 )
+from xds_server.tick_timer import TickTimer
 from xds_server.tls import ClientTls, dial
 from xds_server.untrusted import RateLimitedLog, clip, for_log
 
@@ -52,6 +53,21 @@ ObservationSink = Callable[[str, Observation, float], "float | None"]
 
 class SilentStream(Exception):
     """The stream stayed open without a heartbeat for ``probe.silent_stream_redial_ms``."""
+
+
+class _Stream:
+    """What one open Watch stream knows: the pings in flight (seq -> sent at, loop s), the last
+    Ping.seq sent, whether a heartbeat came yet, and the last heartbeat's arrival (loop s; the
+    stream's opening until the first)."""
+
+    __slots__ = ("pings", "ping_seq", "got_any", "had_hb", "last_hb")
+
+    def __init__(self, opened_s: float) -> None:
+        self.pings: dict[int, float] = {}
+        self.ping_seq = 0
+        self.got_any = False
+        self.had_hb = False
+        self.last_hb = opened_s
 
 
 class ProbeSession:
@@ -96,10 +112,7 @@ class ProbeSession:
         self.last_probe_failure = ""
         self.handler_errors = 0
         self._task: asyncio.Task | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
-        self._deferred = False
-        self.lag_deferrals = 0
+        self._timer: TickTimer | None = None
         self._outq: asyncio.Queue[probe_pb2.ControlMessage] | None = None
         self.probe_now_sent = 0
         self.rtt_samples_dropped = 0
@@ -107,6 +120,8 @@ class ProbeSession:
         self._rl = RateLimitedLog(log, self.probe_cfg.malformed_log_interval_s, max_keys=256)
         self._unreachable_rl = RateLimitedLog(log, self.probe_cfg.unreachable_log_interval_s, max_keys=1)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stream: _Stream | None = None
+        self._gap_limit = miss_after_s(cfg)
 
     def start(self) -> None:
         """Begin dialing the agent (idempotent)."""
@@ -142,33 +157,22 @@ class ProbeSession:
         self._arm(self.sink(self.node.id, obs, self._loop.time()))
 
     def _arm(self, at_s: float | None) -> None:
-        """Arm the single detection timer at ``at_s`` (loop clock), replacing any earlier one."""
-        if self._timer:
-            self._timer.cancel()
-            self._timer = None
-        if at_s is None:
-            return
-        assert self._loop is not None
-        self._timer_at = at_s
-        self._timer = self._loop.call_at(at_s, self._on_timer)
+        """The next Tick is due at ``at_s`` (loop clock, s), None: none pending."""
+        if self._timer is None:
+            assert self._loop is not None
+            self._timer = TickTimer(self._loop, self._tick, lag_tolerance_s=self.cfg.self_lag_tolerance_ms / 1000.0,
+                                    lag_recheck_s=self.probe_cfg.lag_recheck_ms / 1000.0,
+                                    retry_s=self.cfg.heartbeat_interval_ms / 1000.0,
+                                    on_error=lambda: self._handler_failed("tick"))
+        self._timer.arm(at_s)
 
-    def _on_timer(self) -> None:
-        self._timer = None
-        assert self._loop is not None
-        late_ms = (self._loop.time() - self._timer_at) * 1000.0
-        if late_ms > self.cfg.self_lag_tolerance_ms and not self._deferred:
-            # Our own event loop stalled: heartbeats may be waiting unread. Let it drain first.
-            self._deferred = True
-            self.lag_deferrals += 1
-            self._timer_at = self._loop.time()
-            self._timer = self._loop.call_later(self.probe_cfg.lag_recheck_ms / 1000.0, self._on_timer)
-            return
-        self._deferred = False
-        try:
-            self._emit(Tick())
-        except Exception:  # noqa: BLE001 - a Tick that fails is retried at the next interval
-            self._handler_failed("tick")
-            self._timer = self._loop.call_later(self.cfg.heartbeat_interval_ms / 1000.0, self._on_timer)
+    def _tick(self) -> None:
+        self._emit(Tick())
+
+    @property
+    def lag_deferrals(self) -> int:
+        """Ticks put off because our own event loop was late."""
+        return self._timer.deferrals if self._timer is not None else 0
 
     def _probe_now(self, reason: str) -> None:
         """Ask the agent for an immediate micro-probe (the agent rate-limits these)."""
@@ -244,11 +248,9 @@ class ProbeSession:
         outq: asyncio.Queue[probe_pb2.ControlMessage] = asyncio.Queue()
         self._outq = outq
         loop = asyncio.get_running_loop()
-        pings: dict[int, float] = {}
-        ping_seq = [0]  # last Ping.seq sent on this stream
-        got_any = False
-        last_hb = 0.0
-        gap_limit = miss_after_s(self.cfg)
+        st = _Stream(loop.time())
+        self._stream = st
+        pings = st.pings
         silent_s = self.probe_cfg.silent_stream_redial_ms / 1000.0
 
         async def writer() -> None:
@@ -265,8 +267,8 @@ class ProbeSession:
             interval = self.cfg.ping_interval_ms / 1000.0
             keep = self.probe_cfg.max_unanswered_pings
             while True:
-                ping_seq[0] += 1
-                seq = ping_seq[0]
+                st.ping_seq += 1
+                seq = st.ping_seq
                 pings[seq] = loop.time()
                 if len(pings) > keep:  # unanswered pings: keep the map bounded
                     for k in sorted(pings)[:-keep]:
@@ -274,14 +276,13 @@ class ProbeSession:
                 outq.put_nowait(probe_pb2.ControlMessage(ping=probe_pb2.Ping(seq=seq)))
                 await asyncio.sleep(interval)
 
-        last_rx = [loop.time()]
         silent = [False]
 
         async def watchdog() -> None:
             # A stream open but without heartbeats is cancelled here; the read below then ends.
             while True:
-                await asyncio.sleep(max(0.005, last_rx[0] + silent_s - loop.time()))
-                if loop.time() - last_rx[0] >= silent_s:
+                await asyncio.sleep(max(0.005, st.last_hb + silent_s - loop.time()))
+                if loop.time() - st.last_hb >= silent_s:
                     silent[0] = True
                     call.cancel()
                     return
@@ -300,54 +301,64 @@ class ProbeSession:
                 if msg is grpc.aio.EOF:
                     if silent[0]:
                         raise SilentStream(f"no heartbeat for {silent_s:g} s: redialling")
-                    return got_any
-                now = loop.time()
-                try:
-                    checked, bad = self.edge.check(msg)
-                    if bad:
-                        self._bad_fields(bad, now)
-                    if checked is None:
-                        self._malformed("rejected message", now)
-                    elif isinstance(checked, CheckedHeartbeat):
-                        if not got_any:
-                            got_any = True
-                            self.connected = True
-                            self.connects += 1
-                        if last_hb and now - last_hb > gap_limit:
-                            # Pings outstanding across a heartbeat gap would measure the silence (a
-                            # frozen host), which the heartbeat rules already judged, not the network.
-                            self.rtt_samples_dropped += len(pings)
-                            pings.clear()
-                        last_hb = last_rx[0] = now
-                        tel = checked.telemetry
-                        self.last_telemetry = tel
-                        if tel.stalled and not self._stalled:
-                            self._probe_now(f"engine stalled: {tel.stall_detail}")
-                        self._stalled = tel.stalled
-                        self._arm(self.sink(self.node.id, checked.observation, now))
-                    elif isinstance(checked, CheckedPong):
-                        sent = pings.pop(checked.seq, None)
-                        if sent is None:
-                            if not 0 < checked.seq <= ping_seq[0]:  # never sent: the agent is wrong
-                                self._bad_fields([BadField("pong.seq", "mismatch")], now)
-                                self._malformed("pong for an unknown seq", now)
-                            # else: an answer to a ping dropped after a heartbeat gap, or beyond
-                            # max_unanswered_pings: no sample, not the agent's fault
-                            continue
-                        self._arm(self.sink(self.node.id, PingObserved(rtt_ms=(now - sent) * 1000.0), now))
-                    elif isinstance(checked, CheckedResult):
-                        obs = checked.observation
-                        if obs.kind is not ProbeResultKind.OK:
-                            self._probe_now(f"confirm probe failure: {obs.kind.value}")
-                        self._arm(self.sink(self.node.id, obs, now))
-                except Exception:  # noqa: BLE001 - one message must never end health checking
-                    self._handler_failed("message")
+                    return st.got_any
+                self.on_message(msg, loop.time())
         finally:
             self._outq = None
+            self._stream = None
             ping_task.cancel()
             write_task.cancel()
             dog_task.cancel()
             call.cancel()
+
+    def on_message(self, msg: probe_pb2.AgentMessage, now: float) -> None:
+        """Handle one message read from the open stream at loop time ``now`` (s): check it at the
+        edge, count what is bad, hand the observation to the sink and re-arm the detection timer.
+        A failure is counted and skipped (:meth:`_handler_failed`); nothing here raises."""
+        st = self._stream
+        if st is None:
+            return
+        try:
+            checked, bad = self.edge.check(msg)
+            if bad:
+                self._bad_fields(bad, now)
+            if checked is None:
+                self._malformed("rejected message", now)
+            elif isinstance(checked, CheckedHeartbeat):
+                if not st.got_any:
+                    st.got_any = True
+                    self.connected = True
+                    self.connects += 1
+                if st.had_hb and now - st.last_hb > self._gap_limit:
+                    # Pings outstanding across a heartbeat gap would measure the silence (a
+                    # frozen host), which the heartbeat rules already judged, not the network.
+                    self.rtt_samples_dropped += len(st.pings)
+                    st.pings.clear()
+                st.last_hb = now
+                st.had_hb = True
+                tel = checked.telemetry
+                self.last_telemetry = tel
+                if tel.stalled and not self._stalled:
+                    self._probe_now(f"engine stalled: {tel.stall_detail}")
+                self._stalled = tel.stalled
+                self._arm(self.sink(self.node.id, checked.observation, now))
+            elif isinstance(checked, CheckedPong):
+                sent = st.pings.pop(checked.seq, None)
+                if sent is None:
+                    if not 0 < checked.seq <= st.ping_seq:  # never sent: the agent is wrong
+                        self._bad_fields([BadField("pong.seq", "mismatch")], now)
+                        self._malformed("pong for an unknown seq", now)
+                    # else: an answer to a ping dropped after a heartbeat gap, or beyond
+                    # max_unanswered_pings: no sample, not the agent's fault
+                    return
+                self._arm(self.sink(self.node.id, PingObserved(rtt_ms=(now - sent) * 1000.0), now))
+            elif isinstance(checked, CheckedResult):
+                obs = checked.observation
+                if obs.kind is not ProbeResultKind.OK:
+                    self._probe_now(f"confirm probe failure: {obs.kind.value}")
+                self._arm(self.sink(self.node.id, obs, now))
+        except Exception:  # noqa: BLE001 - one message must never end health checking
+            self._handler_failed("message")
 
     def _bad_fields(self, bad: list[BadField], now: float) -> None:
         for b in bad:

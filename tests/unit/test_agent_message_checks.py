@@ -104,3 +104,28 @@ def test_each_planted_bad_field_is_reported_by_name_and_reason():
         ("heartbeat.telemetry.gpu.gpus.memory_used_bytes", "out_of_range"),
         ("heartbeat.telemetry.gpu.gpus.xid_events", "too_many")}
     assert [(b.field, b.reason) for b in EDGE.check(probe_pb2.AgentMessage())[1]] == [("agent_message", "empty")]
+
+
+def test_unchanged_gpu_part_gives_the_same_result_and_bad_fields_and_a_changed_one_is_checked_again():
+    """The edge reuses the last GPU check while the GPU part is equal (issue 12): the bad fields
+    are still reported on every heartbeat, and a change (also made in place to the same message
+    object) is checked again."""
+    edge = AgentEdge(HealthConfig(), ProbeConfig())
+    msg = probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(seq=1, telemetry=probe_pb2.Telemetry(
+        engine_state=probe_pb2.ENGINE_STATE_READY)))
+    g = msg.heartbeat.telemetry.gpu.gpus.add(index=0, memory_total_bytes=100, memory_used_bytes=150)
+    g.utilization_ratio = float("nan")
+    for _ in range(3):
+        checked, bad = edge.check(probe_pb2.AgentMessage.FromString(msg.SerializeToString()))
+        assert isinstance(checked, CheckedHeartbeat) and checked.observation.gpu_free_ratio == 0.0
+        assert sorted((b.field, b.reason) for b in bad) == [
+            ("heartbeat.telemetry.gpu.gpus.memory_used_bytes", "out_of_range"),
+            ("heartbeat.telemetry.gpu.gpus.utilization_ratio", "not_finite")]
+    checked, bad = edge.check(msg)
+    g.memory_used_bytes = 25
+    g.utilization_ratio = 0.5
+    checked, bad = edge.check(msg)  # the same object, changed in place
+    assert checked.observation.gpu_free_ratio == 0.75 and bad == []
+    g.xid_events.append(79)
+    checked, _ = edge.check(msg)
+    assert checked.observation.gpu_fatal == "GPU 0 Xid 79"

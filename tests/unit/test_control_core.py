@@ -264,3 +264,27 @@ def test_in_memory_probe_source_detects_silence_on_the_manual_clock_exactly_as_s
     assert cp.health["n0"].state is hm.NodeState.UNHEALTHY
     assert published(cp)["n0"] == "UNHEALTHY" and cp.routing["n0"].health_status == "UNHEALTHY"
     assert [e.to_state for e in cp.events][-1] == "UNHEALTHY"
+
+
+def test_steady_heartbeats_leave_the_routing_alone_and_a_queue_or_threshold_change_still_reweights():
+    """Issue 12: the routing key is not recomputed while nothing it reads changes; a changed
+    queue, and new thresholds after a reconfigure with the very same heartbeats, still re-weight."""
+    cp, clock, probes = in_memory(config(2))
+    all_healthy(cp, clock, probes)
+    assert cp.core.routing["n0"].weight == 100
+    for _ in range(5):
+        probes["n0"].heartbeat(requests_waiting=0.0)
+        clock.advance(0.1)
+    assert cp.core.routing["n0"].weight == 100
+    warn = cp.config.health.queue_warning
+    probes["n0"].heartbeat(requests_waiting=warn + 1)
+    clock.advance(0.1)
+    reduced = cp.core.routing["n0"].weight
+    assert reduced < 100
+    raw = config(2, queue_warning=warn + 10)
+    cp.core.reconfigure(parse_config(raw))
+    for _ in range(3):
+        probes["n0"].heartbeat(requests_waiting=warn + 1)  # the same value: only the threshold moved
+        clock.advance(0.1)
+    cp.core.publish()
+    assert cp.core.routing["n0"].weight == 100

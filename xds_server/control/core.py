@@ -37,6 +37,16 @@ log = logging.getLogger("xds_server.server")
 _NOT_WARM = (hm.NodeState.COLD, hm.NodeState.WARMING)
 
 
+def _same_routing_inputs(prev: hm.NodeHealth, nh: hm.NodeHealth) -> bool:
+    """Nothing :meth:`ControlCore._routing_key` reads changed between ``prev`` and ``nh``: the
+    records it reads are the same (immutable) values, or equal engine load and GPU memory."""
+    if not (nh.state is prev.state and nh.drain is prev.drain and nh.ramp is prev.ramp
+            and nh.rtt is prev.rtt and nh.probe is prev.probe):
+        return False
+    a, b = prev.engine, nh.engine
+    return a is b or (a.requests_waiting == b.requests_waiting and a.gpu_free_ratio == b.gpu_free_ratio)
+
+
 class ControlCore:
     """Health state, events, fail-static and publish scheduling for every node of a config.
 
@@ -109,6 +119,7 @@ class ControlCore:
             self.counters.heartbeats[node_id] += 1
         elif isinstance(obs, hm.ProbeObserved):
             self._count_probe_result(node_id, prev, obs, now_s)
+        before = prev  # what this node's routing key was last computed from
         if node_id in self.restored and isinstance(obs, hm.HeartbeatObserved):
             prev = self._resume(node_id, prev, now_s)
         nh, events = hm.step(prev, obs, now_s, cfg)
@@ -118,10 +129,11 @@ class ControlCore:
             self._transition(cluster, ev)
             if ev.to_state is hm.NodeState.UNHEALTHY and nh.ejection.cause is not None:
                 self.counters.ejections[(node_id, nh.ejection.cause.value)] += 1
-        key = self._routing_key(nh)
-        if key != self._keys.get(node_id):
-            self._keys[node_id] = key
-            self.mark_dirty(cluster)
+        if not (node_id in self._keys and _same_routing_inputs(before, nh)):
+            key = self._routing_key(nh)
+            if key != self._keys.get(node_id):
+                self._keys[node_id] = key
+                self.mark_dirty(cluster)
         if ((prev.heartbeat.consecutive_misses > 0) != (nh.heartbeat.consecutive_misses > 0)
                 or prev.heartbeat.stream_closed != nh.heartbeat.stream_closed):
             self._check_fail_static(now_s)
@@ -178,8 +190,9 @@ class ControlCore:
         for node_id in added:
             self.health[node_id] = hm.initial(node_id, now)
         for node_id in dropped:
-            for d in (self.health, self.routing, self._keys):
+            for d in (self.health, self.routing):
                 d.pop(node_id, None)
+        self._keys.clear()  # thresholds may have changed: every key is computed again
         self.planner.reconfigure(config, dropped)
         if self._running and any(c.name not in self.planner.gate_open for c in config.clusters):
             if self._gate_timer is not None:
@@ -235,7 +248,9 @@ class ControlCore:
 
     def mark_dirty(self, cluster: str) -> None:
         """Rebuild ``cluster`` at the next publish (held by the warm-up gate until warm)."""
-        warm = all(self.health[n].state not in _NOT_WARM for n in self._cluster_nodes[cluster])
+        # warmth only matters while the warm-up gate holds the cluster (it opens once)
+        warm = cluster in self.planner.gate_open or all(
+            self.health[n].state not in _NOT_WARM for n in self._cluster_nodes[cluster])
         at = self.planner.mark_dirty(cluster, warm, self.clock.now())
         if at is not None:
             if self._running:

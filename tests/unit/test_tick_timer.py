@@ -1,0 +1,105 @@
+"""The detection timer (xds_server.tick_timer): a later deadline records a wish instead of
+re-arming, and the Ticks come exactly when a timer re-armed on every call would give them."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from xds_server.control.clock import ManualClock
+from xds_server.tick_timer import TickTimer
+
+
+class _Loop:
+    """The three event-loop calls TickTimer uses, on a ManualClock (callbacks run on time)."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+        self.handles = 0  # handles created (call_at / call_later)
+
+    def time(self) -> float:
+        return self.clock.now()
+
+    def call_at(self, at_s, fn, *args):
+        self.handles += 1
+        return self.clock.call_at(at_s, fn, *args)
+
+    def call_later(self, d_s, fn, *args):
+        return self.call_at(self.clock.now() + d_s, fn, *args)
+
+
+def _timer(clock: ManualClock, ticks: list[float]) -> tuple[TickTimer, _Loop]:
+    loop = _Loop(clock)
+    t = TickTimer(loop, lambda: ticks.append(clock.now()), lag_tolerance_s=0.05, lag_recheck_s=0.01,
+                  retry_s=0.1)
+    return t, loop
+
+
+def test_heartbeats_moving_the_deadline_later_do_not_rearm_and_the_tick_comes_at_the_last_deadline():
+    clock, ticks = ManualClock(), []
+    t, loop = _timer(clock, ticks)
+    for k in range(10):  # a heartbeat every 100 ms: deadline = arrival + 180 ms
+        clock.advance_to(k * 0.1)
+        t.arm(k * 0.1 + 0.18)
+    assert ticks == []
+    clock.advance_to(2.0)
+    assert ticks == [0.9 + 0.18]
+    # 10 deadlines; the first armed a handle, later ones only when the earlier handle fired
+    # (every 100 ms here: about one handle per heartbeat, never a cancel)
+    assert loop.handles <= 11
+    assert t.rearmed >= 1 and t.fired == 1
+
+
+def test_an_earlier_deadline_rearms_at_once_and_none_cancels():
+    clock, ticks = ManualClock(), []
+    t, _ = _timer(clock, ticks)
+    t.arm(1.0)
+    t.arm(0.5)
+    clock.advance_to(0.6)
+    assert ticks == [0.5]
+    t.arm(0.8)
+    t.arm(None)
+    clock.advance_to(3.0)
+    assert ticks == [0.5] and not t.armed
+
+
+def test_a_failing_tick_is_retried_after_retry_s():
+    clock, calls = ManualClock(), []
+    errors = []
+
+    def tick():
+        calls.append(clock.now())
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+
+    t = TickTimer(_Loop(clock), tick, lag_tolerance_s=0.05, lag_recheck_s=0.01, retry_s=0.1,
+                  on_error=lambda: errors.append("tick"))
+    t.arm(0.2)
+    clock.advance_to(1.0)
+    assert calls == [0.2, 0.2 + 0.1] and errors == ["tick"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.one_of(st.none(), st.integers(0, 600))), max_size=40))
+def test_ticks_equal_a_timer_rearmed_on_every_call(steps):
+    """Same Tick times as the reference (cancel + call_at on every arm) for any sequence of
+    (advance ms, arm at +ms or None)."""
+    clock, ticks = ManualClock(), []
+    t, _ = _timer(clock, ticks)
+    ref_clock, ref_ticks = ManualClock(), []
+    ref = [None]
+
+    def ref_arm(at):
+        if ref[0] is not None:
+            ref[0].cancel()
+        ref[0] = None if at is None else ref_clock.call_at(at, lambda: ref_ticks.append(ref_clock.now()))
+
+    for adv_ms, at_ms in steps:
+        now = clock.now() + adv_ms / 1000.0
+        clock.advance_to(now)
+        ref_clock.advance_to(now)
+        at = None if at_ms is None else now + at_ms / 1000.0
+        t.arm(at)
+        ref_arm(at)
+    clock.advance_to(clock.now() + 10.0)
+    ref_clock.advance_to(ref_clock.now() + 10.0)
+    assert ticks == ref_ticks
