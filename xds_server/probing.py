@@ -146,7 +146,20 @@ class ProbeSession:
             return
         assert self._loop is not None
         self._timer_at = at_s
+        self._deferred = False  # each armed timer may be deferred once
         self._timer = self._loop.call_at(at_s, self._on_timer)
+
+    def _stall_recheck_s(self, late_ms: float) -> float:
+        """How long (s) after a timer that fired ``late_ms`` late to judge the node instead.
+
+        After a short lag, ``probe.lag_recheck_ms`` (heartbeats already waiting are read first).
+        After a stall of our own as long as a heartbeat miss window (interval + grace) or longer
+        (a SIGSTOP, a VM pause, a long GC), one miss window: every heartbeat the agent sent while
+        we stalled, and its next one, arrive within it, so the silence judged is the node's and
+        not ours (measured by the fault matrix: a 5 s SIGSTOP of the control plane ejected every
+        node, or one without fail-static, when re-checked after 5 ms)."""
+        miss_s = miss_after_s(self.cfg)
+        return miss_s if late_ms / 1000.0 >= miss_s else self.probe_cfg.lag_recheck_ms / 1000.0
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -157,7 +170,7 @@ class ProbeSession:
             self._deferred = True
             self.lag_deferrals += 1
             self._timer_at = self._loop.time()
-            self._timer = self._loop.call_later(self.probe_cfg.lag_recheck_ms / 1000.0, self._on_timer)
+            self._timer = self._loop.call_later(self._stall_recheck_s(late_ms), self._on_timer)
             return
         self._deferred = False
         try:
@@ -275,8 +288,14 @@ class ProbeSession:
 
         async def watchdog() -> None:
             # A stream open but without heartbeats is cancelled here; the read below then ends.
+            # Woken late (our own loop stalled), it judges only after the stall re-check, once
+            # the heartbeats that waited unread meanwhile were read.
             while True:
-                await asyncio.sleep(max(0.005, last_rx[0] + silent_s - loop.time()))
+                due = max(loop.time() + 0.005, last_rx[0] + silent_s)
+                await asyncio.sleep(due - loop.time())
+                late_ms = (loop.time() - due) * 1000.0
+                if late_ms > self.cfg.self_lag_tolerance_ms:
+                    await asyncio.sleep(self._stall_recheck_s(late_ms))
                 if loop.time() - last_rx[0] >= silent_s:
                     silent[0] = True
                     call.cancel()

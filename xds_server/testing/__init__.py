@@ -22,7 +22,7 @@ only; the underscored modules may move):
   over a Prometheus text exposition, for hosts without promtool.
 - mixed traffic (``_traffic``): :class:`TrafficLoad`, non-streaming and SSE completions counting
   failed requests, cut streams and refused connects per phase (:class:`TrafficStats`).
-- the fault matrix (``_faults``, ``_ads_faults``): :class:`FaultRig` (a fleet with the relay in
+- the fault matrix (``_fault_rig``, ``_faults``, ``_ads_faults``): :class:`FaultRig` (a fleet with the relay in
   front) and one coroutine per fault returning :class:`FaultRow` values; :func:`format_table`.
 - polling (``_wait``): :func:`wait_for` a condition with a deadline.
 - in-memory seams, re-exported from :mod:`xds_server.control`: :class:`ManualClock` (time moves
@@ -46,15 +46,13 @@ from xds_server.testing._process import ManagedProcess, free_port
 from xds_server.testing._promlint import lint_exposition
 from xds_server.testing._wait import wait_for
 from xds_server.testing._traffic import TrafficLoad, TrafficStats
+from xds_server.testing._fault_rig import FaultRig, FaultRow, format_table
 from xds_server.testing._faults import (
-    FaultRig,
-    FaultRow,
     agent_kill_restart,
     cp_kill_restart,
     cp_sigstop,
     engine_kill_restart,
     envoy_restart,
-    format_table,
 )
 from xds_server.testing._ads_faults import ads_stream_churn, slow_ads_reader
 
@@ -62,16 +60,6 @@ __all__ = [
     "EnvoyHost",
     "FaultRig",
     "FaultRow",
-    "TrafficLoad",
-    "TrafficStats",
-    "ads_stream_churn",
-    "agent_kill_restart",
-    "cp_kill_restart",
-    "cp_sigstop",
-    "engine_kill_restart",
-    "envoy_restart",
-    "format_table",
-    "slow_ads_reader",
     "Fleet",
     "InMemoryProbeSource",
     "InMemoryProbes",
@@ -83,11 +71,21 @@ __all__ = [
     "ScriptedAdsClient",
     "ScriptedDeltaAdsClient",
     "StandaloneEnvoy",
+    "TrafficLoad",
+    "TrafficStats",
+    "ads_stream_churn",
+    "agent_kill_restart",
+    "cp_kill_restart",
+    "cp_sigstop",
+    "engine_kill_restart",
+    "envoy_restart",
     "fetch_envoy_hosts",
+    "format_table",
     "free_port",
     "lint_exposition",
     "parse_envoy_clusters",
     "parse_envoy_stats",
     "restart_control_plane",
+    "slow_ads_reader",
     "wait_for",
 ]

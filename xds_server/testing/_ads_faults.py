@@ -1,4 +1,4 @@
-"""The fault matrix's xDS faults against a :class:`~xds_server.testing._faults.FaultRig`'s real
+"""The fault matrix's xDS faults against a :class:`~xds_server.testing._fault_rig.FaultRig`'s real
 xds-server process, under traffic through its Envoy: a slow ADS reader beside fast ones
 (:func:`slow_ads_reader`) and streams opened and abruptly closed (:func:`ads_stream_churn`).
 Memory is the server's VmRSS (``/proc``), tasks its ``sentinel_event_loop_tasks`` metric."""
@@ -14,7 +14,7 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from xds_server.testing._ads_clients import ScriptedDeltaAdsClient
-from xds_server.testing._faults import TOKEN, FaultRig, FaultRow, _loads, _warm, prometheus_value
+from xds_server.testing._fault_rig import TOKEN, FaultRig, FaultRow, _loads, _warm, prometheus_value
 from xds_server.testing._wait import wait_for
 
 __all__ = ["ads_stream_churn", "slow_ads_reader"]

@@ -1,206 +1,40 @@
-"""The fault matrix (issue 14 item 6) over a local fleet under mixed traffic: each fault a
-coroutine that strikes, waits for recovery by polling (no fixed sleeps beyond the fault's own
-duration) and returns :class:`FaultRow` values; :class:`FaultRig` is the fleet (3 engines,
-agents, xds-server with a state file, a real Envoy) with ``sentinel-relay`` in front.
+"""The fault matrix (issue 14 item 6) over a :class:`~xds_server.testing._fault_rig.FaultRig`
+under mixed traffic: each fault a coroutine that strikes, waits for recovery by polling (no
+fixed sleeps beyond the fault's own duration) and returns
+:class:`~xds_server.testing._fault_rig.FaultRow` values plus a dict of details.
 ``tests/faults/`` runs each with small counts and asserts the goals; ``benchmarks/fault_matrix.py``
-runs them with larger counts and prints :func:`format_table`. The xDS faults (slow reader,
-stream churn) are in :mod:`xds_server.testing._ads_faults`.
+runs them with larger counts and prints the table. The xDS faults (slow reader, stream churn)
+are in :mod:`xds_server.testing._ads_faults`.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
-import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from xds_server.testing._envoy import envoy_process
 from xds_server.envoy_bootstrap import find_envoy
+from xds_server.testing._envoy import envoy_process
+from xds_server.testing._fault_rig import FaultRig, FaultRow, _loads, _paths, _warm, prometheus_value
 from xds_server.testing._fleet import Fleet, restart_control_plane
-from xds_server.testing._process import ManagedProcess, free_port
-from xds_server.testing._traffic import TrafficLoad, TrafficStats
+from xds_server.testing._traffic import TrafficLoad
 from xds_server.testing._wait import wait_for
 
-__all__ = ["FaultRig", "FaultRow", "format_table", "cp_kill_restart", "cp_sigstop", "agent_kill_restart",
-           "engine_kill_restart", "envoy_restart", "prometheus_value"]
-
-TOKEN = "fault-matrix"
-#: Health settings of the rig: a 1.5 s half-open period and a 2-step ramp (defaults: 60 s,
-#: 1 %/s) so a node's recovery fits in a test; probes every 0.3 s.
-FAST_HEALTH = {"probation_clean_s": 1.5, "ramp_step_percent": 50, "ramp_step_s": 0.2}
-
-
-@dataclass
-class FaultRow:
-    """One line of the matrix: what the clients on one path saw across ``repeats`` faults."""
-
-    fault: str
-    path: str                     # "Envoy" or "relay -> Envoy"
-    repeats: int
-    stats: TrafficStats
-    rescued: int | None = None    # relay rescues that resumed a stream (relay path only)
-    notes: str = ""
-
-
-def format_table(rows: list[FaultRow]) -> str:
-    """The matrix as a Markdown table."""
-    out = ["| fault | path | times | requests ok / failed | streams whole / cut | rescued | "
-           "refused connects (retried) | notes |", "|---|---|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        s = r.stats
-        fails = f"{s.failed}" + (f" ({dict(s.requests_failed)})" if s.failed else "")
-        cuts = f"{s.cut}" + (f" ({dict(s.streams_cut)})" if s.cut else "")
-        out.append(f"| {r.fault} | {r.path} | {r.repeats} | {s.requests_ok} / {fails} | {s.streams_ok} / {cuts} | "
-                   f"{'-' if r.rescued is None else r.rescued} | {s.refused} | {r.notes} |")
-    return "\n".join(out)
-
-
-def prometheus_value(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels`` in a text exposition."""
-    want = {f'{k}="{v}"' for k, v in labels.items()}
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        if head.split("{")[0] == name and want <= set(head.partition("{")[2].rstrip("}").split(",")):
-            total += float(value)
-    return total
-
-
-@dataclass
-class FaultRig:
-    """A fleet for the matrix and ``sentinel-relay`` in front of its Envoy. Start with
-    :meth:`start` (blocking, a few seconds), always :meth:`stop`."""
-
-    n_nodes: int = 3
-    token_interval_ms: float = 10.0
-    fleet: Fleet | None = None
-    relay: ManagedProcess | None = None
-    relay_port: int = 0
-    relay_admin_port: int = 0
-    _tmp: Any = field(default=None, repr=False)
-
-    def start(self) -> "FaultRig":
-        """Start the fleet and the relay; waits until Envoy routes to every node."""
-        self._tmp = tempfile.TemporaryDirectory(prefix="xds-faults-")
-        wd = Path(self._tmp.name)
-        self.fleet = Fleet(
-            n_nodes=self.n_nodes, workdir=wd, probe_interval_s=0.3, token_interval_ms=self.token_interval_ms,
-            health=FAST_HEALTH, per_try_timeout_s=None, per_try_idle_timeout_s=2.0,
-            admin_options={"token": TOKEN},
-            config_options={"state": {"path": str(wd / "state.json"), "write_interval_s": 0.2}})
-        try:
-            self.fleet.start()
-            asyncio.run(self._routed())
-            self.relay_port, self.relay_admin_port = free_port(), free_port()
-            self.relay = ManagedProcess("relay", [
-                sys.executable, "-m", "sentinel_relay.cli", "--listen", f"127.0.0.1:{self.relay_port}",
-                "--upstream", self.fleet.url, "--routing-feed", f"127.0.0.1:{self.fleet.xds_port}",
-                "--admin-listen", f"127.0.0.1:{self.relay_admin_port}", "--ping-interval-s", "0.1",
-                "--log-level", "WARNING"], wd / "relay.log", ready_pattern="ready").start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    async def _routed(self) -> None:
-        assert self.fleet is not None
-        async with aiohttp.ClientSession() as s:
-            await self.fleet.wait_all_routed(s)
-
-    def stop(self) -> None:
-        """Stop the relay and the fleet (always safe to call)."""
-        if self.relay is not None:
-            self.relay.stop()
-        if self.fleet is not None:
-            self.fleet.stop()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    @property
-    def relay_url(self) -> str:
-        """Base URL of the relay."""
-        return f"http://127.0.0.1:{self.relay_port}"
-
-    def load(self, relay: bool = False, **kw: Any) -> TrafficLoad:
-        """A (not started) mixed load against Envoy, or the relay when ``relay``."""
-        assert self.fleet is not None
-        return TrafficLoad(self.relay_url if relay else self.fleet.url, **kw)
-
-    async def heal(self, http: aiohttp.ClientSession, timeout_s: float = 30.0) -> None:
-        """Restart dead engines and agents, thaw frozen ones, wait until Envoy routes all nodes
-        at full weight."""
-        assert self.fleet is not None
-        for n in self.fleet.nodes:
-            for p in (n.engine, n.agent):
-                if p is not None and not p.alive():
-                    await asyncio.to_thread(p.start)
-                elif p is not None and p.frozen:
-                    p.thaw()
-        await self.fleet.wait_all_routed(http, timeout_s=timeout_s)
-        await wait_for(lambda: self._full_weight(http), timeout_s=timeout_s, step_s=0.05,
-                       what="every node back at full weight")
-
-    async def _full_weight(self, http: aiohttp.ClientSession) -> bool:
-        assert self.fleet is not None
-        nodes = await self.fleet.cp_nodes(http)
-        return all(v["state"] == "HEALTHY" for v in nodes.values())
-
-    async def envoy_synced(self, http: aiohttp.ClientSession) -> bool:
-        """True when the control plane has an Envoy stream that asked for CDS and EDS and ACKed
-        everything sent to it."""
-        assert self.fleet is not None
-        try:
-            async with http.get(f"http://127.0.0.1:{self.fleet.admin_port}/xds/clients") as r:
-                clients = (await r.json())["clients"]
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            return False
-        return any(c["node_id"].startswith("envoy-") and len(c["types"]) == 2 and all(
-            t["acked_nonce"] == t["last_nonce"] for t in c["types"].values()) for c in clients)
-
-    async def rescued(self, http: aiohttp.ClientSession) -> float:
-        """The relay's resumed rescues so far (``sentinel_relay_rescues_total{outcome="resumed"}``)."""
-        async with http.get(f"http://127.0.0.1:{self.relay_admin_port}/metrics") as r:
-            return prometheus_value(await r.text(), "sentinel_relay_rescues_total", outcome="resumed")
-
-
-@contextlib.asynccontextmanager
-async def _loads(rig: FaultRig, relay: bool = False, **kw: Any):
-    loads = [await rig.load(**kw).start()]
-    if relay:
-        loads.append(await rig.load(relay=True, **kw).start())
-    try:
-        yield loads
-    finally:
-        for ld in loads:
-            await ld.stop()
-
-
-async def _warm(loads: list[TrafficLoad], timeout_s: float = 5.0) -> None:
-    """Wait until every load has a finished request and a finished stream (traffic flows)."""
-    await wait_for(lambda: all(ld.totals().requests_ok and ld.totals().streams_ok for ld in loads),
-                   timeout_s=timeout_s, what="traffic flowing")
-
-
-def _paths(rig: FaultRig, loads: list[TrafficLoad]) -> list[str]:
-    return ["Envoy" if ld.base == rig.fleet.url else "relay -> Envoy" for ld in loads]  # type: ignore[union-attr]
-
+__all__ = ["agent_kill_restart", "cp_kill_restart", "cp_sigstop", "engine_kill_restart", "envoy_restart"]
 
 async def cp_kill_restart(rig: FaultRig, http: aiohttp.ClientSession, times: int = 5,
                           check_ejection: bool = True, **load_kw: Any) -> tuple[list[FaultRow], dict]:
     """kill -9 the control plane and start it again, ``times`` times under load; each restart
     waits until Envoy is re-synced on the new process. With ``check_ejection`` a node is ejected
-    first (engine errors), its engine healed, and the first restart must resume it UNHEALTHY
-    (state file) instead of routing it again. Returns the row and ``{"restart_s": [...],
+    first (its engine answers errors) and the first restart must resume it UNHEALTHY from the
+    state file (a fresh start would show it WARMING, then route it at its first good probe);
+    its engine is healed after that restart. Returns the row and ``{"restart_s": [...],
     "ejection_kept": bool | None, "victim_routed_during_restart": bool}``."""
     fleet = rig.fleet
     assert fleet is not None
@@ -212,17 +46,19 @@ async def cp_kill_restart(rig: FaultRig, http: aiohttp.ClientSession, times: int
             await fleet.set_fault(http, victim, "error")
             await wait_for(lambda: _state(fleet, http, victim, "UNHEALTHY"), timeout_s=10.0,
                            what=f"{victim} ejected")
-            await fleet.set_fault(http, victim, "none")
-            # the next state write (state.write_interval_s, 0.2 s) holds the ejection
-            await asyncio.sleep(0.5)
+            await wait_for(lambda: _saved_state(fleet, victim) == "UNHEALTHY", timeout_s=5.0,
+                           what=f"{victim}'s ejection written to the state file")
         for k in range(times):
             t0 = time.monotonic()
             await restart_control_plane(fleet, down_s=0.0, kill=True)
             if k == 0 and check_ejection:
+                # The engine still fails, so a restart that forgot the ejection shows the node
+                # WARMING (failures are not counted there); one that kept it, UNHEALTHY.
                 nodes = await wait_for(lambda: _nodes_if_heard(fleet, http, victim), timeout_s=10.0,
                                        what=f"{victim} heard by the restarted control plane")
                 info["ejection_kept"] = nodes[victim]["state"] == "UNHEALTHY"
                 info["victim_routed_during_restart"] = (await fleet.envoy_hosts(http)).get(victim) == "HEALTHY"
+                await fleet.set_fault(http, victim, "none")
             await wait_for(lambda: rig.envoy_synced(http), timeout_s=20.0, what="Envoy re-synced")
             info["restart_s"].append(round(time.monotonic() - t0, 2))
     await rig.heal(http)
@@ -231,6 +67,14 @@ async def cp_kill_restart(rig: FaultRig, http: aiohttp.ClientSession, times: int
                            f"ejection kept across restart: {info['ejection_kept']}")
             for p, ld in zip(_paths(rig, loads), loads)]
     return rows, info
+
+
+def _saved_state(fleet: Fleet, node: str) -> str | None:
+    """``node``'s state in the fleet's state file (``state.path``), None when absent."""
+    path = Path(fleet.config_dict()["state"]["path"])
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return json.loads(path.read_text())["nodes"][node]["state"]
+    return None
 
 
 async def _state(fleet: Fleet, http: aiohttp.ClientSession, node: str, state: str) -> bool:
@@ -253,10 +97,12 @@ async def cp_sigstop(rig: FaultRig, http: aiohttp.ClientSession, stop_s: float =
                      **load_kw: Any) -> tuple[list[FaultRow], dict]:
     """SIGSTOP the control plane for ``stop_s`` seconds, SIGCONT, wait until every node is
     HEALTHY and Envoy re-synced. Returns the row and ``{"envoy_states_seen": {...}}`` (what Envoy
-    showed per node while it ran)."""
+    showed per node while it ran), ``"ejections"`` and ``"fail_static_episodes"`` (the control
+    plane's counters over the fault: its own pause looks like every heartbeat stopping at once)."""
     fleet = rig.fleet
     assert fleet is not None and fleet.control_plane is not None
     seen: dict[str, set[str]] = {}
+    counters0 = await _cp_counters(rig, http)
     async with _loads(rig, **load_kw) as loads, _watch_envoy(fleet, http, seen):
         await _warm(loads)
         fleet.control_plane.freeze()
@@ -268,11 +114,23 @@ async def cp_sigstop(rig: FaultRig, http: aiohttp.ClientSession, stop_s: float =
         await wait_for(lambda: rig.envoy_synced(http), timeout_s=20.0, what="Envoy re-synced")
         await rig.heal(http)
         back_s = time.monotonic() - t0
-    info = {"envoy_states_seen": {k: sorted(v) for k, v in seen.items()}, "back_s": round(back_s, 2)}
+    counters1 = await _cp_counters(rig, http)
+    info = {"envoy_states_seen": {k: sorted(v) for k, v in seen.items()}, "back_s": round(back_s, 2),
+            **{k: int(counters1[k] - counters0[k]) for k in counters0}}
     rows = [FaultRow(f"control plane SIGSTOP {stop_s:g} s", p, 1, ld.totals(),
-                     notes=f"Envoy host states seen: {info['envoy_states_seen']}")
+                     notes=f"Envoy host states seen: {info['envoy_states_seen']}; ejections "
+                           f"{info['ejections']}, fail-static episodes {info['fail_static_episodes']}")
             for p, ld in zip(_paths(rig, loads), loads)]
     return rows, info
+
+
+async def _cp_counters(rig: FaultRig, http: aiohttp.ClientSession) -> dict[str, float]:
+    """The control plane's ejections and fail-static episodes so far (from /metrics)."""
+    assert rig.fleet is not None
+    async with http.get(f"http://127.0.0.1:{rig.fleet.admin_port}/metrics") as r:
+        text = await r.text()
+    return {"ejections": prometheus_value(text, "sentinel_node_ejections_total"),
+            "fail_static_episodes": prometheus_value(text, "sentinel_health_events_total", kind="fail_static_on")}
 
 
 @contextlib.asynccontextmanager
@@ -328,8 +186,9 @@ async def engine_kill_restart(rig: FaultRig, http: aiohttp.ClientSession, times:
     """kill -9 an engine that has streams in flight from both paths (Envoy alone and the relay),
     start it again and follow its recovery to full weight; ``times`` times. Returns the rows
     (one per path; the relay's with its resumed rescues) and ``{"states": [[...], ...]}``: the
-    control plane's states of the node from the kill to full weight, and ``"weights"``: the
-    distinct Envoy weights seen while it came back."""
+    control plane's states of the node from the kill to full weight, ``"weights"``: the
+    distinct Envoy weights seen while it was in PROBATION, and ``"full_weight"``: its Envoy
+    weight once healed."""
     fleet = rig.fleet
     assert fleet is not None
     info: dict = {"states": [], "weights": []}
@@ -363,6 +222,7 @@ async def engine_kill_restart(rig: FaultRig, http: aiohttp.ClientSession, times:
             info["states"].append(states)
             info["weights"].append(weights)
             await rig.heal(http)
+            info.setdefault("full_weight", []).append((await fleet.envoy_weights(http)).get(node.node_id))
     info["rescued"] = int(await rig.rescued(http) - rescued0)
     rows = [FaultRow("engine kill -9 + restart", p, times, ld.totals(),
                      rescued=info["rescued"] if p != "Envoy" else None,
