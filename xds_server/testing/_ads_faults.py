@@ -13,7 +13,6 @@ import aiohttp
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
-from xds_server.testing._ads_clients import ScriptedDeltaAdsClient
 from xds_server.testing._fault_rig import TOKEN, FaultRig, FaultRow, _loads, _warm, prometheus_value
 from xds_server.testing._wait import wait_for
 
@@ -40,33 +39,42 @@ def pct(xs: list[float], p: float) -> float:
 
 class _FastClient:
     """A delta ADS client subscribed to the cluster that reads and ACKs every response at once,
-    noting when each EDS response arrived (``time.monotonic``)."""
+    noting when each EDS response arrived (``time.monotonic``). One raw call, no request
+    iterator: :meth:`close` cancels it and closes the channel, bounded at 5 s."""
 
     def __init__(self, target: str, node_id: str, cluster: str) -> None:
-        self.c = ScriptedDeltaAdsClient(target)
+        self.channel = grpc.aio.insecure_channel(target)
         self.node_id, self.cluster = node_id, cluster
         self.eds_at: list[float] = []
+        self.call: Any = None
         self.task: asyncio.Task | None = None
 
     async def open(self) -> None:
-        await self.c.open()
-        await self.c.send(type_url=CDS, node_id=self.node_id)
-        await self.c.send(type_url=EDS, subscribe=[self.cluster])
+        self.call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(self.channel).DeltaAggregatedResources()
+        first = discovery_pb2.DeltaDiscoveryRequest(type_url=CDS)
+        first.node.id = self.node_id
+        await self.call.write(first)
+        await self.call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=EDS, resource_names_subscribe=[self.cluster]))
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
         while True:
-            r = await self.c.recv(timeout_s=3600)
+            r = await self.call.read()
+            if r is grpc.aio.EOF:
+                return
             if r.type_url == EDS and r.resources:
                 self.eds_at.append(time.monotonic())
-            await self.c.send(type_url=r.type_url, nonce=r.nonce)
+            await self.call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=r.type_url, response_nonce=r.nonce))
 
     async def close(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
         if self.task is not None:
             self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self.task
-        await self.c.close()
+            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError, Exception):
+                await asyncio.wait_for(self.task, 5.0)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.channel.close(grace=None), 5.0)
 
 
 async def _slow_stream(target: str, cluster: str) -> tuple[grpc.aio.Channel, Any]:
