@@ -162,6 +162,7 @@ class ProbeSession:
             assert self._loop is not None
             self._timer = TickTimer(self._loop, self._tick, lag_tolerance_s=self.cfg.self_lag_tolerance_ms / 1000.0,
                                     lag_recheck_s=self.probe_cfg.lag_recheck_ms / 1000.0,
+                                    stall_recheck_s=miss_after_s(self.cfg),
                                     retry_s=self.cfg.heartbeat_interval_ms / 1000.0,
                                     on_error=lambda: self._handler_failed("tick"))
         self._timer.arm(at_s)
@@ -173,6 +174,18 @@ class ProbeSession:
     def lag_deferrals(self) -> int:
         """Ticks put off because our own event loop was late."""
         return self._timer.deferrals if self._timer is not None else 0
+
+    def _stall_recheck_s(self, late_ms: float) -> float:
+        """How long (s) after a timer that fired ``late_ms`` late to judge the node instead.
+
+        After a short lag, ``probe.lag_recheck_ms`` (heartbeats already waiting are read first).
+        After a stall of our own as long as a heartbeat miss window (interval + grace) or longer
+        (a SIGSTOP, a VM pause, a long GC), one miss window: every heartbeat the agent sent while
+        we stalled, and its next one, arrive within it, so the silence judged is the node's and
+        not ours (measured by the fault matrix: a 5 s SIGSTOP of the control plane ejected every
+        node, or one without fail-static, when re-checked after 5 ms)."""
+        miss_s = miss_after_s(self.cfg)
+        return miss_s if late_ms / 1000.0 >= miss_s else self.probe_cfg.lag_recheck_ms / 1000.0
 
     def _probe_now(self, reason: str) -> None:
         """Ask the agent for an immediate micro-probe (the agent rate-limits these)."""
@@ -280,8 +293,14 @@ class ProbeSession:
 
         async def watchdog() -> None:
             # A stream open but without heartbeats is cancelled here; the read below then ends.
+            # Woken late (our own loop stalled), it judges only after the stall re-check, once
+            # the heartbeats that waited unread meanwhile were read.
             while True:
-                await asyncio.sleep(max(0.005, st.last_hb + silent_s - loop.time()))
+                due = max(loop.time() + 0.005, st.last_hb + silent_s)
+                await asyncio.sleep(due - loop.time())
+                late_ms = (loop.time() - due) * 1000.0
+                if late_ms > self.cfg.self_lag_tolerance_ms:
+                    await asyncio.sleep(self._stall_recheck_s(late_ms))
                 if loop.time() - st.last_hb >= silent_s:
                     silent[0] = True
                     call.cancel()

@@ -8,7 +8,10 @@ earlier time, finds the later wish and re-arms there, without a Tick. A deadline
 earlier re-arms at once. The Tick runs at the wished time, as if re-armed each time.
 
 If the timer fires later than ``lag_tolerance_s`` (our own event loop stalled, heartbeats may
-be waiting unread), the Tick is put off once by ``lag_recheck_s`` (counted in ``deferrals``).
+be waiting unread), the Tick is put off once by ``lag_recheck_s`` (counted in ``deferrals``), or
+by ``stall_recheck_s`` when it fired at least that late: after a stall of our own as long as a
+heartbeat miss window (a SIGSTOP, a VM pause, a long GC) every heartbeat the agent sent meanwhile,
+and its next one, arrive within one more window, so the silence judged is the node's, not ours.
 
 Shape::
 
@@ -30,11 +33,12 @@ __all__ = ["TickTimer"]
 class TickTimer:
     """A single re-armable detection timer (see the module docstring). Not thread-safe."""
 
-    __slots__ = ("_loop", "_on_tick", "_on_error", "_lag_s", "_recheck_s", "_retry_s", "_handle", "_at",
+    __slots__ = ("_loop", "_on_tick", "_on_error", "_lag_s", "_recheck_s", "_retry_s", "_stall_s", "_handle", "_at",
                  "_want", "_deferred", "deferrals", "fired", "rearmed")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_tick: Callable[[], None], *,
                  lag_tolerance_s: float, lag_recheck_s: float, retry_s: float,
+                 stall_recheck_s: float | None = None,
                  on_error: Callable[[], None] | None = None) -> None:
         self._loop = loop
         self._on_tick = on_tick
@@ -42,6 +46,7 @@ class TickTimer:
         self._lag_s = lag_tolerance_s
         self._recheck_s = lag_recheck_s
         self._retry_s = retry_s
+        self._stall_s = stall_recheck_s
         self._handle: asyncio.TimerHandle | None = None
         self._at = 0.0              # when the armed handle fires (loop s)
         self._want: float | None = None  # when the next Tick is due (loop s); None: none pending
@@ -88,7 +93,8 @@ class TickTimer:
             self._deferred = True
             self.deferrals += 1
             self._at = loop.time()
-            self._handle = loop.call_later(self._recheck_s, self._fire)
+            stalled = self._stall_s is not None and late_s >= self._stall_s
+            self._handle = loop.call_later(self._stall_s if stalled else self._recheck_s, self._fire)
             return
         self._deferred = False
         self.fired += 1

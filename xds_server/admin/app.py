@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
 from xds_server.admin.live import LiveFeed
-from xds_server.admin.metrics import ControlPlaneCollector
+from xds_server.admin.metrics import ControlPlaneCollector, EventLoopCollector
 from xds_server.control.views import ControlPlaneView
 from xds_server.untrusted import RateLimitedLog, clip, for_log
 
@@ -93,6 +93,8 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
     app = web.Application()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ControlPlaneCollector(view))
+    registry.register(EventLoopCollector())
+    ProcessCollector(registry=registry)  # process_resident_memory_bytes, open fds, CPU seconds
     live = LiveFeed(view, json_dumps)
     app.on_startup.append(live.start)
     app.on_shutdown.append(live.close)  # before aiohttp waits for open requests: ends SSE streams

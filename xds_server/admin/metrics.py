@@ -8,6 +8,7 @@ prometheus-client adds it to each ``CounterMetricFamily`` name).
 """
 from __future__ import annotations
 
+import asyncio
 import platform
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
@@ -16,7 +17,7 @@ from xds_server.control.display import DISPLAY_STATES
 from xds_server.control.views import ControlPlaneView
 from xds_server.health.model import NodeState
 
-__all__ = ["ControlPlaneCollector", "build_info_family", "package_version"]
+__all__ = ["ControlPlaneCollector", "EventLoopCollector", "build_info_family", "package_version"]
 
 _STATES = tuple(s.value for s in NodeState)
 
@@ -152,3 +153,19 @@ class ControlPlaneCollector:
         ok = GaugeMetricFamily("sentinel_config_last_reload_ok", "0 when the last reload was rejected")
         ok.add_metric([], 1.0 if self.view.reload_status()["ok"] else 0.0)
         yield ok
+
+
+class EventLoopCollector:
+    """``sentinel_event_loop_tasks``: asyncio tasks alive on the running event loop at scrape
+    time (0 when scraped off the loop). One per open ADS stream, probe stream and admin request
+    plus a fixed set; a count that stays above its baseline after clients leave is a leak."""
+
+    def collect(self):
+        try:
+            n = len(asyncio.all_tasks())
+        except RuntimeError:  # no running loop in this thread
+            n = 0
+        fam = GaugeMetricFamily("sentinel_event_loop_tasks", "asyncio tasks alive on the control "
+                                "plane's event loop at scrape time")
+        fam.add_metric([], n)
+        yield fam

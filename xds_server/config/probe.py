@@ -59,5 +59,7 @@ class ProbeConfig(_Model):
     lag_recheck_ms: float = Field(
         5.0, gt=0, le=1000,
         description="a detection timer that fired late (health.self_lag_tolerance_ms) is re-run this "
-        "much later, once, so heartbeats already waiting are read first (ours)",
+        "much later, once, so heartbeats already waiting are read first; after a stall of our own as "
+        "long as a heartbeat miss window (interval + grace) or longer, one miss window later instead "
+        "(ours; the fault matrix's control-plane SIGSTOP)",
     )

@@ -20,6 +20,10 @@ only; the underscored modules may move):
   :class:`EnvoyHost` values), :func:`fetch_envoy_hosts`, :func:`parse_envoy_stats`.
 - metrics (``_promlint``): :func:`lint_exposition`, the rules of ``promtool check metrics``
   over a Prometheus text exposition, for hosts without promtool.
+- mixed traffic (``_traffic``): :class:`TrafficLoad`, non-streaming and SSE completions counting
+  failed requests, cut streams and refused connects per phase (:class:`TrafficStats`).
+- the fault matrix (``_fault_rig``, ``_faults``, ``_ads_faults``): :class:`FaultRig` (a fleet with the relay in
+  front) and one coroutine per fault returning :class:`FaultRow` values; :func:`format_table`.
 - polling (``_wait``): :func:`wait_for` a condition with a deadline.
 - certificates (``_certs``; ``cryptography`` from the ``dev`` extra, imported when a CA is made):
   :class:`TestCA` issues server and client certificates (DNS, IP and URI SANs) as PEM files;
@@ -45,10 +49,22 @@ from xds_server.testing._load import LoadGenerator, LoadStats
 from xds_server.testing._process import ManagedProcess, free_port
 from xds_server.testing._promlint import lint_exposition
 from xds_server.testing._wait import wait_for
+from xds_server.testing._traffic import TrafficLoad, TrafficStats
+from xds_server.testing._fault_rig import FaultRig, FaultRow, format_table
+from xds_server.testing._faults import (
+    agent_kill_restart,
+    cp_kill_restart,
+    cp_sigstop,
+    engine_kill_restart,
+    envoy_restart,
+)
+from xds_server.testing._ads_faults import ads_stream_churn, slow_ads_reader
 
 __all__ = [
     "CertPair",
     "EnvoyHost",
+    "FaultRig",
+    "FaultRow",
     "Fleet",
     "InMemoryProbeSource",
     "InMemoryProbes",
@@ -61,12 +77,22 @@ __all__ = [
     "ScriptedDeltaAdsClient",
     "StandaloneEnvoy",
     "TestCA",
+    "TrafficLoad",
+    "TrafficStats",
+    "ads_stream_churn",
+    "agent_kill_restart",
+    "cp_kill_restart",
+    "cp_sigstop",
+    "engine_kill_restart",
+    "envoy_restart",
     "fetch_envoy_hosts",
+    "format_table",
     "free_port",
     "lint_exposition",
     "parse_envoy_clusters",
     "parse_envoy_stats",
     "restart_control_plane",
+    "slow_ads_reader",
     "wait_for",
 ]
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import sys
 import tempfile
 import time
@@ -243,13 +245,18 @@ class Fleet:
             return await r.json()
 
 
-async def restart_control_plane(fleet: Fleet, down_s: float = 0.5, timeout_s: float = 20.0) -> float:
-    """Stop the fleet's xds-server (SIGTERM), wait ``down_s``, start it again with the same config
-    and ports; blocking steps run in a thread so the caller's load keeps flowing. Returns the
-    seconds the control plane was unreachable. Raises RuntimeError if it does not come back."""
+async def restart_control_plane(fleet: Fleet, down_s: float = 0.5, timeout_s: float = 20.0,
+                                kill: bool = False) -> float:
+    """Stop the fleet's xds-server (SIGTERM; SIGKILL at once when ``kill``: no shutdown code
+    runs), wait ``down_s``, start it again with the same config and ports; blocking steps run in
+    a thread so the caller's load keeps flowing. Returns the seconds the control plane was
+    unreachable. Raises RuntimeError if it does not come back."""
     assert fleet.control_plane is not None and fleet.workdir is not None
     old = fleet.control_plane
     t0 = time.monotonic()
+    if kill:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(old.pid, signal.SIGKILL)
     await asyncio.to_thread(old.stop)
     await asyncio.sleep(down_s)
     new = fleet._control_plane_process()

@@ -1,0 +1,83 @@
+"""The fault matrix (issue 14 item 6) with full counts, printed as the table in
+benchmarks/RESULTS.md. One rig: 3 simulated engines (10 ms/token) with agents, xds-server with a
+state file, the real Envoy, ``sentinel-relay`` in front; mixed traffic (non-streaming and SSE
+completions, a few in flight) through Envoy, and through the relay too for the engine kill.
+The faults are the coroutines of ``xds_server.testing`` that ``tests/faults/`` runs with small
+counts.
+
+    .venv/bin/python benchmarks/fault_matrix.py [--cp-kills 5] [--sigstop-s 5] [--agent-kills 3]
+        [--engine-kills 5] [--envoy-restarts 3] [--fast-readers 100] [--changes 20]
+        [--churn 5000] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from xds_server.testing import (  # noqa: E402
+    FaultRig,
+    ads_stream_churn,
+    agent_kill_restart,
+    cp_kill_restart,
+    cp_sigstop,
+    engine_kill_restart,
+    envoy_restart,
+    format_table,
+    slow_ads_reader,
+)
+
+
+async def main(a: argparse.Namespace, rig: FaultRig) -> tuple[list, dict]:
+    rows: list = []
+    infos: dict = {}
+    plan = [
+        ("cp_kill", cp_kill_restart, {"times": a.cp_kills}),
+        ("cp_sigstop", cp_sigstop, {"stop_s": a.sigstop_s}),
+        ("agent_kill", agent_kill_restart, {"times": a.agent_kills}),
+        ("engine_kill", engine_kill_restart, {"times": a.engine_kills, "stream_tokens": 100}),
+        ("envoy_restart", envoy_restart, {"times": a.envoy_restarts}),
+        ("slow_reader", slow_ads_reader, {"fast": a.fast_readers, "changes": a.changes}),
+        ("churn", ads_stream_churn, {"streams": a.churn}),
+    ]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        for name, fn, kw in plan:
+            t0 = time.monotonic()
+            r, info = await fn(rig, http, **kw)
+            info["wall_s"] = round(time.monotonic() - t0, 1)
+            rows += r
+            infos[name] = info
+            print(name, json.dumps(info, default=str), flush=True)
+    return rows, infos
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cp-kills", type=int, default=5)
+    ap.add_argument("--sigstop-s", type=float, default=5.0)
+    ap.add_argument("--agent-kills", type=int, default=3)
+    ap.add_argument("--engine-kills", type=int, default=5)
+    ap.add_argument("--envoy-restarts", type=int, default=3)
+    ap.add_argument("--fast-readers", type=int, default=100)
+    ap.add_argument("--changes", type=int, default=20)
+    ap.add_argument("--churn", type=int, default=5000)
+    ap.add_argument("--json", default=None, help="also write the rows and details here")
+    args = ap.parse_args()
+    rig = FaultRig().start()
+    try:
+        rows, infos = asyncio.run(main(args, rig))
+    finally:
+        rig.stop()
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": [
+            {"fault": r.fault, "path": r.path, "times": r.repeats, "requests_ok": r.stats.requests_ok,
+             "requests_failed": dict(r.stats.requests_failed), "streams_ok": r.stats.streams_ok,
+             "streams_cut": dict(r.stats.streams_cut), "rescued": r.rescued, "refused": r.stats.refused}
+            for r in rows], "details": infos}, indent=1, default=str))
