@@ -39,6 +39,7 @@ from xds_server.control.probes import ProbeSource, ProbeSourceContext, ProbeSour
 from xds_server.control.publish import ClusterPublish
 from xds_server.control.reload import diff_configs, drained, serving_config
 from xds_server.control.views import ControlPlaneView
+from xds_server.discovery import Discovery, drop_readdressed
 from xds_server.health import model as hm
 from xds_server.state_file import file_signature, load_kept_state, save_state
 from xds_server.routing_events import RoutingChange, RoutingListener
@@ -68,6 +69,8 @@ class ControlPlane:
 
     def __init__(self, config: SentinelConfig, *, clock: Clock | None = None,
                  probe_sources: ProbeSourceFactory | None = None, config_path: str | None = None) -> None:
+        self.discovery = Discovery(lambda: self._apply(self.discovery.merged(), "discovery"))
+        config = self.discovery.configure(config)  # + discovered nodes (xds_server.discovery)
         self._config = config
         self._declared = config  # the last accepted config, without nodes still draining out
         self.config_path = config_path
@@ -174,6 +177,7 @@ class ControlPlane:
         if self.config_path and rc.watch_interval_s > 0:
             loops.append((lambda: self.config.reload.watch_interval_s or 1.0, self._check_file, "config watch"))
         self._tasks = [asyncio.create_task(self._every(*loop)) for loop in loops]
+        await self.discovery.start()
 
     async def stop(self) -> None:
         """Stop probe sources, timers, the ADS server and the admin server."""
@@ -185,6 +189,7 @@ class ControlPlane:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
                 pass
         self._tasks.clear()
+        await self.discovery.stop()
         if self._opened:
             self.write_state()
         self.core.end()
@@ -210,10 +215,20 @@ class ControlPlane:
     # -- reload (issue 13 item 2; rules in xds_server.control.reload) ---------------------------
 
     async def reload(self, new: SentinelConfig, source: str = "api") -> dict:
-        """Serve ``new`` from now on; ADS streams stay open. Nodes added start COLD, nodes removed
-        are published DRAINING and dropped once drained, thresholds apply at once; listen
-        addresses and ``xds.server_id`` keep their running values (``restart_needed``).
-        Returns the changes as JSON (also in ``reload_status``)."""
+        """Serve ``new`` + discovered nodes from now on; ADS streams stay open. Nodes added start COLD,
+        nodes removed are published DRAINING and dropped once drained (readdressed: dropped and
+        added), thresholds apply at once; listen addresses and ``xds.server_id`` keep their running
+        values (``restart_needed``). Returns the changes as JSON (also in ``reload_status``)."""
+        changes = await self._apply(self.discovery.configure(new), source)
+        self.counters.config_reloads["ok"] += 1
+        self.reload_status = {"ok": True, "source": source, "at": self.clock.wall(), "errors": [],
+                              "changes": changes}
+        return changes
+
+    async def _apply(self, new: SentinelConfig, source: str) -> dict:
+        self._declared, self._leaving, gone = drop_readdressed(self._declared, self._leaving, self._config, new)
+        if gone:  # another server under the same id: the old one is dropped first, added below
+            await self._serve_config(serving_config(self._declared, self._leaving))
         diff = diff_configs(self._declared, new)
         keep = {"xds": new.xds.model_copy(update={"listen": self._declared.xds.listen,
                                                   "server_id": self._declared.xds.server_id}),
@@ -229,18 +244,14 @@ class ControlPlane:
         self._declared = new
         await self._serve_config(serving_config(new, self._leaving), restart=set(diff.changed))
         for node_id in newly_leaving:
-            self.core.drain(node_id, True, "removed from config")
+            self.core.drain(node_id, True, f"removed ({source})")
         for node_id in returning:
-            self.core.drain(node_id, False, "back in config")
-        changes = diff.to_json()
-        self.counters.config_reloads["ok"] += 1
-        self.reload_status = {"ok": True, "source": source, "at": self.clock.wall(), "errors": [],
-                              "changes": changes}
+            self.core.drain(node_id, False, f"back ({source})")
         log.info("config reloaded (%s): %d added, %d removed, %d changed%s", source, len(diff.added),
                  len(diff.removed), len(diff.changed),
                  f"; needs a restart to apply: {', '.join(diff.restart_needed)}" if diff.restart_needed else "",
                  extra={"reason": source})
-        return changes
+        return diff.to_json()
 
     async def reload_file(self, source: str = "file") -> dict:
         """Re-read ``config_path`` and :meth:`reload` it. An invalid file changes nothing: its

@@ -23,6 +23,7 @@ from xds_server.config.cluster import (
     NodeConfig,
     OutlierDetectionConfig,
 )
+from xds_server.config.discovery import DiscoveryConfig, FileDiscoveryConfig, KubernetesDiscoveryConfig
 from xds_server.config.health import HealthConfig
 from xds_server.config.ops import ReloadConfig, StateConfig
 from xds_server.config.probe import ProbeConfig
@@ -32,8 +33,11 @@ __all__ = [
     "AdminConfig",
     "ClusterConfig",
     "ConfigError",
+    "DiscoveryConfig",
     "DropOverloadConfig",
+    "FileDiscoveryConfig",
     "HealthConfig",
+    "KubernetesDiscoveryConfig",
     "Locality",
     "NodeConfig",
     "OutlierDetectionConfig",
