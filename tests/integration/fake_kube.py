@@ -12,7 +12,7 @@ It serves what the kube discovery reads, as the real API server does:
   matching the selector is sent as DELETED, one that starts matching as ADDED.
 
 Test controls: :meth:`add_pod`, :meth:`set_ready`, :meth:`mark_deleting`, :meth:`delete_pod`,
-:meth:`end_watches`, :meth:`expire`, :meth:`bookmark`; ``requests`` records each list and watch
+:meth:`end_watches`, :meth:`expire`, :meth:`bookmark`, :meth:`hold_watches`; ``requests`` records each list and watch
 (with the resourceVersion asked for) and ``sent`` every event written to a watch.
 """
 from __future__ import annotations
@@ -65,6 +65,8 @@ class FakeKube:
         self.requests: list[tuple[str, str, str | None]] = []  # (kind "list"/"watch", namespace, resourceVersion)
         self.sent: list[dict] = []
         self._watches: set[asyncio.Queue] = set()
+        self._open = asyncio.Event()  # cleared by hold_watches(): new watch requests wait
+        self._open.set()
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -162,6 +164,13 @@ class FakeKube:
         self.oldest = self.rv
         self.history.clear()
 
+    def hold_watches(self) -> None:
+        """New watch requests wait (the API server unreachable) until :meth:`release_watches`."""
+        self._open.clear()
+
+    def release_watches(self) -> None:
+        self._open.set()
+
     def bookmark(self) -> None:
         """A BOOKMARK at the current resourceVersion to every watch that allowed them."""
         for q in self._watches:
@@ -182,6 +191,7 @@ class FakeKube:
             items = [p for (pns, _), p in sorted(self.pods.items()) if pns == ns and _matches(p, selector)]
             return web.json_response({"kind": "PodList", "apiVersion": "v1",
                                       "metadata": {"resourceVersion": str(self.rv)}, "items": items})
+        await self._open.wait()
         self.requests.append(("watch", ns, rv))
         return await self._watch(request, ns, selector, rv)
 

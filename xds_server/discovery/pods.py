@@ -107,8 +107,10 @@ def resource_version_newer(a: str, b: str | None) -> bool:
 class PodState:
     """The pods a list + watch has seen, by name, and the resourceVersion to resume from.
 
-    ``stale``: events skipped because their object was not newer than the pod already held
-    (a replayed event after a watch restart); ``applied``: events that changed ``pods``."""
+    ``stale``: events skipped because their object is not newer than ``resource_version`` (the
+    last list, event or bookmark) or than the pod held (a replay after a watch restart; a
+    DELETED followed by a replayed ADDED would otherwise bring the pod back); ``applied``: events
+    that changed ``pods``."""
 
     pods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     resource_version: str | None = None
@@ -124,8 +126,7 @@ class PodState:
 
     def apply(self, etype: str, obj: Mapping[str, Any]) -> "PodState":
         """One watch event. BOOKMARK only moves the resourceVersion; ADDED/MODIFIED put the pod,
-        DELETED removes it; an event whose object is not newer than the held pod is counted in
-        ``stale`` and changes nothing. Raises ValueError for another type (ERROR is the caller's)."""
+        DELETED removes it; a stale event (see the class) is counted and changes nothing. Raises ValueError for another type (ERROR is the caller's)."""
         meta = obj.get("metadata") or {}
         rv = meta.get("resourceVersion")
         new_rv = rv if isinstance(rv, str) and rv else self.resource_version
@@ -134,9 +135,8 @@ class PodState:
         if etype not in ("ADDED", "MODIFIED", "DELETED"):
             raise ValueError(f"unexpected watch event type {etype!r}")
         name = meta.get("name") or ""
-        held = self.pods.get(name)
-        held_rv = ((held or {}).get("metadata") or {}).get("resourceVersion")
-        if held is not None and isinstance(rv, str) and held_rv and not resource_version_newer(rv, held_rv):
+        held_rv = ((self.pods.get(name) or {}).get("metadata") or {}).get("resourceVersion")
+        if isinstance(rv, str) and any(r and not resource_version_newer(rv, r) for r in (self.resource_version, held_rv)):
             return PodState(self.pods, self.resource_version, self.applied, self.stale + 1)
         pods = dict(self.pods)
         if etype == "DELETED":
