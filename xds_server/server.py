@@ -37,7 +37,7 @@ from xds_server.control.counters import Counters
 from xds_server.control.events import EventLog, EventRecord
 from xds_server.control.probes import ProbeSource, ProbeSourceContext, ProbeSourceFactory, grpc_probe_source
 from xds_server.control.publish import ClusterPublish
-from xds_server.control.reload import diff_configs, drained, serving_config
+from xds_server.control.reload import drained, plan_reload, serving_config
 from xds_server.control.views import ControlPlaneView
 from xds_server.discovery import Discovery, drop_readdressed
 from xds_server.health import model as hm
@@ -229,23 +229,12 @@ class ControlPlane:
         self._declared, self._leaving, gone = drop_readdressed(self._declared, self._leaving, self._config, new)
         if gone:  # another server under the same id: the old one is dropped first, added below
             await self._serve_config(serving_config(self._declared, self._leaving))
-        diff = diff_configs(self._declared, new)
-        keep = {"xds": new.xds.model_copy(update={"listen": self._declared.xds.listen,
-                                                  "server_id": self._declared.xds.server_id}),
-                "admin": new.admin.model_copy(update={"listen": self._declared.admin.listen})}
-        new = new.model_copy(update=keep)
-        old_nodes = {n.id: (c, n) for c in self._declared.clusters for n in c.nodes}
-        newly_leaving = [i for i in diff.removed if i not in self._leaving]
-        for node_id in diff.removed:
-            self._leaving[node_id] = old_nodes[node_id]
-        returning = [i for i in list(self._leaving) if any(i == n.id for _, n in new.nodes())]
-        for node_id in returning:
-            del self._leaving[node_id]
-        self._declared = new
-        await self._serve_config(serving_config(new, self._leaving), restart=set(diff.changed))
-        for node_id in newly_leaving:
+        plan = plan_reload(self._declared, self._leaving, new)  # pure (xds_server.control.reload)
+        self._declared, self._leaving, diff = plan.declared, plan.leaving, plan.diff
+        await self._serve_config(serving_config(plan.declared, plan.leaving), restart=set(diff.changed))
+        for node_id in plan.newly_leaving:
             self.core.drain(node_id, True, f"removed ({source})")
-        for node_id in returning:
+        for node_id in plan.returning:
             self.core.drain(node_id, False, f"back ({source})")
         log.info("config reloaded (%s): %d added, %d removed, %d changed%s", source, len(diff.added),
                  len(diff.removed), len(diff.changed),
