@@ -93,6 +93,7 @@ class ControlPlane:
         self.ads = AdsServicer(self.cache, config=config.xds)
         self.view = ControlPlaneView(self.core, self.cache, self.ads, self.sessions, lambda: self._config)
         self.view.reload_status = lambda: self.reload_status
+        self.view.discovery_status = self.discovery.status
         self._grpc: grpc.aio.Server | None = None
         self._admin_runner: web.AppRunner | None = None
         self._opened = False

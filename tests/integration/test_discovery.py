@@ -104,7 +104,14 @@ async def test_targets_file_add_change_address_bad_file_and_remove(tmp_path):
         src = env.cp.discovery.sources[("llm", "file")]
         await wait_for(lambda: src.error, timeout_s=5.0, step_s=0.02)
         assert f"targets file {path}: entry 1 (id 'f3'): address: Field required" in src.error
-        assert env.cp.discovery.status()["clusters"]["llm"][0]["errors"] == 1
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{env.cp.admin_port}/metrics") as r:
+                text = await r.text()
+            async with s.get(f"http://127.0.0.1:{env.cp.admin_port}/readyz") as r:
+                ready = await r.json()
+        assert 'sentinel_discovery_errors_total{cluster="llm",source="file"} 1.0' in text
+        assert 'sentinel_discovery_nodes{cluster="llm",source="file"} 2.0' in text
+        assert ready["discovery"]["clusters"]["llm"][0]["error"] == src.error
         assert set(env.cp.health) == {"s0", "f1", "f2"}  # the last good set stays
         assert env.eds()["127.0.0.1:8102"] == "HEALTHY"
 
