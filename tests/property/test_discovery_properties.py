@@ -167,3 +167,23 @@ def test_targets_file_with_one_bad_entry_is_rejected_naming_it(listed, data):
         assert f"/etc/t.yaml: entry {bad} (id {docs[bad]['id']!r}): {field}:" in str(e)
     else:
         raise AssertionError("a bad entry was accepted")
+
+
+@given(node_sets(), node_sets(), st.sets(IDS))
+def test_reload_plan_drains_what_left_and_undrains_what_came_back(before, after, was_leaving):
+    from xds_server.control.reload import plan_reload
+
+    def config(ns):
+        return parse_config({"clusters": [{"name": c, "nodes": [n.model_copy(update={"priority": 0}).model_dump()
+                                                                 for _, (cc, n) in sorted(ns.items()) if cc == c]}
+                                          for c in ("a", "b")]})
+
+    old, new = config(before), config(after)
+    leaving = {i: (old.clusters[0], NodeConfig(id=i, address="10.9.9.9:1", probe_address="10.9.9.9:2"))
+               for i in was_leaving if i not in before}
+    p = plan_reload(old, leaving, new)
+    assert set(p.newly_leaving) == set(before) - set(after) - set(leaving)
+    assert set(p.returning) == (set(leaving) | set(before) - set(after)) & set(after)
+    assert set(p.leaving) == (set(leaving) | set(before) - set(after)) - set(after)
+    assert p.declared.clusters == new.clusters and p.diff.added == tuple(i for i, _ in node_map(new).items()
+                                                                          if i not in before)
