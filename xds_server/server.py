@@ -75,6 +75,7 @@ class ControlPlane:
         self._declared = config  # the last accepted config, without nodes still draining out
         self.config_path = config_path
         self._leaving: dict[str, tuple[ClusterConfig, NodeConfig]] = {}
+        self._applying = asyncio.Lock()
         self._file_sig: tuple[float, str] | None = None
         self._tasks: list[asyncio.Task] = []
         self.reload_status: dict = {"ok": True, "source": None, "at": None, "errors": [], "changes": None}
@@ -227,21 +228,22 @@ class ControlPlane:
         return changes
 
     async def _apply(self, new: SentinelConfig, source: str) -> dict:
-        self._declared, self._leaving, gone = drop_readdressed(self._declared, self._leaving, self._config, new)
-        if gone:  # another server under the same id: the old one is dropped first, added below
-            await self._serve_config(serving_config(self._declared, self._leaving))
-        plan = plan_reload(self._declared, self._leaving, new)  # pure (xds_server.control.reload)
-        self._declared, self._leaving, diff = plan.declared, plan.leaving, plan.diff
-        await self._serve_config(serving_config(plan.declared, plan.leaving), restart=set(diff.changed))
-        for node_id in plan.newly_leaving:
-            self.core.drain(node_id, True, f"removed ({source})")
-        for node_id in plan.returning:
-            self.core.drain(node_id, False, f"back ({source})")
-        log.info("config reloaded (%s): %d added, %d removed, %d changed%s", source, len(diff.added),
-                 len(diff.removed), len(diff.changed),
-                 f"; needs a restart to apply: {', '.join(diff.restart_needed)}" if diff.restart_needed else "",
-                 extra={"reason": source})
-        return diff.to_json()
+        async with self._applying:  # one change of node set at a time (reload, discovery, reap)
+            self._declared, self._leaving, gone = drop_readdressed(self._declared, self._leaving, self._config, new)
+            if gone:  # another server under the same id: the old one is dropped first, added below
+                await self._serve_config(serving_config(self._declared, self._leaving))
+            plan = plan_reload(self._declared, self._leaving, new)  # pure (xds_server.control.reload)
+            self._declared, self._leaving, diff = plan.declared, plan.leaving, plan.diff
+            await self._serve_config(serving_config(plan.declared, plan.leaving), restart=set(diff.changed))
+            for node_id in plan.newly_leaving:
+                self.core.drain(node_id, True, f"removed ({source})")
+            for node_id in plan.returning:
+                self.core.drain(node_id, False, f"back ({source})")
+            log.info("config reloaded (%s): %d added, %d removed, %d changed%s", source, len(diff.added),
+                     len(diff.removed), len(diff.changed),
+                     f"; needs a restart to apply: {', '.join(diff.restart_needed)}" if diff.restart_needed else "",
+                     extra={"reason": source})
+            return diff.to_json()
 
     async def reload_file(self, source: str = "file") -> dict:
         """Re-read ``config_path`` and :meth:`reload` it. An invalid file changes nothing: its
@@ -289,15 +291,16 @@ class ControlPlane:
 
     async def reap_drained(self) -> list[str]:
         """Drop the nodes removed by a reload that have drained; returns their ids."""
-        now = self.clock.now()
-        done = [i for i in self._leaving
-                if i in self.core.health and drained(self.core.health[i], now, self.config.health.drain_timeout_s)]
-        if done:
-            for node_id in done:
-                del self._leaving[node_id]
-            await self._serve_config(serving_config(self._declared, self._leaving))
-            log.info("dropped %d node(s) removed from config: %s", len(done), ", ".join(done))
-        return done
+        async with self._applying:
+            now = self.clock.now()
+            done = [i for i in self._leaving
+                    if i in self.core.health and drained(self.core.health[i], now, self.config.health.drain_timeout_s)]
+            if done:
+                for node_id in done:
+                    del self._leaving[node_id]
+                await self._serve_config(serving_config(self._declared, self._leaving))
+                log.info("dropped %d node(s) removed from config: %s", len(done), ", ".join(done))
+            return done
 
     async def _every(self, interval_s: Callable[[], float], step: Callable[[], Awaitable], what: str) -> None:
         """``await step()`` every ``interval_s()`` seconds until cancelled; failures are logged."""
