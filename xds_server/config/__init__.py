@@ -15,7 +15,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from xds_server.config.admin import AdminConfig
-from xds_server.config.base import ConfigError, _Model, parse_hostport
+from xds_server.config.base import ConfigError, _Model, parse_hostport, yaml_problem
 from xds_server.config.cluster import (
     ClusterConfig,
     DropOverloadConfig,
@@ -118,7 +118,5 @@ def load_config(path: str | Path) -> SentinelConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"config file {p} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+        raise ConfigError(f"config file {p} is not valid YAML{yaml_problem(e)}") from None
     return parse_config(data)

@@ -22,6 +22,7 @@ import yaml
 from pydantic import ValidationError
 
 from xds_server.config import NodeConfig
+from xds_server.config.base import yaml_problem
 
 __all__ = ["TargetsError", "parse_targets"]
 
@@ -44,9 +45,7 @@ def parse_targets(text: str, path: str) -> tuple[NodeConfig, ...]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise TargetsError(f"targets file {path}: not valid YAML/JSON{where}: {getattr(e, 'problem', e)}") from None
+        raise TargetsError(f"targets file {path}: not valid YAML/JSON{yaml_problem(e)}") from None
     if data is None:
         raise TargetsError(f"targets file {path}: empty (write [] for no nodes)")
     if isinstance(data, dict) and set(data) == {"nodes"}:
