@@ -2,6 +2,7 @@
 
 It serves what the kube discovery reads, as the real API server does:
 
+- ``GET /api/v1/nodes/{name}`` -> a Node with the labels in ``nodes`` (404 for another name);
 - ``GET /api/v1/namespaces/{ns}/pods?labelSelector=k=v,...`` -> a PodList whose
   ``metadata.resourceVersion`` is the current one;
 - ``...&watch=true&resourceVersion=N[&allowWatchBookmarks=true][&timeoutSeconds=S]`` -> newline-
@@ -64,6 +65,8 @@ class FakeKube:
         self.oldest = 0  # a watch from a resourceVersion below this gets 410 Gone
         self.requests: list[tuple[str, str, str | None]] = []  # (kind "list"/"watch", namespace, resourceVersion)
         self.sent: list[dict] = []
+        self.nodes: dict[str, dict[str, str]] = {}  # Kubernetes node name -> labels (GET /api/v1/nodes/{name})
+        self.node_reads: list[str] = []
         self._watches: set[asyncio.Queue] = set()
         self._open = asyncio.Event()  # cleared by hold_watches(): new watch requests wait
         self._open.set()
@@ -75,6 +78,7 @@ class FakeKube:
     async def start(self) -> str:
         app = web.Application()
         app.router.add_get("/api/v1/namespaces/{ns}/pods", self._pods)
+        app.router.add_get("/api/v1/nodes/{name}", self._node)
         self._runner = web.AppRunner(app, shutdown_timeout=0.2, handler_cancellation=True)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
@@ -116,14 +120,14 @@ class FakeKube:
 
     def add_pod(self, name: str, *, ns: str = "default", labels: dict[str, str] | None = None,
                 ip: str | None = None, ready: bool = False, ports: dict[str, int] | None = None,
-                extra_labels: dict[str, str] | None = None) -> None:
+                extra_labels: dict[str, str] | None = None, node: str = "worker-1") -> None:
         """A pod (Pending without ``ip``; Running with it), container ports by name."""
         ports = ports if ports is not None else {"http": 8000, "probe": 9100}
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": name, "namespace": ns, "uid": f"uid-{name}-{self.rv}",
                             "labels": {**(labels or {"app": "vllm"}), **(extra_labels or {})},
                             "creationTimestamp": "2026-12-01T08:00:00Z"},
-               "spec": {"nodeName": "worker-1", "containers": [
+               "spec": {"nodeName": node, "containers": [
                    {"name": "vllm", "image": "vllm/vllm-openai",
                     "ports": [{"name": k, "containerPort": v, "protocol": "TCP"} for k, v in ports.items()]}]},
                "status": {"phase": "Pending", "conditions": []}}
@@ -177,6 +181,14 @@ class FakeKube:
             q.put_nowait(("BOOKMARK", self.rv))
 
     # -- HTTP --------------------------------------------------------------------------------
+
+    async def _node(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        self.node_reads.append(name)
+        if name not in self.nodes:
+            return web.json_response(self._status(404, "NotFound", f'nodes "{name}" not found'), status=404)
+        return web.json_response({"kind": "Node", "apiVersion": "v1",
+                                  "metadata": {"name": name, "labels": self.nodes[name], "resourceVersion": "1"}})
 
     async def _pods(self, request: web.Request) -> web.StreamResponse:
         ns = request.match_info["ns"]

@@ -92,7 +92,7 @@ SPEC = KubernetesDiscoveryConfig(label_selector={"app": "vllm"}, target_port="ht
        st.booleans(), st.booleans(), st.sampled_from([None, "us-east-1a"]),
        st.sampled_from(["http", 8080, "missing"]))
 def test_pod_is_a_node_exactly_when_named_placed_ready_and_not_deleting(name, ip, ready, deleting, zone, target):
-    spec = SPEC.model_copy(update={"target_port": target})
+    spec = SPEC.model_copy(update={"target_port": target, "locality_from": "pod"})
     n = pod_node(pod(name, 1, ip=ip, ready=ready, deleting=deleting, zone=zone), spec)
     usable = 0 < len(name) <= 128 and ip is not None and ready and not deleting and target != "missing"
     assert isinstance(n, NodeConfig) == usable, n

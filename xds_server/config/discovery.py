@@ -6,6 +6,7 @@ path (added COLD -> WARMING, removed drained then dropped); see :mod:`xds_server
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -69,9 +70,11 @@ class KubernetesDiscoveryConfig(_Model):
     )
     priority: int = Field(0, ge=0, le=128, description="Envoy priority of every discovered pod")
     capacity: int = Field(1, ge=1, le=1_000_000, description="relative capacity of every discovered pod")
-    locality_from_labels: bool = Field(
-        True, description="locality from the pod's topology.kubernetes.io/region and /zone labels "
-                          "when present (set them with a mutating webhook or the downward API)",
+    locality_from: Literal["none", "node", "pod"] = Field(
+        "none", description="where a pod's locality (Envoy region/zone) comes from: the "
+                            "topology.kubernetes.io/region and /zone labels of the Kubernetes node it "
+                            "runs on (needs RBAC get on nodes; each node read once), or of the pod "
+                            "itself; none: no locality",
     )
 
     @field_validator("label_selector")

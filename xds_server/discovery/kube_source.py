@@ -10,7 +10,7 @@ resourceVersion is older than the server keeps) list again. Any other failure wa
 
 Client configuration: ``kubeconfig`` when set; else the in-cluster service account when
 ``KUBERNETES_SERVICE_HOST`` is set; else $KUBECONFIG or ~/.kube/config. RBAC: pods get, list, watch
-in the namespace.
+in the namespace; nodes get (cluster-wide) for ``locality_from: node``.
 """
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ class KubernetesPods:
         self.nodes: tuple[NodeConfig, ...] = ()
         self.skipped: dict[str, str] = {}
         self.state = PodState()
+        self.node_labels: dict[str, dict[str, str]] = {}  # Kubernetes node name -> labels (locality_from: node)
+        self._api = None
         self.error: str | None = None
         self.lists = self.watches = self.gone = self.errors = 0
 
@@ -85,7 +87,7 @@ class KubernetesPods:
                 except Exception as e:  # noqa: BLE001 - a bad kubeconfig is reported, then retried
                     self._fail(f"cannot load the Kubernetes client configuration: {e}")
                     await asyncio.sleep(self.spec.retry_backoff_s)
-            api = client.CoreV1Api(api_client)
+            api = self._api = client.CoreV1Api(api_client)
             while True:
                 try:
                     if self.state.resource_version is None:
@@ -128,7 +130,7 @@ class KubernetesPods:
         self.lists += 1
         self.state = PodState.listed(json.loads(body), self.state)
         self.error = None
-        self._update()
+        await self._update()
 
     async def _watch(self, api) -> None:
         from kubernetes_asyncio import watch
@@ -142,7 +144,7 @@ class KubernetesPods:
                                      label_selector=selector_string(self.spec.label_selector),
                                      resource_version=self.state.resource_version, allow_watch_bookmarks=True,
                                      timeout_seconds=self.spec.watch_timeout_s):
-                self._event(ev["type"], ev["raw_object"])
+                await self._event(ev["type"], ev["raw_object"])
         except ApiException as e:
             if e.status == 410:
                 raise _Gone(str(e.reason)) from None
@@ -150,16 +152,37 @@ class KubernetesPods:
         finally:
             await w.close()
 
-    def _event(self, etype: str, obj: dict[str, Any]) -> None:
+    async def _event(self, etype: str, obj: dict[str, Any]) -> None:
         self.state = self.state.apply(etype, obj)
         self.error = None
-        self._update()
+        await self._update()
 
-    def _update(self) -> None:
-        nodes, self.skipped = pods_to_nodes(self.state.pods, self.spec)
+    async def _update(self) -> None:
+        if self.spec.locality_from == "node":
+            await self._read_nodes()
+        nodes, self.skipped = pods_to_nodes(self.state.pods, self.spec, self.node_labels)
         if nodes != self.nodes:
             self.nodes = nodes
             self.on_change()
+
+    async def _read_nodes(self) -> None:
+        """Read the labels of each Kubernetes node a pod runs on that was not read yet (once: a
+        node's topology labels do not change). A failure (e.g. no RBAC get on nodes) is logged
+        and counted; that node then has no locality."""
+        names = {(p.get("spec") or {}).get("nodeName") for p in self.state.pods.values()} - {None, ""}
+        for name in sorted(names - self.node_labels.keys()):
+            try:
+                resp = await self._api.read_node(name, _preload_content=False)
+                try:
+                    body = await resp.read()
+                    if resp.status != 200:
+                        raise RuntimeError(f"HTTP {resp.status}: {body.decode('utf-8', 'replace')[:200]}")
+                finally:
+                    resp.release()
+                self.node_labels[name] = dict((json.loads(body).get("metadata") or {}).get("labels") or {})
+            except Exception as e:  # noqa: BLE001 - no locality is better than no node
+                self.node_labels[name] = {}
+                self._fail(f"cannot read Kubernetes node {name!r} for its locality: {e}")
 
     def status(self) -> dict:
         return {"source": "kubernetes", "namespace": self.spec.namespace,

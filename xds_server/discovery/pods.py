@@ -13,7 +13,9 @@ condition is ``"True"`` and it has no ``metadata.deletionTimestamp``. Otherwise 
 a pod that never was a node is not added (it is warming up in Kubernetes' own terms); one that
 was is removed, which the reload path turns into drained-then-dropped (a pod being deleted
 stops getting new requests at once). A pod that comes back Ready is added again. Ports are
-numbers or named container ports (the first container that declares the name).
+numbers or named container ports (the first container that declares the name). Locality: the
+``topology.kubernetes.io/region`` and ``/zone`` labels of the pod's Kubernetes node or of the
+pod (``locality_from``).
 """
 from __future__ import annotations
 
@@ -47,8 +49,11 @@ def _hostport(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
-def pod_node(pod: Mapping[str, Any], spec: KubernetesDiscoveryConfig) -> NodeConfig | str:
-    """The node a pod is, or why it is none (a short reason naming the field)."""
+def pod_node(pod: Mapping[str, Any], spec: KubernetesDiscoveryConfig,
+             node_labels: Mapping[str, Mapping[str, str]] | None = None) -> NodeConfig | str:
+    """The node a pod is, or why it is none (a short reason naming the field). ``node_labels``:
+    Kubernetes node name -> its labels, read for ``locality_from: node`` (a node not in it: no
+    locality)."""
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
     name = meta.get("name") or ""
@@ -66,10 +71,12 @@ def pod_node(pod: Mapping[str, Any], spec: KubernetesDiscoveryConfig) -> NodeCon
     for want, got, what in ((spec.target_port, target, "target_port"), (spec.probe_port, probe, "probe_port")):
         if got is None:
             return f"no container port named {want!r} ({what})"
-    labels = meta.get("labels") or {}
-    locality = Locality()
-    if spec.locality_from_labels:
-        locality = Locality(region=labels.get(REGION_LABEL, ""), zone=labels.get(ZONE_LABEL, ""))
+    labels: Mapping[str, str] = {}
+    if spec.locality_from == "pod":
+        labels = meta.get("labels") or {}
+    elif spec.locality_from == "node":
+        labels = (node_labels or {}).get((pod.get("spec") or {}).get("nodeName") or "", {})
+    locality = Locality(region=labels.get(REGION_LABEL, ""), zone=labels.get(ZONE_LABEL, ""))
     try:
         return NodeConfig(id=name, address=_hostport(ip, target), probe_address=_hostport(ip, probe),
                           locality=locality, priority=spec.priority, capacity=spec.capacity)
@@ -78,13 +85,15 @@ def pod_node(pod: Mapping[str, Any], spec: KubernetesDiscoveryConfig) -> NodeCon
         return f"{'.'.join(str(p) for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
 
 
-def pods_to_nodes(pods: Mapping[str, Mapping[str, Any]],
-                  spec: KubernetesDiscoveryConfig) -> tuple[tuple[NodeConfig, ...], dict[str, str]]:
-    """The nodes of ``pods`` (name -> pod) sorted by id, and why each other pod is not one."""
+def pods_to_nodes(pods: Mapping[str, Mapping[str, Any]], spec: KubernetesDiscoveryConfig,
+                  node_labels: Mapping[str, Mapping[str, str]] | None = None,
+                  ) -> tuple[tuple[NodeConfig, ...], dict[str, str]]:
+    """The nodes of ``pods`` (name -> pod) sorted by id, and why each other pod is not one
+    (``node_labels`` as for :func:`pod_node`)."""
     nodes: list[NodeConfig] = []
     skipped: dict[str, str] = {}
     for name in sorted(pods):
-        n = pod_node(pods[name], spec)
+        n = pod_node(pods[name], spec, node_labels)
         if isinstance(n, str):
             skipped[name] = n
         else:
