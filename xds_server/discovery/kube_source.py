@@ -34,6 +34,10 @@ def selector_string(selector: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
 
 
+_LIST_TIMEOUT_S = 30.0
+"""Client-side bound on a list request, s, and the slack after a watch's timeoutSeconds (ours)."""
+
+
 class _Gone(Exception):
     """410: the resourceVersion asked for is older than the API server keeps."""
 
@@ -118,7 +122,7 @@ class KubernetesPods:
 
     async def _list(self, api) -> None:
         resp = await api.list_namespaced_pod(self.spec.namespace, label_selector=selector_string(self.spec.label_selector),
-                                             _preload_content=False)
+                                             _preload_content=False, _request_timeout=_LIST_TIMEOUT_S)
         try:
             body = await resp.read()
             if resp.status == 410:
@@ -143,7 +147,10 @@ class KubernetesPods:
             async for ev in w.stream(api.list_namespaced_pod, self.spec.namespace,
                                      label_selector=selector_string(self.spec.label_selector),
                                      resource_version=self.state.resource_version, allow_watch_bookmarks=True,
-                                     timeout_seconds=self.spec.watch_timeout_s):
+                                     timeout_seconds=self.spec.watch_timeout_s,
+                                     # a silent connection (a partition) ends too, a little after
+                                     # the server would have ended the watch
+                                     _request_timeout=self.spec.watch_timeout_s + _LIST_TIMEOUT_S):
                 await self._event(ev["type"], ev["raw_object"])
         except ApiException as e:
             if e.status == 410:
@@ -172,7 +179,7 @@ class KubernetesPods:
         names = {(p.get("spec") or {}).get("nodeName") for p in self.state.pods.values()} - {None, ""}
         for name in sorted(names - self.node_labels.keys()):
             try:
-                resp = await self._api.read_node(name, _preload_content=False)
+                resp = await self._api.read_node(name, _preload_content=False, _request_timeout=_LIST_TIMEOUT_S)
                 try:
                     body = await resp.read()
                     if resp.status != 200:
