@@ -22,11 +22,11 @@ _PORT_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 class FileDiscoveryConfig(_Model):
     """A targets file: a YAML or JSON list of nodes (``id``, ``address``, ``probe_address``, optional
     ``locality``, ``priority``, ``capacity``: the fields of a static node), or a mapping with that
-    list under ``nodes``. Re-read when its mtime or content hash changes."""
+    list under ``nodes``. Read every ``interval_s``; a changed content hash (sha256) is parsed."""
 
     path: str = Field(..., min_length=1, description="targets file; relative to the working directory")
     interval_s: float = Field(
-        1.0, gt=0, description="how often the file's mtime and content hash are checked, s (ours)",
+        1.0, gt=0, description="how often the file is read and its content hash compared, s (ours)",
     )
 
 

@@ -1,7 +1,8 @@
 """A cluster's targets file, re-read when it changes (the I/O around :mod:`.targets`).
 
-Every ``interval_s`` the file is read and hashed (sha256); when its mtime or hash differs from
-the last read it is parsed. A good file replaces ``nodes`` and calls ``on_change``; a bad one
+Every ``interval_s`` the file is read and hashed (sha256); a content whose hash differs from the
+last one read is parsed. The hash decides, not the mtime: a rewrite of the same size within one
+filesystem timestamp tick keeps the mtime, and reading a small file once a second is cheap. A good file replaces ``nodes`` and calls ``on_change``; a bad one
 (unreadable, invalid: :class:`~xds_server.discovery.targets.TargetsError`) keeps the last good
 ``nodes``, logs the error once per distinct content and counts it in ``errors``.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 from collections.abc import Callable
 
 from xds_server.config import FileDiscoveryConfig, NodeConfig
@@ -34,19 +34,17 @@ class FileTargets:
         self.error: str | None = None
         self.errors = 0
         self.loads = 0
-        self._seen: tuple[int, str] | None = None  # (mtime ns, sha256) of the last content read
+        self._seen: str | None = None  # sha256 of the last content read ("" when unreadable)
 
     def check(self) -> bool:
         """Read the file if it changed; True when ``nodes`` changed (``on_change`` not called)."""
         try:
-            st = os.stat(self.spec.path)
             with open(self.spec.path, "rb") as f:
                 data = f.read()
         except OSError as e:
-            return self._reject((-1, ""), f"targets file {self.spec.path}: cannot read: {e.strerror or e}")
-        sig = (st.st_mtime_ns, hashlib.sha256(data).hexdigest())
-        if self._seen is not None and sig[1] == self._seen[1]:
-            self._seen = sig
+            return self._reject("", f"targets file {self.spec.path}: cannot read: {e.strerror or e}")
+        sig = hashlib.sha256(data).hexdigest()
+        if sig == self._seen:
             return False
         try:
             nodes = parse_targets(data.decode("utf-8"), self.spec.path)
@@ -62,7 +60,7 @@ class FileTargets:
         self.nodes = nodes
         return True
 
-    def _reject(self, sig: tuple[int, str], error: str) -> bool:
+    def _reject(self, sig: str, error: str) -> bool:
         if sig != self._seen or error != self.error:
             self.errors += 1
             log.error("cluster %s: %s; keeping the last good %d node(s)", self.cluster, error, len(self.nodes))
