@@ -39,7 +39,7 @@ from xds_server.health.model import (
     Tick,
     miss_after_s,
 )
-from xds_server.tick_timer import TickTimer
+from xds_server.tick_timer import TickTimer, recheck_after_s
 from xds_server.tls import ClientTls, dial
 from xds_server.untrusted import RateLimitedLog, clip, for_log
 
@@ -175,18 +175,6 @@ class ProbeSession:
         """Ticks put off because our own event loop was late."""
         return self._timer.deferrals if self._timer is not None else 0
 
-    def _stall_recheck_s(self, late_ms: float) -> float:
-        """How long (s) after a timer that fired ``late_ms`` late to judge the node instead.
-
-        After a short lag, ``probe.lag_recheck_ms`` (heartbeats already waiting are read first).
-        After a stall of our own as long as a heartbeat miss window (interval + grace) or longer
-        (a SIGSTOP, a VM pause, a long GC), one miss window: every heartbeat the agent sent while
-        we stalled, and its next one, arrive within it, so the silence judged is the node's and
-        not ours (measured by the fault matrix: a 5 s SIGSTOP of the control plane ejected every
-        node, or one without fail-static, when re-checked after 5 ms)."""
-        miss_s = miss_after_s(self.cfg)
-        return miss_s if late_ms / 1000.0 >= miss_s else self.probe_cfg.lag_recheck_ms / 1000.0
-
     def _probe_now(self, reason: str) -> None:
         """Ask the agent for an immediate micro-probe (the agent rate-limits these)."""
         if self._outq is not None:
@@ -300,7 +288,8 @@ class ProbeSession:
                 await asyncio.sleep(due - loop.time())
                 late_ms = (loop.time() - due) * 1000.0
                 if late_ms > self.cfg.self_lag_tolerance_ms:
-                    await asyncio.sleep(self._stall_recheck_s(late_ms))
+                    await asyncio.sleep(recheck_after_s(late_ms / 1000.0, self.probe_cfg.lag_recheck_ms / 1000.0,
+                                                        miss_after_s(self.cfg)))
                 if loop.time() - st.last_hb >= silent_s:
                     silent[0] = True
                     call.cancel()

@@ -37,8 +37,9 @@ from xds_server.control.counters import Counters
 from xds_server.control.events import EventLog, EventRecord
 from xds_server.control.probes import ProbeSource, ProbeSourceContext, ProbeSourceFactory, grpc_probe_source
 from xds_server.control.publish import ClusterPublish
-from xds_server.control.reload import diff_configs, drained, serving_config
+from xds_server.control.reload import drained, plan_reload, serving_config
 from xds_server.control.views import ControlPlaneView
+from xds_server.discovery import Discovery, drop_readdressed
 from xds_server.health import model as hm
 from xds_server.tls import add_port, listener_credentials, node_allow_authorizer
 from xds_server.state_file import file_signature, load_kept_state, save_state
@@ -69,10 +70,13 @@ class ControlPlane:
 
     def __init__(self, config: SentinelConfig, *, clock: Clock | None = None,
                  probe_sources: ProbeSourceFactory | None = None, config_path: str | None = None) -> None:
+        self.discovery = Discovery(lambda: self._apply(self.discovery.merged(), "discovery"))
+        config = self.discovery.configure(config)  # + discovered nodes (xds_server.discovery)
         self._config = config
         self._declared = config  # the last accepted config, without nodes still draining out
         self.config_path = config_path
         self._leaving: dict[str, tuple[ClusterConfig, NodeConfig]] = {}
+        self._applying = asyncio.Lock()
         self._file_sig: tuple[float, str] | None = None
         self._tasks: list[asyncio.Task] = []
         self.reload_status: dict = {"ok": True, "source": None, "at": None, "errors": [], "changes": None}
@@ -92,6 +96,7 @@ class ControlPlane:
                                authorize=node_allow_authorizer(lambda: self._config.tls.node_allow))
         self.view = ControlPlaneView(self.core, self.cache, self.ads, self.sessions, lambda: self._config)
         self.view.reload_status = lambda: self.reload_status
+        self.view.discovery_status = self.discovery.status
         self._grpc: grpc.aio.Server | None = None
         self._admin_runner: web.AppRunner | None = None
         self._opened = False
@@ -178,6 +183,7 @@ class ControlPlane:
         if self.config_path and rc.watch_interval_s > 0:
             loops.append((lambda: self.config.reload.watch_interval_s or 1.0, self._check_file, "config watch"))
         self._tasks = [asyncio.create_task(self._every(*loop)) for loop in loops]
+        await self.discovery.start()
 
     async def stop(self) -> None:
         """Stop probe sources, timers, the ADS server and the admin server."""
@@ -189,6 +195,7 @@ class ControlPlane:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
                 pass
         self._tasks.clear()
+        await self.discovery.stop()
         if self._opened:
             self.write_state()
         self.core.end()
@@ -214,38 +221,34 @@ class ControlPlane:
     # -- reload (issue 13 item 2; rules in xds_server.control.reload) ---------------------------
 
     async def reload(self, new: SentinelConfig, source: str = "api") -> dict:
-        """Serve ``new`` from now on; ADS streams stay open. Nodes added start COLD, nodes removed
-        are published DRAINING and dropped once drained, thresholds apply at once; listen
-        addresses, ``xds.server_id`` and ``tls.listener()`` keep their running values (``restart_needed``).
-        Returns the changes as JSON (also in ``reload_status``)."""
-        diff = diff_configs(self._declared, new)
-        keep = {"xds": new.xds.model_copy(update={"listen": self._declared.xds.listen,
-                                                  "server_id": self._declared.xds.server_id}),
-                "admin": new.admin.model_copy(update={"listen": self._declared.admin.listen}),
-                "tls": new.tls.model_copy(update=self._declared.tls.listener())}
-        new = new.model_copy(update=keep)
-        old_nodes = {n.id: (c, n) for c in self._declared.clusters for n in c.nodes}
-        newly_leaving = [i for i in diff.removed if i not in self._leaving]
-        for node_id in diff.removed:
-            self._leaving[node_id] = old_nodes[node_id]
-        returning = [i for i in list(self._leaving) if any(i == n.id for _, n in new.nodes())]
-        for node_id in returning:
-            del self._leaving[node_id]
-        self._declared = new
-        await self._serve_config(serving_config(new, self._leaving), restart=set(diff.changed))
-        for node_id in newly_leaving:
-            self.core.drain(node_id, True, "removed from config")
-        for node_id in returning:
-            self.core.drain(node_id, False, "back in config")
-        changes = diff.to_json()
+        """Serve ``new`` + discovered nodes from now on; ADS streams stay open. Nodes added start COLD,
+        nodes removed are published DRAINING and dropped once drained (readdressed: dropped and
+        added), thresholds apply at once; listen addresses, ``xds.server_id`` and ``tls.listener()``
+        keep their running values (``restart_needed``). Returns the changes as JSON (also in
+        ``reload_status``)."""
+        changes = await self._apply(self.discovery.configure(new), source)
         self.counters.config_reloads["ok"] += 1
         self.reload_status = {"ok": True, "source": source, "at": self.clock.wall(), "errors": [],
                               "changes": changes}
-        log.info("config reloaded (%s): %d added, %d removed, %d changed%s", source, len(diff.added),
-                 len(diff.removed), len(diff.changed),
-                 f"; needs a restart to apply: {', '.join(diff.restart_needed)}" if diff.restart_needed else "",
-                 extra={"reason": source})
         return changes
+
+    async def _apply(self, new: SentinelConfig, source: str) -> dict:
+        async with self._applying:  # one change of node set at a time (reload, discovery, reap)
+            self._declared, self._leaving, gone = drop_readdressed(self._declared, self._leaving, self._config, new)
+            if gone:  # another server under the same id: the old one is dropped first, added below
+                await self._serve_config(serving_config(self._declared, self._leaving))
+            plan = plan_reload(self._declared, self._leaving, new)  # pure (xds_server.control.reload)
+            self._declared, self._leaving, diff = plan.declared, plan.leaving, plan.diff
+            await self._serve_config(serving_config(plan.declared, plan.leaving), restart=set(diff.changed))
+            for node_id in plan.newly_leaving:
+                self.core.drain(node_id, True, f"removed ({source})")
+            for node_id in plan.returning:
+                self.core.drain(node_id, False, f"back ({source})")
+            log.info("config reloaded (%s): %d added, %d removed, %d changed%s", source, len(diff.added),
+                     len(diff.removed), len(diff.changed),
+                     f"; needs a restart to apply: {', '.join(diff.restart_needed)}" if diff.restart_needed else "",
+                     extra={"reason": source})
+            return diff.to_json()
 
     async def reload_file(self, source: str = "file") -> dict:
         """Re-read ``config_path`` and :meth:`reload` it. An invalid file changes nothing: its
@@ -293,15 +296,16 @@ class ControlPlane:
 
     async def reap_drained(self) -> list[str]:
         """Drop the nodes removed by a reload that have drained; returns their ids."""
-        now = self.clock.now()
-        done = [i for i in self._leaving
-                if i in self.core.health and drained(self.core.health[i], now, self.config.health.drain_timeout_s)]
-        if done:
-            for node_id in done:
-                del self._leaving[node_id]
-            await self._serve_config(serving_config(self._declared, self._leaving))
-            log.info("dropped %d node(s) removed from config: %s", len(done), ", ".join(done))
-        return done
+        async with self._applying:
+            now = self.clock.now()
+            done = [i for i in self._leaving
+                    if i in self.core.health and drained(self.core.health[i], now, self.config.health.drain_timeout_s)]
+            if done:
+                for node_id in done:
+                    del self._leaving[node_id]
+                await self._serve_config(serving_config(self._declared, self._leaving))
+                log.info("dropped %d node(s) removed from config: %s", len(done), ", ".join(done))
+            return done
 
     async def _every(self, interval_s: Callable[[], float], step: Callable[[], Awaitable], what: str) -> None:
         """``await step()`` every ``interval_s()`` seconds until cancelled; failures are logged."""

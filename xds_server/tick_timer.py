@@ -27,7 +27,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-__all__ = ["TickTimer"]
+__all__ = ["TickTimer", "recheck_after_s"]
+
+
+def recheck_after_s(late_s: float, lag_recheck_s: float, stall_recheck_s: float | None) -> float:
+    """How long (s) after waking ``late_s`` late to judge a node instead (see the module docstring).
+
+    ``lag_recheck_s`` after a short lag; ``stall_recheck_s`` (one heartbeat miss window) after a
+    stall of our own at least that long. Measured by the fault matrix: a 5 s SIGSTOP of the
+    control plane ejected every node (or one, without fail-static) when re-checked after 5 ms."""
+    if stall_recheck_s is not None and late_s >= stall_recheck_s:
+        return stall_recheck_s
+    return lag_recheck_s
 
 
 class TickTimer:
@@ -93,8 +104,7 @@ class TickTimer:
             self._deferred = True
             self.deferrals += 1
             self._at = loop.time()
-            stalled = self._stall_s is not None and late_s >= self._stall_s
-            self._handle = loop.call_later(self._stall_s if stalled else self._recheck_s, self._fire)
+            self._handle = loop.call_later(recheck_after_s(late_s, self._recheck_s, self._stall_s), self._fire)
             return
         self._deferred = False
         self.fired += 1

@@ -120,7 +120,7 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
         ready = not why
         return _json({"ready": ready, "why_not_ready": "; ".join(why) or None, "unpublished_clusters": missing,
                       "routable_nodes": total, "routable_by_cluster": routable,
-                      "config_reload": view.reload_status()},
+                      "config_reload": view.reload_status(), "discovery": view.discovery_status()},
                      status=200 if ready else 503)
 
     async def nodes(_: web.Request) -> web.Response:

@@ -153,6 +153,19 @@ class ControlPlaneCollector:
         ok = GaugeMetricFamily("sentinel_config_last_reload_ok", "0 when the last reload was rejected")
         ok.add_metric([], 1.0 if self.view.reload_status()["ok"] else 0.0)
         yield ok
+        yield from self._discovery()
+
+    def _discovery(self):
+        errs = CounterMetricFamily("sentinel_discovery_errors", "discovery failures per cluster and source "
+                                   "(file: a rejected targets file content, the last good node set kept; "
+                                   "kubernetes: a failed list or watch, retried)", labels=["cluster", "source"])
+        found = GaugeMetricFamily("sentinel_discovery_nodes", "nodes a discovery source lists now",
+                                  labels=["cluster", "source"])
+        for cluster, sources in sorted(self.view.discovery_status()["clusters"].items()):
+            for s in sources:
+                errs.add_metric([cluster, s["source"]], s["errors"])
+                found.add_metric([cluster, s["source"]], len(s["nodes"]))
+        yield from (errs, found)
 
 
 class EventLoopCollector:

@@ -15,7 +15,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from xds_server.config.admin import AdminConfig
-from xds_server.config.base import ConfigError, _Model, parse_hostport
+from xds_server.config.base import ConfigError, _Model, parse_hostport, yaml_problem
 from xds_server.config.cluster import (
     ClusterConfig,
     DropOverloadConfig,
@@ -23,6 +23,7 @@ from xds_server.config.cluster import (
     NodeConfig,
     OutlierDetectionConfig,
 )
+from xds_server.config.discovery import DiscoveryConfig, FileDiscoveryConfig, KubernetesDiscoveryConfig
 from xds_server.config.health import HealthConfig
 from xds_server.config.ops import ReloadConfig, StateConfig
 from xds_server.config.probe import ProbeConfig
@@ -34,8 +35,11 @@ __all__ = [
     "AgentTlsConfig",
     "ClusterConfig",
     "ConfigError",
+    "DiscoveryConfig",
     "DropOverloadConfig",
+    "FileDiscoveryConfig",
     "HealthConfig",
+    "KubernetesDiscoveryConfig",
     "Locality",
     "NodeAllowRule",
     "NodeConfig",
@@ -77,6 +81,10 @@ class SentinelConfig(_Model):
                 if n.id in node_ids:
                     raise ValueError(f"node id {n.id!r} appears in more than one cluster")
                 node_ids.add(n.id)
+        for ci, c in enumerate(self.clusters):
+            if c.discovery is not None and c.discovery.kubernetes is not None and self.tls.agents.mode is None:
+                raise ValueError(f"clusters.{ci}.discovery.kubernetes: pods are dialled on their pod IPs, not "
+                                 "loopback: set tls.agents.mode to mtls or tls (or plaintext, explicitly)")
         check_plaintext(self.tls, self.xds.listen,
                         [(f"clusters.{ci}.nodes.{ni}.probe_address", n.probe_address)
                          for ci, c in enumerate(self.clusters) for ni, n in enumerate(c.nodes)])
@@ -122,7 +130,5 @@ def load_config(path: str | Path) -> SentinelConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"config file {p} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+        raise ConfigError(f"config file {p} is not valid YAML{yaml_problem(e)}") from None
     return parse_config(data)

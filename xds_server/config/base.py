@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["ConfigError", "parse_hostport"]
+__all__ = ["ConfigError", "parse_hostport", "yaml_problem"]
 
 
 class ConfigError(ValueError):
@@ -28,6 +28,13 @@ def parse_hostport(value: str) -> tuple[str, int]:
     if not 0 <= port <= 65535:
         raise ValueError(f"port {port} outside 0..65535")
     return host, port
+
+
+def yaml_problem(e: Exception) -> str:
+    """``" at line L, column C: PROBLEM"`` of a PyYAML parse error (the place when it has one)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"{where}: {getattr(e, 'problem', e)}"
 
 
 class _Model(BaseModel):

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from xds_server.config.base import _Model, parse_hostport
+from xds_server.config.discovery import DiscoveryConfig
 
 __all__ = ["ClusterConfig", "DropOverloadConfig", "Locality", "NodeConfig", "OutlierDetectionConfig"]
 
@@ -127,6 +128,10 @@ class ClusterConfig(_Model):
     nodes: list[NodeConfig] = Field(
         default_factory=list,
         description="may be empty: a pool scaled to zero is served an assignment with no endpoints",
+    )
+    discovery: DiscoveryConfig | None = Field(
+        None, description="more nodes found at run time (targets file, Kubernetes pods), merged with "
+                          "``nodes``; see xds_server.discovery",
     )
 
     @model_validator(mode="after")

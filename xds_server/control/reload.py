@@ -5,6 +5,7 @@ Pure: no I/O, no clock; the server (:meth:`xds_server.server.ControlPlane.reload
 Shape::
 
     d = diff_configs(running, new)          # ConfigDiff: added, removed, changed, restart_needed
+    p = plan_reload(running, leaving, new)  # ReloadPlan: diff, declared, leaving, newly_leaving, returning
     serving = serving_config(new, leaving)  # new + removed nodes still draining, in their clusters
     done = drained(nh, now_s, cfg.health.drain_timeout_s)
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from xds_server.config import ClusterConfig, NodeConfig, SentinelConfig
 from xds_server.health import model as hm
 
-__all__ = ["ConfigDiff", "diff_configs", "drained", "serving_config"]
+__all__ = ["ConfigDiff", "ReloadPlan", "diff_configs", "drained", "plan_reload", "serving_config"]
 
 _RESTART_FIELDS = (("xds", "listen"), ("admin", "listen"), ("xds", "server_id"), ("tls", "mode"),
                    ("tls", "cert_file"), ("tls", "key_file"), ("tls", "client_ca_file"))
@@ -56,6 +57,39 @@ def diff_configs(old: SentinelConfig, new: SentinelConfig) -> ConfigDiff:
     restart = tuple(f"{a}.{b}" for a, b in _RESTART_FIELDS
                     if getattr(getattr(old, a), b) != getattr(getattr(new, a), b))
     return ConfigDiff(added, removed, changed, restart)
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadPlan:
+    """What a reload does: ``diff``; ``declared``, the new config with the restart-only fields at
+    their running values; ``leaving`` (node id -> (old cluster, node) still draining out, as
+    :func:`serving_config` takes it); the node ids to drain now (``newly_leaving``) and those
+    back before they were dropped (``returning``, to undrain)."""
+
+    diff: ConfigDiff
+    declared: SentinelConfig
+    leaving: dict[str, tuple[ClusterConfig, NodeConfig]]
+    newly_leaving: tuple[str, ...]
+    returning: tuple[str, ...]
+
+
+def plan_reload(declared: SentinelConfig, leaving: Mapping[str, tuple[ClusterConfig, NodeConfig]],
+                new: SentinelConfig) -> ReloadPlan:
+    """The plan for serving ``new`` where ``declared`` was accepted last and ``leaving`` drains."""
+    diff = diff_configs(declared, new)
+    keep = {"xds": new.xds.model_copy(update={"listen": declared.xds.listen, "server_id": declared.xds.server_id}),
+            "admin": new.admin.model_copy(update={"listen": declared.admin.listen}),
+            "tls": new.tls.model_copy(update=declared.tls.listener())}
+    new = new.model_copy(update=keep)
+    old_nodes = {n.id: (c, n) for c in declared.clusters for n in c.nodes}
+    out = dict(leaving)
+    newly_leaving = tuple(i for i in diff.removed if i not in out)
+    out.update({i: old_nodes[i] for i in diff.removed})
+    new_ids = {n.id for _, n in new.nodes()}
+    returning = tuple(i for i in out if i in new_ids)
+    for i in returning:
+        del out[i]
+    return ReloadPlan(diff, new, out, newly_leaving, returning)
 
 
 def serving_config(new: SentinelConfig, leaving: Mapping[str, tuple[ClusterConfig, NodeConfig]]) -> SentinelConfig:

@@ -53,6 +53,7 @@ class ControlPlaneView:
         self._config = config
         self.reload_status: Callable[[], dict] = lambda: {"ok": True, "source": None, "at": None,
                                                           "errors": [], "changes": None}
+        self.discovery_status: Callable[[], dict] = lambda: {"problems": [], "clusters": {}}
 
     @property
     def config(self) -> SentinelConfig:
