@@ -26,7 +26,7 @@ from importlib import metadata
 
 from xds_server.admin.status_text import format_status
 from xds_server.config import ConfigError, load_config
-from xds_server.logs import FORMATS, LEVELS, configure_logging, quiet_grpc_core
+from xds_server.logs import FORMATS, LEVELS, configure_logging, quiet_grpc_core, set_replica
 from xds_server.untrusted import for_log
 
 __all__ = ["EXIT_CODES", "TOKEN_ENV", "admin_base_url", "main"]
@@ -88,6 +88,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"xds-server: {e}", file=sys.stderr)
         return 2
     from xds_server.server import ControlPlane
+
+    set_replica(cfg.xds.replica_id)
 
     async def run() -> int:
         cp = ControlPlane(cfg, config_path=path)

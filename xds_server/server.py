@@ -78,8 +78,7 @@ class ControlPlane:
 
         self.clock: Clock = clock if clock is not None else LoopClock()
         self.counters = Counters()
-        self.cache = SnapshotCache(config.xds.server_id,
-                                   validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()},
+        self.cache = SnapshotCache(validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()},
                                    memo_max_entries=config.xds.memo_max_entries,
                                    memo_max_bytes=config.xds.memo_max_bytes)
         self.core = ControlCore(config, self.clock, on_publish=self._write, counters=self.counters)
@@ -121,7 +120,7 @@ class ControlPlane:
             CLUSTER_TYPE_URL, {c.name: build_cluster(c) for c in self.config.clusters}
         )
         ctx = ProbeSourceContext(self.config.health, self.config.probe, self.observe, self.clock,
-                                 self.counters, self.config.xds.server_id)
+                                 self.counters, self.config.xds.replica_id)
         for node_id, n in self.core.node_cfg.items():
             s = self._probe_factory(n, ctx)
             self.sessions[node_id] = s
@@ -212,11 +211,11 @@ class ControlPlane:
     async def reload(self, new: SentinelConfig, source: str = "api") -> dict:
         """Serve ``new`` from now on; ADS streams stay open. Nodes added start COLD, nodes removed
         are published DRAINING and dropped once drained, thresholds apply at once; listen
-        addresses and ``xds.server_id`` keep their running values (``restart_needed``).
+        addresses and ``xds.replica_id`` keep their running values (``restart_needed``).
         Returns the changes as JSON (also in ``reload_status``)."""
         diff = diff_configs(self._declared, new)
         keep = {"xds": new.xds.model_copy(update={"listen": self._declared.xds.listen,
-                                                  "server_id": self._declared.xds.server_id}),
+                                                  "replica_id": self._declared.xds.replica_id}),
                 "admin": new.admin.model_copy(update={"listen": self._declared.admin.listen})}
         new = new.model_copy(update=keep)
         old_nodes = {n.id: (c, n) for c in self._declared.clusters for n in c.nodes}
@@ -275,7 +274,7 @@ class ControlPlane:
             if s is not None:
                 await s.stop()
         ctx = ProbeSourceContext(serving.health, serving.probe, self.observe, self.clock,
-                                 self.counters, serving.xds.server_id)
+                                 self.counters, serving.xds.replica_id)
         for node_id in [*added, *(i for i in restart if i in self.sessions)]:
             old = self.sessions.pop(node_id, None)
             if old is not None:

@@ -10,7 +10,7 @@ Shape::
 
 Rules (issue 13 item 2): nodes added start COLD (WARMING once their agent answers; neither is
 routed nor counted as failing); removed nodes are drained (published DRAINING) and dropped once
-drained; changed thresholds apply at once; listen addresses and ``xds.server_id`` need a restart
+drained; changed thresholds apply at once; listen addresses and ``xds.replica_id`` need a restart
 (reported in ``restart_needed``, the running values stay).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from xds_server.health import model as hm
 
 __all__ = ["ConfigDiff", "diff_configs", "drained", "serving_config"]
 
-_RESTART_FIELDS = (("xds", "listen"), ("admin", "listen"), ("xds", "server_id"))
+_RESTART_FIELDS = (("xds", "listen"), ("admin", "listen"), ("xds", "replica_id"))
 
 
 @dataclass(frozen=True, slots=True)
