@@ -199,12 +199,23 @@ def _drain(args: argparse.Namespace) -> int:
 def _envoy_bootstrap(args: argparse.Namespace) -> int:
     import yaml
 
-    from xds_server.envoy_bootstrap import render_bootstrap
+    from xds_server.envoy_bootstrap import ControlPlaneGroup, render_bootstrap
 
     try:
+        groups = []
+        for spec in args.group or ():
+            path, _, addrs = spec.partition("=")
+            groups.append(ControlPlaneGroup.from_config(path, [a for a in addrs.split(",") if a]))
         doc = render_bootstrap(xds_port=args.xds_port, listener_port=args.listener_port,
                                admin_port=args.admin_port, cluster=args.cluster, node_id=args.node_id,
-                               api_type=args.api, per_try_timeout_s=args.per_try_timeout_s)
+                               api_type=args.api, per_try_timeout_s=args.per_try_timeout_s,
+                               xds_replicas=args.xds or (), groups=groups, route_header=args.route_header)
+    except ConfigError as e:
+        print(f"xds-server: --group: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"xds-server: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"xds-server: cannot read the bootstrap template: {e}", file=sys.stderr)
         return 1
@@ -218,8 +229,12 @@ def _envoy_bootstrap(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"xds-server: cannot write {args.output}: {e}", file=sys.stderr)
             return 1
-        print(f"wrote {args.output} (ADS 127.0.0.1:{args.xds_port}, listener :{args.listener_port}, "
-              f"admin :{args.admin_port}, cluster {args.cluster})")
+        if groups:
+            where = "; ".join(f"group {g.name}: {', '.join(c.name for c in g.clusters)} from "
+                              f"{', '.join(g.replicas)}" for g in groups)
+        else:
+            where = f"ADS {', '.join(args.xds or [f'127.0.0.1:{args.xds_port}'])}, cluster {args.cluster}"
+        print(f"wrote {args.output} ({where}; listener :{args.listener_port}, admin :{args.admin_port})")
     return 0
 
 
@@ -287,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
     eb.add_argument("--node-id", default="envoy-llm-gw-1", help="Envoy's node id (default envoy-llm-gw-1)")
     eb.add_argument("--api", choices=("GRPC", "DELTA_GRPC"), default="GRPC", help="ADS variant (default GRPC)")
     eb.add_argument("--per-try-timeout-s", type=float, default=None, help="retry per-try timeout (default 10)")
+    eb.add_argument("--xds", action="append", metavar="HOST:PORT",
+                    help="a replica of the control plane (repeat for each; default 127.0.0.1:--xds-port)")
+    eb.add_argument("--group", action="append", metavar="CONFIG[=HOST:PORT,...]",
+                    help="several control planes: one per group of clusters, given by its xds-server config "
+                    "file and its replicas' ADS addresses (default its xds.listen); repeat per group")
+    eb.add_argument("--route-header", default="x-sentinel-cluster",
+                    help="with --group: the request header naming the cluster (default x-sentinel-cluster)")
     eb.add_argument("-o", "--output", default=None, help="file to write (default stdout)")
     d = cmd("demo", "local demo: real Envoy, simulated engines, injected faults", _demo)
     d.add_argument("--keep-running", action="store_true", help="stay up until Ctrl-C (no faults)")
