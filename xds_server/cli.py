@@ -90,6 +90,10 @@ def _serve(args: argparse.Namespace) -> int:
     from xds_server.server import ControlPlane
 
     set_replica(cfg.xds.replica_id)
+    if cfg.xds.server_id is not None:
+        logging.getLogger("xds_server.server").warning(
+            "xds.server_id is deprecated and ignored: versions are content hashes, the same on every "
+            "replica; name this process with xds.replica_id (now %r)", cfg.xds.replica_id)
 
     async def run() -> int:
         cp = ControlPlane(cfg, config_path=path)
