@@ -60,7 +60,7 @@ _ids = iter(range(1, 1 << 62))
 def new_stream(cls):
     """A stream with its identity injected as the shell would (unique id and nonce prefix)."""
     sid = next(_ids)
-    return cls("p", StreamIdentity(sid, f"test.{sid:x}.", 0.0))
+    return cls(StreamIdentity(sid, f"test.{sid:x}.", 0.0))
 
 
 def serve(stream, cache) -> list[bytes]:
