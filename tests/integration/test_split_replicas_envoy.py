@@ -31,7 +31,15 @@ import yaml
 
 from xds_server.config import parse_config
 from xds_server.envoy_bootstrap import ROUTE_HEADER, ControlPlaneGroup, find_envoy, render_bootstrap, write_bootstrap
-from xds_server.testing import LoadGenerator, ManagedProcess, fetch_envoy_hosts, free_port, parse_envoy_stats, wait_for
+from xds_server.testing import (
+    LoadGenerator,
+    ManagedProcess,
+    NodeProcs,
+    fetch_envoy_hosts,
+    free_port,
+    parse_envoy_stats,
+    wait_for,
+)
 
 pytestmark = pytest.mark.envoy
 
@@ -40,16 +48,6 @@ pytestmark = pytest.mark.envoy
 HEALTH = {"heartbeat_interval_ms": 100, "probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2,
           "score_rtt_weight": 0.0}
 NODE_ID = "envoy-llm-gw-1"
-
-
-@dataclass
-class Node:
-    node_id: str
-    cluster: str
-    engine_port: int
-    agent_port: int
-    engine: ManagedProcess | None = None
-    agent: ManagedProcess | None = None
 
 
 @dataclass
@@ -71,9 +69,8 @@ class Split:
     def __init__(self, wd: Path) -> None:
         self.wd = wd
         self.procs: list[ManagedProcess] = []
-        self.nodes = [Node("gpu-a1", "pool-a", free_port(), free_port()),
-                      Node("gpu-a2", "pool-a", free_port(), free_port()),
-                      Node("gpu-b1", "pool-b", free_port(), free_port())]
+        self.nodes = [NodeProcs(nid, free_port(), free_port()) for nid in ("gpu-a1", "gpu-a2", "gpu-b1")]
+        self.cluster_of = {"gpu-a1": "pool-a", "gpu-a2": "pool-a", "gpu-b1": "pool-b"}
         self.cps = [ControlPlaneProc("cp-a1", "a", free_port(), free_port()),
                     ControlPlaneProc("cp-a2", "a", free_port(), free_port()),
                     ControlPlaneProc("cp-b1", "b", free_port(), free_port())]
@@ -97,7 +94,7 @@ class Split:
             "health": HEALTH,
             "clusters": [{"name": cluster, "outlier_detection": {"enabled": False}, "nodes": [
                 {"id": n.node_id, "address": f"127.0.0.1:{n.engine_port}",
-                 "probe_address": f"127.0.0.1:{n.agent_port}"} for n in self.nodes if n.cluster == cluster]}],
+                 "probe_address": f"127.0.0.1:{n.agent_port}"} for n in self.nodes if self.cluster_of[n.node_id] == cluster]}],
         }
 
     def start(self) -> "Split":
@@ -138,7 +135,7 @@ class Split:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.envoy_port}"
 
-    def node(self, node_id: str) -> Node:
+    def node(self, node_id: str) -> NodeProcs:
         return next(n for n in self.nodes if n.node_id == node_id)
 
     async def hosts(self, http, cluster: str) -> dict[str, str]:
