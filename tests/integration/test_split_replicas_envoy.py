@@ -44,8 +44,11 @@ from xds_server.testing import (
 pytestmark = pytest.mark.envoy
 
 # Replicas weight nodes from what the agents report: RTT is measured by each replica on its own
-# path (README: Running two replicas), so its score term is off here.
-HEALTH = {"heartbeat_interval_ms": 100, "probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2,
+# path (README: Running two replicas), so its score term is off here. Slow probes and late
+# heartbeats on a loaded CI machine are tolerated (TTFT up to 700 ms healthy, 3 misses of 500 ms)
+# so the state stays put while the test looks at failover; a frozen host is still out in ~1.5 s.
+HEALTH = {"heartbeat_interval_ms": 100, "heartbeat_grace_ms": 400, "failure_detector": "count",
+          "ttft_healthy_ms": 700, "probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2,
           "score_rtt_weight": 0.0}
 NODE_ID = "envoy-llm-gw-1"
 
@@ -239,11 +242,12 @@ async def test_kill_9_of_the_connected_replica_under_load_changes_nothing_in_env
     if not a1.proc.alive() or not a2.proc.alive():
         pytest.skip("needs both A replicas (run with the module's setup)")
 
-    async def same_versions() -> bool:
-        return await split.cla_version(http, a1, "pool-a") == await split.cla_version(http, a2, "pool-a") != ""
+    async def same_version() -> str | None:
+        v1, v2 = await split.cla_version(http, a1, "pool-a"), await split.cla_version(http, a2, "pool-a")
+        return v1 if v1 == v2 != "" else None
 
     # both replicas, fed by the same agents, publish the same version for the same state
-    await wait_for(same_versions, timeout_s=10.0)
+    await wait_for(same_version, timeout_s=10.0)
     # two replicas watching gpu-a1/a2 do not double their probes: the agent fans one probe out
     p0, t0 = await split.probes_at_engines(http), time.monotonic()
     await asyncio.sleep(2.5)
@@ -255,33 +259,46 @@ async def test_kill_9_of_the_connected_replica_under_load_changes_nothing_in_env
     live = [cp for cp in (a1, a2) if await split.connected(http, cp)]
     assert len(live) == 1, [cp.replica for cp in live]  # Envoy's one EDS stream for pool-a
     victim, survivor = live[0], (a2 if live[0] is a1 else a1)
-    version = await split.cla_version(http, victim, "pool-a")
-    assert version == await split.cla_version(http, survivor, "pool-a")
+    version = await wait_for(same_version, timeout_s=10.0)  # the state Envoy holds, on both
     before = await split.envoy_stats(http, "pool-a")
     load_a = LoadGenerator(split.url, concurrency=3)
+    published: list[str] = []  # the survivor's versions from the kill on
     await load_a.start()
     try:
         load_a.phase("before")
         await asyncio.sleep(0.5)
         load_a.phase("kill -9")
         os.killpg(victim.proc.pid, signal.SIGKILL)
-        await wait_for(lambda: split.connected(http, survivor), timeout_s=15.0)
+
+        async def reconnected() -> bool:
+            published.append(await split.cla_version(http, survivor, "pool-a"))
+            return await split.connected(http, survivor)
+
+        await wait_for(reconnected, timeout_s=15.0)
         load_a.phase("on the survivor")
         await asyncio.sleep(0.5)
+        published.append(await split.cla_version(http, survivor, "pool-a"))
     finally:
         await load_a.stop()
         victim.proc.stop()
     after = await split.envoy_stats(http, "pool-a")
     total = load_a.totals()
+    changes = len({v for v in published if v != version})
     print(f"\nkilled {victim.replica}, Envoy on {survivor.replica}; requests ok {total.ok} failed "
-          f"{dict(total.failures)}; Envoy pool-a stats before {before} after {after}")
+          f"{dict(total.failures)}; survivor's versions {version} -> {sorted(set(published))}; "
+          f"Envoy pool-a stats before {before} after {after}")
     assert total.failed == 0 and total.ok > 20, dict(total.failures)
     assert load_a.phases["on the survivor"].ok > 5
-    # the survivor's version is the dead one's, and Envoy took nothing new from it
-    assert await split.cla_version(http, survivor, "pool-a") == version
-    assert after["version"] == before["version"]
-    assert after["membership_change"] == before["membership_change"]
-    # the reconnect's resend is at most one update, and it rebuilt nothing
     updates = after["update_success"] - before["update_success"]
-    assert updates <= 1 and after["update_no_rebuild"] - before["update_no_rebuild"] == updates
+    rebuilt = updates - (after["update_no_rebuild"] - before["update_no_rebuild"])
+    if changes == 0:
+        # the survivor held the dead one's version, and Envoy took nothing new from it: the
+        # reconnect's resend is at most one update, and it rebuilt nothing
+        assert after["version"] == before["version"]
+        assert after["membership_change"] == before["membership_change"]
+        assert updates <= 1 and rebuilt == 0
+    else:
+        # the nodes' state changed meanwhile (a loaded machine): Envoy rebuilt once per change the
+        # survivor published, never for the failover itself
+        assert rebuilt <= changes and updates <= changes + 1
     assert await split.hosts(http, "pool-a") == {"gpu-a1": "HEALTHY", "gpu-a2": "HEALTHY"}

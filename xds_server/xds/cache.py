@@ -4,7 +4,8 @@ Each resource is validated and serialized once (deterministically) into its ``An
 changes; its version is a hash of its encoded content and nothing else (no replica id, no
 counter), so identical state yields identical versions after a restart and on every replica: an
 Envoy failing over between two replicas that hold the same state sees no change (checklist 1.9
-item 13). Different content never shares a version (a 64-bit slice of SHA-256). Streams register a wake-up callback with
+item 13). Different content shares a version only by a 64-bit SHA-256 prefix collision.
+Streams register a wake-up callback with
 :meth:`SnapshotCache.watch`; they never build or encode resources themselves, so a push to 1,000
 streams costs one encode plus 1,000 small envelopes.
 
@@ -89,7 +90,8 @@ def version_of(parts: Iterable[tuple[str, str]]) -> str:
 class SnapshotCache:
     """Holds, per type_url, the current resources by name.
 
-    Versions come from content only (:func:`content_version`). ``validators`` maps type_url -> :data:`Validator`; a
+    Versions come from content only (:func:`content_version`). ``validators`` maps type_url ->
+    :data:`Validator`; a
     resource that fails is never stored (:class:`InvalidResource` is raised and the previous
     content stays: bad content is held back, not pushed to every Envoy to be NACKed).
     Thread-unsafe: use from one asyncio loop.
