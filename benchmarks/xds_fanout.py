@@ -89,7 +89,7 @@ def bench_encode(sizes: list[int], changes: int) -> None:
     print("|---:|---:|---:|---:|---:|")
     for n in sizes:
         c = cluster_of(n)
-        cache = SnapshotCache("bench", validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()})
+        cache = SnapshotCache(validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()})
         cache.set_resource(EDS, "llm", build_cla(c, routing_of(c)))
         builds, encodes = [], []
         reps = changes if n <= 1000 else max(5, changes // 4)
@@ -115,7 +115,7 @@ async def run_server(endpoints: int, window_ms: float) -> None:
     from xds_server.xds.ads import AdsServicer
 
     c = cluster_of(endpoints)
-    cache = SnapshotCache("bench", validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()})
+    cache = SnapshotCache(validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()})
     cache.set_resources(CDS, {"llm": build_cluster(c)})
     cache.set_resource(EDS, "llm", build_cla(c, routing_of(c)))
     servicer = AdsServicer(cache)

@@ -64,7 +64,7 @@ async def run_server(interval_ms: float) -> None:
     cfg = parse_config({"clusters": [{"name": "llm", "nodes": [
         {"id": f"n{i}", "address": f"10.0.0.{i + 1}:8000", "probe_address": "127.0.0.1:1"} for i in range(8)]}]})
     c = cfg.clusters[0]
-    cache = SnapshotCache("bench", validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()})
+    cache = SnapshotCache(validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()})
     cache.set_resources(CLUSTER_TYPE_URL, {"llm": build_cluster(c)})
     cache.set_resource(CLA_TYPE_URL, "llm", build_cla(c, {n.id: Routing(1, "HEALTHY") for n in c.nodes}))
     servicer = AdsServicer(cache)

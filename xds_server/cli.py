@@ -26,7 +26,7 @@ from importlib import metadata
 
 from xds_server.admin.status_text import format_status
 from xds_server.config import ConfigError, load_config
-from xds_server.logs import FORMATS, LEVELS, configure_logging, quiet_grpc_core
+from xds_server.logs import FORMATS, LEVELS, configure_logging, quiet_grpc_core, set_replica
 from xds_server.untrusted import for_log
 
 __all__ = ["EXIT_CODES", "TOKEN_ENV", "admin_base_url", "main"]
@@ -88,6 +88,12 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"xds-server: {e}", file=sys.stderr)
         return 2
     from xds_server.server import ControlPlane
+
+    set_replica(cfg.xds.replica_id)
+    if cfg.xds.server_id is not None:
+        logging.getLogger("xds_server.server").warning(
+            "xds.server_id is deprecated and ignored: versions are content hashes, the same on every "
+            "replica; name this process with xds.replica_id (now %r)", cfg.xds.replica_id)
 
     async def run() -> int:
         cp = ControlPlane(cfg, config_path=path)
@@ -197,12 +203,23 @@ def _drain(args: argparse.Namespace) -> int:
 def _envoy_bootstrap(args: argparse.Namespace) -> int:
     import yaml
 
-    from xds_server.envoy_bootstrap import render_bootstrap
+    from xds_server.envoy_bootstrap import ControlPlaneGroup, render_bootstrap
 
     try:
+        groups = []
+        for spec in args.group or ():
+            path, _, addrs = spec.partition("=")
+            groups.append(ControlPlaneGroup.from_config(path, [a for a in addrs.split(",") if a]))
         doc = render_bootstrap(xds_port=args.xds_port, listener_port=args.listener_port,
                                admin_port=args.admin_port, cluster=args.cluster, node_id=args.node_id,
-                               api_type=args.api, per_try_timeout_s=args.per_try_timeout_s)
+                               api_type=args.api, per_try_timeout_s=args.per_try_timeout_s,
+                               xds_replicas=args.xds or (), groups=groups, route_header=args.route_header)
+    except ConfigError as e:
+        print(f"xds-server: --group: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"xds-server: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"xds-server: cannot read the bootstrap template: {e}", file=sys.stderr)
         return 1
@@ -226,8 +243,12 @@ def _envoy_bootstrap(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"xds-server: cannot write {args.output}: {e}", file=sys.stderr)
             return 1
-        print(f"wrote {args.output} (ADS 127.0.0.1:{args.xds_port}, listener :{args.listener_port}, "
-              f"admin :{args.admin_port}, cluster {args.cluster})")
+        if groups:
+            where = "; ".join(f"group {g.name}: {', '.join(c.name for c in g.clusters)} from "
+                              f"{', '.join(g.replicas)}" for g in groups)
+        else:
+            where = f"ADS {', '.join(args.xds or [f'127.0.0.1:{args.xds_port}'])}, cluster {args.cluster}"
+        print(f"wrote {args.output} ({where}; listener :{args.listener_port}, admin :{args.admin_port})")
     return 0
 
 
@@ -324,6 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     eb.add_argument("--xds-tls-sds", default=None, metavar="DIR",
                     help="write the certificate and CA as filesystem SDS files into DIR and point Envoy "
                          "at them (Envoy watches DIR: rotation without restart)")
+    eb.add_argument("--xds", action="append", metavar="HOST:PORT",
+                    help="a replica of the control plane (repeat for each; default 127.0.0.1:--xds-port)")
+    eb.add_argument("--group", action="append", metavar="CONFIG[=HOST:PORT,...]",
+                    help="several control planes: one per group of clusters, given by its xds-server config "
+                    "file and its replicas' ADS addresses (default its xds.listen); repeat per group")
+    eb.add_argument("--route-header", default="x-sentinel-cluster",
+                    help="with --group: the request header naming the cluster (default x-sentinel-cluster)")
     eb.add_argument("-o", "--output", default=None, help="file to write (default stdout)")
     d = cmd("demo", "local demo: real Envoy, simulated engines, injected faults", _demo)
     d.add_argument("--keep-running", action="store_true", help="stay up until Ctrl-C (no faults)")

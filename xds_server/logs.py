@@ -7,6 +7,8 @@ Two formats (``--log-format``):
 
 Structured fields come from ``extra=`` on a log call; the known ones are :data:`FIELDS`
 (``node``, ``cluster``, ``reason``, ``version``, ``client``, ``stream``, ``type``, ``nonce``).
+:func:`set_replica` adds ``replica`` (``xds.replica_id``) to every line of the process, so the
+logs of two replicas can be told apart once collected together.
 Their values are text that may come from agents or xDS clients, so they are escaped with
 :func:`xds_server.untrusted.for_log` (bounded, one line) before they are written.
 
@@ -24,12 +26,22 @@ import time
 
 from xds_server.untrusted import for_log
 
-__all__ = ["FIELDS", "LEVELS", "FORMATS", "JsonFormatter", "TextFormatter", "configure_logging", "quiet_grpc_core"]
+__all__ = ["FIELDS", "LEVELS", "FORMATS", "JsonFormatter", "TextFormatter", "configure_logging", "quiet_grpc_core",
+           "set_replica"]
 
 FIELDS = ("node", "cluster", "reason", "version", "client", "stream", "type", "nonce")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 FORMATS = ("text", "json")
 _FIELD_MAX_CHARS = 256
+_process_fields: dict[str, str] = {}
+
+
+def set_replica(replica_id: str | None) -> None:
+    """Add ``replica=<replica_id>`` to every later log line of this process (None: stop)."""
+    if replica_id:
+        _process_fields["replica"] = for_log(replica_id, _FIELD_MAX_CHARS)
+    else:
+        _process_fields.pop("replica", None)
 
 
 def _ts(record: logging.LogRecord) -> str:
@@ -38,7 +50,7 @@ def _ts(record: logging.LogRecord) -> str:
 
 
 def _fields(record: logging.LogRecord) -> dict[str, str]:
-    out = {}
+    out = dict(_process_fields)
     for k in FIELDS:
         v = record.__dict__.get(k)
         if v is not None:

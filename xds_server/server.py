@@ -83,8 +83,7 @@ class ControlPlane:
 
         self.clock: Clock = clock if clock is not None else LoopClock()
         self.counters = Counters()
-        self.cache = SnapshotCache(config.xds.server_id,
-                                   validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()},
+        self.cache = SnapshotCache(validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()},
                                    memo_max_entries=config.xds.memo_max_entries,
                                    memo_max_bytes=config.xds.memo_max_bytes)
         self.core = ControlCore(config, self.clock, on_publish=self._write, counters=self.counters)
@@ -128,7 +127,7 @@ class ControlPlane:
             CLUSTER_TYPE_URL, {c.name: build_cluster(c) for c in self.config.clusters}
         )
         ctx = ProbeSourceContext(self.config.health, self.config.probe, self.observe, self.clock,
-                                 self.counters, self.config.xds.server_id, self.config.tls.agents)
+                                 self.counters, self.config.xds.replica_id, self.config.tls.agents)
         for node_id, n in self.core.node_cfg.items():
             s = self._probe_factory(n, ctx)
             self.sessions[node_id] = s
@@ -223,7 +222,7 @@ class ControlPlane:
     async def reload(self, new: SentinelConfig, source: str = "api") -> dict:
         """Serve ``new`` + discovered nodes from now on; ADS streams stay open. Nodes added start COLD,
         nodes removed are published DRAINING and dropped once drained (readdressed: dropped and
-        added), thresholds apply at once; listen addresses, ``xds.server_id`` and ``tls.listener()``
+        added), thresholds apply at once; listen addresses, ``xds.replica_id`` and ``tls.listener()``
         keep their running values (``restart_needed``). Returns the changes as JSON (also in
         ``reload_status``)."""
         changes = await self._apply(self.discovery.configure(new), source)
@@ -283,7 +282,7 @@ class ControlPlane:
             if s is not None:
                 await s.stop()
         ctx = ProbeSourceContext(serving.health, serving.probe, self.observe, self.clock,
-                                 self.counters, serving.xds.server_id, serving.tls.agents)
+                                 self.counters, serving.xds.replica_id, serving.tls.agents)
         for node_id in [*added, *(i for i in restart if i in self.sessions)]:
             old = self.sessions.pop(node_id, None)
             if old is not None:

@@ -100,9 +100,9 @@ class AdsServer:
         return s
 
 
-async def start_ads_server(server_id: str = "t", validate: bool = True, **grpc_options) -> AdsServer:
+async def start_ads_server(validate: bool = True, **grpc_options) -> AdsServer:
     """Start an ADS server on a free port with CDS {llm, llm2} and the CLA of llm published."""
-    cache = SnapshotCache(server_id, validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()} if validate else None)
+    cache = SnapshotCache(validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()} if validate else None)
     cache.set_resources(CDS, {c.name: build_cluster(c) for c in CFG.clusters})
     cache.set_resource(EDS, "llm", cla("llm"))
     servicer = AdsServicer(cache)

@@ -256,7 +256,7 @@ async def test_issue9_node_ids_and_nonces_are_escaped_in_every_log_line(hostile_
 
 
 def test_issue9_delta_nack_is_counted_only_after_its_nonce_is_checked():
-    stream = DeltaStream("t", StreamIdentity(1, "t.1.", 0.0))
+    stream = DeltaStream(StreamIdentity(1, "t.1.", 0.0))
     v = stream.on_request(discovery_pb2.DeltaDiscoveryRequest(
         type_url=EDS, response_nonce="never-sent", error_detail=status_pb2.Status(code=13, message="x")))
     assert v.kind is Verdict.STALE and stream.types[EDS].nacks == 0 and stream.types[EDS].nack_nonce == ""

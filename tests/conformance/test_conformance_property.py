@@ -60,7 +60,7 @@ _ids = iter(range(1, 1 << 62))
 def new_stream(cls):
     """A stream with its identity injected as the shell would (unique id and nonce prefix)."""
     sid = next(_ids)
-    return cls("p", StreamIdentity(sid, f"test.{sid:x}.", 0.0))
+    return cls(StreamIdentity(sid, f"test.{sid:x}.", 0.0))
 
 
 def serve(stream, cache) -> list[bytes]:
@@ -135,7 +135,7 @@ def test_prop_delta_client_converges_to_cache_for_every_walk(ops):
 
 def delta_walk(ops, server) -> None:
     """One random walk on a delta stream served by ``server``; AssertionError on a violation."""
-    cache = SnapshotCache("p")
+    cache = SnapshotCache()
     set_clusters(cache, {"c0", "c1"}, 1)
     set_cla(cache, "c0", 1)
     client = DeltaClient()
@@ -207,7 +207,7 @@ def test_prop_sotw_client_converges_and_an_ack_is_never_answered(ops):
 
 def sotw_walk(ops, server) -> None:
     """One random walk on a SotW stream served by ``server``; AssertionError on a violation."""
-    cache = SnapshotCache("p")
+    cache = SnapshotCache()
     set_clusters(cache, {"c0", "c1"}, 1)
     set_cla(cache, "c0", 1)
     held_cds: dict[str, bytes] = {}
@@ -284,7 +284,7 @@ def sotw_walk(ops, server) -> None:
 @given(st.lists(st.sampled_from(NAMES), max_size=4, unique=True), st.lists(st.sampled_from(NAMES), max_size=3),
        st.text(min_size=1, max_size=300), st.sampled_from(["sotw", "delta"]))
 def test_prop_shared_encoding_is_byte_equivalent_to_the_message(names, removed, nonce, variant):
-    cache = SnapshotCache("p")
+    cache = SnapshotCache()
     for n in NAMES:
         set_cla(cache, n, 1 + NAMES.index(n))
     res = tuple(cache.resources(EDS)[n] for n in names)

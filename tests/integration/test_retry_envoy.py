@@ -72,7 +72,7 @@ async def rig():
             {"id": p0.name, "address": f"127.0.0.1:{p0.port}", "probe_address": "127.0.0.1:1", "priority": 0},
             {"id": p1.name, "address": f"127.0.0.1:{p1.port}", "probe_address": "127.0.0.1:2", "priority": 1},
         ]}]}).clusters[0]
-        cache = SnapshotCache("t")
+        cache = SnapshotCache()
         cache.set_resource(CDS, "llm", build_cluster(cfg))
         cache.set_resource(EDS, "llm", build_cla(cfg, {p0.name: Routing(100, "HEALTHY"),
                                                          p1.name: Routing(100, "HEALTHY")}))

@@ -24,7 +24,7 @@ def cla(name: str) -> endpoint_pb2.ClusterLoadAssignment:
 
 
 def test_consistent_snapshot_has_no_problems():
-    cache = SnapshotCache("t")
+    cache = SnapshotCache()
     cache.set_resources(CDS, {n: build_cluster(c) for n, c in BY_NAME.items()})
     cache.set_resource(EDS, "llm", cla("llm"))
     assert cache.consistent() == []  # llm2's assignment is pending (warm-up gate): allowed
@@ -35,7 +35,7 @@ def test_consistent_snapshot_has_no_problems():
 
 
 def test_consistent_names_an_assignment_without_its_cluster():
-    cache = SnapshotCache("t")
+    cache = SnapshotCache()
     cache.set_resources(CDS, {"llm": build_cluster(BY_NAME["llm"])})
     cache.set_resource(EDS, "llm", cla("llm"))
     cache.set_resource(EDS, "llm2", cla("llm2"))
@@ -43,7 +43,7 @@ def test_consistent_names_an_assignment_without_its_cluster():
 
 
 def test_consistent_follows_eds_service_name_and_ignores_non_eds_clusters():
-    cache = SnapshotCache("t")
+    cache = SnapshotCache()
     c = build_cluster(BY_NAME["llm"])
     c.eds_cluster_config.service_name = "llm-endpoints"
     static = cluster_pb2.Cluster(name="static", type=cluster_pb2.Cluster.STATIC)
@@ -84,7 +84,7 @@ def test_memo_never_exceeds_its_bounds(puts, max_entries, max_bytes):
 
 def test_subscription_set_memo_of_closed_streams_stays_within_its_byte_bound():
     # Issue 9: 200 streams of 20k names left 529 MB behind in the subset-version memo.
-    cache = SnapshotCache("t", memo_max_entries=1024, memo_max_bytes=256 * 1024)
+    cache = SnapshotCache(memo_max_entries=1024, memo_max_bytes=256 * 1024)
     cache.set_resource(EDS, "llm", cla("llm"))
     for i in range(200):
         names = frozenset([f"s{i}-{j:05d}" for j in range(2_000)] + ["llm"])

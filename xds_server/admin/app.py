@@ -106,7 +106,7 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
         return _json({"error": f"unknown node {for_log(node_id, 64)!r}"}, status=404)
 
     async def healthz(_: web.Request) -> web.Response:
-        return _json({"status": "ok"})
+        return _json({"status": "ok", "replica": view.config.xds.replica_id})
 
     async def readyz(_: web.Request) -> web.Response:
         published, missing = view.readiness()

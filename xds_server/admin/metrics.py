@@ -46,6 +46,10 @@ class ControlPlaneCollector:
 
     def collect(self):
         yield build_info_family("sentinel")
+        replica = InfoMetricFamily("sentinel_replica", "this control-plane process among replicas "
+                                   "(xds.replica_id): join other series on the scrape's instance")
+        replica.add_metric([], {"replica": self.view.config.xds.replica_id})
+        yield replica
         yield from self._nodes()
         yield from self._xds()
         yield from self._health()

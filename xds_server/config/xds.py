@@ -1,6 +1,9 @@
 """``xds:`` section: the ADS gRPC server, its bounds and its fail-static history."""
 from __future__ import annotations
 
+import socket
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from xds_server.config.base import _Model, _check_hostport
@@ -8,13 +11,35 @@ from xds_server.config.base import _Model, _check_hostport
 __all__ = ["XdsConfig"]
 
 
+def _hostname() -> str:
+    """The host's name, reduced to the characters a replica id allows ("sentinel" if none)."""
+    name = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in socket.gethostname())[:64]
+    return name or "sentinel"
+
+
 class XdsConfig(_Model):
     """The ADS gRPC server."""
 
     listen: str = Field("127.0.0.1:18000", description="HOST:PORT of the ADS gRPC server")
-    server_id: str = Field(
-        "sentinel", min_length=1, max_length=32,
-        description="prefix of every version_info, so versions from two replicas never collide",
+    replica_id: str = Field(
+        default_factory=_hostname, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+        description="this process's own name among replicas (default: the hostname, a pod name "
+        "under Kubernetes): in log lines (`replica` field), /metrics (`sentinel_replica_info`), "
+        "/healthz and /xds/clients, and the control_plane_id agents see. Never part of a version: "
+        "versions are content hashes, so two replicas with the same state publish the same "
+        "versions (README: Running two replicas)",
+    )
+    server_id: str | None = Field(
+        None, description="deprecated and ignored: it prefixed every version, so replicas "
+        "published different versions for the same state; versions are content hashes now. "
+        "Name a replica with replica_id",
+    )
+    ramp_anchor: Literal["wall_clock", "local"] = Field(
+        "wall_clock",
+        description="when PROBATION ramp steps happen. wall_clock: on multiples of "
+        "health.ramp_step_s of the Unix clock, so replicas with synchronized clocks (NTP: ms) "
+        "step together and publish the same weights; local: ramp_step_s after this process saw "
+        "the node enter PROBATION (each replica on its own schedule)",
     )
     warmup_timeout_ms: int = Field(
         5000, ge=0,

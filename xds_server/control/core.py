@@ -29,6 +29,7 @@ from xds_server.control.events import EventLog
 from xds_server.control.publish import ClusterPublish, PublishPlanner
 from xds_server.health import model as hm
 from xds_server.health import policy as hp
+from xds_server.health.anchor import anchor_ramp
 
 __all__ = ["ControlCore"]
 
@@ -123,6 +124,9 @@ class ControlCore:
         if node_id in self.restored and isinstance(obs, hm.HeartbeatObserved):
             prev = self._resume(node_id, prev, now_s)
         nh, events = hm.step(prev, obs, now_s, cfg)
+        if self.config.xds.ramp_anchor == "wall_clock":
+            # ramp steps on Unix-time multiples of ramp_step_s: replicas step together
+            nh = anchor_ramp(nh, cfg.ramp_step_s, round(self.clock.wall() - self.clock.now(), 3))
         self.health[node_id] = nh
         cluster = self.node_cluster[node_id]
         for ev in events:

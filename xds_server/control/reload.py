@@ -11,7 +11,7 @@ Shape::
 
 Rules (issue 13 item 2): nodes added start COLD (WARMING once their agent answers; neither is
 routed nor counted as failing); removed nodes are drained (published DRAINING) and dropped once
-drained; changed thresholds apply at once; listen addresses, ``xds.server_id`` and the ADS port's
+drained; changed thresholds apply at once; listen addresses, ``xds.replica_id`` and the ADS port's
 TLS mode and file paths need a restart (reported in ``restart_needed``, the running values stay;
 the files' content is reloaded when it changes, see :mod:`xds_server.tls`).
 """
@@ -25,7 +25,7 @@ from xds_server.health import model as hm
 
 __all__ = ["ConfigDiff", "ReloadPlan", "diff_configs", "drained", "plan_reload", "serving_config"]
 
-_RESTART_FIELDS = (("xds", "listen"), ("admin", "listen"), ("xds", "server_id"), ("tls", "mode"),
+_RESTART_FIELDS = (("xds", "listen"), ("admin", "listen"), ("xds", "replica_id"), ("tls", "mode"),
                    ("tls", "cert_file"), ("tls", "key_file"), ("tls", "client_ca_file"))
 
 
@@ -77,7 +77,7 @@ def plan_reload(declared: SentinelConfig, leaving: Mapping[str, tuple[ClusterCon
                 new: SentinelConfig) -> ReloadPlan:
     """The plan for serving ``new`` where ``declared`` was accepted last and ``leaving`` drains."""
     diff = diff_configs(declared, new)
-    keep = {"xds": new.xds.model_copy(update={"listen": declared.xds.listen, "server_id": declared.xds.server_id}),
+    keep = {"xds": new.xds.model_copy(update={"listen": declared.xds.listen, "replica_id": declared.xds.replica_id}),
             "admin": new.admin.model_copy(update={"listen": declared.admin.listen}),
             "tls": new.tls.model_copy(update=declared.tls.listener())}
     new = new.model_copy(update=keep)

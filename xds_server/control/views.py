@@ -250,7 +250,7 @@ class ControlPlaneView:
 
     def xds_clients(self) -> dict:
         """``/xds/clients``: each open ADS stream's ACKed versions and last NACK (bounded)."""
-        return self._ads.clients_view()
+        return {"replica": self.config.xds.replica_id, **self._ads.clients_view()}
 
     def xds_metric_families(self) -> Iterator:
         """The xDS server's Prometheus metric families (streams, requests, NACKs, cache)."""

@@ -36,12 +36,15 @@ class LoadGenerator:
 
     Counts go to the current phase (:meth:`phase`). A request fails if Envoy answers non-200 or
     the connection breaks; the status or exception name is counted. Bounded: stops at
-    :meth:`stop` or after ``max_duration_s``.
+    :meth:`stop` or after ``max_duration_s``. ``headers`` go on every request (e.g. the
+    header that picks a cluster when Envoy routes to several).
     """
 
     def __init__(self, url: str, concurrency: int = 4, max_tokens: int = 4, pause_s: float = 0.0,
-                 max_duration_s: float = 300.0, request_timeout_s: float = 30.0) -> None:
+                 max_duration_s: float = 300.0, request_timeout_s: float = 30.0,
+                 headers: dict[str, str] | None = None) -> None:
         self.url = url.rstrip("/") + "/v1/completions"
+        self.headers = dict(headers or {})
         self.concurrency = concurrency
         self.max_tokens = max_tokens
         self.pause_s = pause_s
@@ -77,7 +80,7 @@ class LoadGenerator:
             phase = self.phases[self.current]
             t = time.monotonic()
             try:
-                async with self._session.post(self.url, json=body) as r:
+                async with self._session.post(self.url, json=body, headers=self.headers) as r:
                     await r.read()
                     if r.status == 200:
                         phase.ok_by_node[r.headers.get("x-served-by", "?")] += 1

@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 AdsStream = Union[SotwStream, DeltaStream]
 
 _SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
+_EDS_SERVICE = "envoy.service.endpoint.v3.EndpointDiscoveryService"
+_CDS_SERVICE = "envoy.service.cluster.v3.ClusterDiscoveryService"
 _LOG_INTERVAL_S = 10.0  # at most one NACK / rejected-stream line per (kind, variant, type) per 10 s
 
 
@@ -105,16 +107,30 @@ class AdsServicer:
         self._announced: set[int] = set()  # stream ids whose connect line was considered
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        """Register both ADS methods on ``server``. Requests arrive as bytes (decoded here, so an
-        undecodable one is answered INVALID_ARGUMENT) and responses leave as bytes
+        """Register both ADS methods on ``server``, and the per-type CDS and EDS services
+        (``ClusterDiscoveryService``, ``EndpointDiscoveryService``) on the same streams: an Envoy
+        whose clusters take their EDS from more than one control plane (a cluster's
+        ``eds_config.api_config_source``, README "Running more than one control plane") opens
+        ``StreamEndpoints`` / ``DeltaEndpoints`` instead of ADS; the messages are the same.
+        Requests arrive as bytes (decoded here, so an undecodable one is answered
+        INVALID_ARGUMENT) and responses leave as bytes
         (:func:`~xds_server.xds.encoding.encode_response`: bodies shared by every stream)."""
-        handlers = {
-            "StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(
-                self.StreamAggregatedResources, request_deserializer=None, response_serializer=None),
-            "DeltaAggregatedResources": grpc.stream_stream_rpc_method_handler(
-                self.DeltaAggregatedResources, request_deserializer=None, response_serializer=None),
-        }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
+        def handlers(sotw: str, delta: str) -> dict:
+            return {
+                sotw: grpc.stream_stream_rpc_method_handler(
+                    self.StreamAggregatedResources, request_deserializer=None, response_serializer=None),
+                delta: grpc.stream_stream_rpc_method_handler(
+                    self.DeltaAggregatedResources, request_deserializer=None, response_serializer=None),
+            }
+
+        server.add_generic_rpc_handlers((
+            grpc.method_handlers_generic_handler(
+                _SERVICE, handlers("StreamAggregatedResources", "DeltaAggregatedResources")),
+            grpc.method_handlers_generic_handler(
+                _EDS_SERVICE, handlers("StreamEndpoints", "DeltaEndpoints")),
+            grpc.method_handlers_generic_handler(
+                _CDS_SERVICE, handlers("StreamClusters", "DeltaClusters")),
+        ))
 
     def _identity(self) -> StreamIdentity:
         sid = next(self._ids)
@@ -124,14 +140,14 @@ class AdsServicer:
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         """State-of-the-world ADS: one stream per Envoy, all types multiplexed."""
-        stream = SotwStream(self.cache.server_id, self._identity(), self.limits)
+        stream = SotwStream(self._identity(), self.limits)
         await self._serve(stream, discovery_pb2.DiscoveryRequest, request_iterator, context)
 
     async def DeltaAggregatedResources(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         """Delta (incremental) ADS: one stream per Envoy, all types multiplexed."""
-        stream = DeltaStream(self.cache.server_id, self._identity(), self.limits)
+        stream = DeltaStream(self._identity(), self.limits)
         await self._serve(stream, discovery_pb2.DeltaDiscoveryRequest, request_iterator, context)
 
     # -- views -------------------------------------------------------------------------------

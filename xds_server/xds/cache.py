@@ -1,9 +1,11 @@
 """Versioned snapshot cache: resources encoded once per change and shared by every ADS stream.
 
 Each resource is validated and serialized once (deterministically) into its ``Any`` when it
-changes; its version is ``<server_id>-<content hash>``, so identical state after a restart yields
-identical versions (Envoy sees no churn) while two replicas configured with different server ids
-never produce the same version (checklist 1.9 item 13). Streams register a wake-up callback with
+changes; its version is a hash of its encoded content and nothing else (no replica id, no
+counter), so identical state yields identical versions after a restart and on every replica: an
+Envoy failing over between two replicas that hold the same state sees no change (checklist 1.9
+item 13). Different content shares a version only by a 64-bit SHA-256 prefix collision.
+Streams register a wake-up callback with
 :meth:`SnapshotCache.watch`; they never build or encode resources themselves, so a push to 1,000
 streams costs one encode plus 1,000 small envelopes.
 
@@ -37,7 +39,11 @@ from xds_server.config import XdsConfig
 from xds_server.xds.memo import BoundedMemo, size_of_names
 from xds_server.xds.resources import RESOURCE_TYPES, type_label
 
-__all__ = ["CachedResource", "InvalidResource", "SnapshotCache", "Validator", "version_of"]
+__all__ = ["EMPTY_VERSION", "CachedResource", "InvalidResource", "SnapshotCache", "Validator", "content_version",
+           "version_of"]
+
+EMPTY_VERSION = "empty"
+"""The version of a type or response with no resources (the same on every replica)."""
 
 Validator = Callable[[str, Message], list[str]]
 """``validate(name, message) -> problems``; an empty list means valid."""
@@ -55,28 +61,37 @@ class InvalidResource(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class CachedResource:
-    """One encoded resource: ``name``, ``version`` (``<server_id>-<16 hex>``) and the packed ``Any``."""
+    """One encoded resource: ``name``, ``version`` (16 hex: :func:`content_version`) and the packed ``Any``."""
 
     name: str
     version: str
     any: any_pb2.Any
 
 
-def version_of(parts: Iterable[tuple[str, str]], prefix: str) -> str:
-    """A type- or response-level version: ``prefix`` + hash over sorted (name, version) pairs."""
+def content_version(data: bytes) -> str:
+    """A resource's version: the first 16 hex digits of SHA-256 over its deterministic encoding."""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def version_of(parts: Iterable[tuple[str, str]]) -> str:
+    """A type- or response-level version: 16 hex digits of SHA-256 over the sorted (name, version)
+    pairs; :data:`EMPTY_VERSION` for none. Depends on content only, never on order or replica."""
     h = hashlib.sha256()
+    n = 0
     for name, ver in sorted(parts):
         h.update(name.encode())
         h.update(b"\0")
         h.update(ver.encode())
         h.update(b"\n")
-    return f"{prefix}-{h.hexdigest()[:16]}"
+        n += 1
+    return h.hexdigest()[:16] if n else EMPTY_VERSION
 
 
 class SnapshotCache:
     """Holds, per type_url, the current resources by name.
 
-    ``server_id`` prefixes every version. ``validators`` maps type_url -> :data:`Validator`; a
+    Versions come from content only (:func:`content_version`). ``validators`` maps type_url ->
+    :data:`Validator`; a
     resource that fails is never stored (:class:`InvalidResource` is raised and the previous
     content stays: bad content is held back, not pushed to every Envoy to be NACKed).
     Thread-unsafe: use from one asyncio loop.
@@ -86,10 +101,9 @@ class SnapshotCache:
     ``memo_max_entries`` / ``memo_max_bytes`` bound each memo (defaults: ``XdsConfig``).
     """
 
-    def __init__(self, server_id: str, validators: Mapping[str, Validator] | None = None, *,
+    def __init__(self, validators: Mapping[str, Validator] | None = None, *,
                  memo_max_entries: int | None = None, memo_max_bytes: int | None = None) -> None:
         defaults = XdsConfig()
-        self.server_id = server_id
         self.validators: dict[str, Validator] = dict(validators or {})
         self.memo_max_entries = memo_max_entries or defaults.memo_max_entries
         self.memo_max_bytes = memo_max_bytes or defaults.memo_max_bytes
@@ -115,7 +129,7 @@ class SnapshotCache:
                 self.encode_s += time.perf_counter() - t0
                 raise InvalidResource(type_url, name, problems)
         data = message.SerializeToString(deterministic=True)
-        ver = f"{self.server_id}-{hashlib.sha256(data).hexdigest()[:16]}"
+        ver = content_version(data)
         self.encode_s += time.perf_counter() - t0
         return ver, data
 
@@ -167,9 +181,7 @@ class SnapshotCache:
 
     def _bump(self, type_url: str) -> None:
         res = self._resources.get(type_url, {})
-        self._type_version[type_url] = version_of(
-            ((r.name, r.version) for r in res.values()), self.server_id
-        )
+        self._type_version[type_url] = version_of((r.name, r.version) for r in res.values())
         self._generation += 1
         self._type_generation[type_url] = self._generation
         self._subset_versions.pop(type_url, None)
@@ -192,8 +204,7 @@ class SnapshotCache:
         if rtype.parent_type_url and name in self.resources(rtype.parent_type_url):
             return None
         data = rtype.absent(name).SerializeToString(deterministic=True)
-        ver = f"{self.server_id}-{hashlib.sha256(data).hexdigest()[:16]}"
-        return CachedResource(name, ver, any_pb2.Any(type_url=type_url, value=data))
+        return CachedResource(name, content_version(data), any_pb2.Any(type_url=type_url, value=data))
 
     def type_version(self, type_url: str) -> str:
         """Version of the whole set of a type ("" when never set)."""
@@ -205,7 +216,7 @@ class SnapshotCache:
         return self._type_generation.get(type_url, 0)
 
     def subset_version(self, type_url: str, names: frozenset[str]) -> str:
-        """Version of the resources of ``names`` that exist (``server_id``-prefixed hash), memoized
+        """Version of the resources of ``names`` that exist (:func:`version_of`), memoized
         until the type changes (bounded: :class:`BoundedMemo`), so 1,000 streams asking for the
         same set hash it once. A set too large for the memo is hashed each time: it costs no
         more than the request that named it."""
@@ -216,7 +227,7 @@ class SnapshotCache:
         if ver is None:
             res = self._resources.get(type_url, {})
             small, large = (names, res) if len(names) <= len(res) else (res.keys(), names)
-            ver = version_of(((n, res[n].version) for n in small if n in large), self.server_id)
+            ver = version_of((n, res[n].version) for n in small if n in large)
             memo.put(names, ver, size_of_names(names) + 128)
         return ver
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from envoy.service.discovery.v3 import discovery_pb2
 
 from xds_server.untrusted import clip
-from xds_server.xds.cache import CachedResource, SnapshotCache
+from xds_server.xds.cache import EMPTY_VERSION, CachedResource, SnapshotCache
 from xds_server.xds.protocol import (
     AckState,
     RequestVerdict,
@@ -76,8 +76,8 @@ class DeltaStream(StreamBase):
 
     variant = "delta"
 
-    def __init__(self, server_id: str, ident: StreamIdentity, limits: StreamLimits | None = None) -> None:
-        super().__init__(server_id, ident, limits)
+    def __init__(self, ident: StreamIdentity, limits: StreamLimits | None = None) -> None:
+        super().__init__(ident, limits)
         self.types: dict[str, DeltaTypeState] = {}
 
     def on_request(self, req: discovery_pb2.DeltaDiscoveryRequest) -> RequestVerdict:
@@ -201,7 +201,7 @@ class DeltaStream(StreamBase):
         if not send and not removed and not ts.answer_empty:
             return None
         nonce = self._next_nonce()
-        version = cache.type_version(ts.type_url) or f"{self.server_id}-empty"
+        version = cache.type_version(ts.type_url) or EMPTY_VERSION
         resp = ResponsePlan("delta", ts.type_url, version, nonce, tuple(send), tuple(removed))
         for r in send:
             ts.sent[r.name] = r.version

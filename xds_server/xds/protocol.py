@@ -9,7 +9,7 @@ builds a stream in memory and drives it with protobuf requests and a
 Shape::
 
     ident = StreamIdentity(stream_id=1, nonce_prefix="a1b2c3.1.", connected_at_s=0.0)
-    stream = SotwStream("sentinel", ident)                  # or DeltaStream
+    stream = SotwStream(ident)                  # or DeltaStream
     verdict = stream.on_request(req)                        # RequestVerdict (kind: Verdict)
     plans = stream.plans(cache)                             # list[ResponsePlan], recorded as sent
 
@@ -159,9 +159,8 @@ class StreamBase:
 
     variant = ""
 
-    def __init__(self, server_id: str, ident: StreamIdentity, limits: StreamLimits | None = None) -> None:
+    def __init__(self, ident: StreamIdentity, limits: StreamLimits | None = None) -> None:
         self.stream_id = ident.stream_id
-        self.server_id = server_id
         self.limits = limits or StreamLimits()
         self.node_id = ""
         self.node_cluster = ""

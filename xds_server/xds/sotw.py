@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from envoy.service.discovery.v3 import discovery_pb2
 
 from xds_server.untrusted import clip
-from xds_server.xds.cache import CachedResource, SnapshotCache
+from xds_server.xds.cache import EMPTY_VERSION, CachedResource, SnapshotCache
 from xds_server.xds.protocol import (
     AckState,
     RequestVerdict,
@@ -64,8 +64,8 @@ class SotwStream(StreamBase):
 
     variant = "sotw"
 
-    def __init__(self, server_id: str, ident: StreamIdentity, limits: StreamLimits | None = None) -> None:
-        super().__init__(server_id, ident, limits)
+    def __init__(self, ident: StreamIdentity, limits: StreamLimits | None = None) -> None:
+        super().__init__(ident, limits)
         self.types: dict[str, TypeState] = {}
 
     def on_request(self, req: discovery_pb2.DiscoveryRequest) -> RequestVerdict:
@@ -136,7 +136,7 @@ class SotwStream(StreamBase):
                 ts.answered_unserved = True
                 nonce = self._next_nonce()
                 ts.last_nonce = nonce
-                ts.last_version_sent = f"{self.server_id}-empty"
+                ts.last_version_sent = EMPTY_VERSION
                 ts.responses += 1
                 out.append(ResponsePlan("sotw", ts.type_url, ts.last_version_sent, nonce))
         return out
