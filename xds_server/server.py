@@ -40,6 +40,7 @@ from xds_server.control.publish import ClusterPublish
 from xds_server.control.reload import diff_configs, drained, serving_config
 from xds_server.control.views import ControlPlaneView
 from xds_server.health import model as hm
+from xds_server.probe_workers import WorkerPool
 from xds_server.state_file import file_signature, load_kept_state, save_state
 from xds_server.routing_events import RoutingChange, RoutingListener
 from xds_server.xds.ads import AdsServicer
@@ -85,7 +86,9 @@ class ControlPlane:
         self.core = ControlCore(config, self.clock, on_publish=self._write, counters=self.counters)
         self.routing_listeners: list[RoutingListener] = []
         self._notified: dict[str, tuple[str, str]] = {}
-        self._probe_factory = probe_sources if probe_sources is not None else grpc_probe_source
+        # probe.workers >= 1: probe streams and per-node models in worker processes (probe_workers)
+        self.probe_pool = WorkerPool.attach(self.core, self.clock, self.counters) if probe_sources is None else None
+        self._probe_factory = probe_sources or (self.probe_pool.source if self.probe_pool else grpc_probe_source)
         self.sessions: dict[str, ProbeSource] = {}
         self.ads = AdsServicer(self.cache, config=config.xds)
         self.view = ControlPlaneView(self.core, self.cache, self.ads, self.sessions, lambda: self._config)
@@ -193,6 +196,8 @@ class ControlPlane:
                 await s.stop()
             except Exception:  # noqa: BLE001 - one source's failure must not keep the rest running
                 log.exception("stopping probe source failed")
+        if self.probe_pool is not None:
+            await self.probe_pool.stop()
         if self._grpc:
             await self._grpc.stop(grace=0.5)
         if self._admin_runner:

@@ -1,6 +1,8 @@
 """``probe:`` section: the control plane's probe streams to the node_probe agents."""
 from __future__ import annotations
 
+from typing import Annotated, Literal, Union
+
 from pydantic import Field
 
 from xds_server.config.base import _Model
@@ -61,3 +63,31 @@ class ProbeConfig(_Model):
         description="a detection timer that fired late (health.self_lag_tolerance_ms) is re-run this "
         "much later, once, so heartbeats already waiting are read first (ours)",
     )
+    workers: Union[Literal["auto"], Annotated[int, Field(ge=0, le=1024)]] = Field(
+        0,
+        description="probe worker processes that hold the agents' streams and run the per-node "
+        "detector (issue 12 calls it probing.workers; docs/DESIGN.md section 8): 0 = in this "
+        "process (ours: today's path); N >= 1 = N worker processes, nodes assigned by a hash of "
+        "their id; auto = CPU count - 1, at least 1 (one core left to health, policy and xDS). "
+        "A change needs a restart",
+    )
+    worker_restart_grace_ms: float = Field(
+        3000.0, gt=0, le=60_000,
+        description="after a probe worker is replaced, its nodes' silence counts only from this "
+        "long after the new worker started (ours: a Python worker starts in ~0.5-1.5 s on a "
+        "loaded 2-core host, re-dials in ms and gets a heartbeat in 100 ms; a node that died "
+        "meanwhile is ejected that much later, the same order as Envoy's own connect timeouts)",
+    )
+    worker_report_interval_ms: float = Field(
+        1000.0, gt=0, le=60_000,
+        description="a probe worker sends telemetry-only changes (load, RTT, GPU memory, heartbeat "
+        "counts) at most this often; state changes, ejections and fail-static inputs go at once "
+        "(ours: /nodes is at most this stale, decisions never)",
+    )
+
+    def worker_count(self, cpu_count: int | None) -> int:
+        """Worker processes to run: ``workers``, or for "auto" ``cpu_count`` - 1, at least 1
+        (``cpu_count`` None, unknown, counts as 1). 0 = probe streams in this process."""
+        if self.workers == "auto":
+            return max(1, (cpu_count or 1) - 1)
+        return self.workers

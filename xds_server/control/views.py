@@ -178,7 +178,9 @@ class ControlPlaneView:
             "last_probe_failure": getattr(sess, "last_probe_failure", "") or None,
             "heartbeats": core.counters.heartbeats[node_id],
             "consecutive_misses": nh.heartbeat.consecutive_misses,
-            "last_heartbeat_s_ago": None if nh.heartbeat.last_s is None else round(now - nh.heartbeat.last_s, 3),
+            "last_heartbeat_s_ago": None if (last := nh.heartbeat.last_s if nh.heartbeat.last_s is not None
+                                             else getattr(sess, "last_heartbeat_s", None)) is None
+            else round(now - last, 3),  # a probe worker's flowing node: its last report with heartbeats
             "last_rtt_ms": nh.rtt.last_ms,
             "ewma_rtt_ms": nh.rtt.ewma_ms,
             "last_ttft_ms": nh.probe.last_ttft_ms,
