@@ -168,7 +168,7 @@ class WorkerPool:
         try:
             h.proc = subprocess.Popen(
                 [sys.executable, "-m", "xds_server.probe_workers._worker", str(child.fileno()),
-                 str(os.getpid()), _log_format()],
+                 str(os.getpid()), _log_format(), str(h.index)],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             child.close()

@@ -3,7 +3,8 @@
 :class:`~xds_server.probe_workers._detector.Detector`; sends the main process only changes.
 
 Started by :class:`~xds_server.probe_workers._pool.WorkerPool` as
-``python -m xds_server.probe_workers._worker FD PARENT_PID`` with one end of a socketpair as
+``python -m xds_server.probe_workers._worker FD PARENT_PID LOG_FORMAT INDEX`` (the index is
+there for ``ps``; the init message carries it too) with one end of a socketpair as
 file descriptor FD. It exits when the channel reaches end of stream (the main process exited or
 closed it), on ``("stop",)``, and (Linux) when the parent dies (``PR_SET_PDEATHSIG`` = SIGKILL),
 so it is never orphaned. Reports go out at once when the detector has an urgent change
@@ -177,7 +178,7 @@ async def serve(fd: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``_worker FD PARENT_PID [LOG_FORMAT]``: run one probe worker."""
+    """``_worker FD PARENT_PID [LOG_FORMAT [INDEX]]``: run one probe worker."""
     args = sys.argv[1:] if argv is None else argv
     fd, parent = int(args[0]), int(args[1])
     _die_with_parent(parent)
