@@ -11,7 +11,7 @@ Shape::
 
 Every observation goes through :func:`xds_server.health.model.step` here, as it would in the
 main process (heartbeat freshness, phi suspicion, stall, probes, ramps). A step is *urgent*
-when it made transitions, flipped a fail-static input (a miss counted or cleared, the stream
+when it made transitions, changed the reason, flipped a fail-static input (a miss counted or cleared, the stream
 closed or reopened), changed the ejection record or changed the node's routing key
 (:func:`~xds_server.control.core.routing_key`); urgent nodes are reported at the next
 :meth:`take`. Other changes (load, RTT inside its bucket, GPU memory, heartbeat counts) wait for
@@ -20,7 +20,8 @@ a full take.
 Handover: ``add`` starts a node from the main process's copy. A node that was not COLD gets a
 virtual last heartbeat ``grace_s`` in the future (no miss is counted before then, so a
 replaced worker's nodes are not ejected while it re-dials) and its first real heartbeat is not
-an inter-arrival sample (the phi estimate keeps its history). ``kept`` is the state-file state
+an inter-arrival sample (the phi estimate keeps the history the main process last got: the
+estimate itself is never urgent, it travels with the node's next material report). ``kept`` is the state-file state
 resumed at the first heartbeat (:func:`~xds_server.control.core.resume_kept`).
 """
 from __future__ import annotations
@@ -126,7 +127,7 @@ class Detector:
             n.events.extend(events)
             n.events.extend(step_events)
             self._mark(node_id)
-        elif _flags(nh) != _flags(prev) or nh.ejection is not prev.ejection:
+        elif _flags(nh) != _flags(prev) or nh.ejection is not prev.ejection or nh.reason != prev.reason:
             self._mark(node_id)
         elif (nh.state is not prev.state or nh.ramp is not prev.ramp or nh.probe is not prev.probe
               or nh.rtt is not prev.rtt or nh.engine.requests_waiting != prev.engine.requests_waiting
