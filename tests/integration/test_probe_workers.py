@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from xds_server.probe_workers import worker_for
+from xds_server.testing import wait_for
 
 pytestmark = pytest.mark.envoy
 
@@ -48,19 +49,6 @@ async def ejections(http: aiohttp.ClientSession, admin_port: int) -> dict[str, f
     return out
 
 
-async def poll(cond, timeout_s: float, step_s: float = 0.05):
-    """``cond()``'s first truthy value (awaited when it is a coroutine), or None after ``timeout_s``."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        v = cond()
-        if asyncio.iscoroutine(v):
-            v = await v
-        if v:
-            return v
-        await asyncio.sleep(step_s)
-    return None
-
-
 async def test_killed_worker_is_replaced_without_ejections_and_detection_still_works(make_fleet, http):
     fleet = make_fleet(n_nodes=4, probe_interval_s=0.5,
                        config_options={"probe": {"workers": 2, "worker_restart_grace_ms": GRACE_MS,
@@ -70,8 +58,8 @@ async def test_killed_worker_is_replaced_without_ejections_and_detection_still_w
     assert mine and len(mine) < len(ids)  # both workers own nodes; worker 0 is the one killed
     await fleet.wait_all_routed(http)
     cp_pid = fleet.control_plane.pid
-    before = await poll(lambda: w if len(w := workers_of(cp_pid)) == 2 else None, 10)
-    assert before is not None, "two probe workers expected"
+    before = await wait_for(lambda: w if len(w := workers_of(cp_pid)) == 2 else None, 10,
+                            what="two probe workers expected")
     nodes = await fleet.cp_nodes(http)
     assert all(nodes[i]["state"] in ROUTED and nodes[i]["probe_stream_connected"] for i in ids), nodes
     ej0 = await ejections(http, fleet.admin_port)
@@ -91,7 +79,7 @@ async def test_killed_worker_is_replaced_without_ejections_and_detection_still_w
         await asyncio.sleep(0.1)
     assert replaced is not None, "worker 0 was not replaced"
     assert workers_of(cp_pid)[1] == before[1]  # the other worker was left alone
-    assert await poll(lambda: _all_connected(fleet, http, mine), 10), "worker 0's nodes were not re-dialled"
+    await wait_for(lambda: _all_connected(fleet, http, mine), 10, what="worker 0's nodes were not re-dialled")
     assert await ejections(http, fleet.admin_port) == ej0, "a node was ejected because its worker died"
 
     # Detection in the new worker: freeze one of its agents, the node is excluded.
@@ -99,9 +87,9 @@ async def test_killed_worker_is_replaced_without_ejections_and_detection_still_w
     fleet.node(victim).agent.freeze()
     try:
         t0 = time.monotonic()
-        state = await poll(lambda: _state_if(fleet, http, victim, "UNHEALTHY"), 5)
-        assert state is not None, f"{victim} not ejected after its agent froze"
-        assert await poll(lambda: _excluded(fleet, http, victim), 5), f"Envoy still routes to {victim}"
+        await wait_for(lambda: _state_if(fleet, http, victim, "UNHEALTHY"), 5,
+                       what=f"{victim} not ejected after its agent froze")
+        await wait_for(lambda: _excluded(fleet, http, victim), 5, what=f"Envoy still routes to {victim}")
         detect_s = time.monotonic() - t0
         assert detect_s < 5.0
         after = await ejections(http, fleet.admin_port)
@@ -113,8 +101,8 @@ async def test_killed_worker_is_replaced_without_ejections_and_detection_still_w
     # No orphans: the control plane killed outright takes its workers with it.
     workers = workers_of(cp_pid)
     os.kill(cp_pid, signal.SIGKILL)
-    gone = await poll(lambda: not any(_alive(p) for p in workers.values()), 5)
-    assert gone, f"probe workers {workers} outlived the control plane"
+    await wait_for(lambda: not any(_alive(p) for p in workers.values()), 5,
+                   what=f"probe workers {workers} outlived the control plane")
 
 
 def _alive(pid: int) -> bool:

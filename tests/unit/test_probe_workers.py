@@ -240,3 +240,33 @@ async def test_frames_round_trip_and_end_of_stream_reads_none():
         await read_frame(rc)
     wc.close()
     d.close()
+
+
+# -- the pool with real worker processes (agents unreachable: the workers dial and report it) ----
+
+
+async def test_nodes_added_and_removed_by_a_reload_reach_the_worker_that_owns_them():
+    from xds_server.testing import free_port, wait_for
+
+    cfg = config(2, workers=2, worker_report_interval_ms=100)
+    cp = ControlPlane(parse_config(cfg))
+    cp.open()
+    try:
+        pool = cp.probe_pool
+        assert {i for h in pool.handles for i in h.nodes} == {"n0", "n1"}
+        cfg["clusters"][0]["nodes"].append({"id": "gpu-d", "address": "127.0.0.1:8100",
+                                            "probe_address": f"127.0.0.1:{free_port()}"})
+        await cp.reload(parse_config(cfg))
+        owner = pool.handles[worker_for("gpu-d", 2)]
+        assert "gpu-d" in owner.nodes and all("gpu-d" not in h.nodes for h in pool.handles if h is not owner)
+        # the owning worker dials it: its failed dials come back in a report
+        src = cp.sessions["gpu-d"]
+        await wait_for(lambda: src.failed_dials > 0, timeout_s=10, what="gpu-d was never dialled")
+        assert "unavailable" in src.last_error.lower() or "connect" in src.last_error.lower()
+        del cfg["clusters"][0]["nodes"][0]  # n0 leaves: drained first, then dropped
+        await cp.reload(parse_config(cfg))
+        assert await cp.reap_drained() == ["n0"]  # COLD (its agent never answered): drained at once
+        assert all("n0" not in h.nodes for h in pool.handles)
+    finally:
+        await cp.stop()
+    assert all(h.proc is None or h.proc.poll() is not None for h in pool.handles)

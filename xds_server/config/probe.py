@@ -66,7 +66,7 @@ class ProbeConfig(_Model):
     workers: Union[Literal["auto"], Annotated[int, Field(ge=0, le=1024)]] = Field(
         0,
         description="probe worker processes that hold the agents' streams and run the per-node "
-        "detector (issue 12 calls it probing.workers; docs/DESIGN.md section 8): 0 = in this "
+        "detector (issue 12 calls it probing.workers; docs/DESIGN.md section 12): 0 = in this "
         "process (ours: today's path); N >= 1 = N worker processes, nodes assigned by a hash of "
         "their id; auto = CPU count - 1, at least 1 (one core left to health, policy and xDS). "
         "A change needs a restart",

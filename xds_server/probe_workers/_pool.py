@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from xds_server.config import NodeConfig
+from xds_server.config import NodeConfig, SentinelConfig
 from xds_server.control.clock import Clock
 from xds_server.control.core import ControlCore
 from xds_server.control.counters import Counters
@@ -89,7 +89,7 @@ class _Handle:
     started_at: float = 0.0
     starts: int = 0
     backoff_s: float = 0.1
-    sent_ctx: ProbeSourceContext | None = None
+    sent_cfg: SentinelConfig | None = None  # the config whose thresholds the worker has
 
     def send(self, msg: tuple) -> None:
         if self.writer is not None and not self.writer.is_closing():
@@ -144,13 +144,17 @@ class WorkerPool:
             h.send(("remove", src.node.id))
 
     def _send_node(self, h: _Handle, src: RemoteSource) -> None:
-        ctx = src.ctx
-        if h.sent_ctx is None or (ctx.health, ctx.probe, ctx.control_plane_id) != (
-                h.sent_ctx.health, h.sent_ctx.probe, h.sent_ctx.control_plane_id):
-            h.sent_ctx = ctx
-            h.send(("config", ctx.health, ctx.probe, ctx.control_plane_id))
+        self._sync_config(h)
         node_id = src.node.id
         h.send(("add", src.node, self.core.health.get(node_id), self.core.restored.get(node_id)))
+
+    def _sync_config(self, h: _Handle) -> None:
+        """Send the running thresholds when they changed since this worker last got them (a
+        reload): checked at each add and each report, so they arrive within one report."""
+        cfg = self.core.config
+        if h.sent_cfg is not cfg:
+            h.sent_cfg = cfg
+            h.send(("config", cfg.health, cfg.probe, cfg.xds.server_id))
 
     def forward_fail_static_end(self, burst_start_s: float) -> set[str]:
         """Send FailStaticEnded to every running worker; returns the node ids they own."""
@@ -175,8 +179,7 @@ class WorkerPool:
         reader, h.writer = await asyncio.open_unix_connection(sock=parent)
         h.started_at = time.monotonic()
         h.starts += 1
-        cfg = self.core.config
-        h.sent_ctx = None
+        cfg = h.sent_cfg = self.core.config
         h.writer.write(encode(("init", h.index, cfg.health, cfg.probe, cfg.xds.server_id,
                                cfg.probe.worker_restart_grace_ms / 1000.0,
                                logging.getLogger().getEffectiveLevel())))
@@ -232,6 +235,7 @@ class WorkerPool:
         """Apply one report: health to the core, counts to the counters, links to the sources."""
         _, nodes, hb, probes, counters, links = msg
         self.reports += 1
+        self._sync_config(h)
         now = self.clock.now()
         c = self.counters
         for node_id, n in hb.items():

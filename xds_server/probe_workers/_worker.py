@@ -62,7 +62,10 @@ class Worker:
         self._loop = asyncio.get_running_loop()
 
     def sink(self, node_id: str, obs: hm.Observation, now_s: float) -> float | None:
-        """The sessions' observation sink: the detector, then an urgent report if one is due."""
+        """The sessions' observation sink: the detector, then an urgent report if one is due.
+        None (no Tick) for a node removed meanwhile (its session is still stopping)."""
+        if node_id not in self.detector.nodes:
+            return None
         at = self.detector.observe(node_id, obs, now_s)
         if self.detector.urgent and not self._flush_pending:
             self._flush_pending = True
