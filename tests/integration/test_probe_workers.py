@@ -66,9 +66,10 @@ async def test_killed_worker_is_replaced_without_ejections_and_detection_still_w
 
     os.kill(before[0], signal.SIGKILL)
     killed_at = time.monotonic()
-    # Through the restart and past the grace: every node stays routed, in /nodes and in Envoy.
+    # Through the restart, the re-dial and past the grace: every node stays routed, in /nodes and
+    # in Envoy (a worker's start-up is ~0.7 s of CPU: seconds on a loaded 2-core host).
     replaced = None
-    while time.monotonic() - killed_at < GRACE_MS / 1000.0 + 1.0:
+    while time.monotonic() - killed_at < 30.0:
         nodes = await fleet.cp_nodes(http)
         assert all(nodes[i]["state"] in ROUTED for i in ids), {i: nodes[i]["state"] for i in ids}
         hosts = await fleet.envoy_hosts(http)
@@ -76,10 +77,13 @@ async def test_killed_worker_is_replaced_without_ejections_and_detection_still_w
         now = workers_of(cp_pid)
         if now.get(0) not in (None, before[0]):
             replaced = now[0]
+        back = replaced is not None and all(nodes[i]["probe_stream_connected"] for i in mine)
+        if back and time.monotonic() - killed_at > GRACE_MS / 1000.0 + 0.5:
+            break
         await asyncio.sleep(0.1)
     assert replaced is not None, "worker 0 was not replaced"
+    assert back, "worker 0's nodes were not re-dialled"
     assert workers_of(cp_pid)[1] == before[1]  # the other worker was left alone
-    await wait_for(lambda: _all_connected(fleet, http, mine), 10, what="worker 0's nodes were not re-dialled")
     assert await ejections(http, fleet.admin_port) == ej0, "a node was ejected because its worker died"
 
     # Detection in the new worker: freeze one of its agents, the node is excluded.
@@ -111,11 +115,6 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-async def _all_connected(fleet, http, ids) -> bool:
-    nodes = await fleet.cp_nodes(http)
-    return all(nodes[i]["probe_stream_connected"] for i in ids)
 
 
 async def _state_if(fleet, http, node_id: str, state: str) -> bool:

@@ -74,9 +74,9 @@ class ProbeConfig(_Model):
     worker_restart_grace_ms: float = Field(
         3000.0, gt=0, le=60_000,
         description="after a probe worker is replaced, its nodes' silence counts only from this "
-        "long after the new worker started (ours: a Python worker starts in ~0.5-1.5 s on a "
-        "loaded 2-core host, re-dials in ms and gets a heartbeat in 100 ms; a node that died "
-        "meanwhile is ejected that much later, the same order as Envoy's own connect timeouts)",
+        "long after the new worker took them over (after its start-up) (ours: covers a re-dial, "
+        "ms, and the first heartbeat, 100 ms, ten times over on a slow host; a node that died "
+        "meanwhile is ejected this much later, once per worker crash; docs/DESIGN.md section 12)",
     )
     worker_report_interval_ms: float = Field(
         1000.0, gt=0, le=60_000,

@@ -13,7 +13,7 @@ Every observation goes through :func:`xds_server.health.model.step` here, as it 
 main process (heartbeat freshness, phi suspicion, stall, probes, ramps). A step is *urgent*
 when it made transitions, changed the reason, flipped a fail-static input (a miss counted or cleared, the stream
 closed or reopened), changed the ejection record or changed the node's routing key
-(:func:`~xds_server.control.core.routing_key`); urgent nodes are reported at the next
+(:func:`~xds_server.health.keys.routing_key`); urgent nodes are reported at the next
 :meth:`take`. Other changes (load, RTT inside its bucket, GPU memory, heartbeat counts) wait for
 a full take.
 
@@ -22,7 +22,7 @@ virtual last heartbeat ``grace_s`` in the future (no miss is counted before then
 replaced worker's nodes are not ejected while it re-dials) and its first real heartbeat is not
 an inter-arrival sample (the phi estimate keeps the history the main process last got: the
 estimate itself is never urgent, it travels with the node's next material report). ``kept`` is the state-file state
-resumed at the first heartbeat (:func:`~xds_server.control.core.resume_kept`).
+resumed at the first heartbeat (:func:`~xds_server.health.keys.resume_kept`).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from xds_server.config import HealthConfig
-from xds_server.control.core import probe_result_key, resume_kept, routing_key
+from xds_server.health.keys import probe_result_key, resume_kept, routing_key
 from xds_server.health import model as hm
 
 __all__ = ["Detector", "NodeReport"]
