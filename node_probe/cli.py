@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gRPC listen address HOST:PORT; port 0 picks a free one (default %(default)s)")
     p.add_argument("--metrics-listen", default=None, type=_listen,
                    help="serve the agent's own Prometheus /metrics on HOST:PORT (probe TTFT, scrape "
-                   "errors, stall flag, GPU readings); default: off")
+                   "errors, stall flag, GPU readings) and /healthz (200 while the agent runs); "
+                   "default: off")
     p.add_argument("--node-id", default=None,
                    help="node id reported in heartbeats (default: host name)")
     p.add_argument("--heartbeat-interval-ms", type=_positive_int, default=100,

@@ -1,4 +1,5 @@
-"""The agent's own Prometheus metrics, served on ``--metrics-listen`` (``GET /metrics``).
+"""The agent's own Prometheus metrics, served on ``--metrics-listen`` (``GET /metrics``, and
+``GET /healthz`` for a container's liveness check).
 
 :class:`AgentMetrics` counts what the agent does (micro-probes by result with a TTFT histogram,
 engine ``/metrics`` scrapes and their errors) with prometheus-client's own types in a per-agent
@@ -154,15 +155,21 @@ class AgentMetrics:
         return generate_latest(self.registry)
 
     async def serve(self, listen: str) -> int:
-        """Serve ``GET /metrics`` on ``listen`` (HOST:PORT; port 0 picks one); the bound port.
+        """Serve ``GET /metrics`` and ``GET /healthz`` on ``listen`` (HOST:PORT; port 0 picks one);
+        the bound port. ``/healthz`` answers 200 ``{"status": "ok"}`` while the agent's event loop
+        runs, whatever the engine's state (that is what the agent reports, not its own health).
 
         Raises OSError when it cannot be bound."""
         async def metrics(_: web.Request) -> web.Response:
             return web.Response(body=self.exposition(),
                                 headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
+        async def healthz(_: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
         app = web.Application()
         app.router.add_get("/metrics", metrics)
+        app.router.add_get("/healthz", healthz)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         host, _, port = listen.rpartition(":")

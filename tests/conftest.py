@@ -1,6 +1,12 @@
 """Fixtures shared by every test package: tiny aiohttp servers on free 127.0.0.1 ports."""
 from __future__ import annotations
 
+import os
+
+# The gRPC C core's own stderr lines (GOAWAY notes and the like) are noise in test output: off
+# unless the environment asks for them. Set before any test module imports grpc.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
 from collections.abc import Awaitable, Callable
 
 import pytest

@@ -136,12 +136,16 @@ def test_prop_entering_probation_from_warming_starts_at_ramp_start(start_pct, tt
     assert sim.nh.ramp.percent == start_pct and abs(route(sim.nh, 1, cfg).weight - max(1.0, start_pct)) <= 0.5 + 1e-9
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.integers(1, 30), st.sampled_from([0.3, 1.0, 2.0]))
-def test_prop_alternating_good_and_bad_probes_cause_bounded_transitions_per_minute(seed, period):
-    """Alternating good/bad probes for 10 minutes: at most a few transitions per minute (no flapping)."""
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 1), st.sampled_from([0.3, 1.0, 2.0]))
+def test_prop_alternating_good_and_bad_probes_cause_bounded_transitions_per_minute(phase, period):
+    """Alternating good/bad probes for 10 minutes: at most a few transitions per minute (no flapping).
+
+    ``phase`` 0 starts with a bad probe, 1 with a good one; the probe sequence depends on nothing
+    else, so the six (phase, period) pairs are every distinct input.
+    """
     def probe(t):
-        k = int(t / period) + seed
+        k = int(t / period) + phase
         return ProbeObserved(K.OK, ttft_ms=20) if k % 2 else ProbeObserved(K.TIMEOUT)
 
     sim = NodeSim(cfg=HealthConfig(), probe=probe, probe_every_s=period)

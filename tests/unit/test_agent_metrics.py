@@ -74,3 +74,13 @@ async def _value(port: int, key: tuple, at_least: float = 1) -> float | None:
     _, m = await scrape(port)
     v = m.get(key, 0)
     return v if v >= at_least else None
+
+
+async def test_agent_healthz_answers_while_the_engine_is_down(make_agent):  # noqa: F811
+    """The containers' liveness URL (Dockerfile HEALTHCHECK, deploy/kubernetes) is the agent's
+    own: it answers 200 although its engine cannot be reached (the agent reports that state)."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    agent, _ = await make_agent(dead, metrics_listen="127.0.0.1:0", engine_kind="vllm")
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{agent.metrics_port}/healthz") as r:
+        assert r.status == 200
+        assert await r.json() == {"status": "ok"}
