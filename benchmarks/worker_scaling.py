@@ -2,8 +2,8 @@
 
 Usage: python benchmarks/worker_scaling.py [--per-worker N] [--workers 0 1 2] [--repeat R] [--seconds S]
 
-A separate process runs a fake node_probe agent fleet (grpc.aio: every Watch stream gets a
-heartbeat every 100 ms and one good probe result; pings are not answered) on one port. This
+A separate process runs the fake node_probe agent fleet of benchmarks/heartbeat_capacity.py
+(every Watch stream gets a heartbeat every 100 ms; pings are not answered) on one port. This
 process runs the real ControlPlane with N nodes dialling it and ``probe.workers`` = W. After a
 warm-up it measures over S seconds, from /proc, the CPU (user+sys) of the main process and of
 each worker process, the heartbeats the workers received (their reports' counts) and false
@@ -33,9 +33,8 @@ import socket
 import statistics
 import time
 
-import grpc
+from collections.abc import Callable
 
-from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.config import parse_config
 from xds_server.server import ControlPlane
 from xds_server.testing import free_port
@@ -43,31 +42,22 @@ from xds_server.testing import free_port
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-class _FakeAgent(probe_pb2_grpc.NodeProbeServicer):
-    async def Watch(self, request_iterator, context):  # noqa: N802
-        loop = asyncio.get_running_loop()
-        tel = probe_pb2.Telemetry(engine_state=probe_pb2.ENGINE_STATE_READY)
-        nxt = loop.time()
-        seq = 0
-        yield probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(seq=0, interval_ms=100, telemetry=tel))
-        yield probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(seq=1, ok=True, ttft_ms=10.0))
-        while True:
-            seq += 1
-            yield probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(seq=seq, interval_ms=100, telemetry=tel))
-            nxt += 0.1
-            await asyncio.sleep(max(0.0, nxt - loop.time()))
+def _start_fleet() -> tuple[int, Callable[[], None]]:
+    """Start the fake agent fleet of benchmarks/heartbeat_capacity.py in its own process: its
+    ``FakeFleet`` when it has one, else its ``_agent_main``. Returns (port, stop)."""
+    try:
+        from heartbeat_capacity import FakeFleet
+    except ImportError:
+        from heartbeat_capacity import _agent_main
 
-
-def fake_fleet_main(port: int) -> None:
-    """Serve the fake agent fleet on 127.0.0.1:``port`` until killed."""
-    async def run() -> None:
-        srv = grpc.aio.server()
-        probe_pb2_grpc.add_NodeProbeServicer_to_server(_FakeAgent(), srv)
-        srv.add_insecure_port(f"127.0.0.1:{port}")
-        await srv.start()
-        await srv.wait_for_termination()
-
-    asyncio.run(run())
+        port = free_port()
+        # spawn, not fork: a forked child of a process that already ran gRPC hangs
+        proc = multiprocessing.get_context("spawn").Process(target=_agent_main, args=(port,), daemon=True)
+        proc.start()
+        _wait_listening(port, 30.0)
+        return port, lambda: (proc.kill(), proc.join())
+    fleet = FakeFleet().start()
+    return fleet.port, fleet.stop
 
 
 def _wait_listening(port: int, timeout_s: float) -> None:
@@ -90,10 +80,7 @@ def cpu_s(pid: int) -> float:
 
 
 async def measure(n: int, workers: int, seconds: float) -> dict:
-    port = free_port()
-    fleet = multiprocessing.get_context("spawn").Process(target=fake_fleet_main, args=(port,), daemon=True)
-    fleet.start()
-    _wait_listening(port, 30.0)
+    port, stop_fleet = _start_fleet()
     cfg = parse_config({
         "xds": {"listen": "127.0.0.1:0", "warmup_timeout_ms": 0},
         "admin": {"listen": "127.0.0.1:0"},
@@ -107,7 +94,12 @@ async def measure(n: int, workers: int, seconds: float) -> dict:
     cp = ControlPlane(cfg)
     await cp.start()
     try:
-        await asyncio.sleep(6.0)  # connect, settle, first full reports
+        # settle: every stream connected (worker start-up takes seconds on a loaded host), then
+        # 4 s more for first reports, ramps and the phi estimates
+        end = time.monotonic() + 60.0
+        while time.monotonic() < end and not all(s.connected for s in cp.sessions.values()):
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(4.0)
         pool = cp.probe_pool
         pids = [h.proc.pid for h in pool.handles] if pool else []
         hb0 = sum(cp.heartbeats.values())
@@ -132,8 +124,7 @@ async def measure(n: int, workers: int, seconds: float) -> dict:
         }
     finally:
         await cp.stop()
-        fleet.kill()
-        fleet.join()
+        stop_fleet()
 
 
 def channel_cost(nodes: int = 100, rounds: int = 200) -> dict:
