@@ -1,6 +1,6 @@
 """Probe workers without processes: the node -> worker assignment, the worker's detector and
 the main process's adoption of its reports (against the in-process path), the channel's
-frames, the config field. The processes themselves: tests/integration/test_probe_workers.py."""
+frames, the config field. The processes themselves: tests/integration/test_probe_workers_fleet.py."""
 from __future__ import annotations
 
 import asyncio
