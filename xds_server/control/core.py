@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Collection
 
 from xds_server.config import NodeConfig, SentinelConfig
