@@ -98,7 +98,7 @@ class _Handle:
 
 class WorkerPool:
     """``n`` probe worker processes (``n`` >= 1) feeding ``core``. ``restarts``: workers
-    replaced since start. ``reports`` / ``report_bytes``: frames and bytes received."""
+    replaced since start. ``reports``: report frames received."""
 
     def __init__(self, n: int, core: ControlCore, clock: Clock, counters: Counters) -> None:
         if n < 1:
