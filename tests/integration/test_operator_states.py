@@ -190,3 +190,33 @@ async def test_states_05_version_in_clusters_equals_the_acked_resource_version_i
         assert t["resource_versions"] == {"llm": cl["xds_version"]}
     finally:
         await c.close()
+
+
+async def test_states_06_429_for_2s_on_3_of_4_shown_REFUSING_2_blocked_1_held_back_back_on_1_good_probe(plane):
+    """Every probe answered 429 for ``busy_refusal_block_s`` (2 s here): REFUSING, not routed, its
+    reason the run; the 50 % cap holds the third back (routed at the 30 % busy share, one event);
+    the first good probe routes it at full weight again, without probation."""
+    cp, probes, clock, url = await plane(4, busy_refusal_block_s=2.0)
+    live = ["n0", "n1", "n2", "n3"]
+    for _ in range(6):   # 429 at 0, 0.5, ..., 2.5 s
+        for nid in live[:3]:
+            probes[nid].probe(kind="HTTP_STATUS", http_status=429)
+        beat(probes, clock, live, 0.5)
+    nodes, shown, lines, _, _ = await admin_state(url)
+    by = {v["id"]: v for v in nodes["nodes"]}
+    assert [by[n]["display_state"] for n in live] == ["REFUSING", "REFUSING", "HELD_BACK", "HEALTHY"]
+    assert [by[n]["routed"] for n in live] == [False, False, True, True]
+    assert by["n0"]["display_reason"].startswith("busy: every probe answered HTTP 429 for 2.5 s (6 probes")
+    assert by["n0"]["not_routed_because"].startswith("busy: every probe answered HTTP 429")
+    assert by["n2"]["health_state"] == "REFUSING" and by["n2"]["weight"] == 30
+    assert by["n2"]["display_reason"].startswith("held back by max_ejection_percent: busy: every probe answered")
+    assert row(lines, "n0")[2:4] == ["REFUSING", "-"] and row(lines, "n2")[2:4] == ["HELD_BACK", "30"]
+    assert shown[("n0", "REFUSING")] == 1.0 and shown[("n2", "HELD_BACK")] == 1.0
+    assert cp.core.counters.events["held_back"] == 1
+    probes["n0"].probe(ttft_ms=25.0)
+    beat(probes, clock, live, 0.1)
+    nodes, shown, lines, _, _ = await admin_state(url)
+    n0 = next(v for v in nodes["nodes"] if v["id"] == "n0")
+    assert n0["display_state"] == "HEALTHY" and n0["routed"] and n0["weight"] == 100
+    assert n0["display_reason"].startswith("load eased: first good probe (TTFT 25 ms) after refusing work")
+    assert shown[("n0", "REFUSING")] == 0.0 and shown[("n0", "HEALTHY")] == 1.0

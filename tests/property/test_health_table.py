@@ -49,7 +49,8 @@ records = st.fixed_dictionaries({
     "rtt": st.builds(Rtt, opt_ms, opt_ms, opt_ms),
     "probe": st.builds(Probes, st.integers(0, 5), st.integers(0, 5), opt_ms, opt_ms,
                        st.one_of(st.none(), st.sampled_from(list(ProbeResultKind))), st.integers(0, 100), opt_t,
-                       st.integers(0, 10)),
+                       st.integers(0, 10), st.booleans(), opt_t, opt_t, st.integers(0, 40),
+                       st.sampled_from([0, 429])),
     "engine": st.builds(Engine, st.sampled_from(list(EngineState)), st.booleans(), opt_t, st.integers(0, 2), opt_n,
                         opt_n, st.one_of(st.none(), st.floats(0, 1)), st.sampled_from(["", "GPU 0 Xid 79"])),
     "ejection": st.builds(Ejection, st.one_of(st.none(), st.sampled_from(list(EjectionCause))),
@@ -98,6 +99,11 @@ def test_prop_every_state_signal_pair_reaches_the_table_next_state_or_raises(sta
             assert out.ejection.clean_period_s == min(2 * required_clean_s(nh, CFG), CFG.probation_clean_max_s)
     else:
         assert out.ejection.cause is None
+    if expected is NodeState.REFUSING:  # a soft block (entered directly: the refusals' evidence)
+        assert model.route(out, 1, CFG).health_status == ("DRAINING" if out.drain.active else "UNHEALTHY")
+        assert state is NodeState.UNHEALTHY or (out.reason.startswith("busy: ") and "not routed" in out.reason)
+    if state is NodeState.REFUSING and expected in (NodeState.HEALTHY, NodeState.DEGRADED):
+        assert out.ramp.percent == nh.ramp.percent  # busy, not failed: no probation, no ramp
     if expected is NodeState.PROBATION:
         assert out.ramp == Ramp(CFG.ramp_start_percent, NOW)
     else:

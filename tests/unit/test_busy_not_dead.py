@@ -145,3 +145,93 @@ def test_a_probe_queued_behind_the_prefill_answered_300ms_late_after_it_keeps_1_
     assert sim.nh.state is S.DEGRADED
     sim.apply(ProbeObserved(K.OK, ttft_ms=25), 10.06)
     assert sim.nh.state is S.HEALTHY and route(sim.nh, 1, CFG).weight == 100
+
+
+# -- a reason never says "progressing" about progress older than the probe's wait (issue 11) ------
+
+
+def _busy_heartbeat(age_ms: float) -> HeartbeatObserved:
+    return HeartbeatObserved(requests_running=4, requests_waiting=2, progress_age_ms=age_ms,
+                             progress_detail="engine 0: tokens 100 -> 140")
+
+
+def test_timeout_with_progress_900ms_old_older_than_the_800ms_wait_is_a_failure_never_busy():
+    """The engine hung 0.9 s ago, before the probe was sent: nothing moved while it waited."""
+    sim = healthy_sim()
+    sim.apply(_busy_heartbeat(850), 4.45)
+    sim.apply(ProbeObserved(K.TIMEOUT), 4.5)
+    assert sim.nh.state is S.DEGRADED and sim.nh.reason.startswith("probe failure: inference timeout")
+    assert "busy" not in sim.nh.reason and "progress" not in sim.nh.reason
+    assert sim.nh.probe.consecutive_failures == 1
+
+
+def test_timeout_with_progress_700ms_old_within_the_800ms_wait_is_busy_and_says_the_age_and_the_wait():
+    sim = healthy_sim()
+    sim.apply(_busy_heartbeat(650), 4.45)
+    sim.apply(ProbeObserved(K.TIMEOUT), 4.5)
+    assert sim.nh.state is S.DEGRADED
+    assert sim.nh.reason == ("busy: saturated, inference timeout (no token within 800 ms); progressing: moved 0.7 s "
+                             "ago, within the probe's 0.8 s wait: engine 0: tokens 100 -> 140")
+
+
+def test_slow_probe_450ms_with_progress_600ms_old_is_slow_not_busy():
+    sim = healthy_sim()
+    sim.apply(_busy_heartbeat(550), 4.45)
+    sim.apply(ProbeObserved(K.OK, ttft_ms=450), 4.5)
+    assert sim.nh.state is S.DEGRADED and sim.nh.reason == "probe TTFT 450 ms >= 200 ms"
+    assert sim.nh.probe.degraded_not_busy   # unexplained slowness: 3 good probes to recover
+
+
+def test_503_with_progress_500ms_old_is_busy_and_gives_the_age_never_progressing():
+    sim = healthy_sim()
+    sim.apply(_busy_heartbeat(450), 4.45)
+    sim.apply(ProbeObserved(K.HTTP_STATUS, http_status=503), 4.5)
+    assert sim.nh.reason == "busy: saturated, HTTP 503; last progress 0.5 s ago: engine 0: tokens 100 -> 140"
+    assert "progressing" not in sim.nh.reason
+
+
+# -- hang detection: the stall's confirmation is measured from the freeze (issue 11) ---------------
+
+
+def _hung_after(t_last: float, report_after_s: float, age_before_ms: float = 0.0) -> NodeSim:
+    """A HEALTHY node whose tokens last moved at ``t_last`` (the agent's evidence ages from then,
+    plus ``age_before_ms``); the agent's STALLED report arrives ``report_after_s`` later (its 1 s
+    window, a scrape and a heartbeat interval). No probes."""
+    def hb(t: float) -> HeartbeatObserved:
+        age = max(0.0, t - t_last) * 1000.0 + age_before_ms
+        return HeartbeatObserved(requests_running=4, stalled=t >= t_last + report_after_s,
+                                 stall_detail="engine 0: 4 running, tokens frozen", progress_age_ms=age,
+                                 progress_detail="engine 0: tokens 100 -> 140")
+    sim = healthy_sim()
+    sim.heartbeat, sim.probe = hb, (lambda t: None)
+    return sim
+
+
+def test_hang_reported_1200ms_after_the_last_progress_is_ejected_at_1300ms_not_1500ms():
+    sim = _hung_after(4.02, 1.2)
+    sim.run_until(4.02 + 1.6)
+    eject = next(e for e in sim.events if e.to_state is S.UNHEALTHY)
+    assert abs(eject.at_s - (4.02 + 1.3)) < 0.005, eject
+    assert "engine still STALLED: no progress for 1.30 s (stall window 1000 ms + 300 ms)" in eject.reason
+
+
+def test_hang_reported_1050ms_after_progress_still_needs_1300ms_of_freeze():
+    sim = _hung_after(4.02, 1.05)
+    sim.run_until(4.02 + 1.29)
+    assert sim.nh.state is S.DEGRADED and "STALLED" in sim.nh.reason
+    sim.run_until(4.02 + 1.31)
+    assert sim.nh.state is S.UNHEALTHY
+
+
+def test_stall_of_a_request_at_an_engine_idle_for_5s_is_confirmed_300ms_after_the_report():
+    """Progress 5 s old at the first report is the idle time before the request, not this
+    freeze: the report's own time decides (the first report at t 4.02 + 1.1)."""
+    t_req = 4.02
+    sim = _hung_after(t_req, 1.1, age_before_ms=5000.0)
+    sim.run_until(t_req + 1.35)
+    assert sim.nh.state is S.DEGRADED
+    sim.run_until(t_req + 1.6)
+    eject = next(e for e in sim.events if e.to_state is S.UNHEALTHY)
+    assert "engine still STALLED 300 ms later" in eject.reason
+    report = next(e for e in sim.events if e.to_state is S.DEGRADED and e.at_s > 4.0)
+    assert abs(eject.at_s - report.at_s - 0.3) < 0.005

@@ -84,8 +84,22 @@ class HealthConfig(_Model):
         1000.0, gt=0,
         description="a slow or timed-out probe is 'busy' (DEGRADED, never ejected) only while the "
         "agent's evidence of progress (a step counter or the KV-cache usage of an instance with "
-        "requests running moved) is at most this old; ours: the agent's stall window (1 s), so a "
+        "requests running moved) is at most this old *and* no older than the probe's own wait "
+        "(ttft_timeout_ms for a timeout, the TTFT of a slow answer), so a reason never says "
+        "'progressing' about progress from before the probe was sent; an HTTP status (answered at "
+        "once) uses this window alone and gives the age. Ours: the agent's stall window (1 s), so a "
         "hang's last progress stops counting as evidence when the stall is declared (issue 11)",
+    )
+    busy_refusal_block_s: float = Field(
+        15.0, gt=0,
+        description="seconds (s) a node may answer every probe with a busy_http_statuses status (429) "
+        "and no good probe before it is soft-blocked (REFUSING: not routed, counted against "
+        "max_ejection_percent, back at its busy or full weight on its first answered probe, no "
+        "probation). Ours (issue 11): long enough that a load burst an engine works off in seconds "
+        "(its queue draining; 3-30 probes at the agent's 3-5 s busy or 0.5 s idle cadence) keeps "
+        "its DEGRADED share, short against what the share costs: every request Envoy sends to a node that refuses "
+        "everything is a 429 to retry elsewhere. 15 s is half Envoy's default outlier "
+        "base_ejection_time (30 s) and within the 10-30 s an operator expects of a soft ejection",
     )
     busy_good_probes_to_recover: int = Field(
         1, ge=1,
@@ -95,8 +109,10 @@ class HealthConfig(_Model):
     )
     stall_confirm_ms: float = Field(
         300.0, ge=0,
-        description="an engine still reported STALLED this long after the first report counts "
-        "as a second probe timeout (-> UNHEALTHY); the first report counts as one",
+        description="an engine still reported STALLED this long after the first report, or once "
+        "its last progress is busy_progress_window_ms + this old (measured from the freeze, not "
+        "from the report's arrival), counts as a second probe timeout (-> UNHEALTHY); the first "
+        "report counts as one",
     )
     # -- GPU and engine load --------------------------------------------------------------------
     gpu_min_free_ratio: float = Field(

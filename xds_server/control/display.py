@@ -12,7 +12,7 @@ shown state           when
 ``FAIL_STATIC``       fail-static kept an older assignment that still routes this node although
                       its health says it should not be (reason: the verdict not applied)
 ``UNREACHABLE``       no data yet (COLD) and dials to its agent fail (reason: the dial error)
-``HELD_BACK``         a soft ejection (outlier, GPU memory, queue) held back by the
+``HELD_BACK``         a soft ejection (outlier, GPU memory, queue, REFUSING) held back by the
                       max-ejection cap: still routed (reason: what was held back)
 any ``NodeState``     otherwise; a node not routed gives why it is not routed; WARMING gives
                       why the engine does not answer yet when the agent says so

@@ -29,8 +29,9 @@ __all__ = ["FORMAT_VERSION", "KEPT_STATES", "restore", "snapshot"]
 
 FORMAT_VERSION = 1
 KEPT_STATES = frozenset({hm.NodeState.HEALTHY, hm.NodeState.DEGRADED, hm.NodeState.PROBATION,
-                         hm.NodeState.UNHEALTHY})
-"""States worth keeping; COLD and WARMING nodes start afresh anyway."""
+                         hm.NodeState.REFUSING, hm.NodeState.UNHEALTHY})
+"""States worth keeping; COLD and WARMING nodes start afresh anyway. A REFUSING node resumes not
+routed (its reason kept) until its first answered probe."""
 
 
 def _rel(t: float | None, now_s: float) -> float | None:

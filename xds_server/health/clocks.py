@@ -12,7 +12,8 @@ from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
 from xds_server.health.records import ROUTED_STATES, EjectionCause, NodeHealth
 
-__all__ = ["EPS_S", "miss_after_s", "misses_at", "next_check_s", "phi_delay_s", "required_clean_s"]
+__all__ = ["EPS_S", "miss_after_s", "misses_at", "next_check_s", "phi_delay_s", "required_clean_s",
+           "stall_confirm_at_s"]
 
 EPS_S = 1e-9
 """Tolerance (s) for float error when a time lands exactly on a boundary."""
@@ -60,6 +61,26 @@ def phi_delay_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
     return ms / 1000.0
 
 
+def stall_confirm_at_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
+    """When (caller's clock, s) a reported stall counts as a second probe timeout, or None when
+    no stall is reported. The earlier of: ``stall_confirm_ms`` after the first report, and the
+    moment the engine's last progress (``Engine.progress_at_s``, the agent's evidence) is
+    ``busy_progress_window_ms`` + ``stall_confirm_ms`` old (1.3 s: the agent's 1 s stall window
+    plus the confirmation, measured from the freeze itself rather than from when the report
+    reached us, which adds up to a scrape and a heartbeat interval; issue 11). Progress already
+    that old at the first report (the engine was idle before the stuck request: the agent's
+    window started with the request) is not used; the report's time decides then."""
+    e = nh.engine
+    if not e.stalled or e.stalled_since_s is None:
+        return None
+    at = e.stalled_since_s + cfg.stall_confirm_ms / 1000.0
+    if e.progress_at_s is not None:
+        frozen_at = e.progress_at_s + (cfg.busy_progress_window_ms + cfg.stall_confirm_ms) / 1000.0
+        if frozen_at >= e.stalled_since_s:  # older progress (idle before the request): not this freeze's
+            at = min(at, frozen_at)
+    return at
+
+
 def next_check_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
     """Absolute time (caller's clock, s) at which a Tick can change something.
 
@@ -78,7 +99,7 @@ def next_check_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
                 cands.append(hb.last_s + d)
     if nh.ramp.step_at_s is not None:
         cands.append(nh.ramp.step_at_s + cfg.ramp_step_s)
-    e = nh.engine
-    if e.stalled and e.stalled_since_s is not None and e.stall_counted == 1 and nh.state in ROUTED_STATES:
-        cands.append(e.stalled_since_s + cfg.stall_confirm_ms / 1000.0)
+    confirm = stall_confirm_at_s(nh, cfg)
+    if confirm is not None and nh.engine.stall_counted == 1 and nh.state in ROUTED_STATES:
+        cands.append(confirm)
     return min(cands) if cands else None

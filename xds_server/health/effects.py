@@ -10,8 +10,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from xds_server.health.clocks import required_clean_s
+from xds_server.health.outcome import refusal_evidence
 from xds_server.health.records import EjectionCause, Event, NodeHealth, NodeState, Ramp
-from xds_server.health.signals import Ctx, Effect, Fired
+from xds_server.health.signals import Ctx, Effect, Fired, Signal
 
 __all__ = [
     "baseline",
@@ -38,6 +39,9 @@ __all__ = [
     "ramp_held",
     "ramp_step",
     "recovered",
+    "refusal_over",
+    "refusing",
+    "refusing_failure",
     "restarting",
     "slow_to_degraded",
     "stall_counted",
@@ -108,6 +112,32 @@ def recovered(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]
     text = (f"{good} consecutive good probes (last {f.detail})" if nh.probe.degraded_not_busy
             else f"load eased: {good} good probe{'s' if good > 1 else ''} (last {f.detail}) after being only busy")
     return replace(nh, probe=replace(nh.probe, degraded_not_busy=False)), text
+
+
+_NOT_ROUTED = "not routed until a probe is answered"
+
+
+def refusing(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    """Into (or still) REFUSING: every probe refused for ``busy_refusal_block_s``; the reason is
+    the run (:func:`~xds_server.health.outcome.refusal_evidence`). From PROBATION the node has not
+    proven itself since it failed: it returns DEGRADED and needs ``good_probes_to_recover``."""
+    p = replace(nh.probe, consecutive_good=0,
+                degraded_not_busy=nh.probe.degraded_not_busy or nh.state is NodeState.PROBATION)
+    return replace(nh, probe=p), f"{refusal_evidence(nh)}; {_NOT_ROUTED}"
+
+
+def refusing_failure(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    """REFUSING and a probe failure: counted (the next one ejects); still not routed."""
+    return _counted(nh), f"probe failure: {f.detail} (after refusing work); {_NOT_ROUTED}"
+
+
+def refusal_over(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    """REFUSING -> routed on the first probe the engine took: HEALTHY at full weight when it was
+    only busy and the probe was good, else DEGRADED (busy share); never probation or ramp."""
+    if f.signal is Signal.GOOD_PROBES_RECOVER:
+        return replace(nh, probe=replace(nh.probe, degraded_not_busy=False)), (
+            f"load eased: first good probe ({f.detail}) after refusing work; full weight, no probation")
+    return nh, f"{f.detail}; took work again after refusing it: routed at the DEGRADED share"
 
 
 def gpu_lost_while_warming(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:

@@ -7,21 +7,34 @@ from __future__ import annotations
 from xds_server.config import HealthConfig
 from xds_server.health.records import NodeHealth, ProbeObserved, ProbeOutcome, ProbeResultKind
 
-__all__ = ["classify_probe"]
+__all__ = ["classify_probe", "is_refusal", "refusal_evidence"]
 
 _DETAIL_CHARS = 120       # agent-supplied detail kept in a reason
 _FATAL_DETAIL_CHARS = 160
 
 
-def _progress_evidence(nh: NodeHealth, now_s: float, cfg: HealthConfig) -> str | None:
-    """The agent's evidence that the engine progresses, as reason text, or None: requests
-    running, not stalled, and a progress signal moved at most ``busy_progress_window_ms`` ago."""
+def _progress_evidence(nh: NodeHealth, now_s: float, cfg: HealthConfig, waited_s: float | None) -> str | None:
+    """The agent's evidence that the engine progresses, as reason text, or None.
+
+    Evidence: requests running, not stalled, and a progress signal moved at most
+    ``busy_progress_window_ms`` ago; for a probe that waited ``waited_s`` (s; a timeout waited
+    ``ttft_timeout_ms``, a slow answer its TTFT) the signal must also have moved *during* that
+    wait, so the text may say "progressing". An HTTP status is answered at once (``waited_s``
+    None): the text gives the age instead ("last progress 0.3 s ago"), never "progressing".
+    """
     e = nh.engine
     if (e.requests_running or 0) <= 0 or e.stalled or e.progress_at_s is None:
         return None
-    if now_s - e.progress_at_s > cfg.busy_progress_window_ms / 1000.0:
+    age_s = max(0.0, now_s - e.progress_at_s)
+    window_s = cfg.busy_progress_window_ms / 1000.0
+    if waited_s is not None:
+        window_s = min(window_s, waited_s)
+    if age_s > window_s:
         return None
-    return e.progress_detail[:_DETAIL_CHARS] or f"{e.requests_running:.0f} running, progressing"
+    what = e.progress_detail[:_DETAIL_CHARS] or f"{e.requests_running:.0f} running"
+    if waited_s is None:
+        return f"last progress {age_s:.1f} s ago: {what}"
+    return f"progressing: moved {age_s:.1f} s ago, within the probe's {waited_s:.1f} s wait: {what}"
 
 
 def _with(text: str, detail: str) -> str:
@@ -32,11 +45,13 @@ def classify_probe(nh: NodeHealth, obs: ProbeObserved, cfg: HealthConfig,
                    now_s: float) -> tuple[ProbeOutcome, str]:
     """A probe result's outcome class and a description for the reason line (at ``now_s``, s).
 
-    A slow probe, a timeout or an HTTP status in ``saturated_http_statuses`` while the agent
-    shows evidence of progress (``_progress_evidence``) is BUSY, described as
-    ``"busy: <what>; progressing: <evidence>"``; a status in ``busy_http_statuses`` is always
-    BUSY (the engine says it is full, fc07). Without evidence a timeout is a failure, however
-    many requests run: a hung engine is never called busy.
+    A slow probe or a timeout while a progress signal moved during the probe's wait
+    (``_progress_evidence``) is BUSY, described as ``"busy: saturated, <what>; progressing:
+    moved 0.1 s ago, within the probe's 0.8 s wait: <evidence>"``; an HTTP status in
+    ``saturated_http_statuses`` with evidence at most ``busy_progress_window_ms`` old is BUSY
+    with ``"last progress 0.3 s ago: <evidence>"``; a status in ``busy_http_statuses`` is always
+    BUSY (the engine says it is full, fc07; :func:`is_refusal`). Without evidence a timeout is a
+    failure, however many requests run: a hung engine is never called busy.
     """
     k = obs.kind
     if k is ProbeResultKind.OK:
@@ -57,11 +72,30 @@ def classify_probe(nh: NodeHealth, obs: ProbeObserved, cfg: HealthConfig,
     else:
         out, what = ProbeOutcome.FAIL, _with(k.value, obs.detail)
     http = k is ProbeResultKind.HTTP_STATUS
-    evidence = _progress_evidence(nh, now_s, cfg)
-    if http and obs.http_status in cfg.busy_http_statuses:
-        tail = f"; progressing: {evidence}" if evidence else ""
+    waited_s = (None if http else
+                obs.ttft_ms / 1000.0 if k is ProbeResultKind.OK else cfg.ttft_timeout_ms / 1000.0)
+    evidence = _progress_evidence(nh, now_s, cfg, waited_s)
+    if is_refusal(obs, cfg):
+        tail = f"; {evidence}" if evidence else ""
         return ProbeOutcome.BUSY, f"busy: saturated, the engine refuses work ({what}){tail}"
     if evidence is not None and (
             k in (ProbeResultKind.TIMEOUT, ProbeResultKind.OK) or (http and obs.http_status in cfg.saturated_http_statuses)):
-        return ProbeOutcome.BUSY, f"busy: saturated, {what}; progressing: {evidence}"
+        return ProbeOutcome.BUSY, f"busy: saturated, {what}; {evidence}"
     return out, what
+
+
+def is_refusal(obs: ProbeObserved, cfg: HealthConfig) -> bool:
+    """The engine refused the probe with a status in ``busy_http_statuses`` (it says it is full):
+    busy, never a failure; a run of them only lasts ``busy_refusal_block_s`` before a soft block."""
+    return obs.kind is ProbeResultKind.HTTP_STATUS and obs.http_status in cfg.busy_http_statuses
+
+
+def refusal_evidence(nh: NodeHealth) -> str:
+    """The current run of refusals as reason text, e.g. ``"busy: every probe answered HTTP 429
+    for 12.0 s (5 probes, no good probe)"`` (from ``nh.probe``; generic when no run is recorded)."""
+    p = nh.probe
+    if p.refused_since_s is None or p.refused_last_s is None:
+        return "busy: the engine refuses work"
+    n = p.refused_probes
+    return (f"busy: every probe answered HTTP {p.refused_status} for {p.refused_last_s - p.refused_since_s:.1f} s "
+            f"({n} probe{'s' if n != 1 else ''}, no good probe)")

@@ -7,10 +7,10 @@ Per cluster (:func:`cluster_routing`):
    (``outlier_factor`` x median and at least ``outlier_min_gap_*`` above it) is ejected for
    ``outlier_ejection_s``, doubling on each repeat up to ``outlier_ejection_max_s`` (as Envoy's
    own outlier detection grows its ejection time);
-3. ``max_ejection_percent``: soft ejections (outliers, GPU memory, queue) are held back once
-   ejected nodes would exceed that share of the cluster; hard evidence (lost heartbeats, failed
-   probes, engine fatal) is never held back, since a node that cannot answer must not get
-   traffic (field case fc04);
+3. ``max_ejection_percent``: soft ejections (outliers, GPU memory, queue, REFUSING) are held
+   back once ejected nodes would exceed that share of the cluster; hard evidence (lost
+   heartbeats, failed probes, engine fatal) is never held back, since a node that cannot answer
+   must not get traffic (field case fc04);
 4. weight (:func:`~xds_server.health.routing.weight`) = capacity x 100 x state factor x score
    factor, integer >= 1, where the seed score (seed 000) is
    ``0.7 x EWMA RTT ms + 0.3 x (1 - GPU free ratio) x 100`` (lower is better) and the score

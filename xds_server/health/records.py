@@ -49,17 +49,21 @@ class NodeState(str, enum.Enum):
     DEGRADED = "DEGRADED"
     UNHEALTHY = "UNHEALTHY"
     PROBATION = "PROBATION"
+    REFUSING = "REFUSING"
     DRAINING = "DRAINING"
 
 
 MACHINE_STATES: tuple[NodeState, ...] = (
     NodeState.COLD, NodeState.WARMING, NodeState.PROBATION, NodeState.HEALTHY, NodeState.DEGRADED,
-    NodeState.UNHEALTHY,
+    NodeState.REFUSING, NodeState.UNHEALTHY,
 )
 """The states of the transition table (``NodeHealth.state`` is always one of these)."""
 
-ROUTED_STATES: frozenset[NodeState] = frozenset({NodeState.PROBATION, NodeState.HEALTHY, NodeState.DEGRADED})
-"""States in which a node gets traffic (before cluster policy)."""
+ROUTED_STATES: frozenset[NodeState] = frozenset({NodeState.PROBATION, NodeState.HEALTHY, NodeState.DEGRADED,
+                                                 NodeState.REFUSING})
+"""States in which a node gets traffic before cluster policy. REFUSING is a soft block (busy: every
+probe refused for ``busy_refusal_block_s``): routed, at the DEGRADED share, only while the
+``max_ejection_percent`` cap holds the block back."""
 
 
 class ProbeResultKind(enum.StrEnum):
@@ -235,6 +239,10 @@ class Probes:
     clean_probes: int = 0
     degraded_not_busy: bool = False         # since last HEALTHY: a counted failure or a slow probe
                                             # without evidence of load (recovery needs more probes)
+    refused_since_s: float | None = None    # first probe of the current run of refusals (every
+    refused_last_s: float | None = None     # probe answered a busy_http_statuses status) and the
+    refused_probes: int = 0                 # last one; probes in the run; the status last seen
+    refused_status: int = 0
 
 
 @dataclass(frozen=True, slots=True)

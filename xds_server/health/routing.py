@@ -8,6 +8,7 @@ import enum
 from dataclasses import dataclass
 
 from xds_server.config import HealthConfig
+from xds_server.health.outcome import refusal_evidence
 from xds_server.health.records import ROUTED_STATES, NodeHealth, NodeState
 
 __all__ = ["NodeRouting", "Routing", "RoutingStatus", "WEIGHT_PER_CAPACITY", "full_weight", "node_routing",
@@ -80,9 +81,11 @@ def node_routing(nh: NodeHealth, cfg: HealthConfig) -> NodeRouting:
 
     DEGRADED keeps ``degraded_weight_factor`` (seed 001: cut by 70 %); PROBATION keeps its ramp
     percentage; more than ``queue_warning`` waiting multiplies by ``queue_warning_weight_factor``.
-    GPU free memory under ``gpu_min_free_ratio`` or more than ``queue_critical`` waiting is a
-    soft block. COLD, WARMING and UNHEALTHY are not routed (never published UNKNOWN, which Envoy
-    treats as healthy).
+    REFUSING (every probe refused for ``busy_refusal_block_s``), GPU free memory under
+    ``gpu_min_free_ratio`` or more than ``queue_critical`` waiting is a soft block; REFUSING
+    keeps the DEGRADED factor for when the ``max_ejection_percent`` cap holds its block back.
+    COLD, WARMING and UNHEALTHY are not routed (never published UNKNOWN, which Envoy treats as
+    healthy).
     """
     if nh.drain.active:
         return NodeRouting(RoutingStatus.DRAINING, 1.0)
@@ -90,15 +93,19 @@ def node_routing(nh: NodeHealth, cfg: HealthConfig) -> NodeRouting:
     if st not in ROUTED_STATES:
         return NodeRouting(RoutingStatus.UNHEALTHY, 1.0, hard=True)
     factor = 1.0
-    if st is NodeState.DEGRADED:
+    refusing = ""
+    if st is NodeState.REFUSING:  # a soft block; if the cap holds it back, routed as DEGRADED
+        factor = cfg.degraded_weight_factor
+        refusing = refusal_evidence(nh) if nh.probe.refused_since_s is not None else f"REFUSING: {nh.reason}"
+    elif st is NodeState.DEGRADED:
         factor = cfg.degraded_weight_factor
     elif st is NodeState.PROBATION:
         factor = max(nh.ramp.percent, cfg.ramp_start_percent) / 100.0
-    soft = ""
+    soft = refusing
     e = nh.engine
     w = e.requests_waiting
     if w is not None and w > cfg.queue_critical:
-        soft = f"queue: {w:.0f} waiting > {cfg.queue_critical:g}"
+        soft = soft or f"queue: {w:.0f} waiting > {cfg.queue_critical:g}"
     elif w is not None and w > cfg.queue_warning:
         factor *= cfg.queue_warning_weight_factor
     if not soft and e.gpu_free_ratio is not None and e.gpu_free_ratio < cfg.gpu_min_free_ratio:

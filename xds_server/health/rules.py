@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 
 from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
-from xds_server.health.clocks import EPS_S, misses_at, phi_delay_s, required_clean_s
-from xds_server.health.outcome import classify_probe
+from xds_server.health.clocks import EPS_S, misses_at, phi_delay_s, required_clean_s, stall_confirm_at_s
+from xds_server.health.outcome import classify_probe, is_refusal, refusal_evidence
 from xds_server.health.records import (
     ROUTED_STATES,
     DrainRequested,
@@ -242,9 +242,16 @@ def _record_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> NodeHealth
         clean_probes = p.clean_probes + 1
     else:
         failures, clean_since, clean_probes = p.consecutive_failures, None, 0
+    if is_refusal(obs, c.cfg):  # the run of only refusals goes on (or starts)
+        since = p.refused_since_s if p.refused_since_s is not None else c.now_s
+        refused = (since, c.now_s, p.refused_probes + 1, obs.http_status)
+    else:
+        refused = (None, None, 0, 0)
     return replace(nh, probe=replace(p, consecutive_failures=failures, last_ttft_ms=last, ewma_ttft_ms=ewma,
                                      last_kind=obs.kind, seen=p.seen + 1, clean_since_s=clean_since,
-                                     clean_probes=clean_probes))
+                                     clean_probes=clean_probes, refused_since_s=refused[0],
+                                     refused_last_s=refused[1], refused_probes=refused[2],
+                                     refused_status=refused[3]))
 
 
 _PROBE_SIGNAL = {ProbeOutcome.SLOW: Signal.PROBE_SLOW, ProbeOutcome.BUSY: Signal.PROBE_BUSY,
@@ -255,7 +262,8 @@ def _r_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> Sequence[Fired]
     """A probe's signal. A success while the last heartbeat reports a fatal GPU event is that
     event instead (a node whose GPU is lost is never promoted by a probe). A node that was only
     busy since it was last HEALTHY recovers after ``busy_good_probes_to_recover`` good probes,
-    one with a counted failure after ``good_probes_to_recover``."""
+    one with a counted failure after ``good_probes_to_recover``. A refusal (429) is
+    PROBE_REFUSED, or REFUSED_TOO_LONG once every probe for ``busy_refusal_block_s`` was one."""
     o = c.outcome
     if o is ProbeOutcome.FAIL:
         return (_failure(nh, c.what, c.cfg),)
@@ -266,6 +274,12 @@ def _r_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> Sequence[Fired]
                 else c.cfg.busy_good_probes_to_recover)
         recover = nh.probe.consecutive_good + 1 >= need
         return (Fired(Signal.GOOD_PROBES_RECOVER if recover else Signal.PROBE_GOOD, c.what),)
+    if o is ProbeOutcome.BUSY and is_refusal(obs, c.cfg):
+        p = nh.probe
+        run_s = c.now_s - (p.refused_since_s if p.refused_since_s is not None else c.now_s)
+        if run_s >= c.cfg.busy_refusal_block_s - EPS_S:
+            return (Fired(Signal.REFUSED_TOO_LONG, refusal_evidence(nh)),)
+        return (Fired(Signal.PROBE_REFUSED, c.what),)
     return (Fired(_PROBE_SIGNAL[o], c.what),)
 
 
@@ -273,12 +287,20 @@ def _r_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> Sequence[Fired]
 
 
 def _r_stall_confirmed(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[Fired]:
+    """A reported stall still reported at :func:`~xds_server.health.clocks.stall_confirm_at_s`
+    counts as a second probe timeout; the reason gives the evidence that confirmed it."""
     e, cfg = nh.engine, c.cfg
-    if (e.stalled and e.stall_counted == 1 and e.stalled_since_s is not None
-            and c.now_s - e.stalled_since_s >= cfg.stall_confirm_ms / 1000.0 - EPS_S):
-        return (Fired(Signal.STALL_CONFIRMED),
-                _failure(nh, f"engine still STALLED {cfg.stall_confirm_ms:.0f} ms later", cfg))
-    return _NONE
+    at = stall_confirm_at_s(nh, cfg)
+    if e.stall_counted != 1 or at is None or c.now_s < at - EPS_S:
+        return _NONE
+    assert e.stalled_since_s is not None  # stall_confirm_at_s is None without it
+    if c.now_s - e.stalled_since_s >= cfg.stall_confirm_ms / 1000.0 - EPS_S:
+        what = f"engine still STALLED {cfg.stall_confirm_ms:.0f} ms later"
+    else:
+        assert e.progress_at_s is not None
+        what = (f"engine still STALLED: no progress for {c.now_s - e.progress_at_s:.2f} s (stall window "
+                f"{cfg.busy_progress_window_ms:.0f} ms + {cfg.stall_confirm_ms:.0f} ms)")
+    return (Fired(Signal.STALL_CONFIRMED), _failure(nh, what, cfg))
 
 
 def _r_clean_period(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[Fired]:

@@ -19,7 +19,9 @@ class Signal(enum.Enum):
 
     MISS_THRESHOLD: ``consecutive_misses`` reached; GOOD_PROBES_RECOVER: this good probe makes
     ``good_probes_to_recover``; FAILURES_REACH_EJECT: this failure makes
-    ``probe_failures_to_eject``; HEALTHY_RUN_MET: HEALTHY for ``probation_clean_max_s`` (the
+    ``probe_failures_to_eject``; PROBE_REFUSED: the engine answered a status in
+    ``busy_http_statuses`` (429); REFUSED_TOO_LONG: this refusal makes a run of only refusals
+    ``busy_refusal_block_s`` long; HEALTHY_RUN_MET: HEALTHY for ``probation_clean_max_s`` (the
     doubled clean period is forgotten); FORGIVENESS_PENDING: fail-static ended while the node
     was still silent.
     """
@@ -33,6 +35,8 @@ class Signal(enum.Enum):
     GOOD_PROBES_RECOVER = "good probes to recover"
     PROBE_SLOW = "probe slow"
     PROBE_BUSY = "probe busy"
+    PROBE_REFUSED = "probe refused"
+    REFUSED_TOO_LONG = "refused too long"
     PROBE_FAIL = "probe fail"
     FAILURES_REACH_EJECT = "failures to eject"
     PROBE_FATAL = "probe fatal"

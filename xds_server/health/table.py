@@ -34,9 +34,11 @@ __all__ = [
 # ---- the table ----------------------------------------------------------------------------
 
 S, G = NodeState, Signal
-COLD, WARMING, PROBATION, HEALTHY, DEGRADED, UNHEALTHY = (
-    S.COLD, S.WARMING, S.PROBATION, S.HEALTHY, S.DEGRADED, S.UNHEALTHY)
-ROUTED = (PROBATION, HEALTHY, DEGRADED)
+COLD, WARMING, PROBATION, HEALTHY, DEGRADED, REFUSING, UNHEALTHY = (
+    S.COLD, S.WARMING, S.PROBATION, S.HEALTHY, S.DEGRADED, S.REFUSING, S.UNHEALTHY)
+ROUTED = (PROBATION, HEALTHY, DEGRADED, REFUSING)  # REFUSING: a soft block (see records.ROUTED_STATES)
+_PROBES = (G.PROBE_GOOD, G.GOOD_PROBES_RECOVER, G.PROBE_SLOW, G.PROBE_BUSY, G.PROBE_REFUSED, G.REFUSED_TOO_LONG,
+           G.PROBE_FAIL, G.FAILURES_REACH_EJECT, G.PROBE_FATAL)
 _STAY = None  # next state: the one the node is in
 
 # (states, signals, effect, next state or _STAY). Each (state, signal) pair appears once.
@@ -55,29 +57,35 @@ _SPEC: tuple[tuple[tuple[NodeState, ...], tuple[Signal, ...], Effect, NodeState 
     ((UNHEALTHY,), (G.FORGIVENESS_PENDING,), fx.forgive_later, _STAY),
     ((WARMING, *ROUTED), (G.FORGIVENESS_PENDING,), fx.noop, _STAY),
     ((HEALTHY,), (G.PING,), fx.baseline, _STAY),
-    ((COLD, WARMING, PROBATION, DEGRADED, UNHEALTHY), (G.PING,), fx.noop, _STAY),
+    ((COLD, WARMING, PROBATION, DEGRADED, REFUSING, UNHEALTHY), (G.PING,), fx.noop, _STAY),
     # probes: startup grace in COLD/WARMING; UNHEALTHY only keeps the clean-run bookkeeping
-    ((COLD,), (G.PROBE_GOOD, G.GOOD_PROBES_RECOVER, G.PROBE_SLOW, G.PROBE_BUSY, G.PROBE_FAIL,
-               G.FAILURES_REACH_EJECT, G.PROBE_FATAL), fx.noop, _STAY),
+    ((COLD,), _PROBES, fx.noop, _STAY),
     ((WARMING,), (G.PROBE_GOOD, G.GOOD_PROBES_RECOVER, G.PROBE_SLOW), fx.first_good_probe, PROBATION),
-    ((WARMING,), (G.PROBE_BUSY, G.PROBE_FAIL, G.FAILURES_REACH_EJECT, G.PROBE_FATAL), fx.noop, _STAY),
-    ((UNHEALTHY,), (G.PROBE_GOOD, G.GOOD_PROBES_RECOVER, G.PROBE_SLOW, G.PROBE_BUSY, G.PROBE_FAIL,
-                    G.FAILURES_REACH_EJECT), fx.noop, _STAY),
+    ((WARMING,), (G.PROBE_BUSY, G.PROBE_REFUSED, G.REFUSED_TOO_LONG, G.PROBE_FAIL, G.FAILURES_REACH_EJECT,
+                  G.PROBE_FATAL), fx.noop, _STAY),
+    ((UNHEALTHY,), _PROBES[:-1], fx.noop, _STAY),
     ((UNHEALTHY,), (G.PROBE_FATAL,), fx.fatal_while_out, _STAY),
-    (ROUTED, (G.PROBE_GOOD,), fx.good, _STAY),
+    ((PROBATION, HEALTHY, DEGRADED), (G.PROBE_GOOD,), fx.good, _STAY),
     ((PROBATION, HEALTHY), (G.GOOD_PROBES_RECOVER,), fx.good, _STAY),
     ((DEGRADED,), (G.GOOD_PROBES_RECOVER,), fx.recovered, HEALTHY),
     ((HEALTHY,), (G.PROBE_SLOW,), fx.slow_to_degraded, DEGRADED),
-    ((HEALTHY,), (G.PROBE_BUSY,), fx.with_detail, DEGRADED),
+    ((HEALTHY,), (G.PROBE_BUSY, G.PROBE_REFUSED), fx.with_detail, DEGRADED),
     ((PROBATION,), (G.PROBE_SLOW,), fx.not_good(reason=False), _STAY),  # PROBATION: the ramp holds
     ((DEGRADED,), (G.PROBE_SLOW,), fx.not_good(reason=False), _STAY),  # a busy node's queued probe: still busy
-    ((PROBATION,), (G.PROBE_BUSY,), fx.not_good(reason=False), _STAY),
-    ((DEGRADED,), (G.PROBE_BUSY,), fx.not_good(reason=True), _STAY),
+    ((PROBATION,), (G.PROBE_BUSY, G.PROBE_REFUSED), fx.not_good(reason=False), _STAY),
+    ((DEGRADED,), (G.PROBE_BUSY, G.PROBE_REFUSED), fx.not_good(reason=True), _STAY),
     ((HEALTHY,), (G.PROBE_FAIL,), fx.fail_to_degraded, DEGRADED),
     ((DEGRADED,), (G.PROBE_FAIL,), fx.fail_to_degraded, _STAY),
     ((PROBATION,), (G.PROBE_FAIL, G.FAILURES_REACH_EJECT), fx.eject_in_probation, UNHEALTHY),
-    ((HEALTHY, DEGRADED), (G.FAILURES_REACH_EJECT,), fx.eject_on_count, UNHEALTHY),
+    ((HEALTHY, DEGRADED, REFUSING), (G.FAILURES_REACH_EJECT,), fx.eject_on_count, UNHEALTHY),
     (ROUTED, (G.PROBE_FATAL,), fx.eject(EjectionCause.ENGINE), UNHEALTHY),
+    # busy: a run of only refusals (429) for busy_refusal_block_s is a soft block (REFUSING) until
+    # the engine takes a probe again; it was busy, not failed: no probation, no ramp
+    ((PROBATION, HEALTHY, DEGRADED), (G.REFUSED_TOO_LONG,), fx.refusing, REFUSING),
+    ((REFUSING,), (G.PROBE_REFUSED, G.REFUSED_TOO_LONG), fx.refusing, _STAY),
+    ((REFUSING,), (G.GOOD_PROBES_RECOVER,), fx.refusal_over, HEALTHY),
+    ((REFUSING,), (G.PROBE_GOOD, G.PROBE_SLOW, G.PROBE_BUSY), fx.refusal_over, DEGRADED),
+    ((REFUSING,), (G.PROBE_FAIL,), fx.refusing_failure, _STAY),
     # engine and GPU (telemetry)
     (ROUTED, (G.STALL,), fx.stall_counted(1), _STAY),
     (ROUTED, (G.STALL_CONFIRMED,), fx.stall_counted(2), _STAY),
