@@ -129,6 +129,11 @@ class ProbeSession:
             self._loop = asyncio.get_running_loop()
             self._task = asyncio.create_task(self._run(), name=f"probe-{self.node.id}")
 
+    def check_at(self, at_s: float | None) -> None:
+        """Arm the detection timer at ``at_s`` (loop clock, s; after :meth:`start`): a Tick
+        then unless an observation re-arms it first (a probe worker's handed-over node)."""
+        self._arm(at_s)
+
     async def stop(self) -> None:
         """Stop the session and wait for it to finish."""
         if self._timer:

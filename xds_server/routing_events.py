@@ -7,10 +7,13 @@ than Envoy does. Listeners must not block: they run on the control plane's event
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["RoutingChange", "RoutingListener"]
+__all__ = ["RoutingChange", "RoutingListener", "RoutingNotifier"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,3 +39,32 @@ class RoutingChange:
 
 
 RoutingListener = Callable[[RoutingChange], None]
+
+
+class RoutingNotifier:
+    """The registered listeners and what each node was last announced as.
+
+    ``notify(cluster, changes)``: ``changes`` are ``(key, RoutingChange)`` pairs for a cluster's
+    nodes just published, ``key`` what counts as a change (EDS health status, effective state);
+    each listener hears the changes whose key differs from the last one announced for that node.
+    A listener that raises is logged and the others still run.
+    """
+
+    def __init__(self) -> None:
+        self.listeners: list[RoutingListener] = []
+        self._announced: dict[str, tuple] = {}
+
+    def forget(self, node_id: str) -> None:
+        """The node left (or is another server now): its next change is announced whatever it is."""
+        self._announced.pop(node_id, None)
+
+    def notify(self, changes: list[tuple[tuple, RoutingChange]]) -> None:
+        for key, change in changes:
+            if self._announced.get(change.node_id) == key:
+                continue
+            self._announced[change.node_id] = key
+            for listener in list(self.listeners):
+                try:
+                    listener(change)
+                except Exception:  # a listener's bug must not stop publishing
+                    log.exception("routing listener failed for %s", change.node_id)

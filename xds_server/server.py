@@ -41,9 +41,10 @@ from xds_server.control.reload import drained, plan_reload, serving_config
 from xds_server.control.views import ControlPlaneView
 from xds_server.discovery import Discovery, drop_readdressed
 from xds_server.health import model as hm
+from xds_server.probe_workers import WorkerPool
 from xds_server.tls import add_port, listener_credentials, node_allow_authorizer
 from xds_server.state_file import file_signature, load_kept_state, save_state
-from xds_server.routing_events import RoutingChange, RoutingListener
+from xds_server.routing_events import RoutingChange, RoutingListener, RoutingNotifier
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import InvalidResource, SnapshotCache
 from xds_server.xds.resources import (
@@ -87,9 +88,11 @@ class ControlPlane:
                                    memo_max_entries=config.xds.memo_max_entries,
                                    memo_max_bytes=config.xds.memo_max_bytes)
         self.core = ControlCore(config, self.clock, on_publish=self._write, counters=self.counters)
-        self.routing_listeners: list[RoutingListener] = []
-        self._notified: dict[str, tuple[str, str]] = {}
-        self._probe_factory = probe_sources if probe_sources is not None else grpc_probe_source
+        self._notifier = RoutingNotifier()
+        self.routing_listeners: list[RoutingListener] = self._notifier.listeners
+        # probe.workers >= 1: probe streams and per-node models in worker processes (probe_workers)
+        self.probe_pool = WorkerPool.attach(self.core, self.clock, self.counters) if probe_sources is None else None
+        self._probe_factory = probe_sources or (self.probe_pool.source if self.probe_pool else grpc_probe_source)
         self.sessions: dict[str, ProbeSource] = {}
         self.ads = AdsServicer(self.cache, config=config.xds,
                                authorize=node_allow_authorizer(lambda: self._config.tls.node_allow))
@@ -203,6 +206,8 @@ class ControlPlane:
                 await s.stop()
             except Exception:  # noqa: BLE001 - one source's failure must not keep the rest running
                 log.exception("stopping probe source failed")
+        if self.probe_pool is not None:
+            await self.probe_pool.stop()
         if self._grpc:
             await self._grpc.stop(grace=0.5)
         if self._admin_runner:
@@ -277,7 +282,7 @@ class ControlPlane:
         for name in [n for n in self.cache.resources(CLA_TYPE_URL) if n not in {c.name for c in serving.clusters}]:
             self.cache.remove_resource(CLA_TYPE_URL, name)
         for node_id in dropped:
-            self._notified.pop(node_id, None)
+            self._notifier.forget(node_id)
             s = self.sessions.pop(node_id, None)
             if s is not None:
                 await s.stop()
@@ -357,24 +362,13 @@ class ControlPlane:
 
     def _notify_listeners(self, cluster: str, nodes: list[NodeConfig], routing) -> None:
         """Tell routing listeners about each node whose published status or state changed."""
-        if not self.routing_listeners:
-            return
-        version = self.cla_version(cluster)
-        for n in nodes:
-            nh = self.core.health[n.id]
-            r = routing[n.id]
-            key = (r.health_status, nh.effective_state.value)
-            if self._notified.get(n.id) == key:
-                continue
-            self._notified[n.id] = key
-            change = RoutingChange(n.id, cluster, n.address, r.health_status == "HEALTHY",
-                                   nh.effective_state.value, r.health_status, r.weight, nh.reason,
-                                   version, self.clock.wall())
-            for listener in list(self.routing_listeners):
-                try:
-                    listener(change)
-                except Exception:  # a listener's bug must not stop publishing
-                    log.exception("routing listener failed for %s", n.id)
+        if self.routing_listeners:
+            version, wall, health = self.cla_version(cluster), self.clock.wall(), self.core.health
+            self._notifier.notify([((routing[n.id].health_status, health[n.id].effective_state.value),
+                                    RoutingChange(n.id, cluster, n.address, routing[n.id].health_status == "HEALTHY",
+                                                  health[n.id].effective_state.value, routing[n.id].health_status,
+                                                  routing[n.id].weight, health[n.id].reason, version, wall))
+                                   for n in nodes])
 
     # -- read-only shortcuts (benchmarks and tests read these) ---------------------------------
 

@@ -17,7 +17,7 @@ from xds_server.xds.resources import build_cluster
 
 
 def _cfg(listen: str, *clusters: str, **cluster_opts) -> dict:
-    return {"xds": {"listen": listen}, "clusters": [
+    return {"xds": {"listen": listen}, "tls": {"mode": "plaintext", "agents": {"mode": "plaintext"}}, "clusters": [
         {"name": c, **cluster_opts, "nodes": [
             {"id": f"{c}-n{i}", "address": f"10.0.0.{i + 1}:8000", "probe_address": f"10.0.0.{i + 1}:50051"}
             for i in range(2)]} for c in clusters]}

@@ -1,6 +1,8 @@
 """``probe:`` section: the control plane's probe streams to the node_probe agents."""
 from __future__ import annotations
 
+from typing import Annotated, Literal, Union
+
 from pydantic import Field
 
 from xds_server.config.base import _Model
@@ -63,3 +65,31 @@ class ProbeConfig(_Model):
         "long as a heartbeat miss window (interval + grace) or longer, one miss window later instead "
         "(ours; the fault matrix's control-plane SIGSTOP)",
     )
+    workers: Union[Literal["auto"], Annotated[int, Field(ge=0, le=1024)]] = Field(
+        0,
+        description="probe worker processes that hold the agents' streams and run the per-node "
+        "detector (issue 12 calls it probing.workers; docs/DESIGN.md section 12): 0 = in this "
+        "process (ours: today's path); N >= 1 = N worker processes, nodes assigned by a hash of "
+        "their id; auto = CPU count - 1, at least 1 (one core left to health, policy and xDS). "
+        "A change needs a restart",
+    )
+    worker_restart_grace_ms: float = Field(
+        3000.0, gt=0, le=60_000,
+        description="after a probe worker is replaced, its nodes' silence counts only from this "
+        "long after the new worker took them over (after its start-up) (ours: covers a re-dial, "
+        "ms, and the first heartbeat, 100 ms, ten times over on a slow host; a node that died "
+        "meanwhile is ejected this much later, once per worker crash; docs/DESIGN.md section 12)",
+    )
+    worker_report_interval_ms: float = Field(
+        1000.0, gt=0, le=60_000,
+        description="a probe worker sends telemetry-only changes (load, RTT, GPU memory, heartbeat "
+        "counts) at most this often; state changes, ejections and fail-static inputs go at once "
+        "(ours: /nodes is at most this stale, decisions never)",
+    )
+
+    def worker_count(self, cpu_count: int | None) -> int:
+        """Worker processes to run: ``workers``, or for "auto" ``cpu_count`` - 1, at least 1
+        (``cpu_count`` None, unknown, counts as 1). 0 = probe streams in this process."""
+        if self.workers == "auto":
+            return max(1, (cpu_count or 1) - 1)
+        return self.workers

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from xds_server.config import NodeConfig, SentinelConfig
 from xds_server.control.clock import Clock, Timer
@@ -30,6 +29,7 @@ from xds_server.control.publish import ClusterPublish, PublishPlanner
 from xds_server.health import model as hm
 from xds_server.health import policy as hp
 from xds_server.health.anchor import anchor_ramp
+from xds_server.health.keys import probe_result_key, resume_kept, routing_key
 
 __all__ = ["ControlCore"]
 
@@ -82,6 +82,9 @@ class ControlCore:
         self._running = False
         self.started_s = 0.0
         self.restored: dict[str, hm.NodeHealth] = {}  # resumed at the node's first heartbeat
+        # Nodes whose per-node model runs in a probe worker (xds_server.probe_workers): called
+        # with the burst start when fail-static ends, returns the node ids it forwarded it to.
+        self.forward_fail_static_end: Callable[[float], Collection[str]] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -119,7 +122,7 @@ class ControlCore:
         if isinstance(obs, hm.HeartbeatObserved):
             self.counters.heartbeats[node_id] += 1
         elif isinstance(obs, hm.ProbeObserved):
-            self._count_probe_result(node_id, prev, obs, now_s)
+            self.counters.probe_results[(node_id, *probe_result_key(prev, obs, cfg, now_s))] += 1
         before = prev  # what this node's routing key was last computed from
         if node_id in self.restored and isinstance(obs, hm.HeartbeatObserved):
             prev = self._resume(node_id, prev, now_s)
@@ -127,6 +130,32 @@ class ControlCore:
         if self.config.xds.ramp_anchor == "wall_clock":
             # ramp steps on Unix-time multiples of ramp_step_s: replicas step together
             nh = anchor_ramp(nh, cfg.ramp_step_s, round(self.clock.wall() - self.clock.now(), 3))
+        self._settle(node_id, before, prev, nh, events, now_s)
+        return hm.next_check_s(nh, cfg)
+
+    def adopt(self, node_id: str, nh: hm.NodeHealth, events: list[hm.Event], now_s: float) -> None:
+        """Take a node's health as a probe worker's model decided it (with the transitions since
+        its last report): events recorded, ejections counted, cluster marked dirty when its
+        routing key changed, fail-static checked. The drain record stays this process's (the
+        operator's overlay is decided here); a node whose heartbeats flow is kept with
+        ``heartbeat.last_s`` None (the worker watches its freshness; fail-static reads only
+        silent nodes' last heartbeats). Ignored for a node no longer in the config."""
+        prev = self.health.get(node_id)
+        if prev is None:
+            return
+        hb = nh.heartbeat
+        if hb.consecutive_misses == 0 and not hb.stream_closed and hb.last_s is not None:
+            hb = dataclasses.replace(hb, last_s=None)
+        nh = dataclasses.replace(nh, heartbeat=hb, drain=prev.drain)
+        if nh.state is not hm.NodeState.COLD:
+            self.restored.pop(node_id, None)
+        self._settle(node_id, prev, prev, nh, events, now_s)
+
+    def _settle(self, node_id: str, before: hm.NodeHealth, prev: hm.NodeHealth, nh: hm.NodeHealth,
+                events: list[hm.Event], now_s: float) -> None:
+        """Store a node's new health: events, ejection counts, dirty cluster, fail-static.
+        ``before``: the health the node's routing key was last computed from; ``prev``: the
+        health this step started from (after a resume)."""
         self.health[node_id] = nh
         cluster = self.node_cluster[node_id]
         for ev in events:
@@ -141,29 +170,13 @@ class ControlCore:
         if ((prev.heartbeat.consecutive_misses > 0) != (nh.heartbeat.consecutive_misses > 0)
                 or prev.heartbeat.stream_closed != nh.heartbeat.stream_closed):
             self._check_fail_static(now_s)
-        return hm.next_check_s(nh, cfg)
 
     def _resume(self, node_id: str, prev: hm.NodeHealth, now_s: float) -> hm.NodeHealth:
-        """The kept state of a node (from the state file) at its first heartbeat after a restart:
-        its state, ejection back-off, ramp and drain, with this process's liveness records."""
-        kept = self.restored.pop(node_id)
-        if prev.state is not hm.NodeState.COLD:
-            return prev
-        if prev.drain.active:  # an operator drained it since the restart
-            kept = dataclasses.replace(kept, drain=prev.drain)
-        self.events.record(self.clock.wall(), self.node_cluster[node_id], node_id, "transition",
-                           f"resumed after restart: {kept.reason}", prev.state.value, kept.state.value)
-        return dataclasses.replace(kept, heartbeat=prev.heartbeat, engine=prev.engine, probe=prev.probe)
-
-    def _count_probe_result(self, node_id: str, prev: hm.NodeHealth, obs: hm.ProbeObserved,
-                            now_s: float) -> None:
-        """Count one probe result in ``counters.probe_results`` by kind and the model's outcome
-        (a token later than ``ttft_timeout_ms`` counts as kind TIMEOUT)."""
-        outcome, _ = hm.classify_probe(prev, obs, self.config.health, now_s)
-        kind = obs.kind
-        if kind is hm.ProbeResultKind.OK and obs.ttft_ms >= self.config.health.ttft_timeout_ms:
-            kind = hm.ProbeResultKind.TIMEOUT
-        self.counters.probe_results[(node_id, kind.value, outcome.value)] += 1
+        """The kept state of a node at its first heartbeat after a restart (:func:`resume_kept`)."""
+        nh, events = resume_kept(self.restored.pop(node_id), prev, now_s)
+        for ev in events:
+            self._transition(self.node_cluster[node_id], ev)
+        return nh
 
     def drain(self, node_id: str, drain: bool, reason: str) -> None:
         """Operator drain/undrain (enters the model as an observation), published at once.
@@ -212,15 +225,7 @@ class ControlCore:
                            ev.from_state.value, ev.to_state.value)
 
     def _routing_key(self, nh: hm.NodeHealth) -> tuple:
-        """What cluster policy reads from a node, coarsened so noise does not trigger recomputes."""
-        nr = hm.node_routing(nh, self.config.health)
-
-        def bucket(v: float | None) -> int | None:
-            return None if v is None else int(math.log1p(max(v, 0.0)) / math.log(1.1))
-
-        free = nh.engine.gpu_free_ratio
-        return (nr, nh.state, bucket(nh.rtt.ewma_ms), bucket(nh.probe.ewma_ttft_ms),
-                None if free is None else round(free, 2))
+        return routing_key(nh, self.config.health)
 
     def fail_static_floor_s(self) -> float:
         """The earliest look-back limit a fail-static episode starting from now can use: the
@@ -238,7 +243,10 @@ class ControlCore:
         for ev in evs:
             self.events.record(self.clock.wall(), "*", "*", ev.kind, ev.reason)
         if ended:
+            forwarded = set(self.forward_fail_static_end(burst_start)) if self.forward_fail_static_end else set()
             for node_id in self.health:
+                if node_id in forwarded:
+                    continue
                 nh, events = hm.step(self.health[node_id], hm.FailStaticEnded(burst_start), now_s,
                                      self.config.health)
                 self.health[node_id] = nh

@@ -146,6 +146,8 @@ class ControlPlaneView:
         r = core.routing.get(node_id) or hm.route(nh, n.capacity, self.config.health)
         now = core.clock.now()
         sess = self._sources.get(node_id)
+        # a probe worker's node whose heartbeats flow: the last report that counted some
+        last_hb = nh.heartbeat.last_s if nh.heartbeat.last_s is not None else getattr(sess, "last_heartbeat_s", None)
         shown = self.display(node_id)
         view: dict[str, Any] = {
             "id": node_id,
@@ -179,7 +181,7 @@ class ControlPlaneView:
             "last_probe_failure": getattr(sess, "last_probe_failure", "") or None,
             "heartbeats": core.counters.heartbeats[node_id],
             "consecutive_misses": nh.heartbeat.consecutive_misses,
-            "last_heartbeat_s_ago": None if nh.heartbeat.last_s is None else round(now - nh.heartbeat.last_s, 3),
+            "last_heartbeat_s_ago": None if last_hb is None else round(now - last_hb, 3),
             "last_rtt_ms": nh.rtt.last_ms,
             "ewma_rtt_ms": nh.rtt.ewma_ms,
             "last_ttft_ms": nh.probe.last_ttft_ms,

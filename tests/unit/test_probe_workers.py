@@ -1,0 +1,273 @@
+"""Probe workers without processes: the node -> worker assignment, the worker's detector and
+the main process's adoption of its reports (against the in-process path), the channel's
+frames, the config field. The processes themselves: tests/integration/test_probe_workers_fleet.py."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from xds_server.config import ConfigError, HealthConfig, ProbeConfig, parse_config
+from xds_server.control.clock import ManualClock
+from xds_server.control.core import ControlCore
+from xds_server.control.memory import InMemoryProbes
+from xds_server.health import model as hm
+from xds_server.probe_workers import Detector, worker_for
+from xds_server.probe_workers._channel import FrameTooLarge, encode, read_frame
+from xds_server.server import ControlPlane
+
+
+def config(n: int = 2, **probe) -> dict:
+    return {
+        "xds": {"listen": "127.0.0.1:0", "coalesce_window_ms": 0},
+        "admin": {"listen": "127.0.0.1:0"},
+        "health": {"phi_min_samples": 5},
+        "probe": probe,
+        "clusters": [{"name": "llm", "nodes": [
+            {"id": f"n{i}", "address": f"127.0.0.1:{8001 + i}", "probe_address": f"127.0.0.1:{9001 + i}"}
+            for i in range(n)]}],
+    }
+
+
+# -- assignment ----------------------------------------------------------------------------------
+
+
+@given(st.text(min_size=1, max_size=64), st.integers(1, 64))
+def test_worker_for_is_in_range_and_the_same_every_time(node_id, n):
+    w = worker_for(node_id, n)
+    assert 0 <= w < n
+    assert worker_for(node_id, n) == w
+
+
+def test_worker_for_is_not_salted_per_process_and_refuses_zero_workers():
+    # crc32, not hash(): these values hold in every process (a restarted worker agrees)
+    assert [worker_for(f"gpu-{c}", 2) for c in "abcdef"] == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        worker_for("gpu-a", 0)
+
+
+# -- config --------------------------------------------------------------------------------------
+
+
+def test_workers_setting_auto_n_and_in_process_default():
+    assert ProbeConfig().workers == 0 and ProbeConfig().worker_count(16) == 0
+    assert ProbeConfig(workers="auto").worker_count(8) == 7
+    assert ProbeConfig(workers="auto").worker_count(1) == 1
+    assert ProbeConfig(workers="auto").worker_count(None) == 1
+    assert ProbeConfig(workers=3).worker_count(2) == 3
+    for bad in ("many", -1):
+        with pytest.raises(ConfigError, match=r"probe\.workers"):
+            parse_config(config(workers=bad))
+
+
+def test_default_control_plane_keeps_probe_streams_in_process():
+    cp = ControlPlane(parse_config(config()))
+    assert cp.probe_pool is None and cp.core.forward_fail_static_end is None
+    cp2 = ControlPlane(parse_config(config(workers=2)))
+    assert cp2.probe_pool is not None and cp2.probe_pool.n == 2
+    assert cp2.core.forward_fail_static_end == cp2.probe_pool.forward_fail_static_end
+    # an injected probe-source factory wins (tests drive the in-process path)
+    assert ControlPlane(parse_config(config(workers=2)), probe_sources=InMemoryProbes()).probe_pool is None
+
+
+# -- detector + adopt == the in-process model -----------------------------------------------------
+
+
+def EventRecord_json(e) -> dict:  # noqa: N802 - used as a map() function below
+    return e.to_json()
+
+
+_hb = st.builds(hm.HeartbeatObserved,
+                engine_state=st.sampled_from(list(hm.EngineState)),
+                stalled=st.booleans(),
+                requests_waiting=st.one_of(st.none(), st.sampled_from([0.0, 5.0, 500.0])),
+                gpu_free_ratio=st.one_of(st.none(), st.sampled_from([0.01, 0.5])),
+                gpu_fatal=st.sampled_from(["", "GPU 0 Xid 79"]))
+_probe = st.builds(hm.ProbeObserved, kind=st.sampled_from(list(hm.ProbeResultKind)),
+                   ttft_ms=st.sampled_from([10.0, 300.0, 2000.0]))
+_obs = st.one_of(_hb, _hb, _hb, st.just(hm.Tick()), st.builds(hm.StreamClosed, st.just("x")),
+                 st.builds(hm.PingObserved, st.sampled_from([1.0, 2.0, 40.0])), _probe)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["n0", "n1"]), _obs, st.floats(0.0, 0.4)), min_size=1, max_size=80))
+def test_worker_reports_leave_the_main_process_where_the_in_process_model_would_be(script):
+    cfg = parse_config(config())
+    here = ControlCore(cfg, ManualClock())
+    main = ControlCore(cfg, ManualClock())
+    here.begin()
+    main.begin()
+    d = Detector(cfg.health)
+    for node_id in ("n0", "n1"):
+        d.add(node_id, main.health[node_id], None, 0.0, 3.0)
+    t = 0.0
+    for node_id, obs, dt in script:
+        t += dt
+        here.observe(node_id, obs, t)
+        d.observe(node_id, obs, t)
+        if d.urgent:
+            for r in d.take(False):
+                main.adopt(r.node_id, r.health, list(r.events), t)
+        # decisions never wait for a full report: state, ejection and fail-static inputs agree now
+        for n in ("n0", "n1"):
+            a, b = here.health[n], main.health[n]
+            assert (b.state, b.reason, b.ejection) == (a.state, a.reason, a.ejection)
+            assert (b.heartbeat.consecutive_misses > 0, b.heartbeat.stream_closed) == (
+                a.heartbeat.consecutive_misses > 0, a.heartbeat.stream_closed)
+    for r in d.take(True):
+        main.adopt(r.node_id, r.health, list(r.events), t)
+    for n in ("n0", "n1"):
+        a, b = here.health[n], main.health[n]
+        # the same record but for what moves at every heartbeat: last arrival (None while it
+        # flows: the worker watches it) and the phi estimate (it goes with material changes)
+        flowing = a.heartbeat.consecutive_misses == 0 and not a.heartbeat.stream_closed
+        want = dataclasses.replace(a.heartbeat, last_s=None if flowing else a.heartbeat.last_s,
+                                   arrivals=b.heartbeat.arrivals)
+        assert b == dataclasses.replace(a, heartbeat=want)
+    assert [(e["node"], e["from"], e["to"], e["reason"]) for e in map(EventRecord_json, main.events)] == [
+        (e["node"], e["from"], e["to"], e["reason"]) for e in map(EventRecord_json, here.events)]
+    assert main.counters.ejections == here.counters.ejections
+    assert d.heartbeats + main.counters.heartbeats == here.counters.heartbeats
+    assert {(n, k, o): v for (n, k, o), v in d.probe_results.items()} == dict(here.counters.probe_results)
+
+
+def test_steady_heartbeats_send_nothing_but_counts_telemetry_waits_for_the_full_report():
+    cfg = HealthConfig(phi_min_samples=5)
+    d = Detector(cfg)
+    d.add("n0", None, None, 0.0, 3.0)
+    hb = hm.HeartbeatObserved()
+    d.observe("n0", hb, 0.0)
+    assert d.urgent  # COLD -> WARMING is a transition
+    assert [r.health.state for r in d.take(False)] == [hm.NodeState.WARMING]
+    for i in range(1, 50):
+        d.observe("n0", hb, i * 0.1)
+        assert not d.urgent, f"heartbeat {i} made an urgent report"
+    assert d.take(False) == []
+    assert d.heartbeats["n0"] == 50
+    assert d.take(True) == []  # nothing material: only the heartbeat count travels
+    d.observe("n0", hm.HeartbeatObserved(requests_waiting=3.0), 5.0)  # below queue_warning
+    assert not d.urgent and d.take(False) == []
+    (r,) = d.take(True)  # a telemetry-only change waits for the full report
+    assert r.health.engine.requests_waiting == 3.0 and r.events == ()
+    d.observe("n0", hm.HeartbeatObserved(requests_waiting=3.0), 5.1)
+    assert d.take(True) == []
+    d.observe("n0", hm.StreamClosed("agent gone"), 5.15)
+    assert d.urgent  # a fail-static input flipped: at once
+    (r,) = d.take(False)
+    assert r.health.heartbeat.stream_closed
+
+
+def test_handed_over_node_is_not_counted_silent_before_the_grace_and_keeps_its_phi_history():
+    cfg = HealthConfig(phi_min_samples=5)
+    here = ControlCore(parse_config(config()), ManualClock())
+    here.begin()
+    t = 0.0
+    for _ in range(40):
+        here.observe("n0", hm.HeartbeatObserved(), t)
+        t += 0.1
+    here.observe("n0", hm.ProbeObserved(hm.ProbeResultKind.OK, ttft_ms=10.0), t)
+    mirror = here.health["n0"]
+    assert mirror.state in hm.ROUTED_STATES and mirror.heartbeat.arrivals is not None
+
+    d = Detector(cfg)
+    start = t + 5.0  # the old worker died 5 s after the last heartbeat the main process had
+    d.add("n0", mirror, None, start, 2.0)
+    nh = d.nodes["n0"].nh
+    assert nh.heartbeat.last_s == start + 2.0 and nh.heartbeat.consecutive_misses == 0
+    d.observe("n0", hm.Tick(), start + 1.9)
+    nh = d.nodes["n0"].nh
+    assert nh.state is mirror.state and nh.heartbeat.consecutive_misses == 0 and not nh.heartbeat.stream_closed
+    # the first heartbeat after the handover is no inter-arrival sample
+    d.observe("n0", hm.HeartbeatObserved(), start + 0.3)
+    assert d.nodes["n0"].nh.heartbeat.arrivals == mirror.heartbeat.arrivals
+
+    # never heard from after the handover: silent from the end of the grace, then ejected
+    d2 = Detector(cfg)
+    d2.add("n0", mirror, None, start, 2.0)
+    for k in range(1, 8):
+        d2.observe("n0", hm.Tick(), start + 2.0 + 0.1 * k)
+    assert d2.nodes["n0"].nh.state is hm.NodeState.UNHEALTHY
+    assert d2.urgent
+
+
+def test_kept_state_is_resumed_at_the_first_heartbeat_in_the_worker():
+    cfg = HealthConfig()
+    kept = dataclasses.replace(hm.initial("n0", 0.0), state=hm.NodeState.HEALTHY, reason="was healthy")
+    d = Detector(cfg)
+    d.add("n0", None, kept, 10.0, 3.0)
+    d.observe("n0", hm.HeartbeatObserved(), 10.1)
+    (r,) = d.take(False)
+    assert r.health.state is hm.NodeState.HEALTHY
+    assert r.events[0].reason == "resumed after restart: was healthy"
+
+
+def test_fail_static_end_goes_to_the_workers_nodes_not_the_local_copy():
+    core = ControlCore(parse_config(config()), ManualClock())
+    core.begin()
+    asked: list[float] = []
+    core.forward_fail_static_end = lambda burst: asked.append(burst) or {"n0"}
+    core.fail_static = dataclasses.replace(core.fail_static, active=True, burst_start_s=1.5)
+    before = core.health["n0"]
+    core._check_fail_static(2.0)  # fewer than the fraction silent: the episode ends
+    assert asked == [1.5]
+    assert core.health["n0"] is before
+
+
+# -- channel ------------------------------------------------------------------------------------
+
+
+async def test_frames_round_trip_and_end_of_stream_reads_none():
+    a, b = socket.socketpair()
+    ra, wa = await asyncio.open_unix_connection(sock=a)
+    rb, wb = await asyncio.open_unix_connection(sock=b)
+    msg = ("report", [hm.initial("n0", 1.0)], {"n0": 3}, {}, {}, {})
+    wa.write(encode(msg))
+    wa.write(encode(("stop",)))
+    await wa.drain()
+    assert await read_frame(rb) == msg
+    assert await read_frame(rb) == ("stop",)
+    wa.close()
+    assert await read_frame(rb) is None
+    wb.close()
+    c, d = socket.socketpair()
+    rc, wc = await asyncio.open_unix_connection(sock=c)
+    d.sendall(b"\xff\xff\xff\xff")  # header of a 4 GiB frame: refused before reading it
+    with pytest.raises(FrameTooLarge):
+        await read_frame(rc)
+    wc.close()
+    d.close()
+
+
+# -- the pool with real worker processes (agents unreachable: the workers dial and report it) ----
+
+
+async def test_nodes_added_and_removed_by_a_reload_reach_the_worker_that_owns_them():
+    from xds_server.testing import free_port, wait_for
+
+    cfg = config(2, workers=2, worker_report_interval_ms=100)
+    cp = ControlPlane(parse_config(cfg))
+    cp.open()
+    try:
+        pool = cp.probe_pool
+        assert {i for h in pool.handles for i in h.nodes} == {"n0", "n1"}
+        cfg["clusters"][0]["nodes"].append({"id": "gpu-d", "address": "127.0.0.1:8100",
+                                            "probe_address": f"127.0.0.1:{free_port()}"})
+        await cp.reload(parse_config(cfg))
+        owner = pool.handles[worker_for("gpu-d", 2)]
+        assert "gpu-d" in owner.nodes and all("gpu-d" not in h.nodes for h in pool.handles if h is not owner)
+        # the owning worker dials it: its failed dials come back in a report
+        src = cp.sessions["gpu-d"]
+        # (a worker's start-up is ~0.7 s of CPU: seconds on a loaded 2-core host)
+        await wait_for(lambda: src.failed_dials > 0, timeout_s=30, what="gpu-d was never dialled")
+        assert "unavailable" in src.last_error.lower() or "connect" in src.last_error.lower()
+        del cfg["clusters"][0]["nodes"][0]  # n0 leaves: drained first, then dropped
+        await cp.reload(parse_config(cfg))
+        assert await cp.reap_drained() == ["n0"]  # COLD (its agent never answered): drained at once
+        assert all("n0" not in h.nodes for h in pool.handles)
+    finally:
+        await cp.stop()
+    assert all(h.proc is None or h.proc.poll() is not None for h in pool.handles)

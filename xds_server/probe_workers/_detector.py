@@ -1,0 +1,173 @@
+"""The per-node detector a probe worker runs: the health model for its share of the nodes,
+reporting only changes. Pure: observations and a time argument in, reports out; no I/O.
+
+Shape::
+
+    d = Detector(health_cfg)
+    d.add("gpu-a", mirror=nh, kept=None, now_s=t, grace_s=3.0)   # the main process's copy
+    next_tick_s = d.observe("gpu-a", HeartbeatObserved(...), t)   # the ProbeSession sink
+    if d.urgent: send(d.take(full=False))                         # state changes: at once
+    every report interval: send(d.take(full=True))                # plus telemetry-only changes
+
+Every observation goes through :func:`xds_server.health.model.step` here, as it would in the
+main process (heartbeat freshness, phi suspicion, stall, probes, ramps). A step is *urgent*
+when it made transitions, changed the reason, flipped a fail-static input (a miss counted or cleared, the stream
+closed or reopened), changed the ejection record or changed the node's routing key
+(:func:`~xds_server.health.keys.routing_key`); urgent nodes are reported at the next
+:meth:`take`. Other changes (load, RTT inside its bucket, GPU memory, heartbeat counts) wait for
+a full take.
+
+Handover: ``add`` starts a node from the main process's copy. A node that was not COLD gets a
+virtual last heartbeat ``grace_s`` in the future (no miss is counted before then, so a
+replaced worker's nodes are not ejected while it re-dials) and its first real heartbeat is not
+an inter-arrival sample (the phi estimate keeps the history the main process last got: the
+estimate itself is never urgent, it travels with the node's next material report). ``kept`` is the state-file state
+resumed at the first heartbeat (:func:`~xds_server.health.keys.resume_kept`).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from dataclasses import dataclass, field
+
+from xds_server.config import HealthConfig
+from xds_server.health.anchor import anchor_ramp
+from xds_server.health.keys import probe_result_key, resume_kept, routing_key
+from xds_server.health import model as hm
+
+__all__ = ["Detector", "NodeReport"]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeReport:
+    """One node's health as the worker's model has it, with the transitions since the last report."""
+
+    node_id: str
+    health: hm.NodeHealth
+    events: tuple[hm.Event, ...] = ()
+
+
+@dataclass(slots=True)
+class _Node:
+    nh: hm.NodeHealth
+    kept: hm.NodeHealth | None = None
+    handover: bool = False                # the next heartbeat is the first since add(): no gap sample
+    key: tuple | None = None              # routing key as last reported
+    sent: tuple | None = None             # _material() as last reported
+    events: list[hm.Event] = field(default_factory=list)
+
+
+def _flags(nh: hm.NodeHealth) -> tuple[bool, bool]:
+    """The fail-static inputs: a miss counted, the stream closed."""
+    return nh.heartbeat.consecutive_misses > 0, nh.heartbeat.stream_closed
+
+
+def _material(nh: hm.NodeHealth) -> tuple:
+    """What the main process shows or decides on, without what moves at every heartbeat (the
+    last arrival, the phi estimate; the progress time rounded to 1 s)."""
+    e, hb = nh.engine, nh.heartbeat
+    progress = None if e.progress_at_s is None else round(e.progress_at_s)
+    return (nh.state, nh.reason, hb.consecutive_misses, hb.stream_closed, hb.suspicion_clears, nh.rtt,
+            nh.probe, dataclasses.replace(e, progress_at_s=progress), nh.ejection, nh.ramp)
+
+
+class Detector:
+    """The health model of one worker's nodes. ``urgent``: a node has a change to report now.
+    ``heartbeats`` / ``probe_results``: counts since the last full take (per node id; per
+    (node id, kind, outcome), as :class:`~xds_server.control.counters.Counters` keeps them)."""
+
+    def __init__(self, cfg: HealthConfig) -> None:
+        self.cfg = cfg
+        # wall clock - loop clock (s) when ramps are anchored to Unix time (xds.ramp_anchor); None: not
+        self.wall_offset_s: float | None = None
+        self.nodes: dict[str, _Node] = {}
+        self.urgent = False
+        self._urgent: set[str] = set()
+        self._touched: set[str] = set()
+        self.heartbeats: collections.Counter[str] = collections.Counter()
+        self.probe_results: collections.Counter[tuple[str, str, str]] = collections.Counter()
+
+    def add(self, node_id: str, mirror: hm.NodeHealth | None, kept: hm.NodeHealth | None,
+            now_s: float, grace_s: float) -> None:
+        """Watch ``node_id`` from the main process's copy ``mirror`` (None: a new node, COLD)."""
+        nh = mirror if mirror is not None else hm.initial(node_id, now_s)
+        handover = nh.state is not hm.NodeState.COLD
+        if handover:
+            hb = nh.heartbeat
+            nh = dataclasses.replace(nh, heartbeat=hm.Heartbeats(now_s + grace_s, 0, False, hb.arrivals,
+                                                                  hb.suspicion_clears))
+        else:
+            nh = dataclasses.replace(nh, heartbeat=hm.Heartbeats(arrivals=nh.heartbeat.arrivals))
+        self.nodes[node_id] = _Node(nh, kept, handover, routing_key(nh, self.cfg), _material(nh))
+        self._touched.add(node_id)
+
+    def remove(self, node_id: str) -> None:
+        """Forget ``node_id`` (its unsent changes too)."""
+        self.nodes.pop(node_id, None)
+        self._urgent.discard(node_id)
+        self._touched.discard(node_id)
+        self.heartbeats.pop(node_id, None)
+
+    def observe(self, node_id: str, obs: hm.Observation, now_s: float) -> float | None:
+        """Step the node's model (a ProbeSession's sink). Returns when its next Tick is due."""
+        n = self.nodes[node_id]
+        prev = nh = n.nh
+        events: list[hm.Event] = []
+        if isinstance(obs, hm.HeartbeatObserved):
+            self.heartbeats[node_id] += 1
+            if n.handover:
+                n.handover = False
+                nh = dataclasses.replace(nh, heartbeat=dataclasses.replace(nh.heartbeat, last_s=None))
+            if n.kept is not None:
+                nh, events = resume_kept(n.kept, nh, now_s)
+                n.kept = None
+        elif isinstance(obs, hm.ProbeObserved):
+            self.probe_results[(node_id, *probe_result_key(nh, obs, self.cfg, now_s))] += 1
+        nh, step_events = hm.step(nh, obs, now_s, self.cfg)
+        if self.wall_offset_s is not None:
+            nh = anchor_ramp(nh, self.cfg.ramp_step_s, self.wall_offset_s)
+        n.nh = nh
+        self._touched.add(node_id)
+        if events or step_events:
+            n.events.extend(events)
+            n.events.extend(step_events)
+            self._mark(node_id)
+        elif _flags(nh) != _flags(prev) or nh.ejection is not prev.ejection or nh.reason != prev.reason:
+            self._mark(node_id)
+        elif (nh.state is not prev.state or nh.ramp is not prev.ramp or nh.probe is not prev.probe
+              or nh.rtt is not prev.rtt or nh.engine.requests_waiting != prev.engine.requests_waiting
+              or nh.engine.gpu_free_ratio != prev.engine.gpu_free_ratio):
+            if routing_key(nh, self.cfg) != n.key:
+                self._mark(node_id)
+        return hm.next_check_s(nh, self.cfg)
+
+    def fail_static_ended(self, burst_start_s: float, now_s: float) -> None:
+        """Fleet-wide fail-static ended (decided by the main process): step every node."""
+        for node_id in self.nodes:
+            self.observe(node_id, hm.FailStaticEnded(burst_start_s), now_s)
+
+    def _mark(self, node_id: str) -> None:
+        self._urgent.add(node_id)
+        self.urgent = True
+
+    def take(self, full: bool) -> list[NodeReport]:
+        """Reports to send: the urgent nodes; with ``full`` also every node whose material
+        state changed since its last report. Clears what it returns (counts are read and
+        cleared by the caller)."""
+        ids = self._urgent | self._touched if full else self._urgent
+        out: list[NodeReport] = []
+        for node_id in ids:
+            n = self.nodes.get(node_id)
+            if n is None:
+                continue
+            mat = _material(n.nh)
+            if node_id not in self._urgent and mat == n.sent:
+                continue
+            n.sent, n.key = mat, routing_key(n.nh, self.cfg)
+            out.append(NodeReport(node_id, n.nh, tuple(n.events)))
+            n.events.clear()
+        self._urgent.clear()
+        if full:
+            self._touched.clear()
+        self.urgent = False
+        return out

@@ -1,0 +1,280 @@
+"""Main-process side of the probe workers: spawns them, hands each its nodes, applies their
+reports to the :class:`~xds_server.control.core.ControlCore`, replaces a worker that dies.
+
+Shape::
+
+    pool = WorkerPool.attach(core, clock, counters)   # None when probe.workers is 0
+    factory = pool.source            # a ProbeSourceFactory: one RemoteSource per node
+    ...
+    await pool.stop()                # "stop" to each worker, then SIGKILL after 2 s
+
+A node belongs to worker ``worker_for(node_id, n)``. A worker that exits (crash, SIGKILL, OOM)
+is restarted after ``restart_backoff_s`` (doubling to 5 s while it keeps dying within 10 s of
+its start) and gets its nodes again, each with the main process's current copy of its health:
+its nodes stay as they were meanwhile (nothing here treats "worker gone" as "node gone") and
+the new worker counts their silence only after ``probe.worker_restart_grace_ms``
+(:mod:`xds_server.probe_workers._detector`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from xds_server.config import NodeConfig, SentinelConfig
+from xds_server.control.clock import Clock
+from xds_server.control.core import ControlCore
+from xds_server.control.counters import Counters
+from xds_server.control.probes import ProbeSourceContext
+from xds_server.probe_workers._assign import worker_for
+from xds_server.probe_workers._channel import encode, read_frame
+
+__all__ = ["RemoteSource", "WorkerPool"]
+
+log = logging.getLogger("xds_server.probe_workers")
+
+_MAX_BACKOFF_S = 5.0
+_STABLE_S = 10.0  # a worker that lived this long resets the restart backoff
+
+
+def _log_format() -> str:
+    """The main process's log format ("json" when its root handler writes JSON, else "text")."""
+    from xds_server.logs import JsonFormatter
+
+    json_out = any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)
+    return "json" if json_out else "text"
+
+
+class RemoteSource:
+    """One node watched by a probe worker, as the control plane and its admin view see it
+    (a :class:`~xds_server.control.probes.ProbeSource`): the agent link as last reported."""
+
+    def __init__(self, pool: "WorkerPool", node: NodeConfig, ctx: ProbeSourceContext) -> None:
+        self.node = node
+        self.ctx = ctx
+        self._pool = pool
+        self.connected = False
+        self.failed_dials = 0
+        self.last_error = ""
+        self.last_probe_failure = ""
+        self.lag_deferrals = 0
+        self.last_telemetry: Any = None
+        # the last report that counted heartbeats (clock time, s): /nodes' heartbeat age for a
+        # node whose heartbeats flow (the core keeps last_s only for silent ones)
+        self.last_heartbeat_s: float | None = None
+        self.worker = worker_for(node.id, pool.n)
+
+    def start(self) -> None:
+        self._pool.add(self)
+
+    async def stop(self) -> None:
+        self._pool.remove(self)
+
+
+@dataclass
+class _Handle:
+    """One worker slot: its process and channel while it runs, its nodes always."""
+
+    index: int
+    nodes: dict[str, RemoteSource] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    writer: asyncio.StreamWriter | None = None
+    task: asyncio.Task | None = None
+    started_at: float = 0.0
+    starts: int = 0
+    backoff_s: float = 0.1
+    sent_cfg: SentinelConfig | None = None  # the config whose thresholds the worker has
+
+    def send(self, msg: tuple) -> None:
+        if self.writer is not None and not self.writer.is_closing():
+            self.writer.write(encode(msg))
+
+
+class WorkerPool:
+    """``n`` probe worker processes (``n`` >= 1) feeding ``core``. ``restarts``: workers
+    replaced since start. ``reports``: report frames received."""
+
+    def __init__(self, n: int, core: ControlCore, clock: Clock, counters: Counters) -> None:
+        if n < 1:
+            raise ValueError(f"probe.workers must be >= 1 for a pool, got {n}")
+        self.n = n
+        self.core = core
+        self.clock = clock
+        self.counters = counters
+        self.handles = [_Handle(i) for i in range(n)]
+        self.restarts = 0
+        self.reports = 0
+        self._stopping = False
+
+    @classmethod
+    def attach(cls, core: ControlCore, clock: Clock, counters: Counters) -> "WorkerPool | None":
+        """The pool ``core.config.probe.workers`` asks for (None for 0: probe streams in this
+        process), wired to forward the end of fail-static to the workers."""
+        n = core.config.probe.worker_count(os.cpu_count())
+        if n < 1:
+            return None
+        pool = cls(n, core, clock, counters)
+        core.forward_fail_static_end = pool.forward_fail_static_end
+        return pool
+
+    # -- the ProbeSourceFactory -----------------------------------------------------------------
+
+    def source(self, node: NodeConfig, ctx: ProbeSourceContext) -> RemoteSource:
+        """A :class:`RemoteSource` for ``node`` (started by the control plane)."""
+        return RemoteSource(self, node, ctx)
+
+    def add(self, src: RemoteSource) -> None:
+        h = self.handles[src.worker]
+        h.nodes[src.node.id] = src
+        if h.task is None and not self._stopping:
+            h.task = asyncio.get_running_loop().create_task(self._run(h), name=f"probe-worker-{h.index}")
+        elif h.writer is not None:
+            self._send_node(h, src)
+
+    def remove(self, src: RemoteSource) -> None:
+        h = self.handles[src.worker]
+        if h.nodes.get(src.node.id) is src:
+            del h.nodes[src.node.id]
+            h.send(("remove", src.node.id))
+
+    def _send_node(self, h: _Handle, src: RemoteSource) -> None:
+        self._sync_config(h)
+        node_id = src.node.id
+        h.send(("add", src.node, self.core.health.get(node_id), self.core.restored.get(node_id)))
+
+    def _sync_config(self, h: _Handle) -> None:
+        """Send the running thresholds when they changed since this worker last got them (a
+        reload): checked at each add and each report, so they arrive within one report."""
+        cfg = self.core.config
+        if h.sent_cfg is not cfg:
+            h.sent_cfg = cfg
+            h.send(("config", cfg.health, cfg.probe, _ident(cfg)))
+
+    def forward_fail_static_end(self, burst_start_s: float) -> set[str]:
+        """Send FailStaticEnded to every running worker; returns the node ids they own."""
+        out: set[str] = set()
+        for h in self.handles:
+            if h.writer is not None:
+                h.send(("fail_static_ended", burst_start_s))
+                out.update(h.nodes)
+        return out
+
+    # -- one worker's life ----------------------------------------------------------------------
+
+    async def _spawn(self, h: _Handle) -> asyncio.StreamReader:
+        parent, child = socket.socketpair()
+        try:
+            h.proc = subprocess.Popen(
+                [sys.executable, "-m", "xds_server.probe_workers._worker", str(child.fileno()),
+                 str(os.getpid()), _log_format(), str(h.index)],
+                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            child.close()
+        reader, h.writer = await asyncio.open_unix_connection(sock=parent)
+        h.started_at = time.monotonic()
+        h.starts += 1
+        cfg = h.sent_cfg = self.core.config
+        h.writer.write(encode(("init", h.index, cfg.health, cfg.probe, _ident(cfg),
+                               cfg.probe.worker_restart_grace_ms / 1000.0,
+                               logging.getLogger().getEffectiveLevel())))
+        for s in list(h.nodes.values()):
+            self._send_node(h, s)
+        log.info("probe worker %d started (pid %d, %d node(s))", h.index, h.proc.pid, len(h.nodes))
+        return reader
+
+    async def _run(self, h: _Handle) -> None:
+        """Keep worker ``h`` running: spawn, read its reports until it ends, restart."""
+        while not self._stopping:
+            reader = None
+            try:
+                reader = await self._spawn(h)
+                while (msg := await read_frame(reader)) is not None:
+                    if msg[0] == "report":
+                        self._apply(h, msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a bad frame ends this worker; it is restarted
+                log.exception("probe worker %d: channel failed", h.index)
+            finally:
+                if h.writer is not None:
+                    h.writer.close()
+                    h.writer = None
+            if self._stopping:
+                return
+            rc = await asyncio.to_thread(self._reap, h)
+            for s in h.nodes.values():
+                s.connected = False
+                s.last_error = f"probe worker {h.index} exited ({rc}); restarting"
+            lived = time.monotonic() - h.started_at
+            h.backoff_s = 0.1 if lived >= _STABLE_S else min(h.backoff_s * 2, _MAX_BACKOFF_S)
+            self.restarts += 1
+            log.warning("probe worker %d (pid %s) exited (%s) after %.1f s: restarting in %.1f s; its %d "
+                        "node(s) keep their state meanwhile", h.index, h.proc.pid if h.proc else "?", rc,
+                        lived, h.backoff_s, len(h.nodes))
+            await asyncio.sleep(h.backoff_s)
+
+    @staticmethod
+    def _reap(h: _Handle) -> str:
+        """Wait for the worker process (killed after 2 s if it lingers); its exit as text."""
+        if h.proc is None:
+            return "not started"
+        try:
+            rc = h.proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            h.proc.kill()
+            rc = h.proc.wait()
+        return f"signal {-rc}" if rc < 0 else f"status {rc}"
+
+    def _apply(self, h: _Handle, msg: tuple) -> None:
+        """Apply one report: health to the core, counts to the counters, links to the sources."""
+        _, nodes, hb, probes, counters, links = msg
+        self.reports += 1
+        self._sync_config(h)
+        now = self.clock.now()
+        c = self.counters
+        for node_id, n in hb.items():
+            if (s := h.nodes.get(node_id)) is not None:
+                c.heartbeats[node_id] += n
+                s.last_heartbeat_s = now
+        for key, n in probes.items():
+            if key[0] in h.nodes:
+                c.probe_results[key] += n
+        for name, part in counters.items():
+            getattr(c, name).update(part)
+        for node_id, link in links.items():
+            s = h.nodes.get(node_id)
+            if s is not None:
+                (s.connected, s.failed_dials, s.last_error, s.last_probe_failure, s.lag_deferrals,
+                 s.last_telemetry) = link
+        for r in nodes:
+            if r.node_id in h.nodes:
+                self.core.adopt(r.node_id, r.health, list(r.events), now)
+
+    # -- shutdown --------------------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        """Stop every worker: "stop", then wait up to 2 s, then SIGKILL; always reaped."""
+        self._stopping = True
+        for h in self.handles:
+            h.send(("stop",))
+        for h in self.handles:
+            if h.task is not None:
+                h.task.cancel()
+                try:
+                    await h.task
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
+                    pass
+            if h.proc is not None and h.proc.poll() is None:
+                await asyncio.to_thread(self._reap, h)
+
+
+def _ident(cfg) -> tuple:
+    """What a worker needs besides thresholds: (replica id its agents see, ``tls.agents``,
+    ``xds.ramp_anchor``)."""
+    return cfg.xds.replica_id, cfg.tls.agents, cfg.xds.ramp_anchor

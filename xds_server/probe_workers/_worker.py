@@ -1,0 +1,207 @@
+"""A probe worker process: holds its share of the agents' probe streams
+(:class:`~xds_server.probing.ProbeSession`, unchanged) and feeds them into its
+:class:`~xds_server.probe_workers._detector.Detector`; sends the main process only changes.
+
+Started by :class:`~xds_server.probe_workers._pool.WorkerPool` as
+``python -m xds_server.probe_workers._worker FD PARENT_PID LOG_FORMAT INDEX`` (the index is
+there for ``ps``; the init message carries it too) with one end of a socketpair as
+file descriptor FD. It exits when the channel reaches end of stream (the main process exited or
+closed it), on ``("stop",)``, and (Linux) when the parent dies (``PR_SET_PDEATHSIG`` = SIGKILL),
+so it is never orphaned. Reports go out at once when the detector has an urgent change
+(coalesced: one frame per event-loop turn) and every ``probe.worker_report_interval_ms``.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
+from xds_server.control.counters import Counters
+from xds_server.health import model as hm
+from xds_server.probe_workers._channel import encode, read_frame
+from xds_server.probe_workers._detector import Detector
+from xds_server.probing import ProbeSession
+
+__all__ = ["Worker", "main"]
+
+log = logging.getLogger("xds_server.probe_workers")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies (Linux prctl); exit now if it already has."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the channel's end of stream still stops us
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+class Worker:
+    """The sessions and detector of one worker; ``writer`` is the channel to the main process."""
+
+    def __init__(self, index: int, health: HealthConfig, probe: ProbeConfig, ident: tuple,
+                 grace_s: float, writer: asyncio.StreamWriter) -> None:
+        self.index = index
+        self.health, self.probe = health, probe
+        self.grace_s = grace_s
+        self.writer = writer
+        self.detector = Detector(health)
+        self._loop = asyncio.get_running_loop()
+        self._ident(ident)
+        self.counters = Counters()
+        self.sessions: dict[str, ProbeSession] = {}
+        self._links: dict[str, tuple] = {}
+        self._flush_pending = False
+
+    def _ident(self, ident: tuple) -> None:
+        """(replica id the agents see, ``tls.agents``, ``xds.ramp_anchor``) from the main process."""
+        self.replica_id, self.agents_tls, anchor = ident
+        self.detector.wall_offset_s = (round(time.time() - self._loop.time(), 3) if anchor == "wall_clock"
+                                       else None)
+
+    def sink(self, node_id: str, obs: hm.Observation, now_s: float) -> float | None:
+        """The sessions' observation sink: the detector, then an urgent report if one is due.
+        None (no Tick) for a node removed meanwhile (its session is still stopping)."""
+        if node_id not in self.detector.nodes:
+            return None
+        at = self.detector.observe(node_id, obs, now_s)
+        if self.detector.urgent and not self._flush_pending:
+            self._flush_pending = True
+            self._loop.call_soon(self.flush, False)
+        return at
+
+    def handle(self, msg: tuple) -> bool:
+        """Apply one message from the main process; False on ``("stop",)``."""
+        kind = msg[0]
+        now = self._loop.time()
+        if kind == "add":
+            _, node, mirror, kept = msg
+            self._add(node, mirror, kept, now)
+        elif kind == "remove":
+            self._remove(msg[1])
+        elif kind == "config":
+            _, self.health, self.probe, ident = msg
+            self.detector.cfg = self.health
+            self._ident(ident)
+        elif kind == "fail_static_ended":
+            self.detector.fail_static_ended(msg[1], now)
+            self.flush(False)
+        elif kind == "stop":
+            return False
+        else:
+            log.error("probe worker %d: unknown message %r ignored", self.index, kind)
+        return True
+
+    def _add(self, node: NodeConfig, mirror: hm.NodeHealth | None, kept: hm.NodeHealth | None,
+             now: float) -> None:
+        self._remove(node.id)
+        self.detector.add(node.id, mirror, kept, now, self.grace_s)
+        s = ProbeSession(node, self.health, self.sink, self.replica_id, probe=self.probe, counters=self.counters,
+                         tls=self.agents_tls.client(node.id))
+        self.sessions[node.id] = s
+        s.start()
+        # the handed-over node's first Tick: at the end of its grace, unless a heartbeat comes first
+        s.check_at(hm.next_check_s(self.detector.nodes[node.id].nh, self.health))
+
+    def _remove(self, node_id: str) -> None:
+        s = self.sessions.pop(node_id, None)
+        if s is not None:
+            asyncio.ensure_future(s.stop())
+        self.detector.remove(node_id)
+        self._links.pop(node_id, None)
+
+    def _link(self, s: ProbeSession) -> tuple:
+        return (s.connected, s.failed_dials, s.last_error, s.last_probe_failure, s.lag_deferrals,
+                s.last_telemetry)
+
+    def flush(self, full: bool) -> None:
+        """Send one report frame: urgent nodes (``full``: every changed node, the counts, the
+        counters and the agents' links), if there is anything to send."""
+        self._flush_pending = False
+        nodes = self.detector.take(full)
+        links: dict[str, tuple] = {}
+        hb: dict[str, int] = {}
+        probes: dict = {}
+        counters: dict = {}
+        if full:
+            for node_id, s in self.sessions.items():
+                link = self._link(s)
+                if self._links.get(node_id) != link:
+                    self._links[node_id] = links[node_id] = link
+            hb, probes = dict(self.detector.heartbeats), dict(self.detector.probe_results)
+            self.detector.heartbeats.clear()
+            self.detector.probe_results.clear()
+            c = self.counters
+            counters = {"malformed": dict(c.malformed), "bad_fields": dict(c.bad_fields),
+                        "handler_errors": dict(c.handler_errors)}
+            for part in (c.malformed, c.bad_fields, c.handler_errors):
+                part.clear()
+            if not any(counters.values()):
+                counters = {}
+        else:
+            for r in nodes:  # the link of a node reported now is sent with it (connected, error)
+                s = self.sessions.get(r.node_id)
+                if s is not None:
+                    self._links[r.node_id] = links[r.node_id] = self._link(s)
+        if nodes or links or hb or probes or counters:
+            self.writer.write(encode(("report", nodes, hb, probes, counters, links)))
+
+    async def report_loop(self) -> None:
+        """A full report every ``probe.worker_report_interval_ms``."""
+        while True:
+            await asyncio.sleep(self.probe.worker_report_interval_ms / 1000.0)
+            self.flush(True)
+            await self.writer.drain()
+
+    async def stop(self) -> None:
+        """Stop every session."""
+        await asyncio.gather(*(s.stop() for s in self.sessions.values()), return_exceptions=True)
+        self.sessions.clear()
+
+
+async def serve(fd: int) -> None:
+    """Run a worker on the inherited socket ``fd`` until the channel ends or says stop."""
+    sock = socket.socket(fileno=fd)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    init = await read_frame(reader)
+    if init is None or init[0] != "init":
+        return
+    _, index, health, probe, ident, grace_s, level = init
+    logging.getLogger().setLevel(level)
+    w = Worker(index, health, probe, ident, grace_s, writer)
+    reports = asyncio.create_task(w.report_loop())
+    try:
+        while (msg := await read_frame(reader)) is not None:
+            if not w.handle(msg):
+                break
+    finally:
+        reports.cancel()
+        await w.stop()
+        writer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``_worker FD PARENT_PID [LOG_FORMAT [INDEX]]``: run one probe worker."""
+    args = sys.argv[1:] if argv is None else argv
+    fd, parent = int(args[0]), int(args[1])
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the main process's to handle
+    from xds_server.logs import configure_logging, quiet_grpc_core
+    quiet_grpc_core()
+    configure_logging("INFO", args[2] if len(args) > 2 else "text")
+    asyncio.run(serve(fd))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
