@@ -21,9 +21,12 @@ __all__ = ["EnvoyHost", "StandaloneEnvoy", "envoy_process", "fetch_envoy_hosts",
 
 def envoy_process(envoy_bin: str, bootstrap: Path, workdir: Path, concurrency: int) -> ManagedProcess:
     """An Envoy process (not started) on ``bootstrap``, with ``concurrency`` worker threads,
-    warnings logged to ``workdir/envoy.log`` and its output to ``workdir/envoy.out``."""
+    warnings logged to ``workdir/envoy.log`` and its output to ``workdir/envoy.out``. A graceful
+    drain (``POST /drain_listeners?graceful``) asks every connection to close after its next
+    response at once (``--drain-strategy immediate``) and closes the listeners 1 s later."""
     return ManagedProcess(
         "envoy", [envoy_bin, "-c", str(bootstrap), "--disable-hot-restart", "--concurrency", str(concurrency),
+                  "--drain-time-s", "1", "--drain-strategy", "immediate",
                   "-l", "warning", "--log-path", str(workdir / "envoy.log")],
         workdir / "envoy.out")
 

@@ -244,10 +244,13 @@ async def _victim(direct: TrafficLoad, relayed: TrafficLoad, timeout_s: float = 
 
 async def envoy_restart(rig: FaultRig, http: aiohttp.ClientSession, times: int = 1,
                         **load_kw: Any) -> tuple[list[FaultRow], dict]:
-    """Restart Envoy as an operator would: stop its listeners (``POST /drain_listeners``), let
-    the requests in flight finish (``downstream_rq_active`` 0, bounded), stop it, start a new
-    Envoy on the same bootstrap and wait until it routes every node. Clients' connects refused
-    in between are retried (nothing was sent). Returns the row and ``{"down_s": [...]}``."""
+    """Restart Envoy as an operator would: drain it gracefully (``POST /drain_listeners?graceful``:
+    every response from now carries ``Connection: close``, the listeners close after Envoy's
+    1 s drain time), let the requests in flight finish and the clients' connections close
+    (``downstream_rq_active`` and ``downstream_cx_active`` 0; connections never used again are
+    waited for at most 3 s), stop it, start a new Envoy on the same bootstrap and wait until it
+    routes every node. Clients' connects refused in between are retried (nothing was sent).
+    Returns the row and ``{"down_s": [...]}``."""
     fleet = rig.fleet
     assert fleet is not None and fleet.envoy is not None and fleet.workdir is not None
     admin = f"http://127.0.0.1:{fleet.envoy_admin_port}"
@@ -256,14 +259,16 @@ async def envoy_restart(rig: FaultRig, http: aiohttp.ClientSession, times: int =
         await _warm(loads)
         for _ in range(times):
             t0 = time.monotonic()
-            async with http.post(f"{admin}/drain_listeners") as r:
+            async with http.post(f"{admin}/drain_listeners", params={"graceful": ""}) as r:
                 r.raise_for_status()
 
             async def idle() -> bool:
-                async with http.get(f"{admin}/stats", params={"filter": r"downstream_rq_active$"}) as r:
+                async with http.get(f"{admin}/stats", params={"filter": r"downstream_(rq|cx)_active$"}) as r:
                     text = await r.text()
-                return all(line.rsplit(": ", 1)[1] == "0" for line in text.strip().splitlines()
-                           if line.startswith("http.llm_ingress."))
+                active = {line.split(": ")[0].rsplit(".", 1)[1]: int(line.rsplit(": ", 1)[1])
+                          for line in text.strip().splitlines() if line.startswith("http.llm_ingress.")}
+                idle_cx = active.get("downstream_cx_active", 0) == 0 or time.monotonic() - t0 > 3.0
+                return active.get("downstream_rq_active", 0) == 0 and idle_cx
             await wait_for(idle, timeout_s=15.0, what="Envoy's requests in flight finished")
             old = fleet.envoy
             await asyncio.to_thread(old.stop)
