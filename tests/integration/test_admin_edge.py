@@ -11,37 +11,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xds_server.admin import app as admin_app
-from xds_server.config import parse_config
-from xds_server.control.memory import InMemoryProbes
 from xds_server.server import ControlPlane
+
+from admin_stack import healthy_admin_stack, three_node_admin_config
 
 TOKEN = "s3cret-token"
 
 
 def config() -> dict:
-    return {
-        "xds": {"listen": "127.0.0.1:0", "warmup_timeout_ms": 0},
-        "admin": {"listen": "127.0.0.1:0", "token": TOKEN, "events_buffer": 50},
-        "health": {"ramp_start_percent": 100},
-        "clusters": [{"name": "llm", "nodes": [
-            {"id": f"n{i}", "address": f"127.0.0.1:{8001 + i}", "probe_address": f"127.0.0.1:{9001 + i}"}
-            for i in range(3)]}],
-    }
+    return three_node_admin_config(TOKEN, events_buffer=50)
 
 
 @pytest.fixture
 async def admin():
     """(control plane, in-memory probes, base URL); every node HEALTHY."""
-    probes = InMemoryProbes()
-    cp = ControlPlane(parse_config(config()), probe_sources=probes)
-    await cp.start()
-    try:
-        for nid in ("n0", "n1", "n2"):
-            probes[nid].heartbeat()
-            probes[nid].probe(ttft_ms=20.0)
-        yield cp, probes, f"http://127.0.0.1:{cp.admin_port}"
-    finally:
-        await cp.stop()
+    async with healthy_admin_stack(config()) as stack:
+        yield stack
 
 
 async def raw(port: int, data: bytes, timeout_s: float = 5.0, cap: int = 4 << 20) -> bytes:

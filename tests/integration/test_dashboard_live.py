@@ -19,32 +19,20 @@ from xds_server.control.memory import InMemoryProbes
 from xds_server.health import model as hm
 from xds_server.server import ControlPlane
 
+from admin_stack import healthy_admin_stack, three_node_admin_config
+
 TOKEN = "dash-s3cret-token"
 
 
-def config(**admin) -> dict:
-    return {
-        "xds": {"listen": "127.0.0.1:0", "warmup_timeout_ms": 0},
-        "admin": {"listen": "127.0.0.1:0", "token": TOKEN, "live_interval_ms": 100, **admin},
-        "health": {"ramp_start_percent": 100},
-        "clusters": [{"name": "llm", "nodes": [
-            {"id": f"n{i}", "address": f"127.0.0.1:{8001 + i}", "probe_address": f"127.0.0.1:{9001 + i}"}
-            for i in range(3)]}],
-    }
+def config() -> dict:
+    return three_node_admin_config(TOKEN, live_interval_ms=100)
 
 
 @pytest.fixture
 async def admin():
-    probes = InMemoryProbes()
-    cp = ControlPlane(parse_config(config()), probe_sources=probes)
-    await cp.start()
-    try:
-        for nid in ("n0", "n1", "n2"):
-            probes[nid].heartbeat()
-            probes[nid].probe(ttft_ms=20.0)
-        yield cp, probes, f"http://127.0.0.1:{cp.admin_port}"
-    finally:
-        await cp.stop()
+    """(control plane, in-memory probes, base URL); every node HEALTHY."""
+    async with healthy_admin_stack(config()) as stack:
+        yield stack
 
 
 async def sse_messages(resp: aiohttp.ClientResponse):
