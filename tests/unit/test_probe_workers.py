@@ -102,6 +102,8 @@ def test_worker_reports_leave_the_main_process_where_the_in_process_model_would_
     here.begin()
     main.begin()
     d = Detector(cfg.health)
+    # ramps anchored to Unix time (xds.ramp_anchor wall_clock, the default), as a Worker sets it
+    d.wall_offset_s = round(here.clock.wall() - here.clock.now(), 3)
     for node_id in ("n0", "n1"):
         d.add(node_id, main.health[node_id], None, 0.0, 3.0)
     t = 0.0
@@ -271,3 +273,18 @@ async def test_nodes_added_and_removed_by_a_reload_reach_the_worker_that_owns_th
     finally:
         await cp.stop()
     assert all(h.proc is None or h.proc.poll() is not None for h in pool.handles)
+
+
+async def test_worker_anchors_ramps_as_the_main_process_says_and_dials_with_its_replica_id():
+    import asyncio
+    import time
+
+    from xds_server.probe_workers._worker import Worker
+
+    cfg = parse_config(config())
+    loop = asyncio.get_running_loop()
+    w = Worker(0, cfg.health, cfg.probe, ("replica-7", cfg.tls.agents, "wall_clock"), 3.0, writer=None)
+    assert w.replica_id == "replica-7"
+    assert abs(w.detector.wall_offset_s - (time.time() - loop.time())) < 0.05
+    assert w.handle(("config", cfg.health, cfg.probe, ("replica-8", cfg.tls.agents, "local")))
+    assert w.replica_id == "replica-8" and w.detector.wall_offset_s is None
