@@ -158,14 +158,15 @@ class Split:
                             params={"filter": rf"^cluster\.{cluster}\.(update_|membership_change|version$)"}) as r:
             return {k.split(".", 2)[2]: v for k, v in parse_envoy_stats(await r.text()).items()}
 
-    async def connected(self, http, cp: ControlPlaneProc) -> bool:
-        """Whether Envoy holds an EDS stream on ``cp`` with everything sent ACKed."""
+    async def connected(self, http, cp: ControlPlaneProc, acked: bool = True) -> bool:
+        """Whether Envoy holds an EDS stream on ``cp`` (with ``acked``: and everything sent on it
+        is ACKed, which is momentarily false while a push is in flight: poll it with wait_for)."""
         with contextlib.suppress(Exception):
             async with http.get(f"{cp.admin}/xds/clients") as r:
                 data = await r.json()
             assert data["replica"] == cp.replica
-            return any(c["node_id"] == NODE_ID and c["types"] and all(
-                t["acked_nonce"] == t["last_nonce"] for t in c["types"].values()) for c in data["clients"])
+            return any(c["node_id"] == NODE_ID and c["types"] and (not acked or all(
+                t["acked_nonce"] == t["last_nonce"] for t in c["types"].values())) for c in data["clients"])
         return False
 
     async def cla_version(self, http, cp: ControlPlaneProc, cluster: str) -> str:
@@ -194,7 +195,7 @@ def split():
 async def test_each_cluster_from_its_own_control_plane_frozen_node_excluded_other_cluster_untouched(split, http):
     await wait_for(lambda: split.all_routed(http), timeout_s=30.0)
     # each cluster's EDS came from its own group: pool-b's stream is on cp-b1 only
-    assert await split.connected(http, split.cps[2])
+    await wait_for(lambda: split.connected(http, split.cps[2]), timeout_s=10.0, what="Envoy's pool-b stream on cp-b1")
     load_a = LoadGenerator(split.url, concurrency=2)
     load_b = LoadGenerator(split.url, concurrency=2, headers={ROUTE_HEADER: "pool-b"})
     await load_a.start()
@@ -256,9 +257,10 @@ async def test_kill_9_of_the_connected_replica_under_load_changes_nothing_in_env
     assert rates["gpu-b1"] > 0.5, rates  # one watcher: the idle cadence (0.5 s +- 25 %)
     assert max(rates["gpu-a1"], rates["gpu-a2"]) <= rates["gpu-b1"] * 1.5 + 0.5, rates
 
-    live = [cp for cp in (a1, a2) if await split.connected(http, cp)]
-    assert len(live) == 1, [cp.replica for cp in live]  # Envoy's one EDS stream for pool-a
-    victim, survivor = live[0], (a2 if live[0] is a1 else a1)
+    holding = [cp for cp in (a1, a2) if await split.connected(http, cp, acked=False)]
+    assert len(holding) == 1, [cp.replica for cp in holding]  # Envoy's one EDS stream for pool-a
+    victim, survivor = holding[0], (a2 if holding[0] is a1 else a1)
+    await wait_for(lambda: split.connected(http, victim), timeout_s=10.0, what="pool-a pushes ACKed")
     version = await wait_for(same_version, timeout_s=10.0)  # the state Envoy holds, on both
     before = await split.envoy_stats(http, "pool-a")
     load_a = LoadGenerator(split.url, concurrency=3)
