@@ -20,6 +20,8 @@ from xds_server.health.model import (
     next_check_s,
     step,
 )
+from xds_server.health.clocks import miss_after_s, phi_delay_s, stall_confirm_at_s
+from xds_server.health.records import ROUTED_STATES, EjectionCause
 from xds_server.health.rules import _step_full
 
 # short clean period, ramp and HEALTHY run so random sequences reach every state
@@ -68,6 +70,26 @@ def test_step_with_the_fast_path_equals_the_full_step(items):
             quiet += 1
             assert not full_events
         nh = full
+        assert next_check_s(nh, CFG) == _next_check_reference(nh)
+
+
+def _next_check_reference(nh):
+    """next_check_s as it was written before (a list of candidates and min), for comparison."""
+    cands = []
+    hb = nh.heartbeat
+    if hb.last_s is not None:
+        counted = max(hb.consecutive_misses - (1 if hb.stream_closed else 0), 0)
+        cands.append(hb.last_s + miss_after_s(CFG) + CFG.heartbeat_interval_ms / 1000.0 * counted)
+        if nh.ejection.cause is not EjectionCause.PHI and nh.state in ROUTED_STATES:
+            d = phi_delay_s(nh, CFG)
+            if d is not None:
+                cands.append(hb.last_s + d)
+    if nh.ramp.step_at_s is not None:
+        cands.append(nh.ramp.step_at_s + CFG.ramp_step_s)
+    confirm = stall_confirm_at_s(nh, CFG)
+    if confirm is not None and nh.engine.stall_counted == 1 and nh.state in ROUTED_STATES:
+        cands.append(confirm)
+    return min(cands) if cands else None
 
 
 def test_a_steady_healthy_node_takes_the_fast_path_and_a_changed_rule_input_does_not():

@@ -62,6 +62,15 @@ class XdsConfig(_Model):
         "one event-loop iteration only. Ours: a few ms is far below a heartbeat interval (100 ms) "
         "and turns a burst (a rack losing power) into two updates instead of one per node",
     )
+    publish_build_ratio: float = Field(
+        3.0, ge=0, le=100,
+        description="during a burst of changes, publish at most every (this x the last publish's "
+        "build time) when that is longer than coalesce_window_ms, so publishing a large cluster "
+        "takes at most 1/(1 + ratio) of the event loop (3: 25 %). A 1,000-endpoint cluster takes "
+        "~15-25 ms to build: at the 5 ms window a fleet starting up rebuilt it back to back and "
+        "starved the heartbeats (benchmarks/RESULTS.md, issue 12 item 1). An isolated change after "
+        "a quiet gap is still published at once. 0 = the window alone",
+    )
     keepalive_time_ms: int = Field(
         30_000, ge=1_000,
         description="HTTP/2 keepalive ping interval on ADS streams (checklist 1.9 item 28); "
