@@ -201,11 +201,10 @@ class ControlPlane:
         if self._opened:
             self.write_state()
         self.core.end()
-        for s in self.sessions.values():
-            try:
-                await s.stop()
-            except Exception:  # noqa: BLE001 - one source's failure must not keep the rest running
-                log.exception("stopping probe source failed")
+        # all at once: one after another, a saturated loop took minutes to stop 1,000 sessions
+        for r in await asyncio.gather(*(s.stop() for s in self.sessions.values()), return_exceptions=True):
+            if isinstance(r, Exception):  # one source's failure must not keep the rest running
+                log.error("stopping probe source failed: %r", r)
         if self.probe_pool is not None:
             await self.probe_pool.stop()
         if self._grpc:

@@ -115,14 +115,18 @@ class DeadlineQueue:
             self._handle = self._loop.call_at(at_s, self._run)
 
     def _run(self) -> None:
-        """The loop timer: run every entry due by now (the loop ran it, so its own time is due)."""
+        """The loop timer: run every entry due by now (the loop ran it, so its own time is due)
+        that was queued before this run began. One queued meanwhile (a Tick re-arming at a time
+        already past) waits for the loop's next iteration, as ``call_at`` from a callback does:
+        a timer that keeps asking for the past cannot hold the loop in here."""
         self._handle = None
         self._running = True
         self.wakeups += 1
         heap = self._heap
         limit = max(self._loop.time(), self._handle_at)
+        last_seq = self._seq
         try:
-            while heap and heap[0][0] <= limit:
+            while heap and heap[0][0] <= limit and heap[0][1] <= last_seq:
                 _, seq, timer = heapq.heappop(heap)
                 if timer._seq != seq:
                     self.stale -= 1

@@ -191,3 +191,31 @@ def test_a_late_loop_defers_each_due_timer_once():
     assert ticks == [] and all(t.deferrals == 1 for t in timers)
     clock.advance_to(1.0)
     assert [i for i, _ in ticks] == [0, 1, 2]
+
+
+def test_a_tick_rearming_in_the_past_waits_for_the_next_loop_iteration():
+    """A Tick that asks for a time already past does not run again inside the same firing of
+    the loop timer (it would hold the event loop: no I/O between): the loop timer is armed again
+    and the next iteration runs it, as asyncio runs a call_at made from a callback."""
+    armed: list[float] = []
+
+    class _Stub:
+        now = 1.0
+
+        def time(self):
+            return self.now
+
+        def call_at(self, at_s, fn, *args):
+            armed.append(at_s)
+            return type("H", (), {"cancel": lambda self: None})()
+
+    loop = _Stub()
+    runs: list[float] = []
+    t = TickTimer(loop, lambda: (runs.append(loop.now), t.arm(loop.now - 0.5)), lag_tolerance_s=10.0,
+                  lag_recheck_s=0.01, retry_s=0.1)
+    t.arm(1.0)
+    q = DeadlineQueue.of(loop)
+    q._run()
+    assert runs == [1.0] and t.armed and armed[-1] == 0.5  # queued again, for the next iteration
+    q._run()
+    assert runs == [1.0, 1.0]
