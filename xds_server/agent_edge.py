@@ -293,14 +293,10 @@ class AgentEdge:
         if has("kv_cache_usage_ratio"):
             v = load.kv_cache_usage_ratio
             kv = v if 0.0 <= v <= 1.0 else num(v, _P_KV, 0.0, 1.0, bad)
-        if has("prefix_cache_hit_ratio"):
-            v = load.prefix_cache_hit_ratio
-            if not 0.0 <= v <= 1.0:
-                num(v, _P_PREFIX, 0.0, 1.0, bad)
-        if has("generation_tokens_total"):
-            v = load.generation_tokens_total
-            if not 0.0 <= v < math.inf:
-                num(v, _P_TOKENS, 0.0, math.inf, bad)
+        if has("prefix_cache_hit_ratio") and not 0.0 <= load.prefix_cache_hit_ratio <= 1.0:
+            num(load.prefix_cache_hit_ratio, _P_PREFIX, 0.0, 1.0, bad)
+        if has("generation_tokens_total") and not 0.0 <= load.generation_tokens_total < math.inf:
+            num(load.generation_tokens_total, _P_TOKENS, 0.0, math.inf, bad)
         max_text = self.probe.max_text_chars
         metrics_error = load.metrics_error
         if len(metrics_error) > max_text:
