@@ -171,6 +171,12 @@ class HealthConfig(_Model):
     fail_static_window_ms: float = Field(
         300.0, gt=0, description="'together': heartbeat losses within this window of each other"
     )
+    silent_tick_max_ms: float = Field(
+        1000.0, gt=0,
+        description="a node ejected for consecutive_misses gets its silence Ticks at growing gaps "
+        "(1, 1, 2, 4, 8 ... intervals) up to this (ms); heartbeat_interval_ms or less: a Tick every "
+        "interval. Ours (issue 12 item 1): bounds the health steps of a silent fleet",
+    )
     fail_static_min_nodes: int = Field(3, ge=2, description="fleets smaller than this never go fail-static")
     fail_static_forgive_intervals: int = Field(
         10, ge=0,

@@ -132,7 +132,7 @@ class ControlCore:
             # PROBATION ramp has steps: the clock reads stay off the heartbeat path otherwise)
             nh = anchor_ramp(nh, cfg.ramp_step_s, round(self.clock.wall() - self.clock.now(), 3))
         self._settle(node_id, before, prev, nh, events, now_s)
-        return hm.next_check_s(nh, cfg)
+        return hm.tick_due_s(nh, cfg, now_s)
 
     def adopt(self, node_id: str, nh: hm.NodeHealth, events: list[hm.Event], now_s: float) -> None:
         """Take a node's health as a probe worker's model decided it (with the transitions since

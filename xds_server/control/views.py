@@ -180,7 +180,7 @@ class ControlPlaneView:
             "agent_last_error": getattr(sess, "last_error", "") or None,
             "last_probe_failure": getattr(sess, "last_probe_failure", "") or None,
             "heartbeats": core.counters.heartbeats[node_id],
-            "consecutive_misses": nh.heartbeat.consecutive_misses,
+            "consecutive_misses": hm.misses_shown(nh, self.config.health, now),
             "last_heartbeat_s_ago": None if last_hb is None else round(now - last_hb, 3),
             "last_rtt_ms": nh.rtt.last_ms,
             "ewma_rtt_ms": nh.rtt.ewma_ms,

@@ -10,10 +10,10 @@ import math
 
 from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
-from xds_server.health.records import ROUTED_STATES, EjectionCause, NodeHealth
+from xds_server.health.records import ROUTED_STATES, EjectionCause, NodeHealth, NodeState
 
-__all__ = ["EPS_S", "miss_after_s", "misses_at", "next_check_s", "phi_delay_s", "required_clean_s",
-           "stall_confirm_at_s"]
+__all__ = ["EPS_S", "miss_after_s", "misses_at", "misses_shown", "next_check_s", "phi_delay_s", "required_clean_s",
+           "stall_confirm_at_s", "tick_due_s", "ticks_backed_off"]
 
 EPS_S = 1e-9
 """Tolerance (s) for float error when a time lands exactly on a boundary."""
@@ -81,6 +81,27 @@ def stall_confirm_at_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
     return at
 
 
+def ticks_backed_off(nh: NodeHealth, cfg: HealthConfig) -> bool:
+    """True when the node's silence Ticks are backed off (:func:`tick_due_s`): UNHEALTHY, ejected
+    by the count rule (``EjectionCause.HEARTBEAT``) and ``consecutive_misses`` reached. A Tick
+    then changes only the stored miss count: the count rule's ejection stands, the clean period
+    cannot start while silent, and a heartbeat (handled when it arrives, not by a Tick) is what
+    ends it."""
+    return (nh.state is NodeState.UNHEALTHY and nh.ejection.cause is EjectionCause.HEARTBEAT
+            and nh.heartbeat.last_s is not None and nh.heartbeat.consecutive_misses >= cfg.consecutive_misses)
+
+
+def misses_shown(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> int:
+    """The consecutive misses at ``now_s`` (/nodes, and what :func:`tick_due_s` counts from): the
+    stored count, or, once it has reached ``consecutive_misses``, the count a Tick at ``now_s``
+    would store (misses from the time since the last heartbeat, one more for a closed stream):
+    past the threshold Ticks may be backed off, so the stored count can lag the time."""
+    hb = nh.heartbeat
+    if hb.last_s is None or hb.consecutive_misses < cfg.consecutive_misses:
+        return hb.consecutive_misses
+    return max(hb.consecutive_misses, misses_at(hb.last_s, now_s, cfg) + (1 if hb.stream_closed else 0))
+
+
 def next_check_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
     """Absolute time (caller's clock, s) at which a Tick can change something.
 
@@ -88,11 +109,36 @@ def next_check_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
     nodes), the next ramp step, stall confirmation. None when nothing is pending (no heartbeat
     seen yet and no ramp).
     """
+    return _check_s(nh, cfg, nh.heartbeat.consecutive_misses, 1)
+
+
+def tick_due_s(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> float | None:
+    """When (caller's clock, s) the probe sources deliver the node's next Tick: :func:`next_check_s`,
+    except for a node whose Ticks are backed off (:func:`ticks_backed_off`): its miss boundary is
+    then ``k`` intervals ahead instead of one, ``k`` = the misses past ``consecutive_misses``
+    (at least 1, at most ``silent_tick_max_ms`` / ``heartbeat_interval_ms``): Ticks 100, 100, 200,
+    400, 800, 1,000, 1,000 ms apart with the defaults. Other deadlines (ramp, stall) still come
+    first. Misses are counted as at ``now_s`` (:func:`misses_shown`), so a node leaving the
+    back-off (e.g. a fatal probe changes its ejection's cause) gets its next Tick at the next miss
+    boundary, as with a Tick every interval. ``now_s``: the caller's clock (s), the time of the
+    observation just stepped. At 1,000 silent nodes this is ~1,000 health steps/s instead of
+    ~10,000 (issue 12 item 1, benchmarks/RESULTS.md). Routing decisions are those of a Tick every
+    interval (tests/property/test_tick_backoff.py)."""
+    misses = misses_shown(nh, cfg, now_s)
+    ahead = 1
+    if ticks_backed_off(nh, cfg):
+        cap = max(1, int(cfg.silent_tick_max_ms // cfg.heartbeat_interval_ms))
+        ahead = max(1, min(misses - cfg.consecutive_misses, cap))
+    return _check_s(nh, cfg, misses, ahead)
+
+
+def _check_s(nh: NodeHealth, cfg: HealthConfig, misses: int, ahead: int) -> float | None:
+    """:func:`next_check_s` with ``misses`` counted and the miss boundary ``ahead`` misses later."""
     # the running minimum of the candidates (no list: this runs once per heartbeat)
     best: float | None = None
     hb = nh.heartbeat
     if hb.last_s is not None:
-        counted = max(hb.consecutive_misses - (1 if hb.stream_closed else 0), 0)
+        counted = max(misses - (1 if hb.stream_closed else 0), 0) + ahead - 1
         best = hb.last_s + miss_after_s(cfg) + cfg.heartbeat_interval_ms / 1000.0 * counted
         if nh.ejection.cause is not EjectionCause.PHI and nh.state in ROUTED_STATES:
             d = phi_delay_s(nh, cfg)

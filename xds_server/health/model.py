@@ -66,7 +66,8 @@ Cluster-wide decisions are in :mod:`xds_server.health.policy`.
 """
 from __future__ import annotations
 
-from xds_server.health.clocks import miss_after_s, misses_at, next_check_s, required_clean_s
+from xds_server.health.clocks import (miss_after_s, misses_at, misses_shown, next_check_s, required_clean_s,
+                                      tick_due_s, ticks_backed_off)
 from xds_server.health.records import (
     MACHINE_STATES,
     ROUTED_STATES,
@@ -135,10 +136,13 @@ __all__ = [
     "initial",
     "miss_after_s",
     "misses_at",
+    "misses_shown",
     "next_check_s",
     "node_routing",
     "required_clean_s",
     "route",
     "step",
+    "tick_due_s",
+    "ticks_backed_off",
     "weight",
 ]

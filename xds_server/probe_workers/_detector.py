@@ -139,7 +139,7 @@ class Detector:
               or nh.engine.gpu_free_ratio != prev.engine.gpu_free_ratio):
             if routing_key(nh, self.cfg) != n.key:
                 self._mark(node_id)
-        return hm.next_check_s(nh, self.cfg)
+        return hm.tick_due_s(nh, self.cfg, now_s)
 
     def fail_static_ended(self, burst_start_s: float, now_s: float) -> None:
         """Fleet-wide fail-static ended (decided by the main process): step every node."""

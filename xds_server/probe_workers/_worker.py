@@ -111,7 +111,7 @@ class Worker:
         self.sessions[node.id] = s
         s.start()
         # the handed-over node's first Tick: at the end of its grace, unless a heartbeat comes first
-        s.check_at(hm.next_check_s(self.detector.nodes[node.id].nh, self.health))
+        s.check_at(hm.tick_due_s(self.detector.nodes[node.id].nh, self.health, now))
 
     def _remove(self, node_id: str) -> None:
         s = self.sessions.pop(node_id, None)

@@ -1,0 +1,145 @@
+"""Backed-off silence Ticks (xds_server.health.clocks.tick_due_s) decide as a Tick every interval.
+
+Two models see the same random observations: one gets its Ticks at :func:`next_check_s` (every
+miss boundary), the other at :func:`tick_due_s` (a node ejected by the count rule gets its Ticks
+at growing gaps). At every observation and at every Tick the back-off still delivers, both have
+the same state, routing (status, weight) and events, and the same records but the stored miss
+count, which :func:`misses_shown` makes equal again for display.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import target as steer
+from hypothesis import strategies as st
+
+from xds_server.config import HealthConfig
+from xds_server.health.model import (
+    DrainRequested,
+    FailStaticEnded,
+    HeartbeatObserved,
+    NodeState,
+    PingObserved,
+    ProbeObserved,
+    ProbeResultKind as K,
+    StreamClosed,
+    Tick,
+    initial,
+    misses_shown,
+    next_check_s,
+    route,
+    step,
+    tick_due_s,
+    ticks_backed_off,
+)
+
+_BASE = dict(probation_clean_s=0.5, probation_clean_max_s=2.0, ramp_step_percent=25.0, ramp_step_s=0.2,
+             probation_min_probes=1, good_probes_to_recover=2)
+CONFIGS = [
+    HealthConfig(**_BASE),
+    HealthConfig(**_BASE, failure_detector="count", consecutive_misses=1, silent_tick_max_ms=350.0),
+    HealthConfig(**_BASE, consecutive_misses=5, heartbeat_interval_ms=50.0, heartbeat_grace_ms=30.0),
+]
+
+heartbeat = st.builds(
+    HeartbeatObserved,
+    engine_state=st.sampled_from(["READY"] * 8 + ["WARMING", "COLD", "FAILED"]),
+    stalled=st.sampled_from([False] * 8 + [True]),
+    requests_waiting=st.sampled_from([None, 0.0, 1.0]),
+    gpu_free_ratio=st.sampled_from([None, 0.2, 0.9]),
+    gpu_fatal=st.sampled_from([""] * 15 + ["GPU 0 Xid 79"]),
+)
+probe = st.builds(ProbeObserved, st.sampled_from([K.OK] * 6 + list(K)), st.sampled_from([10.0, 10.0, 900.0, 6000.0]),
+                  st.sampled_from([0, 200, 503]))
+observation = st.one_of(
+    *[heartbeat] * 6, probe, probe, st.builds(StreamClosed, st.just("x")),
+    st.builds(PingObserved, st.sampled_from([1.0, 300.0])), st.builds(DrainRequested, st.booleans()),
+    st.builds(FailStaticEnded, st.floats(0, 5)),
+)
+# heartbeat-sized gaps and silences long enough for ejection and several backed-off Ticks
+gap = st.sampled_from([0.1] * 8 + [0.05, 0.25, 0.45, 1.2, 3.0, 3.0, 7.5, 7.5])
+timeline = st.lists(st.tuples(gap, observation), max_size=80)
+
+
+def _without_count(nh):
+    return replace(nh, heartbeat=replace(nh.heartbeat, consecutive_misses=0))
+
+
+def _same(a, b, t, cfg):
+    assert _without_count(a) == _without_count(b), (a, b, t)
+    assert route(a, 100, cfg) == route(b, 100, cfg), (a, b, t)
+    assert b.heartbeat.consecutive_misses <= a.heartbeat.consecutive_misses
+    assert misses_shown(b, cfg, t) == a.heartbeat.consecutive_misses, (a, b, t)
+
+
+@settings(max_examples=150, deadline=None)
+@given(timeline, st.sampled_from(CONFIGS), st.booleans())
+def test_backed_off_ticks_decide_as_a_tick_every_interval(items, cfg, routed_first):
+    if routed_first:  # most runs start routed (PROBATION), so long silences eject by the count rule
+        items = [(0.1, HeartbeatObserved(engine_state="READY")), (0.01, ProbeObserved(K.OK, 10.0)), *items]
+    every = backed = initial("p", 0.0)
+    t_every = t_backed = 0.0
+    ev_every, ev_backed = [], []
+    saved = 0
+    for dt, obs in items:
+        target = max(t_every, t_backed) + dt
+        while (due := tick_due_s(backed, cfg, t_backed)) is not None and t_backed < due <= target:
+            t_backed = due
+            while (d := next_check_s(every, cfg)) is not None and t_every < d <= due:
+                t_every = d
+                every, evs = step(every, Tick(), d, cfg)
+                ev_every += evs
+                saved += 1
+            saved -= 1
+            backed, evs = step(backed, Tick(), due, cfg)
+            ev_backed += evs
+            assert ev_every == ev_backed
+            _same(every, backed, due, cfg)
+        while (d := next_check_s(every, cfg)) is not None and t_every < d <= target:
+            t_every = d
+            every, evs = step(every, Tick(), d, cfg)
+            ev_every += evs
+            saved += 1
+        t_every = t_backed = target
+        every, evs = step(every, obs, target, cfg)
+        ev_every += evs
+        backed, evs = step(backed, obs, target, cfg)
+        ev_backed += evs
+        assert ev_every == ev_backed
+        _same(every, backed, target, cfg)
+    assert saved >= 0
+    steer(float(saved), label="Ticks saved")  # steer towards long silences after ejection
+
+
+def test_an_ejected_silent_node_ticks_at_doubling_gaps_and_recovers_as_before():
+    cfg = HealthConfig(failure_detector="count")  # 100 ms heartbeats, 80 ms grace, 3 misses, Ticks <= 1 s apart
+    nh = initial("n", 0.0)
+    t = 0.0
+    for _ in range(20):  # WARMING -> PROBATION with heartbeats and good probes
+        t = round(t + 0.1, 3)
+        nh, _ = step(nh, HeartbeatObserved(engine_state="READY"), t, cfg)
+        nh, _ = step(nh, ProbeObserved(K.OK, 10.0), t, cfg)
+    assert nh.state is NodeState.PROBATION
+    last = t
+    ticks = []
+    t = last
+    while (due := tick_due_s(nh, cfg, t)) is not None and due <= last + 10.0:
+        t = due
+        nh, _ = step(nh, Tick(), due, cfg)
+        if nh.state is NodeState.UNHEALTHY:
+            ticks.append(round(due - last, 3))
+    assert ticks_backed_off(nh, cfg)
+    # ejected at the third miss (+0.38 s), then Ticks 1, 1, 2, 4, 8, 10, 10 ... intervals apart
+    assert ticks[:8] == [0.38, 0.48, 0.58, 0.78, 1.18, 1.98, 2.98, 3.98]
+    assert len(ticks) == 14  # a Tick every interval: 97 in the same time
+    assert nh.heartbeat.consecutive_misses == 99 and tick_due_s(nh, cfg, t) == pytest.approx(last + 10.98)
+    assert tick_due_s(nh, cfg, last + 10.5) == pytest.approx(last + 11.48)  # 104 misses counted, 10 ahead
+    assert misses_shown(nh, cfg, last + 10.5) == 104  # between Ticks: from the time, as a Tick would count
+    assert next_check_s(nh, cfg) == pytest.approx(last + 10.08)  # the every-interval schedule
+    back, events = step(nh, HeartbeatObserved(engine_state="READY"), last + 10.5, cfg)
+    assert back.heartbeat.consecutive_misses == 0 and not ticks_backed_off(back, cfg)
+    assert back.state is NodeState.UNHEALTHY and [e.reason for e in events] == []
+    assert "heartbeats resumed" in back.reason
+    assert tick_due_s(back, cfg, last + 10.5) == next_check_s(back, cfg)
