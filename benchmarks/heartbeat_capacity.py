@@ -348,12 +348,15 @@ async def measure(n: int, seconds: float, *, gpus: int = 0, freeze: int = 0, cp_
 
 
 async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: bool = False,
-                   steady: bool = False) -> dict:
+                   steady: bool = False, silent: float = 0.0) -> dict:
     """Our share of a heartbeat without gRPC: the serialized heartbeats a real stream would bring
     are parsed (as grpc.aio's deserializer does) and handed to each node's real
     ``ProbeSession.on_message`` (edge check, health step, routing key, timer re-arm) with a real
     ``ControlCore`` on a running event loop, ``beats`` rounds over ``nodes`` nodes, 100 ms of
-    loop time apart (the timers fire as they would). Returns CPU us per heartbeat (process CPU)."""
+    loop time apart (the timers fire as they would). Returns CPU us per heartbeat (process CPU).
+    ``silent``: the share of nodes (0..1) that send no heartbeat after round 5 (streams gone
+    silent); their Ticks (health steps on no heartbeat) are counted from then on, and the CPU of
+    the whole loop (Ticks, heartbeats) over those rounds per second of loop time."""
     import cProfile
     import pstats
 
@@ -365,8 +368,18 @@ async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: b
     core = ControlCore(cfg, LoopClock())
     core.begin()
     loop = asyncio.get_running_loop()
-    sessions = [ProbeSession(n, cfg.health, core.observe, probe=cfg.probe, counters=core.counters)
+    ticks = [0]
+    observe = core.observe
+
+    def sink(node_id: str, obs: Any, now_s: float) -> Any:
+        if type(obs).__name__ == "Tick":
+            ticks[0] += 1
+        return observe(node_id, obs, now_s)
+
+    sessions = [ProbeSession(n, cfg.health, sink, probe=cfg.probe, counters=core.counters)
                 for _, n in cfg.nodes()]
+    quiet_from, n_silent = 5, int(round(silent * nodes))
+    tick0 = cpu0 = t0_silent = 0.0
     for s in sessions:
         s._loop = loop
         s._stream = _Stream(loop.time())
@@ -381,6 +394,8 @@ async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: b
     batch = 50
     t_round = loop.time()
     for k in range(beats):
+        if n_silent and k == quiet_from:
+            tick0, cpu0, t0_silent = ticks[0], time.process_time(), loop.time()
         for b in range(0, nodes, batch):
             # pace each round over 100 ms, as the fleet's heartbeats arrive spread over the interval
             wait = t_round + 0.1 * b / nodes - loop.time()
@@ -389,17 +404,27 @@ async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: b
             t0 = time.process_time()
             if prof:
                 prof.enable()
-            for s, w in zip(sessions[b:b + batch], wire[b:b + batch]):
+            for i, (s, w) in enumerate(zip(sessions[b:b + batch], wire[b:b + batch]), b):
+                if k >= quiet_from and i < n_silent:
+                    continue  # this node's stream has gone silent
                 s.on_message(parse(w[k]), loop.time())
             if prof:
                 prof.disable()
             if k >= 2:  # the first two rounds are warm-up (COLD -> WARMING -> PROBATION)
                 cpu += time.process_time() - t0
-                handled += len(sessions[b:b + batch])
+                handled += len(sessions[b:b + batch]) - (max(0, min(n_silent, b + batch) - b) if k >= quiet_from else 0)
         if k == 0:
             for s in sessions:
                 s.on_message(ok, loop.time())
         t_round += 0.1
+    silent_out = {}
+    if n_silent:
+        await asyncio.sleep(max(0.0, t_round - loop.time()))
+        span = loop.time() - t0_silent
+        silent_out = {"silent": n_silent, "ticks_per_s": (ticks[0] - tick0) / span,
+                      "cpu_cores_silent": (time.process_time() - cpu0) / span,
+                      "silent_routed": sum(1 for i, (_, nh) in enumerate(core.health.items())
+                                           if i < n_silent and nh.state.value in ("PROBATION", "HEALTHY"))}
     for s in sessions:
         if s._timer:
             s._timer.cancel()
@@ -409,7 +434,8 @@ async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: b
     ejections = core.counters.events["to_UNHEALTHY"]
     routed = sum(1 for nh in core.health.values() if nh.state.value in ("PROBATION", "HEALTHY"))
     return {"nodes": nodes, "gpus": gpus, "heartbeats": handled, "our_us_per_heartbeat": cpu / max(handled, 1) * 1e6,
-            "routed": routed, "false_ejections": ejections, "handler_errors": sum(s.handler_errors for s in sessions)}
+            "routed": routed, "false_ejections": ejections, "handler_errors": sum(s.handler_errors for s in sessions),
+            "load_avg": os.getloadavg()[0], **silent_out}
 
 
 def _hot_config(n: int, steady: bool) -> SentinelConfig:
@@ -433,16 +459,22 @@ def main() -> None:
     ap.add_argument("--fleet-cpu", type=int, default=None, help="pin the fake fleet to this CPU")
     ap.add_argument("--floor", action="store_true", help="our handler replaced by a counter (gRPC's floor)")
     ap.add_argument("--hot-path", action="store_true", help="our share without gRPC, no fleet")
+    ap.add_argument("--rounds", type=int, default=20, help="--hot-path: heartbeat rounds (100 ms apart)")
+    ap.add_argument("--silent", type=float, default=0.0,
+                    help="--hot-path: share of nodes silent after round 5 (their Ticks counted)")
     ap.add_argument("--steady", action="store_true",
                     help="nodes HEALTHY 1 s after their first probe (ramp_start_percent 100) instead of "
                          "ramping 1 %%/s for 100 s (each ramp step re-publishes the cluster)")
     a = ap.parse_args()
     for n in a.nodes:
         if a.hot_path:
-            r = asyncio.run(hot_path(n, gpus=a.gpus, steady=a.steady))
+            r = asyncio.run(hot_path(n, beats=a.rounds, gpus=a.gpus, steady=a.steady, silent=a.silent))
+            quiet = (f"; {r['silent']} silent: {r['ticks_per_s']:.0f} Ticks/s, loop CPU {r['cpu_cores_silent']:.2f} "
+                     f"cores, silent still routed {r['silent_routed']}" if r.get("silent") else "")
             print(f"{n:>5} nodes, {a.gpus} GPUs: our hot path {r['our_us_per_heartbeat']:.1f} us CPU per heartbeat "
                   f"(speed index {_speed_us() / 1000:.1f} ms) "
-                  f"({r['heartbeats']} heartbeats), routed {r['routed']}, ejections {r['false_ejections']}", flush=True)
+                  f"({r['heartbeats']} heartbeats), routed {r['routed']}, ejections {r['false_ejections']}{quiet}, "
+                  f"load avg {r['load_avg']:.2f}", flush=True)
             continue
         r = asyncio.run(measure(n, a.seconds, gpus=a.gpus, freeze=a.freeze, cp_cpu=a.cp_cpu,
                                 fleet_cpu=a.fleet_cpu, floor=a.floor,

@@ -124,6 +124,9 @@ def tick_due_s(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> float | None:
     observation just stepped. At 1,000 silent nodes this is ~1,000 health steps/s instead of
     ~10,000 (issue 12 item 1, benchmarks/RESULTS.md). Routing decisions are those of a Tick every
     interval (tests/property/test_tick_backoff.py)."""
+    misses = nh.heartbeat.consecutive_misses
+    if misses < cfg.consecutive_misses:  # a heartbeat's path: no back-off, the count is exact
+        return _check_s(nh, cfg, misses, 1)
     misses = misses_shown(nh, cfg, now_s)
     ahead = 1
     if ticks_backed_off(nh, cfg):
