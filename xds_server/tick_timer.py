@@ -81,6 +81,7 @@ class TickTimer:
         if self._handle is not None:
             self._handle.cancel()
         self._at = at_s
+        self._deferred = False  # a new handle: a deferral it replaces is over
         self._handle = self._loop.call_at(at_s, self._fire)
 
     def cancel(self) -> None:
@@ -93,8 +94,12 @@ class TickTimer:
         loop = self._loop
         want = self._want
         if want is not None and want > self._at:
-            # the deadline moved later since this handle was armed: nothing is due yet
+            # the deadline moved later since this handle was armed: nothing is due yet. A
+            # deferral is over too (a heartbeat came while it waited): the handle armed now is
+            # judged on its own lateness. (Kept set, it let the next stall's late Tick run at
+            # once: the fault matrix's SIGSTOP ejected a node alone.)
             self.rearmed += 1
+            self._deferred = False
             self._at = want
             self._handle = loop.call_at(want, self._fire)
             return

@@ -82,6 +82,8 @@ class ControlCore:
         self._running = False
         self.started_s = 0.0
         self.restored: dict[str, hm.NodeHealth] = {}  # resumed at the node's first heartbeat
+        # until then (monotonic s) a kept state is still given to a node added later (discovery)
+        self.restored_until_s = float("-inf")
         # Nodes whose per-node model runs in a probe worker (xds_server.probe_workers): called
         # with the burst start when fail-static ends, returns the node ids it forwarded it to.
         self.forward_fail_static_end: Callable[[float], Collection[str]] | None = None
@@ -208,8 +210,11 @@ class ControlCore:
         for node_id in added:
             self.health[node_id] = hm.initial(node_id, now)
         for node_id in dropped:
-            for d in (self.health, self.routing):
+            for d in (self.health, self.routing, self.restored):
                 d.pop(node_id, None)
+        if now > self.restored_until_s:  # the state file is too old for a node that appears only now
+            for node_id in added:
+                self.restored.pop(node_id, None)
         self._keys.clear()  # thresholds may have changed: every key is computed again
         self.planner.reconfigure(config, dropped)
         if self._running and any(c.name not in self.planner.gate_open for c in config.clusters):

@@ -160,6 +160,12 @@ class FaultRig:
         return any(c["node_id"].startswith("envoy-") and len(c["types"]) == 2 and all(
             t["acked_nonce"] == t["last_nonce"] for t in c["types"].values()) for c in clients)
 
+    async def relay_in_flight(self, http: aiohttp.ClientSession, address: str) -> float:
+        """Streams the relay runs on the engine at ``address`` now (``sentinel_relay_in_flight{node}``:
+        where each stream runs at present, also after a rescue moved it)."""
+        async with http.get(f"http://127.0.0.1:{self.relay_admin_port}/metrics") as r:
+            return prometheus_value(await r.text(), "sentinel_relay_in_flight", node=address)
+
     async def rescued(self, http: aiohttp.ClientSession) -> float:
         """The relay's resumed rescues so far (``sentinel_relay_rescues_total{outcome="resumed"}``)."""
         async with http.get(f"http://127.0.0.1:{self.relay_admin_port}/metrics") as r:

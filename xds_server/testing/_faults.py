@@ -194,10 +194,10 @@ async def engine_kill_restart(rig: FaultRig, http: aiohttp.ClientSession, times:
     info: dict = {"states": [], "weights": []}
     rescued0 = await rig.rescued(http)
     async with _loads(rig, relay=True, **load_kw) as loads:
-        direct, relayed = loads
+        direct = loads[0]
         await _warm(loads)
         for _ in range(times):
-            address = await _victim(direct, relayed)
+            address = await _victim(rig, http, direct)
             node = next(n for n in fleet.nodes if n.address == address)
             assert node.engine is not None
             states: list[str] = []
@@ -231,13 +231,16 @@ async def engine_kill_restart(rig: FaultRig, http: aiohttp.ClientSession, times:
     return rows, info
 
 
-async def _victim(direct: TrafficLoad, relayed: TrafficLoad, timeout_s: float = 10.0) -> str:
-    """An engine address with a stream in flight from both loads (the relay's client sees
-    Envoy's upstream header of the first attempt)."""
-    def both() -> str | None:
-        for addr, n in direct.in_flight.items():
-            if n > 0 and addr != "?" and relayed.in_flight.get(addr, 0) > 0:
-                return addr
+async def _victim(rig: FaultRig, http: aiohttp.ClientSession, direct: TrafficLoad, timeout_s: float = 10.0) -> str:
+    """An engine address with a stream in flight from both paths: one of Envoy's clients (its
+    upstream header) and one of the relay's (the relay's own count, ``sentinel_relay_in_flight``:
+    its client sees only the header of a stream's first attempt, and a stream about to finish
+    was often counted there while none ran on the engine at the kill)."""
+    async def both() -> str | None:
+        for addr, n in list(direct.in_flight.items()):
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                if n > 0 and addr != "?" and await rig.relay_in_flight(http, addr) >= 1:
+                    return addr
         return None
     return await wait_for(both, timeout_s=timeout_s, step_s=0.005, what="an engine streaming to both paths")
 
