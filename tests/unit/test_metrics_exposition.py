@@ -91,15 +91,17 @@ def test_metrics_are_in_base_units_with_probe_results_ejections_and_build_info()
     assert promtool_problems(text) == []
 
 
-def test_probe_worker_restarts_and_live_workers_are_exported_only_with_a_pool():
+def test_probe_worker_restarts_and_live_workers_are_exported():
     """``sentinel_probe_worker_restarts_total{worker}``, ``sentinel_probe_workers_live`` and
     ``_configured`` come from the control plane's WorkerPool (here one not started: no process
     runs, so none is live; the fleet test tests/integration/test_probe_workers_fleet.py kills
-    a real worker)."""
+    a real worker); without workers both gauges are 0 and no worker has a restart count."""
     from xds_server.probe_workers import WorkerPool
 
     cp, clock, _ = in_memory(config())
-    assert not any(n.startswith("sentinel_probe_worker") for n, _ in samples(exposition(cp)))  # workers: 0
+    m = samples(exposition(cp))
+    assert m[("sentinel_probe_workers_live", ())] == 0.0 and m[("sentinel_probe_workers_configured", ())] == 0.0
+    assert not any(n == "sentinel_probe_worker_restarts_total" for n, _ in m)
     cp.view.probe_pool = WorkerPool(2, cp.core, clock, cp.counters)
     cp.view.probe_pool.handles[1].restarts = 3
     text = exposition(cp)
