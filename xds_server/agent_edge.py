@@ -19,6 +19,7 @@ Bounds come from :class:`~xds_server.config.ProbeConfig` (each with its default 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Union
 
@@ -276,15 +277,25 @@ class AgentEdge:
 
     def _load(self, load: probe_pb2.EngineLoad, bad: list[BadField]) -> EngineLoadSummary:
         """The engine load, checked; the last summary again when nothing it keeps changed."""
+        # A value in range is taken as is (``lo <= v <= hi`` is False for NaN and for an infinity
+        # past a finite bound); anything else goes through _number for its reason.
         num = self._number
         has = load.HasField
         hi = self.probe.max_requests
-        waiting = num(load.requests_waiting, _P_WAITING, 0.0, hi, bad) if has("requests_waiting") else None
-        running = num(load.requests_running, _P_RUNNING, 0.0, hi, bad) if has("requests_running") else None
-        kv = num(load.kv_cache_usage_ratio, _P_KV, 0.0, 1.0, bad) if has("kv_cache_usage_ratio") else None
-        if has("prefix_cache_hit_ratio"):
+        top = hi if hi < math.inf else sys.float_info.max  # an infinite bound still rejects inf
+        waiting = running = kv = None
+        if has("requests_waiting"):
+            v = load.requests_waiting
+            waiting = v if 0.0 <= v <= top else num(v, _P_WAITING, 0.0, hi, bad)
+        if has("requests_running"):
+            v = load.requests_running
+            running = v if 0.0 <= v <= top else num(v, _P_RUNNING, 0.0, hi, bad)
+        if has("kv_cache_usage_ratio"):
+            v = load.kv_cache_usage_ratio
+            kv = v if 0.0 <= v <= 1.0 else num(v, _P_KV, 0.0, 1.0, bad)
+        if has("prefix_cache_hit_ratio") and not 0.0 <= load.prefix_cache_hit_ratio <= 1.0:
             num(load.prefix_cache_hit_ratio, _P_PREFIX, 0.0, 1.0, bad)
-        if has("generation_tokens_total"):
+        if has("generation_tokens_total") and not 0.0 <= load.generation_tokens_total < math.inf:
             num(load.generation_tokens_total, _P_TOKENS, 0.0, math.inf, bad)
         max_text = self.probe.max_text_chars
         metrics_error = load.metrics_error

@@ -47,7 +47,7 @@ DEMO_PER_TRY_IDLE_TIMEOUT_S = 2.0
 def shortened_settings() -> list[tuple[str, str, str]]:
     """(setting, demo value, production default) for every value the demo shortens; defaults
     are read from :class:`~xds_server.config.HealthConfig` and the bootstrap template
-    (``envoy/envoy.yaml``), so this never disagrees with them."""
+    (``xds_server/envoy/envoy.yaml``), so this never disagrees with them."""
     from xds_server.config import HealthConfig
     from xds_server.envoy_bootstrap import BOOTSTRAP_TEMPLATE
 

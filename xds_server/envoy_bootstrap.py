@@ -1,4 +1,8 @@
-"""Locate the Envoy binary and render ``envoy/envoy.yaml`` for one control plane or several.
+"""Locate the Envoy binary and render the bootstrap template for one control plane or several.
+
+The template is package data, ``xds_server/envoy/envoy.yaml`` (:data:`BOOTSTRAP_TEMPLATE`), read
+with :mod:`importlib.resources`, so an installed wheel or container image renders the same
+bootstrap as a checkout.
 
 One control plane (and its replicas): clusters and endpoints over one ADS stream. Several
 (:class:`ControlPlaneGroup`, one per group of clusters, each with its replicas): every cluster's
@@ -13,12 +17,14 @@ package (which ``xds-protos`` also owns).
 from __future__ import annotations
 
 import copy
+import importlib.resources
 import os
 import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from importlib.resources.abc import Traversable
 from typing import Any
 
 import yaml
@@ -31,7 +37,8 @@ __all__ = ["BOOTSTRAP_TEMPLATE", "ROUTE_HEADER", "ControlPlaneGroup", "EnvoyNotF
            "find_envoy", "render_bootstrap", "write_bootstrap", "xds_cluster", "xds_tls_sds_secrets",
            "xds_tls_transport_socket"]
 
-BOOTSTRAP_TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml"
+BOOTSTRAP_TEMPLATE: Traversable = importlib.resources.files("xds_server") / "envoy" / "envoy.yaml"
+"""The bootstrap template (package data shipped in the wheel; why each setting: its comments)."""
 ROUTE_HEADER = "x-sentinel-cluster"
 """With several control-plane groups: the request header naming the cluster to route to."""
 
@@ -161,7 +168,7 @@ def render_bootstrap(
     xds_replicas: Sequence[str] = (),
     groups: Sequence[ControlPlaneGroup] = (),
     route_header: str = ROUTE_HEADER,
-    template: Path = BOOTSTRAP_TEMPLATE,
+    template: Path | Traversable = BOOTSTRAP_TEMPLATE,
 ) -> dict[str, Any]:
     """The bootstrap from ``template`` with ports, routed cluster, node id and timeouts replaced.
 
@@ -181,7 +188,7 @@ def render_bootstrap(
     (s, absent from the template) adds Envoy's per_try_timeout, a bound on the time to response
     headers; beware that once it expires on a response already streaming, Envoy disables the
     per-try idle timer for that attempt, so streams older than it are no longer cut (see
-    ``envoy/envoy.yaml``).
+    ``xds_server/envoy/envoy.yaml``).
     ``retry_after_max_s`` bounds how long a retry honours a ``Retry-After`` header
     (``rate_limited_retry_back_off.max_interval``, s; the template's 3 s when None).
 

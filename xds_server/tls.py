@@ -13,7 +13,8 @@ No import from the rest of the project (node_probe and sentinel_relay use it too
   certificate when ``cert_file`` is set (mutual TLS). The files are read at each dial when they
   changed, so a redial after rotation presents and trusts the new files.
 - :func:`peer_identities` -> the names a client's certificate proves (URI SANs such as SPIFFE
-  ids, DNS SANs, the subject's common name), from a call's ``auth_context()``.
+  ids, DNS SANs, the subject's common name), from a call's ``auth_context()``;
+  :func:`peer_certificate_sha256` -> that certificate's SHA-256 fingerprint.
 - :func:`listener_credentials` and :func:`add_port`: a listener's credentials for a mode, its bind.
 - :func:`refused_client`: whether a client's certificate names match allowed patterns (the agent).
 - :func:`node_allowed`: the pure allow-list check of an Envoy node id against those names.
@@ -23,6 +24,7 @@ No import from the rest of the project (node_probe and sentinel_relay use it too
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import ipaddress
 import logging
 import os
@@ -44,6 +46,7 @@ __all__ = [
     "listener_credentials",
     "node_allow_authorizer",
     "node_allowed",
+    "peer_certificate_sha256",
     "peer_identities",
     "refused_client",
     "server_credentials",
@@ -263,6 +266,18 @@ def peer_identities(auth_context: Mapping[str, Iterable[bytes]]) -> list[str]:
             if s and s not in out:
                 out.append(s)
     return out
+
+
+def peer_certificate_sha256(auth_context: Mapping[str, Iterable[bytes]]) -> str | None:
+    """Hex SHA-256 of the DER encoding of the peer's verified certificate (gRPC's
+    ``x509_pem_cert``); None without a client certificate or when it does not decode."""
+    for v in auth_context.get("x509_pem_cert", ()):
+        try:
+            pem = v.decode("ascii") if isinstance(v, bytes) else str(v)
+            return hashlib.sha256(ssl.PEM_cert_to_DER_cert(pem)).hexdigest()
+        except (ValueError, UnicodeDecodeError):
+            return None
+    return None
 
 
 def node_allowed(rules: Iterable[tuple[str, Sequence[str]]], identities: Sequence[str], node_id: str

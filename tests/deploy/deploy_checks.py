@@ -1,5 +1,5 @@
 """Helpers of the deployment tests (tests/deploy/): read the Dockerfile's stages, compare a deploy
-bootstrap with envoy/envoy.yaml, run ``envoy --mode validate``, run an image's HEALTHCHECK
+bootstrap with xds_server/envoy/envoy.yaml, run ``envoy --mode validate``, run an image's HEALTHCHECK
 command here. Nothing here needs a container runtime."""
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def envoy_validate(bootstrap: str, tmp_path: Path) -> subprocess.CompletedProces
 
 
 def template_parts(cluster: str) -> dict[str, Any]:
-    """What every deploy bootstrap keeps of envoy/envoy.yaml (rendered for ``cluster``): the ADS
+    """What every deploy bootstrap keeps of xds_server/envoy/envoy.yaml (rendered for ``cluster``): the ADS
     settings, xds_cluster's protocol options and connect timeout, the LLM listener's filters."""
     doc = render_bootstrap(xds_port=18000, listener_port=10000, admin_port=9901, cluster=cluster)
     return bootstrap_parts(doc)

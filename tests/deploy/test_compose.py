@@ -1,7 +1,7 @@
 """compose.yaml without a container runtime: Debian's ``docker-compose config`` accepts it, every
 file it names exists, the xds-server config it mounts passes our loader (``xds-server
 check-config``), the Envoy bootstrap it mounts passes ``envoy --mode validate`` and keeps
-envoy/envoy.yaml's listener and ADS settings, and the three files agree with each other
+xds_server/envoy/envoy.yaml's listener and ADS settings, and the three files agree with each other
 (addresses, ports, node ids, replica names, the Envoy version)."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """deploy/kubernetes/ without a cluster: every object validates against the Kubernetes schemas
 (kubernetes-validate ships them, strict: unknown fields fail), the ConfigMap's sentinel config
-passes our loader, the Envoy bootstrap passes ``envoy --mode validate`` and keeps envoy/envoy.yaml's
+passes our loader, the Envoy bootstrap passes ``envoy --mode validate`` and keeps xds_server/envoy/envoy.yaml's
 listener and ADS settings, and the objects refer to each other correctly (selectors, ports,
 probes, ConfigMaps, the ServiceAccount and its Role, the sidecar's arguments)."""
 from __future__ import annotations

@@ -3,7 +3,7 @@
 - Every response names the engine that served it (``x-sentinel-upstream-host``).
 - A stream on a frozen engine ends within the bootstrap's per-try idle timeout (+ Envoy's timer
   slack) instead of hanging to stream_idle_timeout (300 s); with a per_try_timeout shorter than
-  the stream's age (the old bootstrap) it does not (why: ``envoy/envoy.yaml``).
+  the stream's age (the old bootstrap) it does not (why: ``xds_server/envoy/envoy.yaml``).
 
 Run with -s to see the measured numbers.
 """

@@ -1,16 +1,20 @@
 """More than one control plane, with the real Envoy and Envoy's own mechanisms (issues 12 item 3
-and 14 item 2). One setup for the module:
+and 14 items 2 and 3). The processes, once per bootstrap variant:
 
 - group A owns cluster ``pool-a`` (nodes gpu-a1, gpu-a2) and runs two replicas, ``cp-a1`` and
   ``cp-a2``, watching the same agents; group B owns ``pool-b`` (gpu-b1) with one process;
-- Envoy's bootstrap comes from :func:`render_bootstrap` with two :class:`ControlPlaneGroup` s:
-  ``xds_a`` lists both A replicas, ``xds_b`` the B process, and each cluster's ``eds_config``
-  points at its group; the header ``x-sentinel-cluster`` picks the cluster.
+- Envoy's bootstrap comes from :func:`render_bootstrap`, one variant per module setup:
+  ``eds-sotw``: two :class:`ControlPlaneGroup` s, ``xds_a`` listing both A replicas and ``xds_b``
+  the B process, each cluster's ``eds_config`` (SotW) pointing at its group, the header
+  ``x-sentinel-cluster`` picking the cluster; ``ads-delta``: one delta ADS stream (CDS + EDS) to
+  ``xds_cluster`` listing both A replicas (README "Running two replicas"), routing to pool-a
+  (group B runs, unused by Envoy, as the probe-rate reference).
 
 Tests: both clusters answer and a host frozen in pool-a is excluded by Envoy while pool-b is
-untouched; the A replica Envoy is connected to is killed with SIGKILL under load: no request
-fails, the survivor held the same versions, Envoy's pool-a update stats show no change beyond the
-reconnect, and the agents watched by two replicas probe their engines no more than the one
+untouched (``eds-sotw``); in both variants the A replica Envoy is connected to is killed with
+SIGKILL under load: no request fails, the survivor held the same versions, Envoy's pool-a update
+stats show no change beyond the reconnect (delta: no update at all) and no cluster is added or
+modified, and the agents watched by two replicas probe their engines no more than the one
 watched by a single process.
 """
 from __future__ import annotations
@@ -51,6 +55,7 @@ HEALTH = {"heartbeat_interval_ms": 100, "heartbeat_grace_ms": 400, "failure_dete
           "ttft_healthy_ms": 700, "probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2,
           "score_rtt_weight": 0.0}
 NODE_ID = "envoy-llm-gw-1"
+EDS_SOTW, ADS_DELTA = "eds-sotw", "ads-delta"
 
 
 @dataclass
@@ -69,14 +74,16 @@ class ControlPlaneProc:
 class Split:
     """The module's processes; :meth:`stop` stops every one by its own handle."""
 
-    def __init__(self, wd: Path) -> None:
+    def __init__(self, wd: Path, variant: str = EDS_SOTW) -> None:
         self.wd = wd
+        self.variant = variant
+        # the clusters Envoy has; group B (pool-b) runs only where Envoy reaches it
+        self.routed = ("pool-a", "pool-b") if variant == EDS_SOTW else ("pool-a",)
         self.procs: list[ManagedProcess] = []
-        self.nodes = [NodeProcs(nid, free_port(), free_port()) for nid in ("gpu-a1", "gpu-a2", "gpu-b1")]
         self.cluster_of = {"gpu-a1": "pool-a", "gpu-a2": "pool-a", "gpu-b1": "pool-b"}
-        self.cps = [ControlPlaneProc("cp-a1", "a", free_port(), free_port()),
-                    ControlPlaneProc("cp-a2", "a", free_port(), free_port()),
-                    ControlPlaneProc("cp-b1", "b", free_port(), free_port())]
+        self.nodes = [NodeProcs(nid, free_port(), free_port()) for nid, c in self.cluster_of.items() if c in self.routed]
+        self.cps = [ControlPlaneProc(r, g, free_port(), free_port())
+                    for r, g in (("cp-a1", "a"), ("cp-a2", "a"), ("cp-b1", "b")) if f"pool-{g}" in self.routed]
         self.envoy_port, self.envoy_admin_port = free_port(), free_port()
         self.envoy: ManagedProcess | None = None
 
@@ -118,12 +125,16 @@ class Split:
             cp.proc = ManagedProcess(cp.replica, self._py("-m", "xds_server.cli", "serve", "--config", str(path)),
                                      wd / f"{cp.replica}.log", ready_pattern="admin listening")
         self._start_all([cp.proc for cp in self.cps])
-        groups = [ControlPlaneGroup(g, tuple(f"127.0.0.1:{cp.xds_port}" for cp in self.cps if cp.group == g),
-                                    tuple(parse_config(self.config(next(c for c in self.cps if c.group == g))).clusters))
-                  for g in ("a", "b")]
-        boot = write_bootstrap(wd / "envoy.yaml", render_bootstrap(
-            listener_port=self.envoy_port, admin_port=self.envoy_admin_port, groups=groups,
-            per_try_timeout_s=1.0, per_try_idle_timeout_s=2.0))
+        replicas = {g: tuple(f"127.0.0.1:{cp.xds_port}" for cp in self.cps if cp.group == g) for g in ("a", "b")}
+        ports = {"listener_port": self.envoy_port, "admin_port": self.envoy_admin_port,
+                 "per_try_timeout_s": 1.0, "per_try_idle_timeout_s": 2.0}
+        if self.variant == EDS_SOTW:
+            groups = [ControlPlaneGroup(g, replicas[g], tuple(parse_config(
+                self.config(next(c for c in self.cps if c.group == g))).clusters)) for g in ("a", "b")]
+            doc = render_bootstrap(groups=groups, **ports)
+        else:
+            doc = render_bootstrap(xds_replicas=replicas["a"], cluster="pool-a", api_type="DELTA_GRPC", **ports)
+        boot = write_bootstrap(wd / "envoy.yaml", doc)
         self.envoy = ManagedProcess("envoy", [find_envoy(), "-c", str(boot), "--disable-hot-restart",
                                               "--concurrency", "2", "-l", "warning"], wd / "envoy.out")
         self.procs.append(self.envoy.start())
@@ -148,15 +159,24 @@ class Split:
         return {by_port.get(h.port, str(h.port)): h.status for h in hosts}
 
     async def all_routed(self, http) -> bool:
+        """Every node of every cluster Envoy has is HEALTHY in Envoy."""
         with contextlib.suppress(Exception):
-            a, b = await self.hosts(http, "pool-a"), await self.hosts(http, "pool-b")
-            return a == {"gpu-a1": "HEALTHY", "gpu-a2": "HEALTHY"} and b == {"gpu-b1": "HEALTHY"}
+            for cluster in self.routed:
+                want = {n.node_id: "HEALTHY" for n in self.nodes if self.cluster_of[n.node_id] == cluster}
+                if await self.hosts(http, cluster) != want:
+                    return False
+            return True
         return False
 
     async def envoy_stats(self, http, cluster: str) -> dict[str, int]:
-        async with http.get(f"http://127.0.0.1:{self.envoy_admin_port}/stats",
-                            params={"filter": rf"^cluster\.{cluster}\.(update_|membership_change|version$)"}) as r:
-            return {k.split(".", 2)[2]: v for k, v in parse_envoy_stats(await r.text()).items()}
+        """Envoy's update counters of ``cluster`` (``update_success``, ``version``, ...) and its
+        cluster manager's (``cluster_manager.cluster_added``/``_modified``/``_removed``, and with
+        CDS ``cluster_manager.cds.*``)."""
+        async with http.get(f"http://127.0.0.1:{self.envoy_admin_port}/stats", params={"filter": (
+                rf"^cluster\.{cluster}\.(update_|membership_change|version$)"
+                r"|^cluster_manager\.(cluster_(added|modified|removed)$|cds\.(update_|version$))")}) as r:
+            stats = parse_envoy_stats(await r.text())
+        return {k.split(".", 2)[2] if k.startswith("cluster.") else k: v for k, v in stats.items()}
 
     async def connected(self, http, cp: ControlPlaneProc, acked: bool = True) -> bool:
         """Whether Envoy holds an EDS stream on ``cp`` (with ``acked``: and everything sent on it
@@ -182,16 +202,18 @@ class Split:
         return out
 
 
-@pytest.fixture(scope="module")
-def split():
+@pytest.fixture(scope="module", params=[EDS_SOTW, ADS_DELTA])
+def split(request):
+    """The module's processes with the bootstrap ``request.param`` (one setup per variant)."""
     with tempfile.TemporaryDirectory(prefix="xds-sentinel-split-") as d:
-        s = Split(Path(d))
+        s = Split(Path(d), request.param)
         try:
             yield s.start()
         finally:
             s.stop()
 
 
+@pytest.mark.parametrize("split", [EDS_SOTW], indirect=True)  # pool-b is reached through group B
 async def test_each_cluster_from_its_own_control_plane_frozen_node_excluded_other_cluster_untouched(split, http):
     await wait_for(lambda: split.all_routed(http), timeout_s=30.0)
     # each cluster's EDS came from its own group: pool-b's stream is on cp-b1 only
@@ -249,16 +271,17 @@ async def test_kill_9_of_the_connected_replica_under_load_changes_nothing_in_env
 
     # both replicas, fed by the same agents, publish the same version for the same state
     await wait_for(same_version, timeout_s=10.0)
-    # two replicas watching gpu-a1/a2 do not double their probes: the agent fans one probe out
-    p0, t0 = await split.probes_at_engines(http), time.monotonic()
-    await asyncio.sleep(2.5)
-    p1, dt = await split.probes_at_engines(http), time.monotonic() - t0
-    rates = {n: (p1[n] - p0[n]) / dt for n in p0}
-    assert rates["gpu-b1"] > 0.5, rates  # one watcher: the idle cadence (0.5 s +- 25 %)
-    assert max(rates["gpu-a1"], rates["gpu-a2"]) <= rates["gpu-b1"] * 1.5 + 0.5, rates
+    if split.variant == EDS_SOTW:  # where gpu-b1 runs: the reference with one watcher
+        # two replicas watching gpu-a1/a2 do not double their probes: the agent fans one probe out
+        p0, t0 = await split.probes_at_engines(http), time.monotonic()
+        await asyncio.sleep(2.5)
+        p1, dt = await split.probes_at_engines(http), time.monotonic() - t0
+        rates = {n: (p1[n] - p0[n]) / dt for n in p0}
+        assert rates["gpu-b1"] > 0.5, rates  # one watcher: the idle cadence (0.5 s +- 25 %)
+        assert max(rates["gpu-a1"], rates["gpu-a2"]) <= rates["gpu-b1"] * 1.5 + 0.5, rates
 
     holding = [cp for cp in (a1, a2) if await split.connected(http, cp, acked=False)]
-    assert len(holding) == 1, [cp.replica for cp in holding]  # Envoy's one EDS stream for pool-a
+    assert len(holding) == 1, [cp.replica for cp in holding]  # Envoy's one EDS (or ADS) stream for pool-a
     victim, survivor = holding[0], (a2 if holding[0] is a1 else a1)
     await wait_for(lambda: split.connected(http, victim), timeout_s=10.0, what="pool-a pushes ACKed")
     version = await wait_for(same_version, timeout_s=10.0)  # the state Envoy holds, on both
@@ -286,11 +309,16 @@ async def test_kill_9_of_the_connected_replica_under_load_changes_nothing_in_env
     after = await split.envoy_stats(http, "pool-a")
     total = load_a.totals()
     changes = len({v for v in published if v != version})
-    print(f"\nkilled {victim.replica}, Envoy on {survivor.replica}; requests ok {total.ok} failed "
+    print(f"\n{split.variant}: killed {victim.replica}, Envoy on {survivor.replica}; requests ok {total.ok} failed "
           f"{dict(total.failures)}; survivor's versions {version} -> {sorted(set(published))}; "
           f"Envoy pool-a stats before {before} after {after}")
     assert total.failed == 0 and total.ok > 20, dict(total.failures)
     assert load_a.phases["on the survivor"].ok > 5
+    # no cluster was added, modified or removed (with CDS: the survivor's clusters are the same
+    # resources, so Envoy warmed no cluster and its CDS version did not move)
+    for k in ("cluster_manager.cluster_added", "cluster_manager.cluster_modified",
+              "cluster_manager.cluster_removed", "cluster_manager.cds.version"):
+        assert after.get(k) == before.get(k), k
     updates = after["update_success"] - before["update_success"]
     rebuilt = updates - (after["update_no_rebuild"] - before["update_no_rebuild"])
     if changes == 0:
@@ -299,6 +327,11 @@ async def test_kill_9_of_the_connected_replica_under_load_changes_nothing_in_env
         assert after["version"] == before["version"]
         assert after["membership_change"] == before["membership_change"]
         assert updates <= 1 and rebuilt == 0
+        if split.variant == ADS_DELTA:
+            # delta: the reconnected stream's initial_resource_versions matched the survivor's,
+            # so it sent nothing, for the endpoints as for the clusters
+            assert updates == 0
+            assert after["cluster_manager.cds.update_success"] == before["cluster_manager.cds.update_success"]
     else:
         # the nodes' state changed meanwhile (a loaded machine): Envoy rebuilt once per change the
         # survivor published, never for the failover itself

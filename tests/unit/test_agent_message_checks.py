@@ -129,3 +129,29 @@ def test_unchanged_gpu_part_gives_the_same_result_and_bad_fields_and_a_changed_o
     g.xid_events.append(79)
     checked, _ = edge.check(msg)
     assert checked.observation.gpu_fatal == "GPU 0 Xid 79"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["requests_waiting", "requests_running", "kv_cache_usage_ratio",
+                                           "prefix_cache_hit_ratio", "generation_tokens_total"]),
+                          nasty_floats), max_size=8),
+       st.sampled_from([1e9, 5.0, math.inf]))
+def test_engine_load_in_range_shortcut_equals_the_full_number_check(fields, max_requests):
+    """The engine load's in-range shortcut keeps exactly what ``_number`` keeps and reports the
+    same bad fields (NaN, infinities, -0.0, bounds, an infinite max_requests)."""
+    edge = AgentEdge(HealthConfig(), ProbeConfig(max_requests=max_requests))
+    load = probe_pb2.EngineLoad()
+    for name, v in fields:
+        setattr(load, name, v)
+    bad: list = []
+    got = edge._load(load, bad)
+    ref_bad: list = []
+    bounds = {"requests_waiting": max_requests, "requests_running": max_requests, "kv_cache_usage_ratio": 1.0,
+              "prefix_cache_hit_ratio": 1.0, "generation_tokens_total": math.inf}
+    ref = {name: (AgentEdge._number(getattr(load, name), f"heartbeat.telemetry.engine_load.{name}", 0.0, hi,
+                                    ref_bad) if load.HasField(name) else None)
+           for name, hi in bounds.items()}
+    assert bad == ref_bad
+    for name in ("requests_waiting", "requests_running", "kv_cache_usage_ratio"):
+        a, b = getattr(got, name), ref[name]
+        assert (a is None and b is None) or (a == b and math.copysign(1, a) == math.copysign(1, b)), name

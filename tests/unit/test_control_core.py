@@ -79,6 +79,48 @@ def test_planner_publishes_an_isolated_change_at_once_and_coalesces_within_the_w
     assert p.mark_dirty("llm", warm=True, now_s=1.03) == 1.1    # within the window: at its end
 
 
+def test_planner_spaces_publishes_by_the_build_ratio_when_a_build_is_longer_than_the_window():
+    p = PublishPlanner(parse_config(config(xds={"coalesce_window_ms": 5, "publish_build_ratio": 3})))
+    p.gate_open.add("llm")
+    p.last_publish_s, p.last_build_s = 1.0, 0.02  # a 20 ms build: the next one >= 60 ms later
+    assert p.min_gap_s() == 0.06
+    assert abs(p.mark_dirty("llm", warm=True, now_s=1.01) - 1.06) < 1e-9
+    p.scheduled = False
+    assert p.mark_dirty("llm", warm=True, now_s=1.5) == 1.5     # after a quiet gap: at once
+    p.scheduled, p.last_build_s = False, 0.001                  # a 1 ms build: the window decides
+    assert abs(p.mark_dirty("llm", warm=True, now_s=1.001) - 1.005) < 1e-9
+    off = PublishPlanner(parse_config(config(xds={"coalesce_window_ms": 5, "publish_build_ratio": 0})))
+    off.last_build_s = 0.02
+    assert off.min_gap_s() == 0.005
+
+
+def test_core_measures_each_publish_build_on_its_clock_and_spaces_the_next_by_it():
+    """A build that takes 20 ms of the clock (the ManualClock moved inside on_publish, as the
+    loop's clock moves while a large cluster is built) puts the next publish of a burst 60 ms
+    after it; every publish still happens (none is lost)."""
+    cp, clock, probes = in_memory(config(xds={"coalesce_window_ms": 5, "warmup_timeout_ms": 0}))
+    all_healthy(cp, clock, probes)
+    write = cp.core.on_publish
+    at: list[float] = []
+
+    def slow_write(p):
+        at.append(clock.now())
+        write(p)
+        clock._now += 0.02  # the build took 20 ms
+
+    cp.core.on_publish = slow_write
+    cp.core.drain("n0", True, "t")  # published at once (an operator action)
+    assert len(at) == 1 and abs(cp.core.planner.last_build_s - 0.02) < 1e-9
+    t0 = at[0]
+    cp.core.drain("n1", True, "t")
+    cp.core.observe("n2", hm.DrainRequested(True, "t"), clock.now())  # a change in the burst: scheduled
+    clock.advance(0.03)
+    assert len(at) == 2
+    clock.advance(0.2)
+    assert len(at) == 3 and at[2] - at[1] >= 0.06 - 1e-9
+    assert published(cp)["n2"] == "DRAINING" and t0 < at[1]
+
+
 def test_warm_up_gate_holds_a_cluster_until_every_node_left_warming_or_the_timeout():
     cp, clock, probes = in_memory(config())
     for nid in ("n0", "n1"):

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xds_server.control.clock import ManualClock
-from xds_server.tick_timer import TickTimer
+from xds_server.tick_timer import DeadlineQueue, TickTimer
 
 
 class _Loop:
@@ -178,3 +178,119 @@ def test_a_late_tick_is_never_run_at_the_instant_the_loop_wakes(steps, stall_ms)
     wake = loop.now + stall_ms / 1000.0
     loop.stall_to(wake)
     assert wake not in ticks
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 150),
+                          st.one_of(st.none(), st.integers(0, 400))), max_size=60))
+def test_many_timers_in_one_queue_tick_as_their_own_naive_timers(steps):
+    """Five timers sharing one DeadlineQueue (one loop timer): every timer's Tick times equal
+    those of its own asyncio-style timer re-armed on every call, for any sequence of
+    (timer, advance ms, arm at +ms or None); some Ticks re-arm their timer, as a node's does."""
+    clock, ref_clock = ManualClock(), ManualClock()
+    loop = _Loop(clock)
+    ticks: list[list[float]] = [[] for _ in range(5)]
+    ref_ticks: list[list[float]] = [[] for _ in range(5)]
+    timers: list[TickTimer] = []
+    refs: list = [None] * 5
+
+    def ref_arm(i, at):
+        if refs[i] is not None:
+            refs[i].cancel()
+        refs[i] = None if at is None else ref_clock.call_at(at, ref_tick, i)
+
+    def ref_tick(i):
+        ref_ticks[i].append(ref_clock.now())
+        if i % 2:  # odd timers re-arm 70 ms after each Tick (a node still silent)
+            ref_arm(i, ref_clock.now() + 0.07) if len(ref_ticks[i]) < 4 else None
+
+    def tick(i):
+        ticks[i].append(clock.now())
+        if i % 2:
+            timers[i].arm(clock.now() + 0.07) if len(ticks[i]) < 4 else None
+
+    for i in range(5):
+        timers.append(TickTimer(loop, lambda i=i: tick(i), lag_tolerance_s=10.0, lag_recheck_s=0.01, retry_s=0.1))
+    for i, adv_ms, at_ms in steps:
+        now = clock.now() + adv_ms / 1000.0
+        clock.advance_to(now)
+        ref_clock.advance_to(now)
+        at = None if at_ms is None else now + at_ms / 1000.0
+        timers[i].arm(at)
+        ref_arm(i, at)
+    clock.advance_to(clock.now() + 10.0)
+    ref_clock.advance_to(ref_clock.now() + 10.0)
+    assert ticks == ref_ticks
+    q = DeadlineQueue.of(loop)
+    assert len(q) == 0 and not any(t.armed for t in timers)
+
+
+def test_one_loop_timer_serves_every_node_and_stale_entries_are_compacted():
+    clock = ManualClock()
+    loop = _Loop(clock)
+    ticks: list[int] = []
+    timers = [TickTimer(loop, lambda i=i: ticks.append(i), lag_tolerance_s=0.05, lag_recheck_s=0.01,
+                        retry_s=0.1) for i in range(300)]
+    for k in range(10):  # 300 nodes, a heartbeat each every 100 ms (deadline +180 ms)
+        for i, t in enumerate(timers):
+            clock.advance_to(k * 0.1 + i * 0.0003)
+            t.arm(clock.now() + 0.18)
+    q = DeadlineQueue.of(loop)
+    assert ticks == [] and len(q) == 300
+    assert clock.pending() <= 1  # one loop timer, however many nodes
+    for t in timers:  # each moved earlier then cancelled: stale entries, rebuilt away
+        t.arm(clock.now() + 0.01)
+        t.cancel()
+    assert len(q) == 0 and q.stale < 256
+    clock.advance_to(clock.now() + 5.0)
+    assert ticks == []
+    timers[7].arm(clock.now() + 0.05)
+    clock.advance_to(clock.now() + 1.0)
+    assert ticks == [7]
+
+
+def test_a_late_loop_defers_each_due_timer_once():
+    """Woken 300 ms late (our loop stalled): every due timer is put off once by the stall
+    re-check (180 ms) before its Tick, as a timer of its own would be."""
+    clock = ManualClock()
+    loop = _Loop(clock)
+    ticks: list[tuple[int, float]] = []
+    timers = [TickTimer(loop, lambda i=i: ticks.append((i, clock.now())), lag_tolerance_s=0.05,
+                        lag_recheck_s=0.01, retry_s=0.1, stall_recheck_s=0.18) for i in range(3)]
+    for i, t in enumerate(timers):
+        t.arm(0.1 + i * 0.01)
+    real_time = loop.time
+    loop.time = lambda: real_time() + 0.3  # the loop reads its clock 300 ms after the due time
+    clock.advance_to(0.1)
+    loop.time = real_time
+    assert ticks == [] and all(t.deferrals == 1 for t in timers)
+    clock.advance_to(1.0)
+    assert [i for i, _ in ticks] == [0, 1, 2]
+
+
+def test_a_tick_rearming_in_the_past_waits_for_the_next_loop_iteration():
+    """A Tick that asks for a time already past does not run again inside the same firing of
+    the loop timer (it would hold the event loop: no I/O between): the loop timer is armed again
+    and the next iteration runs it, as asyncio runs a call_at made from a callback."""
+    armed: list[float] = []
+
+    class _Stub:
+        now = 1.0
+
+        def time(self):
+            return self.now
+
+        def call_at(self, at_s, fn, *args):
+            armed.append(at_s)
+            return type("H", (), {"cancel": lambda self: None})()
+
+    loop = _Stub()
+    runs: list[float] = []
+    t = TickTimer(loop, lambda: (runs.append(loop.now), t.arm(loop.now - 0.5)), lag_tolerance_s=10.0,
+                  lag_recheck_s=0.01, retry_s=0.1)
+    t.arm(1.0)
+    q = DeadlineQueue.of(loop)
+    q._run()
+    assert runs == [1.0] and t.armed and armed[-1] == 0.5  # queued again, for the next iteration
+    q._run()
+    assert runs == [1.0, 1.0]

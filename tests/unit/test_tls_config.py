@@ -17,10 +17,17 @@ from hypothesis import strategies as st
 from node_probe.agent import AgentConfig
 from sentinel_relay.config import RelayConfigError, load_relay_config
 from xds_server.cli import main as xds_main
-from xds_server.config import ConfigError, parse_config
+from xds_server.config import ConfigError, XdsConfig, parse_config
 from xds_server.envoy_bootstrap import xds_tls_sds_secrets, xds_tls_transport_socket
 from xds_server.testing import TestCA
-from xds_server.tls import ClientTls, ServerCertFiles, channel_credentials, is_loopback, node_allowed
+from xds_server.tls import (
+    ClientTls,
+    ServerCertFiles,
+    channel_credentials,
+    is_loopback,
+    node_allowed,
+    peer_certificate_sha256,
+)
 
 ENVOY = "spiffe://cluster.local/ns/llm/sa/envoy"
 
@@ -110,6 +117,29 @@ def test_tls_section_names_missing_and_misplaced_fields(pki, tmp_path):
 
 
 # -- certificate reload -------------------------------------------------------------------------
+
+
+def test_peer_certificate_sha256_is_the_der_fingerprint(pki):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    pem = Path(pki[2].cert).read_bytes()
+    want = x509.load_pem_x509_certificate(pem).fingerprint(hashes.SHA256()).hex()
+    assert peer_certificate_sha256({"x509_pem_cert": [pem]}) == want
+    assert peer_certificate_sha256({"transport_security_type": [b"insecure"]}) is None  # plaintext
+    assert peer_certificate_sha256({"x509_pem_cert": [b"not a certificate"]}) is None
+
+
+def test_connection_age_reaches_the_grpc_server_options_only_when_set():
+    opts = dict(_cfg().xds.grpc_server_options())
+    assert "grpc.max_connection_age_ms" not in opts and opts["grpc.so_reuseport"] == 0
+    aged = XdsConfig(max_connection_age_s=1800, max_connection_age_grace_s=0.5)
+    opts = dict(aged.grpc_server_options())
+    assert opts["grpc.max_connection_age_ms"] == 1_800_000 and opts["grpc.max_connection_age_grace_ms"] == 500
+    doc = {"xds": {"max_connection_age_s": -1},
+           "clusters": [{"name": "llm", "nodes": [{"id": "a", "address": "127.0.0.1:8000"}]}]}
+    with pytest.raises(ConfigError, match="max_connection_age_s"):
+        parse_config(doc)
 
 
 def test_server_cert_files_take_a_good_pair_and_refuse_a_half_written_one(tmp_path):

@@ -62,12 +62,37 @@ class XdsConfig(_Model):
         "one event-loop iteration only. Ours: a few ms is far below a heartbeat interval (100 ms) "
         "and turns a burst (a rack losing power) into two updates instead of one per node",
     )
+    publish_build_ratio: float = Field(
+        3.0, ge=0, le=100,
+        description="during a burst of changes, publish at most every (this x the last publish's "
+        "build time) when that is longer than coalesce_window_ms, so publishing a large cluster "
+        "takes at most 1/(1 + ratio) of the event loop (3: 25 %). A 1,000-endpoint cluster takes "
+        "~15-25 ms to build: at the 5 ms window a fleet starting up rebuilt it back to back and "
+        "starved the heartbeats (benchmarks/RESULTS.md, issue 12 item 1). An isolated change after "
+        "a quiet gap is still published at once. 0 = the window alone",
+    )
     keepalive_time_ms: int = Field(
         30_000, ge=1_000,
         description="HTTP/2 keepalive ping interval on ADS streams (checklist 1.9 item 28); "
         "matches the 30 s the Envoy bootstrap uses towards us",
     )
     keepalive_timeout_ms: int = Field(5_000, ge=100, description="keepalive ping ack deadline")
+    max_connection_age_s: float = Field(
+        0.0, ge=0.0,
+        description="close each client connection on the xDS port (Envoy's ADS/EDS, the relay's "
+        "feed) after this many seconds (+- 10 % jitter; gRPC's grpc.max_connection_age_ms), so "
+        "every client reconnects within it: a client certificate rotated through SDS is presented "
+        "and an allow-list change is applied at the reconnect (an open connection keeps the "
+        "certificate it was opened with), and Envoys spread over replicas again after a failover. "
+        "The reconnect changes nothing in Envoy (same content, same versions). 0 = never. Ours; "
+        "Istio's control plane uses 30 min for the same reasons",
+    )
+    max_connection_age_grace_s: float = Field(
+        1.0, ge=0.0,
+        description="after max_connection_age_s, how long open streams may continue before the "
+        "connection is closed (gRPC's grpc.max_connection_age_grace_ms). An ADS stream never ends "
+        "by itself, so this only lets a response being written finish. Ours",
+    )
     min_client_ping_interval_ms: int = Field(
         5_000, ge=0,
         description="HTTP/2 pings from a client without data in flight closer than this are a "
@@ -151,3 +176,20 @@ class XdsConfig(_Model):
     )
 
     _v_listen = field_validator("listen")(_check_hostport)
+
+    def grpc_server_options(self) -> list[tuple[str, int]]:
+        """The xDS port's gRPC server options from these fields (message size, keepalive, ping
+        policy, connection age)."""
+        opts = [
+            ("grpc.max_receive_message_length", self.max_receive_message_bytes),
+            ("grpc.keepalive_time_ms", self.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+            ("grpc.http2.min_ping_interval_without_data_ms", self.min_client_ping_interval_ms),
+            # grpc turns SO_REUSEPORT on by default: a second server on the same port would then
+            # bind silently and share the connections. Off, it fails to start (as the agent does).
+            ("grpc.so_reuseport", 0),
+        ]
+        if self.max_connection_age_s > 0:
+            opts += [("grpc.max_connection_age_ms", max(1, round(self.max_connection_age_s * 1000))),
+                     ("grpc.max_connection_age_grace_ms", round(self.max_connection_age_grace_s * 1000))]
+        return opts

@@ -294,6 +294,16 @@ class ControlCore:
             self._publish_timer = None
         now = self.clock.now()
         out = self.planner.publish(now, self.health, self.fail_static, self.fail_static_floor_s())
+        try:
+            self._hand_over(out)
+        finally:
+            # the build time spaces the next publish (xds.publish_build_ratio); the loop's clock
+            # moves while we compute (a ManualClock does not: 0)
+            self.planner.last_build_s = max(0.0, self.clock.now() - now)
+        return out
+
+    def _hand_over(self, out: list[ClusterPublish]) -> None:
+        """Record each publish's events and routing, hand it to ``on_publish``, arm wake-ups."""
         wall = self.clock.wall()
         for p in out:
             for ev in p.events:
@@ -305,7 +315,6 @@ class ControlCore:
             if self.on_publish is not None:
                 self.on_publish(p)
             self._arm_wake(p.cluster)
-        return out
 
     def _arm_wake(self, cluster: str) -> None:
         """One timer per cluster at its earliest outlier-ejection end: re-armed when that time

@@ -16,7 +16,9 @@ Rules (from the old ``ControlPlane``, behaviour unchanged):
 - warm-up gate: a cluster is held back until none of its nodes is COLD or WARMING (``warm``),
   or until :meth:`open_gate` (the ``xds.warmup_timeout_ms`` timer) opens it;
 - at most one publish per ``xds.coalesce_window_ms``: a change after a quiet window is due at
-  once; changes within the window after a publish are due at its end, as one publish;
+  once; changes within the window after a publish are due at its end, as one publish; the window
+  is stretched to ``xds.publish_build_ratio`` x the last publish's build time (``last_build_s``,
+  measured by the caller) when that is longer (a large cluster in a burst of changes);
 - fail-static: while active, a cluster keeps the last assignment published before the burst of
   losses began (:class:`LastGoodHistory`);
 - outlier ejections: one wake-up time per cluster, the earliest ejection end (+1 ms).
@@ -92,6 +94,8 @@ class PublishPlanner:
         self.config = config
         self._clusters = {c.name: c for c in config.clusters}
         self.window_s = config.xds.coalesce_window_ms / 1000.0
+        self.build_ratio = config.xds.publish_build_ratio
+        self.last_build_s = 0.0         # how long the last publish took to build (s; the caller's clock)
         self.gate_open: set[str] = set()
         self.dirty: set[str] = set()
         self.scheduled = False          # a publish is due and the caller has armed it
@@ -113,6 +117,7 @@ class PublishPlanner:
         self.config = config
         self._clusters = {c.name: c for c in config.clusters}
         self.window_s = config.xds.coalesce_window_ms / 1000.0
+        self.build_ratio = config.xds.publish_build_ratio
         n = config.xds.fail_static_history_max
         # a look-back recorded for another node set cannot be published for this one
         self._history = {name: self._history[name] if old_ids.get(name) == [x.id for x in c.nodes]
@@ -142,7 +147,12 @@ class PublishPlanner:
         if self.scheduled:
             return None
         self.scheduled = True
-        return max(now_s, self.last_publish_s + self.window_s)
+        return max(now_s, self.last_publish_s + self.min_gap_s())
+
+    def min_gap_s(self) -> float:
+        """The least time (s) from one publish to the next: the coalescing window, or
+        ``publish_build_ratio`` x the last build time when longer."""
+        return max(self.window_s, self.build_ratio * self.last_build_s)
 
     def open_gate(self, cluster: str) -> bool:
         """Open the warm-up gate (timeout). Returns True if it was closed."""

@@ -88,18 +88,23 @@ def next_check_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
     nodes), the next ramp step, stall confirmation. None when nothing is pending (no heartbeat
     seen yet and no ramp).
     """
-    cands: list[float] = []
+    # the running minimum of the candidates (no list: this runs once per heartbeat)
+    best: float | None = None
     hb = nh.heartbeat
     if hb.last_s is not None:
         counted = max(hb.consecutive_misses - (1 if hb.stream_closed else 0), 0)
-        cands.append(hb.last_s + miss_after_s(cfg) + cfg.heartbeat_interval_ms / 1000.0 * counted)
+        best = hb.last_s + miss_after_s(cfg) + cfg.heartbeat_interval_ms / 1000.0 * counted
         if nh.ejection.cause is not EjectionCause.PHI and nh.state in ROUTED_STATES:
             d = phi_delay_s(nh, cfg)
-            if d is not None:
-                cands.append(hb.last_s + d)
+            if d is not None and hb.last_s + d < best:
+                best = hb.last_s + d
     if nh.ramp.step_at_s is not None:
-        cands.append(nh.ramp.step_at_s + cfg.ramp_step_s)
-    confirm = stall_confirm_at_s(nh, cfg)
-    if confirm is not None and nh.engine.stall_counted == 1 and nh.state in ROUTED_STATES:
-        cands.append(confirm)
-    return min(cands) if cands else None
+        at = nh.ramp.step_at_s + cfg.ramp_step_s
+        if best is None or at < best:
+            best = at
+    if nh.engine.stalled:
+        confirm = stall_confirm_at_s(nh, cfg)
+        if (confirm is not None and nh.engine.stall_counted == 1 and nh.state in ROUTED_STATES
+                and (best is None or confirm < best)):
+            best = confirm
+    return best

@@ -17,18 +17,17 @@ from dataclasses import dataclass, replace
 
 from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
+from xds_server.health.beats import quiet_heartbeat, record_heartbeat
 from xds_server.health.clocks import EPS_S, misses_at, phi_delay_s, required_clean_s, stall_confirm_at_s
 from xds_server.health.outcome import classify_probe, is_refusal, refusal_evidence
 from xds_server.health.records import (
     ROUTED_STATES,
     DrainRequested,
     EjectionCause,
-    Engine,
     EngineState,
     Event,
     FailStaticEnded,
     HeartbeatObserved,
-    Heartbeats,
     NodeHealth,
     Observation,
     PingObserved,
@@ -83,6 +82,15 @@ def step(nh: NodeHealth, obs: Observation, now_s: float, cfg: HealthConfig) -> t
     :class:`~xds_server.health.table.InvalidTransition` for a (state, signal) pair the table
     does not have (e.g. a NodeHealth whose ``state`` is DRAINING, which is an overlay only).
     """
+    if type(obs) is HeartbeatObserved:
+        quiet = quiet_heartbeat(nh, obs, now_s, cfg)
+        if quiet is not None:
+            return quiet, []
+    return _step_full(nh, obs, now_s, cfg)
+
+
+def _step_full(nh: NodeHealth, obs: Observation, now_s: float, cfg: HealthConfig) -> tuple[NodeHealth, list[Event]]:
+    """:func:`step` without the quiet heartbeat's fast path: the recording, then every rule."""
     try:
         record, rules = _OBSERVERS[type(obs)]
     except KeyError:
@@ -105,42 +113,8 @@ def _failure(nh: NodeHealth, what: str, cfg: HealthConfig) -> Fired:
 
 
 def _record_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> NodeHealth:
-    cfg, now, h, e = c.cfg, c.now_s, nh.heartbeat, nh.engine
-    arrivals = h.arrivals
-    if h.last_s is not None and not h.stream_closed:
-        if arrivals is None:
-            arrivals = phimod.ArrivalStats(cfg.heartbeat_interval_ms, cfg.phi_min_std_ms ** 2, 0)
-        arrivals = phimod.update(arrivals, (now - h.last_s) * 1000.0, cfg.phi_alpha)
-    c.gap_ms = None if h.last_s is None else (now - h.last_s) * 1000.0
-    clears = h.suspicion_clears
-    if clears:
-        clears = tuple(t for t in clears if now - t < cfg.phi_suspicion_window_s)
-    c.prev_engine = e.state
-    stalled_since, counted = e.stalled_since_s, e.stall_counted
-    if hb.stalled and not e.stalled:
-        stalled_since, counted = now, 0
-    elif not hb.stalled:
-        stalled_since, counted = None, 0
-    ej = nh.ejection
-    if ej.forgive_since_s is not None:  # consumed by this heartbeat either way
-        c.pending = (ej.forgive_since_s, ej.forgive_until_s)
-        ej = replace(ej, forgive_since_s=None, forgive_until_s=0.0)
-    progress_at = None if hb.progress_age_ms is None else now - hb.progress_age_ms / 1000.0
-    progress_detail = hb.progress_detail if hb.progress_age_ms is not None else ""
-    if not (progress_at is None and e.progress_at_s is None and e.state is hb.engine_state
-            and e.stalled == hb.stalled and e.stalled_since_s == stalled_since and e.stall_counted == counted
-            and _same(e.requests_running, hb.requests_running) and _same(e.requests_waiting, hb.requests_waiting)
-            and _same(e.gpu_free_ratio, hb.gpu_free_ratio) and e.gpu_fatal == hb.gpu_fatal
-            and e.progress_detail == progress_detail):
-        e = Engine(hb.engine_state, hb.stalled, stalled_since, counted, hb.requests_running,
-                   hb.requests_waiting, hb.gpu_free_ratio, hb.gpu_fatal, progress_at, progress_detail)
-    # else: the engine record is unchanged (a steady node): the same immutable value is kept
-    return replace(nh, heartbeat=Heartbeats(now, 0, False, arrivals, clears), ejection=ej, engine=e)
-
-
-def _same(a: float | None, b: float | None) -> bool:
-    """Equal and of the same type and zero sign (so keeping ``a`` is exactly keeping ``b``)."""
-    return a is b or (type(a) is type(b) and a == b and (a != 0.0 or str(a) == str(b)))
+    nh, (c.gap_ms, c.prev_engine, c.pending) = record_heartbeat(nh, hb, c.now_s, c.cfg)
+    return nh
 
 
 def _r_disproved(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fired]:

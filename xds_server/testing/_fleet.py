@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from xds_server.envoy_bootstrap import find_envoy, render_bootstrap, write_bootstrap
+from xds_server.envoy_bootstrap import add_xds_tls, find_envoy, render_bootstrap, write_bootstrap
 from xds_server.testing._envoy import envoy_process, fetch_envoy_hosts
 from xds_server.testing._process import ManagedProcess, free_port
 
@@ -74,6 +74,8 @@ class Fleet:
     # here replaces the fleet's own of that name.
     config_options: dict[str, Any] = field(default_factory=dict)
     admin_options: dict[str, Any] = field(default_factory=dict)  # merged into the admin section
+    # Envoy's xds_cluster transport_socket (envoy_bootstrap.xds_tls_transport_socket); None: plaintext.
+    envoy_xds_tls: dict[str, Any] | None = None
     nodes: list[NodeProcs] = field(default_factory=list)
     procs: list[ManagedProcess] = field(default_factory=list)
 
@@ -128,10 +130,13 @@ class Fleet:
             cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
             self.control_plane = self._spawn(self._control_plane_process())
             self.envoy_port, self.envoy_admin_port = free_port(), free_port()
-            boot = write_bootstrap(wd / "envoy.yaml", render_bootstrap(
+            doc = render_bootstrap(
                 xds_port=self.xds_port, listener_port=self.envoy_port, admin_port=self.envoy_admin_port,
                 cluster=self.cluster, api_type=self.api_type, per_try_timeout_s=self.per_try_timeout_s,
-                per_try_idle_timeout_s=self.per_try_idle_timeout_s))
+                per_try_idle_timeout_s=self.per_try_idle_timeout_s)
+            if self.envoy_xds_tls is not None:
+                add_xds_tls(doc, self.envoy_xds_tls)
+            boot = write_bootstrap(wd / "envoy.yaml", doc)
             self.envoy = self._spawn(envoy_process(envoy_bin, boot, wd, concurrency=2))
         except BaseException:
             self.stop()

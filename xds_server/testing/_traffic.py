@@ -15,7 +15,7 @@ import aiohttp
 
 __all__ = ["TrafficLoad", "TrafficStats"]
 
-#: Envoy's response header naming the engine ("ip:port") that serves a request (envoy/envoy.yaml).
+#: Envoy's response header naming the engine ("ip:port") that serves a request (xds_server/envoy/envoy.yaml).
 UPSTREAM_HEADER = "x-sentinel-upstream-host"
 
 

@@ -42,12 +42,13 @@ from google.protobuf.message import DecodeError
 from envoy.service.discovery.v3 import discovery_pb2
 
 from xds_server.config import XdsConfig
+from xds_server.tls import peer_certificate_sha256, peer_identities
 from xds_server.untrusted import RateLimitedLog, clip, for_log
 from xds_server.xds.budget import RequestBudget
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.delta import DeltaStream
 from xds_server.xds.encoding import encode_response
-from xds_server.xds.protocol import StreamIdentity, StreamLimits, Verdict
+from xds_server.xds.protocol import ClientCertificate, StreamIdentity, StreamLimits, Verdict
 from xds_server.xds.resources import type_label
 from xds_server.xds.sotw import SotwStream
 from xds_server.xds.stats import XdsStats
@@ -132,22 +133,27 @@ class AdsServicer:
                 _CDS_SERVICE, handlers("StreamClusters", "DeltaClusters")),
         ))
 
-    def _identity(self) -> StreamIdentity:
+    def _identity(self, context: grpc.aio.ServicerContext) -> StreamIdentity:
         sid = next(self._ids)
-        return StreamIdentity(sid, f"{self._boot}.{sid:x}.", self._clock())
+        cert = None
+        auth = context.auth_context()
+        digest = peer_certificate_sha256(auth)
+        if digest is not None:
+            cert = ClientCertificate(tuple(peer_identities(auth)), digest)
+        return StreamIdentity(sid, f"{self._boot}.{sid:x}.", self._clock(), cert)
 
     async def StreamAggregatedResources(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         """State-of-the-world ADS: one stream per Envoy, all types multiplexed."""
-        stream = SotwStream(self._identity(), self.limits)
+        stream = SotwStream(self._identity(context), self.limits)
         await self._serve(stream, discovery_pb2.DiscoveryRequest, request_iterator, context)
 
     async def DeltaAggregatedResources(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         """Delta (incremental) ADS: one stream per Envoy, all types multiplexed."""
-        stream = DeltaStream(self._identity(), self.limits)
+        stream = DeltaStream(self._identity(context), self.limits)
         await self._serve(stream, discovery_pb2.DeltaDiscoveryRequest, request_iterator, context)
 
     # -- views -------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 node identity, nonces and the CDS -> EDS re-push rule. Pure: no I/O, no clock, no randomness.
 
 Everything a stream needs from outside is injected when it is made (:class:`StreamIdentity`:
-stream id, nonce prefix, connection time; :class:`StreamLimits`: bounds from config), so a test
+stream id, nonce prefix, connection time, the connection's :class:`ClientCertificate`;
+:class:`StreamLimits`: bounds from config), so a test
 builds a stream in memory and drives it with protobuf requests and a
 :class:`~xds_server.xds.cache.SnapshotCache`.
 
@@ -28,6 +29,7 @@ from xds_server.xds.resources import CLUSTER_TYPE_URL, RESOURCE_TYPES, type_labe
 
 __all__ = [
     "AckState",
+    "ClientCertificate",
     "RequestVerdict",
     "ResponsePlan",
     "StreamIdentity",
@@ -82,11 +84,28 @@ class ResponsePlan:
 @dataclass(frozen=True, slots=True)
 class StreamIdentity:
     """What the shell hands a new stream: ``stream_id`` (unique per servicer), ``nonce_prefix``
-    (unique per stream and process start: nonces are ``<prefix><n>``), ``connected_at_s`` (unix s)."""
+    (unique per stream and process start: nonces are ``<prefix><n>``), ``connected_at_s`` (unix s),
+    ``client_certificate`` (the certificate the client's TLS connection presented; None without
+    one)."""
 
     stream_id: int
     nonce_prefix: str
     connected_at_s: float
+    client_certificate: "ClientCertificate | None" = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientCertificate:
+    """A client's verified TLS certificate: ``names`` (URI SANs such as SPIFFE ids, DNS SANs, the
+    common name) and ``sha256`` (hex SHA-256 of its DER encoding: ``openssl x509 -noout
+    -fingerprint -sha256`` without the colons), which tells a rotated certificate from the old one
+    when the names stay."""
+
+    names: tuple[str, ...]
+    sha256: str
+
+    def view(self) -> dict:
+        return {"names": list(self.names), "sha256": self.sha256}
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +185,7 @@ class StreamBase:
         self.node_cluster = ""
         self.user_agent = ""
         self.connected_at = ident.connected_at_s
+        self.client_certificate = ident.client_certificate
         self.types: dict = {}
         self._nonce = itertools.count(1)
         self._nonce_prefix = ident.nonce_prefix
@@ -238,6 +258,7 @@ class StreamBase:
             "node_cluster": self.node_cluster,
             "user_agent": self.user_agent,
             "connected_at": self.connected_at,
+            "client_certificate": self.client_certificate.view() if self.client_certificate else None,
         }
 
     def _subscribed_view(self, ts) -> dict:

@@ -1,0 +1,115 @@
+"""The quiet heartbeat's fast path (xds_server.health.beats.quiet_heartbeat) decides exactly as
+the full step: same node record, same events, for random observation sequences."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from xds_server.config import HealthConfig
+from xds_server.health.beats import quiet_heartbeat
+from xds_server.health.model import (
+    DrainRequested,
+    FailStaticEnded,
+    HeartbeatObserved,
+    PingObserved,
+    ProbeObserved,
+    ProbeResultKind as K,
+    StreamClosed,
+    Tick,
+    initial,
+    next_check_s,
+    step,
+)
+from xds_server.health.clocks import miss_after_s, phi_delay_s, stall_confirm_at_s
+from xds_server.health.records import ROUTED_STATES, EjectionCause
+from xds_server.health.rules import _step_full
+
+# short clean period, ramp and HEALTHY run so random sequences reach every state
+CFG = HealthConfig(probation_clean_s=0.5, probation_clean_max_s=2.0, ramp_step_percent=25.0, ramp_step_s=0.2,
+                   probation_min_probes=1, good_probes_to_recover=2)
+
+steady_heartbeat = st.builds(
+    HeartbeatObserved,
+    engine_state=st.sampled_from(["READY"] * 8 + ["WARMING", "COLD", "FAILED"]),
+    stalled=st.sampled_from([False] * 8 + [True]),
+    requests_running=st.sampled_from([None, 0.0, -0.0, 4.0, 4.0, 5.0]),
+    requests_waiting=st.sampled_from([None, 0.0, 1.0, 1.0]),
+    gpu_free_ratio=st.sampled_from([None, 0.0, 0.2, 0.2]),
+    gpu_fatal=st.sampled_from([""] * 12 + ["GPU 0 Xid 79"]),
+    progress_age_ms=st.sampled_from([None] * 6 + [50.0, 2500.0]),
+    progress_detail=st.sampled_from(["", "tokens"]),
+)
+probe = st.builds(ProbeObserved, st.sampled_from([K.OK] * 6 + list(K)), st.sampled_from([10.0, 10.0, 900.0, 6000.0]),
+                  st.sampled_from([0, 200, 429, 503]))
+observation = st.one_of(
+    *[steady_heartbeat] * 6, probe, probe, st.just(Tick()), st.builds(StreamClosed, st.just("x")),
+    st.builds(PingObserved, st.sampled_from([1.0, 2.0, 300.0])), st.builds(DrainRequested, st.booleans()),
+    st.builds(FailStaticEnded, st.floats(0, 5)),
+)
+# mostly heartbeat-sized gaps, some silences long enough for misses and phi suspicions
+gap = st.sampled_from([0.1] * 8 + [0.09, 0.11, 0.05, 0.25, 0.45, 1.2])
+timeline = st.lists(st.tuples(gap, observation), max_size=150)
+
+
+@settings(max_examples=400, deadline=None)
+@given(timeline)
+def test_step_with_the_fast_path_equals_the_full_step(items):
+    nh = initial("p", 0.0)
+    t = 0.0
+    quiet = 0
+    for dt, obs in items:
+        target = t + dt
+        while (due := next_check_s(nh, CFG)) is not None and t < due <= target:  # Ticks as a session delivers them
+            t = due
+            nh, _ = step(nh, Tick(), t, CFG)
+        t = target
+        fast, fast_events = step(nh, obs, t, CFG)
+        full, full_events = _step_full(nh, obs, t, CFG)
+        assert fast == full and fast_events == full_events, (nh, obs, t)
+        if isinstance(obs, HeartbeatObserved) and quiet_heartbeat(nh, obs, t, CFG) is not None:
+            quiet += 1
+            assert not full_events
+        nh = full
+        assert next_check_s(nh, CFG) == _next_check_reference(nh)
+
+
+def _next_check_reference(nh):
+    """next_check_s as it was written before (a list of candidates and min), for comparison."""
+    cands = []
+    hb = nh.heartbeat
+    if hb.last_s is not None:
+        counted = max(hb.consecutive_misses - (1 if hb.stream_closed else 0), 0)
+        cands.append(hb.last_s + miss_after_s(CFG) + CFG.heartbeat_interval_ms / 1000.0 * counted)
+        if nh.ejection.cause is not EjectionCause.PHI and nh.state in ROUTED_STATES:
+            d = phi_delay_s(nh, CFG)
+            if d is not None:
+                cands.append(hb.last_s + d)
+    if nh.ramp.step_at_s is not None:
+        cands.append(nh.ramp.step_at_s + CFG.ramp_step_s)
+    confirm = stall_confirm_at_s(nh, CFG)
+    if confirm is not None and nh.engine.stall_counted == 1 and nh.state in ROUTED_STATES:
+        cands.append(confirm)
+    return min(cands) if cands else None
+
+
+def test_a_steady_healthy_node_takes_the_fast_path_and_a_changed_rule_input_does_not():
+    hb = HeartbeatObserved(engine_state="READY", requests_running=4.0)
+    nh = initial("p", 0.0)
+    t = 0.0
+    for kind in ("hb", "probe", "hb", "probe"):
+        t += 0.1
+        nh, _ = step(nh, hb if kind == "hb" else ProbeObserved(K.OK, 10.0), t, CFG)
+    while nh.state.value != "HEALTHY" and t < 10.0:  # clean period, ramp, heartbeats flowing
+        t += 0.1
+        nh, _ = step(nh, hb, t, CFG)
+        nh, _ = step(nh, Tick(), t, CFG)
+        nh, _ = step(nh, ProbeObserved(K.OK, 10.0), t, CFG)
+    assert nh.state.value == "HEALTHY"
+    t += 0.1
+    out = quiet_heartbeat(nh, hb, t, CFG)
+    assert out is not None and out.heartbeat.last_s == t and out.engine is nh.engine  # engine record kept
+    assert out == _step_full(nh, hb, t, CFG)[0]
+    assert quiet_heartbeat(nh, HeartbeatObserved(engine_state="READY", gpu_fatal="GPU 0 Xid 79"), t, CFG) is None
+    assert quiet_heartbeat(nh, HeartbeatObserved(engine_state="WARMING"), t, CFG) is None  # restarting
+    assert quiet_heartbeat(nh, HeartbeatObserved(engine_state="READY", stalled=True), t, CFG) is None
+    assert step(nh, HeartbeatObserved(engine_state="FAILED"), t, CFG)[0].state.value == "UNHEALTHY"
