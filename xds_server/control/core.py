@@ -171,8 +171,18 @@ class ControlCore:
                 self._keys[node_id] = key
                 self.mark_dirty(cluster)
         if ((prev.heartbeat.consecutive_misses > 0) != (nh.heartbeat.consecutive_misses > 0)
-                or prev.heartbeat.stream_closed != nh.heartbeat.stream_closed):
+                or prev.heartbeat.stream_closed != nh.heartbeat.stream_closed
+                or (self.fail_static.active and self._silent_by_time(prev, now_s)
+                    and not self._silent_by_time(nh, now_s))):
+            # the last: a node fail-static counted as silent by time alone (its Tick not run yet)
+            # is heard again; no miss count changes, but the episode may be over
             self._check_fail_static(now_s)
+
+    def _silent_by_time(self, nh: hm.NodeHealth, now_s: float) -> bool:
+        """Silent as :func:`~xds_server.health.policy.fail_static` counts it by time: the last
+        heartbeat at least interval + grace before ``now_s`` (s)."""
+        last = nh.heartbeat.last_s
+        return last is not None and now_s - last >= hm.miss_after_s(self.config.health)
 
     def _resume(self, node_id: str, prev: hm.NodeHealth, now_s: float) -> hm.NodeHealth:
         """The kept state of a node at its first heartbeat after a restart (:func:`resume_kept`)."""
