@@ -13,6 +13,9 @@ arrives into health-model observations, timed on the control plane's own monoton
   -> :class:`StreamClosed`, then redial with exponential backoff
   (``reconnect_backoff_initial_ms`` doubling up to ``reconnect_backoff_max_ms``).
 
+After a stall of our own event loop, verdicts on the node's silence (a Tick, a closed or silent
+stream) wait until the node is heard again or the hold ends (:mod:`xds_server.probe_silence`).
+
 Every message is checked field by field at the edge (:class:`~xds_server.agent_edge.AgentEdge`)
 before anything reads it; bad fields are counted per (field, reason) and logged rate-limited.
 A failure while handling one message is counted and skipped: it never ends health checking.
@@ -39,7 +42,8 @@ from xds_server.health.model import (
     Tick,
     miss_after_s,
 )
-from xds_server.tick_timer import TickTimer, recheck_after_s
+from xds_server.probe_silence import SilenceGate, SilentStream
+from xds_server.tick_timer import TickTimer
 from xds_server.tls import ClientTls, dial
 from xds_server.untrusted import RateLimitedLog, clip, for_log
 
@@ -49,10 +53,6 @@ log = logging.getLogger(__name__)
 
 ObservationSink = Callable[[str, Observation, float], "float | None"]
 """``sink(node_id, observation, now_s) -> next_check_s``: when the next Tick is due, or None."""
-
-
-class SilentStream(Exception):
-    """The stream stayed open without a heartbeat for ``probe.silent_stream_redial_ms``."""
 
 
 class _Stream:
@@ -121,12 +121,15 @@ class ProbeSession:
         self._unreachable_rl = RateLimitedLog(log, self.probe_cfg.unreachable_log_interval_s, max_keys=1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stream: _Stream | None = None
+        self._latest: _Stream | None = None  # the open stream, or the one that ended last
         self._gap_limit = miss_after_s(cfg)
+        self.silence_gate = SilenceGate(cfg, self.probe_cfg)
 
     def start(self) -> None:
         """Begin dialing the agent (idempotent)."""
         if self._task is None:
             self._loop = asyncio.get_running_loop()
+            self.silence_gate.start(self._loop)
             self._task = asyncio.create_task(self._run(), name=f"probe-{self.node.id}")
 
     def check_at(self, at_s: float | None) -> None:
@@ -145,6 +148,7 @@ class ProbeSession:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        self.silence_gate.stop()
 
     @property
     def alive(self) -> bool:
@@ -173,7 +177,19 @@ class ProbeSession:
         self._timer.arm(at_s)
 
     def _tick(self) -> None:
-        self._emit(Tick())
+        self._judge(self.silence_gate.due(self._now(), self._heard_s()))
+
+    def _judge(self, verdict: float | Tick | StreamClosed) -> None:
+        """Emit a verdict on the node's silence, or (a loop time) re-arm at the end of a hold."""
+        if isinstance(verdict, float):
+            self._arm(verdict)
+        else:
+            self._emit(verdict)
+
+    def _heard_s(self) -> float | None:
+        """Arrival (loop s) of the last heartbeat on the latest stream (open or ended); None: none."""
+        st = self._latest
+        return st.last_hb if st is not None and st.had_hb else None
 
     @property
     def lag_deferrals(self) -> int:
@@ -190,14 +206,7 @@ class ProbeSession:
     async def _run(self) -> None:
         backoff = self.cfg.reconnect_backoff_initial_ms / 1000.0
         pc = self.probe_cfg
-        options = [
-            ("grpc.keepalive_time_ms", pc.keepalive_time_ms),
-            ("grpc.keepalive_timeout_ms", pc.keepalive_timeout_ms),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.initial_reconnect_backoff_ms", pc.channel_initial_backoff_ms),
-            ("grpc.max_reconnect_backoff_ms", int(self.cfg.reconnect_backoff_max_ms)),
-        ]
+        options = pc.channel_options(self.cfg.reconnect_backoff_max_ms)
         while True:
             got_any = False
             try:
@@ -222,7 +231,7 @@ class ProbeSession:
                 self._rl.log(logging.ERROR, self._now(), "session", "probe session %s failed: %s",
                              for_log(self.node.id), for_log(detail, 256))
             try:
-                self._emit(StreamClosed(detail))
+                self._judge(self.silence_gate.closed(self._now(), detail, self._heard_s()))
             except Exception:  # noqa: BLE001
                 self._handler_failed("stream_closed")
             extra = {"node": self.node.id, "reason": detail}
@@ -255,7 +264,7 @@ class ProbeSession:
         self._outq = outq
         loop = asyncio.get_running_loop()
         st = _Stream(loop.time())
-        self._stream = st
+        self._stream = self._latest = st
         pings = st.pings
         silent_s = self.probe_cfg.silent_stream_redial_ms / 1000.0
 
@@ -286,19 +295,11 @@ class ProbeSession:
 
         async def watchdog() -> None:
             # A stream open but without heartbeats is cancelled here; the read below then ends.
-            # Woken late (our own loop stalled), it judges only after the stall re-check, once
-            # the heartbeats that waited unread meanwhile were read.
-            while True:
-                due = max(loop.time() + 0.005, st.last_hb + silent_s)
-                await asyncio.sleep(due - loop.time())
-                late_ms = (loop.time() - due) * 1000.0
-                if late_ms > self.cfg.self_lag_tolerance_ms:
-                    await asyncio.sleep(recheck_after_s(late_ms / 1000.0, self.probe_cfg.lag_recheck_ms / 1000.0,
-                                                        miss_after_s(self.cfg)))
-                if loop.time() - st.last_hb >= silent_s:
-                    silent[0] = True
-                    call.cancel()
-                    return
+            await self.silence_gate.silent_for(loop, silent_s, lambda: st.last_hb, self._heard_s,
+                                               self.cfg.self_lag_tolerance_ms / 1000.0,
+                                               self.probe_cfg.lag_recheck_ms / 1000.0)
+            silent[0] = True
+            call.cancel()
 
         ping_task = asyncio.create_task(pinger())
         write_task = asyncio.create_task(writer())

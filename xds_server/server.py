@@ -99,6 +99,7 @@ class ControlPlane:
         self.view = ControlPlaneView(self.core, self.cache, self.ads, self.sessions, lambda: self._config)
         self.view.reload_status = lambda: self.reload_status
         self.view.discovery_status = self.discovery.status
+        self.view.probe_pool = self.probe_pool  # None without workers; read by admin/metrics.py
         self._grpc: grpc.aio.Server | None = None
         self._admin_runner: web.AppRunner | None = None
         self._opened = False
@@ -124,8 +125,8 @@ class ControlPlane:
             return
         self._opened = True
         self.core.begin()
-        self.core.restored = load_kept_state(self.config.state, self.core.node_cfg, self.clock.now(),
-                                             self.clock.wall())
+        self.core.restored, self.core.restored_until_s = load_kept_state(  # also for nodes found later
+            self.config.state, None, self.clock.now(), self.clock.wall())
         self.cache.set_resources(
             CLUSTER_TYPE_URL, {c.name: build_cluster(c) for c in self.config.clusters}
         )
@@ -208,7 +209,8 @@ class ControlPlane:
 
     def write_state(self) -> bool:
         """Write the routing state to ``state.path`` atomically; False (logged) when it cannot."""
-        return save_state(self.config.state.path, self.core.health, self.clock.now(), self.clock.wall())
+        return save_state(self.config.state.path, self.core.health, self.clock.now(), self.clock.wall(),
+                          self.core.restored)
 
     async def _write_state_async(self) -> None:
         self.write_state()

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from xds_server.config import StateConfig
-from xds_server.control.state import restore, snapshot
+from xds_server.control.state import restore, snapshot, usable_until_s, with_unclaimed
 from xds_server.health import model as hm
 
 __all__ = ["file_signature", "load_kept_state", "read_json", "save_state", "write_json_atomic"]
@@ -25,29 +25,36 @@ __all__ = ["file_signature", "load_kept_state", "read_json", "save_state", "writ
 log = logging.getLogger("xds_server.server")
 
 
-def load_kept_state(sc: StateConfig, node_ids: Iterable[str], now_s: float, wall_s: float) -> dict[str, hm.NodeHealth]:
-    """The kept state of ``node_ids`` from ``sc.path``; empty when there is no path or file, the
-    file is older than ``sc.max_age_s``, or it cannot be read (logged)."""
+def load_kept_state(sc: StateConfig, node_ids: Iterable[str] | None, now_s: float,
+                    wall_s: float) -> tuple[dict[str, hm.NodeHealth], float]:
+    """The kept state of ``node_ids`` (None: every node in the file) from ``sc.path``, and the
+    monotonic time (s) until which it may still be given to a node that appears later
+    (:func:`~xds_server.control.state.usable_until_s`); ``({}, -inf)`` when there is no path or
+    file, the file is older than ``sc.max_age_s``, or it cannot be read (logged)."""
     if not sc.path:
-        return {}
+        return {}, float("-inf")
     try:
-        kept = restore(read_json(sc.path), now_s, wall_s, sc.max_age_s, node_ids)
+        doc = read_json(sc.path)
+        kept = restore(doc, now_s, wall_s, sc.max_age_s, node_ids)
+        until = usable_until_s(doc, now_s, wall_s, sc.max_age_s) if kept else float("-inf")
     except FileNotFoundError:
-        return {}
+        return {}, float("-inf")
     except (OSError, ValueError) as e:
         log.warning("state file %s not used: %s", sc.path, e)
-        return {}
+        return {}, float("-inf")
     log.info("state file %s: resuming %d node(s) at their first heartbeat", sc.path, len(kept))
-    return kept
+    return kept, until
 
 
-def save_state(path: str | None, health: Mapping[str, hm.NodeHealth], now_s: float, wall_s: float) -> bool:
-    """Write the state document of ``health`` to ``path`` atomically; False (logged) on failure
-    or without a path."""
+def save_state(path: str | None, health: Mapping[str, hm.NodeHealth], now_s: float, wall_s: float,
+               unclaimed: Mapping[str, hm.NodeHealth] | None = None) -> bool:
+    """Write the state document of ``health`` to ``path`` atomically, with the kept states not
+    resumed yet (``unclaimed``, :func:`~xds_server.control.state.with_unclaimed`); False
+    (logged) on failure or without a path."""
     if not path:
         return False
     try:
-        write_json_atomic(path, snapshot(health, now_s, wall_s))
+        write_json_atomic(path, snapshot(with_unclaimed(health, unclaimed or {}), now_s, wall_s))
     except (OSError, ValueError) as e:
         log.warning("cannot write state file %s: %s", path, e)
         return False

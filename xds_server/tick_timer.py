@@ -182,6 +182,7 @@ class TickTimer:
             self._seq = 0
             self._q.drop()
         self._at = at_s
+        self._deferred = False  # a new entry: a deferral it replaces is over
         self._seq = self._q.push(self, at_s)
 
     def cancel(self) -> None:
@@ -194,8 +195,12 @@ class TickTimer:
         loop = self._loop
         want = self._want
         if want is not None and want > self._at:
-            # the deadline moved later since this entry was queued: nothing is due yet
+            # the deadline moved later since this entry was queued: nothing is due yet. A
+            # deferral is over too (a heartbeat came while it waited): the entry queued now is
+            # judged on its own lateness. (Kept set, it let the next stall's late Tick run at
+            # once: the fault matrix's SIGSTOP ejected a node alone.)
             self.rearmed += 1
+            self._deferred = False
             self._at = want
             self._seq = self._q.push(self, want)
             return

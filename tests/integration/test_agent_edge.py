@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import logging
+import time
 
 import aiohttp
 import pytest
@@ -193,3 +194,38 @@ async def test_malformed_agent_message_flood_is_logged_rate_limited(rig, caplog)
     assert cp.counters.malformed["a"] == 1000 and bad(cp, "pong.seq", "mismatch") == 1000
     assert 1 <= len(lines) <= 4  # one per kind per 10 s, not one per message
     assert cp.sessions["a"].connected
+
+
+# -- our own stall (xds_server.stall_hold): the control plane's event loop blocked, as a SIGSTOP,
+#    a VM pause or a long GC would; the agent shares the loop here, so it is stopped too and
+#    heartbeats again as soon as the loop runs
+
+
+def _stall_own_loop(s: float) -> float:
+    """Block the event loop for ``s`` seconds; returns the loop time we woke at."""
+    time.sleep(s)
+    return asyncio.get_running_loop().time()
+
+
+async def test_a_stream_cut_during_our_own_stall_is_redialled_without_an_ejection(rig):
+    cp, agent, _ = rig
+    streams, hb = agent.streams, cp.heartbeats["a"]
+    agent.end_stream()     # the agent ends the stream while we are stopped: we find it cut on waking
+    woke = _stall_own_loop(0.6)   # 3 miss windows: the close alone would count 6 misses, an ejection
+    await until(lambda: agent.streams > streams and cp.heartbeats["a"] >= hb + 3)
+    loop = asyncio.get_running_loop()
+    await until(lambda: loop.time() > woke + cp.config.probe.stall_hold_ms / 1000.0)  # any hold is over
+    assert cp.health["a"].state is NodeState.HEALTHY and not cp.health["a"].heartbeat.stream_closed
+    assert sum(cp.counters.ejections.values()) == 0
+    assert cp.sessions["a"].silence_gate.held >= 1  # the close was held, then dropped: heard again
+
+
+async def test_a_node_silent_after_our_own_stall_is_ejected_when_the_hold_ends(rig):
+    cp, agent, _ = rig
+    agent.heartbeats = False  # the node stays silent after we wake
+    woke = _stall_own_loop(0.6)
+    await until(lambda: cp.health["a"].state is NodeState.UNHEALTHY)
+    # judged once the hold ended (as long as the stall, >= 0.55 s: 0.6 s less the sampler's
+    # period; at most probe.stall_hold_ms), not one miss window (0.18 s) after waking
+    assert asyncio.get_running_loop().time() >= woke + 0.5
+    assert "consecutive misses" in cp.health["a"].reason or "phi" in cp.health["a"].reason

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from fake_kube import FakeKube
 
 from xds_server.config import parse_config
 from xds_server.control.memory import InMemoryProbes
+from xds_server.health import model as hm
 from xds_server.server import ControlPlane
 from xds_server.testing import ManagedProcess, ScriptedAdsClient, free_port, wait_for
 from xds_server.xds.resources import CLA_TYPE_URL
@@ -249,6 +251,36 @@ async def test_gone_410_relists_and_converges(kube):
         assert [n.id for n in src.nodes] == ["p2", "p3"] and src.error is None
         kube.add_pod("p4", ip="127.0.1.4", ready=True)  # the watch after the relist runs
         await wait_for(lambda: "p4" in env.cp.health, timeout_s=15.0, step_s=0.02)
+
+
+async def test_an_ejected_pod_that_still_exists_stays_ejected_across_a_restart(kube, tmp_path):
+    """The state file keeps a discovered node's ejection as it does a configured one's: the pod
+    found again after the restart resumes UNHEALTHY (not WARMING, then routed at its first good
+    probe), its healthy peer resumes routed; one deleted meanwhile gets nothing back."""
+    for i in (1, 2, 3):
+        kube.add_pod(f"p{i}", ip=f"127.0.1.{i}", ready=True)
+    doc = {**kube_doc(kube), "state": {"path": str(tmp_path / "state.json"), "write_interval_s": 0.05}}
+    saved = lambda: json.loads((tmp_path / "state.json").read_text())["nodes"]  # noqa: E731
+    async with Env(doc) as env:
+        for i in (1, 2, 3):
+            await env.healthy(f"p{i}", f"127.0.1.{i}:8000")
+        for _ in range(2):  # 2 consecutive probe failures eject (seed 001)
+            env.probes["p1"].probe(kind=hm.ProbeResultKind.TIMEOUT)
+        await wait_for(lambda: env.eds().get("127.0.1.1:8000") == "UNHEALTHY", timeout_s=5.0, step_s=0.02)
+        await wait_for(lambda: (tmp_path / "state.json").exists() and saved().get("p1", {}).get("state") == "UNHEALTHY"
+                       and saved().get("p3", {}).get("state") == "HEALTHY", timeout_s=5.0, step_s=0.02)
+    kube.delete_pod("p3")  # gone while the control plane was down
+    async with Env(doc) as env:
+        await wait_for(lambda: all(n in env.cp.health and env.cp.health[n].state.value != "COLD" for n in ("p1", "p2")),
+                       timeout_s=15.0, step_s=0.02, what="p1 and p2 found again and heard")
+        assert env.cp.health["p1"].state.value == "UNHEALTHY"       # the ejection survived
+        assert env.cp.health["p1"].ejection.cause is hm.EjectionCause.PROBE
+        assert env.cp.health["p2"].state.value == "HEALTHY"         # routed again without a probe
+        await wait_for(lambda: env.eds().get("127.0.1.2:8000") == "HEALTHY", timeout_s=5.0, step_s=0.02)
+        assert env.eds()["127.0.1.1:8000"] == "UNHEALTHY"
+        assert "p3" not in env.cp.health
+        # written again meanwhile: p3's kept state waits in the file for its pod (until max_age_s)
+        await wait_for(lambda: saved().get("p1", {}).get("state") == "UNHEALTHY", timeout_s=5.0, step_s=0.02)
 
 
 # -- end to end: the real xds-server process --------------------------------------------------

@@ -39,6 +39,19 @@ def workers_of(cp_pid: int) -> dict[int, int]:
     return out
 
 
+async def worker_metrics(http: aiohttp.ClientSession, admin_port: int) -> dict[str, float]:
+    """``sentinel_probe_worker_restarts_total`` per worker ("restarts/0", ...), and the live and
+    configured worker gauges ("live", "configured"), from /metrics."""
+    async with http.get(f"http://127.0.0.1:{admin_port}/metrics") as r:
+        text = await r.text()
+    out = {f"restarts/{m[1]}": float(m[2]) for m in
+           re.finditer(r'^sentinel_probe_worker_restarts_total\{worker="(\d+)"\} (\S+)$', text, re.M)}
+    for key in ("live", "configured"):
+        if m := re.search(rf"^sentinel_probe_workers_{key} (\S+)$", text, re.M):
+            out[key] = float(m[1])
+    return out
+
+
 async def ejections(http: aiohttp.ClientSession, admin_port: int) -> dict[str, float]:
     """``sentinel_node_ejections_total`` per node (summed over causes) from /metrics."""
     async with http.get(f"http://127.0.0.1:{admin_port}/metrics") as r:
@@ -63,6 +76,8 @@ async def test_killed_worker_is_replaced_without_ejections_and_detection_still_w
     nodes = await fleet.cp_nodes(http)
     assert all(nodes[i]["state"] in ROUTED and nodes[i]["probe_stream_connected"] for i in ids), nodes
     ej0 = await ejections(http, fleet.admin_port)
+    assert await worker_metrics(http, fleet.admin_port) == {
+        "restarts/0": 0.0, "restarts/1": 0.0, "live": 2.0, "configured": 2.0}
 
     os.kill(before[0], signal.SIGKILL)
     killed_at = time.monotonic()
@@ -85,6 +100,9 @@ async def test_killed_worker_is_replaced_without_ejections_and_detection_still_w
     assert back, "worker 0's nodes were not re-dialled"
     assert workers_of(cp_pid)[1] == before[1]  # the other worker was left alone
     assert await ejections(http, fleet.admin_port) == ej0, "a node was ejected because its worker died"
+    # the restart is on /metrics: one for worker 0, none for worker 1, both running again
+    assert await worker_metrics(http, fleet.admin_port) == {
+        "restarts/0": 1.0, "restarts/1": 0.0, "live": 2.0, "configured": 2.0}
 
     # Detection in the new worker: freeze one of its agents, the node is excluded.
     victim = mine[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xds_server.config import parse_config
+from xds_server.control.clock import ManualClock
 from xds_server.control.memory import InMemoryProbes
-from xds_server.control.state import restore, snapshot
+from xds_server.control.state import restore, snapshot, usable_until_s, with_unclaimed
 from xds_server.health import model as hm
 from xds_server.health.records import ProbeResultKind
 from xds_server.server import ControlPlane
@@ -134,3 +136,45 @@ def test_snapshot_restore_roundtrip_shifts_times_by_the_elapsed_wall_time(state,
     assert got.since_s == pytest.approx(since - mono0 + mono1 - age, abs=1e-6)
     assert got.ramp.step_at_s == pytest.approx(step - mono0 + mono1 - age, abs=1e-6)
     assert restore(doc, mono1, 1000.0 + 61.0, 60.0, ["n0"]) == {}
+
+
+def test_kept_states_wait_for_nodes_found_later_and_are_written_again_until_resumed():
+    """Discovered nodes are not configured at the restart: every kept state is read (ids None),
+    usable until the document is ``max_age_s`` old, and written again while not resumed."""
+    kept_doc = snapshot({"n0": hm.NodeHealth("n0", state=hm.NodeState.UNHEALTHY),
+                         "pod-a": hm.NodeHealth("pod-a", state=hm.NodeState.UNHEALTHY)}, 100.0, 1000.0)
+    out = restore(kept_doc, 5.0, 1010.0, 60.0, None)
+    assert set(out) == {"n0", "pod-a"}
+    assert usable_until_s(kept_doc, 5.0, 1010.0, 60.0) == 5.0 + 60.0 - 10.0
+    with pytest.raises(ValueError, match="version"):
+        usable_until_s({"version": 99}, 5.0, 1010.0, 60.0)
+    cold = hm.initial("n0", 5.0)
+    drained = dataclasses.replace(hm.initial("n1", 5.0), drain=hm.Drain(True, 6.0))
+    heard = dataclasses.replace(hm.initial("n2", 5.0), state=hm.NodeState.WARMING)
+    kept = {"n0": out["n0"], "n1": out["n0"], "n2": out["n0"], "pod-a": out["pod-a"]}
+    got = with_unclaimed({"n0": cold, "n1": drained, "n2": heard}, kept)
+    assert got["n0"] is kept["n0"]            # not heard since the restart: its kept state stands
+    assert got["n1"] is drained               # drained by the operator since: the drain is written
+    assert got["n2"] is heard                 # heard (a resume pops the kept state in practice)
+    assert got["pod-a"] is kept["pod-a"]      # not found again yet: kept for its pod
+
+
+async def test_a_kept_state_is_given_to_a_node_added_later_only_while_the_file_is_young(tmp_path):
+    """A node that appears after the restart (discovery, a reload) resumes its kept state while
+    the state file is younger than max_age_s; later it starts afresh."""
+    doc = snapshot({"n2": hm.NodeHealth("n2", state=hm.NodeState.UNHEALTHY, reason="probe: 2 failures")},
+                   0.0, 1000.0)
+    two = config(tmp_path / "state.json")
+    two["clusters"][0]["nodes"] = two["clusters"][0]["nodes"][:2]
+    for late_s, resumed in ((1.0, True), (200.0, False)):
+        clock, probes = ManualClock(), InMemoryProbes()
+        (tmp_path / "state.json").write_text(json.dumps({**doc, "written_at_wall_s": clock.wall()}))
+        cp = ControlPlane(parse_config(two), clock=clock, probe_sources=probes)
+        cp.open()
+        assert "n2" in cp.core.restored and "n2" not in cp.health
+        clock.advance(late_s)
+        cp.core.reconfigure(parse_config(config(tmp_path / "state.json")))  # n2 appears
+        assert ("n2" in cp.core.restored) is resumed
+        cp.core.observe("n2", hm.HeartbeatObserved(), clock.now())
+        assert cp.health["n2"].state is (hm.NodeState.UNHEALTHY if resumed else hm.NodeState.WARMING)
+        cp.core.end()

@@ -330,3 +330,31 @@ def test_steady_heartbeats_leave_the_routing_alone_and_a_queue_or_threshold_chan
         clock.advance(0.1)
     cp.core.publish()
     assert cp.core.routing["n0"].weight == 100
+
+
+def test_fail_static_ends_when_nodes_silent_only_by_time_heartbeat_again_and_the_dead_one_is_ejected():
+    """Fail-static counts a node silent by time (last heartbeat >= interval + grace old) before
+    its Tick has counted a miss (a Tick late on a loaded loop, or held after our own stall).
+    Such nodes heartbeating again change no miss count; fail-static must still be re-checked,
+    or it stays on and keeps a really dead node (n2 here) routed for as long as it is dead."""
+    cp, clock, probes = in_memory(config(5))
+    all_healthy(cp, clock, probes)
+    for nid in cp.core.node_cfg:
+        probes[nid].heartbeat()
+    probes["n3"]._cancel()  # their Ticks are late: silent by time, no miss counted yet
+    probes["n4"]._cancel()
+    t0 = clock.now()
+    while not cp.core.fail_static.active and clock.now() < t0 + 0.5:
+        clock.advance(0.01)
+        probes["n0"].heartbeat()
+        probes["n1"].heartbeat()
+    assert cp.core.fail_static.active  # n2's miss, with n3 and n4 silent by time: 3 of 5
+    assert cp.health["n3"].heartbeat.consecutive_misses == 0
+    t1 = clock.now()
+    while clock.now() < t1 + 1.0:  # n3 and n4 are back; n2 stays dead
+        clock.advance(0.05)
+        for nid in ("n0", "n1", "n3", "n4"):
+            probes[nid].heartbeat()
+    assert not cp.core.fail_static.active
+    assert cp.health["n2"].state is hm.NodeState.UNHEALTHY
+    assert published(cp)["n2"] == "UNHEALTHY"

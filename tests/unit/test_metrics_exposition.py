@@ -89,3 +89,25 @@ def test_metrics_are_in_base_units_with_probe_results_ejections_and_build_info()
     assert "sentinel_xds_streams" not in names  # one gauge for connected streams, by variant
     assert not [n for n in names if n.endswith(("_ms", "_percent"))]
     assert promtool_problems(text) == []
+
+
+def test_probe_worker_restarts_and_live_workers_are_exported():
+    """``sentinel_probe_worker_restarts_total{worker}``, ``sentinel_probe_workers_live`` and
+    ``_configured`` come from the control plane's WorkerPool (here one not started: no process
+    runs, so none is live; the fleet test tests/integration/test_probe_workers_fleet.py kills
+    a real worker); without workers both gauges are 0 and no worker has a restart count."""
+    from xds_server.probe_workers import WorkerPool
+
+    cp, clock, _ = in_memory(config())
+    m = samples(exposition(cp))
+    assert m[("sentinel_probe_workers_live", ())] == 0.0 and m[("sentinel_probe_workers_configured", ())] == 0.0
+    assert not any(n == "sentinel_probe_worker_restarts_total" for n, _ in m)
+    cp.view.probe_pool = WorkerPool(2, cp.core, clock, cp.counters)
+    cp.view.probe_pool.handles[1].restarts = 3
+    text = exposition(cp)
+    m = samples(text)
+    assert m[("sentinel_probe_worker_restarts_total", (("worker", "0"),))] == 0.0
+    assert m[("sentinel_probe_worker_restarts_total", (("worker", "1"),))] == 3.0
+    assert m[("sentinel_probe_workers_live", ())] == 0.0
+    assert m[("sentinel_probe_workers_configured", ())] == 2.0
+    assert promtool_problems(text) == []

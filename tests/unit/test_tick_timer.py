@@ -105,6 +105,81 @@ def test_ticks_equal_a_timer_rearmed_on_every_call(steps):
     assert ticks == ref_ticks
 
 
+class _JumpLoop:
+    """An event loop's clock and timers that can also stall: :meth:`stall_to` moves time at once
+    and only then runs what fell due, late (our own process stopped, then resumed)."""
+
+    def __init__(self) -> None:
+        self.clock = ManualClock()
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, at_s, fn, *args):
+        return self.clock.call_at(at_s, self._run, fn, args)
+
+    def call_later(self, d_s, fn, *args):
+        return self.call_at(self.now + d_s, fn, *args)
+
+    def _run(self, fn, args) -> None:
+        self.now = max(self.now, self.clock.now())
+        fn(*args)
+
+    def advance_to(self, t_s: float) -> None:
+        """On time: each callback runs at its due time."""
+        self.clock.advance_to(t_s)
+        self.now = max(self.now, t_s)
+
+    def stall_to(self, t_s: float) -> None:
+        """Late: the loop ran nothing until ``t_s``; every callback due by then runs at ``t_s``."""
+        self.now = t_s
+        self.clock.advance_to(t_s)
+
+
+def test_a_deferral_ended_by_a_heartbeat_leaves_the_next_stall_deferred_too():
+    """Regression (the fault matrix's SIGSTOP ejected one node alone): a short lag deferred a Tick,
+    a heartbeat came during the re-check, and the deferral flag stayed set; the next stall of our
+    own then ran its late Tick at once, before the heartbeats that waited unread were read."""
+    loop, ticks = _JumpLoop(), []
+    t = TickTimer(loop, lambda: ticks.append(loop.time()), lag_tolerance_s=0.05, lag_recheck_s=0.01, retry_s=0.1,
+                  stall_recheck_s=0.18)
+    for k in range(10):  # heartbeats every 100 ms
+        loop.advance_to(k * 0.1)
+        t.arm(k * 0.1 + 0.18)
+    loop.stall_to(1.2)  # a 0.1 s lag of our own: the Tick is put off
+    assert t.deferrals == 1 and ticks == []
+    for k in range(12, 20):  # the heartbeats that waited are read during the re-check, then flow
+        loop.advance_to(k * 0.1 + 0.005)
+        t.arm(k * 0.1 + 0.005 + 0.18)
+    loop.stall_to(7.0)  # a 5 s stall (SIGSTOP): judged one miss window later, not at once
+    assert ticks == [] and t.deferrals == 2
+    loop.advance_to(7.05)
+    t.arm(7.05 + 0.18)  # a heartbeat read in the window: no Tick at all
+    loop.advance_to(7.2)
+    assert ticks == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 400)), max_size=30), st.integers(250, 5000))
+def test_a_late_tick_is_never_run_at_the_instant_the_loop_wakes(steps, stall_ms):
+    """For any history of heartbeats read on time or after a lag of our own (``(lagged, ms)``),
+    a stall that makes the armed Tick late by more than the tolerance (its deadline is at most
+    180 ms away; the stall 250 ms or more) and starts with no re-check pending never runs it at
+    the instant we wake: it is deferred first."""
+    loop, ticks = _JumpLoop(), []
+    t = TickTimer(loop, lambda: ticks.append(loop.time()), lag_tolerance_s=0.05, lag_recheck_s=0.01, retry_s=0.1,
+                  stall_recheck_s=0.18)
+    for lagged, ms in steps:
+        (loop.stall_to if lagged else loop.advance_to)(loop.now + ms / 1000.0)
+        t.arm(loop.now + 0.18)
+    loop.advance_to(loop.now + 0.02)  # any re-check still pending runs (on time)
+    t.arm(loop.now + 0.18)
+    wake = loop.now + stall_ms / 1000.0
+    loop.stall_to(wake)
+    assert wake not in ticks
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 150),
                           st.one_of(st.none(), st.integers(0, 400))), max_size=60))

@@ -158,6 +158,21 @@ class ControlPlaneCollector:
         ok.add_metric([], 1.0 if self.view.reload_status()["ok"] else 0.0)
         yield ok
         yield from self._discovery()
+        yield from self._probe_workers()
+
+    def _probe_workers(self):
+        pool = getattr(self.view, "probe_pool", None)  # None: probe.workers 0 (probe_workers/_pool.py)
+        restarts = CounterMetricFamily("sentinel_probe_worker_restarts", "probe worker processes started "
+                                       "again after theirs exited (crash, OOM, kill), per worker slot",
+                                       labels=["worker"])
+        for index, n in sorted(pool.restarts_by_worker().items() if pool is not None else ()):
+            restarts.add_metric([str(index)], n)
+        live = GaugeMetricFamily("sentinel_probe_workers_live", "probe worker processes running now")
+        live.add_metric([], pool.live() if pool is not None else 0)
+        want = GaugeMetricFamily("sentinel_probe_workers_configured", "probe worker processes asked for "
+                                 "(probe.workers, auto resolved; 0: probe streams in this process)")
+        want.add_metric([], pool.n if pool is not None else 0)
+        yield from (restarts, live, want)
 
     def _discovery(self):
         errs = CounterMetricFamily("sentinel_discovery_errors", "discovery failures per cluster and source "

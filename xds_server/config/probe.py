@@ -65,6 +65,22 @@ class ProbeConfig(_Model):
         "long as a heartbeat miss window (interval + grace) or longer, one miss window later instead "
         "(ours; the fault matrix's control-plane SIGSTOP)",
     )
+    stall_hold_ms: float = Field(
+        1000.0, gt=0, le=60_000,
+        description="after a stall of our own event loop at least one heartbeat miss window long (a "
+        "SIGSTOP, a VM pause, a long GC), no verdict on a node's silence (misses, a closed or silent "
+        "stream) is made until its first heartbeat after we woke, or for as long as the stall lasted "
+        "but at most this long, whichever comes first (ours: a stream cut during a long stall is "
+        "redialled after health.reconnect_backoff_initial_ms, 100 ms, and heartbeats within one "
+        "interval, 100 ms; heartbeats that waited unread took 200 ms to be read on a loaded 2-core "
+        "host; a node that died during our stall is ejected at most this late; xds_server/stall_hold.py)",
+    )
+    loop_watch_interval_ms: float = Field(
+        50.0, gt=0, le=1000,
+        description="how often the event loop is sampled to notice its own stalls (ours: well under a "
+        "heartbeat miss window, 180 ms; 20 wake-ups a second per process). Read when a process's "
+        "first probe stream starts",
+    )
     workers: Union[Literal["auto"], Annotated[int, Field(ge=0, le=1024)]] = Field(
         0,
         description="probe worker processes that hold the agents' streams and run the per-node "
@@ -86,6 +102,18 @@ class ProbeConfig(_Model):
         "counts) at most this often; state changes, ejections and fail-static inputs go at once "
         "(ours: /nodes is at most this stale, decisions never)",
     )
+
+    def channel_options(self, max_backoff_ms: float) -> list[tuple[str, int]]:
+        """The gRPC channel options of a probe stream: keepalive, and reconnect backoff from
+        ``channel_initial_backoff_ms`` up to ``max_backoff_ms`` (``health.reconnect_backoff_max_ms``)."""
+        return [
+            ("grpc.keepalive_time_ms", self.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.initial_reconnect_backoff_ms", self.channel_initial_backoff_ms),
+            ("grpc.max_reconnect_backoff_ms", int(max_backoff_ms)),
+        ]
 
     def worker_count(self, cpu_count: int | None) -> int:
         """Worker processes to run: ``workers``, or for "auto" ``cpu_count`` - 1, at least 1

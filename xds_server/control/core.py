@@ -82,6 +82,8 @@ class ControlCore:
         self._running = False
         self.started_s = 0.0
         self.restored: dict[str, hm.NodeHealth] = {}  # resumed at the node's first heartbeat
+        # until then (monotonic s) a kept state is still given to a node added later (discovery)
+        self.restored_until_s = float("-inf")
         # Nodes whose per-node model runs in a probe worker (xds_server.probe_workers): called
         # with the burst start when fail-static ends, returns the node ids it forwarded it to.
         self.forward_fail_static_end: Callable[[float], Collection[str]] | None = None
@@ -169,8 +171,18 @@ class ControlCore:
                 self._keys[node_id] = key
                 self.mark_dirty(cluster)
         if ((prev.heartbeat.consecutive_misses > 0) != (nh.heartbeat.consecutive_misses > 0)
-                or prev.heartbeat.stream_closed != nh.heartbeat.stream_closed):
+                or prev.heartbeat.stream_closed != nh.heartbeat.stream_closed
+                or (self.fail_static.active and self._silent_by_time(prev, now_s)
+                    and not self._silent_by_time(nh, now_s))):
+            # the last: a node fail-static counted as silent by time alone (its Tick not run yet)
+            # is heard again; no miss count changes, but the episode may be over
             self._check_fail_static(now_s)
+
+    def _silent_by_time(self, nh: hm.NodeHealth, now_s: float) -> bool:
+        """Silent as :func:`~xds_server.health.policy.fail_static` counts it by time: the last
+        heartbeat at least interval + grace before ``now_s`` (s)."""
+        last = nh.heartbeat.last_s
+        return last is not None and now_s - last >= hm.miss_after_s(self.config.health)
 
     def _resume(self, node_id: str, prev: hm.NodeHealth, now_s: float) -> hm.NodeHealth:
         """The kept state of a node at its first heartbeat after a restart (:func:`resume_kept`)."""
@@ -208,8 +220,11 @@ class ControlCore:
         for node_id in added:
             self.health[node_id] = hm.initial(node_id, now)
         for node_id in dropped:
-            for d in (self.health, self.routing):
+            for d in (self.health, self.routing, self.restored):
                 d.pop(node_id, None)
+        if now > self.restored_until_s:  # the state file is too old for a node that appears only now
+            for node_id in added:
+                self.restored.pop(node_id, None)
         self._keys.clear()  # thresholds may have changed: every key is computed again
         self.planner.reconfigure(config, dropped)
         if self._running and any(c.name not in self.planner.gate_open for c in config.clusters):

@@ -9,10 +9,17 @@ Times in :class:`~xds_server.health.model.NodeHealth` are on the process's monot
 a restart resets; the document stores each as seconds relative to the moment it was written and
 the wall-clock time of that moment, and :func:`restore` maps them onto the new monotonic clock.
 
+A kept state waits until its node's first heartbeat (``ControlCore.restored``), also for a node
+not configured at the restart (one found again by discovery later, while the document is younger
+than ``max_age_s``: :func:`usable_until_s`); until then it is written again as it was
+(:func:`with_unclaimed`), so a second restart does not lose it.
+
 Shape::
 
     doc = snapshot(core.health, now_mono_s, now_wall_s)         # JSON-able dict
-    kept = restore(doc, now_mono_s, now_wall_s, max_age_s, ids)  # node id -> NodeHealth
+    kept = restore(doc, now_mono_s, now_wall_s, max_age_s, ids)  # node id -> NodeHealth (ids None: all)
+    until = usable_until_s(doc, now_mono_s, now_wall_s, max_age_s)   # monotonic s
+    to_write = with_unclaimed(core.health, core.restored)
 
 Errors: :func:`restore` raises ValueError naming the field for a document it cannot read.
 """
@@ -25,7 +32,7 @@ from typing import Any
 from xds_server.health import model as hm
 from xds_server.health.records import Drain, EjectionCause, Ramp, Rtt
 
-__all__ = ["FORMAT_VERSION", "KEPT_STATES", "restore", "snapshot"]
+__all__ = ["FORMAT_VERSION", "KEPT_STATES", "restore", "snapshot", "usable_until_s", "with_unclaimed"]
 
 FORMAT_VERSION = 1
 KEPT_STATES = frozenset({hm.NodeState.HEALTHY, hm.NodeState.DEGRADED, hm.NodeState.PROBATION,
@@ -73,8 +80,9 @@ def _or(v: float | None, default: float) -> float:
 
 
 def restore(doc: Any, now_mono_s: float, now_wall_s: float, max_age_s: float,
-            node_ids: Iterable[str]) -> dict[str, hm.NodeHealth]:
-    """Node id -> the NodeHealth to resume from, for the ids in ``node_ids`` found in ``doc``.
+            node_ids: Iterable[str] | None) -> dict[str, hm.NodeHealth]:
+    """Node id -> the NodeHealth to resume from, for the ids in ``node_ids`` found in ``doc``
+    (None: every node of ``doc``).
 
     Empty when the document is older than ``max_age_s`` (``state.max_age_s``) or from the
     future. Liveness, probes and engine records start fresh. Raises ValueError naming the field
@@ -96,7 +104,7 @@ def restore(doc: Any, now_mono_s: float, now_wall_s: float, max_age_s: float,
         return None if r is None else shift + r
 
     out: dict[str, hm.NodeHealth] = {}
-    for node_id in node_ids:
+    for node_id in (nodes if node_ids is None else node_ids):
         d = nodes.get(node_id)
         if d is None:
             continue
@@ -123,4 +131,28 @@ def restore(doc: Any, now_mono_s: float, now_wall_s: float, max_age_s: float,
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"{w}: missing or malformed field {e}") from None
+    return out
+
+
+def usable_until_s(doc: Any, now_mono_s: float, now_wall_s: float, max_age_s: float) -> float:
+    """The monotonic time (s) at which ``doc``, read at ``now_mono_s`` / ``now_wall_s``, becomes
+    older than ``max_age_s``: a kept state is given to a node that appears only after that (found
+    by discovery, added by a reload) no more. Raises ValueError as :func:`restore` does."""
+    if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION:
+        raise ValueError(f"version: expected {FORMAT_VERSION}")
+    written = _num(doc.get("written_at_wall_s"), "written_at_wall_s", optional=False)
+    return now_mono_s + max_age_s - (now_wall_s - written)
+
+
+def with_unclaimed(health: Mapping[str, hm.NodeHealth],
+                   kept: Mapping[str, hm.NodeHealth]) -> dict[str, hm.NodeHealth]:
+    """The health to write to the state file: each node's, except that a kept state not resumed
+    yet (``kept``: ``ControlCore.restored``) stands for its node while that node is still COLD
+    and not drained by the operator since the restart, or is not configured now (a discovered
+    node not found again yet)."""
+    out = dict(health)
+    for node_id, k in kept.items():
+        nh = health.get(node_id)
+        if nh is None or (nh.state is hm.NodeState.COLD and not nh.drain.active):
+            out[node_id] = k
     return out

@@ -88,6 +88,7 @@ class _Handle:
     task: asyncio.Task | None = None
     started_at: float = 0.0
     starts: int = 0
+    restarts: int = 0  # times this slot's process exited and was started again
     backoff_s: float = 0.1
     sent_cfg: SentinelConfig | None = None  # the config whose thresholds the worker has
 
@@ -98,7 +99,8 @@ class _Handle:
 
 class WorkerPool:
     """``n`` probe worker processes (``n`` >= 1) feeding ``core``. ``restarts``: workers
-    replaced since start. ``reports``: report frames received."""
+    replaced since start (per slot: :meth:`restarts_by_worker`); :meth:`live`: worker processes
+    running now. ``reports``: report frames received."""
 
     def __init__(self, n: int, core: ControlCore, clock: Clock, counters: Counters) -> None:
         if n < 1:
@@ -214,6 +216,7 @@ class WorkerPool:
             lived = time.monotonic() - h.started_at
             h.backoff_s = 0.1 if lived >= _STABLE_S else min(h.backoff_s * 2, _MAX_BACKOFF_S)
             self.restarts += 1
+            h.restarts += 1
             log.warning("probe worker %d (pid %s) exited (%s) after %.1f s: restarting in %.1f s; its %d "
                         "node(s) keep their state meanwhile", h.index, h.proc.pid if h.proc else "?", rc,
                         lived, h.backoff_s, len(h.nodes))
@@ -255,6 +258,15 @@ class WorkerPool:
         for r in nodes:
             if r.node_id in h.nodes:
                 self.core.adopt(r.node_id, r.health, list(r.events), now)
+
+    def restarts_by_worker(self) -> dict[int, int]:
+        """Worker index -> times its process exited and was started again."""
+        return {h.index: h.restarts for h in self.handles}
+
+    def live(self) -> int:
+        """Worker processes running now (started and not exited; a replaced one counts once its
+        successor runs)."""
+        return sum(1 for h in self.handles if h.proc is not None and h.proc.poll() is None)
 
     # -- shutdown --------------------------------------------------------------------------------
 

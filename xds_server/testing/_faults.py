@@ -98,11 +98,13 @@ async def cp_sigstop(rig: FaultRig, http: aiohttp.ClientSession, stop_s: float =
     """SIGSTOP the control plane for ``stop_s`` seconds, SIGCONT, wait until every node is
     HEALTHY and Envoy re-synced. Returns the row and ``{"envoy_states_seen": {...}}`` (what Envoy
     showed per node while it ran), ``"ejections"`` and ``"fail_static_episodes"`` (the control
-    plane's counters over the fault: its own pause looks like every heartbeat stopping at once)."""
+    plane's counters over the fault: its own pause looks like every heartbeat stopping at once)
+    and ``"events"`` (its events from the stop on, "node kind from->to: reason", to say why)."""
     fleet = rig.fleet
     assert fleet is not None and fleet.control_plane is not None
     seen: dict[str, set[str]] = {}
     counters0 = await _cp_counters(rig, http)
+    wall0 = time.time()
     async with _loads(rig, **load_kw) as loads, _watch_envoy(fleet, http, seen):
         await _warm(loads)
         fleet.control_plane.freeze()
@@ -116,12 +118,21 @@ async def cp_sigstop(rig: FaultRig, http: aiohttp.ClientSession, stop_s: float =
         back_s = time.monotonic() - t0
     counters1 = await _cp_counters(rig, http)
     info = {"envoy_states_seen": {k: sorted(v) for k, v in seen.items()}, "back_s": round(back_s, 2),
-            **{k: int(counters1[k] - counters0[k]) for k in counters0}}
+            **{k: int(counters1[k] - counters0[k]) for k in counters0}, "events": await _cp_events(rig, http, wall0)}
     rows = [FaultRow(f"control plane SIGSTOP {stop_s:g} s", p, 1, ld.totals(),
                      notes=f"Envoy host states seen: {info['envoy_states_seen']}; ejections "
                            f"{info['ejections']}, fail-static episodes {info['fail_static_episodes']}")
             for p, ld in zip(_paths(rig, loads), loads)]
     return rows, info
+
+
+async def _cp_events(rig: FaultRig, http: aiohttp.ClientSession, since_wall_s: float) -> list[str]:
+    """The control plane's events since ``since_wall_s`` (unix s) as "node kind from->to: reason"."""
+    assert rig.fleet is not None
+    async with http.get(f"http://127.0.0.1:{rig.fleet.admin_port}/events", params={"limit": "200"}) as r:
+        events = (await r.json())["events"]
+    return [f"{e['node']} {e['kind']} {e.get('from') or ''}->{e.get('to') or ''}: {e['reason'][:120]}"
+            for e in events if e["time"] >= since_wall_s]
 
 
 async def _cp_counters(rig: FaultRig, http: aiohttp.ClientSession) -> dict[str, float]:
@@ -194,10 +205,10 @@ async def engine_kill_restart(rig: FaultRig, http: aiohttp.ClientSession, times:
     info: dict = {"states": [], "weights": []}
     rescued0 = await rig.rescued(http)
     async with _loads(rig, relay=True, **load_kw) as loads:
-        direct, relayed = loads
+        direct = loads[0]
         await _warm(loads)
         for _ in range(times):
-            address = await _victim(direct, relayed)
+            address = await _victim(rig, http, direct)
             node = next(n for n in fleet.nodes if n.address == address)
             assert node.engine is not None
             states: list[str] = []
@@ -213,9 +224,11 @@ async def engine_kill_restart(rig: FaultRig, http: aiohttp.ClientSession, times:
                     st = (await fleet.cp_nodes(http))[node.node_id]["state"]
                     if st != states[-1]:
                         states.append(st)
-                    w = (await fleet.envoy_weights(http)).get(node.node_id)
-                    if st == "PROBATION" and w is not None and w not in weights:
-                        weights.append(w)
+                    if st == "PROBATION":  # a weight Envoy routes with, read while PROBATION before and after
+                        w = await _routed_weight(fleet, http, node.node_id)
+                        if (await fleet.cp_nodes(http))[node.node_id]["state"] == "PROBATION" and w is not None \
+                                and w not in weights:
+                            weights.append(w)
                     return st == "HEALTHY"
                 return False
             await wait_for(back, timeout_s=30.0, step_s=0.02, what=f"{node.node_id} back to HEALTHY")
@@ -231,13 +244,23 @@ async def engine_kill_restart(rig: FaultRig, http: aiohttp.ClientSession, times:
     return rows, info
 
 
-async def _victim(direct: TrafficLoad, relayed: TrafficLoad, timeout_s: float = 10.0) -> str:
-    """An engine address with a stream in flight from both loads (the relay's client sees
-    Envoy's upstream header of the first attempt)."""
-    def both() -> str | None:
-        for addr, n in direct.in_flight.items():
-            if n > 0 and addr != "?" and relayed.in_flight.get(addr, 0) > 0:
-                return addr
+async def _routed_weight(fleet: Fleet, http: aiohttp.ClientSession, node_id: str) -> int | None:
+    """The weight Envoy routes ``node_id`` with now; None while Envoy does not route it (an
+    UNHEALTHY endpoint keeps its full weight in EDS)."""
+    hosts, weights = await fleet.envoy_hosts(http), await fleet.envoy_weights(http)
+    return weights.get(node_id) if hosts.get(node_id) == "HEALTHY" else None
+
+
+async def _victim(rig: FaultRig, http: aiohttp.ClientSession, direct: TrafficLoad, timeout_s: float = 10.0) -> str:
+    """An engine address with a stream in flight from both paths: one of Envoy's clients (its
+    upstream header) and one of the relay's (the relay's own count, ``sentinel_relay_in_flight``:
+    its client sees only the header of a stream's first attempt, and a stream about to finish
+    was often counted there while none ran on the engine at the kill)."""
+    async def both() -> str | None:
+        for addr, n in list(direct.in_flight.items()):
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                if n > 0 and addr != "?" and await rig.relay_in_flight(http, addr) >= 1:
+                    return addr
         return None
     return await wait_for(both, timeout_s=timeout_s, step_s=0.005, what="an engine streaming to both paths")
 

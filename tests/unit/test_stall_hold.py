@@ -1,0 +1,89 @@
+"""Our own event-loop stalls hold verdicts on a node's silence (xds_server.stall_hold, pure):
+the compact history answers like one that keeps every stall, and a hold ends at the node's first
+heartbeat after we woke or ``hold_s`` after waking."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from xds_server.stall_hold import Stall, StallHistory, held_until, ran, stalls_at
+
+U = 1 / 1024  # times are whole multiples of this (s), so sums are exact in binary floating point
+PERIOD, MIN_GAP, KEEP = 64 * U, 64 * U, 60.0
+
+#: sampler runs: how late each ran beyond its period (U; 0: on time)
+_runs = st.lists(st.one_of(st.just(0), st.integers(0, 6000)), max_size=40)
+
+
+def _replay(runs: list[int]) -> tuple[StallHistory, list[Stall], float]:
+    """The compact history, every recorded stall (the reference) and the last run's time."""
+    h, all_stalls, now = StallHistory(alive_s=0.0), [], 0.0
+    for late in runs:
+        now = h.alive_s + PERIOD + late * U
+        h = ran(h, now, PERIOD, MIN_GAP, KEEP)
+        if late * U >= MIN_GAP:
+            all_stalls.append(Stall(now, late * U))
+    return h, all_stalls, now
+
+
+def _reference(every: list[Stall], h: StallHistory, last: float, now: float, stall_s: float, hold_s: float,
+               heard: float | None) -> float | None:
+    """held_until over every stall ever recorded (none pruned but by age), and the pending one."""
+    cands = [s for s in every if s.woke_s >= last - KEEP]
+    if now - h.alive_s - PERIOD > 0:
+        cands.append(Stall(now, now - h.alive_s - PERIOD))
+    ends = [s.woke_s + min(hold_s, s.gap_s) for s in cands
+            if s.gap_s >= stall_s and (heard is None or heard < s.woke_s)]
+    ends = [e for e in ends if e > now]
+    return max(ends) if ends else None
+
+
+@settings(max_examples=400, deadline=None)
+@given(_runs, st.integers(0, 3000), st.integers(1, 3000), st.integers(1, 2000),
+       st.one_of(st.none(), st.integers(-8000, 3000)))
+def test_the_hold_equals_one_computed_over_every_stall_ever_recorded(runs, later_u, stall_u, hold_u, heard_rel_u):
+    h, every, last = _replay(runs)
+    now = last + later_u * U
+    stall_s, hold_s = stall_u * U, hold_u * U
+    heard = None if heard_rel_u is None else now + heard_rel_u * U
+    at = held_until(h, now, PERIOD, stall_s, hold_s, heard)
+    assert at == _reference(every, h, last, now, stall_s, hold_s, heard)
+    if at is not None:  # a hold ends after now, at most hold_s after waking from the stall
+        assert now < at <= now + hold_s
+    # the compact form stays small: waking order, gaps strictly decreasing
+    assert all(a.woke_s < b.woke_s and a.gap_s > b.gap_s for a, b in zip(h.stalls, h.stalls[1:]))
+
+
+def test_a_five_second_sigstop_holds_a_silent_node_for_hold_s_and_a_heard_one_not_at_all():
+    h = StallHistory(alive_s=10.0)
+    for k in range(1, 5):  # sampled on time
+        h = ran(h, 10.0 + k * PERIOD, PERIOD, MIN_GAP, KEEP)
+    woke = 10.0 + 5 * PERIOD + 5.0
+    # waking, before the sampler ran: the pending stall is seen already
+    assert held_until(h, woke, PERIOD, 0.18, 1.0, heard_s=10.2) == woke + 1.0
+    h = ran(h, woke, PERIOD, MIN_GAP, KEEP)
+    assert h.count == 1 and h.stalls == (Stall(woke, 5.0),)
+    assert held_until(h, woke + 0.18, PERIOD, 0.18, 1.0, heard_s=10.2) == woke + 1.0    # not heard since
+    assert held_until(h, woke + 0.18, PERIOD, 0.18, 1.0, heard_s=woke + 0.01) is None   # heard: judged
+    for k in range(1, 17):  # the sampler runs on time again
+        h = ran(h, woke + k * PERIOD, PERIOD, MIN_GAP, KEEP)
+    assert held_until(h, woke + 1.0, PERIOD, 0.18, 1.0, heard_s=10.2) is None           # bounded
+    assert held_until(h, woke + 0.1, PERIOD, 6.0, 1.0, heard_s=None) is None            # shorter than stall_s
+
+
+def test_a_shorter_stall_after_a_long_one_keeps_both_and_a_longer_one_replaces_them():
+    h = StallHistory(alive_s=0.0)
+    h = ran(h, PERIOD + 5.0, PERIOD, MIN_GAP, KEEP)                # 5 s
+    h = ran(h, h.alive_s + PERIOD + 0.25, PERIOD, MIN_GAP, KEEP)   # 0.25 s
+    assert [s.gap_s for s in h.stalls] == [5.0, 0.25]
+    woke_long, woke_short = h.stalls[0].woke_s, h.stalls[1].woke_s
+    now = h.alive_s + 0.01
+    assert stalls_at(h, now, PERIOD) == h.stalls
+    # not heard since before the long stall: held by it (1 s from its waking), longer than the short one's
+    assert held_until(h, now, PERIOD, 0.2, 1.0, heard_s=0.0) == woke_long + 1.0
+    # heard between them: only the short stall holds it, for its own length
+    assert held_until(h, now, PERIOD, 0.2, 1.0, heard_s=woke_long + 0.01) == woke_short + 0.25
+    assert held_until(h, now, PERIOD, 0.3, 1.0, heard_s=woke_long + 0.01) is None  # too short to count
+    h = ran(h, h.alive_s + PERIOD + 6.0, PERIOD, MIN_GAP, KEEP)
+    assert [s.gap_s for s in h.stalls] == [6.0]
+    assert ran(h, h.alive_s + KEEP + 1.0, PERIOD, MIN_GAP, KEEP).stalls[:-1] == ()  # old ones forgotten

@@ -1,0 +1,164 @@
+"""When a probe session may judge its node's silence: not while that silence is our own.
+
+The rule is pure (:mod:`xds_server.stall_hold`); this module is its edge on the event loop:
+
+- :class:`LoopStallWatch` samples the event loop every ``probe.loop_watch_interval_ms`` (one
+  sampler per loop, shared by every session on it, running while a session holds it) and keeps
+  the loop's :class:`~xds_server.stall_hold.StallHistory`;
+- :class:`SilenceGate`, one per session, asks it whether a verdict on the node's silence (a Tick
+  counting misses, a stream found closed, a stream silent for ``probe.silent_stream_redial_ms``)
+  must wait for the end of a hold after our own stall, and keeps a stream close found during one.
+
+Shape::
+
+    gate = SilenceGate(health_cfg, probe_cfg)
+    gate.start(loop)                    # holds the loop's watch; gate.stop() releases it
+    gate.until(now_s, heard_s)          # None: judge now; else the loop time (s) to judge at
+    gate.due(now_s, heard_s)            # the detection timer is due: a hold's end, or Tick / StreamClosed
+    gate.closed(now_s, detail, heard_s)  # the stream ended: a hold's end (kept), or StreamClosed
+    await gate.silent_for(loop, silent_s, ...)    # returns once the open stream is silent
+"""
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Callable
+
+from xds_server.config import HealthConfig, ProbeConfig
+from xds_server.health.clocks import miss_after_s
+from xds_server.health.records import StreamClosed, Tick
+from xds_server.stall_hold import StallHistory, held_until, ran
+from xds_server.tick_timer import recheck_after_s
+
+__all__ = ["LoopStallWatch", "SilenceGate", "SilentStream"]
+
+_KEEP_S = 60.0
+"""Stalls are remembered this long (s): the largest ``probe.stall_hold_ms`` allowed."""
+_EARLY_S = 1e-6
+"""A hold ending within this (s) of now counts as ended (a timer may run a clock tick early)."""
+
+
+class SilentStream(Exception):
+    """The stream stayed open without a heartbeat for ``probe.silent_stream_redial_ms``."""
+
+
+class LoopStallWatch:
+    """Samples one event loop every ``period_s`` and records its stalls (:attr:`history`).
+
+    One per loop (:meth:`acquire`), sampling while at least one holder has not called
+    :meth:`release`. Stalls shorter than ``period_s`` are not recorded.
+    """
+
+    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopStallWatch]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, period_s: float) -> None:
+        self.loop = loop
+        self.period_s = period_s
+        self.history = StallHistory(alive_s=loop.time())
+        self._holders = 0
+        self._handle: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def acquire(cls, loop: asyncio.AbstractEventLoop, period_s: float) -> "LoopStallWatch":
+        """The loop's watch (created with ``period_s`` if it has none), sampling from now on."""
+        w = cls._by_loop.get(loop)
+        if w is None:
+            w = cls._by_loop[loop] = cls(loop, period_s)
+        w._holders += 1
+        if w._handle is None:
+            w.history = StallHistory(loop.time(), w.history.stalls, w.history.count)
+            w._handle = loop.call_later(w.period_s, w._run)
+        return w
+
+    def release(self) -> None:
+        """One holder less; the last one stops the sampling."""
+        self._holders = max(0, self._holders - 1)
+        if self._holders == 0 and self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _run(self) -> None:
+        self.history = ran(self.history, self.loop.time(), self.period_s, self.period_s, _KEEP_S)
+        self._handle = self.loop.call_later(self.period_s, self._run)
+
+    @property
+    def stalls(self) -> int:
+        """Stalls recorded on this loop so far."""
+        return self.history.count
+
+
+class SilenceGate:
+    """One probe session's gate on silence verdicts (see the module docstring). ``stall_s``: one
+    heartbeat miss window (``health``: interval + grace), ``hold_s``: ``probe.stall_hold_ms``.
+    ``pending_close``: (detail, loop s) of a stream close found during a hold, to report at its end."""
+
+    __slots__ = ("stall_s", "hold_s", "period_s", "pending_close", "held", "_watch")
+
+    def __init__(self, cfg: HealthConfig, probe: ProbeConfig) -> None:
+        self.stall_s = miss_after_s(cfg)
+        self.hold_s = probe.stall_hold_ms / 1000.0
+        self.period_s = probe.loop_watch_interval_ms / 1000.0
+        self.pending_close: tuple[str, float] | None = None
+        self.held = 0  # verdicts put off by a hold
+        self._watch: LoopStallWatch | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._watch is None:
+            self._watch = LoopStallWatch.acquire(loop, self.period_s)
+
+    def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.release()
+            self._watch = None
+
+    def until(self, now_s: float, heard_s: float | None) -> float | None:
+        """None: a verdict on the node's silence may be made at ``now_s``; else the loop time (s)
+        the hold after our own stall ends. ``heard_s``: the arrival of the node's last heartbeat on
+        its current stream (None: none)."""
+        w = self._watch
+        if w is None:
+            return None
+        at = held_until(w.history, now_s, w.period_s, self.stall_s, self.hold_s, heard_s)
+        if at is None or at - now_s <= _EARLY_S:
+            return None
+        self.held += 1
+        return at
+
+    def due(self, now_s: float, heard_s: float | None) -> float | Tick | StreamClosed:
+        """The session's detection timer is due at ``now_s``: the end of a running hold (a loop
+        time, s: re-arm there), else the observation to emit: the stream close kept during the
+        hold (dropped when the node was heard since, on a new stream), or a Tick."""
+        held = self.until(now_s, heard_s)
+        if held is not None:
+            return held
+        close, self.pending_close = self.pending_close, None
+        if close is not None and (heard_s is None or heard_s <= close[1]):
+            return StreamClosed(close[0])
+        return Tick()
+
+    def closed(self, now_s: float, detail: str, heard_s: float | None) -> float | StreamClosed:
+        """The stream ended at ``now_s`` (``detail``: why; ``heard_s``: its last heartbeat's
+        arrival): the StreamClosed to emit now, or the end of a running hold (a loop time, s),
+        when :meth:`due` gives it back unless the node was heard again by then."""
+        held = self.until(now_s, heard_s)
+        self.pending_close = (detail, now_s) if held is not None else None
+        return held if held is not None else StreamClosed(detail)
+
+    async def silent_for(self, loop: asyncio.AbstractEventLoop, silent_s: float, last_hb: Callable[[], float],
+                         heard: Callable[[], float | None], lag_tolerance_s: float, lag_recheck_s: float) -> None:
+        """Return once the open stream brought no heartbeat for ``silent_s`` (``last_hb()``: its last
+        heartbeat's arrival, or its opening; ``heard()``: as ``heard_s`` in :meth:`until`), judged on
+        our clock: woken late by ``lag_tolerance_s`` or more, only after the re-check
+        (:func:`~xds_server.tick_timer.recheck_after_s`) has let the heartbeats that waited unread
+        be read, and never during a hold after our own stall."""
+        while True:
+            due = max(loop.time() + 0.005, last_hb() + silent_s)
+            await asyncio.sleep(due - loop.time())
+            late_s = loop.time() - due
+            if late_s > lag_tolerance_s:
+                await asyncio.sleep(recheck_after_s(late_s, lag_recheck_s, self.stall_s))
+            held = self.until(loop.time(), heard())
+            if held is not None:
+                await asyncio.sleep(held - loop.time())
+            elif loop.time() - last_hb() >= silent_s:
+                return

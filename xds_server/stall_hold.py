@@ -1,0 +1,86 @@
+"""Our own event-loop stalls, and the hold they put on verdicts about a node's silence. Pure:
+times are arguments (the event loop's monotonic clock, s); nothing here reads a clock.
+
+A *stall* is a stretch in which our event loop ran nothing: a SIGSTOP, a VM pause, a long GC, a
+starved CPU. A sampler (:class:`~xds_server.probe_silence.LoopStallWatch`) runs every
+``period_s``; when it runs ``gap_s`` later than due, the loop stalled that long and woke at that
+run. During our stall the agents kept sending: their heartbeats wait unread in our sockets, and a
+stream cut meanwhile (a keepalive that we could not answer) is found cut only when we wake, to be
+redialled. So a node's silence across our own stall is no evidence about the node: after a stall
+at least ``stall_s`` long (one heartbeat miss window: ``health.heartbeat_interval_ms`` +
+``heartbeat_grace_ms``), a verdict on a node's silence (a Tick counting misses, a closed or
+silent stream) is held until the node's first heartbeat after we woke, or for as long as the
+stall lasted, at most ``hold_s`` (``probe.stall_hold_ms``), whichever comes first. A node that
+really died during our stall is ejected then, at most that late; a short stall (a loaded host)
+delays a verdict only by its own length.
+
+:class:`StallHistory` keeps the stalls that can still decide a hold: in waking order with
+strictly decreasing gaps (a later stall at least as long as an earlier one holds every node the
+earlier one holds, and longer), those older than ``keep_s`` dropped. A stall shorter than
+``min_gap_s`` is not recorded, but one we are waking from right now (the sampler, due long ago,
+has not run yet) is seen from the sampler's last run.
+
+Shape::
+
+    h = StallHistory(alive_s=now_s)
+    h = ran(h, now_s, period_s=0.05, min_gap_s=0.05, keep_s=60.0)   # each sampler run
+    held_until(h, now_s, period_s=0.05, stall_s=0.18, hold_s=1.0, heard_s=last_hb_s)  # s or None
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Stall", "StallHistory", "held_until", "ran", "stalls_at"]
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """One stall of our event loop: it ran again at ``woke_s`` after running nothing for
+    ``gap_s`` beyond its sampling period (s)."""
+
+    woke_s: float
+    gap_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StallHistory:
+    """The sampler's last run (``alive_s``, s), the stalls that matter (``stalls``: waking order,
+    gaps strictly decreasing) and how many stalls were recorded in all (``count``)."""
+
+    alive_s: float
+    stalls: tuple[Stall, ...] = ()
+    count: int = 0
+
+
+def ran(h: StallHistory, now_s: float, period_s: float, min_gap_s: float, keep_s: float) -> StallHistory:
+    """The sampler ran at ``now_s``, due ``period_s`` after its last run: record a stall when it
+    ran at least ``min_gap_s`` late; drop stalls that woke more than ``keep_s`` ago. A clock that
+    reads earlier than ``alive_s`` (never, for a monotonic one) records nothing."""
+    gap = now_s - h.alive_s - period_s
+    kept = tuple(s for s in h.stalls if s.woke_s >= now_s - keep_s)
+    if gap >= min_gap_s:
+        kept = tuple(s for s in kept if s.gap_s > gap) + (Stall(now_s, gap),)
+        return StallHistory(now_s, kept, h.count + 1)
+    return StallHistory(max(h.alive_s, now_s), kept, h.count)
+
+
+def stalls_at(h: StallHistory, now_s: float, period_s: float) -> tuple[Stall, ...]:
+    """The recorded stalls, and the one we are waking from at ``now_s`` when the sampler is late
+    (its run still pending: a stall not recorded yet)."""
+    pending = now_s - h.alive_s - period_s
+    return h.stalls + (Stall(now_s, pending),) if pending > 0 else h.stalls
+
+
+def held_until(h: StallHistory, now_s: float, period_s: float, stall_s: float, hold_s: float,
+               heard_s: float | None) -> float | None:
+    """When a verdict on a node's silence may be made, if not at ``now_s``: the latest end of a
+    hold still running, or None. Each stall at least ``stall_s`` long that the node was not
+    heard after (``heard_s``: the arrival of its last heartbeat, None when none) holds it from
+    waking for the stall's length, at most ``hold_s``."""
+    end = None
+    for s in stalls_at(h, now_s, period_s):
+        if s.gap_s >= stall_s and (heard_s is None or heard_s < s.woke_s):
+            at = s.woke_s + min(hold_s, s.gap_s)
+            if at > now_s and (end is None or at > end):
+                end = at
+    return end
