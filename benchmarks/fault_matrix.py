@@ -46,6 +46,11 @@ async def main(a: argparse.Namespace, rig: FaultRig) -> tuple[list, dict]:
         ("slow_reader", slow_ads_reader, {"fast": a.fast_readers, "changes": a.changes}),
         ("churn", ads_stream_churn, {"streams": a.churn}),
     ]
+    if a.only:
+        unknown = set(a.only) - {name for name, _, _ in plan}
+        if unknown:
+            raise SystemExit(f"--only: unknown fault(s) {sorted(unknown)}")
+        plan = [p for p in plan if p[0] in a.only]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         for name, fn, kw in plan:
             t0 = time.monotonic()
@@ -67,6 +72,8 @@ if __name__ == "__main__":
     ap.add_argument("--fast-readers", type=int, default=100)
     ap.add_argument("--changes", type=int, default=20)
     ap.add_argument("--churn", type=int, default=5000)
+    ap.add_argument("--only", nargs="+", default=None, metavar="FAULT",
+                    help="run only these: cp_kill cp_sigstop agent_kill engine_kill envoy_restart slow_reader churn")
     ap.add_argument("--json", default=None, help="also write the rows and details here")
     args = ap.parse_args()
     rig = FaultRig().start()

@@ -99,8 +99,18 @@ async def test_nodes_become_healthy_and_admin_shows_why(stack):
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     states = {(s.labels["node"], s.labels["state"]): s.value for s in fams["sentinel_node_state"].samples}
     assert states[("n1", "HEALTHY")] == 1.0 and states[("n1", "UNHEALTHY")] == 0.0
-    weights = {s.labels["node"]: s.value for s in fams["sentinel_node_weight"].samples}
-    assert weights == {"n1": 100.0, "n2": 100.0}
+    # the metric is the weight /nodes shows (the RTT term can move it between two reads on a
+    # loaded machine: read both until one pair agrees)
+    async def metric_and_nodes_weights():
+        async with http.get("/metrics") as r:
+            fams = {f.name: f for f in text_string_to_metric_families(await r.text())}
+        async with http.get("/nodes") as r:
+            shown = {n["id"]: float(n["weight"]) for n in (await r.json())["nodes"]}
+        weights = {s.labels["node"]: s.value for s in fams["sentinel_node_weight"].samples}
+        return weights if weights == shown else None
+
+    weights = await wait_for(metric_and_nodes_weights, timeout_s=5.0)
+    assert set(weights) == {"n1", "n2"} and all(50.0 <= w <= 100.0 for w in weights.values()), weights
     async with http.get("/nodes/nope") as r:
         assert r.status == 404
 
