@@ -52,7 +52,7 @@ __all__ = ["ProbeSession", "SilentStream"]
 log = logging.getLogger(__name__)
 
 ObservationSink = Callable[[str, Observation, float], "float | None"]
-"""``sink(node_id, observation, now_s) -> next_check_s``: when the next Tick is due, or None."""
+"""``sink(node_id, observation, now_s) -> tick_due_s``: when the next Tick is due (monotonic s), or None."""
 
 
 class _Stream:

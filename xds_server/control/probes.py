@@ -24,7 +24,7 @@ from xds_server.health.model import Observation
 __all__ = ["ObservationSink", "ProbeSource", "ProbeSourceContext", "ProbeSourceFactory", "grpc_probe_source"]
 
 ObservationSink = Callable[[str, Observation, float], "float | None"]
-"""``sink(node_id, observation, now_s) -> next_check_s``: when the next Tick is due, or None."""
+"""``sink(node_id, observation, now_s) -> tick_due_s``: when the next Tick is due (monotonic s), or None."""
 
 
 class ProbeSource(Protocol):
