@@ -209,6 +209,11 @@ def _stall_own_loop(s: float) -> float:
 
 async def test_a_stream_cut_during_our_own_stall_is_redialled_without_an_ejection(rig):
     cp, agent, _ = rig
+    hb0 = cp.heartbeats["a"]
+    # right after a heartbeat is read, the next is ~100 ms away: none is in flight when we stall,
+    # so the cut is the first thing read on waking (a heartbeat read first would make the node
+    # heard after the stall, and the close would be judged at once, without a hold)
+    await until(lambda: cp.heartbeats["a"] > hb0)
     streams, hb = agent.streams, cp.heartbeats["a"]
     agent.end_stream()     # the agent ends the stream while we are stopped: we find it cut on waking
     woke = _stall_own_loop(0.6)   # 3 miss windows: the close alone would count 6 misses, an ejection
