@@ -209,14 +209,18 @@ def _stall_own_loop(s: float) -> float:
 
 async def test_a_stream_cut_during_our_own_stall_is_redialled_without_an_ejection(rig):
     cp, agent, _ = rig
-    hb0 = cp.heartbeats["a"]
-    # right after a heartbeat is read, the next is ~100 ms away: none is in flight when we stall,
-    # so the cut is the first thing read on waking (a heartbeat read first would make the node
-    # heard after the stall, and the close would be judged at once, without a hold)
-    await until(lambda: cp.heartbeats["a"] > hb0)
+    # none of the node's heartbeats may be in flight when we stall, so the cut is the first thing
+    # read on waking (a heartbeat read first would make the node heard after the stall, and the
+    # close would be judged at once, without a hold): the last one before the stall is sent by hand
+    # and read (the agent's count of heartbeats sent, its seq, equals ours of heartbeats read)
+    agent.heartbeats = False
+    agent._seq += 1
+    agent.send(heartbeat(agent._seq))
+    await until(lambda: cp.heartbeats["a"] == agent._seq and agent._script.empty())
     streams, hb = agent.streams, cp.heartbeats["a"]
     agent.end_stream()     # the agent ends the stream while we are stopped: we find it cut on waking
     woke = _stall_own_loop(0.6)   # 3 miss windows: the close alone would count 6 misses, an ejection
+    agent.heartbeats = True        # the next stream heartbeats again
     await until(lambda: agent.streams > streams and cp.heartbeats["a"] >= hb + 3)
     loop = asyncio.get_running_loop()
     await until(lambda: loop.time() > woke + cp.config.probe.stall_hold_ms / 1000.0)  # any hold is over
