@@ -44,10 +44,10 @@ RoutingListener = Callable[[RoutingChange], None]
 class RoutingNotifier:
     """The registered listeners and what each node was last announced as.
 
-    ``notify(cluster, changes)``: ``changes`` are ``(key, RoutingChange)`` pairs for a cluster's
-    nodes just published, ``key`` what counts as a change (EDS health status, effective state);
-    each listener hears the changes whose key differs from the last one announced for that node.
-    A listener that raises is logged and the others still run.
+    For each node of a cluster just published, ``changed(node_id, key)`` (``key``: what counts
+    as a change, EDS health status and effective state) says whether it differs from the last
+    one announced; ``announce(change)`` tells the listeners. A listener that raises is logged
+    and the others still run.
     """
 
     def __init__(self) -> None:
@@ -58,13 +58,18 @@ class RoutingNotifier:
         """The node left (or is another server now): its next change is announced whatever it is."""
         self._announced.pop(node_id, None)
 
-    def notify(self, changes: list[tuple[tuple, RoutingChange]]) -> None:
-        for key, change in changes:
-            if self._announced.get(change.node_id) == key:
-                continue
-            self._announced[change.node_id] = key
-            for listener in list(self.listeners):
-                try:
-                    listener(change)
-                except Exception:  # a listener's bug must not stop publishing
-                    log.exception("routing listener failed for %s", change.node_id)
+    def changed(self, node_id: str, key: tuple) -> bool:
+        """Whether ``key`` differs from what ``node_id`` was last announced as (then it is
+        recorded as announced): build a :class:`RoutingChange` only for these."""
+        if self._announced.get(node_id) == key:
+            return False
+        self._announced[node_id] = key
+        return True
+
+    def announce(self, change: RoutingChange) -> None:
+        """Tell every listener about ``change``."""
+        for listener in list(self.listeners):
+            try:
+                listener(change)
+            except Exception:  # a listener's bug must not stop publishing
+                log.exception("routing listener failed for %s", change.node_id)

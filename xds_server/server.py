@@ -209,8 +209,11 @@ class ControlPlane:
 
     def write_state(self) -> bool:
         """Write the routing state to ``state.path`` atomically; False (logged) when it cannot."""
-        return save_state(self.config.state.path, self.core.health, self.clock.now(), self.clock.wall(),
-                          self.core.restored)
+        now = self.clock.now()
+        # kept states not claimed yet are written again only while they may still be claimed
+        # (state.max_age_s from the file's time), so a node that never comes back ages out
+        unclaimed = self.core.restored if now <= self.core.restored_until_s else None
+        return save_state(self.config.state.path, self.core.health, now, self.clock.wall(), unclaimed)
 
     async def _write_state_async(self) -> None:
         self.write_state()
@@ -357,11 +360,12 @@ class ControlPlane:
         """Tell routing listeners about each node whose published status or state changed."""
         if self.routing_listeners:
             version, wall, health = self.cla_version(cluster), self.clock.wall(), self.core.health
-            self._notifier.notify([((routing[n.id].health_status, health[n.id].effective_state.value),
-                                    RoutingChange(n.id, cluster, n.address, routing[n.id].health_status == "HEALTHY",
-                                                  health[n.id].effective_state.value, routing[n.id].health_status,
-                                                  routing[n.id].weight, health[n.id].reason, version, wall))
-                                   for n in nodes])
+            for n in nodes:
+                r, h = routing[n.id], health[n.id]
+                state = h.effective_state.value
+                if self._notifier.changed(n.id, (r.health_status, state)):  # objects only for changes
+                    self._notifier.announce(RoutingChange(n.id, cluster, n.address, r.health_status == "HEALTHY",
+                                                          state, r.health_status, r.weight, h.reason, version, wall))
 
     # -- read-only shortcuts (benchmarks and tests read these) ---------------------------------
 

@@ -2,7 +2,7 @@
 
 One :class:`TickTimer` per node, all of one event loop in one :class:`DeadlineQueue`: a heap of
 ``(due s, seq, timer)`` and a single loop timer at its earliest entry. The health model says
-when a Tick can next change something (``next_check_s``); each heartbeat moves that deadline
+when a Tick can next change something (``tick_due_s``); each heartbeat moves that deadline
 about one interval later. A deadline that moves *later* only records the wish: the queued entry
 comes due at its earlier time, finds the later wish and is queued again there, without a Tick.
 A deadline that moves earlier is queued at once (the older entry is left in the heap, stale, and
@@ -61,7 +61,7 @@ class DeadlineQueue:
     by then (the loop's time read once for the batch; each timer reads it again). ``stale``: entries left in the heap by a timer re-queued earlier or
     cancelled (skipped when due; the heap is rebuilt when they are most of it). Not thread-safe."""
 
-    __slots__ = ("_loop", "_heap", "_seq", "_handle", "_handle_at", "_running", "stale", "wakeups", "__weakref__")
+    __slots__ = ("_loop", "_heap", "_seq", "_handle", "_handle_at", "_running", "stale", "__weakref__")
 
     def __init__(self, loop: Any) -> None:
         self._loop = loop
@@ -71,7 +71,6 @@ class DeadlineQueue:
         self._handle_at = 0.0
         self._running = False        # in _run: it arms the loop timer when done
         self.stale = 0
-        self.wakeups = 0             # loop-timer firings (each runs every entry due by then)
 
     @classmethod
     def of(cls, loop: Any) -> "DeadlineQueue":
@@ -121,7 +120,6 @@ class DeadlineQueue:
         a timer that keeps asking for the past cannot hold the loop in here."""
         self._handle = None
         self._running = True
-        self.wakeups += 1
         heap = self._heap
         limit = max(self._loop.time(), self._handle_at)
         last_seq = self._seq

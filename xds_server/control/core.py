@@ -129,9 +129,11 @@ class ControlCore:
         if node_id in self.restored and isinstance(obs, hm.HeartbeatObserved):
             prev = self._resume(node_id, prev, now_s)
         nh, events = hm.step(prev, obs, now_s, cfg)
-        if nh.state is hm.NodeState.PROBATION and self.config.xds.ramp_anchor == "wall_clock":
+        if (nh.state is hm.NodeState.PROBATION and nh.ramp is not prev.ramp
+                and self.config.xds.ramp_anchor == "wall_clock"):
             # ramp steps on Unix-time multiples of ramp_step_s: replicas step together (only a
-            # PROBATION ramp has steps: the clock reads stay off the heartbeat path otherwise)
+            # new PROBATION ramp record is anchored: a ramp kept as it was is on the grid already,
+            # so the clock reads stay off the heartbeat path)
             nh = anchor_ramp(nh, cfg.ramp_step_s, round(self.clock.wall() - self.clock.now(), 3))
         self._settle(node_id, before, prev, nh, events, now_s)
         return hm.tick_due_s(nh, cfg, now_s)

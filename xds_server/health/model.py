@@ -5,7 +5,7 @@ Shape::
     nh = initial(node_id, now_s)
     nh, events = step(nh, observation, now_s, cfg)
     nr = node_routing(nh, cfg)        # this node's own view: status, weight factor, soft block
-    t = next_check_s(nh, cfg)         # when a Tick is next due (to arm one timer, no polling)
+    t = tick_due_s(nh, cfg, now_s)    # when a Tick is next due (to arm one timer, no polling)
 
 No I/O and no clock reads: ``now_s`` is the caller's monotonic clock in seconds. Every threshold
 is a field of :class:`xds_server.config.HealthConfig` with its default and source documented

@@ -123,8 +123,9 @@ class Detector:
                 n.kept = None
         elif isinstance(obs, hm.ProbeObserved):
             self.probe_results[(node_id, *probe_result_key(nh, obs, self.cfg, now_s))] += 1
+        before_ramp = nh.ramp
         nh, step_events = hm.step(nh, obs, now_s, self.cfg)
-        if self.wall_offset_s is not None:
+        if self.wall_offset_s is not None and nh.ramp is not before_ramp:  # a kept ramp is anchored already
             nh = anchor_ramp(nh, self.cfg.ramp_step_s, self.wall_offset_s)
         n.nh = nh
         self._touched.add(node_id)

@@ -87,7 +87,6 @@ class _Handle:
     writer: asyncio.StreamWriter | None = None
     task: asyncio.Task | None = None
     started_at: float = 0.0
-    starts: int = 0
     restarts: int = 0  # times this slot's process exited and was started again
     backoff_s: float = 0.1
     sent_cfg: SentinelConfig | None = None  # the config whose thresholds the worker has
@@ -180,7 +179,6 @@ class WorkerPool:
             child.close()
         reader, h.writer = await asyncio.open_unix_connection(sock=parent)
         h.started_at = time.monotonic()
-        h.starts += 1
         cfg = h.sent_cfg = self.core.config
         h.writer.write(encode(("init", h.index, cfg.health, cfg.probe, _ident(cfg),
                                cfg.probe.worker_restart_grace_ms / 1000.0,
