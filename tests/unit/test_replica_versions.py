@@ -9,6 +9,8 @@ schedule) they do not, which is what the anchoring fixes.
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -108,3 +110,60 @@ def test_grid_point_is_the_nearest_unix_multiple_and_anchoring_is_idempotent(t, 
     assert anchor_ramp(once, step, offset) is once
     healthy = nh.__class__(**{**{f: getattr(nh, f) for f in nh.__dataclass_fields__}, "state": hm.NodeState.HEALTHY})
     assert anchor_ramp(healthy, step, offset) is healthy
+
+
+# -- every PROBATION ramp is on the grid, also one resumed from the state file ------------------
+# (ramps are anchored only when new or on entering PROBATION, to keep clock reads off the
+# heartbeat path; a kept state resumed after a restart is such a new ramp)
+
+_OPS = st.lists(st.tuples(st.sampled_from(["hb", "hb", "hb", "ok", "fail", "close", "wait"]),
+                          st.sampled_from(["n0", "n1"]), st.floats(0.01, 1.5)), max_size=80)
+
+
+def _off_grid(cp: ControlPlane) -> list[str]:
+    offset = round(cp.clock.wall() - cp.clock.now(), 3)  # as the core reads it
+    return [nid for nid, nh in cp.health.items()
+            if nh.state is hm.NodeState.PROBATION and anchor_ramp(nh, STEP_S, offset) is not nh]
+
+
+def _drive(cp: ControlPlane, probes: InMemoryProbes, ops: list, t0: float) -> None:
+    t = t0
+    for what, nid, dt in ops:
+        t += dt if what == "wait" else 0.05
+        cp.clock.advance_to(t)
+        if what == "hb":
+            probes[nid].heartbeat()
+        elif what == "ok":
+            probes[nid].probe(ttft_ms=20.0)
+        elif what == "fail":
+            probes[nid].probe(kind=hm.ProbeResultKind.ENGINE_FATAL, detail="boom")
+        elif what == "close":
+            probes[nid].close()
+        assert not _off_grid(cp), (what, nid, t)
+
+
+@given(before=_OPS, after=_OPS, mono1=st.floats(0, 1e5))
+def test_every_probation_ramp_is_anchored_also_after_a_restart(before, after, mono1):
+    with tempfile.TemporaryDirectory() as d:
+        raw = _config("wall_clock", "r")
+        raw["health"].update(probation_clean_s=0.3, probation_min_probes=1, probe_failures_to_eject=1,
+                             good_probes_to_recover=1)
+        raw["state"] = {"path": os.path.join(d, "state.json"), "max_age_s": 600.0}
+        cfg = parse_config(raw)
+        clock = ManualClock(start_s=0.0, wall_offset_s=WALL0 + 0.123)
+        probes = InMemoryProbes()
+        cp = ControlPlane(cfg, clock=clock, probe_sources=probes)
+        cp.open()
+        # into probation first: ejected by a failed probe, then clean probes
+        for nid in ("n0", "n1"):
+            probes[nid].heartbeat()
+            probes[nid].probe(kind=hm.ProbeResultKind.ENGINE_FATAL, detail="boom")
+        _drive(cp, probes, [("hb", "n0", 0), ("hb", "n1", 0), ("wait", "", 0.4), ("hb", "n0", 0), ("hb", "n1", 0),
+                            ("ok", "n0", 0), ("ok", "n1", 0), ("ok", "n0", 0), ("ok", "n1", 0)] + before, 0.0)
+        assert cp.write_state()
+        wall = clock.wall()
+        clock2 = ManualClock(start_s=mono1, wall_offset_s=wall + 0.05 - mono1)
+        probes2 = InMemoryProbes()
+        cp2 = ControlPlane(cfg, clock=clock2, probe_sources=probes2)
+        cp2.open()
+        _drive(cp2, probes2, [("hb", "n0", 0), ("hb", "n1", 0)] + after, mono1)

@@ -129,11 +129,11 @@ class ControlCore:
         if node_id in self.restored and isinstance(obs, hm.HeartbeatObserved):
             prev = self._resume(node_id, prev, now_s)
         nh, events = hm.step(prev, obs, now_s, cfg)
-        if (nh.state is hm.NodeState.PROBATION and nh.ramp is not prev.ramp
+        if (nh.state is hm.NodeState.PROBATION and (nh.ramp is not before.ramp or before.state is not nh.state)
                 and self.config.xds.ramp_anchor == "wall_clock"):
-            # ramp steps on Unix-time multiples of ramp_step_s: replicas step together (only a
-            # new PROBATION ramp record is anchored: a ramp kept as it was is on the grid already,
-            # so the clock reads stay off the heartbeat path)
+            # ramp steps on Unix-time multiples of ramp_step_s: replicas step together. Anchored when
+            # the node enters PROBATION or its ramp record is new (a kept state resumed counts as new):
+            # a ramp kept as it was in PROBATION is on the grid already, so no clock reads per heartbeat
             nh = anchor_ramp(nh, cfg.ramp_step_s, round(self.clock.wall() - self.clock.now(), 3))
         self._settle(node_id, before, prev, nh, events, now_s)
         return hm.tick_due_s(nh, cfg, now_s)

@@ -123,9 +123,9 @@ class Detector:
                 n.kept = None
         elif isinstance(obs, hm.ProbeObserved):
             self.probe_results[(node_id, *probe_result_key(nh, obs, self.cfg, now_s))] += 1
-        before_ramp = nh.ramp
         nh, step_events = hm.step(nh, obs, now_s, self.cfg)
-        if self.wall_offset_s is not None and nh.ramp is not before_ramp:  # a kept ramp is anchored already
+        if self.wall_offset_s is not None and (nh.ramp is not prev.ramp or nh.state is not prev.state):
+            # a ramp kept as it was in the same state is anchored already (a resumed one is new)
             nh = anchor_ramp(nh, self.cfg.ramp_step_s, self.wall_offset_s)
         n.nh = nh
         self._touched.add(node_id)
