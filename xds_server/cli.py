@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     eb.add_argument("--xds-port", type=_port, default=18000, help="xds-server's ADS port (default 18000)")
     eb.add_argument("--listener-port", type=_port, default=10000, help="Envoy's HTTP listener (default 10000)")
     eb.add_argument("--admin-port", type=_port, default=9901, help="Envoy's admin port (default 9901)")
-    eb.add_argument("--cluster", default="llm", help="cluster routed for /v1/ (default llm)")
+    eb.add_argument("--cluster", default=None, help="cluster routed for /v1/ (default llm; not with --group)")
     eb.add_argument("--node-id", default="envoy-llm-gw-1", help="Envoy's node id (default envoy-llm-gw-1)")
     eb.add_argument("--api", choices=("GRPC", "DELTA_GRPC"), default="GRPC", help="ADS variant (default GRPC)")
     eb.add_argument("--per-try-timeout-s", type=float, default=None, help="retry per-try timeout (default 10)")

@@ -132,9 +132,14 @@ def xds_cluster(name: str, replicas: Sequence[str], prototype: dict[str, Any]) -
     """
     doc = copy.deepcopy(prototype)
     doc["name"] = name
+    addresses = []
+    for r in replicas:
+        try:
+            addresses.append(parse_hostport(r))
+        except ValueError as e:
+            raise ValueError(f"control-plane replica {r!r} of {name}: {e}") from None
     doc["load_assignment"] = {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}}
-        for h, p in (parse_hostport(r) for r in replicas)]}]}
+        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in addresses]}]}
     return doc
 
 
@@ -159,7 +164,7 @@ def render_bootstrap(
     xds_port: int = 18000,
     listener_port: int,
     admin_port: int,
-    cluster: str = "llm",
+    cluster: str | None = None,
     node_id: str = "envoy-llm-gw-1",
     api_type: str = "GRPC",
     per_try_timeout_s: float | None = None,
@@ -174,14 +179,16 @@ def render_bootstrap(
 
     One control plane (no ``groups``): clusters (CDS) and endpoints (EDS) over one ADS stream to
     ``xds_replicas`` (``HOST:PORT`` each, the replicas of that control plane; default
-    ``127.0.0.1:<xds_port>``); ``/v1/`` goes to ``cluster``.
+    ``127.0.0.1:<xds_port>``); ``/v1/`` goes to ``cluster`` (default ``llm``).
 
     Several control planes (``groups``, README "Running more than one control plane"): one
     static cluster ``xds_<group>`` per group listing its replicas, and each group's clusters as
     static EDS clusters whose ``eds_config`` points at their group's stream (no ADS, no CDS: the
     cluster settings are rendered here from the group's config, so changing them needs a new
     bootstrap; nodes and health flow live). A request with header ``route_header: <cluster>``
-    goes to that cluster; any other ``/v1/`` request to the first group's first cluster.
+    goes to that cluster; any other ``/v1/`` request to the first group's first cluster. Each
+    group names its own replicas: ``xds_replicas``, ``xds_port`` and ``cluster`` are not used then
+    (a ValueError when ``xds_replicas`` or ``cluster`` is given).
 
     ``per_try_idle_timeout_s`` (s) bounds the silence of one attempt before and after its
     response headers: a stream on a frozen node ends within it (+ <= 1 s). ``per_try_timeout_s``
@@ -193,8 +200,8 @@ def render_bootstrap(
     (``rate_limited_retry_back_off.max_interval``, s; the template's 3 s when None).
 
     Returns the YAML document as a dict (write it with ``yaml.safe_dump``). Raises OSError when
-    the template cannot be read and ValueError for an unknown ``api_type``, a bad address, or a
-    cluster name owned by two groups.
+    the template cannot be read and ValueError for an unknown ``api_type``, a bad address (named),
+    a cluster name owned by two groups, or ``xds_replicas`` / ``cluster`` given with ``groups``.
     """
     if api_type not in ("GRPC", "DELTA_GRPC"):
         raise ValueError(f"api_type must be GRPC or DELTA_GRPC, got {api_type!r}")
@@ -204,12 +211,15 @@ def render_bootstrap(
     sr = doc["static_resources"]
     proto = next(c for c in sr["clusters"] if c["name"] == "xds_cluster")
     if groups:
+        if xds_replicas or cluster is not None:
+            raise ValueError("with groups, each group names its replicas and clusters "
+                             "(--group CONFIG=HOST:PORT,...): xds replicas and cluster are not used")
         routed = _split(doc, proto, groups, api_type)
     else:
         doc["dynamic_resources"]["ads_config"]["api_type"] = api_type
         sr["clusters"] = [xds_cluster("xds_cluster", tuple(xds_replicas) or (f"127.0.0.1:{xds_port}",), proto)
                           if c is proto else c for c in sr["clusters"]]
-        routed = [cluster]
+        routed = [cluster or "llm"]
     listener = sr["listeners"][0]
     listener["address"]["socket_address"]["port_value"] = listener_port
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]

@@ -312,13 +312,14 @@ def refused_client(patterns: Sequence[str], auth_context: Mapping[str, Iterable[
     return f"client certificate names {names[:4]} match no allowed pattern"
 
 
-def node_allow_authorizer(rules: Callable[[], Sequence[object]]) -> Callable[[object, str], str | None]:
-    """An ADS ``authorize(context, node_id)`` over the allow-list ``rules()`` returns when asked
+def node_allow_authorizer(rules: Callable[[], Sequence[object]]) -> Callable[[Sequence[str], str], str | None]:
+    """An ADS ``authorize(names, node_id)`` (``names``: the client certificate's, as
+    :func:`peer_identities` reads them) over the allow-list ``rules()`` returns when asked
     (objects with ``identity`` and ``node_ids``, as ``tls.node_allow``; empty: every node id)."""
-    def authorize(context, node_id: str) -> str | None:
+    def authorize(names: Sequence[str], node_id: str) -> str | None:
         current = rules()
         if not current:
             return None
         return node_allowed([(r.identity, r.node_ids) for r in current],  # type: ignore[attr-defined]
-                            peer_identities(context.auth_context()), node_id)
+                            names, node_id)
     return authorize

@@ -114,7 +114,8 @@ def test_kubernetes_discovery_needs_tls_agents_mode_stated_and_file_nodes_off_lo
     near = NodeConfig(id="near", address="127.0.0.1:8009", probe_address="127.0.0.1:9109")
     merged, problems = merge_discovered(static, {"llm": [far, near]})
     assert [n.id for n in merged.clusters[0].nodes] == ["s0", "near"]
-    assert problems == ("cluster 'llm': discovered node 'far' left out: probe address 10.0.0.9:9100 is not "
-                        "loopback and tls.agents.mode is not set (mtls, tls, or plaintext explicitly)",)
+    assert problems == ("cluster 'llm': discovered node 'far' left out: probe address 10.0.0.9:9100 is not a "
+                        "loopback address: set tls.agents.mode to mtls or tls (or to plaintext to dial agents "
+                        "unauthenticated explicitly)",)
     stated = parse_config({"tls": {"agents": {"mode": "plaintext"}}, "clusters": [{"name": "llm", "nodes": [NODE]}]})
     assert [n.id for n in merge_discovered(stated, {"llm": [far]})[0].clusters[0].nodes] == [NODE["id"], "far"]

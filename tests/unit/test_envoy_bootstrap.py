@@ -93,6 +93,16 @@ def test_bad_groups_are_refused_naming_the_problem():
         ControlPlaneGroup("a", (), clusters)
     with pytest.raises(ValueError, match="group name"):
         ControlPlaneGroup("a b", ("h:1",), clusters)
+    group = ControlPlaneGroup("a", ("h:1",), clusters)
+    with pytest.raises(ValueError, match="each group names its replicas and clusters"):
+        render_bootstrap(listener_port=1, admin_port=2, groups=[group], xds_replicas=["10.0.0.1:18000"])
+    with pytest.raises(ValueError, match="each group names its replicas and clusters"):
+        render_bootstrap(listener_port=1, admin_port=2, groups=[group], cluster="llm")
+
+
+def test_a_bad_replica_address_is_named():
+    with pytest.raises(ValueError, match=r"control-plane replica '10\.0\.0\.2' of xds_cluster"):
+        render_bootstrap(listener_port=1, admin_port=2, xds_replicas=["10.0.0.1:18000", "10.0.0.2"])
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

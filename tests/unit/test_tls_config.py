@@ -27,6 +27,7 @@ from xds_server.tls import (
     is_loopback,
     node_allowed,
     peer_certificate_sha256,
+    peer_identities,
 )
 
 ENVOY = "spiffe://cluster.local/ns/llm/sa/envoy"
@@ -247,8 +248,6 @@ def test_readme_tls_example_is_valid(pki, tmp_path, monkeypatch):
 
 
 async def test_reload_applies_the_allow_list_and_keeps_the_ads_tls_mode(pki):
-    from types import SimpleNamespace
-
     from xds_server.server import ControlPlane
     from xds_server.testing import InMemoryProbes, ManualClock
 
@@ -256,13 +255,13 @@ async def test_reload_applies_the_allow_list_and_keeps_the_ads_tls_mode(pki):
     base = {"mode": "mtls", "cert_file": srv.cert, "key_file": srv.key, "client_ca_file": ca.cert}
     cp = ControlPlane(_cfg(base), clock=ManualClock(), probe_sources=InMemoryProbes())
     cp.open()
-    ctx = SimpleNamespace(auth_context=lambda: {"peer_spiffe_id": [ENVOY.encode()]})
+    names = peer_identities({"peer_spiffe_id": [ENVOY.encode()]})  # the names ADS hands the check
     try:
-        assert cp.ads.authorize(ctx, "anything") is None  # no allow-list: any node id
+        assert cp.ads.authorize(names, "anything") is None  # no allow-list: any node id
         changes = await cp.reload(_cfg({**base, "node_allow": [{"identity": ENVOY, "node_ids": ["gw-*"]}]}))
         assert changes["restart_needed"] == []
-        assert cp.ads.authorize(ctx, "gw-1") is None
-        assert "may not use node id 'other'" in cp.ads.authorize(ctx, "other")
+        assert cp.ads.authorize(names, "gw-1") is None
+        assert "may not use node id 'other'" in cp.ads.authorize(names, "other")
         changes = await cp.reload(_cfg({"mode": "plaintext"}))
         assert changes["restart_needed"] == ["tls.mode", "tls.cert_file", "tls.key_file", "tls.client_ca_file"]
         assert cp.config.tls.mode == "mtls"  # the running listener's mode stays until a restart

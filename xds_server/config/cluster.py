@@ -9,7 +9,11 @@ from pydantic import Field, field_validator, model_validator
 from xds_server.config.base import _Model, parse_hostport
 from xds_server.config.discovery import DiscoveryConfig
 
-__all__ = ["ClusterConfig", "DropOverloadConfig", "Locality", "NodeConfig", "OutlierDetectionConfig"]
+__all__ = ["NODE_ID_PATTERN", "ClusterConfig", "DropOverloadConfig", "Locality", "NodeConfig",
+           "OutlierDetectionConfig"]
+
+NODE_ID_PATTERN = r"^[A-Za-z0-9_.:\-]{1,128}$"
+"""A node id: 1..128 of A-Z a-z 0-9 _ . : - (an Envoy-safe stat name part; pod names fit)."""
 
 
 class Locality(_Model):
@@ -23,7 +27,7 @@ class Locality(_Model):
 class NodeConfig(_Model):
     """One inference node: where Envoy sends traffic and where its node_probe agent listens."""
 
-    id: str = Field(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")
+    id: str = Field(..., min_length=1, max_length=128, pattern=NODE_ID_PATTERN)
     address: str = Field(..., description="serving HOST:PORT Envoy routes to (IP literal)")
     probe_address: str = Field(..., description="HOST:PORT of the node's node_probe agent (gRPC)")
     locality: Locality = Locality()

@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 from xds_server.config.base import _Model, parse_hostport
 from xds_server.tls import ClientTls, is_loopback
 
-__all__ = ["AgentTlsConfig", "NodeAllowRule", "TlsConfig", "TlsMode", "check_plaintext"]
+__all__ = ["AgentTlsConfig", "NodeAllowRule", "TlsConfig", "TlsMode", "check_plaintext", "implicit_agent_plaintext"]
 
 TlsMode = Literal["plaintext", "tls", "mtls"]
 
@@ -123,9 +123,17 @@ def check_plaintext(tls: TlsConfig, xds_listen: str, probe_addresses: list[tuple
         raise ValueError(
             f"xds.listen {xds_listen} is not a loopback address: set tls.mode to mtls or tls "
             "(or to plaintext to accept unauthenticated ADS clients explicitly)")
-    if tls.agents.mode is None:
-        for field, addr in probe_addresses:
-            if not is_loopback(parse_hostport(addr)[0]):
-                raise ValueError(
-                    f"{field} {addr} is not a loopback address: set tls.agents.mode to mtls or tls "
-                    "(or to plaintext to dial agents unauthenticated explicitly)")
+    for field, addr in probe_addresses:
+        problem = implicit_agent_plaintext(tls, addr)
+        if problem:
+            raise ValueError(f"{field} {problem}")
+
+
+def implicit_agent_plaintext(tls: TlsConfig, probe_address: str) -> str | None:
+    """Why dialling the agent at ``probe_address`` (HOST:PORT) would be implicit plaintext off
+    loopback (``tls.agents.mode`` unset), as the end of a sentence naming the address; else None.
+    The one rule for static nodes (:func:`check_plaintext`) and discovered ones."""
+    if tls.agents.mode is None and not is_loopback(parse_hostport(probe_address)[0]):
+        return (f"{probe_address} is not a loopback address: set tls.agents.mode to mtls or tls "
+                "(or to plaintext to dial agents unauthenticated explicitly)")
+    return None

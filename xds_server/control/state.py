@@ -88,10 +88,7 @@ def restore(doc: Any, now_mono_s: float, now_wall_s: float, max_age_s: float,
     future. Liveness, probes and engine records start fresh. Raises ValueError naming the field
     when ``doc`` is not a state document of :data:`FORMAT_VERSION`.
     """
-    if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION:
-        raise ValueError(f"version: expected {FORMAT_VERSION}")
-    written = _num(doc.get("written_at_wall_s"), "written_at_wall_s", optional=False)
-    age_s = now_wall_s - written
+    age_s = now_wall_s - written_at_wall_s(doc)
     if age_s < 0 or age_s > max_age_s:
         return {}
     nodes = doc.get("nodes")
@@ -138,10 +135,15 @@ def usable_until_s(doc: Any, now_mono_s: float, now_wall_s: float, max_age_s: fl
     """The monotonic time (s) at which ``doc``, read at ``now_mono_s`` / ``now_wall_s``, becomes
     older than ``max_age_s``: a kept state is given to a node that appears only after that (found
     by discovery, added by a reload) no more. Raises ValueError as :func:`restore` does."""
+    return now_mono_s + max_age_s - (now_wall_s - written_at_wall_s(doc))
+
+
+def written_at_wall_s(doc: Any) -> float:
+    """The Unix time (s) the state document ``doc`` was written at; ValueError when it is not a
+    document of this format (version) or has no such time."""
     if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION:
         raise ValueError(f"version: expected {FORMAT_VERSION}")
-    written = _num(doc.get("written_at_wall_s"), "written_at_wall_s", optional=False)
-    return now_mono_s + max_age_s - (now_wall_s - written)
+    return _num(doc.get("written_at_wall_s"), "written_at_wall_s", optional=False)
 
 
 def with_unclaimed(health: Mapping[str, hm.NodeHealth],

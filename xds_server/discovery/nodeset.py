@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from xds_server.config import NodeConfig, SentinelConfig, parse_hostport
-from xds_server.tls import is_loopback
+from xds_server.config import NodeConfig, SentinelConfig
+from xds_server.config.tls import implicit_agent_plaintext
 
 __all__ = ["NodeSetDiff", "diff_node_sets", "drop_readdressed", "merge_discovered", "node_map", "without_nodes"]
 
@@ -68,8 +68,9 @@ def merge_discovered(static: SentinelConfig,
     appended after its static ones; returns the config and the problems (one line per node left
     out, naming cluster, node id and reason). Clusters not in ``static`` are ignored (named in
     problems). Without an explicit ``tls.agents.mode`` a node whose probe address is not loopback
-    is left out (the rule ``check_plaintext`` applies to static nodes: no implicit plaintext). Not re-validated: every node was valid on its own and the rules above keep the
-    cluster-level invariants (unique ids, contiguous priorities)."""
+    is left out (:func:`~xds_server.config.tls.implicit_agent_plaintext`, the static nodes' rule).
+    Not re-validated: every node was valid on its own and the rules above keep the cluster-level
+    invariants (unique ids, contiguous priorities)."""
     problems: list[str] = []
     taken = {n.id: c.name for c in static.clusters for n in c.nodes}
     names = {c.name for c in static.clusters}
@@ -82,10 +83,9 @@ def merge_discovered(static: SentinelConfig,
             continue
         fresh: list[NodeConfig] = []
         for n in extra:
-            if static.tls.agents.mode is None and not is_loopback(parse_hostport(n.probe_address)[0]):
-                problems.append(f"cluster {c.name!r}: discovered node {n.id!r} left out: probe address "
-                                f"{n.probe_address} is not loopback and tls.agents.mode is not set "
-                                "(mtls, tls, or plaintext explicitly)")
+            plain = implicit_agent_plaintext(static.tls, n.probe_address)
+            if plain:
+                problems.append(f"cluster {c.name!r}: discovered node {n.id!r} left out: probe address {plain}")
                 continue
             owner = taken.get(n.id)
             if owner is not None:

@@ -27,10 +27,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from xds_server.config import KubernetesDiscoveryConfig, Locality, NodeConfig
+from xds_server.config.cluster import NODE_ID_PATTERN
 
 __all__ = ["PodState", "pod_node", "pods_to_nodes", "resource_version_newer"]
 
-_NODE_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+_NODE_ID = re.compile(NODE_ID_PATTERN)
 REGION_LABEL = "topology.kubernetes.io/region"
 ZONE_LABEL = "topology.kubernetes.io/zone"
 
@@ -57,7 +58,7 @@ def pod_node(pod: Mapping[str, Any], spec: KubernetesDiscoveryConfig,
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
     name = meta.get("name") or ""
-    if not _NODE_ID.match(name):
+    if not _NODE_ID.fullmatch(name):
         return f"pod name {name!r} is not a usable node id (1..128 of A-Z a-z 0-9 _ . : -)"
     if meta.get("deletionTimestamp"):
         return "being deleted (metadata.deletionTimestamp set)"

@@ -48,6 +48,13 @@ def _same(a: float | None, b: float | None) -> bool:
 
 def record_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: HealthConfig) -> tuple[NodeHealth, Seen]:
     """The node's records after heartbeat ``hb`` at ``now`` (s), and what they held before (:data:`Seen`)."""
+    last, ej = nh.heartbeat.last_s, nh.ejection
+    pending = None if ej.forgive_since_s is None else (ej.forgive_since_s, ej.forgive_until_s)
+    return _recorded(nh, hb, now, cfg), (None if last is None else (now - last) * 1000.0, nh.engine.state, pending)
+
+
+def _recorded(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: HealthConfig) -> NodeHealth:
+    """The node's records after heartbeat ``hb`` at ``now`` (s) (:func:`record_heartbeat`'s node)."""
     h, e = nh.heartbeat, nh.engine
     last = h.last_s
     arrivals = h.arrivals
@@ -64,9 +71,7 @@ def record_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: Hea
     elif not hb.stalled:
         stalled_since, counted = None, 0
     ej = nh.ejection
-    pending = None
-    if ej.forgive_since_s is not None:  # consumed by this heartbeat either way
-        pending = (ej.forgive_since_s, ej.forgive_until_s)
+    if ej.forgive_since_s is not None:  # a pending forgiveness is consumed by this heartbeat either way
         ej = type(ej)(ej.cause, ej.from_state, ej.clean_period_s, ej.healthy_since_s, None, 0.0)
     age = hb.progress_age_ms
     progress_at = None if age is None else now - age / 1000.0
@@ -79,9 +84,8 @@ def record_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: Hea
         e = Engine(hb.engine_state, hb.stalled, stalled_since, counted, hb.requests_running,
                    hb.requests_waiting, hb.gpu_free_ratio, hb.gpu_fatal, progress_at, progress_detail)
     # else: the engine record is unchanged (a steady node): the same immutable value is kept
-    out = NodeHealth(nh.node_id, nh.state, nh.reason, nh.since_s, Heartbeats(now, 0, False, arrivals, clears),
-                     nh.rtt, nh.probe, e, ej, nh.ramp, nh.drain)
-    return out, (None if last is None else (now - last) * 1000.0, nh.engine.state, pending)
+    return NodeHealth(nh.node_id, nh.state, nh.reason, nh.since_s, Heartbeats(now, 0, False, arrivals, clears),
+                      nh.rtt, nh.probe, e, ej, nh.ramp, nh.drain)
 
 
 def quiet_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: HealthConfig) -> NodeHealth | None:
@@ -107,4 +111,4 @@ def quiet_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: Heal
     if (ej.clean_period_s and ej.healthy_since_s is not None
             and now - ej.healthy_since_s >= cfg.probation_clean_max_s):
         return None
-    return record_heartbeat(nh, hb, now, cfg)[0]
+    return _recorded(nh, hb, now, cfg)

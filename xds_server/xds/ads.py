@@ -34,7 +34,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Union
 
 import grpc
@@ -75,8 +75,9 @@ class _Rejected(Exception):
         self.code = code
 
 
-Authorizer = Callable[[grpc.aio.ServicerContext, str], "str | None"]
-"""``authorize(context, node_id) -> None`` to serve the stream, else the reason to refuse it."""
+Authorizer = Callable[[Sequence[str], str], "str | None"]
+"""``authorize(names, node_id) -> None`` to serve the stream, else the reason to refuse it
+(``names``: those of the client's verified certificate, :class:`ClientCertificate`; empty without one)."""
 
 
 class AdsServicer:
@@ -243,7 +244,8 @@ class AdsServicer:
                         return
                     if not authorized and self.authorize is not None:
                         node_id = clip(req.node.id, cfg.client_text_max_chars) if req.HasField("node") else ""
-                        refused = self.authorize(context, node_id)
+                        cert = stream.client_certificate
+                        refused = self.authorize(cert.names if cert is not None else (), node_id)
                         if refused is not None:
                             failure.append(_Rejected("permission_denied", refused, grpc.StatusCode.PERMISSION_DENIED))
                             return
