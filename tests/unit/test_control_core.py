@@ -332,11 +332,13 @@ def test_steady_heartbeats_leave_the_routing_alone_and_a_queue_or_threshold_chan
     assert cp.core.routing["n0"].weight == 100
 
 
-def test_fail_static_ends_when_nodes_silent_only_by_time_heartbeat_again_and_the_dead_one_is_ejected():
-    """Fail-static counts a node silent by time (last heartbeat >= interval + grace old) before
-    its Tick has counted a miss (a Tick late on a loaded loop, or held after our own stall).
-    Such nodes heartbeating again change no miss count; fail-static must still be re-checked,
-    or it stays on and keeps a really dead node (n2 here) routed for as long as it is dead."""
+def test_fail_static_enters_once_misses_are_counted_rolls_back_and_ends_when_the_late_ones_heartbeat():
+    """Fail-static's entry is judged once the model has counted misses for the need (more than
+    fail_static_fraction of the nodes): nodes silent only by time, their Ticks late (a loaded
+    loop, or held after our own stall), count from their Tick on. An ejection published before
+    the entry is rolled back to the last good assignment. Nodes silent by time heartbeating
+    again change no miss count; fail-static must still be re-checked, or it stays on and keeps
+    a really dead node (n2 here) routed for as long as it is dead."""
     cp, clock, probes = in_memory(config(5))
     all_healthy(cp, clock, probes)
     for nid in cp.core.node_cfg:
@@ -344,12 +346,19 @@ def test_fail_static_ends_when_nodes_silent_only_by_time_heartbeat_again_and_the
     probes["n3"]._cancel()  # their Ticks are late: silent by time, no miss counted yet
     probes["n4"]._cancel()
     t0 = clock.now()
-    while not cp.core.fail_static.active and clock.now() < t0 + 0.5:
+    while cp.health["n2"].state is not hm.NodeState.UNHEALTHY and clock.now() < t0 + 1.0:
         clock.advance(0.01)
         probes["n0"].heartbeat()
         probes["n1"].heartbeat()
-    assert cp.core.fail_static.active  # n2's miss, with n3 and n4 silent by time: 3 of 5
+    cp.core.publish()
+    assert not cp.core.fail_static.active  # one counted miss of 5 (n2): n3 and n4 not counted yet
+    assert published(cp)["n2"] == "UNHEALTHY"
     assert cp.health["n3"].heartbeat.consecutive_misses == 0
+    probes["n3"].emit(hm.Tick())  # the late Ticks run: 3 of 5 counted, silent within the window
+    probes["n4"].emit(hm.Tick())
+    assert cp.core.fail_static.active
+    cp.core.publish()
+    assert published(cp)["n2"] == "HEALTHY"  # the last good assignment, from before the burst
     t1 = clock.now()
     while clock.now() < t1 + 1.0:  # n3 and n4 are back; n2 stays dead
         clock.advance(0.05)
@@ -358,3 +367,25 @@ def test_fail_static_ends_when_nodes_silent_only_by_time_heartbeat_again_and_the
     assert not cp.core.fail_static.active
     assert cp.health["n2"].state is hm.NodeState.UNHEALTHY
     assert published(cp)["n2"] == "UNHEALTHY"
+
+
+def test_fail_static_ends_when_nodes_silent_only_by_time_heartbeat_again():
+    """Active, with fewer misses counted than the need and the rest silent by time only (n1: its
+    Tick late): n1 heartbeating again changes no miss count, yet must end the episode."""
+    cp, clock, probes = in_memory(config(5))
+    all_healthy(cp, clock, probes)
+    for nid in cp.core.node_cfg:
+        probes[nid].heartbeat()
+    t0 = clock.now()
+    while not cp.core.fail_static.active and clock.now() < t0 + 0.5:  # n2, n3, n4 silent
+        clock.advance(0.01)
+        probes["n0"].heartbeat()
+        probes["n1"].heartbeat()
+    assert cp.core.fail_static.active
+    probes["n1"]._cancel()  # n1 goes silent too, its Tick late
+    clock.advance(0.25)
+    probes["n0"].heartbeat()
+    probes["n2"].heartbeat()  # counted: n3, n4 (2 of 5, below the need); by time also n1: still on
+    assert cp.core.fail_static.active and cp.health["n1"].heartbeat.consecutive_misses == 0
+    probes["n1"].heartbeat()
+    assert not cp.core.fail_static.active

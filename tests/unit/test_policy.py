@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+
 from xds_server.config import HealthConfig
 from xds_server.health.model import (
     Engine,
@@ -14,7 +15,18 @@ from xds_server.health.model import (
     Rtt,
     initial,
 )
-from xds_server.health.policy import FailStaticState, OutlierState, cluster_routing, fail_static, score
+from hypothesis import given
+from hypothesis import strategies as st_
+
+from xds_server.health.policy import (
+    FailStaticState,
+    OutlierState,
+    cluster_routing,
+    counted_silent,
+    fail_static,
+    fail_static_may_change,
+    score,
+)
 from xds_server.health.sim import NodeSim
 
 CFG = HealthConfig()
@@ -135,3 +147,40 @@ def test_fail_static_not_for_losses_spread_out_in_time():
 
 def test_outlier_state_default():
     assert OutlierState().until_s == 0.0
+
+
+# -- the walk is skipped only where it could not change the state (core: ControlCore._check_fail_static)
+
+_HB = st_.tuples(st_.one_of(st_.none(), st_.floats(0.0, 2.0)), st_.integers(0, 4), st_.booleans())
+
+
+def _fleet(hbs, now_s: float) -> dict:
+    """Nodes whose counted misses are consistent with time: a miss only once interval + grace passed."""
+    out = {}
+    limit = (CFG.heartbeat_interval_ms + CFG.heartbeat_grace_ms) / 1000.0
+    for i, (last, misses, closed) in enumerate(hbs):
+        if last is None or now_s - last < limit:
+            misses = 0
+        out[f"n{i}"] = replace(initial(f"n{i}", 0.0), heartbeat=Heartbeats(last, misses, closed))
+    return out
+
+
+@given(hbs=st_.lists(_HB, min_size=0, max_size=14), now=st_.floats(0.0, 3.0), active=st_.booleans())
+def test_fail_static_may_change_is_false_only_where_the_walk_changes_nothing_or_waits_for_counted_misses(
+        hbs, now, active):
+    h = _fleet(hbs, now)
+    state = FailStaticState(True, 0.0, "on", 0.0) if active else FailStaticState()
+    counted = sum(counted_silent(nh) for nh in h.values())
+    after, _ = fail_static(state, h, now, CFG)
+    if not fail_static_may_change(state, len(h), counted, CFG):
+        if active:
+            assert after == state  # exact: counted silent nodes are silent by time too
+        else:
+            # not active and too few counted: the walk could enter only on nodes silent by time
+            # whose Tick has not run; with every silent node counted, it stays off as well
+            all_counted = {k: (replace(v, heartbeat=Heartbeats(v.heartbeat.last_s, 1, v.heartbeat.stream_closed))
+                               if v.heartbeat.last_s is not None and now - v.heartbeat.last_s
+                               >= (CFG.heartbeat_interval_ms + CFG.heartbeat_grace_ms) / 1000.0 else v)
+                           for k, v in h.items()}
+            if sum(counted_silent(nh) for nh in all_counted.values()) == counted:
+                assert not fail_static(state, all_counted, now, CFG)[0].active

@@ -74,6 +74,7 @@ class ControlCore:
         self.health: dict[str, hm.NodeHealth] = {}
         self.routing: dict[str, hm.Routing] = {}
         self.fail_static = hp.FailStaticState()
+        self._counted_silent: set[str] = set()  # nodes hp.counted_silent: the walk's lower bound
         self.planner = PublishPlanner(config)
         self._keys: dict[str, tuple] = {}
         self._publish_timer: Timer | None = None
@@ -172,7 +173,15 @@ class ControlCore:
             if key != self._keys.get(node_id):
                 self._keys[node_id] = key
                 self.mark_dirty(cluster)
-        if ((prev.heartbeat.consecutive_misses > 0) != (nh.heartbeat.consecutive_misses > 0)
+        hb = nh.heartbeat
+        if hb.consecutive_misses or hb.stream_closed:
+            if hb.last_s is not None:
+                self._counted_silent.add(node_id)
+            else:
+                self._counted_silent.discard(node_id)
+        elif node_id in self._counted_silent:
+            self._counted_silent.discard(node_id)
+        if ((prev.heartbeat.consecutive_misses > 0) != (hb.consecutive_misses > 0)
                 or prev.heartbeat.stream_closed != nh.heartbeat.stream_closed
                 or (self.fail_static.active and self._silent_by_time(prev, now_s)
                     and not self._silent_by_time(nh, now_s))):
@@ -224,6 +233,7 @@ class ControlCore:
         for node_id in dropped:
             for d in (self.health, self.routing, self.restored):
                 d.pop(node_id, None)
+        self._recount_silent()
         if now > self.restored_until_s:  # the state file is too old for a node that appears only now
             for node_id in added:
                 self.restored.pop(node_id, None)
@@ -252,6 +262,9 @@ class ControlCore:
         return (min(hbs) + hm.miss_after_s(self.config.health)) if hbs else float("-inf")
 
     def _check_fail_static(self, now_s: float) -> None:
+        if not hp.fail_static_may_change(self.fail_static, len(self.health), len(self._counted_silent),
+                                         self.config.health):
+            return
         st, evs = hp.fail_static(self.fail_static, self.health, now_s, self.config.health)
         if st == self.fail_static:
             return
@@ -271,8 +284,12 @@ class ControlCore:
                 for ev in events:
                     self._transition(self.node_cluster[node_id], ev)
                 self._keys[node_id] = self._routing_key(nh)
+            self._recount_silent()
         for c in self.config.clusters:
             self.mark_dirty(c.name)
+
+    def _recount_silent(self) -> None:
+        self._counted_silent = {node_id for node_id, nh in self.health.items() if hp.counted_silent(nh)}
 
     # -- publishing ----------------------------------------------------------------------------
 

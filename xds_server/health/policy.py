@@ -43,7 +43,9 @@ __all__ = [
     "PolicyEvent",
     "PolicyEventKind",
     "cluster_routing",
+    "counted_silent",
     "fail_static",
+    "fail_static_may_change",
     "score",
 ]
 
@@ -232,7 +234,7 @@ def fail_static(
     total = len(health)
     if total < cfg.fail_static_min_nodes:
         return (FailStaticState(), []) if state.active else (state, [])
-    need = math.floor(total * cfg.fail_static_fraction + 1e-9) + 1  # "most": more than the fraction
+    need = _need(total, cfg)
     limit = miss_after_s(cfg)
     silent_since = sorted(
         last for nh in health.values()
@@ -254,3 +256,35 @@ def fail_static(
                                   f"heartbeats back ({len(silent_since)} of {total} silent): normal decisions resume"))
         return FailStaticState(), events
     return state, events
+
+
+def _need(total: int, cfg: HealthConfig) -> int:
+    """Silent nodes that make "more than ``fail_static_fraction``" of ``total``."""
+    return math.floor(total * cfg.fail_static_fraction + 1e-9) + 1
+
+
+def counted_silent(nh: NodeHealth) -> bool:
+    """Silent as the model has counted it: heard at least once, and a miss counted since or its
+    stream closed. Such a node is silent for :func:`fail_static` too (a miss is counted only once
+    the last heartbeat is interval + grace old), so these nodes are a lower bound of its count."""
+    hb = nh.heartbeat
+    return hb.last_s is not None and (hb.consecutive_misses > 0 or hb.stream_closed)
+
+
+def fail_static_may_change(state: FailStaticState, total: int, counted: int, cfg: HealthConfig) -> bool:
+    """Whether :func:`fail_static` is worth running (its walk is O(nodes) and runs on every
+    silence transition: under a mass silence, O(nodes^2)), given ``counted`` nodes
+    :func:`counted_silent` of ``total``. False when:
+
+    - active and ``counted`` alone makes the need: more are silent by time, so it stays on
+      (exactly what the walk would say);
+    - not active and ``counted`` is below the need: entry is judged once the model has counted
+      misses for that many nodes (within one Tick of their silence; a node is ejected for
+      silence only ``consecutive_misses`` Ticks after its first miss, so the entry still comes
+      before the ejections it holds back). Nodes silent by time whose Tick has not run yet (a
+      loop behind) count from their Tick on.
+    """
+    if total < cfg.fail_static_min_nodes:
+        return state.active
+    need = _need(total, cfg)
+    return counted < need if state.active else counted >= need
