@@ -38,10 +38,6 @@ _EARLY_S = 1e-6
 """A hold ending within this (s) of now counts as ended (a timer may run a clock tick early)."""
 
 
-def _never() -> bool:
-    return False
-
-
 class SilentStream(Exception):
     """The stream stayed open without a heartbeat for ``probe.silent_stream_redial_ms``."""
 
@@ -96,7 +92,7 @@ class SilenceGate:
     heartbeat miss window (``health``: interval + grace), ``hold_s``: ``probe.stall_hold_ms``.
     ``pending_close``: (detail, loop s) of a stream close found during a hold, to report at its end."""
 
-    __slots__ = ("stall_s", "hold_s", "period_s", "pending_close", "held", "keep_open", "kept_open", "_watch")
+    __slots__ = ("stall_s", "hold_s", "period_s", "pending_close", "held", "_watch")
 
     def __init__(self, cfg: HealthConfig, probe: ProbeConfig) -> None:
         self.stall_s = miss_after_s(cfg)
@@ -104,11 +100,6 @@ class SilenceGate:
         self.period_s = probe.loop_watch_interval_ms / 1000.0
         self.pending_close: tuple[str, float] | None = None
         self.held = 0  # verdicts put off by a hold
-        # True while a silent open stream is kept rather than redialled: the control plane sets it
-        # to "fail-static is on" (a mass silence: our side is suspect, and redialling every stream
-        # at once costs the loop what it lacks; a dead TCP path still ends the stream by keepalive)
-        self.keep_open: Callable[[], bool] = _never
-        self.kept_open = 0  # silent-stream verdicts put off by keep_open
         self._watch: LoopStallWatch | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -170,7 +161,4 @@ class SilenceGate:
             if held is not None:
                 await asyncio.sleep(held - loop.time())
             elif loop.time() - last_hb() >= silent_s:
-                if not self.keep_open():
-                    return
-                self.kept_open += 1
-                await asyncio.sleep(silent_s)  # judged again then
+                return

@@ -130,15 +130,12 @@ class ControlPlane:
         self.cache.set_resources(
             CLUSTER_TYPE_URL, {c.name: build_cluster(c) for c in self.config.clusters}
         )
-        ctx = ProbeSourceContext(self.config.health, self.config.probe, self.observe, self.clock, self.counters,
-                                 self.config.xds.replica_id, self.config.tls.agents, self._fail_static_on)
+        ctx = ProbeSourceContext(self.config.health, self.config.probe, self.observe, self.clock,
+                                 self.counters, self.config.xds.replica_id, self.config.tls.agents)
         for node_id, n in self.core.node_cfg.items():
             s = self._probe_factory(n, ctx)
             self.sessions[node_id] = s
             s.start()
-
-    def _fail_static_on(self) -> bool:
-        return self.core.fail_static.active
 
     async def start(self) -> None:
         """Bind the ADS and admin ports, publish CDS, start one probe source per node.
@@ -286,7 +283,7 @@ class ControlPlane:
             if s is not None:
                 await s.stop()
         ctx = ProbeSourceContext(serving.health, serving.probe, self.observe, self.clock,
-                                 self.counters, serving.xds.replica_id, serving.tls.agents, self._fail_static_on)
+                                 self.counters, serving.xds.replica_id, serving.tls.agents)
         for node_id in [*added, *(i for i in restart if i in self.sessions)]:
             old = self.sessions.pop(node_id, None)
             if old is not None:

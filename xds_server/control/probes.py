@@ -59,8 +59,6 @@ class ProbeSourceContext:
     counters: Counters = field(default_factory=Counters)
     control_plane_id: str = "xds-sentinel"
     tls: AgentTlsConfig = field(default_factory=AgentTlsConfig)
-    keep_silent_streams: Callable[[], bool] = lambda: False
-    """True while a stream open without heartbeats is kept, not redialled (fail-static is on)."""
 
 
 ProbeSourceFactory = Callable[[NodeConfig, ProbeSourceContext], ProbeSource]
@@ -70,7 +68,5 @@ def grpc_probe_source(node: NodeConfig, ctx: ProbeSourceContext) -> ProbeSource:
     """The real source: a gRPC ``NodeProbe.Watch`` stream to ``node.probe_address``."""
     from xds_server.probing import ProbeSession
 
-    session = ProbeSession(node, ctx.health, ctx.sink, ctx.control_plane_id, probe=ctx.probe,
-                           counters=ctx.counters, tls=ctx.tls.client(node.id))
-    session.silence_gate.keep_open = ctx.keep_silent_streams
-    return session
+    return ProbeSession(node, ctx.health, ctx.sink, ctx.control_plane_id, probe=ctx.probe,
+                        counters=ctx.counters, tls=ctx.tls.client(node.id))
