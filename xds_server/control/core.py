@@ -173,15 +173,11 @@ class ControlCore:
             if key != self._keys.get(node_id):
                 self._keys[node_id] = key
                 self.mark_dirty(cluster)
-        hb = nh.heartbeat
-        if hb.consecutive_misses or hb.stream_closed:
-            if hb.last_s is not None:
-                self._counted_silent.add(node_id)
-            else:
-                self._counted_silent.discard(node_id)
-        elif node_id in self._counted_silent:
+        if hp.counted_silent(nh):
+            self._counted_silent.add(node_id)
+        else:
             self._counted_silent.discard(node_id)
-        if ((prev.heartbeat.consecutive_misses > 0) != (hb.consecutive_misses > 0)
+        if ((prev.heartbeat.consecutive_misses > 0) != (nh.heartbeat.consecutive_misses > 0)
                 or prev.heartbeat.stream_closed != nh.heartbeat.stream_closed
                 or (self.fail_static.active and self._silent_by_time(prev, now_s)
                     and not self._silent_by_time(nh, now_s))):
