@@ -23,8 +23,8 @@ import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from importlib.resources.abc import Traversable
+from pathlib import Path
 from typing import Any
 
 import yaml

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from health_strategies import FAST_RECOVERY, observations
 
 from xds_server.config import HealthConfig
 from xds_server.health.beats import quiet_heartbeat
 from xds_server.health.model import (
-    DrainRequested,
-    FailStaticEnded,
     HeartbeatObserved,
-    PingObserved,
     ProbeObserved,
     ProbeResultKind as K,
-    StreamClosed,
     Tick,
     initial,
     next_check_s,
@@ -24,9 +21,7 @@ from xds_server.health.clocks import miss_after_s, phi_delay_s, stall_confirm_at
 from xds_server.health.records import ROUTED_STATES, EjectionCause
 from xds_server.health.rules import _step_full
 
-# short clean period, ramp and HEALTHY run so random sequences reach every state
-CFG = HealthConfig(probation_clean_s=0.5, probation_clean_max_s=2.0, ramp_step_percent=25.0, ramp_step_s=0.2,
-                   probation_min_probes=1, good_probes_to_recover=2)
+CFG = HealthConfig(**FAST_RECOVERY)
 
 steady_heartbeat = st.builds(
     HeartbeatObserved,
@@ -39,13 +34,7 @@ steady_heartbeat = st.builds(
     progress_age_ms=st.sampled_from([None] * 6 + [50.0, 2500.0]),
     progress_detail=st.sampled_from(["", "tokens"]),
 )
-probe = st.builds(ProbeObserved, st.sampled_from([K.OK] * 6 + list(K)), st.sampled_from([10.0, 10.0, 900.0, 6000.0]),
-                  st.sampled_from([0, 200, 429, 503]))
-observation = st.one_of(
-    *[steady_heartbeat] * 6, probe, probe, st.just(Tick()), st.builds(StreamClosed, st.just("x")),
-    st.builds(PingObserved, st.sampled_from([1.0, 2.0, 300.0])), st.builds(DrainRequested, st.booleans()),
-    st.builds(FailStaticEnded, st.floats(0, 5)),
-)
+observation = observations(steady_heartbeat, with_tick=True)
 # mostly heartbeat-sized gaps, some silences long enough for misses and phi suspicions
 gap = st.sampled_from([0.1] * 8 + [0.09, 0.11, 0.05, 0.25, 0.45, 1.2])
 timeline = st.lists(st.tuples(gap, observation), max_size=150)

@@ -14,17 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import target as steer
 from hypothesis import strategies as st
+from health_strategies import FAST_RECOVERY, observations
 
 from xds_server.config import HealthConfig
 from xds_server.health.model import (
-    DrainRequested,
-    FailStaticEnded,
     HeartbeatObserved,
     NodeState,
-    PingObserved,
     ProbeObserved,
     ProbeResultKind as K,
-    StreamClosed,
     Tick,
     initial,
     misses_shown,
@@ -35,12 +32,10 @@ from xds_server.health.model import (
     ticks_backed_off,
 )
 
-_BASE = dict(probation_clean_s=0.5, probation_clean_max_s=2.0, ramp_step_percent=25.0, ramp_step_s=0.2,
-             probation_min_probes=1, good_probes_to_recover=2)
 CONFIGS = [
-    HealthConfig(**_BASE),
-    HealthConfig(**_BASE, failure_detector="count", consecutive_misses=1, silent_tick_max_ms=350.0),
-    HealthConfig(**_BASE, consecutive_misses=5, heartbeat_interval_ms=50.0, heartbeat_grace_ms=30.0),
+    HealthConfig(**FAST_RECOVERY),
+    HealthConfig(**FAST_RECOVERY, failure_detector="count", consecutive_misses=1, silent_tick_max_ms=350.0),
+    HealthConfig(**FAST_RECOVERY, consecutive_misses=5, heartbeat_interval_ms=50.0, heartbeat_grace_ms=30.0),
 ]
 
 heartbeat = st.builds(
@@ -51,13 +46,7 @@ heartbeat = st.builds(
     gpu_free_ratio=st.sampled_from([None, 0.2, 0.9]),
     gpu_fatal=st.sampled_from([""] * 15 + ["GPU 0 Xid 79"]),
 )
-probe = st.builds(ProbeObserved, st.sampled_from([K.OK] * 6 + list(K)), st.sampled_from([10.0, 10.0, 900.0, 6000.0]),
-                  st.sampled_from([0, 200, 503]))
-observation = st.one_of(
-    *[heartbeat] * 6, probe, probe, st.builds(StreamClosed, st.just("x")),
-    st.builds(PingObserved, st.sampled_from([1.0, 300.0])), st.builds(DrainRequested, st.booleans()),
-    st.builds(FailStaticEnded, st.floats(0, 5)),
-)
+observation = observations(heartbeat, with_tick=False)  # Ticks: delivered by each model's own schedule
 # heartbeat-sized gaps and silences long enough for ejection and several backed-off Ticks
 gap = st.sampled_from([0.1] * 8 + [0.05, 0.25, 0.45, 1.2, 3.0, 3.0, 7.5, 7.5])
 timeline = st.lists(st.tuples(gap, observation), max_size=80)

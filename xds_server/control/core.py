@@ -173,16 +173,18 @@ class ControlCore:
             if key != self._keys.get(node_id):
                 self._keys[node_id] = key
                 self.mark_dirty(cluster)
-        if hp.counted_silent(nh):
-            self._counted_silent.add(node_id)
-        else:
-            self._counted_silent.discard(node_id)
         if ((prev.heartbeat.consecutive_misses > 0) != (nh.heartbeat.consecutive_misses > 0)
                 or prev.heartbeat.stream_closed != nh.heartbeat.stream_closed
                 or (self.fail_static.active and self._silent_by_time(prev, now_s)
                     and not self._silent_by_time(nh, now_s))):
             # the last: a node fail-static counted as silent by time alone (its Tick not run yet)
-            # is heard again; no miss count changes, but the episode may be over
+            # is heard again; no miss count changes, but the episode may be over.
+            # hp.counted_silent changes only with the first two (a heartbeat sets last_s and clears
+            # both), so the set is kept here, off the quiet heartbeat's path
+            if hp.counted_silent(nh):
+                self._counted_silent.add(node_id)
+            else:
+                self._counted_silent.discard(node_id)
             self._check_fail_static(now_s)
 
     def _silent_by_time(self, nh: hm.NodeHealth, now_s: float) -> bool:
