@@ -269,7 +269,9 @@ async def envoy_restart(rig: FaultRig, http: aiohttp.ClientSession, times: int =
                         **load_kw: Any) -> tuple[list[FaultRow], dict]:
     """Restart Envoy as an operator would: drain it gracefully (``POST /drain_listeners?graceful``:
     every response from now carries ``Connection: close``, the listeners close after Envoy's
-    1 s drain time), let the requests in flight finish and the clients' connections close
+    1 s drain time), wait until the listener is closed (``listener_manager.listener_stopped``: a
+    stop while it still accepts resets connections that carry a request), let the requests in
+    flight finish and the clients' connections close
     (``downstream_rq_active`` and ``downstream_cx_active`` 0; connections never used again are
     waited for at most 3 s), stop it, start a new Envoy on the same bootstrap and wait until it
     routes every node. Clients' connects refused in between are retried (nothing was sent).
@@ -286,13 +288,15 @@ async def envoy_restart(rig: FaultRig, http: aiohttp.ClientSession, times: int =
                 r.raise_for_status()
 
             async def idle() -> bool:
-                async with http.get(f"{admin}/stats", params={"filter": r"downstream_(rq|cx)_active$"}) as r:
+                async with http.get(f"{admin}/stats",
+                                    params={"filter": r"downstream_(rq|cx)_active$|listener_stopped$"}) as r:
                     text = await r.text()
-                active = {line.split(": ")[0].rsplit(".", 1)[1]: int(line.rsplit(": ", 1)[1])
-                          for line in text.strip().splitlines() if line.startswith("http.llm_ingress.")}
-                idle_cx = active.get("downstream_cx_active", 0) == 0 or time.monotonic() - t0 > 3.0
-                return active.get("downstream_rq_active", 0) == 0 and idle_cx
-            await wait_for(idle, timeout_s=15.0, what="Envoy's requests in flight finished")
+                stat = {line.split(": ")[0]: int(line.rsplit(": ", 1)[1]) for line in text.strip().splitlines()}
+                if stat.get("listener_manager.listener_stopped", 0) < 1:
+                    return False   # still accepting: a stop now resets the connections it accepts
+                idle_cx = stat.get("http.llm_ingress.downstream_cx_active", 0) == 0 or time.monotonic() - t0 > 3.0
+                return stat.get("http.llm_ingress.downstream_rq_active", 0) == 0 and idle_cx
+            await wait_for(idle, timeout_s=15.0, what="Envoy's listener closed and its requests in flight finished")
             old = fleet.envoy
             await asyncio.to_thread(old.stop)
             new = envoy_process(find_envoy(fleet.envoy_binary), fleet.workdir / "envoy.yaml", fleet.workdir,
