@@ -47,7 +47,8 @@ _WATCH = "/node_probe.v1.NodeProbe/Watch"
 def telemetry(seq: int, gpus: int) -> probe_pb2.Telemetry:
     """A READY engine's telemetry as a real agent sends it: engine load that moves every
     heartbeat (the token counter), ``gpus`` GPU readings that move once per second (NVML is
-    polled every ``gpu_interval_s``, 1 s); ``gpus=0``: only the engine state (the original fake)."""
+    polled every ``gpu_interval_s``, 1 s; ``poll_seq`` numbers each poll); ``gpus=0``: only the
+    engine state (the original fake)."""
     tel = probe_pb2.Telemetry(engine_state=probe_pb2.ENGINE_STATE_READY)
     if not gpus:
         return tel
@@ -60,6 +61,7 @@ def telemetry(seq: int, gpus: int) -> probe_pb2.Telemetry:
     tel.engine_load.kv_cache_metric = "vllm:gpu_cache_usage_perc"
     tel.gpu.state = probe_pb2.NVML_STATE_OK
     second = seq // 10
+    tel.gpu.poll_seq = 1 + second  # numbered as the agent numbers each NVML poll
     for i in range(gpus):
         tel.gpu.gpus.add(index=i, uuid=f"GPU-{i:08x}-0000-0000-0000-000000000000", name="NVIDIA H200",
                          memory_total_bytes=150_000_000_000, memory_used_bytes=120_000_000_000 + second % 7,

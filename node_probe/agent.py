@@ -127,12 +127,10 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         self._stall_detail = ""
         self._progress_at: float | None = None  # monotonic s of the last progress evidence
         self._progress_detail = ""
-        if cfg.gpu_interval_s > 0:
-            self._gpu_msg = probe_pb2.GpuTelemetry()
-        else:
-            self._gpu_msg = probe_pb2.GpuTelemetry(
-                state=probe_pb2.NVML_STATE_ABSENT, error="GPU telemetry disabled"
-            )
+        self._gpu_seq = time.time_ns()  # GpuTelemetry.poll_seq: new per message, not repeated across restarts
+        self._gpu_msg = probe_pb2.GpuTelemetry(poll_seq=self._gpu_seq)
+        if cfg.gpu_interval_s <= 0:
+            self._gpu_msg.state, self._gpu_msg.error = probe_pb2.NVML_STATE_ABSENT, "GPU telemetry disabled"
         self._probe_wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
@@ -360,6 +358,8 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
             self._probe_wake.set()  # the probe schedule follows load: re-plan now
 
     def _on_gpu(self, tel: probe_pb2.GpuTelemetry) -> None:
+        self._gpu_seq += 1
+        tel.poll_seq = self._gpu_seq
         self._gpu_msg = tel
         self._lifecycle.observe_gpu(gpu_fatal_reason(tel, self.cfg.fatal_xids))
 

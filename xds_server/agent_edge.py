@@ -28,18 +28,8 @@ from xds_server.config import HealthConfig, ProbeConfig
 from xds_server.health.model import EngineState, HeartbeatObserved, ProbeObserved, ProbeResultKind
 from xds_server.untrusted import clip
 
-__all__ = [
-    "AgentEdge",
-    "BadField",
-    "Checked",
-    "CheckedHeartbeat",
-    "CheckedPong",
-    "CheckedResult",
-    "EngineLoadSummary",
-    "GpuSummary",
-    "REASONS",
-    "TelemetrySummary",
-]
+__all__ = ["AgentEdge", "BadField", "Checked", "CheckedHeartbeat", "CheckedPong", "CheckedResult",
+           "EngineLoadSummary", "GpuSummary", "REASONS", "TelemetrySummary"]
 
 REASONS = frozenset({"not_finite", "negative", "out_of_range", "unknown_enum", "too_long", "too_many",
                      "empty", "mismatch"})
@@ -74,6 +64,12 @@ _P_PREFIX = _P_LOAD + "prefix_cache_hit_ratio"
 _P_TOKENS = _P_LOAD + "generation_tokens_total"
 _P_GPU = "heartbeat.telemetry.gpu."
 _P_READING = _P_GPU + "gpus."
+
+
+def _copy(gpu: probe_pb2.GpuTelemetry) -> probe_pb2.GpuTelemetry:
+    kept = probe_pb2.GpuTelemetry()
+    kept.CopyFrom(gpu)
+    return kept
 
 
 def _same_zero_sign(last: "EngineLoadSummary", waiting: float | None, running: float | None,
@@ -169,12 +165,17 @@ class AgentEdge:
         self.health = health
         self.probe = probe
         self._fatal_xids = frozenset(health.fatal_xids)
-        # Kept from the last heartbeat: the GPU part as received with its checked result and bad
-        # fields, and the engine-load summary (reused while equal: no object per heartbeat).
-        self._gpu_memo: tuple[probe_pb2.GpuTelemetry, tuple[GpuSummary, float | None, str,
-                                                            tuple[BadField, ...]]] | None = None
+        # Kept from the last heartbeat: the GPU part's poll_seq, the part as received (when not
+        # numbered), its checked result and bad fields; the engine-load summary (reused while
+        # equal: no object per heartbeat).
+        self._gpu_memo: tuple[int, probe_pb2.GpuTelemetry | None,
+                              tuple[GpuSummary, float | None, str, tuple[BadField, ...]]] | None = None
         self._last_load: EngineLoadSummary | None = None
         self._last_hb: CheckedHeartbeat | None = None
+
+    def stream_started(self) -> None:
+        """A new stream: a GPU poll_seq seen on an earlier one promises nothing."""
+        self._gpu_memo = None
 
     # -- field helpers (append to ``bad``) --------------------------------------------------------
 
@@ -229,18 +230,19 @@ class AgentEdge:
         if len(stall_detail) > max_text:
             stall_detail = self._text(stall_detail, "heartbeat.telemetry.stall_detail", bad)
         load = self._load(tel.engine_load, bad)
-        # GPU readings move once per NVML poll (1 s), heartbeats every 100 ms: an unchanged GPU
-        # part (equal message) is not checked again; its result and bad fields are the last ones.
+        # GPU readings move once per NVML poll (1 s), heartbeats every 100 ms: an unchanged GPU part
+        # (the last poll_seq again, the agent's promise: a broken one keeps the last checked readings,
+        # never unchecked ones; an equal message when not numbered) is not checked again.
         gpu_msg = tel.gpu
         memo = self._gpu_memo
-        if memo is not None and memo[0] == gpu_msg:
-            gpu, free, fatal, gpu_bad = memo[1]
+        seq = gpu_msg.poll_seq
+        if memo is not None and (seq == memo[0] if seq else memo[1] is not None and memo[1] == gpu_msg):
+            gpu, free, fatal, gpu_bad = memo[2]
         else:
             gpu_bad = []
             gpu, free, fatal = self._gpu(gpu_msg, gpu_bad)
-            kept = probe_pb2.GpuTelemetry()
-            kept.CopyFrom(gpu_msg)  # our own copy: the caller may change its message later
-            self._gpu_memo = (kept, (gpu, free, fatal, tuple(gpu_bad)))
+            kept = None if seq else _copy(gpu_msg)  # our own copy: the caller may change its message
+            self._gpu_memo = (seq, kept, (gpu, free, fatal, tuple(gpu_bad)))
         if gpu_bad:
             bad.extend(gpu_bad)
         progress_age_ms: float | None = None

@@ -263,8 +263,8 @@ class ProbeSession:
         outq: asyncio.Queue[probe_pb2.ControlMessage] = asyncio.Queue()
         self._outq = outq
         loop = asyncio.get_running_loop()
-        st = _Stream(loop.time())
-        self._stream = self._latest = st
+        self._stream = self._latest = st = _Stream(loop.time())
+        self.edge.stream_started()
         pings = st.pings
         silent_s = self.probe_cfg.silent_stream_redial_ms / 1000.0
 

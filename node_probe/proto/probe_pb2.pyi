@@ -145,14 +145,16 @@ class EngineLoad(_message.Message):
     def __init__(self, metrics_ok: _Optional[bool] = ..., metrics_error: _Optional[str] = ..., age_ms: _Optional[int] = ..., requests_waiting: _Optional[float] = ..., requests_running: _Optional[float] = ..., kv_cache_usage_ratio: _Optional[float] = ..., prefix_cache_hit_ratio: _Optional[float] = ..., generation_tokens_total: _Optional[float] = ..., kv_cache_metric: _Optional[str] = ...) -> None: ...
 
 class GpuTelemetry(_message.Message):
-    __slots__ = ("state", "error", "gpus")
+    __slots__ = ("state", "error", "gpus", "poll_seq")
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
+    POLL_SEQ_FIELD_NUMBER: _ClassVar[int]
     state: NvmlState
     error: str
     gpus: _containers.RepeatedCompositeFieldContainer[GpuReading]
-    def __init__(self, state: _Optional[_Union[NvmlState, str]] = ..., error: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuReading, _Mapping]]] = ...) -> None: ...
+    poll_seq: int
+    def __init__(self, state: _Optional[_Union[NvmlState, str]] = ..., error: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuReading, _Mapping]]] = ..., poll_seq: _Optional[int] = ...) -> None: ...
 
 class GpuReading(_message.Message):
     __slots__ = ("index", "uuid", "name", "memory_total_bytes", "memory_used_bytes", "utilization_ratio", "temperature_c", "power_w", "ecc_uncorrected", "xid_events", "throttle_reasons", "errors")

@@ -745,8 +745,8 @@ async def test_gpu_fatal_marks_failed_at_once_then_rewarms(engine, make_agent, o
     agent, port = await make_agent(engine.url, gpu=gpu, gpu_interval_s=0.05,
                                    probe_interval_s=0.2, probe_jitter_ratio=0.0)
     call = await open_watch(port)
-    await read_until(call, lambda m: kind(m) == "heartbeat"
-                     and m.heartbeat.telemetry.engine_state == probe_pb2.ENGINE_STATE_READY)
+    _, ready = await read_until(call, lambda m: kind(m) == "heartbeat"
+                                and m.heartbeat.telemetry.engine_state == probe_pb2.ENGINE_STATE_READY)
     if fault == "xid79":
         gpu.xids = [13, 79]
     else:
@@ -759,6 +759,12 @@ async def test_gpu_fatal_marks_failed_at_once_then_rewarms(engine, make_agent, o
     assert ("fatal Xid 79" in reason) if fault == "xid79" else ("GpuIsLost" in reason)
     got = await collect_for(call, 0.5)  # probes still succeed: the GPU verdict holds
     assert all(hb.telemetry.engine_state == probe_pb2.ENGINE_STATE_FAILED for hb in beats_of(got))
+    # GpuTelemetry.poll_seq numbers the readings (the control plane reuses its check of a number it
+    # saw last): one number, one GPU part; the fault came with a later number
+    parts: dict[int, probe_pb2.GpuTelemetry] = {}
+    for hb in [ready.heartbeat, msg.heartbeat, *beats_of(got)]:
+        assert parts.setdefault(hb.telemetry.gpu.poll_seq, hb.telemetry.gpu) == hb.telemetry.gpu
+    assert 0 < ready.heartbeat.telemetry.gpu.poll_seq < msg.heartbeat.telemetry.gpu.poll_seq
     gpu.xids, gpu.lost = [13], False  # Xid 13 (graphics exception) is not fatal
     await read_until(call, lambda m: kind(m) == "heartbeat"
                      and m.heartbeat.telemetry.engine_state == probe_pb2.ENGINE_STATE_READY)

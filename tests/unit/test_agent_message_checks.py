@@ -131,6 +131,54 @@ def test_unchanged_gpu_part_gives_the_same_result_and_bad_fields_and_a_changed_o
     assert checked.observation.gpu_fatal == "GPU 0 Xid 79"
 
 
+def _gpu_heartbeat(poll_seq: int, used: int, xid: int | None = None) -> probe_pb2.AgentMessage:
+    msg = probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(seq=1, telemetry=probe_pb2.Telemetry(
+        engine_state=probe_pb2.ENGINE_STATE_READY)))
+    gpu = msg.heartbeat.telemetry.gpu
+    gpu.poll_seq = poll_seq
+    gpu.gpus.add(index=0, memory_total_bytes=100, memory_used_bytes=used, xid_events=[] if xid is None else [xid])
+    return msg
+
+
+def test_a_numbered_gpu_part_is_checked_once_per_poll_seq_and_again_on_a_new_stream():
+    """GpuTelemetry.poll_seq: the last number again reuses the last check without comparing
+    (the agent's promise), a new number is checked, a new stream forgets the number. A broken
+    promise keeps the last checked readings (never unchecked values): 60 % free, not 90 %."""
+    edge = AgentEdge(HealthConfig(), ProbeConfig())
+    first = 1_764_000_000_000_000_000
+    assert edge.check(_gpu_heartbeat(first, used=40))[0].observation.gpu_free_ratio == 0.6
+    same_number = edge.check(_gpu_heartbeat(first, used=10, xid=79))[0].observation
+    assert same_number.gpu_free_ratio == 0.6 and same_number.gpu_fatal == ""   # not compared
+    new_poll = edge.check(_gpu_heartbeat(first + 1, used=10, xid=79))[0].observation
+    assert new_poll.gpu_free_ratio == 0.9 and new_poll.gpu_fatal == "GPU 0 Xid 79"
+    edge.stream_started()
+    again = edge.check(_gpu_heartbeat(first + 1, used=50))[0].observation
+    assert again.gpu_free_ratio == 0.5 and again.gpu_fatal == ""
+    unnumbered = edge.check(_gpu_heartbeat(0, used=50, xid=79))[0].observation   # 0: compared
+    assert unnumbered.gpu_fatal == "GPU 0 Xid 79"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(agent_messages(), min_size=1, max_size=6), st.lists(st.booleans(), min_size=6, max_size=6))
+def test_honestly_numbered_gpu_parts_give_what_a_fresh_check_gives(msgs, repeat):
+    """An agent that gives every new GPU part a new poll_seq (and repeats a part with its number):
+    the reusing edge returns the same observation and bad fields as an edge checking afresh."""
+    edge, seq, last = AgentEdge(HealthConfig(), ProbeConfig()), 10, None
+    for msg, again in zip(msgs, repeat):
+        if msg.WhichOneof("msg") != "heartbeat":
+            continue
+        if again and last is not None:
+            msg.heartbeat.telemetry.gpu.CopyFrom(last)   # the same part again, with its number
+        else:
+            seq += 1
+            msg.heartbeat.telemetry.gpu.poll_seq = seq
+        last = msg.heartbeat.telemetry.gpu
+        got, got_bad = edge.check(msg)
+        ref, ref_bad = AgentEdge(HealthConfig(), ProbeConfig()).check(msg)
+        assert sorted(map(repr, got_bad)) == sorted(map(repr, ref_bad))
+        assert repr(got.observation) == repr(ref.observation) and got.telemetry == ref.telemetry
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["requests_waiting", "requests_running", "kv_cache_usage_ratio",
                                            "prefix_cache_hit_ratio", "generation_tokens_total"]),

@@ -31,7 +31,7 @@ class ProbeSource(Protocol):
     """One node's observation feed, as the control plane and its admin view use it.
 
     ``connected``: the stream to the agent is up. ``last_telemetry``: the latest validated
-    telemetry (:class:`~xds_server.control.agent_edge.TelemetrySummary`) or None.
+    telemetry (:class:`~xds_server.agent_edge.TelemetrySummary`) or None.
     ``lag_deferrals``: detection timers deferred because the event loop was late.
     """
 
