@@ -43,19 +43,21 @@ class Env:
         self.cp = ControlPlane(load_config(self.path), probe_sources=self.probes, config_path=str(self.path))
         self.pump: asyncio.Task | None = None
         self.silent: set[str] = set()
+        self.fields: dict[str, dict] = {}   # node id -> the HeartbeatObserved fields its heartbeats carry
 
     async def _pump(self) -> None:  # every agent heartbeats every 50 ms, as a live agent would
         while True:
             for nid, s in list(self.probes.sources.items()):
                 if nid in self.cp.sessions and self.cp.sessions[nid] is s and nid not in self.silent:
-                    s.heartbeat()
+                    s.heartbeat(**self.fields.get(nid, {}))
             await asyncio.sleep(0.05)
 
     def write(self, doc: dict) -> None:
         self.path.write_text(yaml.safe_dump(doc))
 
-    def eds(self) -> dict[str, str]:
-        """node address -> published EDS health status of cluster llm."""
+    def eds(self, weights: bool = False) -> dict[str, str] | dict[str, int]:
+        """node address -> published EDS health status of cluster llm (``weights``: its
+        load_balancing_weight)."""
         from envoy.config.core.v3 import health_check_pb2
         from envoy.config.endpoint.v3 import endpoint_pb2
 
@@ -65,7 +67,7 @@ class Env:
         cla = endpoint_pb2.ClusterLoadAssignment()
         res.any.Unpack(cla)
         return {f"{e.endpoint.address.socket_address.address}:{e.endpoint.address.socket_address.port_value}":
-                health_check_pb2.HealthStatus.Name(e.health_status)
+                e.load_balancing_weight.value if weights else health_check_pb2.HealthStatus.Name(e.health_status)
                 for loc in cla.endpoints for e in loc.lb_endpoints}
 
     @property
@@ -133,17 +135,19 @@ async def test_removed_node_is_drained_then_dropped(env):
 
 
 async def test_changed_threshold_applies_at_once(env):
-    await asyncio.sleep(0.6)
-    env.probes["n0"].probe(ttft_ms=20.0)
-    assert env.cp.health["n0"].state.value == "PROBATION"  # default: 60 s of clean probes first
+    """A threshold read when weights are computed applies with the reload, for a node whose
+    reports do not change: n0 reports 60 requests waiting, over health.queue_warning (default
+    50: its weight times queue_warning_weight_factor), under the 100 the reload sets."""
+    n0, n1 = "127.0.0.1:8001", "127.0.0.1:8002"
+    env.fields["n0"] = {"requests_waiting": 60.0}
+    await wait_for(lambda: 0 < env.eds(weights=True)[n0] < env.eds(weights=True)[n1], timeout_s=5.0, step_s=0.02)
     doc = copy.deepcopy(BASE)
-    doc["health"]["probation_clean_s"] = 0.5
+    doc["health"]["queue_warning"] = 100
     env.write(doc)
     st = await env.cp.reload_file("test")
     assert st["ok"] and st["changes"] == {"added": [], "removed": [], "changed": [], "restart_needed": []}
-    assert env.cp.config.health.probation_clean_s == 0.5
-    env.probes["n0"].probe(ttft_ms=20.0)
-    await wait_for(lambda: env.cp.health["n0"].state.value == "HEALTHY", timeout_s=5.0, step_s=0.02)
+    assert env.cp.config.health.queue_warning == 100
+    await wait_for(lambda: env.eds(weights=True)[n0] == env.eds(weights=True)[n1], timeout_s=5.0, step_s=0.02)
 
 
 async def test_invalid_file_is_rejected_and_running_config_stays(env):
