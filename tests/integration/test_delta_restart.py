@@ -90,7 +90,17 @@ async def test_delta_restart_01_identical_state_then_changed_cluster_0_failed_0_
             c = v["active"].get("llm")
             return v if c and c.get("connect_timeout") == "2.500s" and not v["warming"] else None
 
-        changed = await wait_for(rewarmed, timeout_s=10.0, step_s=0.05)
+        async def why() -> str:
+            v = await envoy_view(fleet, http)
+            return (f"llm not active with the new setting and warm: warming {v['warming']}, gauge "
+                    f"{v['warming_gauge']}, init_fetch_timeouts {v['init_fetch_timeouts']}, connect_timeout "
+                    f"{v['active'].get('llm', {}).get('connect_timeout')}; stream {await envoy_stream(fleet, http)}")
+
+        try:
+            changed = await wait_for(rewarmed, timeout_s=10.0, step_s=0.05)
+        except AssertionError:
+            raise AssertionError(await why()) from None
+
         load.phase("after changed restart")
         await asyncio.sleep(1.0)
         hosts = await fleet.envoy_hosts(http)
