@@ -19,9 +19,7 @@ async def test_slow_engine_gets_less_traffic_hung_engine_is_ejected_and_comes_ba
     # TTFT outliers off (400 ms vs ~20 ms would be one) to see the DEGRADED rule alone; Envoy's own
     # passive outlier detection off so its 10 s ejection does not hide our ramp.
     fleet = make_fleet(n_nodes=3, probe_interval_s=0.3, per_try_timeout_s=1.0,
-                       # ramp steps of 0.8 s (4 s in all): the ramp is read from Envoy by polling,
-                       # which a starved machine can stall for a second or two
-                       health={**HEALTH, "ramp_step_s": 0.8, "outlier_min_gap_ttft_ms": 5000,
+                       health={**HEALTH, "outlier_min_gap_ttft_ms": 5000,
                                # the seed score would also move weights with RTT noise on this busy box
                                "score_rtt_weight": 0.0, "score_gpu_weight": 0.0},
                        cluster_options={"outlier_detection": {"enabled": False}})
