@@ -19,14 +19,22 @@ Bounds come from :class:`~xds_server.config.ProbeConfig` (each with its default 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Union
 
 from node_probe.proto import probe_pb2
+from xds_server.agent_telemetry import (
+    BadField,
+    EngineLoadSummary,
+    GpuCheck,
+    GpuSummary,
+    LoadCheck,
+    number,
+    text,
+)
 from xds_server.config import HealthConfig, ProbeConfig
+from xds_server.frozen import fast_init
 from xds_server.health.model import EngineState, HeartbeatObserved, ProbeObserved, ProbeResultKind
-from xds_server.untrusted import clip
 
 __all__ = ["AgentEdge", "BadField", "Checked", "CheckedHeartbeat", "CheckedPong", "CheckedResult",
            "EngineLoadSummary", "GpuSummary", "REASONS", "TelemetrySummary"]
@@ -49,76 +57,7 @@ _ENGINE_STATE = {
     probe_pb2.ENGINE_STATE_READY: EngineState.READY,
     probe_pb2.ENGINE_STATE_FAILED: EngineState.FAILED,
 }
-_NVML = {
-    probe_pb2.NVML_STATE_UNSPECIFIED: "NVML_STATE_UNSPECIFIED",
-    probe_pb2.NVML_STATE_OK: "NVML_STATE_OK",
-    probe_pb2.NVML_STATE_ABSENT: "NVML_STATE_ABSENT",
-    probe_pb2.NVML_STATE_ERROR: "NVML_STATE_ERROR",
-}
-NVML_UNKNOWN = "NVML_STATE_UNKNOWN"
-_P_LOAD = "heartbeat.telemetry.engine_load."
-_P_WAITING = _P_LOAD + "requests_waiting"
-_P_RUNNING = _P_LOAD + "requests_running"
-_P_KV = _P_LOAD + "kv_cache_usage_ratio"
-_P_PREFIX = _P_LOAD + "prefix_cache_hit_ratio"
-_P_TOKENS = _P_LOAD + "generation_tokens_total"
-_P_GPU = "heartbeat.telemetry.gpu."
-_P_READING = _P_GPU + "gpus."
-
-
-def _copy(gpu: probe_pb2.GpuTelemetry) -> probe_pb2.GpuTelemetry:
-    kept = probe_pb2.GpuTelemetry()
-    kept.CopyFrom(gpu)
-    return kept
-
-
-def _same_zero_sign(last: "EngineLoadSummary", waiting: float | None, running: float | None,
-                    kv: float | None) -> bool:
-    """``-0.0 == 0.0``: the kept summary is reused only when its zeros have the same sign too."""
-    for a, b in ((last.requests_waiting, waiting), (last.requests_running, running),
-                 (last.kv_cache_usage_ratio, kv)):
-        if a == 0.0 and math.copysign(1.0, a) != math.copysign(1.0, b):  # type: ignore[arg-type]
-            return False
-    return True
-
-
-@dataclass(frozen=True, slots=True)
-class BadField:
-    """One rejected, dropped or clamped field: dotted proto path and a reason from :data:`REASONS`."""
-
-    field: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoadSummary:
-    """Validated engine load: counts >= 0 (None = unknown), ratio 0..1, metric name clipped."""
-
-    metrics_ok: bool
-    requests_waiting: float | None
-    requests_running: float | None
-    kv_cache_usage_ratio: float | None
-    kv_cache_metric: str
-    metrics_error: str = ""   # why the agent could not read the engine's /metrics (clipped)
-
-    def to_json(self) -> dict:
-        return {"metrics_ok": self.metrics_ok, "requests_waiting": self.requests_waiting,
-                "requests_running": self.requests_running, "kv_cache_usage_ratio": self.kv_cache_usage_ratio,
-                "kv_cache_metric": self.kv_cache_metric or None, "metrics_error": self.metrics_error or None}
-
-
-@dataclass(frozen=True, slots=True)
-class GpuSummary:
-    """NVML state name (``NVML_STATE_UNKNOWN`` for a value we do not know), GPU count, error text."""
-
-    nvml: str
-    gpus: int
-    error: str
-
-    def to_json(self) -> dict:
-        return {"nvml": self.nvml, "gpus": self.gpus, "error": self.error or None}
-
-
+@fast_init
 @dataclass(frozen=True, slots=True)
 class TelemetrySummary:
     """What the control plane keeps of a heartbeat's telemetry (for ``/nodes``): only checked values."""
@@ -134,20 +73,23 @@ class TelemetrySummary:
         return {"engine_load": self.load.to_json(), "gpu": self.gpu.to_json()}
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CheckedHeartbeat:
-    """A heartbeat: ``seq``, the model's observation and the telemetry summary."""
+    """A heartbeat: the model's observation and the telemetry summary (the last heartbeat's
+    object again when its values are the same)."""
 
-    seq: int
     observation: HeartbeatObserved
     telemetry: TelemetrySummary
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CheckedPong:
     seq: int
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CheckedResult:
     """A micro-probe result for the model (``detail`` clipped, ``ttft_ms`` finite and in range)."""
@@ -164,40 +106,20 @@ class AgentEdge:
     def __init__(self, health: HealthConfig, probe: ProbeConfig) -> None:
         self.health = health
         self.probe = probe
-        self._fatal_xids = frozenset(health.fatal_xids)
-        # Kept from the last heartbeat: the GPU part's poll_seq, the part as received (when not
-        # numbered), its checked result and bad fields; the engine-load summary (reused while
-        # equal: no object per heartbeat).
-        self._gpu_memo: tuple[int, probe_pb2.GpuTelemetry | None,
-                              tuple[GpuSummary, float | None, str, tuple[BadField, ...]]] | None = None
-        self._last_load: EngineLoadSummary | None = None
+        self.load = LoadCheck(probe)
+        self.gpu = GpuCheck(probe, frozenset(health.fatal_xids))
         self._last_hb: CheckedHeartbeat | None = None
 
     def stream_started(self) -> None:
         """A new stream: a GPU poll_seq seen on an earlier one promises nothing."""
-        self._gpu_memo = None
+        self.gpu.stream_started()
 
     # -- field helpers (append to ``bad``) --------------------------------------------------------
 
     def _text(self, value: str, name: str, bad: list[BadField]) -> str:
-        if len(value) > self.probe.max_text_chars:
-            bad.append(BadField(name, "too_long"))
-            return clip(value, self.probe.max_text_chars)
-        return value
+        return text(value, name, self.probe.max_text_chars, bad)
 
-    @staticmethod
-    def _number(value: float, name: str, lo: float, hi: float, bad: list[BadField]) -> float | None:
-        """``value`` if finite and within [lo, hi], else None (counted)."""
-        if not math.isfinite(value):
-            bad.append(BadField(name, "not_finite"))
-            return None
-        if value < lo:
-            bad.append(BadField(name, "negative" if lo == 0 and value < 0 else "out_of_range"))
-            return None
-        if value > hi:
-            bad.append(BadField(name, "out_of_range"))
-            return None
-        return value
+    _number = staticmethod(number)
 
     # -- messages ---------------------------------------------------------------------------------
 
@@ -229,22 +151,8 @@ class AgentEdge:
         stall_detail = tel.stall_detail
         if len(stall_detail) > max_text:
             stall_detail = self._text(stall_detail, "heartbeat.telemetry.stall_detail", bad)
-        load = self._load(tel.engine_load, bad)
-        # GPU readings move once per NVML poll (1 s), heartbeats every 100 ms: an unchanged GPU part
-        # (the last poll_seq again, the agent's promise: a broken one keeps the last checked readings,
-        # never unchecked ones; an equal message when not numbered) is not checked again.
-        gpu_msg = tel.gpu
-        memo = self._gpu_memo
-        seq = gpu_msg.poll_seq
-        if memo is not None and (seq == memo[0] if seq else memo[1] is not None and memo[1] == gpu_msg):
-            gpu, free, fatal, gpu_bad = memo[2]
-        else:
-            gpu_bad = []
-            gpu, free, fatal = self._gpu(gpu_msg, gpu_bad)
-            kept = None if seq else _copy(gpu_msg)  # our own copy: the caller may change its message
-            self._gpu_memo = (seq, kept, (gpu, free, fatal, tuple(gpu_bad)))
-        if gpu_bad:
-            bad.extend(gpu_bad)
+        load = self.load.check(tel.engine_load, bad)
+        gpu, free, fatal = self.gpu.check(tel.gpu, bad)
         progress_age_ms: float | None = None
         if tel.HasField("progress_age_ms"):
             progress_age_ms = self._number(tel.progress_age_ms, "heartbeat.telemetry.progress_age_ms",
@@ -261,117 +169,21 @@ class AgentEdge:
             if (t.load is load and t.gpu is gpu and o.engine_state is engine_state and o.stalled == stalled
                     and o.stall_detail == stall_detail and o.gpu_free_ratio == free and o.gpu_fatal == fatal
                     and o.progress_age_ms is None and progress_age_ms is None):
-                # the same values as the last heartbeat: its (immutable) observation and summary
+                # the same values as the last heartbeat: its (immutable) result again
                 if self._same_free_sign(o.gpu_free_ratio, free):
-                    return CheckedHeartbeat(hb.seq, o, t)
+                    return last
         obs = HeartbeatObserved(
             engine_state=engine_state, stalled=stalled, stall_detail=stall_detail,
             requests_running=load.requests_running, requests_waiting=load.requests_waiting,
             gpu_free_ratio=free, gpu_fatal=fatal, progress_age_ms=progress_age_ms,
             progress_detail=progress_detail)
-        out = CheckedHeartbeat(hb.seq, obs, TelemetrySummary(engine_state, stalled, stall_detail, load, gpu))
+        out = CheckedHeartbeat(obs, TelemetrySummary(engine_state, stalled, stall_detail, load, gpu))
         self._last_hb = out
         return out
 
     @staticmethod
     def _same_free_sign(a: float | None, b: float | None) -> bool:
         return a is None or b is None or a != 0.0 or math.copysign(1.0, a) == math.copysign(1.0, b)
-
-    def _load(self, load: probe_pb2.EngineLoad, bad: list[BadField]) -> EngineLoadSummary:
-        """The engine load, checked; the last summary again when nothing it keeps changed."""
-        # A value in range is taken as is (``lo <= v <= hi`` is False for NaN and for an infinity
-        # past a finite bound); anything else goes through _number for its reason.
-        num = self._number
-        has = load.HasField
-        hi = self.probe.max_requests
-        top = hi if hi < math.inf else sys.float_info.max  # an infinite bound still rejects inf
-        waiting = running = kv = None
-        if has("requests_waiting"):
-            v = load.requests_waiting
-            waiting = v if 0.0 <= v <= top else num(v, _P_WAITING, 0.0, hi, bad)
-        if has("requests_running"):
-            v = load.requests_running
-            running = v if 0.0 <= v <= top else num(v, _P_RUNNING, 0.0, hi, bad)
-        if has("kv_cache_usage_ratio"):
-            v = load.kv_cache_usage_ratio
-            kv = v if 0.0 <= v <= 1.0 else num(v, _P_KV, 0.0, 1.0, bad)
-        if has("prefix_cache_hit_ratio") and not 0.0 <= load.prefix_cache_hit_ratio <= 1.0:
-            num(load.prefix_cache_hit_ratio, _P_PREFIX, 0.0, 1.0, bad)
-        if has("generation_tokens_total") and not 0.0 <= load.generation_tokens_total < math.inf:
-            num(load.generation_tokens_total, _P_TOKENS, 0.0, math.inf, bad)
-        max_text = self.probe.max_text_chars
-        metrics_error = load.metrics_error
-        if len(metrics_error) > max_text:
-            metrics_error = self._text(metrics_error, _P_LOAD + "metrics_error", bad)
-        metric = load.kv_cache_metric
-        if len(metric) > max_text:
-            metric = self._text(metric, _P_LOAD + "kv_cache_metric", bad)
-        ok = load.metrics_ok
-        last = self._last_load
-        if (last is not None and last.metrics_ok == ok and last.requests_waiting == waiting
-                and last.requests_running == running and last.kv_cache_usage_ratio == kv
-                and last.kv_cache_metric == metric and last.metrics_error == ("" if ok else metrics_error)
-                and _same_zero_sign(last, waiting, running, kv)):
-            return last
-        self._last_load = out = EngineLoadSummary(ok, waiting, running, kv, metric, "" if ok else metrics_error)
-        return out
-
-    def _gpu(self, gpu: probe_pb2.GpuTelemetry, bad: list[BadField]) -> tuple[GpuSummary, float | None, str]:
-        """(summary, free ratio of the least free GPU with both memory fields, first fatal event)."""
-        p = _P_GPU
-        nvml = _NVML.get(gpu.state)
-        if nvml is None:
-            bad.append(BadField(p + "state", "unknown_enum"))
-            nvml = NVML_UNKNOWN
-        error = self._text(gpu.error, p + "error", bad)
-        readings = gpu.gpus
-        count = len(readings)
-        if count > self.probe.max_gpus:
-            bad.append(BadField(p + "gpus", "too_many"))
-            readings = list(readings)[: self.probe.max_gpus]
-        free: float | None = None
-        fatal = ""
-        n_items = self.probe.max_list_items
-        max_text = self.probe.max_text_chars
-        num = self._number
-        for g in readings:
-            if len(g.uuid) > max_text:
-                bad.append(BadField(_P_READING + "uuid", "too_long"))
-            if len(g.name) > max_text:
-                bad.append(BadField(_P_READING + "name", "too_long"))
-            has = g.HasField
-            if has("utilization_ratio"):
-                num(g.utilization_ratio, _P_READING + "utilization_ratio", 0.0, 1.0, bad)
-            if has("temperature_c"):
-                num(g.temperature_c, _P_READING + "temperature_c", -273.15, 1000.0, bad)
-            if has("power_w"):
-                num(g.power_w, _P_READING + "power_w", 0.0, 1e6, bad)
-            xids = g.xid_events
-            if len(xids) > n_items:
-                bad.append(BadField(_P_READING + "xid_events", "too_many"))
-                xids = list(xids)[:n_items]
-            errors = g.errors
-            if errors:
-                errors = list(errors)
-                if len(errors) > n_items:
-                    bad.append(BadField(_P_READING + "errors", "too_many"))
-                    errors = errors[:n_items]
-                errors = [self._text(e, _P_READING + "errors", bad) for e in errors]
-            if has("memory_total_bytes") and has("memory_used_bytes"):
-                total = g.memory_total_bytes
-                if total > 0:
-                    used = g.memory_used_bytes
-                    if used > total:
-                        bad.append(BadField(_P_READING + "memory_used_bytes", "out_of_range"))
-                    r = max(0.0, 1.0 - used / total)
-                    free = r if free is None else min(free, r)
-            if not fatal and (xids or errors):
-                hits = [x for x in xids if x in self._fatal_xids]
-                if hits:
-                    fatal = f"GPU {g.index} Xid {hits[0]}"
-                elif any("GpuIsLost" in e for e in errors):
-                    fatal = f"GPU {g.index} lost (NVML GpuIsLost)"
-        return GpuSummary(nvml, count, error), free, fatal
 
     def _result(self, r: probe_pb2.InferenceResult, bad: list[BadField]) -> CheckedResult | None:
         p = "inference_result."

@@ -33,15 +33,8 @@ from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.agent_edge import AgentEdge, BadField, CheckedHeartbeat, CheckedPong, CheckedResult, TelemetrySummary
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
 from xds_server.control.counters import Counters
-from xds_server.health.model import (
-    Observation,
-    PingObserved,
-    ProbeObserved,
-    ProbeResultKind,
-    StreamClosed,
-    Tick,
-    miss_after_s,
-)
+from xds_server.health.model import (Observation, PingObserved, ProbeObserved, ProbeResultKind, StreamClosed, Tick,
+                                     miss_after_s)
 from xds_server.probe_silence import SilenceGate, SilentStream
 from xds_server.tick_timer import TickTimer
 from xds_server.tls import ClientTls, dial
@@ -338,7 +331,7 @@ class ProbeSession:
                 self._bad_fields(bad, now)
             if checked is None:
                 self._malformed("rejected message", now)
-            elif isinstance(checked, CheckedHeartbeat):
+            elif type(checked) is CheckedHeartbeat:
                 if not st.got_any:
                     st.got_any = True
                     self.connected = True
@@ -355,7 +348,12 @@ class ProbeSession:
                 if tel.stalled and not self._stalled:
                     self._probe_now(f"engine stalled: {tel.stall_detail}")
                 self._stalled = tel.stalled
-                self._arm(self.sink(self.node.id, checked.observation, now))
+                due = self.sink(self.node.id, checked.observation, now)
+                timer = self._timer
+                if timer is not None:
+                    timer.arm(due)
+                else:
+                    self._arm(due)
             elif isinstance(checked, CheckedPong):
                 sent = st.pings.pop(checked.seq, None)
                 if sent is None:

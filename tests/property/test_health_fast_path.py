@@ -1,5 +1,6 @@
 """The quiet heartbeat's fast path (xds_server.health.beats.quiet_heartbeat) decides exactly as
-the full step: same node record, same events, for random observation sequences."""
+the full step: same node record, same events, for random observation sequences; the steady lane
+(steady_heartbeat) gives that record and the Tick deadline tick_due_s gives."""
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -8,6 +9,7 @@ from health_strategies import FAST_RECOVERY, observations
 
 from xds_server.config import HealthConfig
 from xds_server.health.beats import quiet_heartbeat
+from xds_server.health.beats import steady_heartbeat as steady_lane
 from xds_server.health.model import (
     HeartbeatObserved,
     ProbeObserved,
@@ -16,6 +18,7 @@ from xds_server.health.model import (
     initial,
     next_check_s,
     step,
+    tick_due_s,
 )
 from xds_server.health.clocks import miss_after_s, phi_delay_s, stall_confirm_at_s
 from xds_server.health.records import ROUTED_STATES, EjectionCause
@@ -55,9 +58,16 @@ def test_step_with_the_fast_path_equals_the_full_step(items):
         fast, fast_events = step(nh, obs, t, CFG)
         full, full_events = _step_full(nh, obs, t, CFG)
         assert fast == full and fast_events == full_events, (nh, obs, t)
-        if isinstance(obs, HeartbeatObserved) and quiet_heartbeat(nh, obs, t, CFG) is not None:
-            quiet += 1
-            assert not full_events
+        if isinstance(obs, HeartbeatObserved):
+            q = quiet_heartbeat(nh, obs, t, CFG)
+            lane = steady_lane(nh, obs, t, CFG)
+            if q is not None:
+                quiet += 1
+                assert not full_events
+            heard = nh.heartbeat.consecutive_misses == 0 and not nh.heartbeat.stream_closed
+            assert (lane is not None) == (q is not None and heard)
+            if lane is not None:
+                assert lane == (full, tick_due_s(full, CFG, t))
         nh = full
         assert next_check_s(nh, CFG) == _next_check_reference(nh)
 
@@ -98,6 +108,7 @@ def test_a_steady_healthy_node_takes_the_fast_path_and_a_changed_rule_input_does
     out = quiet_heartbeat(nh, hb, t, CFG)
     assert out is not None and out.heartbeat.last_s == t and out.engine is nh.engine  # engine record kept
     assert out == _step_full(nh, hb, t, CFG)[0]
+    assert steady_lane(nh, hb, t, CFG) == (out, tick_due_s(out, CFG, t))  # the control plane's lane
     assert quiet_heartbeat(nh, HeartbeatObserved(engine_state="READY", gpu_fatal="GPU 0 Xid 79"), t, CFG) is None
     assert quiet_heartbeat(nh, HeartbeatObserved(engine_state="WARMING"), t, CFG) is None  # restarting
     assert quiet_heartbeat(nh, HeartbeatObserved(engine_state="READY", stalled=True), t, CFG) is None

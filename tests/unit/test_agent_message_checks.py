@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from node_probe.proto import probe_pb2
 from xds_server.agent_edge import REASONS, AgentEdge, CheckedHeartbeat, CheckedResult
+from xds_server.agent_telemetry import LoadCheck
 from xds_server.config import HealthConfig, ProbeConfig
 from xds_server.health.model import ProbeResultKind
 
@@ -46,8 +47,9 @@ def agent_messages(draw) -> probe_pb2.AgentMessage:
         if draw(st.booleans()):
             g.memory_total_bytes = draw(st.integers(0, 2 ** 64 - 1))
             g.memory_used_bytes = draw(st.integers(0, 2 ** 64 - 1))
-        if draw(st.booleans()):
-            g.utilization_ratio = draw(nasty_floats)
+        for name in ("utilization_ratio", "temperature_c", "power_w"):
+            if draw(st.booleans()):
+                setattr(g, name, draw(nasty_floats))
         g.xid_events.extend(draw(st.lists(st.integers(0, 2 ** 32 - 1), max_size=3)) * draw(st.sampled_from([1, 50])))
         g.errors.extend(draw(st.lists(texts, max_size=3)))
     return probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(
@@ -192,7 +194,7 @@ def test_engine_load_in_range_shortcut_equals_the_full_number_check(fields, max_
     for name, v in fields:
         setattr(load, name, v)
     bad: list = []
-    got = edge._load(load, bad)
+    got = edge.load.check(load, bad)
     ref_bad: list = []
     bounds = {"requests_waiting": max_requests, "requests_running": max_requests, "kv_cache_usage_ratio": 1.0,
               "prefix_cache_hit_ratio": 1.0, "generation_tokens_total": math.inf}
@@ -203,3 +205,68 @@ def test_engine_load_in_range_shortcut_equals_the_full_number_check(fields, max_
     for name in ("requests_waiting", "requests_running", "kv_cache_usage_ratio"):
         a, b = getattr(got, name), ref[name]
         assert (a is None and b is None) or (a == b and math.copysign(1, a) == math.copysign(1, b)), name
+
+
+_LOAD_FIELDS = ("requests_waiting", "requests_running", "kv_cache_usage_ratio", "prefix_cache_hit_ratio",
+                "generation_tokens_total")
+
+
+@st.composite
+def load_sequences(draw) -> list[probe_pb2.EngineLoad]:
+    """Engine loads as a stream brings them: mostly the last one again with a new token counter
+    (present or not), sometimes one field changed (NaN, infinities, -0.0 and bounds included)."""
+    load = probe_pb2.EngineLoad(metrics_ok=draw(st.booleans()))
+    out = []
+    for _ in range(draw(st.integers(1, 12))):
+        load = probe_pb2.EngineLoad.FromString(load.SerializeToString())
+        change = draw(st.sampled_from(["tokens"] * 4 + ["field", "clear", "text", "same"]))
+        if change == "tokens":
+            load.generation_tokens_total = draw(nasty_floats)
+        elif change == "field":
+            setattr(load, draw(st.sampled_from(_LOAD_FIELDS)), draw(nasty_floats))
+        elif change == "clear":
+            load.ClearField(draw(st.sampled_from(_LOAD_FIELDS)))
+        elif change == "text":
+            setattr(load, draw(st.sampled_from(["kv_cache_metric", "metrics_error"])), draw(texts))
+        out.append(load)
+    return out
+
+
+def _load_key(summary) -> tuple:
+    return tuple((v, math.copysign(1.0, v)) if isinstance(v, float) else v
+                 for v in (summary.metrics_ok, summary.requests_waiting, summary.requests_running,
+                           summary.kv_cache_usage_ratio, summary.kv_cache_metric, summary.metrics_error))
+
+
+@settings(max_examples=300, deadline=None)
+@given(load_sequences(), st.sampled_from([1e9, 5.0, math.inf]))
+def test_the_kept_engine_load_gives_what_a_fresh_check_gives(loads, max_requests):
+    """The load check that reuses its last result for a load equal but for the token counter
+    returns the same values (zero signs included) and bad fields as a check afresh, and the very
+    same summary object whenever the values did not change."""
+    pc = ProbeConfig(max_requests=max_requests)
+    kept, last = LoadCheck(pc), None
+    for load in loads:
+        bad: list = []
+        got = kept.check(load, bad)
+        ref_bad: list = []
+        ref = LoadCheck(pc).check(load, ref_bad)
+        assert sorted(map(repr, bad)) == sorted(map(repr, ref_bad))
+        assert _load_key(got) == _load_key(ref)
+        if last is not None and _load_key(last) == _load_key(got):
+            assert got is last
+        last = got
+
+
+def test_a_load_changed_only_in_its_token_counter_is_not_checked_again():
+    """A busy engine's token counter moves every scrape: the rest is compared as a message, not
+    read field by field; a NaN counter is still reported each time."""
+    check, bad = LoadCheck(PC), []
+    first = check.check(probe_pb2.EngineLoad(metrics_ok=True, requests_running=4.0, generation_tokens_total=1.0), bad)
+    again = check.check(probe_pb2.EngineLoad(metrics_ok=True, requests_running=4.0, generation_tokens_total=9.0), bad)
+    assert again is first and bad == []
+    check.check(probe_pb2.EngineLoad(metrics_ok=True, requests_running=4.0, generation_tokens_total=math.nan), bad)
+    assert [(b.field, b.reason) for b in bad] == [("heartbeat.telemetry.engine_load.generation_tokens_total",
+                                                   "not_finite")]
+    moved = check.check(probe_pb2.EngineLoad(metrics_ok=True, requests_running=5.0, generation_tokens_total=10.0), [])
+    assert moved is not first and moved.requests_running == 5.0

@@ -391,3 +391,54 @@ def test_fail_static_ends_when_nodes_silent_only_by_time_heartbeat_again():
     assert cp.core.fail_static.active and cp.health["n1"].heartbeat.consecutive_misses == 0
     probes["n1"].heartbeat()
     assert not cp.core.fail_static.active
+
+
+_LANE_ACTIONS = st.lists(st.tuples(
+    st.sampled_from(["n0", "n1", "n2"]),
+    st.sampled_from(["hb"] * 6 + ["hb_waiting", "hb_gpu", "hb_warming", "probe", "probe_slow", "probe_fail",
+                                  "close"]),
+    st.sampled_from([0.0, 0.03, 0.1, 0.1, 0.25, 0.6])), max_size=120)
+
+
+def _run_lane(actions, lane: bool) -> tuple:
+    """Run ``actions`` on an in-memory control plane (the steady lane on or off); what it ended with."""
+    cp, clock, probes = in_memory(config(3, failure_detector="phi", probation_clean_s=0.5,
+                                         ramp_start_percent=50.0, ramp_step_s=0.2))
+    if not lane:
+        cp.core._steady_lane = False
+    returned = []
+    for nid, what, dt in actions:
+        clock.advance(dt)
+        p = probes[nid]
+        if what.startswith("hb"):
+            fields = {"hb_waiting": {"requests_waiting": 60.0}, "hb_gpu": {"gpu_free_ratio": 0.01},
+                      "hb_warming": {"engine_state": "WARMING"}}.get(what, {})
+            returned.append(p.heartbeat(**fields))
+        elif what.startswith("probe"):
+            returned.append(p.probe(ttft_ms=5_000.0 if what == "probe_slow" else 20.0,
+                                    kind=hm.ProbeResultKind.TIMEOUT if what == "probe_fail" else hm.ProbeResultKind.OK))
+        else:
+            returned.append(p.close())
+        returned.append((dict(cp.core._keys), sorted(cp.core.planner.dirty)))
+    clock.advance(1.0)
+    events = [(e.node_id, e.kind, e.reason, e.from_state, e.to_state) for e in cp.core.events]
+    shown = published(cp) if "llm" in cp.cache.resources(CLA_TYPE_URL) else None
+    return (dict(cp.health), dict(cp.core.routing), returned, events, shown,
+            dict(cp.core.counters.heartbeats), cp.core.steady_beats if lane else 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_LANE_ACTIONS)
+def test_the_steady_heartbeat_lane_decides_as_the_full_observe(actions):
+    """ControlCore.observe's steady lane (quiet heartbeat of a node heard last time: no state,
+    miss or ramp change, only the routing key checked) ends with the same health, routing,
+    returned Tick deadlines, events and published assignment as the full path."""
+    with_lane, without = _run_lane(actions, lane=True), _run_lane(actions, lane=False)
+    assert with_lane[:-1] == without[:-1]
+
+
+def test_the_steady_lane_takes_the_heartbeats_of_a_steady_fleet():
+    actions = [(f"n{i}", "probe" if k % 5 == 0 else "hb", 0.1 if i == 0 else 0.0) for k in range(60) for i in range(3)]
+    with_lane, without = _run_lane(actions, lane=True), _run_lane(actions, lane=False)
+    assert with_lane[:-1] == without[:-1]
+    assert with_lane[-1] > 60  # most of the 144 heartbeats (the rest: warm-up, ramp steps due, clean-period runs)

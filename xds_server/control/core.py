@@ -88,6 +88,8 @@ class ControlCore:
         # Nodes whose per-node model runs in a probe worker (xds_server.probe_workers): called
         # with the burst start when fail-static ends, returns the node ids it forwarded it to.
         self.forward_fail_static_end: Callable[[float], Collection[str]] | None = None
+        self._steady_lane = True  # observe's steady-heartbeat lane (tests turn it off to compare)
+        self.steady_beats = 0     # heartbeats that took it
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -122,8 +124,22 @@ class ControlCore:
         """
         cfg = self.config.health
         prev = self.health[node_id]
-        if isinstance(obs, hm.HeartbeatObserved):
+        if type(obs) is hm.HeartbeatObserved:
             self.counters.heartbeats[node_id] += 1
+            if self._steady_lane and not self.fail_static.active and node_id not in self.restored:
+                # the steady lane: a quiet heartbeat of a node heard last time changes no state,
+                # ramp, miss count or stream record, so of _settle only the routing key is left
+                steady = hm.steady_heartbeat(prev, obs, now_s, cfg)
+                if steady is not None:
+                    nh, due = steady
+                    self.health[node_id] = nh
+                    self.steady_beats += 1
+                    if not (node_id in self._keys and _same_routing_inputs(prev, nh)):
+                        key = self._routing_key(nh)
+                        if key != self._keys.get(node_id):
+                            self._keys[node_id] = key
+                            self.mark_dirty(self.node_cluster[node_id])
+                    return due
         elif isinstance(obs, hm.ProbeObserved):
             self.counters.probe_results[(node_id, *probe_result_key(prev, obs, cfg, now_s))] += 1
         before = prev  # what this node's routing key was last computed from

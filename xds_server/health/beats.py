@@ -4,6 +4,8 @@ Shape::
 
     nh2, seen = record_heartbeat(nh, hb, now_s, cfg)   # the records a heartbeat updates
     nh2 = quiet_heartbeat(nh, hb, now_s, cfg)          # the whole step when no rule can fire, else None
+    nh2, due_s = steady_heartbeat(nh, hb, now_s, cfg)  # the same for a node heard last time, with its
+                                                       # next Tick's deadline; or None
 
 :func:`record_heartbeat` is the recording phase of :func:`xds_server.health.rules.step` for a
 :class:`HeartbeatObserved`: arrival time, the phi-accrual estimate, the engine record (kept, the
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
-from xds_server.health.clocks import EPS_S
+from xds_server.health.clocks import EPS_S, next_check_s
 from xds_server.health.records import (
     Engine,
     EngineState,
@@ -29,7 +31,7 @@ from xds_server.health.records import (
     NodeState,
 )
 
-__all__ = ["Seen", "quiet_heartbeat", "record_heartbeat"]
+__all__ = ["Seen", "quiet_heartbeat", "record_heartbeat", "steady_heartbeat"]
 
 Seen = tuple["float | None", EngineState, "tuple[float, float] | None"]
 """What the recording saw before it overwrote the records: (silence before this heartbeat in ms
@@ -78,9 +80,10 @@ def _recorded(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: HealthConf
     progress_detail = hb.progress_detail if age is not None else ""
     if not (progress_at is None and e.progress_at_s is None and e.state is hb.engine_state
             and e.stalled == hb.stalled and e.stalled_since_s == stalled_since and e.stall_counted == counted
-            and _same(e.requests_running, hb.requests_running) and _same(e.requests_waiting, hb.requests_waiting)
-            and _same(e.gpu_free_ratio, hb.gpu_free_ratio) and e.gpu_fatal == hb.gpu_fatal
-            and e.progress_detail == progress_detail):
+            and (e.requests_running is hb.requests_running or _same(e.requests_running, hb.requests_running))
+            and (e.requests_waiting is hb.requests_waiting or _same(e.requests_waiting, hb.requests_waiting))
+            and (e.gpu_free_ratio is hb.gpu_free_ratio or _same(e.gpu_free_ratio, hb.gpu_free_ratio))
+            and e.gpu_fatal == hb.gpu_fatal and e.progress_detail == progress_detail):
         e = Engine(hb.engine_state, hb.stalled, stalled_since, counted, hb.requests_running,
                    hb.requests_waiting, hb.gpu_free_ratio, hb.gpu_fatal, progress_at, progress_detail)
     # else: the engine record is unchanged (a steady node): the same immutable value is kept
@@ -112,3 +115,20 @@ def quiet_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: Heal
             and now - ej.healthy_since_s >= cfg.probation_clean_max_s):
         return None
     return _recorded(nh, hb, now, cfg)
+
+
+def steady_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, now: float,
+                     cfg: HealthConfig) -> tuple[NodeHealth, float | None] | None:
+    """``(quiet_heartbeat(nh, hb, now, cfg), tick_due_s(of it))`` for a node with no counted miss
+    and an open stream (the steady state of a watched node), None otherwise or when the heartbeat
+    is not quiet. After a quiet heartbeat no miss is counted, so the next Tick is due at
+    :func:`~xds_server.health.clocks.next_check_s` (``tick_due_s`` backs off only past
+    ``consecutive_misses``). The control plane's per-heartbeat path (ControlCore.observe);
+    tests/property/test_health_fast_path.py keeps it equal to ``step`` and ``tick_due_s``."""
+    h = nh.heartbeat
+    if h.consecutive_misses or h.stream_closed:
+        return None
+    out = quiet_heartbeat(nh, hb, now, cfg)
+    if out is None:
+        return None
+    return out, next_check_s(out, cfg)

@@ -6,6 +6,8 @@ Shape::
     nh, events = step(nh, observation, now_s, cfg)
     nr = node_routing(nh, cfg)        # this node's own view: status, weight factor, soft block
     t = tick_due_s(nh, cfg, now_s)    # when a Tick is next due (to arm one timer, no polling)
+    nh, t = steady_heartbeat(nh, hb, now_s, cfg)  # both at once for a steady node's quiet heartbeat
+                                                  # (None when it is not one: use the two above)
 
 No I/O and no clock reads: ``now_s`` is the caller's monotonic clock in seconds. Every threshold
 is a field of :class:`xds_server.config.HealthConfig` with its default and source documented
@@ -66,6 +68,7 @@ Cluster-wide decisions are in :mod:`xds_server.health.policy`.
 """
 from __future__ import annotations
 
+from xds_server.health.beats import steady_heartbeat
 from xds_server.health.clocks import (miss_after_s, misses_at, misses_shown, next_check_s, required_clean_s,
                                       tick_due_s, ticks_backed_off)
 from xds_server.health.records import (
@@ -141,6 +144,7 @@ __all__ = [
     "node_routing",
     "required_clean_s",
     "route",
+    "steady_heartbeat",
     "step",
     "tick_due_s",
     "ticks_backed_off",

@@ -20,9 +20,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from statistics import NormalDist
 
+from xds_server.frozen import fast_init
+
 __all__ = ["ArrivalStats", "phi", "suspicion_delay_ms", "update"]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ArrivalStats:
     """EWMA estimate of heartbeat inter-arrival times: mean and variance in ms / ms^2."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from xds_server.health import phi as phimod
+from xds_server.frozen import fast_init
 
 __all__ = [
     "DrainRequested",
@@ -121,6 +122,7 @@ def _coerce(obj: object, name: str, enum_cls: type[enum.Enum]) -> None:
 # ---- observations -------------------------------------------------------------------------
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class HeartbeatObserved:
     """A heartbeat arrived, with the agent's telemetry summary.
@@ -147,11 +149,13 @@ class HeartbeatObserved:
         _coerce(self, "engine_state", EngineState)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Tick:
     """Time passed: count heartbeats that did not arrive, advance ramps and clean periods."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class StreamClosed:
     """The probe stream to the agent ended or could not be opened (counts as one miss at once)."""
@@ -159,6 +163,7 @@ class StreamClosed:
     detail: str = ""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PingObserved:
     """A Pong came back; ``rtt_ms`` measured on the control plane's monotonic clock."""
@@ -166,6 +171,7 @@ class PingObserved:
     rtt_ms: float
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ProbeObserved:
     """A micro-inference result. ``ttft_ms`` is meaningful when ``kind`` is OK."""
@@ -179,6 +185,7 @@ class ProbeObserved:
         _coerce(self, "kind", ProbeResultKind)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class FailStaticEnded:
     """Fleet-wide fail-static ended: heartbeat losses since ``burst_start_s`` were our own fault.
@@ -190,6 +197,7 @@ class FailStaticEnded:
     burst_start_s: float
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class DrainRequested:
     """Operator drain (``drain=True``) or undrain."""
@@ -205,6 +213,7 @@ Observation = Union[HeartbeatObserved, Tick, StreamClosed, PingObserved, ProbeOb
 # ---- per-node records ---------------------------------------------------------------------
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Heartbeats:
     """Liveness: heartbeat arrivals, misses and the phi-accrual estimate."""
@@ -216,6 +225,7 @@ class Heartbeats:
     suspicion_clears: tuple[float, ...] = ()  # times of disproved phi suspicions (last window)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Rtt:
     """Ping round trips (ms): EWMA, last sample and the slow baseline learned while HEALTHY."""
@@ -225,6 +235,7 @@ class Rtt:
     baseline_ms: float | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Probes:
     """Micro-inference probes: counters, TTFT (ms) and the current clean run."""
@@ -245,6 +256,7 @@ class Probes:
     refused_status: int = 0
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Engine:
     """The engine and GPUs as the agent's telemetry reports them (last heartbeat)."""
@@ -261,6 +273,7 @@ class Engine:
     progress_detail: str = ""               # what moved (agent's text)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Ejection:
     """The current (or last) ejection, its backoff and a pending fail-static forgiveness."""
@@ -273,6 +286,7 @@ class Ejection:
     forgive_until_s: float = 0.0            # forgive its heartbeat ejection if heartbeats resume soon
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Ramp:
     """PROBATION's weight ramp: ``percent`` of full weight; ``step_at_s`` None when no ramp runs."""
@@ -281,6 +295,7 @@ class Ramp:
     step_at_s: float | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Drain:
     """Operator drain: ``active`` since ``since_s``."""
@@ -289,6 +304,7 @@ class Drain:
     since_s: float | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class NodeHealth:
     """Everything the model knows about one node: its state and one record per concern."""
@@ -311,6 +327,7 @@ class NodeHealth:
         return NodeState.DRAINING if self.drain.active else self.state
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Event:
     """One state transition with the reason and the numbers that caused it."""
