@@ -350,7 +350,7 @@ async def measure(n: int, seconds: float, *, gpus: int = 0, freeze: int = 0, cp_
 
 
 async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: bool = False,
-                   steady: bool = False, silent: float = 0.0, floor: bool = False) -> dict:
+                   steady: bool = False, silent: float = 0.0, floor: bool = False, warm: int = 2) -> dict:
     """Our share of a heartbeat without gRPC: the serialized heartbeats a real stream would bring
     are parsed (as grpc.aio's deserializer does) and handed to each node's real
     ``ProbeSession.on_message`` (edge check, health step, routing key, timer re-arm) with a real
@@ -361,7 +361,9 @@ async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: b
     the whole loop (Ticks, heartbeats) over those rounds per second of loop time. ``floor``: the
     same loop with each message parsed and only counted (no ``on_message``): what the parse
     (grpc.aio's deserializer in the server) and this loop cost, subtracted from a full run for
-    our share as the end-to-end measurement takes it (time inside ``on_message``)."""
+    our share as the end-to-end measurement takes it (time inside ``on_message``). ``warm``: rounds
+    not measured (2: COLD -> WARMING -> PROBATION; with ``steady`` the ramp's end to HEALTHY comes
+    at ~1 s, round 10-12: ``warm`` 15 measures HEALTHY nodes' heartbeats alone)."""
     import cProfile
     import pstats
 
@@ -421,7 +423,7 @@ async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: b
                     s.on_message(parse(w[k]), loop.time())
             if prof:
                 prof.disable()
-            if k >= 2:  # the first two rounds are warm-up (COLD -> WARMING -> PROBATION)
+            if k >= warm:  # warm-up rounds are not measured
                 cpu += time.process_time() - t0
                 handled += len(sessions[b:b + batch]) - (max(0, min(n_silent, b + batch) - b) if k >= quiet_from else 0)
         if k == 0:
@@ -471,6 +473,7 @@ def main() -> None:
     ap.add_argument("--floor", action="store_true", help="our handler replaced by a counter (gRPC's floor)")
     ap.add_argument("--hot-path", action="store_true", help="our share without gRPC, no fleet")
     ap.add_argument("--rounds", type=int, default=20, help="--hot-path: heartbeat rounds (100 ms apart)")
+    ap.add_argument("--warm", type=int, default=2, help="--hot-path: rounds not measured (warm-up)")
     ap.add_argument("--silent", type=float, default=0.0,
                     help="--hot-path: share of nodes silent after round 5 (their Ticks counted)")
     ap.add_argument("--steady", action="store_true",
@@ -479,8 +482,8 @@ def main() -> None:
     a = ap.parse_args()
     for n in a.nodes:
         if a.hot_path:
-            base = asyncio.run(hot_path(n, beats=a.rounds, gpus=a.gpus, steady=a.steady, floor=True))
-            r = asyncio.run(hot_path(n, beats=a.rounds, gpus=a.gpus, steady=a.steady, silent=a.silent))
+            base = asyncio.run(hot_path(n, beats=a.rounds, gpus=a.gpus, steady=a.steady, floor=True, warm=a.warm))
+            r = asyncio.run(hot_path(n, beats=a.rounds, gpus=a.gpus, steady=a.steady, silent=a.silent, warm=a.warm))
             quiet = (f"; {r['silent']} silent: {r['ticks_per_s']:.0f} Ticks/s, loop CPU {r['cpu_cores_silent']:.2f} "
                      f"cores, silent still routed {r['silent_routed']}" if r.get("silent") else "")
             floor_us = base["our_us_per_heartbeat"]

@@ -9,6 +9,7 @@ from health_strategies import FAST_RECOVERY, observations
 
 from xds_server.config import HealthConfig
 from xds_server.health.beats import quiet_heartbeat
+from xds_server.health.beats import BeatRun
 from xds_server.health.beats import steady_heartbeat as steady_lane
 from xds_server.health.model import (
     HeartbeatObserved,
@@ -113,3 +114,64 @@ def test_a_steady_healthy_node_takes_the_fast_path_and_a_changed_rule_input_does
     assert quiet_heartbeat(nh, HeartbeatObserved(engine_state="WARMING"), t, CFG) is None  # restarting
     assert quiet_heartbeat(nh, HeartbeatObserved(engine_state="READY", stalled=True), t, CFG) is None
     assert step(nh, HeartbeatObserved(engine_state="FAILED"), t, CFG)[0].state.value == "UNHEALTHY"
+
+
+plain_heartbeat = st.builds(HeartbeatObserved, engine_state=st.just("READY"),
+                            requests_running=st.sampled_from([4.0, 5.0]), gpu_free_ratio=st.sampled_from([None, 0.2]),
+                            progress_age_ms=st.sampled_from([None] * 5 + [50.0]))
+good_probe = st.builds(ProbeObserved, st.just(K.OK), st.sampled_from([10.0, 10.0, 900.0]))
+# a node mostly steady (repeated heartbeats, good probes), with any observation now and then
+folding_timeline = st.lists(st.tuples(gap, st.one_of(*[plain_heartbeat] * 8, good_probe, good_probe, observation),
+                                      st.sampled_from([True] * 3 + [False])), min_size=40, max_size=200)
+
+
+@settings(max_examples=300, deadline=None)
+@given(folding_timeline)
+def test_heartbeats_folded_in_place_give_the_record_and_deadline_of_the_steady_lane(items):
+    """A BeatRun (the control plane's in-place fold of a steady node's repeated heartbeat) gives,
+    after each folded heartbeat, the record and the next Tick's deadline the steady lane gives
+    step by step; it refuses what the lane would not take or what would change more than the
+    arrival record. ``again``: the agent repeats its last heartbeat (the same object, as the
+    edge gives it for unchanged telemetry)."""
+    nh, t, run, last_hb, folded = initial("p", 0.0), 0.0, None, None, 0
+    for dt, obs, again in items:
+        target = t + dt
+        while (due := next_check_s(nh, CFG)) is not None and t < due <= target:
+            t, run = due, None  # a Tick reads the node: the run is settled (ControlCore)
+            nh, _ = step(nh, Tick(), t, CFG)
+        t = target
+        if again and last_hb is not None and isinstance(obs, HeartbeatObserved):
+            obs = last_hb
+        full, _ = step(nh, obs, t, CFG)
+        if not isinstance(obs, HeartbeatObserved):
+            run = None
+        else:
+            last_hb = obs
+            lane = steady_lane(nh, obs, t, CFG)
+            got = None if run is None else run.fold(obs, t, CFG)
+            if got is not None:
+                folded += 1
+                assert lane is not None and got == lane[1] and run.settled() == full == lane[0]
+            else:
+                run = None if lane is None else BeatRun.start(full, obs, CFG)
+        nh = full
+    if run is not None:
+        assert run.settled() == nh
+
+
+def test_a_repeated_heartbeat_of_a_healthy_node_is_folded_and_a_changed_one_is_not():
+    hb = HeartbeatObserved(engine_state="READY", requests_running=4.0)
+    nh, t = initial("p", 0.0), 0.0
+    while nh.state.value != "HEALTHY" and t < 10.0:
+        t += 0.1
+        nh, _ = step(nh, hb, t, CFG)
+        nh, _ = step(nh, ProbeObserved(K.OK, 10.0), t, CFG)
+    run = BeatRun.start(nh, hb, CFG)
+    assert run is not None
+    for _ in range(5):
+        t += 0.1
+        ref, _ = step(nh, hb, t, CFG)
+        assert run.fold(hb, t, CFG) == tick_due_s(ref, CFG, t) and run.settled() == ref
+        nh = ref
+    assert run.fold(HeartbeatObserved(engine_state="READY", requests_running=4.0), t + 0.1, CFG) is None  # another object
+    assert BeatRun.start(nh, HeartbeatObserved(engine_state="READY", progress_age_ms=5.0), CFG) is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
@@ -406,7 +407,7 @@ def _run_lane(actions, lane: bool) -> tuple:
                                          ramp_start_percent=50.0, ramp_step_s=0.2))
     if not lane:
         cp.core._steady_lane = False
-    returned = []
+    returned, runs_open = [], 0
     for nid, what, dt in actions:
         clock.advance(dt)
         p = probes[nid]
@@ -419,12 +420,13 @@ def _run_lane(actions, lane: bool) -> tuple:
                                     kind=hm.ProbeResultKind.TIMEOUT if what == "probe_fail" else hm.ProbeResultKind.OK))
         else:
             returned.append(p.close())
+        runs_open += len(cp.core.health.runs)
         returned.append((dict(cp.core._keys), sorted(cp.core.planner.dirty)))
     clock.advance(1.0)
     events = [(e.node_id, e.kind, e.reason, e.from_state, e.to_state) for e in cp.core.events]
     shown = published(cp) if "llm" in cp.cache.resources(CLA_TYPE_URL) else None
     return (dict(cp.health), dict(cp.core.routing), returned, events, shown,
-            dict(cp.core.counters.heartbeats), cp.core.steady_beats if lane else 0)
+            dict(cp.core.counters.heartbeats), (cp.core.steady_beats, runs_open) if lane else None)
 
 
 @settings(max_examples=60, deadline=None)
@@ -441,4 +443,38 @@ def test_the_steady_lane_takes_the_heartbeats_of_a_steady_fleet():
     actions = [(f"n{i}", "probe" if k % 5 == 0 else "hb", 0.1 if i == 0 else 0.0) for k in range(60) for i in range(3)]
     with_lane, without = _run_lane(actions, lane=True), _run_lane(actions, lane=False)
     assert with_lane[:-1] == without[:-1]
-    assert with_lane[-1] > 60  # most of the 144 heartbeats (the rest: warm-up, ramp steps due, clean-period runs)
+    steady, runs_open = with_lane[-1]
+    assert steady > 60  # most of the 144 heartbeats (the rest: warm-up, ramp steps due, clean-period runs)
+    assert runs_open > 50  # and the steady nodes' heartbeats were folded in place between probes
+
+
+def test_the_health_table_settles_a_folded_run_on_every_read_and_a_write_ends_it():
+    """Readers never see a record older than the heartbeats folded in place: item, get, values,
+    items and dict() all settle the run; a write or a delete ends it."""
+    from xds_server.control.table import HealthTable
+    from xds_server.health.beats import BeatRun
+
+    cfg = parse_config(config(1)).health
+    hb = hm.HeartbeatObserved(engine_state="READY")
+    nh = hm.initial("n0", 0.0)
+    for k in range(1, 4):
+        nh, _ = hm.step(nh, hb, k * 0.1, cfg)
+    for reader in (lambda t: t["n0"], lambda t: t.get("n0"), lambda t: list(t.values())[0],
+                   lambda t: dict(t.items())["n0"], lambda t: dict(t)["n0"]):
+        table = HealthTable()
+        table["n0"] = nh
+        table.runs["n0"] = run = BeatRun.start(nh, hb, cfg)
+        ref = nh
+        for k in range(4, 7):
+            run.fold(hb, k * 0.1, cfg)
+            ref, _ = hm.step(ref, hb, k * 0.1, cfg)
+        assert "n0" in table and len(table) == 1 and list(table) == ["n0"]
+        assert reader(table) == ref and ref.heartbeat.last_s == pytest.approx(0.6) and not table.runs
+    table = HealthTable()
+    table["n0"] = nh
+    table.runs["n0"] = BeatRun.start(nh, hb, cfg)
+    table["n0"] = hm.initial("n0", 9.0)
+    assert not table.runs and table["n0"].since_s == 9.0
+    table.runs["n0"] = BeatRun.start(nh, hb, cfg)
+    del table["n0"]
+    assert not table.runs and "n0" not in table and table.get("n0") is None

@@ -26,26 +26,17 @@ from xds_server.control.clock import Clock, Timer
 from xds_server.control.counters import Counters
 from xds_server.control.events import EventLog
 from xds_server.control.publish import ClusterPublish, PublishPlanner
+from xds_server.control.table import HealthTable
 from xds_server.health import model as hm
 from xds_server.health import policy as hp
 from xds_server.health.anchor import anchor_ramp
-from xds_server.health.keys import probe_result_key, resume_kept, routing_key
+from xds_server.health.keys import probe_result_key, resume_kept, routing_key, same_routing_inputs
 
 __all__ = ["ControlCore"]
 
 log = logging.getLogger("xds_server.server")
 
 _NOT_WARM = (hm.NodeState.COLD, hm.NodeState.WARMING)
-
-
-def _same_routing_inputs(prev: hm.NodeHealth, nh: hm.NodeHealth) -> bool:
-    """Nothing :meth:`ControlCore._routing_key` reads changed between ``prev`` and ``nh``: the
-    records it reads are the same (immutable) values, or equal engine load and GPU memory."""
-    if not (nh.state is prev.state and nh.drain is prev.drain and nh.ramp is prev.ramp
-            and nh.rtt is prev.rtt and nh.probe is prev.probe):
-        return False
-    a, b = prev.engine, nh.engine
-    return a is b or (a.requests_waiting == b.requests_waiting and a.gpu_free_ratio == b.gpu_free_ratio)
 
 
 class ControlCore:
@@ -71,7 +62,7 @@ class ControlCore:
             self.node_cluster[n.id] = cname
             self.node_cfg[n.id] = n
         self._cluster_nodes = {c.name: [n.id for n in c.nodes] for c in config.clusters}
-        self.health: dict[str, hm.NodeHealth] = {}
+        self.health = HealthTable()
         self.routing: dict[str, hm.Routing] = {}
         self.fail_static = hp.FailStaticState()
         self._counted_silent: set[str] = set()  # nodes hp.counted_silent: the walk's lower bound
@@ -123,23 +114,14 @@ class ControlCore:
         monotonic time, s), or None. KeyError for a node id not in the config.
         """
         cfg = self.config.health
+        if (type(obs) is hm.HeartbeatObserved and self._steady_lane and not self.fail_static.active
+                and node_id not in self.restored):
+            due = self._steady(node_id, obs, now_s)
+            if due is not None:
+                return due
         prev = self.health[node_id]
-        if type(obs) is hm.HeartbeatObserved:
+        if isinstance(obs, hm.HeartbeatObserved):
             self.counters.heartbeats[node_id] += 1
-            if self._steady_lane and not self.fail_static.active and node_id not in self.restored:
-                # the steady lane: a quiet heartbeat of a node heard last time changes no state,
-                # ramp, miss count or stream record, so of _settle only the routing key is left
-                steady = hm.steady_heartbeat(prev, obs, now_s, cfg)
-                if steady is not None:
-                    nh, due = steady
-                    self.health[node_id] = nh
-                    self.steady_beats += 1
-                    if not (node_id in self._keys and _same_routing_inputs(prev, nh)):
-                        key = self._routing_key(nh)
-                        if key != self._keys.get(node_id):
-                            self._keys[node_id] = key
-                            self.mark_dirty(self.node_cluster[node_id])
-                    return due
         elif isinstance(obs, hm.ProbeObserved):
             self.counters.probe_results[(node_id, *probe_result_key(prev, obs, cfg, now_s))] += 1
         before = prev  # what this node's routing key was last computed from
@@ -154,6 +136,38 @@ class ControlCore:
             nh = anchor_ramp(nh, cfg.ramp_step_s, round(self.clock.wall() - self.clock.now(), 3))
         self._settle(node_id, before, prev, nh, events, now_s)
         return hm.tick_due_s(nh, cfg, now_s)
+
+    def _steady(self, node_id: str, obs: hm.HeartbeatObserved, now_s: float) -> float | None:
+        """The steady lane of :meth:`observe`: a quiet heartbeat of a node heard last time (no
+        counted miss, stream open) changes no state, ramp, miss count or stream record, so of
+        :meth:`_settle` only the routing key is left; one that repeats the last observation of
+        such a node is folded into its run (:class:`~xds_server.control.table.HealthTable`).
+        Returns the next Tick's deadline, or None: not steady, observe it in full."""
+        health, cfg = self.health, self.config.health
+        run = health.runs.get(node_id)
+        if run is not None:
+            due = run.fold(obs, now_s, cfg)
+            if due is not None:
+                self.counters.heartbeats[node_id] += 1
+                self.steady_beats += 1
+                return due
+        prev = health[node_id]
+        steady = hm.steady_heartbeat(prev, obs, now_s, cfg)
+        if steady is None:
+            return None
+        nh, due = steady
+        health[node_id] = nh
+        run = hm.BeatRun.start(nh, obs, cfg)
+        if run is not None:
+            health.runs[node_id] = run
+        self.counters.heartbeats[node_id] += 1
+        self.steady_beats += 1
+        if not (node_id in self._keys and same_routing_inputs(prev, nh)):
+            key = self._routing_key(nh)
+            if key != self._keys.get(node_id):
+                self._keys[node_id] = key
+                self.mark_dirty(self.node_cluster[node_id])
+        return due
 
     def adopt(self, node_id: str, nh: hm.NodeHealth, events: list[hm.Event], now_s: float) -> None:
         """Take a node's health as a probe worker's model decided it (with the transitions since
@@ -184,7 +198,7 @@ class ControlCore:
             self._transition(cluster, ev)
             if ev.to_state is hm.NodeState.UNHEALTHY and nh.ejection.cause is not None:
                 self.counters.ejections[(node_id, nh.ejection.cause.value)] += 1
-        if not (node_id in self._keys and _same_routing_inputs(before, nh)):
+        if not (node_id in self._keys and same_routing_inputs(before, nh)):
             key = self._routing_key(nh)
             if key != self._keys.get(node_id):
                 self._keys[node_id] = key

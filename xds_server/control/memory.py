@@ -34,6 +34,7 @@ class InMemoryProbeSource:
         self.last_telemetry = None
         self.started = False
         self._timer: Timer | None = None
+        self._last_hb: tuple[str, hm.HeartbeatObserved] | None = None
 
     def start(self) -> None:
         self.started = True
@@ -60,9 +61,15 @@ class InMemoryProbeSource:
         self.emit(hm.Tick())
 
     def heartbeat(self, **fields) -> float | None:
-        """A heartbeat (``fields``: those of :class:`~xds_server.health.model.HeartbeatObserved`)."""
+        """A heartbeat (``fields``: those of :class:`~xds_server.health.model.HeartbeatObserved`).
+        The same fields as the last heartbeat give the same observation object, as the agent
+        edge gives it for unchanged telemetry (so the control plane's steady lane folds it)."""
         self.connected = True
-        return self.emit(hm.HeartbeatObserved(**fields))
+        last = self._last_hb
+        key = repr(sorted(fields.items()))  # exact: -0.0 is not 0.0 here
+        if last is None or last[0] != key:
+            last = self._last_hb = (key, hm.HeartbeatObserved(**fields))
+        return self.emit(last[1])
 
     def probe(self, ttft_ms: float = 20.0, kind: hm.ProbeResultKind = hm.ProbeResultKind.OK,
               http_status: int = 0, detail: str = "") -> float | None:

@@ -12,8 +12,8 @@ from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
 from xds_server.health.records import ROUTED_STATES, EjectionCause, NodeHealth, NodeState
 
-__all__ = ["EPS_S", "miss_after_s", "misses_at", "misses_shown", "next_check_s", "phi_delay_s", "required_clean_s",
-           "stall_confirm_at_s", "tick_due_s", "ticks_backed_off"]
+__all__ = ["DuePlan", "EPS_S", "due_plan", "miss_after_s", "misses_at", "misses_shown", "next_check_s", "phi_delay_s",
+           "planned_due_s", "required_clean_s", "stall_confirm_at_s", "tick_due_s", "ticks_backed_off"]
 
 EPS_S = 1e-9
 """Tolerance (s) for float error when a time lands exactly on a boundary."""
@@ -51,13 +51,21 @@ def phi_delay_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
     Rate limit: after ``phi_max_suspicions_per_min`` disproved suspicions within
     ``phi_suspicion_window_s``, only the count rule applies (0 = unlimited).
     """
-    hb = nh.heartbeat
-    if cfg.failure_detector != "phi" or hb.arrivals is None or hb.arrivals.samples < cfg.phi_min_samples:
+    return _phi_delay(nh.heartbeat.arrivals, cfg) if _phi_on(nh, cfg) else None
+
+
+def _phi_on(nh: NodeHealth, cfg: HealthConfig) -> bool:
+    """phi is the failure detector and not rate-limited for this node (:func:`phi_delay_s`)."""
+    return cfg.failure_detector == "phi" and not (
+        cfg.phi_max_suspicions_per_min and len(nh.heartbeat.suspicion_clears) >= cfg.phi_max_suspicions_per_min)
+
+
+def _phi_delay(arrivals: phimod.ArrivalStats | None, cfg: HealthConfig) -> float | None:
+    """:func:`phi_delay_s` from the inter-arrival estimate ``arrivals`` (``mean_ms``, ``var_ms2``
+    and ``samples`` are read), phi on: None while untrained."""
+    if arrivals is None or arrivals.samples < cfg.phi_min_samples:
         return None
-    if cfg.phi_max_suspicions_per_min and len(hb.suspicion_clears) >= cfg.phi_max_suspicions_per_min:
-        return None
-    ms = phimod.suspicion_delay_ms(hb.arrivals, cfg.phi_threshold, cfg.phi_min_std_ms,
-                                   cfg.phi_acceptable_pause_ms)
+    ms = phimod.suspicion_delay_ms(arrivals, cfg.phi_threshold, cfg.phi_min_std_ms, cfg.phi_acceptable_pause_ms)
     return ms / 1000.0
 
 
@@ -135,25 +143,50 @@ def tick_due_s(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> float | None:
     return _check_s(nh, cfg, misses, ahead)
 
 
-def _check_s(nh: NodeHealth, cfg: HealthConfig, misses: int, ahead: int) -> float | None:
-    """:func:`next_check_s` with ``misses`` counted and the miss boundary ``ahead`` misses later."""
+DuePlan = tuple[float, float, bool, "float | None", "float | None"]
+"""What a node's next-check deadline depends on besides its heartbeat record (:func:`due_plan`):
+(interval + grace s, interval s, phi may convict, next ramp step s or None, stall confirmation s
+or None)."""
+
+
+def due_plan(nh: NodeHealth, cfg: HealthConfig) -> DuePlan:
+    """The parts of ``nh``'s next-check deadline that its heartbeat arrivals do not move: the
+    miss boundary's spacing, whether phi may convict (routed, not ejected by phi, phi on and not
+    rate-limited), the ramp step and the stall confirmation that apply."""
+    phi = nh.ejection.cause is not EjectionCause.PHI and nh.state in ROUTED_STATES and _phi_on(nh, cfg)
+    ramp_at = None if nh.ramp.step_at_s is None else nh.ramp.step_at_s + cfg.ramp_step_s
+    stall_at = None
+    if nh.engine.stalled and nh.engine.stall_counted == 1 and nh.state in ROUTED_STATES:
+        stall_at = stall_confirm_at_s(nh, cfg)
+    return miss_after_s(cfg), cfg.heartbeat_interval_ms / 1000.0, phi, ramp_at, stall_at
+
+
+def planned_due_s(plan: DuePlan, cfg: HealthConfig, last_s: float | None, counted: int,
+                  arrivals: phimod.ArrivalStats | None) -> float | None:
+    """The earliest of the deadlines :func:`next_check_s` lists, from ``due_plan`` and a last
+    heartbeat at ``last_s`` (None: none yet) whose miss boundary is ``counted`` intervals after
+    the first, with the inter-arrival estimate ``arrivals``. A node whose heartbeats are folded
+    in place (:class:`xds_server.health.beats.BeatRun`) keeps its plan and calls this alone."""
+    miss_s, interval_s, phi, ramp_at, stall_at = plan
     # the running minimum of the candidates (no list: this runs once per heartbeat)
     best: float | None = None
-    hb = nh.heartbeat
-    if hb.last_s is not None:
-        counted = max(misses - (1 if hb.stream_closed else 0), 0) + ahead - 1
-        best = hb.last_s + miss_after_s(cfg) + cfg.heartbeat_interval_ms / 1000.0 * counted
-        if nh.ejection.cause is not EjectionCause.PHI and nh.state in ROUTED_STATES:
-            d = phi_delay_s(nh, cfg)
-            if d is not None and hb.last_s + d < best:
-                best = hb.last_s + d
-    if nh.ramp.step_at_s is not None:
-        at = nh.ramp.step_at_s + cfg.ramp_step_s
-        if best is None or at < best:
-            best = at
-    if nh.engine.stalled:
-        confirm = stall_confirm_at_s(nh, cfg)
-        if (confirm is not None and nh.engine.stall_counted == 1 and nh.state in ROUTED_STATES
-                and (best is None or confirm < best)):
-            best = confirm
+    if last_s is not None:
+        best = last_s + miss_s + interval_s * counted
+        if phi:
+            d = _phi_delay(arrivals, cfg)
+            if d is not None and last_s + d < best:
+                best = last_s + d
+    if ramp_at is not None and (best is None or ramp_at < best):
+        best = ramp_at
+    if stall_at is not None and (best is None or stall_at < best):
+        best = stall_at
     return best
+
+
+def _check_s(nh: NodeHealth, cfg: HealthConfig, misses: int, ahead: int) -> float | None:
+    """:func:`next_check_s` with ``misses`` counted and the miss boundary ``ahead`` misses later."""
+    hb = nh.heartbeat
+    counted = misses - 1 if hb.stream_closed else misses  # a closed stream counted one at once
+    if counted < 0:
+        counted = 0
+    return planned_due_s(due_plan(nh, cfg), cfg, hb.last_s, counted + ahead - 1, hb.arrivals)

@@ -10,7 +10,7 @@ import math
 from xds_server.config import HealthConfig
 from xds_server.health import model as hm
 
-__all__ = ["probe_result_key", "resume_kept", "routing_key"]
+__all__ = ["probe_result_key", "resume_kept", "routing_key", "same_routing_inputs"]
 
 
 def routing_key(nh: hm.NodeHealth, cfg: HealthConfig) -> tuple:
@@ -24,6 +24,16 @@ def routing_key(nh: hm.NodeHealth, cfg: HealthConfig) -> tuple:
     free = nh.engine.gpu_free_ratio
     return (nr, nh.state, bucket(nh.rtt.ewma_ms), bucket(nh.probe.ewma_ttft_ms),
             None if free is None else round(free, 2))
+
+
+def same_routing_inputs(prev: hm.NodeHealth, nh: hm.NodeHealth) -> bool:
+    """Nothing :func:`routing_key` reads changed between ``prev`` and ``nh``: the records it
+    reads are the same (immutable) values, or equal engine load and GPU memory."""
+    if not (nh.state is prev.state and nh.drain is prev.drain and nh.ramp is prev.ramp
+            and nh.rtt is prev.rtt and nh.probe is prev.probe):
+        return False
+    a, b = prev.engine, nh.engine
+    return a is b or (a.requests_waiting == b.requests_waiting and a.gpu_free_ratio == b.gpu_free_ratio)
 
 
 def probe_result_key(prev: hm.NodeHealth, obs: hm.ProbeObserved, cfg: HealthConfig,

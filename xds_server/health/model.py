@@ -68,7 +68,7 @@ Cluster-wide decisions are in :mod:`xds_server.health.policy`.
 """
 from __future__ import annotations
 
-from xds_server.health.beats import steady_heartbeat
+from xds_server.health.beats import BeatRun, steady_heartbeat
 from xds_server.health.clocks import (miss_after_s, misses_at, misses_shown, next_check_s, required_clean_s,
                                       tick_due_s, ticks_backed_off)
 from xds_server.health.records import (
@@ -104,6 +104,7 @@ from xds_server.health.rules import step
 from xds_server.health.table import TABLE, InvalidTransition, Signal
 
 __all__ = [
+    "BeatRun",
     "Drain",
     "DrainRequested",
     "Ejection",

@@ -22,7 +22,7 @@ from statistics import NormalDist
 
 from xds_server.frozen import fast_init
 
-__all__ = ["ArrivalStats", "phi", "suspicion_delay_ms", "update"]
+__all__ = ["ArrivalStats", "fold", "phi", "suspicion_delay_ms", "update"]
 
 
 @fast_init
@@ -37,10 +37,15 @@ class ArrivalStats:
 
 def update(stats: ArrivalStats, interval_ms: float, alpha: float) -> ArrivalStats:
     """Fold one observed inter-arrival interval (ms) into the estimate (EWMA, weight ``alpha``)."""
-    diff = interval_ms - stats.mean_ms
-    mean = stats.mean_ms + alpha * diff
-    var = (1.0 - alpha) * (stats.var_ms2 + alpha * diff * diff)
-    return ArrivalStats(mean, var, stats.samples + 1)
+    return ArrivalStats(*fold(stats.mean_ms, stats.var_ms2, stats.samples, interval_ms, alpha))
+
+
+def fold(mean_ms: float, var_ms2: float, samples: int, interval_ms: float, alpha: float) -> tuple[float, float, int]:
+    """:func:`update` on bare numbers: ``(mean_ms, var_ms2, samples)`` after one more interval
+    (ms). The one home of the EWMA arithmetic, so an estimate folded in place
+    (:class:`xds_server.health.beats.BeatRun`) is bit for bit the one ``update`` builds."""
+    diff = interval_ms - mean_ms
+    return mean_ms + alpha * diff, (1.0 - alpha) * (var_ms2 + alpha * diff * diff), samples + 1
 
 
 def phi(stats: ArrivalStats, elapsed_ms: float, min_std_ms: float, acceptable_pause_ms: float = 0.0) -> float:
@@ -72,5 +77,8 @@ def suspicion_delay_ms(stats: ArrivalStats, threshold: float, min_std_ms: float,
     """
     if not 0.0 < threshold <= 15.0:
         raise ValueError(f"phi threshold must be in (0, 15], got {threshold}")
-    std = max(math.sqrt(max(stats.var_ms2, 0.0)), min_std_ms)
+    var = stats.var_ms2
+    std = math.sqrt(0.0 if 0.0 > var else var)  # max(var, 0.0) and max(std, min_std_ms) below, without
+    if min_std_ms > std:                         # the calls (this runs once per heartbeat)
+        std = min_std_ms
     return stats.mean_ms + acceptable_pause_ms + _z_for(threshold) * std
