@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 from aiohttp import web
@@ -370,8 +370,8 @@ class ControlPlane:
     # -- read-only shortcuts (benchmarks and tests read these) ---------------------------------
 
     @property
-    def health(self) -> dict[str, hm.NodeHealth]:
-        """Node id -> NodeHealth (the core's; read only)."""
+    def health(self) -> Mapping[str, hm.NodeHealth]:
+        """Node id -> NodeHealth (the core's table, :mod:`xds_server.control.table`; read only)."""
         return self.core.health
 
     @property
