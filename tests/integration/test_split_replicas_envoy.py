@@ -86,6 +86,7 @@ class Split:
                     for r, g in (("cp-a1", "a"), ("cp-a2", "a"), ("cp-b1", "b")) if f"pool-{g}" in self.routed]
         self.envoy_port, self.envoy_admin_port = free_port(), free_port()
         self.envoy: ManagedProcess | None = None
+        self.last_seen: dict[str, object] = {}  # all_routed's last look, per cluster
 
     def _py(self, *args: str) -> list[str]:
         return [sys.executable, *args]
@@ -159,14 +160,26 @@ class Split:
         return {by_port.get(h.port, str(h.port)): h.status for h in hosts}
 
     async def all_routed(self, http) -> bool:
-        """Every node of every cluster Envoy has is HEALTHY in Envoy."""
-        with contextlib.suppress(Exception):
+        """Every node of every cluster Envoy has is HEALTHY in Envoy (what was seen last is kept
+        in ``last_seen`` for a failure message: :meth:`routed_why`)."""
+        try:
             for cluster in self.routed:
                 want = {n.node_id: "HEALTHY" for n in self.nodes if self.cluster_of[n.node_id] == cluster}
-                if await self.hosts(http, cluster) != want:
+                got = self.last_seen[cluster] = await self.hosts(http, cluster)
+                if got != want:
                     return False
             return True
-        return False
+        except Exception as e:  # noqa: BLE001 - a failed read is "not yet"; kept for the message
+            self.last_seen["error"] = repr(e)[:200]
+            return False
+
+    def routed_why(self) -> str:
+        """What :meth:`all_routed` saw last, and whether each process is alive (a failure message)."""
+        alive = {cp.replica: cp.proc.alive() for cp in self.cps}
+        agents = {n.node_id: n.agent.alive() for n in self.nodes}
+        tails = "".join(f"\n--- {cp.replica} log tail:\n{cp.proc.output_tail(8)}" for cp in self.cps)
+        return (f"every node HEALTHY in Envoy; last seen {self.last_seen}, control planes alive {alive}, "
+                f"agents alive {agents}{tails}")
 
     async def envoy_stats(self, http, cluster: str) -> dict[str, int]:
         """Envoy's update counters of ``cluster`` (``update_success``, ``version``, ...) and its
@@ -215,7 +228,7 @@ def split(request):
 
 @pytest.mark.parametrize("split", [EDS_SOTW], indirect=True)  # pool-b is reached through group B
 async def test_each_cluster_from_its_own_control_plane_frozen_node_excluded_other_cluster_untouched(split, http):
-    await wait_for(lambda: split.all_routed(http), timeout_s=30.0)
+    await wait_for(lambda: split.all_routed(http), timeout_s=30.0, what=split.routed_why)
     # each cluster's EDS came from its own group: pool-b's stream is on cp-b1 only
     await wait_for(lambda: split.connected(http, split.cps[2]), timeout_s=10.0, what="Envoy's pool-b stream on cp-b1")
     load_a = LoadGenerator(split.url, concurrency=2)
@@ -260,7 +273,7 @@ async def test_each_cluster_from_its_own_control_plane_frozen_node_excluded_othe
 
 
 async def test_kill_9_of_the_connected_replica_under_load_changes_nothing_in_envoy(split, http):
-    await wait_for(lambda: split.all_routed(http), timeout_s=30.0)
+    await wait_for(lambda: split.all_routed(http), timeout_s=30.0, what=split.routed_why)
     a1, a2 = split.cps[0], split.cps[1]
     if not a1.proc.alive() or not a2.proc.alive():
         pytest.skip("needs both A replicas (run with the module's setup)")
