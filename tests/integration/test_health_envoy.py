@@ -70,6 +70,10 @@ async def test_slow_engine_gets_less_traffic_hung_engine_is_ejected_and_comes_ba
     print(f"Envoy weights while gpu-a was DEGRADED: {weights}; gpu-b ramp seen by Envoy: {seen}; "
           f"failures: {dict(load.totals().failures)}")
     share = lambda st, n: st.ok_by_node.get(n, 0) / max(1, st.ok)  # noqa: E731
+    async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events?limit=1000") as r:
+        evs = [e for e in (await r.json())["events"] if e.get("node") == "gpu-b"]
+    print("gpu-b's transitions (a failure below shows the path its ramp took):\n" + "\n".join(
+        f"  {e['time'] % 1000:.2f} {e['from']} -> {e['to']}: {e['reason'][:100]}" for e in evs if e["kind"] == "transition"))
     assert weights == {"gpu-a": 30, "gpu-b": 100, "gpu-c": 100}
     # weight 30 of 230: ~13 % expected (33 % at baseline)
     assert share(slow, "gpu-a") < 0.25, (share(slow, "gpu-a"), share(base, "gpu-a"))

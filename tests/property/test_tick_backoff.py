@@ -63,35 +63,62 @@ def _same(a, b, t, cfg):
     assert misses_shown(b, cfg, t) == a.heartbeat.consecutive_misses, (a, b, t)
 
 
+class _Timer:
+    """One model's Tick timer, as the probe session's: a deadline already past (an observation can
+    make one, e.g. a good probe routing a node silent for seconds) runs at once, at the time it
+    is set, as the loop runs a ``call_at`` in the past on its next pass. A Tick must not leave its
+    own time as the next deadline again (the loop would spin)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0          # the model's clock: its last observation or Tick (s)
+        self.ticked = False   # a Tick already ran at self.t
+
+    def next(self, due: float | None, limit: float) -> float | None:
+        """When the next Tick runs, at most ``limit``; None: none by then."""
+        if due is None or due > limit:
+            return None
+        if due > self.t:
+            return due
+        assert not self.ticked, f"a Tick at {self.t} leaves a deadline at {due}: the timer would spin"
+        return self.t
+
+    def ran(self, at: float) -> None:
+        self.t, self.ticked = at, True
+
+    def observed(self, at: float) -> None:
+        self.t, self.ticked = at, False
+
+
 @settings(max_examples=150, deadline=None)
 @given(timeline, st.sampled_from(CONFIGS), st.booleans())
 def test_backed_off_ticks_decide_as_a_tick_every_interval(items, cfg, routed_first):
     if routed_first:  # most runs start routed (PROBATION), so long silences eject by the count rule
         items = [(0.1, HeartbeatObserved(engine_state="READY")), (0.01, ProbeObserved(K.OK, 10.0)), *items]
     every = backed = initial("p", 0.0)
-    t_every = t_backed = 0.0
+    te, tb = _Timer(), _Timer()
     ev_every, ev_backed = [], []
     saved = 0
     for dt, obs in items:
-        target = max(t_every, t_backed) + dt
-        while (due := tick_due_s(backed, cfg, t_backed)) is not None and t_backed < due <= target:
-            t_backed = due
-            while (d := next_check_s(every, cfg)) is not None and t_every < d <= due:
-                t_every = d
+        target = max(te.t, tb.t) + dt
+        while (due := tb.next(tick_due_s(backed, cfg, tb.t), target)) is not None:
+            while (d := te.next(next_check_s(every, cfg), due)) is not None:
+                te.ran(d)
                 every, evs = step(every, Tick(), d, cfg)
                 ev_every += evs
                 saved += 1
             saved -= 1
+            tb.ran(due)
             backed, evs = step(backed, Tick(), due, cfg)
             ev_backed += evs
             assert ev_every == ev_backed
             _same(every, backed, due, cfg)
-        while (d := next_check_s(every, cfg)) is not None and t_every < d <= target:
-            t_every = d
+        while (d := te.next(next_check_s(every, cfg), target)) is not None:
+            te.ran(d)
             every, evs = step(every, Tick(), d, cfg)
             ev_every += evs
             saved += 1
-        t_every = t_backed = target
+        te.observed(target)
+        tb.observed(target)
         every, evs = step(every, obs, target, cfg)
         ev_every += evs
         backed, evs = step(backed, obs, target, cfg)

@@ -61,6 +61,29 @@ def test_fc08_warming_engine_never_routed_before_first_good_probe_then_ramps_fro
     assert route(sim.nh, 1, CFG) == Routing(1, RoutingStatus.HEALTHY)  # 1 % of full weight 100
 
 
+@pytest.mark.parametrize("silence", ["stream closed", "3 misses counted"])
+def test_a_good_probe_does_not_promote_a_warming_node_whose_agent_is_not_heard(silence):
+    """A result read before a reconnected agent's first heartbeat (or one for a node whose misses
+    are counted): routing the node would have its next Tick eject it by the count rule, for a
+    60 s clean period. It stays WARMING; after a heartbeat the next good probe promotes it.
+    Found by the tick back-off property test (a past-due deadline after such a promotion)."""
+    from xds_server.health.model import initial, step
+
+    nh, _ = step(initial("n", 0.0), HeartbeatObserved(engine_state="READY"), 0.0, CFG)
+    if silence == "stream closed":
+        nh, _ = step(nh, StreamClosed("agent restarted"), 0.05, CFG)
+    else:
+        for t in (0.18, 0.28, 0.38):
+            nh, _ = step(nh, Tick(), t, CFG)
+        assert nh.heartbeat.consecutive_misses == 3
+    nh, events = step(nh, ProbeObserved(K.OK, ttft_ms=30), 5.0, CFG)
+    assert nh.state is S.WARMING and events == []
+    assert route(nh, 1, CFG).health_status == "UNHEALTHY"
+    nh, _ = step(nh, HeartbeatObserved(engine_state="READY"), 5.01, CFG)
+    nh, events = step(nh, ProbeObserved(K.OK, ttft_ms=30), 5.02, CFG)
+    assert nh.state is S.PROBATION and [e.to_state for e in events] == [S.PROBATION]
+
+
 def test_misses_counted_at_interval_plus_grace():
     # seed 000: interval 100 ms, grace 80 ms -> misses at +180, +280, +380 ms
     assert [misses_at(0.0, t, CFG) for t in (0.179, 0.180, 0.279, 0.280, 0.380)] == [0, 1, 1, 2, 3]
