@@ -65,9 +65,13 @@ async def test_restart_resumes_healthy_at_full_weight_and_keeps_ejection_and_dra
     async with running(cfg) as (cp, probes):
         await wait_for(lambda: all(cp.health[n].state.value == "WARMING" for n in ("n0", "n1", "n2")),
                        timeout_s=5.0, step_s=0.02)
-        for n in ("n0", "n1", "n2"):
-            probes[n].probe(ttft_ms=20.0)
-        await asyncio.sleep(0.4)
+        def promoted() -> bool:  # a node still WARMING gets another good probe, as its agent would send
+            warming = [n for n in ("n0", "n1", "n2") if cp.health[n].state.value == "WARMING"]
+            for n in warming:
+                probes[n].probe(ttft_ms=20.0)
+            return not warming
+
+        await wait_for(promoted, timeout_s=5.0, step_s=0.2)
         for n in ("n0", "n1", "n2"):
             probes[n].probe(ttft_ms=20.0)
         # ramp: 1 % per 1 s step, so a fresh start is far from full weight for ~100 s

@@ -288,3 +288,48 @@ async def test_worker_anchors_ramps_as_the_main_process_says_and_dials_with_its_
     assert abs(w.detector.wall_offset_s - (time.time() - loop.time())) < 0.05
     assert w.handle(("config", cfg.health, cfg.probe, ("replica-8", cfg.tls.agents, "local")))
     assert w.replica_id == "replica-8" and w.detector.wall_offset_s is None
+
+
+_DETECTOR_STEPS = st.lists(st.tuples(
+    st.sampled_from(["n0", "n1"]),
+    st.sampled_from(["hb"] * 8 + ["hb_new", "probe", "probe_fail", "tick", "take", "take_full", "fail_static_end"]),
+    st.sampled_from([0.0, 0.1, 0.1, 0.1, 0.05, 0.3])), min_size=20, max_size=150)
+
+
+def _run_detector(steps, fold: bool) -> list:
+    """Run ``steps`` on a Detector (steady heartbeats folded, or every one stepped); everything it gave."""
+    cfg = HealthConfig(probation_clean_s=0.5, ramp_step_s=0.2, ramp_start_percent=50.0)
+    with pytest.MonkeyPatch.context() as mp:
+        if not fold:
+            mp.setattr(hm, "steady_heartbeat", lambda *a: None)
+        d, t, out = Detector(cfg), 0.0, []
+        hbs = {"n0": hm.HeartbeatObserved(engine_state="READY"), "n1": hm.HeartbeatObserved(engine_state="READY")}
+        for nid in hbs:
+            d.add(nid, None, None, 0.0, 2.0)
+        for nid, what, dt in steps:
+            t += dt
+            if what.startswith("hb"):
+                if what == "hb_new":
+                    hbs[nid] = hm.HeartbeatObserved(engine_state="READY", requests_running=float(int(t * 10) % 3))
+                out.append(d.observe(nid, hbs[nid], t))
+            elif what.startswith("probe"):
+                kind = hm.ProbeResultKind.TIMEOUT if what == "probe_fail" else hm.ProbeResultKind.OK
+                out.append(d.observe(nid, hm.ProbeObserved(kind, ttft_ms=10.0), t))
+            elif what == "tick":
+                out.append(d.observe(nid, hm.Tick(), t))
+            elif what == "fail_static_end":
+                d.fail_static_ended(t - 1.0, t)
+            else:
+                out.append((d.urgent, sorted(((r.node_id, r.health, r.events) for r in d.take(what == "take_full")),
+                                             key=lambda x: x[0]), dict(d.heartbeats)))
+        out.append([d.nodes[nid].nh for nid in hbs])
+        return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(_DETECTOR_STEPS)
+def test_a_worker_detector_folding_steady_heartbeats_reports_what_stepping_every_one_reports(steps):
+    """The probe worker's detector with steady heartbeats folded in place gives the same Tick
+    deadlines, urgent flags, reports (records and transitions) and heartbeat counts as with every
+    heartbeat stepped."""
+    assert _run_detector(steps, fold=True) == _run_detector(steps, fold=False)

@@ -10,7 +10,9 @@ Shape::
     every report interval: send(d.take(full=True))                # plus telemetry-only changes
 
 Every observation goes through :func:`xds_server.health.model.step` here, as it would in the
-main process (heartbeat freshness, phi suspicion, stall, probes, ramps). A step is *urgent*
+main process (heartbeat freshness, phi suspicion, stall, probes, ramps); a steady node's
+repeated heartbeat is folded in place (:class:`~xds_server.health.beats.BeatRun`), as in the
+main process's core. A step is *urgent*
 when it made transitions, changed the reason, flipped a fail-static input (a miss counted or cleared, the stream
 closed or reopened), changed the ejection record or changed the node's routing key
 (:func:`~xds_server.health.keys.routing_key`); urgent nodes are reported at the next
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from xds_server.config import HealthConfig
 from xds_server.health.anchor import anchor_ramp
@@ -47,14 +49,36 @@ class NodeReport:
     events: tuple[hm.Event, ...] = ()
 
 
-@dataclass(slots=True)
 class _Node:
-    nh: hm.NodeHealth
-    kept: hm.NodeHealth | None = None
-    handover: bool = False                # the next heartbeat is the first since add(): no gap sample
-    key: tuple | None = None              # routing key as last reported
-    sent: tuple | None = None             # _material() as last reported
-    events: list[hm.Event] = field(default_factory=list)
+    """One node's model in the worker. ``nh`` settles a run of folded heartbeats (``run``,
+    :class:`~xds_server.health.beats.BeatRun`) on read; setting it ends the run."""
+
+    __slots__ = ("_nh", "run", "kept", "handover", "key", "sent", "events")
+
+    def __init__(self, nh: hm.NodeHealth, kept: hm.NodeHealth | None = None, handover: bool = False,
+                 key: tuple | None = None, sent: tuple | None = None) -> None:
+        self._nh = nh
+        self.run: hm.BeatRun | None = None
+        self.kept = kept
+        self.handover = handover      # the next heartbeat is the first since add(): no gap sample
+        self.key = key                # routing key as last reported
+        self.sent = sent              # _material() as last reported
+        self.events: list[hm.Event] = []
+
+    @property
+    def nh(self) -> hm.NodeHealth:
+        if self.run is not None:
+            self._nh, self.run = self.run.settled(), None
+        return self._nh
+
+    @nh.setter
+    def nh(self, nh: hm.NodeHealth) -> None:
+        self._nh, self.run = nh, None
+
+    def material(self) -> tuple:
+        """:func:`_material` of the node; a run's base has the settled record's (a fold moves
+        only the last arrival and the phi estimate, which it leaves out)."""
+        return _material(self._nh if self.run is None else self.run.base)
 
 
 def _flags(nh: hm.NodeHealth) -> tuple[bool, bool]:
@@ -111,6 +135,13 @@ class Detector:
     def observe(self, node_id: str, obs: hm.Observation, now_s: float) -> float | None:
         """Step the node's model (a ProbeSession's sink). Returns when its next Tick is due."""
         n = self.nodes[node_id]
+        heartbeat = type(obs) is hm.HeartbeatObserved
+        if heartbeat and n.run is not None:
+            due = n.run.fold(obs, now_s, self.cfg)  # a steady node's repeated heartbeat: nothing to report
+            if due is not None:
+                self.heartbeats[node_id] += 1
+                self._touched.add(node_id)
+                return due
         prev = nh = n.nh
         events: list[hm.Event] = []
         if isinstance(obs, hm.HeartbeatObserved):
@@ -123,11 +154,17 @@ class Detector:
                 n.kept = None
         elif isinstance(obs, hm.ProbeObserved):
             self.probe_results[(node_id, *probe_result_key(nh, obs, self.cfg, now_s))] += 1
-        nh, step_events = hm.step(nh, obs, now_s, self.cfg)
+        steady = hm.steady_heartbeat(nh, obs, now_s, self.cfg) if heartbeat and not events else None
+        if steady is not None:  # the step's record, and the Tick deadline it gives
+            nh, step_events = steady[0], []
+        else:
+            nh, step_events = hm.step(nh, obs, now_s, self.cfg)
         if self.wall_offset_s is not None and (nh.ramp is not prev.ramp or nh.state is not prev.state):
             # a ramp kept as it was in the same state is anchored already (a resumed one is new)
             nh = anchor_ramp(nh, self.cfg.ramp_step_s, self.wall_offset_s)
         n.nh = nh
+        if steady is not None:
+            n.run = hm.BeatRun.start(nh, obs, self.cfg)  # type: ignore[arg-type]
         self._touched.add(node_id)
         if events or step_events:
             n.events.extend(events)
@@ -140,7 +177,7 @@ class Detector:
               or nh.engine.gpu_free_ratio != prev.engine.gpu_free_ratio):
             if routing_key(nh, self.cfg) != n.key:
                 self._mark(node_id)
-        return hm.tick_due_s(nh, self.cfg, now_s)
+        return steady[1] if steady is not None else hm.tick_due_s(nh, self.cfg, now_s)
 
     def fail_static_ended(self, burst_start_s: float, now_s: float) -> None:
         """Fleet-wide fail-static ended (decided by the main process): step every node."""
@@ -161,11 +198,12 @@ class Detector:
             n = self.nodes.get(node_id)
             if n is None:
                 continue
-            mat = _material(n.nh)
+            mat = n.material()
             if node_id not in self._urgent and mat == n.sent:
                 continue
-            n.sent, n.key = mat, routing_key(n.nh, self.cfg)
-            out.append(NodeReport(node_id, n.nh, tuple(n.events)))
+            nh = n.nh
+            n.sent, n.key = mat, routing_key(nh, self.cfg)
+            out.append(NodeReport(node_id, nh, tuple(n.events)))
             n.events.clear()
         self._urgent.clear()
         if full:
