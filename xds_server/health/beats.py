@@ -1,4 +1,5 @@
-"""A heartbeat's record in the node's health, and the quiet heartbeat's fast path. Pure.
+"""A heartbeat's record in the node's health, the quiet heartbeat's fast path, and heartbeats
+folded in place. No I/O, no clock reads: times are arguments.
 
 Shape::
 
@@ -6,6 +7,9 @@ Shape::
     nh2 = quiet_heartbeat(nh, hb, now_s, cfg)          # the whole step when no rule can fire, else None
     nh2, due_s = steady_heartbeat(nh, hb, now_s, cfg)  # the same for a node heard last time, with its
                                                        # next Tick's deadline; or None
+    run = BeatRun.start(nh2, hb, cfg)                  # then the same heartbeat again, folded:
+    due_s = run.fold(hb, now_s, cfg)                   #   the deadline, or None (settle, step it)
+    nh3 = run.settled()                                #   the record step would have built
 
 :func:`record_heartbeat` is the recording phase of :func:`xds_server.health.rules.step` for a
 :class:`HeartbeatObserved`: arrival time, the phi-accrual estimate, the engine record (kept, the
@@ -16,6 +20,8 @@ changes anything (the steady state: a routed or warming node, no ejection cause,
 pending, engine READY-as-before and not stalled, no GPU fatal event, no ramp step or HEALTHY run
 due); None otherwise (``step`` then runs every rule). A property test keeps it equal to the full
 step over random observation sequences (tests/property/test_health_fast_path.py).
+:class:`BeatRun` is the one mutable value here: an accumulator its owner (the control core's
+health table, a worker's detector) keeps per steady node and settles on any read.
 """
 from __future__ import annotations
 
