@@ -196,6 +196,8 @@ class _OurTime:
         self.s = 0.0
         self.messages = 0
         self.calls = 0  # timed calls (messages and timer firings)
+        self.timer_s = 0.0  # of ``s``: the detection timers' firings (TickTimer._fire)
+        self.timer_calls = 0
         self._undo: list[tuple[Any, str, Any]] = []
         self.available = hasattr(ProbeSession, "on_message")
         if not self.available:  # an older tree (--before via PYTHONPATH): process CPU only
@@ -209,12 +211,15 @@ class _OurTime:
 
             def timed(self: Any, *a: Any) -> None:
                 me.calls += 1
+                me.timer_calls += 1
                 t0 = clock()
                 try:
                     if not noop:
                         orig(self, *a)
                 finally:
-                    me.s += clock() - t0
+                    dt = clock() - t0
+                    me.s += dt
+                    me.timer_s += dt
 
             self._undo.append((cls, name, orig))
             setattr(cls, name, timed)
@@ -302,7 +307,7 @@ async def measure(n: int, seconds: float, *, gpus: int = 0, freeze: int = 0, cp_
             frozen_ids = {f"n{i}" for i in range(freeze)}
             false0 = sum(1 for _, i in ejected if i not in frozen_ids)
             e0 = len(ejected)
-            m0, s0, c0 = ours.messages, ours.s, ours.calls
+            m0, s0, c0, ts0, tc0 = ours.messages, ours.s, ours.calls, ours.timer_s, ours.timer_calls
             hb0 = sum(cp.heartbeats.values())
             r0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.monotonic()
@@ -316,6 +321,8 @@ async def measure(n: int, seconds: float, *, gpus: int = 0, freeze: int = 0, cp_
             r1 = resource.getrusage(resource.RUSAGE_SELF)
             dt = time.monotonic() - t0
             msgs, our_s, calls = ours.messages - m0, ours.s - s0, ours.calls - c0
+            timer_s, timer_calls = ours.timer_s - ts0, ours.timer_calls - tc0
+            timer_s = max(0.0, timer_s - timer_calls * probe_s)
             if not ours.available:
                 msgs = sum(cp.heartbeats.values()) - hb0
             cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
@@ -333,6 +340,7 @@ async def measure(n: int, seconds: float, *, gpus: int = 0, freeze: int = 0, cp_
             out = {"nodes": n, "gpus": gpus, "floor": floor, "heartbeats_per_s": msgs / dt,
                    "expected_per_s": n * 10, "cpu_cores": cpu / dt, "cpu_us_per_heartbeat": cpu / hb * 1e6,
                    "our_us_per_heartbeat": our_s / hb * 1e6, "rest_us_per_heartbeat": (cpu - our_s) / hb * 1e6,
+                   "timer_us_per_heartbeat": timer_s / hb * 1e6, "timer_fires_per_heartbeat": timer_calls / hb,
                    "nodes_per_core": (msgs / dt / 10.0) / max(cpu / dt, 1e-9),
                    "false_ejections": false, "false_before_window": false0,
                    "connected": sum(1 for s in cp.sessions.values() if s.connected),
@@ -502,7 +510,8 @@ def main() -> None:
                (f", detected 0/{r['frozen']} frozen" if r["frozen"] else ""))
         print(f"{r['nodes']:>5} nodes{' (floor)' if r['floor'] else ''}: {r['heartbeats_per_s']:>7.0f} heartbeats/s "
               f"received of {r['expected_per_s']} sent, control plane CPU {r['cpu_cores']:.2f} cores "
-              f"({r['cpu_us_per_heartbeat']:.0f} us per heartbeat: ours {r['our_us_per_heartbeat']:.1f}, "
+              f"({r['cpu_us_per_heartbeat']:.0f} us per heartbeat: ours {r['our_us_per_heartbeat']:.1f} of it "
+              f"timers {r['timer_us_per_heartbeat']:.1f} ({r['timer_fires_per_heartbeat']:.2f} fires), "
               f"gRPC+loop {r['rest_us_per_heartbeat']:.0f}), {r['nodes_per_core']:.0f} nodes per core, "
               f"connected {r['connected']}, false ejections {r['false_ejections']}{det}, "
               f"load avg {r['load_avg']:.2f}, speed index {r['speed_us'] / 1000:.1f} ms, "
