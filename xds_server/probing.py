@@ -348,12 +348,7 @@ class ProbeSession:
                 if tel.stalled and not self._stalled:
                     self._probe_now(f"engine stalled: {tel.stall_detail}")
                 self._stalled = tel.stalled
-                due = self.sink(self.node.id, checked.observation, now)
-                timer = self._timer
-                if timer is not None:
-                    timer.arm(due)
-                else:
-                    self._arm(due)
+                self._arm(self.sink(self.node.id, checked.observation, now))
             elif isinstance(checked, CheckedPong):
                 sent = st.pings.pop(checked.seq, None)
                 if sent is None:

@@ -12,21 +12,13 @@ from xds_server import agent_edge, agent_telemetry
 from xds_server.frozen import fast_init
 from xds_server.health import phi, records
 
-@fast_init
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Sample:
-    a: float
-    b: str = "x"
-    c: tuple = dataclasses.field(default_factory=tuple)
-    d: list = dataclasses.field(default_factory=list)
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Plain:
-    a: float
-    b: str = "x"
-    c: tuple = dataclasses.field(default_factory=tuple)
-    d: list = dataclasses.field(default_factory=list)
+_FIELDS = [("a", float), ("b", str, dataclasses.field(default="x")),
+           ("c", tuple, dataclasses.field(default_factory=tuple)), ("d", list, dataclasses.field(default_factory=list))]
+# the same fields with the dataclass's own __init__ (_Plain) and with fast_init's (_Sample)
+_Plain = dataclasses.make_dataclass("_Plain", _FIELDS, frozen=True, slots=True)
+_Sample = fast_init(dataclasses.make_dataclass("_Sample", _FIELDS, frozen=True, slots=True))
+_Plain.__module__ = _Sample.__module__ = __name__  # pickled by reference to this module
 
 
 def _fields(o) -> tuple:
