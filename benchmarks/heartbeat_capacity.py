@@ -1,7 +1,7 @@
 """How many nodes can one control-plane process watch at 100 ms heartbeats?
 
 Usage: python benchmarks/heartbeat_capacity.py [--nodes N ...] [--seconds S] [--gpus G]
-           [--freeze K] [--cp-cpu C] [--fleet-cpu F] [--floor] [--hot-path]
+           [--freeze K] [--cp-cpu C] [--fleet-cpu F] [--floor] [--hot-path] [--loop L]
 
 A separate process (:class:`FakeFleet`, pinned to CPU ``--fleet-cpu`` with sched_setaffinity,
 as ``taskset`` does) runs one fake node_probe agent (grpc.aio, pre-serialized messages) that
@@ -38,6 +38,7 @@ from typing import Any
 import grpc
 
 from node_probe.proto import probe_pb2
+from xds_server import event_loop
 from xds_server.config import SentinelConfig, parse_config
 from xds_server.testing import free_port
 
@@ -480,6 +481,8 @@ def main() -> None:
     ap.add_argument("--fleet-cpu", type=int, default=None, help="pin the fake fleet to this CPU")
     ap.add_argument("--floor", action="store_true", help="our handler replaced by a counter (gRPC's floor)")
     ap.add_argument("--hot-path", action="store_true", help="our share without gRPC, no fleet")
+    ap.add_argument("--loop", choices=event_loop.LOOPS, default="asyncio",
+                    help="the control plane's event loop (xds-server serve --loop; not with --hot-path)")
     ap.add_argument("--rounds", type=int, default=20, help="--hot-path: heartbeat rounds (100 ms apart)")
     ap.add_argument("--warm", type=int, default=2, help="--hot-path: rounds not measured (warm-up)")
     ap.add_argument("--silent", type=float, default=0.0,
@@ -502,9 +505,10 @@ def main() -> None:
                   f"({r['heartbeats']} heartbeats), routed {r['routed']}, ejections {r['false_ejections']}{quiet}, "
                   f"load avg {r['load_avg']:.2f}", flush=True)
             continue
-        r = asyncio.run(measure(n, a.seconds, gpus=a.gpus, freeze=a.freeze, cp_cpu=a.cp_cpu,
-                                fleet_cpu=a.fleet_cpu, floor=a.floor,
-                                extra={"health": {"ramp_start_percent": 100.0}} if a.steady else None))
+        r = event_loop.run(measure(n, a.seconds, gpus=a.gpus, freeze=a.freeze, cp_cpu=a.cp_cpu,
+                                   fleet_cpu=a.fleet_cpu, floor=a.floor,
+                                   extra={"health": {"ramp_start_percent": 100.0}} if a.steady else None),
+                           a.loop)
         det = (f", detection of {r['detected']}/{r['frozen']} frozen p50 {r['detect_p50_ms']:.0f} / p99 "
                f"{r['detect_p99_ms']:.0f} / max {r['detect_max_ms']:.0f} ms" if r.get("detected") else
                (f", detected 0/{r['frozen']} frozen" if r["frozen"] else ""))

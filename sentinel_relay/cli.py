@@ -15,6 +15,8 @@ import sys
 
 from aiohttp import web
 
+from xds_server import event_loop
+
 from .config import RelayConfig, RelayConfigError, load_relay_config
 
 __all__ = ["main", "run_worker"]
@@ -69,16 +71,8 @@ async def _serve(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int |
 def run_worker(cfg: RelayConfig, index: int = 0, reuse_port: bool = False, ready_fd: int | None = None,
                loop: str = "auto") -> None:
     """Run one relay process until SIGTERM/SIGINT. ``loop``: "uvloop", "asyncio" or "auto"
-    (uvloop when installed: the ``relay`` extra)."""
-    runner = asyncio.run
-    if loop in ("auto", "uvloop"):
-        try:
-            import uvloop  # optional: a faster event loop
-            runner = uvloop.run
-        except ImportError:
-            if loop == "uvloop":
-                raise
-    runner(_serve(cfg, index, reuse_port, ready_fd))
+    (uvloop when installed: the ``relay`` extra); :func:`xds_server.event_loop.run`."""
+    event_loop.run(_serve(cfg, index, reuse_port, ready_fd), loop)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-gap-s", type=float)
     p.add_argument("--first-chunk-timeout-s", type=float)
     p.add_argument("--ping-interval-s", type=float)
-    p.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+    p.add_argument("--loop", choices=event_loop.LOOPS, default="auto",
                    help="event loop (auto: uvloop when installed)")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -117,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_relay_config(args.config, **fields)
     except RelayConfigError as e:
+        print(f"sentinel-relay: {e}", file=sys.stderr)
+        return 2
+    try:
+        event_loop.resolve(args.loop)
+    except event_loop.LoopUnavailable as e:
         print(f"sentinel-relay: {e}", file=sys.stderr)
         return 2
     if cfg.workers == 1:

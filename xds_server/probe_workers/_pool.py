@@ -33,6 +33,7 @@ from xds_server.control.core import ControlCore
 from xds_server.control.counters import Counters
 from xds_server.control.probes import ProbeSourceContext
 from xds_server.probe_workers._assign import worker_for
+from xds_server.event_loop import running_loop_name
 from xds_server.probe_workers._channel import encode, read_frame
 
 __all__ = ["RemoteSource", "WorkerPool"]
@@ -173,7 +174,7 @@ class WorkerPool:
         try:
             h.proc = subprocess.Popen(
                 [sys.executable, "-m", "xds_server.probe_workers._worker", str(child.fileno()),
-                 str(os.getpid()), _log_format(), str(h.index)],
+                 str(os.getpid()), _log_format(), str(h.index), running_loop_name()],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             child.close()

@@ -3,8 +3,9 @@
 :class:`~xds_server.probe_workers._detector.Detector`; sends the main process only changes.
 
 Started by :class:`~xds_server.probe_workers._pool.WorkerPool` as
-``python -m xds_server.probe_workers._worker FD PARENT_PID LOG_FORMAT INDEX`` (the index is
-there for ``ps``; the init message carries it too) with one end of a socketpair as
+``python -m xds_server.probe_workers._worker FD PARENT_PID LOG_FORMAT INDEX LOOP`` (the index is
+there for ``ps``; the init message carries it too; LOOP: the parent's event loop, asyncio or
+uvloop, :mod:`xds_server.event_loop`) with one end of a socketpair as
 file descriptor FD. It exits when the channel reaches end of stream (the main process exited or
 closed it), on ``("stop",)``, and (Linux) when the parent dies (``PR_SET_PDEATHSIG`` = SIGKILL),
 so it is never orphaned. Reports go out at once when the detector has an urgent change
@@ -21,6 +22,7 @@ import socket
 import sys
 import time
 
+from xds_server import event_loop
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
 from xds_server.control.counters import Counters
 from xds_server.health import model as hm
@@ -191,7 +193,8 @@ async def serve(fd: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``_worker FD PARENT_PID [LOG_FORMAT [INDEX]]``: run one probe worker."""
+    """``_worker FD PARENT_PID [LOG_FORMAT [INDEX [LOOP]]]``: run one probe worker on the event
+    loop LOOP (:data:`xds_server.event_loop.LOOPS`; default asyncio): its parent's."""
     args = sys.argv[1:] if argv is None else argv
     fd, parent = int(args[0]), int(args[1])
     _die_with_parent(parent)
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     from xds_server.logs import configure_logging, quiet_grpc_core
     quiet_grpc_core()
     configure_logging("INFO", args[2] if len(args) > 2 else "text")
-    asyncio.run(serve(fd))
+    event_loop.run(serve(fd), args[4] if len(args) > 4 else "asyncio")
     return 0
 
 

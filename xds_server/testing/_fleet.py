@@ -19,6 +19,7 @@ import yaml
 from xds_server.envoy_bootstrap import add_xds_tls, find_envoy, render_bootstrap, write_bootstrap
 from xds_server.testing._envoy import envoy_process, fetch_envoy_hosts
 from xds_server.testing._process import ManagedProcess, free_port
+from xds_server.testing._wait import wait_for
 
 __all__ = ["Fleet", "NodeProcs", "restart_control_plane"]
 
@@ -74,6 +75,7 @@ class Fleet:
     # here replaces the fleet's own of that name.
     config_options: dict[str, Any] = field(default_factory=dict)
     admin_options: dict[str, Any] = field(default_factory=dict)  # merged into the admin section
+    serve_args: list[str] = field(default_factory=list)  # more `xds-server serve` arguments ("--loop", ...)
     # Envoy's xds_cluster transport_socket (envoy_bootstrap.xds_tls_transport_socket); None: plaintext.
     envoy_xds_tls: dict[str, Any] | None = None
     nodes: list[NodeProcs] = field(default_factory=list)
@@ -147,7 +149,8 @@ class Fleet:
         """The xds-server process (not started) on ``workdir/xds.yaml``."""
         assert self.workdir is not None
         return ManagedProcess(
-            "xds-server", self._py("-m", "xds_server.cli", "serve", "--config", str(self.workdir / "xds.yaml")),
+            "xds-server", self._py("-m", "xds_server.cli", "serve", "--config", str(self.workdir / "xds.yaml"),
+                                   *self.serve_args),
             self.workdir / "xds-server.log", ready_pattern="admin listening")
 
     def _spawn(self, p: ManagedProcess) -> ManagedProcess:
@@ -241,6 +244,22 @@ class Fleet:
             await asyncio.sleep(0.1)
         tails = "\n".join(f"--- {p.name}\n{p.output_tail(10)}" for p in self.procs)
         raise TimeoutError(f"Envoy did not route to all {len(self.nodes)} nodes in {timeout_s}s\n{tails}")
+
+    async def wait_ejected(self, session: aiohttp.ClientSession, node_id: str, timeout_s: float = 5.0) -> float:
+        """Wait until the control plane has ``node_id`` UNHEALTHY and Envoy no longer routes to it;
+        returns seconds waited. Raises AssertionError (:func:`wait_for`) naming which of the two did
+        not happen within ``timeout_s`` of its own."""
+        t0 = time.monotonic()
+
+        async def unhealthy() -> bool:
+            return (await self.cp_nodes(session))[node_id]["state"] == "UNHEALTHY"
+
+        async def excluded() -> bool:
+            return (await self.envoy_hosts(session)).get(node_id) != "HEALTHY"
+
+        await wait_for(unhealthy, timeout_s, what=f"{node_id} not ejected in {timeout_s} s")
+        await wait_for(excluded, timeout_s, what=f"Envoy still routes to {node_id}")
+        return time.monotonic() - t0
 
     async def set_fault(self, session: aiohttp.ClientSession, node_id: str, mode: str, **params: Any) -> dict:
         """Set a simulated engine's fault (none, hang, slow, error, queue)."""
