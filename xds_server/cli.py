@@ -27,7 +27,6 @@ from importlib import metadata
 from xds_server import event_loop
 from xds_server.admin.status_text import format_status
 from xds_server.config import ConfigError, load_config
-from xds_server.event_loop import LOOPS
 from xds_server.logs import FORMATS, LEVELS, configure_logging, quiet_grpc_core, set_replica
 from xds_server.untrusted import for_log
 
@@ -323,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("config_pos", nargs="?", metavar="CONFIG", help="YAML config file")
         sp.add_argument("--config", help="YAML config file (same as CONFIG)")
         if name == "serve":
-            sp.add_argument("--loop", choices=LOOPS, default="asyncio",
+            sp.add_argument("--loop", choices=event_loop.LOOPS, default="asyncio",
                             help="event loop of this process and its probe workers (default asyncio; "
                                  "uvloop: ~9 %% less CPU per heartbeat, pip install 'xds-sentinel[uvloop]'; "
                                  "auto: uvloop when installed)")
