@@ -22,8 +22,9 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE} AS runtime
 # Optional extras installed with the wheel: "kubernetes" brings the client that pod discovery
-# (the config's discovery.kubernetes) uses; pip warns and goes on where a build lacks an extra.
-ARG EXTRAS=kubernetes
+# (the config's discovery.kubernetes) uses; "uvloop" the event loop that `serve --loop uvloop`
+# (and the relay) can run on; pip warns and goes on where a build lacks an extra.
+ARG EXTRAS=kubernetes,uvloop
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY --from=wheel /wheels /wheels
 RUN pip install --no-cache-dir "$(ls /wheels/xds_sentinel-*.whl)[${EXTRAS}]" \
