@@ -26,6 +26,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Callable
+from time import monotonic
 
 import grpc
 
@@ -49,7 +50,8 @@ ObservationSink = Callable[[str, Observation, float], "float | None"]
 
 
 class _Stream:
-    """What one open Watch stream knows: the pings in flight (seq -> sent at, loop s), the last
+    """What one open Watch stream knows: the pings in flight (seq -> sent at, ``time.monotonic``
+    s: uvloop's loop clock counts whole milliseconds, too coarse for a LAN's RTT), the last
     Ping.seq sent, whether a heartbeat came yet, and the last heartbeat's arrival (loop s; the
     stream's opening until the first)."""
 
@@ -277,7 +279,7 @@ class ProbeSession:
             while True:
                 st.ping_seq += 1
                 seq = st.ping_seq
-                pings[seq] = loop.time()
+                pings[seq] = monotonic()
                 if len(pings) > keep:  # unanswered pings: keep the map bounded
                     for k in sorted(pings)[:-keep]:
                         del pings[k]
@@ -358,7 +360,7 @@ class ProbeSession:
                     # else: an answer to a ping dropped after a heartbeat gap, or beyond
                     # max_unanswered_pings: no sample, not the agent's fault
                     return
-                self._arm(self.sink(self.node.id, PingObserved(rtt_ms=(now - sent) * 1000.0), now))
+                self._arm(self.sink(self.node.id, PingObserved(rtt_ms=(monotonic() - sent) * 1000.0), now))
             elif isinstance(checked, CheckedResult):
                 obs = checked.observation
                 if obs.kind is not ProbeResultKind.OK:

@@ -1,13 +1,20 @@
 """`xds-server serve --loop uvloop`: the real control plane on uvloop, its probe sessions in
 process (probe.workers 0) or in a worker process that runs uvloop too; real agents on simulated
 engines, the real Envoy. Every node is routed, a frozen agent's node is ejected and Envoy stops
-routing to it, no other node is ejected."""
+routing to it, no other node is ejected. In process on uvloop, RTT samples keep their
+sub-millisecond precision (uvloop's loop clock counts whole milliseconds)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from scripted_agent import ScriptedAgent
 
+from xds_server import event_loop
+from xds_server.config import parse_config
+from xds_server.control.core import ControlCore
+from xds_server.health.model import PingObserved
+from xds_server.server import ControlPlane
 from xds_server.testing import wait_for
 
 pytestmark = pytest.mark.envoy
@@ -57,3 +64,35 @@ async def test_the_control_plane_on_uvloop_routes_and_ejects_a_frozen_node(make_
     finally:
         fleet.node(victim).agent.thaw()
 
+
+
+def test_rtt_samples_keep_sub_millisecond_precision_on_uvloop(monkeypatch):
+    pytest.importorskip("uvloop", reason="uvloop is in the dev extra")
+    samples: list[float] = []
+    observe = ControlCore.observe
+
+    def recording(self, node_id, obs, now_s):
+        if isinstance(obs, PingObserved):
+            samples.append(obs.rtt_ms)
+        return observe(self, node_id, obs, now_s)
+
+    monkeypatch.setattr(ControlCore, "observe", recording)
+
+    async def scenario() -> str:
+        agent = await ScriptedAgent.start()
+        cp = ControlPlane(parse_config({
+            "xds": {"listen": "127.0.0.1:0"}, "admin": {"listen": "127.0.0.1:0"},
+            "health": {"ping_interval_ms": 50},
+            "clusters": [{"name": "llm", "nodes": [
+                {"id": "a", "address": "127.0.0.1:8001", "probe_address": f"127.0.0.1:{agent.port}"}]}]}))
+        await cp.start()
+        try:
+            await wait_for(lambda: len(samples) >= 10, 10, what=lambda: f"RTT samples {samples}")
+        finally:
+            await cp.stop()
+            await agent.stop()
+        return event_loop.running_loop_name()
+
+    assert event_loop.run(scenario(), "uvloop") == "uvloop"
+    assert all(0.0 <= s < 1000.0 for s in samples), samples
+    assert any(abs(s - round(s)) > 1e-6 for s in samples), f"whole milliseconds only: {samples}"
