@@ -119,9 +119,10 @@ def main() -> None:
     from heartbeat_capacity import FakeFleet  # this folder is on sys.path when run as a script
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--streams", type=int, nargs="+", default=[300, 1000])
-    ap.add_argument("--seconds", type=float, default=10.0)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--streams", type=int, nargs="+", default=[300, 1000], help="stream counts to measure")
+    ap.add_argument("--seconds", type=float, default=10.0,
+                    help="measured window per variant, after 5 s of settling (default 10)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of all variants per stream count (default 2)")
     ap.add_argument("--cp-cpu", type=int, default=None, help="pin each client process to this CPU")
     ap.add_argument("--fleet-cpu", type=int, default=None, help="pin the fake fleet to this CPU")
     a = ap.parse_args()
