@@ -1,6 +1,7 @@
 """Probe workers: does the per-heartbeat cost stay flat from one worker to two (issue 12 item 2)?
 
 Usage: python benchmarks/worker_scaling.py [--per-worker N] [--workers 0 1 2] [--repeat R] [--seconds S]
+           [--loop asyncio|uvloop]
 
 A separate process runs the fake node_probe agent fleet of benchmarks/heartbeat_capacity.py
 (every Watch stream gets a heartbeat every 100 ms; pings are not answered) on one port. This
@@ -35,6 +36,7 @@ import time
 
 from collections.abc import Callable
 
+from xds_server import event_loop
 from xds_server.config import parse_config
 from xds_server.server import ControlPlane
 from xds_server.testing import free_port
@@ -183,6 +185,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--loop", choices=event_loop.LOOPS, default="asyncio",
+                    help="the control plane's event loop; its probe workers run the same (serve --loop)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
     print(f"load average at start: {os.getloadavg()}, {os.cpu_count()} CPUs", flush=True)
@@ -193,7 +197,7 @@ def main() -> None:
     runs: dict[int, list[dict]] = {w: [] for w in a.workers}  # valid runs only
     for _ in range(a.repeat):
         for w in a.workers:
-            r = asyncio.run(measure(a.per_worker * max(w, 1), w, a.seconds))
+            r = event_loop.run(measure(a.per_worker * max(w, 1), w, a.seconds), a.loop)
             valid = r["heartbeats_per_s"] >= 0.8 * r["expected_per_s"]
             if valid:
                 runs[w].append(r)
