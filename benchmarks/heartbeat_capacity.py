@@ -491,6 +491,8 @@ def main() -> None:
                     help="nodes HEALTHY 1 s after their first probe (ramp_start_percent 100) instead of "
                          "ramping 1 %%/s for 100 s (each ramp step re-publishes the cluster)")
     a = ap.parse_args()
+    if a.hot_path and a.loop != "asyncio":
+        ap.error("--loop: the hot path runs no gRPC and no event loop of its own to choose (drop --loop)")
     for n in a.nodes:
         if a.hot_path:
             base = asyncio.run(hot_path(n, beats=a.rounds, gpus=a.gpus, steady=a.steady, floor=True, warm=a.warm))

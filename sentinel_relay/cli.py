@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sentinel-relay: {e}", file=sys.stderr)
         return 2
     try:
-        event_loop.resolve(args.loop)
+        loop_name = event_loop.resolve(args.loop)  # refused before any worker is forked
     except event_loop.LoopUnavailable as e:
         print(f"sentinel-relay: {e}", file=sys.stderr)
         return 2
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - child
             os.close(r)
-            run_worker(cfg, 0, False, w, args.loop)
+            run_worker(cfg, 0, False, w, loop_name)
             os._exit(0)
         os.close(w)
         return _supervise([pid], r, cfg)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - child
             os.close(rfd)
-            run_worker(cfg, i, True, wfd, args.loop)
+            run_worker(cfg, i, True, wfd, loop_name)
             os._exit(0)
         pids.append(pid)
     os.close(wfd)

@@ -83,9 +83,8 @@ def _serve(args: argparse.Namespace) -> int:
     path = _config_arg(args)
     if path is None:
         return 2
-    loop_choice = getattr(args, "loop", "asyncio")
     try:
-        event_loop.resolve(loop_choice)
+        loop_name = event_loop.resolve(args.loop)  # refused before the config is read
     except event_loop.LoopUnavailable as e:
         print(f"xds-server: {e}", file=sys.stderr)
         return 2
@@ -130,7 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
         await cp.stop()
         return 0
 
-    return event_loop.run(run(), loop_choice)
+    return event_loop.run(run(), loop_name)
 
 
 def _check_config(args: argparse.Namespace) -> int:

@@ -32,8 +32,8 @@ from xds_server.control.clock import Clock
 from xds_server.control.core import ControlCore
 from xds_server.control.counters import Counters
 from xds_server.control.probes import ProbeSourceContext
-from xds_server.probe_workers._assign import worker_for
 from xds_server.event_loop import running_loop_name
+from xds_server.probe_workers._assign import worker_for
 from xds_server.probe_workers._channel import encode, read_frame
 
 __all__ = ["RemoteSource", "WorkerPool"]
