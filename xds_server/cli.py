@@ -115,8 +115,14 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger("xds_server.server").info("event loop: %s", event_loop.running_loop_name())
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        got: list[str] = []  # the signal that asked to stop
+
+        def on_stop(name: str) -> None:
+            got.append(name)
+            stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_stop, sig.name)
         reloads: set[asyncio.Task] = set()
 
         def on_hup() -> None:  # reload the config file; a bad file is logged and changes nothing
@@ -126,7 +132,10 @@ def _serve(args: argparse.Namespace) -> int:
 
         loop.add_signal_handler(signal.SIGHUP, on_hup)
         await stop.wait()
+        log = logging.getLogger("xds_server.server")
+        log.info("%s: stopping", got[0])
         await cp.stop()
+        log.info("stopped")
         return 0
 
     return event_loop.run(run(), loop_name)

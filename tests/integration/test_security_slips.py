@@ -61,9 +61,12 @@ async def test_security_01_token_in_0_of_11_admin_answers_and_0_log_lines(tmp_pa
         leaked = [p for p, text in answers.items() if TOKEN in text]
         assert leaked == []
     finally:
-        proc.stop()
+        code = proc.stop()
     log = (tmp_path / "server.log").read_text(encoding="utf-8", errors="replace")
     assert "admin listening" in log and log.count("\n") >= 2
+    # a clean SIGTERM says so in the log, and exits 0
+    assert code == 0 and "SIGTERM: stopping" in log and "INFO xds_server.server: stopped" in log.splitlines()[-1], \
+        (code, log[-500:])
     assert TOKEN not in log
 
 
