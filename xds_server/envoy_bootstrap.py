@@ -143,17 +143,20 @@ def xds_cluster(name: str, replicas: Sequence[str], prototype: dict[str, Any]) -
     return doc
 
 
-def eds_cluster(c: ClusterConfig, source_cluster: str, api_type: str) -> dict[str, Any]:
+def eds_cluster(c: ClusterConfig, source_cluster: str, api_type: str,
+                envoy_grpc: dict[str, Any] | None = None) -> dict[str, Any]:
     """A static EDS cluster whose endpoints come from the control plane behind ``source_cluster``
     (``eds_config.api_config_source``: EDS over its own gRPC stream, not ADS), with the Envoy
-    settings the control plane would publish over CDS."""
+    settings the control plane would publish over CDS. ``envoy_grpc``: the stream's other
+    settings (the template's ADS ``envoy_grpc``: its redial backoff), ``cluster_name`` replaced."""
     doc = json_format.MessageToDict(build_cluster(c), preserving_proto_field_name=True)
+    grpc = {**copy.deepcopy(envoy_grpc or {}), "cluster_name": source_cluster}
     doc["eds_cluster_config"] = {"eds_config": {
         "resource_api_version": "V3",
         "api_config_source": {
             "api_type": api_type, "transport_api_version": "V3",
             "set_node_on_first_message_only": True,
-            "grpc_services": [{"envoy_grpc": {"cluster_name": source_cluster}}],
+            "grpc_services": [{"envoy_grpc": grpc}],
         },
     }}
     return doc
@@ -242,6 +245,7 @@ def _split(doc: dict[str, Any], proto: dict[str, Any], groups: Sequence[ControlP
            api_type: str) -> list[str]:
     """Rewrite ``doc`` for several control planes; returns the routed cluster names in order."""
     owner: dict[str, str] = {}
+    ads_grpc = doc["dynamic_resources"]["ads_config"]["grpc_services"][0]["envoy_grpc"]
     names = [g.name for g in groups]
     if len(set(names)) != len(names):
         raise ValueError(f"group names must be unique, got {names}")
@@ -252,7 +256,7 @@ def _split(doc: dict[str, Any], proto: dict[str, Any], groups: Sequence[ControlP
             if c.name in owner:
                 raise ValueError(f"cluster {c.name!r} is owned by groups {owner[c.name]!r} and {g.name!r}")
             owner[c.name] = g.name
-            clusters.append(eds_cluster(c, g.xds_cluster, api_type))
+            clusters.append(eds_cluster(c, g.xds_cluster, api_type, ads_grpc))
     sr = doc["static_resources"]
     sr["clusters"] = [c for c in sr["clusters"] if c is not proto] + clusters
     doc.pop("dynamic_resources", None)

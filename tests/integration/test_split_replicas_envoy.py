@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -208,6 +209,13 @@ class Split:
             data = await r.json()
         return next(c["xds_version"] for c in data["clusters"] if c["name"] == cluster)
 
+    async def same_version(self, http) -> str | None:
+        """pool-a's assignment version when both A replicas publish the same one (the same state:
+        versions are content hashes), else None."""
+        a1, a2 = self.cps[0], self.cps[1]
+        v1, v2 = await self.cla_version(http, a1, "pool-a"), await self.cla_version(http, a2, "pool-a")
+        return v1 if v1 == v2 != "" else None
+
     async def encoded(self, http, cp: ControlPlaneProc) -> int:
         """How many resources ``cp`` has encoded into its cache since it started: one per new
         version of a resource (``sentinel_xds_resources_encoded_total``). An A replica's cache
@@ -280,16 +288,55 @@ async def test_each_cluster_from_its_own_control_plane_frozen_node_excluded_othe
     await wait_for(lambda: split.all_routed(http), timeout_s=15.0)  # gpu-a1 back after the thaw
 
 
+async def test_freeze_of_the_connected_replica_moves_envoy_to_the_other_and_a_node_dying_then_is_excluded(split, http):
+    """The host of the replica Envoy's stream is on freezes (SIGSTOP: no FIN, no RST, the kernel
+    still accepts connections) and a node of pool-a dies right after. Envoy's HTTP/2 keepalive on
+    the xDS cluster finds the stream dead, it redials (its xDS backoff) onto the other replica,
+    and the dead node is out of Envoy's pool-a within the bound (README: Running two replicas)."""
+    await wait_for(lambda: split.all_routed(http), timeout_s=30.0, what=split.routed_why)
+    # the other replica holds what Envoy holds (every node routed at full weight), so what it
+    # sends after the move is the freeze's doing alone
+    await wait_for(lambda: split.same_version(http), timeout_s=15.0)
+    a1, a2 = split.cps[0], split.cps[1]
+    holding = [cp for cp in (a1, a2) if await split.connected(http, cp, acked=False)]
+    assert len(holding) == 1, [cp.replica for cp in holding]
+    victim, survivor = holding[0], (a2 if holding[0] is a1 else a1)
+    node = split.node("gpu-a1")
+    t0 = time.monotonic()
+    victim.proc.freeze()
+    try:
+        node.engine.freeze()
+        node.agent.freeze()
+        try:
+            moved = await wait_for(lambda: split.connected(http, survivor, acked=False), timeout_s=45.0, step_s=0.05)
+            t_moved = time.monotonic() - t0
+            assert moved
+
+            async def excluded() -> bool:
+                return (await split.hosts(http, "pool-a")).get("gpu-a1") != "HEALTHY"
+
+            await wait_for(excluded, timeout_s=45.0, step_s=0.05)
+            t_out = time.monotonic() - t0
+        finally:
+            node.agent.thaw()
+            node.engine.thaw()
+    finally:
+        victim.proc.thaw()
+    print(f"\n{split.variant}: froze {victim.replica} and gpu-a1; Envoy on {survivor.replica} after "
+          f"{t_moved:.2f} s, gpu-a1 out of Envoy's pool-a after {t_out:.2f} s")
+    # keepalive 1 s + 1 s timeout, then a redial within the 1 s backoff cap (envoy.yaml)
+    assert t_moved <= 4.5, t_moved
+    assert t_out <= 6.0, t_out
+    # both replicas serve again: the thawed one resumes its agents' streams, Envoy all routed
+    await wait_for(lambda: split.all_routed(http), timeout_s=20.0, what=split.routed_why)
+
+
 async def test_kill_9_of_the_connected_replica_under_load_changes_nothing_in_envoy(split, http):
     await wait_for(lambda: split.all_routed(http), timeout_s=30.0, what=split.routed_why)
     a1, a2 = split.cps[0], split.cps[1]
     if not a1.proc.alive() or not a2.proc.alive():
         pytest.skip("needs both A replicas (run with the module's setup)")
-
-    async def same_version() -> str | None:
-        v1, v2 = await split.cla_version(http, a1, "pool-a"), await split.cla_version(http, a2, "pool-a")
-        return v1 if v1 == v2 != "" else None
-
+    same_version = functools.partial(split.same_version, http)
     # both replicas, fed by the same agents, publish the same version for the same state
     await wait_for(same_version, timeout_s=10.0)
     if split.variant == EDS_SOTW:  # where gpu-b1 runs: the reference with one watcher

@@ -41,6 +41,9 @@ def _endpoints(cluster: dict) -> list[str]:
             for lle in cluster["load_assignment"]["endpoints"] for e in lle["lb_endpoints"]]
 
 
+REDIAL = {"retry_back_off": {"base_interval": "0.1s", "max_interval": "1s"}}  # the template's xDS backoff
+
+
 def test_two_groups_each_cluster_takes_its_eds_from_its_own_group(tmp_path: Path):
     a = ControlPlaneGroup("llama", ("10.1.0.1:18000", "10.1.0.2:18000"),
                           tuple(parse_config(_cfg("0.0.0.0:18000", "llama-70b", "llama-8b")).clusters))
@@ -55,7 +58,8 @@ def test_two_groups_each_cluster_takes_its_eds_from_its_own_group(tmp_path: Path
     assert _endpoints(clusters["xds_qwen"]) == ["10.2.0.1:18000"]
     for name, group in (("llama-70b", "xds_llama"), ("llama-8b", "xds_llama"), ("qwen-32b", "xds_qwen")):
         src = clusters[name]["eds_cluster_config"]["eds_config"]["api_config_source"]
-        assert src["grpc_services"] == [{"envoy_grpc": {"cluster_name": group}}]
+        # each EDS stream redials as the template's ADS stream does (within 1 s)
+        assert src["grpc_services"] == [{"envoy_grpc": {"cluster_name": group, "retry_policy": REDIAL}}]
         assert src["api_type"] == "DELTA_GRPC"
     # the cluster's own settings are exactly what the group's CDS would say, but for eds_config
     for c in (*a.clusters, *b.clusters):
@@ -76,8 +80,13 @@ def test_one_control_plane_with_two_replicas_keeps_ads_and_lists_both(tmp_path: 
     doc = render_bootstrap(listener_port=10000, admin_port=9901, cluster="llm",
                            xds_replicas=["10.0.0.1:18000", "[fd00::2]:18000"])
     _validate(write_bootstrap(tmp_path / "envoy.yaml", doc))
-    assert doc["dynamic_resources"]["ads_config"]["grpc_services"] == [{"envoy_grpc": {"cluster_name": "xds_cluster"}}]
+    assert doc["dynamic_resources"]["ads_config"]["grpc_services"] == [
+        {"envoy_grpc": {"cluster_name": "xds_cluster", "retry_policy": REDIAL}}]
     xds = next(c for c in doc["static_resources"]["clusters"] if c["name"] == "xds_cluster")
+    # a frozen replica (no FIN, no RST) is left when a 1 s PING goes unanswered for 1 s
+    keepalive = xds["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"][
+        "explicit_http_config"]["http2_protocol_options"]["connection_keepalive"]
+    assert keepalive == {"interval": "1s", "timeout": "1s"}
     assert _endpoints(xds) == ["10.0.0.1:18000", "fd00::2:18000"]
     assert _routes(doc) == [(None, "llm")]
 

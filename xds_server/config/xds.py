@@ -94,10 +94,11 @@ class XdsConfig(_Model):
         "by itself, so this only lets a response being written finish. Ours",
     )
     min_client_ping_interval_ms: int = Field(
-        5_000, ge=0,
+        500, ge=0,
         description="HTTP/2 pings from a client without data in flight closer than this are a "
         "protocol violation (gRPC's grpc.http2.min_ping_interval_without_data_ms; its default 5 min "
-        "would reject Envoy's 30 s keepalive; ours: 5 s)",
+        "would end the stream of an Envoy pinging every 1 s, as the bootstrap's xds_cluster "
+        "keepalive does; ours: half of that 1 s)",
     )
     max_tracked_nonces: int = Field(
         16, ge=1, le=1024,
