@@ -47,7 +47,7 @@ async def _serve(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int |
     feed = None
     if cfg.routing_feed:
         feed = FeedClient(cfg.routing_feed, relay.on_node, subscriber_id=f"sentinel-relay-{os.getpid()}",
-                          reconnect_max_s=cfg.feed_reconnect_max_s,
+                          reconnect_max_s=cfg.feed_reconnect_max_s, keepalive_s=cfg.feed_keepalive_s,
                           on_connected=lambda up: relay.metrics.feed_connected.set(1 if up else 0),
                           tls=cfg.feed_tls())
         feed.start()

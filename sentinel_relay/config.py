@@ -52,6 +52,10 @@ class RelayConfig(BaseModel):
       re-issued at once (its node is unknown until its headers arrive, so every such request is
       re-issued and the first answer wins; the other is cancelled).
     - ``feed_reconnect_max_s``: longest wait between routing feed reconnects (backoff from 0.1 s).
+    - ``feed_keepalive_s``: HTTP/2 PING interval on the feed's connection, and how long an
+      answer may take before the connection is dropped and redialled (1.0 s: a frozen or cut-off
+      control plane, which sends no FIN or RST, is noticed within ~2 s, as Envoy's xds_cluster
+      keepalive does; the control plane accepts pings 0.5 s apart).
     - ``feed_tls_ca_file``: dial the routing feed over TLS, verifying the control plane's
       certificate against this CA bundle (PEM); ``feed_tls_cert_file`` + ``feed_tls_key_file``:
       the relay's client certificate (mutual TLS, ``tls.mode: mtls`` on the control plane);
@@ -76,6 +80,7 @@ class RelayConfig(BaseModel):
     upstream_host_header: str = "x-sentinel-upstream-host"
     hedge_unary_on_ejection: bool = True
     feed_reconnect_max_s: float = Field(2.0, gt=0)
+    feed_keepalive_s: float = Field(1.0, ge=0.1, le=3600)
     feed_tls_ca_file: str | None = None
     feed_tls_cert_file: str | None = None
     feed_tls_key_file: str | None = None

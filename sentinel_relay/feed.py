@@ -1,7 +1,8 @@
 """Client of the control plane's routing feed (``sentinel.routing.v1.RoutingFeed/Watch``).
 
 :class:`FeedClient` keeps one server-streaming call open (grpc.aio), reconnecting with backoff
-(0.1 s doubling to ``reconnect_max_s``), and calls ``on_node(node, snapshot)`` for every
+(0.1 s doubling to ``reconnect_max_s``; an HTTP/2 PING every ``keepalive_s`` left unanswered for
+``keepalive_s`` drops the connection, so a frozen control plane is left too), and calls ``on_node(node, snapshot)`` for every
 ``NodeRouting`` it receives (each reconnect starts with a full snapshot). It keeps the latest
 routing per node in ``nodes`` (node id -> NodeRouting). ``on_node`` must not block. ``tls``: dial
 over TLS (:class:`~xds_server.tls.ClientTls`, files re-read at each reconnect); None: plaintext.
@@ -24,9 +25,15 @@ log = logging.getLogger("sentinel_relay.feed")
 
 class FeedClient:
     def __init__(self, target: str, on_node: Callable[[routing_pb2.NodeRouting, bool], None], *,
-                 subscriber_id: str = "sentinel-relay", reconnect_max_s: float = 2.0,
+                 subscriber_id: str = "sentinel-relay", reconnect_max_s: float = 2.0, keepalive_s: float = 1.0,
                  on_connected: Callable[[bool], None] | None = None, tls: ClientTls | None = None) -> None:
         self.target = target
+        ms = max(1, round(keepalive_s * 1000))
+        # Pings go on while the stream is idle (gRPC stops after 2 without data by default). The
+        # ack deadline is grpc.http2.ping_timeout_ms: with keepalive_timeout_ms alone, gRPC 1.85
+        # kept a connection to a SIGSTOPped server open until it woke (measured).
+        self.channel_options = [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+                                ("grpc.http2.ping_timeout_ms", ms), ("grpc.http2.max_pings_without_data", 0)]
         self.tls = tls  # None: plaintext; else TLS as xds_server.tls.dial makes it
         self.on_node = on_node
         self.subscriber_id = subscriber_id
@@ -51,7 +58,7 @@ class FeedClient:
         backoff = 0.1
         while True:
             try:
-                async with dial(self.target, tls=self.tls) as ch:
+                async with dial(self.target, options=self.channel_options, tls=self.tls) as ch:
                     stub = routing_pb2_grpc.RoutingFeedStub(ch)
                     call = stub.Watch(routing_pb2.WatchRequest(subscriber_id=self.subscriber_id))
                     async for upd in call:

@@ -14,7 +14,11 @@ from xds_server.testing import LoadGenerator, restart_control_plane, wait_for
 
 pytestmark = pytest.mark.envoy
 
-FAST = {"probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2}
+# The restarted process resumes the nodes' states from state.path (README's config), and weights
+# carry no RTT term, so a same-state restart publishes exactly what Envoy holds from its first
+# build on: Envoy redials within ~0.1 s of the port opening (the bootstrap's xDS backoff) and,
+# without these, would see the new process's WARMING -> PROBATION ramp or RTT-weight moves.
+FAST = {"probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2, "score_rtt_weight": 0.0}
 
 
 async def envoy_view(fleet, http) -> dict:
@@ -45,8 +49,10 @@ async def envoy_stream(fleet, http) -> dict | None:
     return mine[0] if mine else None
 
 
-async def test_delta_restart_01_identical_state_then_changed_cluster_0_failed_0_stuck_warming(make_fleet, http):
-    fleet = make_fleet(n_nodes=2, api_type="DELTA_GRPC", health=FAST)
+async def test_delta_restart_01_identical_state_then_changed_cluster_0_failed_0_stuck_warming(make_fleet, http,
+                                                                                              tmp_path):
+    fleet = make_fleet(n_nodes=2, api_type="DELTA_GRPC", health=FAST, config_options={
+        "state": {"path": str(tmp_path / "state.json"), "write_interval_s": 0.5}})
     await fleet.wait_all_routed(http)
     load = LoadGenerator(fleet.url, concurrency=4)
     await load.start()

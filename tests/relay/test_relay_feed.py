@@ -1,13 +1,18 @@
 """The relay's routing-feed client against a real grpc.aio server: snapshot, changes, and a
-reconnect (with a fresh snapshot) after the server drops the stream."""
+reconnect (with a fresh snapshot) after the server drops the stream; against a real control
+plane that freezes: the keepalive drops the stream and the client redials."""
 from __future__ import annotations
 
 import asyncio
+import sys
+import time
 
 import grpc
+import yaml
 
 from sentinel_relay.feed import FeedClient
 from xds_server.proto import routing_pb2, routing_pb2_grpc
+from xds_server.testing import ManagedProcess, free_port, wait_for
 
 
 class Feed(routing_pb2_grpc.RoutingFeedServicer):
@@ -49,3 +54,40 @@ async def test_feed_client_snapshot_changes_and_reconnect():
     finally:
         await client.stop()
         await server.stop(0)
+
+
+async def test_feed_from_a_frozen_control_plane_is_dropped_and_redialled(tmp_path):
+    """A real ``xds-server serve`` feeds the client; idle pings every 1 s do not end the stream
+    (the server accepts them); SIGSTOP (no FIN, no RST) is noticed by the keepalive within ~2 s
+    and the client redials, getting a fresh snapshot after SIGCONT."""
+    xds_port, admin_port = free_port(), free_port()
+    cfg = {"xds": {"listen": f"127.0.0.1:{xds_port}", "warmup_timeout_ms": 0},
+           "admin": {"listen": f"127.0.0.1:{admin_port}"},
+           "clusters": [{"name": "llm", "nodes": [{"id": "a", "address": "127.0.0.1:8001",
+                                                    "probe_address": f"127.0.0.1:{free_port()}"}]}]}
+    (tmp_path / "xds.yaml").write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    cp = ManagedProcess("xds-server", [sys.executable, "-m", "xds_server.cli", "serve", str(tmp_path / "xds.yaml")],
+                        tmp_path / "xds.log", ready_pattern="admin listening")
+    up: list[tuple[float, bool]] = []
+    snapshots: list[float] = []
+    client = FeedClient(f"127.0.0.1:{xds_port}", lambda n, snap: snapshots.append(time.monotonic()) if snap else None,
+                        reconnect_max_s=0.5, keepalive_s=1.0,
+                        on_connected=lambda u: up.append((time.monotonic(), u)))
+    try:
+        cp.start()
+        client.start()
+        await wait_for(lambda: up and up[-1][1], timeout_s=10.0)
+        await asyncio.sleep(3.5)  # idle: pings only
+        assert [u for _, u in up] == [True], up  # no GOAWAY for pinging too often
+        t0 = time.monotonic()
+        cp.freeze()
+        await wait_for(lambda: not up[-1][1], timeout_s=10.0, step_s=0.05)
+        dropped_s = up[-1][0] - t0
+        cp.thaw()
+        n = len(snapshots)
+        await wait_for(lambda: len(snapshots) > n and up[-1][1], timeout_s=10.0)
+    finally:
+        await client.stop()
+        cp.stop()
+    print(f"\nfeed dropped {dropped_s:.2f} s after the control plane froze")
+    assert dropped_s <= 3.0, dropped_s  # a PING each 1 s (+-15 % jitter), 1 s to answer

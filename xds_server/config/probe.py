@@ -18,7 +18,10 @@ class ProbeConfig(_Model):
         description="HTTP/2 keepalive ping interval on the probe channel (ours: a dead TCP path is "
         "noticed within ~2 s even if no heartbeat is due; heartbeats catch it sooner anyway)",
     )
-    keepalive_timeout_ms: int = Field(1000, ge=100, description="keepalive ping ack deadline (ours)")
+    keepalive_timeout_ms: int = Field(
+        1000, ge=100,
+        description="keepalive ping ack deadline (ours); set as gRPC's grpc.http2.ping_timeout_ms too, "
+        "without which gRPC 1.85 does not close a connection whose peer stopped answering pings")
     channel_initial_backoff_ms: int = Field(
         100, ge=1,
         description="gRPC channel's own first reconnect backoff (gRPC's default is 1 s: too slow "
@@ -109,6 +112,7 @@ class ProbeConfig(_Model):
         return [
             ("grpc.keepalive_time_ms", self.keepalive_time_ms),
             ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+            ("grpc.http2.ping_timeout_ms", self.keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.initial_reconnect_backoff_ms", self.channel_initial_backoff_ms),
