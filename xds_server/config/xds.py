@@ -73,10 +73,15 @@ class XdsConfig(_Model):
     )
     keepalive_time_ms: int = Field(
         30_000, ge=1_000,
-        description="HTTP/2 keepalive ping interval on ADS streams (checklist 1.9 item 28); "
-        "matches the 30 s the Envoy bootstrap uses towards us",
+        description="HTTP/2 keepalive ping interval of our pings to the clients on the xDS port "
+        "(checklist 1.9 item 28): the stream of a frozen or vanished Envoy is closed within this "
+        "+ keepalive_timeout_ms. Envoy's own pings to us, which move it off a frozen replica, are "
+        "the bootstrap's (1 s)",
     )
-    keepalive_timeout_ms: int = Field(5_000, ge=100, description="keepalive ping ack deadline")
+    keepalive_timeout_ms: int = Field(
+        5_000, ge=100,
+        description="keepalive ping ack deadline; set as gRPC's grpc.http2.ping_timeout_ms too, without "
+        "which gRPC 1.85 does not close a connection whose peer stopped answering pings")
     max_connection_age_s: float = Field(
         0.0, ge=0.0,
         description="close each client connection on the xDS port (Envoy's ADS/EDS, the relay's "
@@ -185,6 +190,7 @@ class XdsConfig(_Model):
             ("grpc.max_receive_message_length", self.max_receive_message_bytes),
             ("grpc.keepalive_time_ms", self.keepalive_time_ms),
             ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+            ("grpc.http2.ping_timeout_ms", self.keepalive_timeout_ms),
             ("grpc.http2.min_ping_interval_without_data_ms", self.min_client_ping_interval_ms),
             # grpc turns SO_REUSEPORT on by default: a second server on the same port would then
             # bind silently and share the connections. Off, it fails to start (as the agent does).
