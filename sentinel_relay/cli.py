@@ -80,7 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file with RelayConfig fields")
     p.add_argument("--listen")
     p.add_argument("--upstream", help="Envoy's listener URL")
-    p.add_argument("--routing-feed", help="control plane routing feed HOST:PORT")
+    p.add_argument("--routing-feed", action="append",
+                   help="control plane routing feed HOST:PORT; repeat it (or comma-separate) for "
+                   "replicas: each reconnect dials the next")
     p.add_argument("--feed-tls-ca", dest="feed_tls_ca_file", metavar="PEM",
                    help="dial the routing feed over TLS, verifying the control plane with this CA")
     p.add_argument("--feed-tls-cert", dest="feed_tls_cert_file", metavar="PEM",

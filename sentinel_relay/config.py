@@ -32,8 +32,10 @@ class RelayConfig(BaseModel):
 
     - ``listen``: where clients connect (HOST:PORT).
     - ``upstream``: Envoy's listener URL; every attempt goes there and Envoy picks the node.
-    - ``routing_feed``: the control plane's gRPC address serving ``sentinel.routing.v1`` (None:
-      no health signal; the relay still rescues on its own evidence).
+    - ``routing_feed``: the control plane's gRPC address serving ``sentinel.routing.v1``, or its
+      replicas' (a list, or HOST:PORT,HOST:PORT): each reconnect dials the next, as Envoy's
+      xds_cluster moves its stream (None: no health signal; the relay still rescues on its own
+      evidence).
     - ``admin_listen``: Prometheus ``/metrics`` (worker *i* listens on port + *i*); None: off.
     - ``workers``: processes sharing ``listen`` with SO_REUSEPORT (one per core to scale).
     - ``max_rescues``: continuation attempts after the first (default 2: a second node failing
@@ -69,7 +71,7 @@ class RelayConfig(BaseModel):
 
     listen: str = "127.0.0.1:8080"
     upstream: str = "http://127.0.0.1:10000"
-    routing_feed: str | None = None
+    routing_feed: list[str] | None = None
     admin_listen: str | None = "127.0.0.1:9470"
     workers: int = Field(1, ge=1, le=256)
     max_rescues: int = Field(2, ge=0, le=10)
@@ -95,10 +97,11 @@ class RelayConfig(BaseModel):
             raise ValueError("feed_tls_cert_file/feed_tls_server_name need feed_tls_ca_file")
         if self.feed_tls_ca_file is not None and self.feed_plaintext:
             raise ValueError("feed_plaintext and feed_tls_ca_file exclude each other")
-        if (self.routing_feed and self.feed_tls_ca_file is None and not self.feed_plaintext
-                and not is_loopback(self.routing_feed.rpartition(":")[0])):
-            raise ValueError(f"routing_feed {self.routing_feed} is not a loopback address: set "
-                             "feed_tls_ca_file (--feed-tls-ca) or feed_plaintext (--feed-plaintext)")
+        if self.feed_tls_ca_file is None and not self.feed_plaintext:
+            for target in self.routing_feed or ():
+                if not is_loopback(target.rpartition(":")[0]):
+                    raise ValueError(f"routing_feed {target} is not a loopback address: set feed_tls_ca_file "
+                                     "(--feed-tls-ca) or feed_plaintext (--feed-plaintext)")
         return self
 
     def feed_tls(self) -> ClientTls | None:
@@ -108,10 +111,24 @@ class RelayConfig(BaseModel):
         return ClientTls(self.feed_tls_ca_file, self.feed_tls_cert_file, self.feed_tls_key_file,
                          self.feed_tls_server_name)
 
-    @field_validator("listen", "routing_feed", "admin_listen")
+    @field_validator("listen", "admin_listen")
     @classmethod
     def _check_hostport(cls, v: str | None) -> str | None:
         return None if v is None else _hostport(v)
+
+    @field_validator("routing_feed", mode="before")
+    @classmethod
+    def _feed_targets(cls, v: Any) -> list[str] | None:
+        """One HOST:PORT, several comma-separated, or a list of them (each may hold commas)."""
+        if v is None:
+            return None
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) for x in items):
+            raise ValueError("expected HOST:PORT, HOST:PORT,HOST:PORT or a list of HOST:PORT")
+        targets = [_hostport(t.strip()) for x in items for t in x.split(",") if t.strip()]
+        if not targets:
+            raise ValueError("no HOST:PORT given")
+        return targets
 
     @field_validator("upstream")
     @classmethod

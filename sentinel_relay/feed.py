@@ -1,6 +1,7 @@
 """Client of the control plane's routing feed (``sentinel.routing.v1.RoutingFeed/Watch``).
 
-:class:`FeedClient` keeps one server-streaming call open (grpc.aio), reconnecting with backoff
+:class:`FeedClient` keeps one server-streaming call open (grpc.aio) to one of its targets (a
+control plane's replicas; each reconnect dials the next, round robin), reconnecting with backoff
 (0.1 s doubling to ``reconnect_max_s``; an HTTP/2 PING every ``keepalive_s`` left unanswered for
 ``keepalive_s`` drops the connection, so a frozen control plane is left too), and calls ``on_node(node, snapshot)`` for every
 ``NodeRouting`` it receives (each reconnect starts with a full snapshot). It keeps the latest
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 import grpc
 
@@ -24,10 +25,14 @@ log = logging.getLogger("sentinel_relay.feed")
 
 
 class FeedClient:
-    def __init__(self, target: str, on_node: Callable[[routing_pb2.NodeRouting, bool], None], *,
+    def __init__(self, target: str | Sequence[str], on_node: Callable[[routing_pb2.NodeRouting, bool], None], *,
                  subscriber_id: str = "sentinel-relay", reconnect_max_s: float = 2.0, keepalive_s: float = 1.0,
                  on_connected: Callable[[bool], None] | None = None, tls: ClientTls | None = None) -> None:
-        self.target = target
+        self.targets = [target] if isinstance(target, str) else list(target)
+        if not self.targets:
+            raise ValueError("FeedClient needs at least one target")
+        self._next = 0  # index of the target the next dial goes to
+        self.target = self.targets[0]  # the one dialled last
         ms = max(1, round(keepalive_s * 1000))
         # Pings go on while the stream is idle (gRPC stops after 2 without data by default). The
         # ack deadline is grpc.http2.ping_timeout_ms: with keepalive_timeout_ms alone, gRPC 1.85
@@ -57,6 +62,8 @@ class FeedClient:
     async def _run(self) -> None:
         backoff = 0.1
         while True:
+            self.target = self.targets[self._next]
+            self._next = (self._next + 1) % len(self.targets)
             try:
                 async with dial(self.target, options=self.channel_options, tls=self.tls) as ch:
                     stub = routing_pb2_grpc.RoutingFeedStub(ch)
@@ -65,7 +72,7 @@ class FeedClient:
                         if upd.snapshot:
                             self.on_connected(True)
                             backoff = 0.1
-                            log.info("routing feed: snapshot of %d nodes", len(upd.nodes))
+                            log.info("routing feed %s: snapshot of %d nodes", self.target, len(upd.nodes))
                         self.updates += 1
                         for n in upd.nodes:
                             self.nodes[n.node_id] = n

@@ -24,6 +24,19 @@ def test_config_defaults_yaml_and_flags(tmp_path):
     assert cfg.upstream == "http://127.0.0.1:10000" and cfg.max_resume_tokens == 8192
 
 
+def test_routing_feed_takes_one_address_or_the_replicas():
+    assert load_relay_config(routing_feed="127.0.0.1:18000").routing_feed == ["127.0.0.1:18000"]
+    both = ["127.0.0.1:18000", "127.0.0.1:18001"]
+    assert load_relay_config(routing_feed="127.0.0.1:18000, 127.0.0.1:18001").routing_feed == both
+    assert load_relay_config(routing_feed=["127.0.0.1:18000", "127.0.0.1:18001"]).routing_feed == both  # flags
+    with pytest.raises(RelayConfigError, match=r"routing_feed: .*expected HOST:PORT, got 'nowhere'"):
+        load_relay_config(routing_feed=["127.0.0.1:18000", "nowhere"])
+    with pytest.raises(RelayConfigError, match="routing_feed: .*no HOST:PORT"):
+        load_relay_config(routing_feed=" , ")
+    with pytest.raises(RelayConfigError, match="routing_feed 10.0.0.2:18000 is not a loopback address"):
+        load_relay_config(routing_feed="127.0.0.1:18000,10.0.0.2:18000")  # each replica is checked
+
+
 @pytest.mark.parametrize("text,field", [
     ("stall_gap_s: -1\n", "stall_gap_s"),
     ("listen: nowhere\n", "listen"),

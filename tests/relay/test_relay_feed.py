@@ -91,3 +91,41 @@ async def test_feed_from_a_frozen_control_plane_is_dropped_and_redialled(tmp_pat
         cp.stop()
     print(f"\nfeed dropped {dropped_s:.2f} s after the control plane froze")
     assert dropped_s <= 3.0, dropped_s  # a PING each 1 s (+-15 % jitter), 1 s to answer
+
+
+class OneSnapshot(routing_pb2_grpc.RoutingFeedServicer):
+    """A replica's feed: one snapshot with node "a" in ``state``, then it holds the stream."""
+
+    def __init__(self, state: str) -> None:
+        self.state = state
+        self.calls = 0
+
+    async def Watch(self, request, context):
+        self.calls += 1
+        yield routing_pb2.RoutingUpdate(snapshot=True, nodes=[routing_pb2.NodeRouting(
+            node_id="a", address="10.0.0.1:8000", routable=self.state == "HEALTHY", state=self.state)])
+        await asyncio.sleep(30)
+
+
+async def test_feed_client_moves_to_the_next_replica_when_its_feed_ends():
+    servers, feeds, targets = [], [OneSnapshot("HEALTHY"), OneSnapshot("UNHEALTHY")], []
+    for f in feeds:
+        s = grpc.aio.server()
+        routing_pb2_grpc.add_RoutingFeedServicer_to_server(f, s)
+        targets.append(f"127.0.0.1:{s.add_insecure_port('127.0.0.1:0')}")
+        await s.start()
+        servers.append(s)
+    seen: list[tuple[str, bool]] = []
+    client = FeedClient(targets, lambda n, snap: seen.append((n.state, snap)), reconnect_max_s=0.2)
+    client.start()
+    try:
+        await wait_for(lambda: seen == [("HEALTHY", True)], timeout_s=5.0)
+        assert client.target == targets[0] and feeds[1].calls == 0
+        await servers[0].stop(0)  # the replica the feed is on goes away
+        await wait_for(lambda: len(seen) == 2, timeout_s=5.0)
+        assert seen[1] == ("UNHEALTHY", True) and client.target == targets[1]  # the other's snapshot
+        assert client.nodes["a"].state == "UNHEALTHY"
+    finally:
+        await client.stop()
+        for s in servers:
+            await s.stop(0)
