@@ -3,10 +3,12 @@
 :class:`FeedClient` keeps one server-streaming call open (grpc.aio) to one of its targets (a
 control plane's replicas; each reconnect dials the next, round robin), reconnecting with backoff
 (0.1 s doubling to ``reconnect_max_s``; an HTTP/2 PING every ``keepalive_s`` left unanswered for
-``keepalive_s`` drops the connection, so a frozen control plane is left too), and calls ``on_node(node, snapshot)`` for every
-``NodeRouting`` it receives (each reconnect starts with a full snapshot). It keeps the latest
-routing per node in ``nodes`` (node id -> NodeRouting). ``on_node`` must not block. ``tls``: dial
-over TLS (:class:`~xds_server.tls.ClientTls`, files re-read at each reconnect); None: plaintext.
+``keepalive_s`` drops the connection, so a frozen control plane is left too), and calls
+``on_node(node, snapshot)`` for every ``NodeRouting`` it receives (each reconnect starts with a
+full snapshot). It keeps the latest routing per node in ``nodes`` (node id -> NodeRouting).
+``on_node`` must not block. ``tls``: dial over TLS (:class:`~xds_server.tls.ClientTls`, files
+re-read at each reconnect); None: plaintext. ``target``: the one dialled last. Raises ValueError
+when no target is given.
 """
 from __future__ import annotations
 
