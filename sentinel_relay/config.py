@@ -153,5 +153,6 @@ def load_relay_config(path: str | Path | None = None, **overrides: Any) -> Relay
     try:
         return RelayConfig(**data)
     except ValidationError as e:
-        msgs = [f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: {err['msg']}" for err in e.errors()]
+        msgs = [f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: {err['msg'].removeprefix('Value error, ')}"
+                for err in e.errors()]
         raise RelayConfigError("; ".join(msgs)) from None
