@@ -11,11 +11,12 @@ and 14 items 2 and 3). The processes, once per bootstrap variant:
   (group B runs, unused by Envoy, as the probe-rate reference).
 
 Tests: both clusters answer and a host frozen in pool-a is excluded by Envoy while pool-b is
-untouched (``eds-sotw``); in both variants the A replica Envoy is connected to is killed with
-SIGKILL under load: no request fails, the survivor held the same versions, Envoy's pool-a update
-stats show no change beyond the reconnect (delta: no update at all) and no cluster is added or
-modified, and the agents watched by two replicas probe their engines no more than the one
-watched by a single process.
+untouched (``eds-sotw``); in both variants the A replica Envoy is connected to is frozen (Envoy
+moves to the other within the keepalive's ~2 s), then killed with SIGKILL, then stopped with
+SIGTERM (a rolling restart) under load: no request fails, the survivor held the same versions,
+Envoy's pool-a update stats show no change beyond the reconnect (delta: no update at all) and no
+cluster is added or modified, and the agents watched by two replicas probe their engines no
+more than the one watched by a single process.
 """
 from __future__ import annotations
 
@@ -123,10 +124,8 @@ class Split:
                 wd / f"agent-{n.node_id}.log", ready_pattern="listening")
         self._start_all([n.engine for n in self.nodes] + [n.agent for n in self.nodes])
         for cp in self.cps:
-            path = wd / f"{cp.replica}.yaml"
-            path.write_text(yaml.safe_dump(self.config(cp), sort_keys=False))
-            cp.proc = ManagedProcess(cp.replica, self._py("-m", "xds_server.cli", "serve", "--config", str(path)),
-                                     wd / f"{cp.replica}.log", ready_pattern="admin listening")
+            (wd / f"{cp.replica}.yaml").write_text(yaml.safe_dump(self.config(cp), sort_keys=False))
+            cp.proc = self._serve(cp)
         self._start_all([cp.proc for cp in self.cps])
         replicas = {g: tuple(f"127.0.0.1:{cp.xds_port}" for cp in self.cps if cp.group == g) for g in ("a", "b")}
         ports = {"listener_port": self.envoy_port, "admin_port": self.envoy_admin_port,
@@ -142,6 +141,17 @@ class Split:
                                               "--concurrency", "2", "-l", "warning"], wd / "envoy.out")
         self.procs.append(self.envoy.start())
         return self
+
+    def _serve(self, cp: ControlPlaneProc) -> ManagedProcess:
+        return ManagedProcess(cp.replica, self._py("-m", "xds_server.cli", "serve", "--config",
+                                                   str(self.wd / f"{cp.replica}.yaml")),
+                              self.wd / f"{cp.replica}.log", ready_pattern="admin listening")
+
+    def restart(self, cp: ControlPlaneProc) -> None:
+        """Start ``cp`` again (same config and ports) after a test stopped it."""
+        cp.proc = self._serve(cp)
+        self.procs.append(cp.proc)
+        cp.proc.start(30.0)
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -331,11 +341,14 @@ async def test_freeze_of_the_connected_replica_moves_envoy_to_the_other_and_a_no
     await wait_for(lambda: split.all_routed(http), timeout_s=20.0, what=split.routed_why)
 
 
-async def test_kill_9_of_the_connected_replica_under_load_changes_nothing_in_envoy(split, http):
-    await wait_for(lambda: split.all_routed(http), timeout_s=30.0, what=split.routed_why)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+async def test_kill_9_or_sigterm_of_the_connected_replica_under_load_changes_nothing_in_envoy(split, http, sig):
+    """SIGKILL: the replica dies; SIGTERM: a rolling restart (it closes its streams and exits)."""
     a1, a2 = split.cps[0], split.cps[1]
-    if not a1.proc.alive() or not a2.proc.alive():
-        pytest.skip("needs both A replicas (run with the module's setup)")
+    for cp in (a1, a2):
+        if not cp.proc.alive():  # the one an earlier test killed
+            split.restart(cp)
+    await wait_for(lambda: split.all_routed(http), timeout_s=30.0, what=split.routed_why)
     same_version = functools.partial(split.same_version, http)
     # both replicas, fed by the same agents, publish the same version for the same state
     await wait_for(same_version, timeout_s=10.0)
@@ -363,15 +376,17 @@ async def test_kill_9_of_the_connected_replica_under_load_changes_nothing_in_env
     try:
         load_a.phase("before")
         await asyncio.sleep(0.5)
-        load_a.phase("kill -9")
+        load_a.phase(sig.name)
         victim_encoded = await split.encoded(http, victim) - encoded_before[victim.replica]
-        os.killpg(victim.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        os.killpg(victim.proc.pid, sig)
 
         async def reconnected() -> bool:
             published.append(await split.cla_version(http, survivor, "pool-a"))
             return await split.connected(http, survivor)
 
         await wait_for(reconnected, timeout_s=15.0)
+        moved_s = time.monotonic() - t0
         load_a.phase("on the survivor")
         await asyncio.sleep(0.5)
         published.append(await split.cla_version(http, survivor, "pool-a"))
@@ -384,7 +399,7 @@ async def test_kill_9_of_the_connected_replica_under_load_changes_nothing_in_env
     # and the survivor's from `before` on, counted by their caches (polling the survivor's
     # version alone misses one replaced within a poll)
     changes = victim_encoded + await split.encoded(http, survivor) - encoded_before[survivor.replica]
-    print(f"\n{split.variant}: killed {victim.replica}, Envoy on {survivor.replica}; requests ok {total.ok} failed "
+    print(f"\n{split.variant}: {sig.name} to {victim.replica}, Envoy on {survivor.replica} (ACKed) after {moved_s:.2f} s; requests ok {total.ok} failed "
           f"{dict(total.failures)}; survivor's versions {version} -> {sorted(set(published))} (polled); "
           f"versions published: {victim_encoded} by the victim, {changes - victim_encoded} by the survivor; "
           f"Envoy pool-a stats before {before} after {after}")
