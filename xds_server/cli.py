@@ -26,7 +26,6 @@ from importlib import metadata
 
 from xds_server import event_loop
 from xds_server.admin.status_text import format_status
-from xds_server.config import ConfigError, load_config
 from xds_server.logs import FORMATS, LEVELS, configure_logging, quiet_grpc_core, set_replica
 from xds_server.untrusted import for_log
 
@@ -88,10 +87,8 @@ def _serve(args: argparse.Namespace) -> int:
     except event_loop.LoopUnavailable as e:
         print(f"xds-server: {e}", file=sys.stderr)
         return 2
-    try:
-        cfg = load_config(path)
-    except ConfigError as e:
-        print(f"xds-server: {e}", file=sys.stderr)
+    cfg = _load(path)
+    if cfg is None:
         return 2
     from xds_server.server import ControlPlane
 
@@ -141,14 +138,24 @@ def _serve(args: argparse.Namespace) -> int:
     return event_loop.run(run(), loop_name)
 
 
+def _load(path: str):
+    """The config at ``path``; None after printing why it was refused (``xds_server.config`` is
+    imported here, so commands that do not read a config start without pydantic's models)."""
+    from xds_server.config import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        print(f"xds-server: {e}", file=sys.stderr)
+        return None
+
+
 def _check_config(args: argparse.Namespace) -> int:
     path = _config_arg(args)
     if path is None:
         return 2
-    try:
-        cfg = load_config(path)
-    except ConfigError as e:
-        print(f"xds-server: {e}", file=sys.stderr)
+    cfg = _load(path)
+    if cfg is None:
         return 2
     n = sum(len(c.nodes) for c in cfg.clusters)
     print(f"{path}: OK ({len(cfg.clusters)} cluster(s), {n} node(s))")
@@ -219,6 +226,7 @@ def _drain(args: argparse.Namespace) -> int:
 def _envoy_bootstrap(args: argparse.Namespace) -> int:
     import yaml
 
+    from xds_server.config import ConfigError
     from xds_server.envoy_bootstrap import ControlPlaneGroup, render_bootstrap
 
     try:
