@@ -215,7 +215,6 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
             options=[
                 ("grpc.keepalive_time_ms", cfg.grpc_keepalive_time_ms),
                 ("grpc.keepalive_timeout_ms", 5_000),
-                ("grpc.http2.ping_timeout_ms", 5_000),  # what enforces the line above (gRPC 1.85)
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
                 ("grpc.http2.max_pings_without_data", 0),

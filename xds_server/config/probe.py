@@ -20,8 +20,11 @@ class ProbeConfig(_Model):
     )
     keepalive_timeout_ms: int = Field(
         1000, ge=100,
-        description="keepalive ping ack deadline (ours); set as gRPC's grpc.http2.ping_timeout_ms too, "
-        "without which gRPC 1.85 does not close a connection whose peer stopped answering pings")
+        description="keepalive ping ack deadline (ours). gRPC 1.85 closes a connection on it only with "
+        "grpc.http2.ping_timeout_ms, deliberately not set here: after a stall of our own (SIGSTOP, VM "
+        "pause) the ping sent before it would cut every probe stream as we wake (the fault matrix's "
+        "control-plane SIGSTOP then ejected a node); a silent stream is closed by "
+        "silent_stream_redial_ms instead, which knows about our stalls")
     channel_initial_backoff_ms: int = Field(
         100, ge=1,
         description="gRPC channel's own first reconnect backoff (gRPC's default is 1 s: too slow "
@@ -112,7 +115,6 @@ class ProbeConfig(_Model):
         return [
             ("grpc.keepalive_time_ms", self.keepalive_time_ms),
             ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
-            ("grpc.http2.ping_timeout_ms", self.keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.initial_reconnect_backoff_ms", self.channel_initial_backoff_ms),
