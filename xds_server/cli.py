@@ -92,9 +92,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from xds_server.server import ControlPlane
 
+    log = logging.getLogger("xds_server.server")
     set_replica(cfg.xds.replica_id)
     if cfg.xds.server_id is not None:
-        logging.getLogger("xds_server.server").warning(
+        log.warning(
             "xds.server_id is deprecated and ignored: versions are content hashes, the same on every "
             "replica; name this process with xds.replica_id (now %r)", cfg.xds.replica_id)
 
@@ -109,14 +110,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"xds-server ADS listening on {cfg.xds.listen.rpartition(':')[0]}:{cp.xds_port}", flush=True)
         print(f"xds-server admin listening on http://{cfg.admin.listen.rpartition(':')[0]}:{cp.admin_port}",
               flush=True)
-        logging.getLogger("xds_server.server").info("event loop: %s", event_loop.running_loop_name())
-        stop = asyncio.Event()
+        log.info("event loop: %s", event_loop.running_loop_name())
         loop = asyncio.get_running_loop()
-        got: list[str] = []  # the signal that asked to stop
+        stopped_by: asyncio.Future[str] = loop.create_future()  # the name of the signal that asked
 
         def on_stop(name: str) -> None:
-            got.append(name)
-            stop.set()
+            if not stopped_by.done():  # a second signal while stopping changes nothing
+                stopped_by.set_result(name)
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_stop, sig.name)
@@ -128,9 +128,7 @@ def _serve(args: argparse.Namespace) -> int:
             t.add_done_callback(reloads.discard)
 
         loop.add_signal_handler(signal.SIGHUP, on_hup)
-        await stop.wait()
-        log = logging.getLogger("xds_server.server")
-        log.info("%s: stopping", got[0])
+        log.info("%s: stopping", await stopped_by)
         await cp.stop()
         log.info("stopped")
         return 0
@@ -139,8 +137,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _load(path: str):
-    """The config at ``path``; None after printing why it was refused (``xds_server.config`` is
-    imported here, so commands that do not read a config start without pydantic's models)."""
+    """The config at ``path`` (a SentinelConfig); None after printing why it was refused.
+    ``xds_server.config`` is imported here: commands that read no config start without it."""
     from xds_server.config import ConfigError, load_config
 
     try:
