@@ -92,10 +92,9 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from xds_server.server import ControlPlane
 
-    log = logging.getLogger("xds_server.server")
     set_replica(cfg.xds.replica_id)
     if cfg.xds.server_id is not None:
-        log.warning(
+        logging.getLogger("xds_server.server").warning(
             "xds.server_id is deprecated and ignored: versions are content hashes, the same on every "
             "replica; name this process with xds.replica_id (now %r)", cfg.xds.replica_id)
 
@@ -110,13 +109,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"xds-server ADS listening on {cfg.xds.listen.rpartition(':')[0]}:{cp.xds_port}", flush=True)
         print(f"xds-server admin listening on http://{cfg.admin.listen.rpartition(':')[0]}:{cp.admin_port}",
               flush=True)
-        log.info("event loop: %s", event_loop.running_loop_name())
+        logging.getLogger("xds_server.server").info("event loop: %s", event_loop.running_loop_name())
+        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        stopped_by: asyncio.Future[str] = loop.create_future()  # the name of the signal that asked
+        got: list[str] = []  # the signal that asked to stop
 
         def on_stop(name: str) -> None:
-            if not stopped_by.done():  # a second signal while stopping changes nothing
-                stopped_by.set_result(name)
+            got.append(name)
+            stop.set()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_stop, sig.name)
@@ -128,7 +128,9 @@ def _serve(args: argparse.Namespace) -> int:
             t.add_done_callback(reloads.discard)
 
         loop.add_signal_handler(signal.SIGHUP, on_hup)
-        log.info("%s: stopping", await stopped_by)
+        await stop.wait()
+        log = logging.getLogger("xds_server.server")
+        log.info("%s: stopping", got[0])
         await cp.stop()
         log.info("stopped")
         return 0
@@ -137,8 +139,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _load(path: str):
-    """The config at ``path`` (a SentinelConfig); None after printing why it was refused.
-    ``xds_server.config`` is imported here: commands that read no config start without it."""
+    """The config at ``path``; None after printing why it was refused (``xds_server.config`` is
+    imported here, so commands that do not read a config start without pydantic's models)."""
     from xds_server.config import ConfigError, load_config
 
     try:

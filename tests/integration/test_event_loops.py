@@ -65,6 +65,7 @@ async def test_the_control_plane_on_uvloop_routes_and_ejects_a_frozen_node(make_
         fleet.node(victim).agent.thaw()
 
 
+
 def test_rtt_samples_keep_sub_millisecond_precision_on_uvloop(monkeypatch):
     pytest.importorskip("uvloop", reason="uvloop is in the dev extra")
     samples: list[float] = []

@@ -44,9 +44,9 @@ from xds_server.testing import (
     fetch_envoy_hosts,
     free_port,
     parse_envoy_stats,
-    prometheus_value,
     wait_for,
 )
+from xds_server.testing._fault_rig import prometheus_value
 
 pytestmark = pytest.mark.envoy
 
@@ -318,8 +318,9 @@ async def test_freeze_of_the_connected_replica_moves_envoy_to_the_other_and_a_no
         node.engine.freeze()
         node.agent.freeze()
         try:
-            await wait_for(lambda: split.connected(http, survivor, acked=False), timeout_s=45.0, step_s=0.05)
+            moved = await wait_for(lambda: split.connected(http, survivor, acked=False), timeout_s=45.0, step_s=0.05)
             t_moved = time.monotonic() - t0
+            assert moved
 
             async def excluded() -> bool:
                 return (await split.hosts(http, "pool-a")).get("gpu-a1") != "HEALTHY"
@@ -398,8 +399,8 @@ async def test_kill_9_or_sigterm_of_the_connected_replica_under_load_changes_not
     # and the survivor's from `before` on, counted by their caches (polling the survivor's
     # version alone misses one replaced within a poll)
     changes = victim_encoded + await split.encoded(http, survivor) - encoded_before[survivor.replica]
-    print(f"\n{split.variant}: {sig.name} to {victim.replica}, Envoy on {survivor.replica} (ACKed) after "
-          f"{moved_s:.2f} s; requests ok {total.ok} failed {dict(total.failures)}; survivor's versions {version} -> {sorted(set(published))} (polled); "
+    print(f"\n{split.variant}: {sig.name} to {victim.replica}, Envoy on {survivor.replica} (ACKed) after {moved_s:.2f} s; requests ok {total.ok} failed "
+          f"{dict(total.failures)}; survivor's versions {version} -> {sorted(set(published))} (polled); "
           f"versions published: {victim_encoded} by the victim, {changes - victim_encoded} by the survivor; "
           f"Envoy pool-a stats before {before} after {after}")
     assert total.failed == 0 and total.ok > 20, dict(total.failures)

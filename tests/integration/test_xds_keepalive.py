@@ -46,15 +46,12 @@ async def test_stream_of_a_frozen_ads_client_is_closed_by_our_keepalive(tmp_path
                 async with http.get("/xds/clients") as r:
                     return [c["node_id"] for c in (await r.json())["clients"]]
 
-            async def gone() -> bool:
-                return await clients() == []
-
             client.start()
-            await wait_for(clients, timeout_s=10.0)
+            await wait_for(lambda: clients(), timeout_s=10.0)
             assert await clients() == ["frozen-envoy"]
             t0 = time.monotonic()
             client.freeze()
-            await wait_for(gone, timeout_s=10.0, step_s=0.05)
+            await wait_for(lambda: _none(clients), timeout_s=10.0, step_s=0.05)
             closed_s = time.monotonic() - t0
     finally:
         client.stop()
@@ -62,3 +59,7 @@ async def test_stream_of_a_frozen_ads_client_is_closed_by_our_keepalive(tmp_path
     # a ping within 1 s of the freeze, unanswered for 1 s (without grpc.http2.ping_timeout_ms:
     # open until the client wakes)
     assert closed_s <= 3.0, closed_s
+
+
+async def _none(clients) -> bool:
+    return await clients() == []

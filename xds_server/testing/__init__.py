@@ -50,7 +50,7 @@ from xds_server.testing._process import ManagedProcess, free_port
 from xds_server.testing._promlint import lint_exposition
 from xds_server.testing._wait import wait_for
 from xds_server.testing._traffic import TrafficLoad, TrafficStats
-from xds_server.testing._fault_rig import FaultRig, FaultRow, format_table, prometheus_value
+from xds_server.testing._fault_rig import FaultRig, FaultRow, format_table
 from xds_server.testing._faults import (
     agent_kill_restart,
     cp_kill_restart,
@@ -91,7 +91,6 @@ __all__ = [
     "lint_exposition",
     "parse_envoy_clusters",
     "parse_envoy_stats",
-    "prometheus_value",
     "restart_control_plane",
     "slow_ads_reader",
     "wait_for",
