@@ -89,7 +89,7 @@ async def _read_streams(n: int, seconds: float, port: int) -> dict:
 
 
 def _child(n: int, seconds: float, loop: str, port: int, cpu: int | None) -> None:
-    from xds_server import event_loop
+    from xds_server.process import event_loop
 
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})

@@ -38,8 +38,8 @@ from typing import Any
 import grpc
 
 from node_probe.proto import probe_pb2
-from xds_server import event_loop
 from xds_server.config import SentinelConfig, parse_config
+from xds_server.process import event_loop
 from xds_server.testing import free_port
 
 _WATCH = "/node_probe.v1.NodeProbe/Watch"
@@ -192,7 +192,7 @@ class _OurTime:
     ~1 us of CPU each call, counted in the total, not in ours."""
 
     def __init__(self, floor: bool) -> None:
-        from xds_server.probing import ProbeSession
+        from xds_server.probing.session import ProbeSession
 
         self.s = 0.0
         self.messages = 0
@@ -203,7 +203,7 @@ class _OurTime:
         self.available = hasattr(ProbeSession, "on_message")
         if not self.available:  # an older tree (--before via PYTHONPATH): process CPU only
             return
-        from xds_server.tick_timer import TickTimer
+        from xds_server.probing.timers import TickTimer
         me = self
         clock = time.thread_time
 
@@ -376,9 +376,9 @@ async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: b
     import cProfile
     import pstats
 
-    from xds_server.control.clock import LoopClock
     from xds_server.control.core import ControlCore
-    from xds_server.probing import ProbeSession, _Stream
+    from xds_server.probing.session import ProbeSession, _Stream
+    from xds_server.process.clock import LoopClock
 
     cfg = _hot_config(nodes, steady)
     core = ControlCore(cfg, LoopClock())

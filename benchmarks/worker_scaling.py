@@ -33,11 +33,10 @@ import pickle
 import socket
 import statistics
 import time
-
 from collections.abc import Callable
 
-from xds_server import event_loop
 from xds_server.config import parse_config
+from xds_server.process import event_loop
 from xds_server.server import ControlPlane
 from xds_server.testing import free_port
 
@@ -134,8 +133,8 @@ def channel_cost(nodes: int = 100, rounds: int = 200) -> dict:
     40 heartbeats, a ping and a probe, with one transition): encode in the worker, decode in main."""
     from xds_server.config import HealthConfig
     from xds_server.health import model as hm
-    from xds_server.probe_workers import Detector
-    from xds_server.probe_workers._channel import encode
+    from xds_server.probing.workers import Detector
+    from xds_server.probing.workers._channel import encode
 
     d = Detector(HealthConfig())
     for i in range(nodes):

@@ -62,7 +62,7 @@ from node_probe.stall import StallDetector
 from node_probe.streams import StreamHub
 from node_probe.telemetry import GpuCollector, gpu_fatal_reason
 from node_probe.ticks import sleep_until_tick
-from xds_server.tls import ServerCertFiles, add_port, listener_credentials, refused_client
+from xds_server.process.tls import ServerCertFiles, add_port, listener_credentials, refused_client
 
 # AgentConfig and EngineLifecycle live in their own modules; this module is their public face.
 __all__ = ["AgentConfig", "EngineLifecycle", "ProbeAgent", "run_agent"]

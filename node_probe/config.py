@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from node_probe.engines import ENGINE_KINDS
 from node_probe.schedule import ScheduleSettings
 from node_probe.telemetry import FATAL_XIDS
-from xds_server.tls import is_loopback
+from xds_server.process.tls import is_loopback
 
 __all__ = ["AgentConfig"]
 

@@ -19,6 +19,7 @@ from collections import deque
 from typing import Any, Callable
 
 from node_probe.proto import probe_pb2
+from node_probe.xids import FATAL_XIDS
 
 __all__ = ["FATAL_XIDS", "GpuCollector", "gpu_fatal_reason", "nvml_error_name"]
 
@@ -31,10 +32,6 @@ _ABSENT_ERRORS = frozenset({"LibraryNotFound", "DriverNotLoaded"})
 
 _MAX_XIDS_PER_COLLECT = 64
 
-#: Xid codes that mean the GPU (or its memory or links) can no longer be trusted: 48 double-bit
-#: ECC, 63/64 row-remapping event/failure, 74 NVLink error, 79 fallen off the bus, 94/95
-#: contained/uncontained ECC error. Any of them marks the engine FAILED.
-FATAL_XIDS = frozenset({48, 63, 64, 74, 79, 94, 95})
 # MIG-query errors that only mean "this GPU has no MIG".
 _NO_MIG_ERRORS = frozenset({"NotSupported", "FunctionNotFound", "InvalidArgument"})
 

@@ -15,7 +15,7 @@ import sys
 
 from aiohttp import web
 
-from xds_server import event_loop
+from xds_server.process import event_loop
 
 from .config import RelayConfig, RelayConfigError, load_relay_config
 
@@ -71,7 +71,7 @@ async def _serve(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int |
 def run_worker(cfg: RelayConfig, index: int = 0, reuse_port: bool = False, ready_fd: int | None = None,
                loop: str = "auto") -> None:
     """Run one relay process until SIGTERM/SIGINT. ``loop``: "uvloop", "asyncio" or "auto"
-    (uvloop when installed: the ``relay`` extra); :func:`xds_server.event_loop.run`."""
+    (uvloop when installed: the ``relay`` extra); :func:`xds_server.process.event_loop.run`."""
     event_loop.run(_serve(cfg, index, reuse_port, ready_fd), loop)
 
 

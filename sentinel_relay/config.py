@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from xds_server.tls import ClientTls, is_loopback
+from xds_server.process.tls import ClientTls, is_loopback
 
 __all__ = ["RelayConfig", "RelayConfigError", "load_relay_config"]
 

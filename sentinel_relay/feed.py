@@ -6,7 +6,7 @@ control plane's replicas; each reconnect dials the next, round robin), reconnect
 ``keepalive_s`` drops the connection, so a frozen control plane is left too), and calls
 ``on_node(node, snapshot)`` for every ``NodeRouting`` it receives (each reconnect starts with a
 full snapshot). It keeps the latest routing per node in ``nodes`` (node id -> NodeRouting).
-``on_node`` must not block. ``tls``: dial over TLS (:class:`~xds_server.tls.ClientTls`, files
+``on_node`` must not block. ``tls``: dial over TLS (:class:`~xds_server.process.tls.ClientTls`, files
 re-read at each reconnect); None: plaintext. ``target``: the one dialled last. Raises ValueError
 when no target is given.
 """
@@ -18,8 +18,8 @@ from typing import Callable, Sequence
 
 import grpc
 
+from xds_server.process.tls import ClientTls, dial
 from xds_server.proto import routing_pb2, routing_pb2_grpc
-from xds_server.tls import ClientTls, dial
 
 __all__ = ["FeedClient"]
 
@@ -41,7 +41,7 @@ class FeedClient:
         # kept a connection to a SIGSTOPped server open until it woke (measured).
         self.channel_options = [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
                                 ("grpc.http2.ping_timeout_ms", ms), ("grpc.http2.max_pings_without_data", 0)]
-        self.tls = tls  # None: plaintext; else TLS as xds_server.tls.dial makes it
+        self.tls = tls  # None: plaintext; else TLS as xds_server.process.tls.dial makes it
         self.on_node = on_node
         self.subscriber_id = subscriber_id
         self.reconnect_max_s = reconnect_max_s

@@ -32,7 +32,9 @@ from .metrics import RelayMetrics
 from .plan import Plan, Refused, plan_request
 from .sse import SSESplitter
 from .stream import PING, St, StreamBook
-from .unary import HOP_HEADERS, RELAY_HEADER, UnaryRequests, out_headers as _out_headers, reply as _reply
+from .unary import HOP_HEADERS, RELAY_HEADER, UnaryRequests
+from .unary import out_headers as _out_headers
+from .unary import reply as _reply
 from .upstream import UpstreamExchange, open_exchange
 
 __all__ = ["Relay", "RELAY_HEADER"]

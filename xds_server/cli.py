@@ -24,10 +24,10 @@ import urllib.parse
 import urllib.request
 from importlib import metadata
 
-from xds_server import event_loop
 from xds_server.admin.status_text import format_status
-from xds_server.logs import FORMATS, LEVELS, configure_logging, quiet_grpc_core, set_replica
-from xds_server.untrusted import for_log
+from xds_server.process import event_loop
+from xds_server.process.logs import FORMATS, LEVELS, configure_logging, quiet_grpc_core, set_replica
+from xds_server.process.untrusted import for_log
 
 __all__ = ["EXIT_CODES", "TOKEN_ENV", "admin_base_url", "main"]
 
@@ -227,7 +227,7 @@ def _envoy_bootstrap(args: argparse.Namespace) -> int:
     import yaml
 
     from xds_server.config import ConfigError
-    from xds_server.envoy_bootstrap import ControlPlaneGroup, render_bootstrap
+    from xds_server.envoy.bootstrap import ControlPlaneGroup, render_bootstrap
 
     try:
         groups = []
@@ -281,7 +281,7 @@ def _bootstrap_tls(args: argparse.Namespace, doc: dict) -> None:
     SDS file). Raises ValueError for a lone cert or key, OSError when the SDS file cannot be written."""
     import yaml
 
-    from xds_server.envoy_bootstrap import add_xds_tls, xds_tls_sds_secrets, xds_tls_transport_socket
+    from xds_server.envoy.bootstrap import add_xds_tls, xds_tls_sds_secrets, xds_tls_transport_socket
 
     absolute = {k: os.path.abspath(v) if v else None
                 for k, v in (("ca", args.xds_tls_ca), ("cert", args.xds_tls_cert), ("key", args.xds_tls_key),

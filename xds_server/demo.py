@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from xds_server.envoy_bootstrap import EnvoyNotFound
+from xds_server.envoy.bootstrap import EnvoyNotFound
 from xds_server.testing import Fleet, LoadGenerator
 
 __all__ = ["FaultTimeline", "run_demo", "watch_exclusion"]
@@ -48,10 +48,10 @@ def shortened_settings() -> list[tuple[str, str, str]]:
     """(setting, demo value, production default) for every value the demo shortens; defaults
     are read from :class:`~xds_server.config.HealthConfig` and the bootstrap template
     (``xds_server/envoy/envoy.yaml``), so this never disagrees with them."""
-    from xds_server.config import HealthConfig
-    from xds_server.envoy_bootstrap import BOOTSTRAP_TEMPLATE
-
     import yaml
+
+    from xds_server.config import HealthConfig
+    from xds_server.envoy.bootstrap import BOOTSTRAP_TEMPLATE
 
     h = HealthConfig()
     doc = yaml.safe_load(BOOTSTRAP_TEMPLATE.read_text(encoding="utf-8"))

@@ -5,12 +5,12 @@ Data flows one way (docs/DESIGN.md section 1): probe sources feed observations i
 each assignment it decides is built into a ClusterLoadAssignment in the
 :class:`~xds_server.xds.cache.SnapshotCache`, which ADS (SotW and delta, on ``xds.listen``)
 streams to Envoy; routing listeners hear each published change; the admin app (on
-``admin.listen``) reads a :class:`~xds_server.control.views.ControlPlaneView`.
+``admin.listen``) reads a :class:`~xds_server.admin.views.ControlPlaneView`.
 
 A reload (:meth:`ControlPlane.reload_file`: SIGHUP, ``POST /reload``, a changed file) serves a new
 config without closing ADS streams (rules in :mod:`xds_server.control.reload`); with
 ``state.path`` the routing state is written there and resumed after a restart
-(:mod:`xds_server.state_file`, :mod:`xds_server.control.state`).
+(:mod:`xds_server.control.state_file`, :mod:`xds_server.control.state`).
 
 :class:`ControlPlane` does the I/O: binding ports, starting probe sources, writing the cache. The
 clock and the probe-source factory are injectable, so tests can drive it without sockets::
@@ -30,21 +30,22 @@ from aiohttp import web
 
 from xds_server.admin.app import HttpErrorLog, build_admin_app
 from xds_server.admin.reload import add_reload_route
+from xds_server.admin.views import ControlPlaneView
 from xds_server.config import ClusterConfig, ConfigError, NodeConfig, SentinelConfig, load_config, parse_hostport
-from xds_server.control.clock import Clock, LoopClock
 from xds_server.control.core import ControlCore
-from xds_server.control.counters import Counters
 from xds_server.control.events import EventLog, EventRecord
-from xds_server.control.probes import ProbeSource, ProbeSourceContext, ProbeSourceFactory, grpc_probe_source
 from xds_server.control.publish import ClusterPublish
 from xds_server.control.reload import drained, plan_reload, serving_config
-from xds_server.control.views import ControlPlaneView
+from xds_server.control.state_file import file_signature, load_kept_state, save_state
 from xds_server.discovery import Discovery, drop_readdressed
+from xds_server.feed.events import RoutingChange, RoutingListener, RoutingNotifier
 from xds_server.health import model as hm
-from xds_server.probe_workers import WorkerPool
-from xds_server.tls import add_port, listener_credentials, node_allow_authorizer
-from xds_server.state_file import file_signature, load_kept_state, save_state
-from xds_server.routing_events import RoutingChange, RoutingListener, RoutingNotifier
+from xds_server.health.counters import Counters
+from xds_server.probing.session import grpc_probe_source
+from xds_server.probing.sources import ProbeSource, ProbeSourceContext, ProbeSourceFactory
+from xds_server.probing.workers import WorkerPool
+from xds_server.process.clock import Clock, LoopClock
+from xds_server.process.tls import add_port, listener_credentials, node_allow_authorizer
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import InvalidResource, SnapshotCache
 from xds_server.xds.resources import (
@@ -62,11 +63,11 @@ log = logging.getLogger(__name__)
 class ControlPlane:
     """Everything one xds-server process runs. ``await start()`` / ``await stop()``.
 
-    ``clock``: default the running loop's (:class:`~xds_server.control.clock.LoopClock`).
+    ``clock``: default the running loop's (:class:`~xds_server.process.clock.LoopClock`).
     ``probe_sources``: factory of one probe source per node (default: a gRPC stream to the
     node's agent). Public parts: ``config``, ``core``, ``view``, ``cache``, ``ads``,
     ``sessions`` (node id -> probe source), ``counters``, ``routing_listeners`` (called per
-    published change, see :mod:`xds_server.routing_events`), ``xds_port``, ``admin_port``.
+    published change, see :mod:`xds_server.feed.events`), ``xds_port``, ``admin_port``.
     """
 
     def __init__(self, config: SentinelConfig, *, clock: Clock | None = None,
@@ -145,7 +146,7 @@ class ControlPlane:
         self.open()
         self._grpc = grpc.aio.server(options=self.config.xds.grpc_server_options())
         self.ads.add_to_server(self._grpc)  # ADS (SotW + delta), responses encoded once per content
-        from xds_server.routing_feed import RoutingFeed  # routing feed for the relay, same port
+        from xds_server.feed.service import RoutingFeed  # routing feed for the relay, same port
         self.routing_feed = RoutingFeed(self).add_to_server(self._grpc)
         self.view.routing_feed = self.routing_feed  # read by admin/metrics.py
         host, port = parse_hostport(self.config.xds.listen)

@@ -15,7 +15,11 @@ from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.resources import (
     CLA_TYPE_URL as EDS,
+)
+from xds_server.xds.resources import (
     CLUSTER_TYPE_URL as CDS,
+)
+from xds_server.xds.resources import (
     RESOURCE_TYPES,
     build_cla,
     build_cluster,

@@ -3,7 +3,6 @@ client is closed at teardown."""
 from __future__ import annotations
 
 import pytest
-
 from conformance_support import start_ads_server, stop_ads_server
 
 
@@ -22,6 +21,7 @@ async def control_plane():
     import asyncio
 
     from conformance_support import control_plane_config
+
     from xds_server.config import parse_config
     from xds_server.server import ControlPlane
 

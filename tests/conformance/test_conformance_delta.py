@@ -6,9 +6,8 @@ import re
 
 import grpc
 import pytest
+from conformance_support import CDS, EDS, cla, delta_names, empty_cla
 from envoy.config.endpoint.v3 import endpoint_pb2
-
-from conformance_support import EDS, CDS, cla, delta_names, empty_cla
 
 QUIET_S = 0.25
 

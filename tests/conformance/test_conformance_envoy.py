@@ -9,10 +9,10 @@ import asyncio
 import time
 
 import pytest
-
 from conformance_support import CDS, EDS, cla, empty_cla, start_ads_server, stop_ads_server
+
 from xds_server.config import parse_config
-from xds_server.envoy_bootstrap import EnvoyNotFound, find_envoy
+from xds_server.envoy.bootstrap import EnvoyNotFound, find_envoy
 from xds_server.health.model import Routing
 from xds_server.testing import StandaloneEnvoy, wait_for
 from xds_server.xds.resources import MAX_LOCALITY_WEIGHT_SUM, build_cla

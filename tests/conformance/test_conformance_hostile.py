@@ -11,12 +11,12 @@ import logging
 import aiohttp
 import grpc
 import pytest
+from conformance_support import CDS, EDS, cla, rss_bytes, start_ads_server, stop_ads_server
 from envoy.service.discovery.v3 import discovery_pb2
 from google.rpc import status_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conformance_support import CDS, EDS, cla, rss_bytes, start_ads_server, stop_ads_server
 from xds_server.config import XdsConfig
 from xds_server.testing import wait_for
 from xds_server.xds.delta import DeltaStream

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from conformance_support import CDS, EDS
+
 from xds_server.testing import wait_for
 
 

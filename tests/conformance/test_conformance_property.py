@@ -13,19 +13,19 @@ fails (``test_property_check_catches_a_server_that_sends_stale_bytes`` shows it)
 from __future__ import annotations
 
 import pytest
+from conformance_support import CDS, EDS, cla
+from envoy.service.discovery.v3 import discovery_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance_support import CDS, EDS, cla
 from xds_server.config import parse_config
 from xds_server.health.model import Routing
 from xds_server.xds.cache import CachedResource, SnapshotCache
 from xds_server.xds.delta import DeltaStream
 from xds_server.xds.encoding import encode_response, response_message
 from xds_server.xds.protocol import ResponsePlan, StreamIdentity
-from xds_server.xds.sotw import SotwStream
 from xds_server.xds.resources import build_cla, build_cluster
-from envoy.service.discovery.v3 import discovery_pb2
+from xds_server.xds.sotw import SotwStream
 
 NAMES = ["c0", "c1", "c2", "c3"]
 CFG = parse_config({"clusters": [

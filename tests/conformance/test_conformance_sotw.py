@@ -6,9 +6,9 @@ import re
 
 import grpc
 import pytest
+from conformance_support import CDS, EDS, cla, clas_of, clusters_of, start_ads_server, stop_ads_server
 from envoy.config.endpoint.v3 import endpoint_pb2
 
-from conformance_support import EDS, CDS, cla, clas_of, clusters_of, start_ads_server, stop_ads_server
 from xds_server.xds.cache import InvalidResource
 
 QUIET_S = 0.25

@@ -9,12 +9,12 @@ import time
 import aiohttp
 import grpc
 import pytest
+from conformance_support import CDS, EDS, cla, rss_bytes
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from conformance_support import CDS, EDS, cla, rss_bytes
 from xds_server.config import parse_config
 from xds_server.health.model import Routing
 from xds_server.xds.resources import build_cla
@@ -337,6 +337,7 @@ async def test_fc03_500_stream_churn_leaves_no_streams_subscriptions_tasks_or_me
 
 async def test_isolated_change_goes_out_at_once_and_a_burst_within_the_window_is_one_push():
     from conformance_support import control_plane_config
+
     from xds_server.health import model as hm
     from xds_server.server import ControlPlane
     from xds_server.testing import free_port

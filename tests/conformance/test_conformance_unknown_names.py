@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-
 from conformance_support import CDS, EDS, cla, clas_of, clusters_of, control_plane_config, delta_names
+
 from xds_server.config import parse_config
 from xds_server.server import ControlPlane
 from xds_server.testing import ScriptedAdsClient, ScriptedDeltaAdsClient

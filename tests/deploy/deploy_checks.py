@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from xds_server.envoy_bootstrap import find_envoy, render_bootstrap
+from xds_server.envoy.bootstrap import find_envoy, render_bootstrap
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,6 @@ import subprocess
 
 import pytest
 import yaml
-
 from deploy_checks import (
     ROOT,
     bootstrap_parts,

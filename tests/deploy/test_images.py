@@ -10,8 +10,8 @@ import tomllib
 
 import pytest
 import yaml
-
 from deploy_checks import ROOT, console_scripts, healthcheck_exit, read_dockerfile, script, with_port
+
 from node_probe.cli import build_parser as agent_parser
 from xds_server.testing import ManagedProcess, free_port
 

@@ -10,7 +10,6 @@ import copy
 import kubernetes_validate
 import pytest
 import yaml
-
 from deploy_checks import (
     ROOT,
     bootstrap_parts,
@@ -20,6 +19,7 @@ from deploy_checks import (
     template_parts,
     xds_hosts,
 )
+
 from node_probe.cli import build_parser as agent_parser
 from xds_server.config import parse_config, parse_hostport
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import re
 
+from deploy_checks import ROOT
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy_checks import ROOT
 from node_probe.metrics import AgentMetrics
 from node_probe.proto import probe_pb2
 from xds_server.admin.metrics import ControlPlaneCollector
 from xds_server.config import parse_config
-from xds_server.control.clock import ManualClock
-from xds_server.control.memory import InMemoryProbes
+from xds_server.probing.memory import InMemoryProbes
+from xds_server.process.clock import ManualClock
 from xds_server.server import ControlPlane
 
 _SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_info")

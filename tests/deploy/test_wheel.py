@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from deploy_checks import ROOT, read_dockerfile
+
 from xds_server.demo import shortened_settings
-from xds_server.envoy_bootstrap import render_bootstrap
+from xds_server.envoy.bootstrap import render_bootstrap
 
 PACKAGES = ("xds_server", "node_probe", "sentinel_relay")
 # What runs inside the extracted wheel: fails unless xds_server is imported from there.

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 
 from xds_server.config import parse_config
-from xds_server.control.memory import InMemoryProbes
+from xds_server.probing.memory import InMemoryProbes
 from xds_server.server import ControlPlane
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from xds_server.envoy_bootstrap import EnvoyNotFound, find_envoy
+from xds_server.envoy.bootstrap import EnvoyNotFound, find_envoy
 from xds_server.testing import Fleet
 
 

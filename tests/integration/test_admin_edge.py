@@ -7,13 +7,12 @@ import logging
 
 import aiohttp
 import pytest
+from admin_stack import healthy_admin_stack, three_node_admin_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xds_server.admin import app as admin_app
 from xds_server.server import ControlPlane
-
-from admin_stack import healthy_admin_stack, three_node_admin_config
 
 TOKEN = "s3cret-token"
 

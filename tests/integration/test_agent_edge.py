@@ -196,7 +196,7 @@ async def test_malformed_agent_message_flood_is_logged_rate_limited(rig, caplog)
     assert cp.sessions["a"].connected
 
 
-# -- our own stall (xds_server.stall_hold): the control plane's event loop blocked, as a SIGSTOP,
+# -- our own stall (xds_server.probing.stall_hold): the control plane's event loop blocked, as a SIGSTOP,
 #    a VM pause or a long GC would; the agent shares the loop here, so it is stopped too and
 #    heartbeats again as soon as the loop runs
 

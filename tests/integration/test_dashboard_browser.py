@@ -11,10 +11,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from headless import HeadlessChromium, find_chromium
 
 from xds_server.testing import wait_for
-
-from headless import HeadlessChromium, find_chromium
 
 pytestmark = pytest.mark.envoy
 

@@ -11,15 +11,14 @@ import time
 
 import aiohttp
 import pytest
-
-from xds_server.admin.live import LiveFeed
-from xds_server.admin.app import json_dumps
-from xds_server.config import parse_config
-from xds_server.control.memory import InMemoryProbes
-from xds_server.health import model as hm
-from xds_server.server import ControlPlane
-
 from admin_stack import healthy_admin_stack, three_node_admin_config
+
+from xds_server.admin.app import json_dumps
+from xds_server.admin.live import LiveFeed
+from xds_server.config import parse_config
+from xds_server.health import model as hm
+from xds_server.probing.memory import InMemoryProbes
+from xds_server.server import ControlPlane
 
 TOKEN = "dash-s3cret-token"
 

@@ -15,8 +15,8 @@ import yaml
 from fake_kube import FakeKube
 
 from xds_server.config import parse_config
-from xds_server.control.memory import InMemoryProbes
 from xds_server.health import model as hm
+from xds_server.probing.memory import InMemoryProbes
 from xds_server.server import ControlPlane
 from xds_server.testing import ManagedProcess, ScriptedAdsClient, free_port, wait_for
 from xds_server.xds.resources import CLA_TYPE_URL

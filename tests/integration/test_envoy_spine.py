@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from xds_server.demo import FaultTimeline, watch_exclusion, wait_routed
+from xds_server.demo import FaultTimeline, wait_routed, watch_exclusion
 from xds_server.testing import LoadGenerator
 
 pytestmark = pytest.mark.envoy

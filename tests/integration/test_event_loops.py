@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from scripted_agent import ScriptedAgent
 
-from xds_server import event_loop
 from xds_server.config import parse_config
 from xds_server.control.core import ControlCore
 from xds_server.health.model import PingObserved
+from xds_server.process import event_loop
 from xds_server.server import ControlPlane
 from xds_server.testing import wait_for
 
@@ -33,7 +33,7 @@ def worker_loops(cp_pid: int) -> list[str]:
             argv = (d / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == cp_pid and b"xds_server.probe_workers._worker" in argv:
+        if ppid == cp_pid and b"xds_server.probing.workers._worker" in argv:
             out.append(argv[-1].decode())
     return out
 

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from xds_server.admin.status_text import format_status
 from xds_server.config import parse_config
-from xds_server.control.clock import ManualClock
-from xds_server.control.memory import InMemoryProbes
+from xds_server.probing.memory import InMemoryProbes
+from xds_server.process.clock import ManualClock
 from xds_server.server import ControlPlane
 from xds_server.testing import free_port, wait_for
 
@@ -163,7 +163,8 @@ async def test_states_04_unreachable_agent_shown_UNREACHABLE_in_3_views_log_1_li
 
 async def test_states_05_version_in_clusters_equals_the_acked_resource_version_in_xds_clients(plane):
     from xds_server.testing import ScriptedAdsClient
-    from xds_server.xds.resources import CLA_TYPE_URL as EDS, CLUSTER_TYPE_URL as CDS
+    from xds_server.xds.resources import CLA_TYPE_URL as EDS
+    from xds_server.xds.resources import CLUSTER_TYPE_URL as CDS
 
     cp, probes, clock, url = await plane(2)
     beat(probes, clock, ["n0", "n1"], 0.2)   # the manual clock runs the publish timer

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from xds_server.probe_workers import worker_for
+from xds_server.probing.workers import worker_for
 from xds_server.testing import wait_for
 
 pytestmark = pytest.mark.envoy
@@ -34,8 +34,8 @@ def workers_of(cp_pid: int) -> dict[int, int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == cp_pid and b"xds_server.probe_workers._worker" in argv:
-            out[int(argv[argv.index(b"xds_server.probe_workers._worker") + 4])] = int(d.name)
+        if ppid == cp_pid and b"xds_server.probing.workers._worker" in argv:
+            out[int(argv[argv.index(b"xds_server.probing.workers._worker") + 4])] = int(d.name)
     return out
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from xds_server.envoy_bootstrap import EnvoyNotFound, find_envoy
+from xds_server.envoy.bootstrap import EnvoyNotFound, find_envoy
 from xds_server.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -31,10 +31,10 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
+from real_vllm_support import REAL_VLLM, WORK, Server, ensure_install, launch, record, stop, wait_ready
 
 from node_probe.agent import AgentConfig, ProbeAgent
 from node_probe.proto import probe_pb2, probe_pb2_grpc
-from real_vllm_support import REAL_VLLM, WORK, Server, ensure_install, launch, record, stop, wait_ready
 from xds_server.testing import wait_for
 
 pytestmark = pytest.mark.skipif(

@@ -32,9 +32,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from real_vllm_support import WORK, ensure_install, free_port, launch, record, stop, wait_ready
 
 from node_probe.agent import AgentConfig, ProbeAgent
-from real_vllm_support import WORK, ensure_install, free_port, launch, record, stop, wait_ready
 from xds_server.config import parse_config
 from xds_server.server import ControlPlane
 from xds_server.testing import StandaloneEnvoy

@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xds_server.config import parse_config
-from xds_server.control.clock import ManualClock
-from xds_server.control.memory import InMemoryProbes
 from xds_server.control.state import restore, snapshot, usable_until_s, with_unclaimed
 from xds_server.health import model as hm
 from xds_server.health.records import ProbeResultKind
+from xds_server.probing.memory import InMemoryProbes
+from xds_server.process.clock import ManualClock
 from xds_server.server import ControlPlane
 from xds_server.testing import wait_for
 

@@ -18,7 +18,9 @@ from xds_server.health.model import Routing
 from xds_server.testing import StandaloneEnvoy, free_port, wait_for
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import SnapshotCache
-from xds_server.xds.resources import CLA_TYPE_URL as EDS, CLUSTER_TYPE_URL as CDS, build_cla, build_cluster
+from xds_server.xds.resources import CLA_TYPE_URL as EDS
+from xds_server.xds.resources import CLUSTER_TYPE_URL as CDS
+from xds_server.xds.resources import build_cla, build_cluster
 
 pytestmark = pytest.mark.envoy
 

@@ -1,4 +1,4 @@
-"""The routing feed (xds_server/routing_feed.py) against a real control plane.
+"""The routing feed (xds_server/feed/service.py) against a real control plane.
 
 - With a simulated fleet (xds_server.testing: engines, agents, xds-server processes, Envoy): the
   snapshot is right, a frozen node's UNHEALTHY arrives within a few hundred ms of its ejection
@@ -20,9 +20,9 @@ from aiohttp import web
 from node_probe.agent import AgentConfig, ProbeAgent
 from node_probe.sim import SimConfig, build_app
 from xds_server.config import parse_config
+from xds_server.feed.events import RoutingChange
+from xds_server.feed.service import DEFAULT_QUEUE_LIMIT
 from xds_server.proto import routing_pb2, routing_pb2_grpc
-from xds_server.routing_events import RoutingChange
-from xds_server.routing_feed import DEFAULT_QUEUE_LIMIT
 from xds_server.server import ControlPlane
 from xds_server.testing import free_port
 

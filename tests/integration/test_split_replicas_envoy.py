@@ -36,7 +36,7 @@ import pytest
 import yaml
 
 from xds_server.config import parse_config
-from xds_server.envoy_bootstrap import ROUTE_HEADER, ControlPlaneGroup, find_envoy, render_bootstrap, write_bootstrap
+from xds_server.envoy.bootstrap import ROUTE_HEADER, ControlPlaneGroup, find_envoy, render_bootstrap, write_bootstrap
 from xds_server.testing import (
     LoadGenerator,
     ManagedProcess,

@@ -8,9 +8,11 @@ from xds_server.health.model import (
     FailStaticEnded,
     PingObserved,
     ProbeObserved,
-    ProbeResultKind as K,
     StreamClosed,
     Tick,
+)
+from xds_server.health.model import (
+    ProbeResultKind as K,
 )
 
 FAST_RECOVERY = dict(probation_clean_s=0.5, probation_clean_max_s=2.0, ramp_step_percent=25.0, ramp_step_s=0.2,

@@ -1,13 +1,14 @@
-"""The shown state of a node (xds_server/control/display.py) over every combination of inputs:
+"""The shown state of a node (xds_server/admin/display.py) over every combination of inputs:
 it is always one of DISPLAY_STATES, "routed" always matches what was published, and a routed
 node never carries a not-routed reason (the fail-static contradiction of issue 11)."""
 from __future__ import annotations
 
 from dataclasses import replace
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from xds_server.control.display import DISPLAY_STATES, DisplayInputs, node_display
+from xds_server.admin.display import DISPLAY_STATES, DisplayInputs, node_display
 from xds_server.health import model as hm
 
 states = st.sampled_from(list(hm.NodeState))

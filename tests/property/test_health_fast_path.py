@@ -3,25 +3,26 @@ the full step: same node record, same events, for random observation sequences; 
 (steady_heartbeat) gives that record and the Tick deadline tick_due_s gives."""
 from __future__ import annotations
 
+from health_strategies import FAST_RECOVERY, observations
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from health_strategies import FAST_RECOVERY, observations
 
 from xds_server.config import HealthConfig
-from xds_server.health.beats import quiet_heartbeat
-from xds_server.health.beats import BeatRun
+from xds_server.health.beats import BeatRun, quiet_heartbeat
 from xds_server.health.beats import steady_heartbeat as steady_lane
+from xds_server.health.clocks import miss_after_s, phi_delay_s, stall_confirm_at_s
 from xds_server.health.model import (
     HeartbeatObserved,
     ProbeObserved,
-    ProbeResultKind as K,
     Tick,
     initial,
     next_check_s,
     step,
     tick_due_s,
 )
-from xds_server.health.clocks import miss_after_s, phi_delay_s, stall_confirm_at_s
+from xds_server.health.model import (
+    ProbeResultKind as K,
+)
 from xds_server.health.records import ROUTED_STATES, EjectionCause
 from xds_server.health.rules import _step_full
 

@@ -13,10 +13,8 @@ from xds_server.health.model import (
     HeartbeatObserved,
     Heartbeats,
     NodeHealth,
-    NodeState as S,
     PingObserved,
     ProbeObserved,
-    ProbeResultKind as K,
     Probes,
     Ramp,
     Rtt,
@@ -26,6 +24,12 @@ from xds_server.health.model import (
     next_check_s,
     route,
     step,
+)
+from xds_server.health.model import (
+    NodeState as S,
+)
+from xds_server.health.model import (
+    ProbeResultKind as K,
 )
 from xds_server.health.policy import cluster_routing
 from xds_server.health.sim import NodeSim

@@ -26,8 +26,8 @@ from xds_server.health.records import (
     Heartbeats,
     NodeHealth,
     NodeState,
-    Probes,
     ProbeResultKind,
+    Probes,
     Ramp,
     Rtt,
 )

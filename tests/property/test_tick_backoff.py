@@ -11,17 +11,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import target as steer
-from hypothesis import strategies as st
 from health_strategies import FAST_RECOVERY, observations
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis import target as steer
 
 from xds_server.config import HealthConfig
 from xds_server.health.model import (
     HeartbeatObserved,
     NodeState,
     ProbeObserved,
-    ProbeResultKind as K,
     Tick,
     initial,
     misses_shown,
@@ -30,6 +29,9 @@ from xds_server.health.model import (
     step,
     tick_due_s,
     ticks_backed_off,
+)
+from xds_server.health.model import (
+    ProbeResultKind as K,
 )
 
 CONFIGS = [

@@ -9,11 +9,10 @@ import sys
 import aiohttp
 import pytest
 from aiohttp import web
+from relay_fake_engine import generate, parse_client
 
 from sentinel_relay.config import RelayConfigError, load_relay_config
 from xds_server.testing import ManagedProcess, free_port
-
-from relay_fake_engine import generate, parse_client
 
 
 def test_config_defaults_yaml_and_flags(tmp_path):

@@ -7,12 +7,11 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from relay_fake_engine import generate, parse_client
 
 from sentinel_relay.plan import Received, Refused, continuation_body, plan_request
 from sentinel_relay.sse import SSESplitter, event_data
 from sentinel_relay.stream import TRANSITIONS, BookError, In, St, StreamBook
-
-from relay_fake_engine import generate, parse_client
 
 FIXTURES = "tests/fixtures/vllm-0.32.0-cpu"
 

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from relay_fake_engine import parse_client
 
 from sentinel_relay.sse import SSESplitter, event_data
-from xds_server.envoy_bootstrap import EnvoyNotFound, find_envoy
+from xds_server.envoy.bootstrap import EnvoyNotFound, find_envoy
 from xds_server.testing import Fleet, ManagedProcess, free_port, wait_for
-
-from relay_fake_engine import parse_client
 
 pytestmark = pytest.mark.envoy
 

@@ -9,12 +9,11 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 from aiohttp import web
+from relay_fake_engine import generate, parse_client
 
 from sentinel_relay.config import RelayConfig
 from sentinel_relay.server import RELAY_HEADER, Relay
 from sentinel_relay.sse import SSESplitter
-
-from relay_fake_engine import generate, parse_client
 
 
 class Upstream:

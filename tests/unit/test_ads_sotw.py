@@ -12,7 +12,9 @@ from xds_server.health.model import Routing
 from xds_server.testing import ScriptedAdsClient
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import SnapshotCache
-from xds_server.xds.resources import CLA_TYPE_URL as EDS, CLUSTER_TYPE_URL as CDS, build_cla, build_cluster
+from xds_server.xds.resources import CLA_TYPE_URL as EDS
+from xds_server.xds.resources import CLUSTER_TYPE_URL as CDS
+from xds_server.xds.resources import build_cla, build_cluster
 
 CFG = parse_config({"clusters": [
     {"name": "llm", "nodes": [{"id": "a", "address": "127.0.0.1:8001", "probe_address": "127.0.0.1:1"}]},

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
-import shutil
 import sys
 import time
 import types

@@ -1,4 +1,4 @@
-"""The agent edge (xds_server.agent_edge): every field checked once, by type; nothing raises."""
+"""The agent edge (xds_server.probing.edge): every field checked once, by type; nothing raises."""
 from __future__ import annotations
 
 import math
@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node_probe.proto import probe_pb2
-from xds_server.agent_edge import REASONS, AgentEdge, CheckedHeartbeat, CheckedResult
-from xds_server.agent_telemetry import LoadCheck
 from xds_server.config import HealthConfig, ProbeConfig
 from xds_server.health.model import ProbeResultKind
+from xds_server.probing.edge import REASONS, AgentEdge, CheckedHeartbeat, CheckedResult
+from xds_server.probing.telemetry import LoadCheck
 
 EDGE = AgentEdge(HealthConfig(), ProbeConfig())
 PC = ProbeConfig()

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from test_agent import FakeGpuCollector, engine, make_agent  # noqa: F401 - fixtures
+from test_metrics_exposition import promtool_problems
 
 from node_probe.agent import AgentConfig
 from xds_server.testing import free_port, wait_for
-
-from test_agent import FakeGpuCollector, engine, make_agent  # noqa: F401 - fixtures
-from test_metrics_exposition import promtool_problems
 
 
 async def scrape(port: int) -> tuple[str, dict]:

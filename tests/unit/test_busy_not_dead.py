@@ -11,10 +11,14 @@ from __future__ import annotations
 from xds_server.config import HealthConfig
 from xds_server.health.model import (
     HeartbeatObserved,
-    NodeState as S,
     ProbeObserved,
-    ProbeResultKind as K,
     route,
+)
+from xds_server.health.model import (
+    NodeState as S,
+)
+from xds_server.health.model import (
+    ProbeResultKind as K,
 )
 from xds_server.health.sim import NodeSim
 

@@ -16,8 +16,8 @@ import yaml
 
 from xds_server.cli import EXIT_CODES, TOKEN_ENV, admin_base_url, build_parser
 from xds_server.config import parse_config
-from xds_server.control.memory import InMemoryProbes
-from xds_server.logs import JsonFormatter, TextFormatter
+from xds_server.probing.memory import InMemoryProbes
+from xds_server.process.logs import JsonFormatter, TextFormatter
 from xds_server.server import ControlPlane
 
 CLI = [sys.executable, "-m", "xds_server.cli"]

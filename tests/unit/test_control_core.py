@@ -16,11 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from xds_server.admin.metrics import ControlPlaneCollector
 from xds_server.config import parse_config
-from xds_server.control.clock import ManualClock
-from xds_server.control.memory import InMemoryProbes
 from xds_server.control.publish import LastGoodHistory, PublishPlanner
 from xds_server.health import model as hm
 from xds_server.health.policy import counted_silent
+from xds_server.probing.memory import InMemoryProbes
+from xds_server.process.clock import ManualClock
 from xds_server.server import ControlPlane
 from xds_server.xds.resources import CLA_TYPE_URL
 
@@ -285,7 +285,7 @@ def test_no_import_cycle_in_the_control_plane_and_admin_never_imports_the_server
 
     mine = [m for m in g if m.startswith(("xds_server.control", "xds_server.admin")) or m == "xds_server.server"]
     assert not reaches("xds_server.admin.app", "xds_server.server")
-    assert not reaches("xds_server.control.views", "xds_server.server")
+    assert not reaches("xds_server.admin.views", "xds_server.server")
     assert [m for m in mine if reaches(m, m)] == []
 
 

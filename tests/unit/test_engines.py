@@ -23,12 +23,12 @@ from node_probe.engines import (
     TGI,
     TRITON,
     VLLM,
+    EngineRequestError,
     detect_engine_kind,
     get_adapter,
     kind_from_metrics,
     run_probe,
 )
-from node_probe.engines import EngineRequestError
 from node_probe.proto import probe_pb2
 from xds_server.testing import free_port
 

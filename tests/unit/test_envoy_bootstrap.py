@@ -12,7 +12,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from google.protobuf import json_format
 
 from xds_server.config import parse_config
-from xds_server.envoy_bootstrap import ROUTE_HEADER, ControlPlaneGroup, find_envoy, render_bootstrap, write_bootstrap
+from xds_server.envoy.bootstrap import ROUTE_HEADER, ControlPlaneGroup, find_envoy, render_bootstrap, write_bootstrap
 from xds_server.xds.resources import build_cluster
 
 

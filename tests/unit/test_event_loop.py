@@ -1,4 +1,4 @@
-"""xds_server.event_loop: which loop a choice gives, running on it, and a clear refusal when
+"""xds_server.process.event_loop: which loop a choice gives, running on it, and a clear refusal when
 uvloop is asked for and missing (``xds-server serve --loop``, ``sentinel-relay --loop``)."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from sentinel_relay import cli as relay_cli
-from xds_server import cli, event_loop
+from xds_server import cli
+from xds_server.process import event_loop
 
 
 async def _name_and(x: int) -> tuple[str, int]:

@@ -8,12 +8,11 @@ import re
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+from test_control_core import all_healthy, config, in_memory
+from test_metrics_exposition import exposition
 
 from node_probe.metrics import AgentMetrics
 from node_probe.proto import probe_pb2
-
-from test_control_core import all_healthy, config, in_memory
-from test_metrics_exposition import exposition
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "xds-sentinel.json"
 METRIC = re.compile(r"\b((?:sentinel|node_probe)_[a-zA-Z0-9_:]*)")

@@ -7,18 +7,22 @@ from xds_server.config import HealthConfig
 from xds_server.health.model import (
     DrainRequested,
     EjectionCause,
-    ProbeResultKind as K,
     HeartbeatObserved,
-    NodeState as S,
     PingObserved,
     ProbeObserved,
-    StreamClosed,
-    Tick,
     Routing,
     RoutingStatus,
+    StreamClosed,
+    Tick,
     misses_at,
     node_routing,
     route,
+)
+from xds_server.health.model import (
+    NodeState as S,
+)
+from xds_server.health.model import (
+    ProbeResultKind as K,
 )
 from xds_server.health.sim import NodeSim
 

@@ -13,10 +13,8 @@ from xds_server.health.model import (
     HeartbeatObserved,
     Heartbeats,
     NodeHealth,
-    NodeState as S,
     ProbeObserved,
     ProbeOutcome,
-    ProbeResultKind as K,
     Probes,
     Routing,
     RoutingStatus,
@@ -28,6 +26,12 @@ from xds_server.health.model import (
     misses_at,
     route,
     step,
+)
+from xds_server.health.model import (
+    NodeState as S,
+)
+from xds_server.health.model import (
+    ProbeResultKind as K,
 )
 from xds_server.health.policy import FailStaticState, cluster_routing, fail_static
 from xds_server.health.sim import NodeSim

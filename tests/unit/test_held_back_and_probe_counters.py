@@ -2,9 +2,9 @@
 failures are counted per node, kind and outcome (a Prometheus counter with bounded labels)."""
 from __future__ import annotations
 
-from xds_server.health import model as hm
-
 from test_control_core import all_healthy, config, in_memory, metric_samples
+
+from xds_server.health import model as hm
 
 
 def test_held_back_ejection_counted_once_over_40_recomputes_in_4s_and_shown_on_the_node():

@@ -9,12 +9,11 @@ import subprocess
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from test_control_core import all_healthy, config, in_memory
 
 from xds_server.admin.metrics import ControlPlaneCollector, package_version
 from xds_server.health import model as hm
 from xds_server.testing import lint_exposition
-
-from test_control_core import all_healthy, config, in_memory
 
 
 def exposition(cp) -> str:
@@ -96,7 +95,7 @@ def test_probe_worker_restarts_and_live_workers_are_exported():
     ``_configured`` come from the control plane's WorkerPool (here one not started: no process
     runs, so none is live; the fleet test tests/integration/test_probe_workers_fleet.py kills
     a real worker); without workers both gauges are 0 and no worker has a restart count."""
-    from xds_server.probe_workers import WorkerPool
+    from xds_server.probing.workers import WorkerPool
 
     cp, clock, _ = in_memory(config())
     m = samples(exposition(cp))

@@ -3,21 +3,24 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hypothesis import given
+from hypothesis import strategies as st_
 
 from xds_server.config import HealthConfig
 from xds_server.health.model import (
     Engine,
     Heartbeats,
-    NodeState as S,
     ProbeObserved,
-    ProbeResultKind as K,
     Probes,
     Rtt,
     initial,
 )
-from hypothesis import given
-from hypothesis import strategies as st_
-
+from xds_server.health.model import (
+    NodeState as S,
+)
+from xds_server.health.model import (
+    ProbeResultKind as K,
+)
 from xds_server.health.policy import (
     FailStaticState,
     OutlierState,

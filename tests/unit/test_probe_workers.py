@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xds_server.config import ConfigError, HealthConfig, ProbeConfig, parse_config
-from xds_server.control.clock import ManualClock
 from xds_server.control.core import ControlCore
-from xds_server.control.memory import InMemoryProbes
 from xds_server.health import model as hm
-from xds_server.probe_workers import Detector, worker_for
-from xds_server.probe_workers._channel import FrameTooLarge, encode, read_frame
+from xds_server.probing.memory import InMemoryProbes
+from xds_server.probing.workers import Detector, worker_for
+from xds_server.probing.workers._channel import FrameTooLarge, encode, read_frame
+from xds_server.process.clock import ManualClock
 from xds_server.server import ControlPlane
 
 
@@ -279,7 +279,7 @@ async def test_worker_anchors_ramps_as_the_main_process_says_and_dials_with_its_
     import asyncio
     import time
 
-    from xds_server.probe_workers._worker import Worker
+    from xds_server.probing.workers._worker import Worker
 
     cfg = parse_config(config())
     loop = asyncio.get_running_loop()

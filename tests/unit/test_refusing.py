@@ -8,18 +8,22 @@ full weight (or at the DEGRADED share after an answer that is not good), without
 """
 from __future__ import annotations
 
+from test_busy_not_dead import CFG, healthy_sim
+
 from xds_server.config import HealthConfig
 from xds_server.health.model import (
     HeartbeatObserved,
-    NodeState as S,
     ProbeObserved,
-    ProbeResultKind as K,
     route,
+)
+from xds_server.health.model import (
+    NodeState as S,
+)
+from xds_server.health.model import (
+    ProbeResultKind as K,
 )
 from xds_server.health.policy import PolicyEventKind, cluster_routing
 from xds_server.health.sim import NodeSim
-
-from test_busy_not_dead import CFG, healthy_sim
 
 R429 = ProbeObserved(K.HTTP_STATUS, http_status=429)
 

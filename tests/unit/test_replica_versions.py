@@ -16,11 +16,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from xds_server.config import parse_config
-from xds_server.control.clock import ManualClock
-from xds_server.control.memory import InMemoryProbes
 from xds_server.health import model as hm
 from xds_server.health.anchor import anchor_ramp, grid_point
 from xds_server.health.records import Ramp
+from xds_server.probing.memory import InMemoryProbes
+from xds_server.process.clock import ManualClock
 from xds_server.server import ControlPlane
 from xds_server.xds.resources import CLA_TYPE_URL
 

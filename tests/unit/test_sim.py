@@ -651,7 +651,7 @@ async def test_cli_subprocess_serves_and_exits_cleanly_on_sigterm() -> None:
 
 
 # ------------------------------------------------------------------------ deterministic model
-from hypothesis import assume, HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from node_probe.sim import model as sim_model  # noqa: E402

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from node_probe.engines import VLLM
-from node_probe.engines import EngineLoadReading, GroupLoad
+from node_probe.engines import VLLM, EngineLoadReading, GroupLoad
 from node_probe.stall import StallDetector
 
 

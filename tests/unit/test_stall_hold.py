@@ -1,4 +1,4 @@
-"""Our own event-loop stalls hold verdicts on a node's silence (xds_server.stall_hold, pure):
+"""Our own event-loop stalls hold verdicts on a node's silence (xds_server.probing.stall_hold, pure):
 the compact history answers like one that keeps every stall, and a hold ends at the node's first
 heartbeat after we woke or ``hold_s`` after waking."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xds_server.stall_hold import Stall, StallHistory, held_until, ran, stalls_at
+from xds_server.probing.stall_hold import Stall, StallHistory, held_until, ran, stalls_at
 
 U = 1 / 1024  # times are whole multiples of this (s), so sums are exact in binary floating point
 PERIOD, MIN_GAP, KEEP = 64 * U, 64 * U, 60.0

@@ -27,8 +27,8 @@ def test_nothing_else_leaks():
 
 
 #: Seams whose one home is the control plane; the testing package only re-exports them.
-REEXPORTED = {"InMemoryProbeSource": "xds_server.control.memory", "InMemoryProbes": "xds_server.control.memory",
-              "ManualClock": "xds_server.control.clock"}
+REEXPORTED = {"InMemoryProbeSource": "xds_server.probing.memory", "InMemoryProbes": "xds_server.probing.memory",
+              "ManualClock": "xds_server.process.clock"}
 
 
 def test_each_name_lives_in_a_private_module_or_is_a_named_reexport():

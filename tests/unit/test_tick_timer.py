@@ -1,12 +1,12 @@
-"""The detection timer (xds_server.tick_timer): a later deadline records a wish instead of
+"""The detection timer (xds_server.probing.timers): a later deadline records a wish instead of
 re-arming, and the Ticks come exactly when a timer re-armed on every call would give them."""
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xds_server.control.clock import ManualClock
-from xds_server.tick_timer import DeadlineQueue, TickTimer
+from xds_server.probing.timers import DeadlineQueue, TickTimer
+from xds_server.process.clock import ManualClock
 
 
 class _Loop:

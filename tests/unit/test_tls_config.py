@@ -18,9 +18,8 @@ from node_probe.agent import AgentConfig
 from sentinel_relay.config import RelayConfigError, load_relay_config
 from xds_server.cli import main as xds_main
 from xds_server.config import ConfigError, XdsConfig, parse_config
-from xds_server.envoy_bootstrap import xds_tls_sds_secrets, xds_tls_transport_socket
-from xds_server.testing import TestCA
-from xds_server.tls import (
+from xds_server.envoy.bootstrap import xds_tls_sds_secrets, xds_tls_transport_socket
+from xds_server.process.tls import (
     ClientTls,
     ServerCertFiles,
     channel_credentials,
@@ -29,6 +28,7 @@ from xds_server.tls import (
     peer_certificate_sha256,
     peer_identities,
 )
+from xds_server.testing import TestCA
 
 ENVOY = "spiffe://cluster.local/ns/llm/sa/envoy"
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from xds_server.untrusted import RateLimitedLog, clip, for_log
+from xds_server.process.untrusted import RateLimitedLog, clip, for_log
 
 
 @given(st.text(), st.integers(min_value=1, max_value=300))

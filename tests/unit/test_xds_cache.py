@@ -11,7 +11,9 @@ from xds_server.config import parse_config
 from xds_server.health.model import Routing
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.memo import BoundedMemo, size_of_names
-from xds_server.xds.resources import CLA_TYPE_URL as EDS, CLUSTER_TYPE_URL as CDS, build_cla, build_cluster
+from xds_server.xds.resources import CLA_TYPE_URL as EDS
+from xds_server.xds.resources import CLUSTER_TYPE_URL as CDS
+from xds_server.xds.resources import build_cla, build_cluster
 
 CFG = parse_config({"clusters": [
     {"name": n, "nodes": [{"id": f"{n}-a", "address": "127.0.0.1:9000", "probe_address": "127.0.0.1:1"}]}

@@ -12,7 +12,7 @@ CDN), ``/live`` (the dashboard's Server-Sent Events feed, :mod:`xds_server.admin
 routable; the body says why not), ``/nodes``,
 ``/nodes/{id}``, ``/clusters``, ``/xds/clients``, ``/config_dump``, ``/events``, ``/metrics``;
 ``POST /nodes/{id}/drain`` and ``/undrain`` (bearer token, ``admin.token``). Every GET only
-reads (:class:`~xds_server.control.views.ControlPlaneView`); drain/undrain change a node's state
+reads (:class:`~xds_server.admin.views.ControlPlaneView`); drain/undrain change a node's state
 through the ``drain`` command the server passes in.
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 
 from xds_server.admin.live import LiveFeed
 from xds_server.admin.metrics import ControlPlaneCollector, EventLoopCollector
-from xds_server.control.views import ControlPlaneView
-from xds_server.untrusted import RateLimitedLog, clip, for_log
+from xds_server.admin.views import ControlPlaneView
+from xds_server.process.untrusted import RateLimitedLog, clip, for_log
 
 __all__ = ["DrainCommand", "HttpErrorLog", "build_admin_app", "json_dumps"]
 

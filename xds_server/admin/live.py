@@ -1,6 +1,6 @@
 """The dashboard's live feed: Server-Sent Events from the admin endpoint.
 
-:class:`LiveFeed` samples the :class:`~xds_server.control.views.ControlPlaneView` every
+:class:`LiveFeed` samples the :class:`~xds_server.admin.views.ControlPlaneView` every
 ``admin.live_interval_ms`` while at least one client listens, and hands each client, through its
 own bounded queue (``admin.live_queue_max`` messages), a ``state`` message (every node and
 cluster, fail-static) and one ``event`` message per new health event. A client whose queue is
@@ -22,8 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
+from xds_server.admin.views import ControlPlaneView
 from xds_server.control.events import EventRecord
-from xds_server.control.views import ControlPlaneView
 
 __all__ = ["LiveClient", "LiveFeed"]
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of the control plane, read from :class:`ControlPlaneView` at scrape time
 (nothing is counted twice on the hot path). Every label set is bounded (see
-:mod:`xds_server.control.counters`).
+:mod:`xds_server.health.counters`).
 
 Units follow Prometheus conventions: seconds, bytes and ratios (0..1) in base units, named by
 suffix (``_seconds``, ``_bytes``, ``_ratio``); counters are exposed with ``_total`` (the
@@ -13,8 +13,8 @@ import platform
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-from xds_server.control.display import DISPLAY_STATES
-from xds_server.control.views import ControlPlaneView
+from xds_server.admin.display import DISPLAY_STATES
+from xds_server.admin.views import ControlPlaneView
 from xds_server.health.model import NodeState
 
 __all__ = ["ControlPlaneCollector", "EventLoopCollector", "build_info_family", "package_version"]
@@ -109,7 +109,7 @@ class ControlPlaneCollector:
         yield from (state, weight, routed, rtt, ttft, ttft_ewma, hbs, bad, ramp, probes, ejections)
         shown = GaugeMetricFamily("sentinel_node_display_state", "1 for the state an operator is shown "
                                   "(health state, or DRAINING, FAIL_STATIC, UNREACHABLE, HELD_BACK; see "
-                                  "xds_server/control/display.py)", labels=["cluster", "node", "state"])
+                                  "xds_server/admin/display.py)", labels=["cluster", "node", "state"])
         for row in view.node_rows():
             d = view.display(row.node_id).state
             for s in DISPLAY_STATES:

@@ -8,7 +8,7 @@ older server without the shown fields fall back to ``state`` and ``reason``.
 """
 from __future__ import annotations
 
-from xds_server.untrusted import for_log
+from xds_server.process.untrusted import for_log
 
 __all__ = ["format_status"]
 

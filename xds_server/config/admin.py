@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from xds_server.config.base import _Model, _check_hostport
+from xds_server.config.base import _check_hostport, _Model
 
 __all__ = ["AdminConfig"]
 

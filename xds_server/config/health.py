@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from node_probe.telemetry import FATAL_XIDS
+from node_probe.xids import FATAL_XIDS
 from xds_server.config.base import _Model
 
 __all__ = ["HealthConfig"]
@@ -125,7 +125,7 @@ class HealthConfig(_Model):
         sorted(FATAL_XIDS),
         description="NVIDIA Xid codes that mean the GPU cannot be trusted (DBE, row-remap "
         "failure, NVLink, fallen off the bus, contained/uncontained ECC); default: "
-        "node_probe.telemetry.FATAL_XIDS, the agent's list (one home)",
+        "node_probe.xids.FATAL_XIDS, the agent's list (one home)",
     )
     # -- half-open probation and ramp (seed 000) ---------------------------------------------
     probation_clean_s: float = Field(

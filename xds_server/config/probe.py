@@ -79,7 +79,7 @@ class ProbeConfig(_Model):
         "but at most this long, whichever comes first (ours: a stream cut during a long stall is "
         "redialled after health.reconnect_backoff_initial_ms, 100 ms, and heartbeats within one "
         "interval, 100 ms; heartbeats that waited unread took 200 ms to be read on a loaded 2-core "
-        "host; a node that died during our stall is ejected at most this late; xds_server/stall_hold.py)",
+        "host; a node that died during our stall is ejected at most this late; xds_server/probing/stall_hold.py)",
     )
     loop_watch_interval_ms: float = Field(
         50.0, gt=0, le=1000,

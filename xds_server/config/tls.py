@@ -6,7 +6,7 @@ localhost); anything else is refused by :func:`check_plaintext` with a message n
 ``mode: plaintext`` states it explicitly.
 
 Files are PEM. They are re-read when they change (rotation without restart, see
-:mod:`xds_server.tls`); changing a path or a mode needs a restart.
+:mod:`xds_server.process.tls`); changing a path or a mode needs a restart.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from xds_server.config.base import _Model, parse_hostport
-from xds_server.tls import ClientTls, is_loopback
+from xds_server.process.dialing import ClientTls, is_loopback
 
 __all__ = ["AgentTlsConfig", "NodeAllowRule", "TlsConfig", "TlsMode", "check_plaintext", "implicit_agent_plaintext"]
 
@@ -98,7 +98,7 @@ class TlsConfig(_Model):
 
     def listener(self) -> dict[str, str | None]:
         """The restart-only part (mode and files of the ADS port) as keyword arguments of
-        :func:`xds_server.tls.listener_credentials`."""
+        :func:`xds_server.process.tls.listener_credentials`."""
         return {k: getattr(self, k) for k in ("mode", "cert_file", "key_file", "client_ca_file")}
 
     @model_validator(mode="after")

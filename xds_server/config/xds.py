@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from xds_server.config.base import _Model, _check_hostport
+from xds_server.config.base import _check_hostport, _Model
 
 __all__ = ["XdsConfig"]
 

@@ -3,9 +3,9 @@
 :class:`ControlCore` owns the per-node :class:`~xds_server.health.model.NodeHealth`, feeds each
 observation through the pure model, records events, decides fail-static and asks its
 :class:`~xds_server.control.publish.PublishPlanner` what to publish and when. It does no I/O: time
-comes from the injected :class:`~xds_server.control.clock.Clock` (timers included), and each
+comes from the injected :class:`~xds_server.process.clock.Clock` (timers included), and each
 assignment is handed to ``on_publish`` (the server writes it into the snapshot cache). With a
-:class:`~xds_server.control.clock.ManualClock` it runs without an event loop.
+:class:`~xds_server.process.clock.ManualClock` it runs without an event loop.
 
 Shape::
 
@@ -22,15 +22,15 @@ import logging
 from collections.abc import Callable, Collection
 
 from xds_server.config import NodeConfig, SentinelConfig
-from xds_server.control.clock import Clock, Timer
-from xds_server.control.counters import Counters
 from xds_server.control.events import EventLog
 from xds_server.control.publish import ClusterPublish, PublishPlanner
 from xds_server.control.table import HealthTable
 from xds_server.health import model as hm
 from xds_server.health import policy as hp
 from xds_server.health.anchor import anchor_ramp
+from xds_server.health.counters import Counters
 from xds_server.health.keys import probe_result_key, resume_kept, routing_key, same_routing_inputs
+from xds_server.process.clock import Clock, Timer
 
 __all__ = ["ControlCore"]
 
@@ -76,7 +76,7 @@ class ControlCore:
         self.restored: dict[str, hm.NodeHealth] = {}  # resumed at the node's first heartbeat
         # until then (monotonic s) a kept state is still given to a node added later (discovery)
         self.restored_until_s = float("-inf")
-        # Nodes whose per-node model runs in a probe worker (xds_server.probe_workers): called
+        # Nodes whose per-node model runs in a probe worker (xds_server.probing.workers): called
         # with the burst start when fail-static ends, returns the node ids it forwarded it to.
         self.forward_fail_static_end: Callable[[float], Collection[str]] | None = None
         self._steady_lane = True  # observe's steady-heartbeat lane (tests turn it off to compare)

@@ -1,7 +1,7 @@
 """Health events as kept for ``/events`` and written to the log: a bounded ring buffer.
 
 Every reason is clipped to ``max_reason_chars`` before it is stored (agent and operator text can
-be long) and escaped (:func:`~xds_server.untrusted.for_log`) before it reaches a log line.
+be long) and escaped (:func:`~xds_server.process.untrusted.for_log`) before it reaches a log line.
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from xds_server.control.counters import Counters
-from xds_server.untrusted import clip, for_log
+from xds_server.health.counters import Counters
+from xds_server.process.untrusted import clip, for_log
 
 __all__ = ["EventLog", "EventRecord"]
 

@@ -13,7 +13,7 @@ Rules (issue 13 item 2): nodes added start COLD (WARMING once their agent answer
 routed nor counted as failing); removed nodes are drained (published DRAINING) and dropped once
 drained; changed thresholds apply at once; listen addresses, ``xds.replica_id`` and the ADS port's
 TLS mode and file paths need a restart (reported in ``restart_needed``, the running values stay;
-the files' content is reloaded when it changes, see :mod:`xds_server.tls`).
+the files' content is reloaded when it changes, see :mod:`xds_server.process.tls`).
 """
 from __future__ import annotations
 

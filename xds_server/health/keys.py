@@ -1,5 +1,5 @@
 """Pure helpers over one node's health shared by the control core and the probe workers'
-detector (:mod:`xds_server.probe_workers`): the routing key cluster policy is recomputed on,
+detector (:mod:`xds_server.probing.workers`): the routing key cluster policy is recomputed on,
 the key a probe result is counted under, the resumption of a kept state after a restart.
 """
 from __future__ import annotations

@@ -69,37 +69,44 @@ Cluster-wide decisions are in :mod:`xds_server.health.policy`.
 from __future__ import annotations
 
 from xds_server.health.beats import BeatRun, steady_heartbeat
-from xds_server.health.clocks import (miss_after_s, misses_at, misses_shown, next_check_s, required_clean_s,
-                                      tick_due_s, ticks_backed_off)
+from xds_server.health.clocks import (
+                                      miss_after_s,
+                                      misses_at,
+                                      misses_shown,
+                                      next_check_s,
+                                      required_clean_s,
+                                      tick_due_s,
+                                      ticks_backed_off,
+)
+from xds_server.health.outcome import classify_probe
 from xds_server.health.records import (
-    MACHINE_STATES,
-    ROUTED_STATES,
-    Drain,
-    DrainRequested,
-    Ejection,
-    EjectionCause,
-    Engine,
-    EngineState,
-    Event,
-    FailStaticEnded,
-    HeartbeatObserved,
-    Heartbeats,
-    NodeHealth,
-    NodeState,
-    Observation,
-    PingObserved,
-    ProbeObserved,
-    ProbeOutcome,
-    ProbeResultKind,
-    Probes,
-    Ramp,
-    Rtt,
-    StreamClosed,
-    Tick,
-    initial,
+                                      MACHINE_STATES,
+                                      ROUTED_STATES,
+                                      Drain,
+                                      DrainRequested,
+                                      Ejection,
+                                      EjectionCause,
+                                      Engine,
+                                      EngineState,
+                                      Event,
+                                      FailStaticEnded,
+                                      HeartbeatObserved,
+                                      Heartbeats,
+                                      NodeHealth,
+                                      NodeState,
+                                      Observation,
+                                      PingObserved,
+                                      ProbeObserved,
+                                      ProbeOutcome,
+                                      ProbeResultKind,
+                                      Probes,
+                                      Ramp,
+                                      Rtt,
+                                      StreamClosed,
+                                      Tick,
+                                      initial,
 )
 from xds_server.health.routing import NodeRouting, Routing, RoutingStatus, full_weight, node_routing, route, weight
-from xds_server.health.outcome import classify_probe
 from xds_server.health.rules import step
 from xds_server.health.table import TABLE, InvalidTransition, Signal
 

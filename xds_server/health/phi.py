@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from statistics import NormalDist
 
-from xds_server.frozen import fast_init
+from xds_server.health.frozen import fast_init
 
 __all__ = ["ArrivalStats", "fold", "phi", "suspicion_delay_ms", "update"]
 

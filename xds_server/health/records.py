@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from xds_server.health import phi as phimod
-from xds_server.frozen import fast_init
+from xds_server.health.frozen import fast_init
 
 __all__ = [
     "DrainRequested",

@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 from xds_server.health import effects as fx
 from xds_server.health.records import MACHINE_STATES, ROUTED_STATES, EjectionCause, Event, NodeHealth, NodeState, Ramp
-from xds_server.health.signals import PREVIOUS, Ctx, Effect, Fired, InvalidTransition, Signal, Transition, Previous
+from xds_server.health.signals import PREVIOUS, Ctx, Effect, Fired, InvalidTransition, Previous, Signal, Transition
 
 __all__ = [
     "PREVIOUS",

@@ -28,15 +28,17 @@ only; the underscored modules may move):
 - certificates (``_certs``; ``cryptography`` from the ``dev`` extra, imported when a CA is made):
   :class:`TestCA` issues server and client certificates (DNS, IP and URI SANs) as PEM files;
   :class:`CertPair` holds the paths.
-- in-memory seams, re-exported from :mod:`xds_server.control`: :class:`ManualClock` (time moves
+- in-memory seams, re-exported from :mod:`xds_server.process.clock` and :mod:`xds_server.probing.memory`: :class:`ManualClock` (time moves
   only when told, due timers run in order; also a ``Callable[[], float]``), :class:`InMemoryProbes`
   and :class:`InMemoryProbeSource` (drive a control plane's probe observations without agents:
   ``ControlPlane(cfg, clock=ManualClock(), probe_sources=InMemoryProbes())``).
 """
 
+from xds_server.probing.memory import InMemoryProbes, InMemoryProbeSource
+from xds_server.process.clock import ManualClock
 from xds_server.testing._ads_clients import ScriptedAdsClient, ScriptedDeltaAdsClient
+from xds_server.testing._ads_faults import ads_stream_churn, slow_ads_reader
 from xds_server.testing._certs import CertPair, TestCA
-from xds_server.control import InMemoryProbes, InMemoryProbeSource, ManualClock
 from xds_server.testing._envoy import (
     EnvoyHost,
     StandaloneEnvoy,
@@ -44,12 +46,6 @@ from xds_server.testing._envoy import (
     parse_envoy_clusters,
     parse_envoy_stats,
 )
-from xds_server.testing._fleet import Fleet, NodeProcs, restart_control_plane
-from xds_server.testing._load import LoadGenerator, LoadStats
-from xds_server.testing._process import ManagedProcess, free_port
-from xds_server.testing._promlint import lint_exposition
-from xds_server.testing._wait import wait_for
-from xds_server.testing._traffic import TrafficLoad, TrafficStats
 from xds_server.testing._fault_rig import FaultRig, FaultRow, format_table
 from xds_server.testing._faults import (
     agent_kill_restart,
@@ -58,7 +54,12 @@ from xds_server.testing._faults import (
     engine_kill_restart,
     envoy_restart,
 )
-from xds_server.testing._ads_faults import ads_stream_churn, slow_ads_reader
+from xds_server.testing._fleet import Fleet, NodeProcs, restart_control_plane
+from xds_server.testing._load import LoadGenerator, LoadStats
+from xds_server.testing._process import ManagedProcess, free_port
+from xds_server.testing._promlint import lint_exposition
+from xds_server.testing._traffic import TrafficLoad, TrafficStats
+from xds_server.testing._wait import wait_for
 
 __all__ = [
     "CertPair",

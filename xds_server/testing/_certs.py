@@ -17,7 +17,6 @@ import datetime as dt
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import Any
 
 __all__ = ["CertPair", "TestCA"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from xds_server.envoy_bootstrap import find_envoy
+from xds_server.envoy.bootstrap import find_envoy
 from xds_server.testing._envoy import envoy_process
 from xds_server.testing._fault_rig import FaultRig, FaultRow, _loads, _paths, _warm, prometheus_value
 from xds_server.testing._fleet import Fleet, restart_control_plane

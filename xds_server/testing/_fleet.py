@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from xds_server.envoy_bootstrap import add_xds_tls, find_envoy, render_bootstrap, write_bootstrap
+from xds_server.envoy.bootstrap import add_xds_tls, find_envoy, render_bootstrap, write_bootstrap
 from xds_server.testing._envoy import envoy_process, fetch_envoy_hosts
 from xds_server.testing._process import ManagedProcess, free_port
 from xds_server.testing._wait import wait_for

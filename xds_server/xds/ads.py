@@ -17,7 +17,7 @@ What the shell adds to the protocol (checklist 1.9 numbers in brackets):
   ``xds.request_cost_min_bytes``): while it is overdrawn the stream is not read, so one client
   flooding requests cannot take the event loop from the others;
 - NACKs and rejected streams are logged rate-limited, with every client string escaped
-  (:func:`~xds_server.untrusted.for_log`); node ids are shown in :meth:`AdsServicer.clients_view`
+  (:func:`~xds_server.process.untrusted.for_log`); node ids are shown in :meth:`AdsServicer.clients_view`
   only while their stream is open and are never metric labels.
 
 Shape::
@@ -38,12 +38,12 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Union
 
 import grpc
-from google.protobuf.message import DecodeError
 from envoy.service.discovery.v3 import discovery_pb2
+from google.protobuf.message import DecodeError
 
 from xds_server.config import XdsConfig
-from xds_server.tls import peer_certificate_sha256, peer_identities
-from xds_server.untrusted import RateLimitedLog, clip, for_log
+from xds_server.process.tls import peer_certificate_sha256, peer_identities
+from xds_server.process.untrusted import RateLimitedLog, clip, for_log
 from xds_server.xds.budget import RequestBudget
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.delta import DeltaStream

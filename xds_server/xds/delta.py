@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from envoy.service.discovery.v3 import discovery_pb2
 
-from xds_server.untrusted import clip
+from xds_server.process.untrusted import clip
 from xds_server.xds.cache import EMPTY_VERSION, CachedResource, SnapshotCache
 from xds_server.xds.protocol import (
     AckState,

@@ -23,7 +23,7 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
-from xds_server.untrusted import clip
+from xds_server.process.untrusted import clip
 from xds_server.xds.cache import CachedResource, SnapshotCache
 from xds_server.xds.resources import CLUSTER_TYPE_URL, RESOURCE_TYPES, type_label
 

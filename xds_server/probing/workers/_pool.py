@@ -1,5 +1,7 @@
 """Main-process side of the probe workers: spawns them, hands each its nodes, applies their
-reports to the :class:`~xds_server.control.core.ControlCore`, replaces a worker that dies.
+reports to the control plane's health host (a :class:`HealthHost`: the
+:class:`~xds_server.control.core.ControlCore`, handed over by the wiring shell), replaces a worker
+that dies.
 
 Shape::
 
@@ -13,7 +15,7 @@ is restarted after ``restart_backoff_s`` (doubling to 5 s while it keeps dying w
 its start) and gets its nodes again, each with the main process's current copy of its health:
 its nodes stay as they were meanwhile (nothing here treats "worker gone" as "node gone") and
 the new worker counts their silence only after ``probe.worker_restart_grace_ms``
-(:mod:`xds_server.probe_workers._detector`).
+(:mod:`xds_server.probing.workers._detector`).
 """
 from __future__ import annotations
 
@@ -24,21 +26,41 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from xds_server.config import NodeConfig, SentinelConfig
-from xds_server.control.clock import Clock
-from xds_server.control.core import ControlCore
-from xds_server.control.counters import Counters
-from xds_server.control.probes import ProbeSourceContext
-from xds_server.event_loop import running_loop_name
-from xds_server.probe_workers._assign import worker_for
-from xds_server.probe_workers._channel import encode, read_frame
+from xds_server.health.counters import Counters
+from xds_server.health.model import Event, NodeHealth
+from xds_server.probing.sources import ProbeSourceContext
+from xds_server.probing.workers._assign import worker_for
+from xds_server.probing.workers._channel import encode, read_frame
+from xds_server.process.clock import Clock
+from xds_server.process.event_loop import running_loop_name
 
 __all__ = ["RemoteSource", "WorkerPool"]
 
-log = logging.getLogger("xds_server.probe_workers")
+log = logging.getLogger("xds_server.probing.workers")
+
+
+class HealthHost(Protocol):
+    """What the pool needs of the control plane's decision layer (the
+    :class:`~xds_server.control.core.ControlCore` satisfies it): the config in force, each node's
+    current health (``health``, node id -> :class:`~xds_server.health.model.NodeHealth`) and the
+    kept state still to resume (``restored``), ``adopt`` to apply a worker's report, and the hook
+    the pool sets to hear of the end of fail-static (``now_s -> node ids``)."""
+
+    config: SentinelConfig
+    forward_fail_static_end: Callable[[float], Collection[str]] | None
+
+    @property
+    def health(self) -> Mapping[str, NodeHealth]: ...
+
+    @property
+    def restored(self) -> Mapping[str, NodeHealth]: ...
+
+    def adopt(self, node_id: str, nh: NodeHealth, events: list[Event], now_s: float) -> None: ...
 
 _MAX_BACKOFF_S = 5.0
 _STABLE_S = 10.0  # a worker that lived this long resets the restart backoff
@@ -46,7 +68,7 @@ _STABLE_S = 10.0  # a worker that lived this long resets the restart backoff
 
 def _log_format() -> str:
     """The main process's log format ("json" when its root handler writes JSON, else "text")."""
-    from xds_server.logs import JsonFormatter
+    from xds_server.process.logs import JsonFormatter
 
     json_out = any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)
     return "json" if json_out else "text"
@@ -54,7 +76,7 @@ def _log_format() -> str:
 
 class RemoteSource:
     """One node watched by a probe worker, as the control plane and its admin view see it
-    (a :class:`~xds_server.control.probes.ProbeSource`): the agent link as last reported."""
+    (a :class:`~xds_server.probing.sources.ProbeSource`): the agent link as last reported."""
 
     def __init__(self, pool: "WorkerPool", node: NodeConfig, ctx: ProbeSourceContext) -> None:
         self.node = node
@@ -102,7 +124,7 @@ class WorkerPool:
     replaced since start (per slot: :meth:`restarts_by_worker`); :meth:`live`: worker processes
     running now. ``reports``: report frames received."""
 
-    def __init__(self, n: int, core: ControlCore, clock: Clock, counters: Counters) -> None:
+    def __init__(self, n: int, core: HealthHost, clock: Clock, counters: Counters) -> None:
         if n < 1:
             raise ValueError(f"probe.workers must be >= 1 for a pool, got {n}")
         self.n = n
@@ -115,7 +137,7 @@ class WorkerPool:
         self._stopping = False
 
     @classmethod
-    def attach(cls, core: ControlCore, clock: Clock, counters: Counters) -> "WorkerPool | None":
+    def attach(cls, core: HealthHost, clock: Clock, counters: Counters) -> "WorkerPool | None":
         """The pool ``core.config.probe.workers`` asks for (None for 0: probe streams in this
         process), wired to forward the end of fail-static to the workers."""
         n = core.config.probe.worker_count(os.cpu_count())
@@ -173,7 +195,7 @@ class WorkerPool:
         parent, child = socket.socketpair()
         try:
             h.proc = subprocess.Popen(
-                [sys.executable, "-m", "xds_server.probe_workers._worker", str(child.fileno()),
+                [sys.executable, "-m", "xds_server.probing.workers._worker", str(child.fileno()),
                  str(os.getpid()), _log_format(), str(h.index), running_loop_name()],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         finally:

@@ -14,13 +14,13 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from xds_server.admin.display import DisplayInputs, NodeDisplay, node_display
 from xds_server.config import ClusterConfig, SentinelConfig
 from xds_server.control.core import ControlCore
-from xds_server.control.counters import Counters
-from xds_server.control.display import DisplayInputs, NodeDisplay, node_display
 from xds_server.control.events import EventRecord
-from xds_server.control.probes import ProbeSource
 from xds_server.health import model as hm
+from xds_server.health.counters import Counters
+from xds_server.probing.sources import ProbeSource
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL
@@ -200,7 +200,7 @@ class ControlPlaneView:
         return view
 
     def display(self, node_id: str) -> NodeDisplay:
-        """The shown state of one node (:func:`~xds_server.control.display.node_display`).
+        """The shown state of one node (:func:`~xds_server.admin.display.node_display`).
         KeyError for a node id not in the config."""
         core = self._core
         nh = core.health[node_id]

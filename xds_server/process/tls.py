@@ -18,8 +18,8 @@ No import from the rest of the project (node_probe and sentinel_relay use it too
 - :func:`listener_credentials` and :func:`add_port`: a listener's credentials for a mode, its bind.
 - :func:`refused_client`: whether a client's certificate names match allowed patterns (the agent).
 - :func:`node_allowed`: the pure allow-list check of an Envoy node id against those names.
-- :func:`is_loopback`: whether a listen or dial host stays on this machine (plaintext there needs
-  no explicit setting).
+- :class:`ClientTls` and :func:`is_loopback` (whether a listen or dial host stays on this machine)
+  are plain values from :mod:`xds_server.process.dialing`, re-exported here.
 """
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import grpc
 from prometheus_client.core import CounterMetricFamily
+
+from xds_server.process.dialing import ClientTls, is_loopback
 
 __all__ = [
     "ClientTls",
@@ -85,17 +87,6 @@ def _check_pair(cert_file: str, key_file: str, ca_file: str | None) -> None:
     if ca_file:
         ctx.load_verify_locations(cafile=ca_file)
 
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IPs (127.0.0.0/8, ::1); False for anything else,
-    wildcards (0.0.0.0, ::) and other host names included."""
-    host = host.strip("[]").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 # -- server side -------------------------------------------------------------------------------
@@ -200,21 +191,6 @@ def add_port(server: grpc.aio.Server, address: str, creds: grpc.ServerCredential
 
 # -- client side -------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class ClientTls:
-    """How a client dials over TLS: ``ca_file`` verifies the server's certificate; ``cert_file``
-    and ``key_file`` (both or neither) are the client's own certificate (mutual TLS);
-    ``server_name``: the name the server's certificate must carry (None: the target's host)."""
-
-    ca_file: str
-    cert_file: str | None = None
-    key_file: str | None = None
-    server_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("ClientTls: cert_file and key_file go together")
 
 
 _cache: dict[tuple[str | None, ...], tuple[FileSig, grpc.ChannelCredentials]] = {}

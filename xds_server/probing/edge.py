@@ -23,7 +23,10 @@ from dataclasses import dataclass
 from typing import Union
 
 from node_probe.proto import probe_pb2
-from xds_server.agent_telemetry import (
+from xds_server.config import HealthConfig, ProbeConfig
+from xds_server.health.frozen import fast_init
+from xds_server.health.model import EngineState, HeartbeatObserved, ProbeObserved, ProbeResultKind
+from xds_server.probing.telemetry import (
     BadField,
     EngineLoadSummary,
     GpuCheck,
@@ -32,9 +35,6 @@ from xds_server.agent_telemetry import (
     number,
     text,
 )
-from xds_server.config import HealthConfig, ProbeConfig
-from xds_server.frozen import fast_init
-from xds_server.health.model import EngineState, HeartbeatObserved, ProbeObserved, ProbeResultKind
 
 __all__ = ["AgentEdge", "BadField", "Checked", "CheckedHeartbeat", "CheckedPong", "CheckedResult",
            "EngineLoadSummary", "GpuSummary", "REASONS", "TelemetrySummary"]

@@ -16,9 +16,9 @@ gRPC source does, so silence is detected exactly as in production.
 from __future__ import annotations
 
 from xds_server.config import NodeConfig
-from xds_server.control.clock import Timer
-from xds_server.control.probes import ProbeSourceContext
 from xds_server.health import model as hm
+from xds_server.probing.sources import ProbeSourceContext
+from xds_server.process.clock import Timer
 
 __all__ = ["InMemoryProbeSource", "InMemoryProbes"]
 

@@ -32,8 +32,8 @@ from typing import Any
 import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from xds_server.feed.events import RoutingChange
 from xds_server.proto import routing_pb2, routing_pb2_grpc
-from xds_server.routing_events import RoutingChange
 
 # The control plane is typed structurally (ControlPlane-like: routing_listeners, config,
 # routing, health, cla_version) so this module never imports xds_server.server (no cycle).

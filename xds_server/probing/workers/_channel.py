@@ -16,7 +16,7 @@ kept NodeHealth | None)``, ``("remove", node_id)``, ``("fail_static_ended", burs
 ``("stop",)``.
 
 worker -> main: ``("report", nodes, heartbeats, probe_results, counters, links)`` (see
-:meth:`xds_server.probe_workers._detector.Detector.take` and ``_worker.Worker.flush``).
+:meth:`xds_server.probing.workers._detector.Detector.take` and ``_worker.Worker.flush``).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import struct
 from typing import Any
 
 from xds_server.health import phi, records
-from xds_server.probe_workers._detector import NodeReport
+from xds_server.probing.workers._detector import NodeReport
 
 __all__ = ["MAX_FRAME_BYTES", "FrameTooLarge", "encode", "read_frame"]
 

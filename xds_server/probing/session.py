@@ -5,8 +5,7 @@ arrives into health-model observations, timed on the control plane's own monoton
 (``loop.time()``; the agent's clock is never used for timing):
 
 - each Heartbeat -> :class:`HeartbeatObserved`; a timer armed at last arrival + interval + grace
-  (and every interval after) delivers :class:`Tick` so missed heartbeats are counted without
-  polling;
+  (and every interval after) delivers :class:`Tick`, so missed heartbeats are counted unpolled;
 - Ping{seq} every ``ping_interval_ms``; the matching Pong gives the RTT -> :class:`PingObserved`;
 - each InferenceResult -> :class:`ProbeObserved`;
 - the stream ending, failing to open, or bringing no heartbeat for ``probe.silent_stream_redial_ms``
@@ -14,11 +13,11 @@ arrives into health-model observations, timed on the control plane's own monoton
   (``reconnect_backoff_initial_ms`` doubling up to ``reconnect_backoff_max_ms``).
 
 After a stall of our own event loop, verdicts on the node's silence (a Tick, a closed or silent
-stream) wait until the node is heard again or the hold ends (:mod:`xds_server.probe_silence`).
-
-Every message is checked field by field at the edge (:class:`~xds_server.agent_edge.AgentEdge`)
-before anything reads it; bad fields are counted per (field, reason) and logged rate-limited.
-A failure while handling one message is counted and skipped: it never ends health checking.
+stream) wait until the node is heard again or the hold ends (:mod:`xds_server.probing.silence`).
+Every message is checked field by field at the edge (:class:`~xds_server.probing.edge.AgentEdge`)
+first; bad fields are counted per (field, reason) and logged rate-limited. A failure while
+handling one message is counted and skipped: it never ends health checking.
+:func:`grpc_probe_source` is the factory the wiring shell hands the control plane.
 """
 from __future__ import annotations
 
@@ -31,23 +30,19 @@ from time import monotonic
 import grpc
 
 from node_probe.proto import probe_pb2, probe_pb2_grpc
-from xds_server.agent_edge import AgentEdge, BadField, CheckedHeartbeat, CheckedPong, CheckedResult, TelemetrySummary
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
-from xds_server.control.counters import Counters
-from xds_server.health.model import (Observation, PingObserved, ProbeObserved, ProbeResultKind, StreamClosed, Tick,
-                                     miss_after_s)
-from xds_server.probe_silence import SilenceGate, SilentStream
-from xds_server.tick_timer import TickTimer
-from xds_server.tls import ClientTls, dial
-from xds_server.untrusted import RateLimitedLog, clip, for_log
+from xds_server.health import model as hm
+from xds_server.health.counters import Counters
+from xds_server.probing.edge import AgentEdge, BadField, CheckedHeartbeat, CheckedPong, CheckedResult, TelemetrySummary
+from xds_server.probing.silence import SilenceGate, SilentStream
+from xds_server.probing.sources import ObservationSink, ProbeSource, ProbeSourceContext
+from xds_server.probing.timers import TickTimer
+from xds_server.process.tls import ClientTls, dial
+from xds_server.process.untrusted import RateLimitedLog, clip, for_log
 
-__all__ = ["ProbeSession", "SilentStream"]
+__all__ = ["ProbeSession", "SilentStream", "grpc_probe_source"]
 
-log = logging.getLogger(__name__)
-
-ObservationSink = Callable[[str, Observation, float], "float | None"]
-"""``sink(node_id, observation, now_s) -> tick_due_s``: when the next Tick is due (monotonic s), or None."""
-
+log = logging.getLogger("xds_server.probing")  # the stage's name, as before the package
 
 class _Stream:
     """What one open Watch stream knows: the pings in flight (seq -> sent at, ``time.monotonic``
@@ -55,7 +50,7 @@ class _Stream:
     Ping.seq sent, whether a heartbeat came yet, and the last heartbeat's arrival (loop s; the
     stream's opening until the first)."""
 
-    __slots__ = ("pings", "ping_seq", "got_any", "had_hb", "last_hb")
+    __slots__ = ("got_any", "had_hb", "last_hb", "ping_seq", "pings")
 
     def __init__(self, opened_s: float) -> None:
         self.pings: dict[int, float] = {}
@@ -68,9 +63,9 @@ class _Stream:
 class ProbeSession:
     """Watches one node through its agent. ``sink(node_id, observation, now_s)`` gets every observation.
 
-    ``tls``: dial the agent over TLS (:class:`~xds_server.tls.ClientTls`; None: plaintext).
+    ``tls``: dial the agent over TLS (:class:`~xds_server.process.tls.ClientTls`; None: plaintext).
     ``start()`` spawns the dial loop; ``stop()`` cancels it and closes the channel.
-    ``last_telemetry`` holds the latest checked :class:`~xds_server.agent_edge.TelemetrySummary`.
+    ``last_telemetry`` holds the latest checked :class:`~xds_server.probing.edge.TelemetrySummary`.
     Bad messages and fields are counted in ``counters`` (``malformed`` per node, ``bad_fields``
     per (field, reason)) and in ``on_malformed(node_id, what)`` if given.
     """
@@ -88,7 +83,7 @@ class ProbeSession:
         tls: ClientTls | None = None,
     ) -> None:
         self.node = node
-        self.tls = tls  # None: plaintext; else how the agent is dialled (xds_server.tls.dial)
+        self.tls = tls  # None: plaintext; else how the agent is dialled (xds_server.process.tls.dial)
         self.cfg = cfg
         self.probe_cfg = probe if probe is not None else ProbeConfig()
         self.counters = counters if counters is not None else Counters()
@@ -117,7 +112,7 @@ class ProbeSession:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stream: _Stream | None = None
         self._latest: _Stream | None = None  # the open stream, or the one that ended last
-        self._gap_limit = miss_after_s(cfg)
+        self._gap_limit = hm.miss_after_s(cfg)
         self.silence_gate = SilenceGate(cfg, self.probe_cfg)
 
     def start(self) -> None:
@@ -152,10 +147,10 @@ class ProbeSession:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _emit(self, obs: Observation) -> None:
+    def _emit(self, obs: hm.Observation) -> None:
         assert self._loop is not None
-        if isinstance(obs, ProbeObserved):
-            self.last_probe_failure = "" if obs.kind is ProbeResultKind.OK else clip(
+        if isinstance(obs, hm.ProbeObserved):
+            self.last_probe_failure = "" if obs.kind is hm.ProbeResultKind.OK else clip(
                 f"{obs.kind.value}{f' {obs.http_status}' if obs.http_status else ''}: {obs.detail}",
                 self.probe_cfg.max_text_chars)
         self._arm(self.sink(self.node.id, obs, self._loop.time()))
@@ -166,7 +161,7 @@ class ProbeSession:
             assert self._loop is not None
             self._timer = TickTimer(self._loop, self._tick, lag_tolerance_s=self.cfg.self_lag_tolerance_ms / 1000.0,
                                     lag_recheck_s=self.probe_cfg.lag_recheck_ms / 1000.0,
-                                    stall_recheck_s=miss_after_s(self.cfg),
+                                    stall_recheck_s=hm.miss_after_s(self.cfg),
                                     retry_s=self.cfg.heartbeat_interval_ms / 1000.0,
                                     on_error=lambda: self._handler_failed("tick"))
         self._timer.arm(at_s)
@@ -174,7 +169,7 @@ class ProbeSession:
     def _tick(self) -> None:
         self._judge(self.silence_gate.due(self._now(), self._heard_s()))
 
-    def _judge(self, verdict: float | Tick | StreamClosed) -> None:
+    def _judge(self, verdict: float | hm.Tick | hm.StreamClosed) -> None:
         """Emit a verdict on the node's silence, or (a loop time) re-arm at the end of a hold."""
         if isinstance(verdict, float):
             self._arm(verdict)
@@ -220,14 +215,14 @@ class ProbeSession:
                     await channel.close(grace=None)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # noqa: BLE001 - never let one node's session die
+            except Exception as e:
                 got_any = False
                 detail = f"{type(e).__name__}: {clip(str(e), pc.max_text_chars)}"
                 self._rl.log(logging.ERROR, self._now(), "session", "probe session %s failed: %s",
                              for_log(self.node.id), for_log(detail, 256))
             try:
                 self._judge(self.silence_gate.closed(self._now(), detail, self._heard_s()))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 self._handler_failed("stream_closed")
             extra = {"node": self.node.id, "reason": detail}
             if got_any:
@@ -360,13 +355,13 @@ class ProbeSession:
                     # else: an answer to a ping dropped after a heartbeat gap, or beyond
                     # max_unanswered_pings: no sample, not the agent's fault
                     return
-                self._arm(self.sink(self.node.id, PingObserved(rtt_ms=(monotonic() - sent) * 1000.0), now))
+                self._arm(self.sink(self.node.id, hm.PingObserved(rtt_ms=(monotonic() - sent) * 1000.0), now))
             elif isinstance(checked, CheckedResult):
                 obs = checked.observation
-                if obs.kind is not ProbeResultKind.OK:
+                if obs.kind is not hm.ProbeResultKind.OK:
                     self._probe_now(f"confirm probe failure: {obs.kind.value}")
                 self._arm(self.sink(self.node.id, obs, now))
-        except Exception:  # noqa: BLE001 - one message must never end health checking
+        except Exception:
             self._handler_failed("message")
 
     def _bad_fields(self, bad: list[BadField], now: float) -> None:
@@ -392,3 +387,9 @@ class ProbeSession:
                      "probe session %s: handling a %s failed, skipped (%s: %s)", for_log(self.node.id), where,
                      type(exc).__name__, for_log(str(exc), 200))
         log.debug("probe session %s: %s handler failed", for_log(self.node.id), where, exc_info=True)
+
+
+def grpc_probe_source(node: NodeConfig, ctx: ProbeSourceContext) -> ProbeSource:
+    """A :data:`~xds_server.probing.sources.ProbeSourceFactory`: a session dialled as ``ctx.tls`` says."""
+    return ProbeSession(node, ctx.health, ctx.sink, ctx.control_plane_id, probe=ctx.probe,
+                        counters=ctx.counters, tls=ctx.tls.client(node.id))

@@ -33,9 +33,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from xds_server.config import HealthConfig
+from xds_server.health import model as hm
 from xds_server.health.anchor import anchor_ramp
 from xds_server.health.keys import probe_result_key, resume_kept, routing_key
-from xds_server.health import model as hm
 
 __all__ = ["Detector", "NodeReport"]
 
@@ -98,7 +98,7 @@ def _material(nh: hm.NodeHealth) -> tuple:
 class Detector:
     """The health model of one worker's nodes. ``urgent``: a node has a change to report now.
     ``heartbeats`` / ``probe_results``: counts since the last full take (per node id; per
-    (node id, kind, outcome), as :class:`~xds_server.control.counters.Counters` keeps them)."""
+    (node id, kind, outcome), as :class:`~xds_server.health.counters.Counters` keeps them)."""
 
     def __init__(self, cfg: HealthConfig) -> None:
         self.cfg = cfg

@@ -2,9 +2,11 @@
 
 A probe source watches one node and feeds :class:`~xds_server.health.model.Observation` values
 into ``ctx.sink(node_id, observation, now_s)``, arming its own timer for the next
-:class:`~xds_server.health.model.Tick` at the time the sink returns. The default factory,
-:func:`grpc_probe_source`, dials the node's agent (:class:`~xds_server.probing.ProbeSession`);
-:class:`~xds_server.control.memory.InMemoryProbes` drives nodes from test code.
+:class:`~xds_server.health.model.Tick` at the time the sink returns. The real factory,
+:func:`~xds_server.probing.session.grpc_probe_source`, dials the node's agent;
+:class:`~xds_server.probing.workers.WorkerPool` runs those sessions in worker processes;
+:class:`~xds_server.probing.memory.InMemoryProbes` drives nodes from test code. The wiring shell
+(:mod:`xds_server.server`) picks one; the decision layer sees only the sink it hands out.
 
 Shape::
 
@@ -17,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from xds_server.config import AgentTlsConfig, HealthConfig, NodeConfig, ProbeConfig
-from xds_server.control.clock import Clock
-from xds_server.control.counters import Counters
+from xds_server.health.counters import Counters
 from xds_server.health.model import Observation
+from xds_server.process.clock import Clock
 
-__all__ = ["ObservationSink", "ProbeSource", "ProbeSourceContext", "ProbeSourceFactory", "grpc_probe_source"]
+__all__ = ["ObservationSink", "ProbeSource", "ProbeSourceContext", "ProbeSourceFactory"]
 
 ObservationSink = Callable[[str, Observation, float], "float | None"]
 """``sink(node_id, observation, now_s) -> tick_due_s``: when the next Tick is due (monotonic s), or None."""
@@ -31,7 +33,7 @@ class ProbeSource(Protocol):
     """One node's observation feed, as the control plane and its admin view use it.
 
     ``connected``: the stream to the agent is up. ``last_telemetry``: the latest validated
-    telemetry (:class:`~xds_server.agent_edge.TelemetrySummary`) or None.
+    telemetry (:class:`~xds_server.probing.edge.TelemetrySummary`) or None.
     ``lag_deferrals``: detection timers deferred because the event loop was late.
     """
 
@@ -63,10 +65,3 @@ class ProbeSourceContext:
 
 ProbeSourceFactory = Callable[[NodeConfig, ProbeSourceContext], ProbeSource]
 
-
-def grpc_probe_source(node: NodeConfig, ctx: ProbeSourceContext) -> ProbeSource:
-    """The real source: a gRPC ``NodeProbe.Watch`` stream to ``node.probe_address``."""
-    from xds_server.probing import ProbeSession
-
-    return ProbeSession(node, ctx.health, ctx.sink, ctx.control_plane_id, probe=ctx.probe,
-                        counters=ctx.counters, tls=ctx.tls.client(node.id))

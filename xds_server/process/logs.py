@@ -10,7 +10,7 @@ Structured fields come from ``extra=`` on a log call; the known ones are :data:`
 :func:`set_replica` adds ``replica`` (``xds.replica_id``) to every line of the process, so the
 logs of two replicas can be told apart once collected together.
 Their values are text that may come from agents or xDS clients, so they are escaped with
-:func:`xds_server.untrusted.for_log` (bounded, one line) before they are written.
+:func:`xds_server.process.untrusted.for_log` (bounded, one line) before they are written.
 
 gRPC core noise: the C core's own stderr lines are off (``GRPC_VERBOSITY=NONE``) unless the
 environment sets ``GRPC_VERBOSITY``; :func:`quiet_grpc_core` must run before ``grpc`` is first
@@ -24,7 +24,7 @@ import logging
 import os
 import time
 
-from xds_server.untrusted import for_log
+from xds_server.process.untrusted import for_log
 
 __all__ = ["FIELDS", "LEVELS", "FORMATS", "JsonFormatter", "TextFormatter", "configure_logging", "quiet_grpc_core",
            "set_replica"]

@@ -10,8 +10,8 @@ from each worker only changes over a socketpair. Public surface:
 - :class:`Detector`: the worker side's pure per-node model with change reports;
 - :func:`worker_for`: the stable node -> worker assignment.
 """
-from xds_server.probe_workers._assign import worker_for
-from xds_server.probe_workers._detector import Detector, NodeReport
-from xds_server.probe_workers._pool import RemoteSource, WorkerPool
+from xds_server.probing.workers._assign import worker_for
+from xds_server.probing.workers._detector import Detector, NodeReport
+from xds_server.probing.workers._pool import RemoteSource, WorkerPool
 
 __all__ = ["Detector", "NodeReport", "RemoteSource", "WorkerPool", "worker_for"]

@@ -13,7 +13,7 @@ checking field by field when the part is the same as last time:
   never unchecked ones); an unnumbered part (0) is compared as a message.
 
 Bad fields go to the caller's ``bad`` list as :class:`BadField` ``(field, reason)`` (reasons:
-see :mod:`xds_server.agent_edge`), also when a result is reused. Nothing here raises on agent
+see :mod:`xds_server.probing.edge`), also when a result is reused. Nothing here raises on agent
 input; nothing here does I/O.
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from node_probe.proto import probe_pb2
 from xds_server.config import ProbeConfig
-from xds_server.frozen import fast_init
-from xds_server.untrusted import clip
+from xds_server.health.frozen import fast_init
+from xds_server.process.untrusted import clip
 
 __all__ = ["BadField", "EngineLoadSummary", "GpuCheck", "GpuSummary", "LoadCheck", "NVML_UNKNOWN", "number",
            "text"]

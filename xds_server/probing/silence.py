@@ -1,10 +1,10 @@
 """When a probe session may judge its node's silence: not while that silence is our own.
 
-The rule is pure (:mod:`xds_server.stall_hold`); this module is its edge on the event loop:
+The rule is pure (:mod:`xds_server.probing.stall_hold`); this module is its edge on the event loop:
 
 - :class:`LoopStallWatch` samples the event loop every ``probe.loop_watch_interval_ms`` (one
   sampler per loop, shared by every session on it, running while a session holds it) and keeps
-  the loop's :class:`~xds_server.stall_hold.StallHistory`;
+  the loop's :class:`~xds_server.probing.stall_hold.StallHistory`;
 - :class:`SilenceGate`, one per session, asks it whether a verdict on the node's silence (a Tick
   counting misses, a stream found closed, a stream silent for ``probe.silent_stream_redial_ms``)
   must wait for the end of a hold after our own stall, and keeps a stream close found during one.
@@ -27,8 +27,8 @@ from collections.abc import Callable
 from xds_server.config import HealthConfig, ProbeConfig
 from xds_server.health.clocks import miss_after_s
 from xds_server.health.records import StreamClosed, Tick
-from xds_server.stall_hold import StallHistory, held_until, ran
-from xds_server.tick_timer import recheck_after_s
+from xds_server.probing.stall_hold import StallHistory, held_until, ran
+from xds_server.probing.timers import recheck_after_s
 
 __all__ = ["LoopStallWatch", "SilenceGate", "SilentStream"]
 
@@ -149,7 +149,7 @@ class SilenceGate:
         """Return once the open stream brought no heartbeat for ``silent_s`` (``last_hb()``: its last
         heartbeat's arrival, or its opening; ``heard()``: as ``heard_s`` in :meth:`until`), judged on
         our clock: woken late by ``lag_tolerance_s`` or more, only after the re-check
-        (:func:`~xds_server.tick_timer.recheck_after_s`) has let the heartbeats that waited unread
+        (:func:`~xds_server.probing.timers.recheck_after_s`) has let the heartbeats that waited unread
         be read, and never during a hold after our own stall."""
         while True:
             due = max(loop.time() + 0.005, last_hb() + silent_s)

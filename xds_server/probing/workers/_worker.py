@@ -1,11 +1,11 @@
 """A probe worker process: holds its share of the agents' probe streams
-(:class:`~xds_server.probing.ProbeSession`, unchanged) and feeds them into its
-:class:`~xds_server.probe_workers._detector.Detector`; sends the main process only changes.
+(:class:`~xds_server.probing.session.ProbeSession`, unchanged) and feeds them into its
+:class:`~xds_server.probing.workers._detector.Detector`; sends the main process only changes.
 
-Started by :class:`~xds_server.probe_workers._pool.WorkerPool` as
-``python -m xds_server.probe_workers._worker FD PARENT_PID LOG_FORMAT INDEX LOOP`` (the index is
+Started by :class:`~xds_server.probing.workers._pool.WorkerPool` as
+``python -m xds_server.probing.workers._worker FD PARENT_PID LOG_FORMAT INDEX LOOP`` (the index is
 there for ``ps``; the init message carries it too; LOOP: the parent's event loop, asyncio or
-uvloop, :mod:`xds_server.event_loop`) with one end of a socketpair as
+uvloop, :mod:`xds_server.process.event_loop`) with one end of a socketpair as
 file descriptor FD. It exits when the channel reaches end of stream (the main process exited or
 closed it), on ``("stop",)``, and (Linux) when the parent dies (``PR_SET_PDEATHSIG`` = SIGKILL),
 so it is never orphaned. Reports go out at once when the detector has an urgent change
@@ -22,17 +22,17 @@ import socket
 import sys
 import time
 
-from xds_server import event_loop
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
-from xds_server.control.counters import Counters
 from xds_server.health import model as hm
-from xds_server.probe_workers._channel import encode, read_frame
-from xds_server.probe_workers._detector import Detector
-from xds_server.probing import ProbeSession
+from xds_server.health.counters import Counters
+from xds_server.probing.session import ProbeSession
+from xds_server.probing.workers._channel import encode, read_frame
+from xds_server.probing.workers._detector import Detector
+from xds_server.process import event_loop
 
 __all__ = ["Worker", "main"]
 
-log = logging.getLogger("xds_server.probe_workers")
+log = logging.getLogger("xds_server.probing.workers")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -194,12 +194,12 @@ async def serve(fd: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``_worker FD PARENT_PID [LOG_FORMAT [INDEX [LOOP]]]``: run one probe worker on the event
-    loop LOOP (:data:`xds_server.event_loop.LOOPS`; default asyncio): its parent's."""
+    loop LOOP (:data:`xds_server.process.event_loop.LOOPS`; default asyncio): its parent's."""
     args = sys.argv[1:] if argv is None else argv
     fd, parent = int(args[0]), int(args[1])
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the main process's to handle
-    from xds_server.logs import configure_logging, quiet_grpc_core
+    from xds_server.process.logs import configure_logging, quiet_grpc_core
     quiet_grpc_core()
     configure_logging("INFO", args[2] if len(args) > 2 else "text")
     event_loop.run(serve(fd), args[4] if len(args) > 4 else "asyncio")

@@ -2,7 +2,7 @@
 times are arguments (the event loop's monotonic clock, s); nothing here reads a clock.
 
 A *stall* is a stretch in which our event loop ran nothing: a SIGSTOP, a VM pause, a long GC, a
-starved CPU. A sampler (:class:`~xds_server.probe_silence.LoopStallWatch`) runs every
+starved CPU. A sampler (:class:`~xds_server.probing.silence.LoopStallWatch`) runs every
 ``period_s``; when it runs ``gap_s`` later than due, the loop stalled that long and woke at that
 run. During our stall the agents kept sending: their heartbeats wait unread in our sockets, and a
 stream cut meanwhile (a keepalive that we could not answer) is found cut only when we wake, to be

@@ -15,7 +15,7 @@ Probe worker processes run the loop their parent runs (:func:`running_loop_name`
 
 uvloop's ``loop.time()`` counts whole milliseconds (libuv's clock). Deadlines, heartbeat
 arrivals and phi (its deviation floor is 20 ms) do not notice; ping RTTs are timed on
-``time.monotonic()`` instead (:mod:`xds_server.probing`), so a LAN's sub-millisecond RTT keeps its
+``time.monotonic()`` instead (:mod:`xds_server.probing.session`), so a LAN's sub-millisecond RTT keeps its
 precision on either loop.
 """
 from __future__ import annotations

@@ -59,7 +59,7 @@ class RateLimitedLog:
     def log(self, level: int, now_s: float, key: str, msg: str, *args: object,
             extra: dict | None = None) -> bool:
         """Log ``msg % args`` at ``level`` (structured fields in ``extra``, see
-        :mod:`xds_server.logs`) unless ``key`` was logged within the interval.
+        :mod:`xds_server.process.logs`) unless ``key`` was logged within the interval.
 
         Returns True if the line was written.
         """

@@ -2,7 +2,7 @@
 ``/metrics``); the xDS server keeps its own counters with it (:mod:`xds_server.xds.stats`).
 
 Every label set is bounded: node ids come from the config file, bad agent fields are
-(field, reason) pairs named by :mod:`xds_server.agent_edge`, handler errors are keyed by where.
+(field, reason) pairs named by :mod:`xds_server.probing.edge`, handler errors are keyed by where.
 """
 from __future__ import annotations
 
