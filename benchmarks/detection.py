@@ -36,7 +36,7 @@ from xds_server.testing import Fleet, LoadGenerator
 
 def _q(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def _burn() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from xds_server.testing import (  # noqa: E402
+from xds_server.testing import (
     FaultRig,
     ads_stream_churn,
     agent_kill_restart,

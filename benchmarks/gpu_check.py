@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node_probe.telemetry import FATAL_XIDS, GpuCollector, gpu_fatal_reason, nvml_error_name  # noqa: E402
+from node_probe.telemetry import FATAL_XIDS, GpuCollector, gpu_fatal_reason, nvml_error_name
 
 _REASONS = (
     ("GpuIdle", 0x1), ("ApplicationsClocksSetting", 0x2), ("SwPowerCap", 0x4), ("HwSlowdown", 0x8),
@@ -44,12 +44,12 @@ def call(nvml, label: str, fn_name: str, *args, fmt=lambda v: v):
         return None
     try:
         value = fn(*args)
-    except Exception as exc:  # noqa: BLE001 - every failure is a reading here
+    except Exception as exc:
         print(f"    {label:<28} ERROR {nvml_error_name(exc)}")
         return None
     try:
         shown = fmt(value)
-    except Exception:  # noqa: BLE001
+    except Exception:
         shown = value
     print(f"    {label:<28} {shown}")
     return value
@@ -102,7 +102,7 @@ def print_gpu(nvml, i: int) -> None:
         for j in range(count):
             try:
                 mh = nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, j)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 if nvml_error_name(exc) != "NotFound":
                     print(f"    mig {j:<24} ERROR {nvml_error_name(exc)}")
                 continue
@@ -116,7 +116,7 @@ def check_xid_registration(nvml, n: int) -> None:
     print("\n== Xid events (critical), as the agent registers them")
     try:
         es = nvml.nvmlEventSetCreate()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         print(f"    event set                    ERROR {nvml_error_name(exc)}")
         return
     try:
@@ -125,29 +125,29 @@ def check_xid_registration(nvml, n: int) -> None:
                 h = nvml.nvmlDeviceGetHandleByIndex(i)
                 nvml.nvmlDeviceRegisterEvents(h, nvml.nvmlEventTypeXidCriticalError, es)
                 print(f"    gpu {i} registered")
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 print(f"    gpu {i} register             ERROR {nvml_error_name(exc)}")
         try:
             data = nvml.nvmlEventSetWait_v2(es, 0)
             print(f"    pending event: Xid {data.eventData}")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             print(f"    wait(0)                      {nvml_error_name(exc)} (Timeout = no pending event)")
     finally:
         try:
             nvml.nvmlEventSetFree(es)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 
 def main() -> int:
     try:
         import pynvml as nvml
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         print(f"pynvml not importable ({type(exc).__name__}: {exc}): install nvidia-ml-py")
         return 2
     try:
         nvml.nvmlInit()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         print(f"nvmlInit failed: {nvml_error_name(exc)} -- no NVML/driver on this host, nothing to check")
         return 2
     try:

@@ -142,7 +142,7 @@ class FakeFleet:
         self._proc = ctx.Process(target=_fleet_main, daemon=True,
                                  args=(self.port, self.frozen_port, gpus, self._freeze_at, self._ready, cpu))
 
-    def start(self) -> "FakeFleet":
+    def start(self) -> FakeFleet:
         self._proc.start()
         deadline = time.monotonic() + 60.0  # the spawned interpreter imports grpc and binds both ports
         while not self._ready.wait(0.2):
@@ -160,7 +160,7 @@ class FakeFleet:
         self._proc.kill()
         self._proc.join(5)
 
-    def __enter__(self) -> "FakeFleet":
+    def __enter__(self) -> FakeFleet:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -272,7 +272,7 @@ def _speed_us(n: int = 200_000) -> float:
 
 def _q(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 async def measure(n: int, seconds: float, *, gpus: int = 0, freeze: int = 0, cp_cpu: int | None = None,
@@ -396,7 +396,7 @@ async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: b
 
     sessions = [ProbeSession(n, cfg.health, sink, probe=cfg.probe, counters=core.counters)
                 for _, n in cfg.nodes()]
-    quiet_from, n_silent = 5, int(round(silent * nodes))
+    quiet_from, n_silent = 5, round(silent * nodes)
     tick0 = cpu0 = t0_silent = 0.0
     for s in sessions:
         s._loop = loop

@@ -4,7 +4,6 @@ delivery latency. Run: ``python benchmarks/relay_clock_engine.py PORT INTERVAL_M
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from xds_server.testing import ManagedProcess, free_port  # noqa: E402
+from xds_server.testing import ManagedProcess, free_port
 
 T_RE = re.compile(rb'"t":(\d+)')
 TICK = os.sysconf("SC_CLK_TCK")

@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from xds_server.testing import Fleet, ManagedProcess, free_port  # noqa: E402
+from xds_server.testing import Fleet, ManagedProcess, free_port
 
 HEADER = "x-sentinel-upstream-host"
 FAST = {"probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2}
@@ -63,7 +63,7 @@ async def stream(http, url: str, body: dict, strike=None, strike_at: int = 20, t
                     chunks += 1
                     if strike is not None and chunks == strike_at:
                         await strike(addr)
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         cut = True
     return {"text": "".join(text), "done": done and not cut, "gap_s": gap, "chunks": chunks,
             "tail_s": time.monotonic() - last}
@@ -96,7 +96,7 @@ class Rig:
 
 async def pauses(rig: Rig, http, fault: str, url: str, trials: int, ref: str, tokens: int) -> dict:
     out, tails, wrong = [], [], 0
-    for i in range(trials):
+    for _i in range(trials):
         async def strike(addr: str) -> None:
             n = rig.node(addr)
             rig.freeze(n) if fault == "freeze" else rig.kill(n)

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -32,10 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from xds_server.config import XdsConfig, parse_config  # noqa: E402
-from xds_server.health.model import Routing  # noqa: E402
-from xds_server.xds.cache import SnapshotCache  # noqa: E402
-from xds_server.xds.resources import (  # noqa: E402
+from xds_server.config import XdsConfig, parse_config
+from xds_server.health.model import Routing
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.resources import (
     CLA_TYPE_URL,
     CLUSTER_TYPE_URL,
     RESOURCE_TYPES,
@@ -62,7 +61,7 @@ def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     if not xs:
         return float("nan")
-    k = min(len(xs) - 1, max(0, int(round(p / 100.0 * (len(xs) - 1)))))
+    k = min(len(xs) - 1, max(0, round(p / 100.0 * (len(xs) - 1))))
     return xs[k]
 
 
@@ -295,7 +294,7 @@ def bench_fanout(streams: int, endpoints: int, variant: str, changes: int, windo
                     p.stdin.write("quit\n")
                     p.stdin.flush()
                     p.wait(10)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     p.kill()
     by_version: dict[str, list[int]] = {}
     for ver, t in received:

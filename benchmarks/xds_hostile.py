@@ -38,7 +38,7 @@ def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     if not xs:
         return float("nan")
-    return xs[min(len(xs) - 1, max(0, int(round(p / 100.0 * (len(xs) - 1)))))]
+    return xs[min(len(xs) - 1, max(0, round(p / 100.0 * (len(xs) - 1))))]
 
 
 def rss_of(pid: int) -> int:
@@ -124,7 +124,7 @@ class Server:
             self.proc.stdin.write("quit\n")
             self.proc.stdin.flush()
             self.proc.wait(10)
-        except Exception:  # noqa: BLE001 - make sure it is gone
+        except Exception:
             self.proc.kill()
             self.proc.wait()
 
@@ -214,7 +214,7 @@ async def run_flooder(port: int, seconds: float) -> None:
             while time.monotonic() < end:
                 await asyncio.wait_for(call.write(reqs[sent % 2]), max(0.01, end - time.monotonic()))
                 sent += 1
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+        except (TimeoutError, grpc.aio.AioRpcError):
             pass
         call.cancel()
         reader.cancel()

@@ -45,7 +45,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 import grpc
@@ -270,7 +271,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         if self._server is not None:
             try:
                 await self._server.stop(grace_s)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("grpc server stop failed")
         await self._hub.close()
         if self._session is not None:
@@ -314,7 +315,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
                 reading, error = await self._scrape()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+            except Exception as exc:
                 log.exception("metrics scrape failed unexpectedly")
                 reading, error = None, f"agent error: {type(exc).__name__}: {exc}"
             self._on_reading(reading, error, time.monotonic())
@@ -388,7 +389,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
             outcome = await self._prober.probe(self._session, deep)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - never let a probe kill the loop
+        except Exception as exc:
             log.exception("probe %d failed unexpectedly", seq)
             outcome = ProbeOutcome(
                 False, None, probe_pb2.FAILURE_KIND_BAD_OUTPUT, 0, f"agent error: {type(exc).__name__}: {exc}"
@@ -433,7 +434,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
 
     # -- streams -------------------------------------------------------------------------------
 
-    async def Watch(  # noqa: N802 - gRPC method name
+    async def Watch(
         self,
         request_iterator: AsyncIterator[probe_pb2.ControlMessage],
         context: grpc.aio.ServicerContext,

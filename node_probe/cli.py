@@ -19,7 +19,7 @@ import logging
 import signal
 import socket
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from node_probe.engines import ENGINE_KINDS
 from node_probe.telemetry import FATAL_XIDS
@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(cfg: object) -> int:
-    from node_probe.agent import ProbeAgent  # noqa: PLC0415
+    from node_probe.agent import ProbeAgent
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "sim-engine":
-        from node_probe import sim  # noqa: PLC0415 - only this subcommand needs it
+        from node_probe import sim
 
         return int(sim.main(args_list[1:]) or 0)
     if args_list and args_list[0] == "agent":
@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from node_probe.agent import AgentConfig  # noqa: PLC0415
+    from node_probe.agent import AgentConfig
 
     extra = {} if args.fatal_xids is None else {"fatal_xids": args.fatal_xids}
     try:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from node_probe.proto import probe_pb2
 from node_probe.ticks import sleep_until_tick
@@ -61,7 +62,7 @@ class GpuPoller:
                 log.warning("GPU telemetry: %s", stuck.error)
             try:
                 tel = fut.result()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 log.exception("GPU collect failed unexpectedly")
                 tel = probe_pb2.GpuTelemetry(
                     state=probe_pb2.NVML_STATE_ERROR, error=f"collector: {type(exc).__name__}: {exc}"

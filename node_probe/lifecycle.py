@@ -4,7 +4,7 @@ verdicts."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from node_probe.engines import EngineRequestError, ProbeOutcome
 from node_probe.proto import probe_pb2

@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from node_probe.lifecycle import STATE_NAMES
 from node_probe.proto import probe_pb2
 
-__all__ = ["AgentMetrics", "TTFT_BUCKETS_S"]
+__all__ = ["TTFT_BUCKETS_S", "AgentMetrics"]
 
 log = logging.getLogger(__name__)
 

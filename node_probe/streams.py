@@ -13,8 +13,9 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from node_probe.proto import probe_pb2
 from node_probe.ticks import sleep_until_tick
@@ -152,7 +153,7 @@ class StreamHub:
                              st.id, st.control_plane_id, st.peer)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - the client went away; the writer ends too
+        except Exception as exc:
             log.debug("stream %d: read side ended: %r", st.id, exc)
         # Half-closed by the client: keep sending heartbeats until it cancels.
 

@@ -16,7 +16,8 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from node_probe.proto import probe_pb2
 from node_probe.xids import FATAL_XIDS
@@ -139,7 +140,7 @@ class GpuCollector:
             return
         self._last_init_attempt = now
         try:
-            import pynvml  # noqa: PLC0415 (optional at runtime: absent GPU stack is a state)
+            import pynvml
         except Exception as exc:  # ImportError, or a broken install
             self._absent_message = f"pynvml not importable: {type(exc).__name__}: {exc}"
             log.info("GPU telemetry: %s", self._absent_message)
@@ -173,12 +174,12 @@ class GpuCollector:
             if self._event_set is not None:
                 try:
                     nvml.nvmlEventSetFree(self._event_set)
-                except Exception:  # noqa: BLE001 - shutting down anyway
+                except Exception:
                     pass
                 self._event_set = None
             try:
                 nvml.nvmlShutdown()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
             self._initialized = False
 
@@ -205,7 +206,7 @@ class GpuCollector:
             return fn(*args)
         except self._nvml.NVMLError as exc:
             errors.append(f"{field}: {nvml_error_name(exc)}")
-        except Exception as exc:  # noqa: BLE001 - a wrapper bug must not stop the collector
+        except Exception as exc:
             errors.append(f"{field}: {type(exc).__name__}")
         return None
 
@@ -308,7 +309,7 @@ class GpuCollector:
             if name not in _NO_MIG_ERRORS:
                 errors.append(f"mig: {name}")
             return []
-        except Exception:  # noqa: BLE001 - e.g. a handle this pynvml cannot pass to C
+        except Exception:
             return []
         if current != getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1):
             return []
@@ -321,7 +322,7 @@ class GpuCollector:
                 name = nvml_error_name(exc)
                 if name != "NotFound":  # an empty MIG slot
                     errors.append(f"mig {i}: {name}")
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 errors.append(f"mig {i}: {type(exc).__name__}")
         return out
 
@@ -354,7 +355,7 @@ class GpuCollector:
                     data = nvml.nvmlEventSetWait_v2(self._event_set, 0)
                 except nvml.NVMLError:
                     break  # Timeout = no pending event; anything else: try again next time
-                except Exception:  # noqa: BLE001
+                except Exception:
                     break
                 index = self._event_index(nvml, data, handles)
                 if index is not None:
@@ -371,7 +372,7 @@ class GpuCollector:
     def _register_xids(self, nvml: Any, handles: dict[int, Any]) -> None:
         try:
             event_set = nvml.nvmlEventSetCreate()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             for index in handles:
                 self._xid_register_errors[index] = _short(nvml, exc)
             return
@@ -380,14 +381,14 @@ class GpuCollector:
             try:
                 nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, event_set)
                 registered = True
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self._xid_register_errors[index] = _short(nvml, exc)
         if registered:
             self._event_set = event_set
         else:
             try:
                 nvml.nvmlEventSetFree(event_set)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
             if not handles:
                 self._xid_register_errors[-1] = "no devices"
@@ -400,7 +401,7 @@ class GpuCollector:
                 return index
         try:
             return int(nvml.nvmlDeviceGetIndex(device))
-        except Exception:  # noqa: BLE001
+        except Exception:
             return None
 
 

@@ -90,7 +90,7 @@ class RelayConfig(BaseModel):
     feed_plaintext: bool = False
 
     @model_validator(mode="after")
-    def _feed_tls(self) -> "RelayConfig":
+    def _feed_tls(self) -> RelayConfig:
         if (self.feed_tls_cert_file is None) != (self.feed_tls_key_file is None):
             raise ValueError("feed_tls_cert_file and feed_tls_key_file go together")
         if self.feed_tls_ca_file is None and (self.feed_tls_cert_file or self.feed_tls_server_name):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -87,7 +87,7 @@ class FeedClient:
             except grpc.aio.AioRpcError as e:
                 log.warning("routing feed %s: %s; reconnecting in %.1f s", self.target,
                             e.code().name, backoff)
-            except Exception as e:  # noqa: BLE001 - any failure: reconnect
+            except Exception as e:
                 log.warning("routing feed %s: %r; reconnecting in %.1f s", self.target, e, backoff)
             self.on_connected(False)
             await asyncio.sleep(backoff)

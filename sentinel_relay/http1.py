@@ -25,8 +25,17 @@ def build_request(method: str, target: str, host: str, headers: list[tuple[str, 
 
 
 class ResponseReader:
-    __slots__ = ("_buf", "head_done", "status", "reason", "headers", "_mode", "_left",
-                 "complete", "_need")
+    __slots__ = (
+        "_buf",
+        "_left",
+        "_mode",
+        "_need",
+        "complete",
+        "head_done",
+        "headers",
+        "reason",
+        "status",
+    )
 
     def __init__(self) -> None:
         self._buf = b""

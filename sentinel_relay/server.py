@@ -37,7 +37,7 @@ from .unary import out_headers as _out_headers
 from .unary import reply as _reply
 from .upstream import UpstreamExchange, open_exchange
 
-__all__ = ["Relay", "RELAY_HEADER"]
+__all__ = ["RELAY_HEADER", "Relay"]
 
 log = logging.getLogger("sentinel_relay")
 
@@ -47,8 +47,21 @@ _HIGH_WATER, _LOW_WATER = 1 << 20, 256 << 10  # client write buffer: pause / res
 class _Ctx:
     """One armed stream in flight (the shell's handle on it)."""
 
-    __slots__ = ("up", "node", "last_rx", "last_tx", "rescuing", "fault_tx", "kill_reason",
-                 "client", "first_chunk", "transport", "chunked", "client_gone", "paused")
+    __slots__ = (
+        "chunked",
+        "client",
+        "client_gone",
+        "fault_tx",
+        "first_chunk",
+        "kill_reason",
+        "last_rx",
+        "last_tx",
+        "node",
+        "paused",
+        "rescuing",
+        "transport",
+        "up",
+    )
 
     def __init__(self, now: float) -> None:
         self.up: UpstreamExchange | None = None
@@ -109,7 +122,7 @@ class Relay:
         self._up_hostport = u.netloc
 
     # -- lifecycle -----------------------------------------------------------------------------
-    async def start(self, reuse_port: bool = False) -> "Relay":
+    async def start(self, reuse_port: bool = False) -> Relay:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
@@ -222,7 +235,7 @@ class Relay:
                         "POST", request.path_qs, self._up_hostport, hdrs, body))
                     ctx.up = ex
                     head = await ex.head
-                except (OSError, asyncio.TimeoutError):
+                except (TimeoutError, OSError):
                     reason = ctx.kill_reason or "reset"
                 if head is not None and head.status != 200:
                     err = await _collect(ex)

@@ -27,7 +27,7 @@ from typing import Any
 from .plan import Received, Refused, continuation_body
 from .sse import event_data
 
-__all__ = ["BookError", "In", "St", "StreamBook", "TRANSITIONS", "error_event", "PING", "DONE"]
+__all__ = ["DONE", "PING", "TRANSITIONS", "BookError", "In", "St", "StreamBook", "error_event"]
 
 PING = b": ping\n\n"
 # Compact JSON (vLLM's pydantic output): the string value of a key, the token id list.

@@ -40,7 +40,7 @@ def reply(status: int, reason: str | None, headers: Any, body: bytes, note: str 
 class _Unary:
     """One armed non-streaming request in flight: its attempts and their answers."""
 
-    __slots__ = ("results", "tasks", "hedges", "args", "pending")
+    __slots__ = ("args", "hedges", "pending", "results", "tasks")
 
     def __init__(self, *args: Any) -> None:
         self.args = args  # url, body, headers

@@ -9,7 +9,7 @@ cleanly, or with a short reason (``"reset"``, ``"framing"``) when the connection
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from .http1 import HTTPFramingError, ResponseReader
 

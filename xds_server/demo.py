@@ -333,7 +333,7 @@ async def _fault(fleet: Fleet, session: aiohttp.ClientSession, load: LoadGenerat
 def _print_timeline(tl: FaultTimeline) -> None:
     _p("")
     _p(f"Fault: {tl.name} on {tl.node_id}")
-    _p(f"  injected                         +0 ms")
+    _p("  injected                         +0 ms")
     _p(f"  control plane ejected            {_ms(tl.cp_ejected_s)}  ({tl.cp_reason})")
     _p(f"  Envoy /clusters excluded it      {_ms(tl.envoy_excluded_s)}  ({tl.envoy_status})")
     _p(f"  healed                           {_ms(tl.healed_at_s)}")

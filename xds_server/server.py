@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
@@ -188,7 +187,7 @@ class ControlPlane:
         for t in self._tasks:
             try:
                 await t
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
+            except (asyncio.CancelledError, Exception):
                 pass
         self._tasks.clear()
         await self.discovery.stop()
@@ -314,7 +313,7 @@ class ControlPlane:
             await asyncio.sleep(interval_s())
             try:
                 await step()
-            except Exception:  # noqa: BLE001 - keep going
+            except Exception:
                 log.exception("%s failed", what)
 
     async def _check_file(self) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 __all__ = ["EngineLoadReading", "GroupLoad", "MetricSpec", "Sel", "parse_with_spec", "sel"]
 

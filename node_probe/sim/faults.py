@@ -52,8 +52,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["FAULT_MODES", "MIDSTREAM_MODES", "Faults", "DEFAULT_SLOW_TTFT_MS",
-           "DEFAULT_QUEUE_WAITING", "DEFAULT_PREFILL_MS", "PREFILL_PROMPT_TOKENS", "PREFILL_KV_RISE"]
+__all__ = [
+    "DEFAULT_PREFILL_MS",
+    "DEFAULT_QUEUE_WAITING",
+    "DEFAULT_SLOW_TTFT_MS",
+    "FAULT_MODES",
+    "MIDSTREAM_MODES",
+    "PREFILL_KV_RISE",
+    "PREFILL_PROMPT_TOKENS",
+    "Faults",
+]
 
 #: Mid-stream modes: what fires when a request reaches ``after_tokens`` tokens.
 MIDSTREAM_MODES = ("freeze_after", "reset_after", "fail_after", "error_after")

@@ -29,9 +29,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
-    "BOS_ID", "EOS_ID", "END_ID", "ROLE_IDS", "VOCAB_SIZE", "WORDS", "FIRST_WORD_ID",
-    "FIRST_HASHED_ID", "Decoder", "StepOut", "chat_prompt_ids", "context_state", "advance",
-    "detokenize", "next_token", "tokenize", "token_text",
+    "BOS_ID",
+    "END_ID",
+    "EOS_ID",
+    "FIRST_HASHED_ID",
+    "FIRST_WORD_ID",
+    "ROLE_IDS",
+    "VOCAB_SIZE",
+    "WORDS",
+    "Decoder",
+    "StepOut",
+    "advance",
+    "chat_prompt_ids",
+    "context_state",
+    "detokenize",
+    "next_token",
+    "token_text",
+    "tokenize",
 ]
 
 #: Special tokens (ids 0..7); their text is empty in generated output (skip_special_tokens).

@@ -56,7 +56,7 @@ async def test_delta_02_every_response_has_a_unique_nonce_and_spontaneous_reques
 
 
 async def test_delta_03_subscription_change_with_a_stale_nonce_is_applied(ads):
-    c, cds, eds = await delta_handshake(ads)
+    c, _cds, eds = await delta_handshake(ads)
     ads.cache.set_resource(EDS, "llm", cla(weight=3))
     newer = await c.recv()
     ads.cache.set_resource(EDS, "llm2", cla("llm2"))
@@ -68,14 +68,14 @@ async def test_delta_03_subscription_change_with_a_stale_nonce_is_applied(ads):
 
 
 async def test_delta_04_every_subscribed_name_is_answered_even_if_the_client_has_it(ads):
-    c, cds, eds = await delta_handshake(ads)
+    c, _cds, eds = await delta_handshake(ads)
     await c.send(type_url=EDS, subscribe=["llm"])  # already held at this version
     r = await c.recv()
     assert delta_names(r) == ["llm"] and r.resources[0].version == eds.resources[0].version
 
 
 async def test_delta_05_nonexistent_name_is_listed_removed_and_sent_once_it_exists(ads):
-    c, cds, eds = await delta_handshake(ads)
+    c, _cds, _eds = await delta_handshake(ads)
     await c.send(type_url=EDS, subscribe=["no-such-cluster"])
     r = await c.recv()
     assert list(r.removed_resources) == ["no-such-cluster"] and not r.resources
@@ -87,7 +87,7 @@ async def test_delta_05_nonexistent_name_is_listed_removed_and_sent_once_it_exis
 
 async def test_delta_06_assignment_of_a_known_cluster_is_held_until_published_not_removed(ads):
     ads.cache.remove_resource(EDS, "llm2")
-    c, cds, eds = await delta_handshake(ads)
+    c, _cds, _eds = await delta_handshake(ads)
     await c.send(type_url=EDS, subscribe=["llm2"])  # cluster exists in CDS, assignment not yet
     await c.expect_silence(QUIET_S)
     ads.cache.set_resource(EDS, "llm2", cla("llm2"))
@@ -124,7 +124,7 @@ async def test_delta_08_reconnect_with_all_versions_current_gets_nothing_resent(
 
 
 async def test_delta_09_cluster_deletion_is_sent_as_removed_resources(ads):
-    c, cds, eds = await delta_handshake(ads)
+    c, _cds, _eds = await delta_handshake(ads)
     ads.publish_clusters("llm")
     r = await c.recv()
     assert r.type_url == CDS and list(r.removed_resources) == ["llm2"] and not r.resources
@@ -142,7 +142,7 @@ async def test_delta_10_wildcard_plus_name_then_unsubscribing_the_name_is_answer
 
 
 async def test_delta_11_unsubscribe_only_request_gets_no_response_and_name_is_untracked(ads):
-    c, cds, eds = await delta_handshake(ads)
+    c, _cds, _eds = await delta_handshake(ads)
     await c.send(type_url=EDS, unsubscribe=["llm"])
     await c.expect_silence(QUIET_S)
     ts = ads.only_stream().types[EDS]
@@ -154,7 +154,7 @@ async def test_delta_11_unsubscribe_only_request_gets_no_response_and_name_is_un
 
 
 async def test_delta_12_draining_every_endpoint_is_an_empty_assignment_not_removed_resources(ads):
-    c, cds, eds = await delta_handshake(ads)
+    c, _cds, _eds = await delta_handshake(ads)
     ads.cache.set_resource(EDS, "llm", empty_cla("llm"))
     r = await c.recv()
     assert delta_names(r) == ["llm"] and not r.removed_resources
@@ -162,7 +162,7 @@ async def test_delta_12_draining_every_endpoint_is_an_empty_assignment_not_remov
 
 
 async def test_delta_13_ack_gets_no_response_and_a_nack_is_not_resent_until_content_changes(ads):
-    c, cds, eds = await delta_handshake(ads)
+    c, _cds, _eds = await delta_handshake(ads)
     await c.expect_silence(QUIET_S)  # ACKs above got nothing
     ads.cache.set_resource(EDS, "llm", cla(weight=5))
     bad = await c.recv()
@@ -179,7 +179,7 @@ async def test_delta_13_ack_gets_no_response_and_a_nack_is_not_resent_until_cont
 
 
 async def test_delta_14_cds_change_repushes_the_unchanged_assignment(ads):
-    c, cds, eds = await delta_handshake(ads)
+    c, _cds, eds = await delta_handshake(ads)
     ads.publish_clusters("llm", "llm2", connect_timeout_ms=2500)
     r1 = await c.recv()
     r2 = await c.recv()
@@ -204,7 +204,7 @@ async def test_delta_15_cds_change_before_eds_subscribe_is_still_repushed_on_sub
 
 async def test_delta_16_only_changed_resources_are_sent_on_update(ads):
     ads.cache.set_resource(EDS, "llm2", cla("llm2"))
-    c, cds, eds = await delta_handshake(ads, names=("llm", "llm2"))
+    c, _cds, eds = await delta_handshake(ads, names=("llm", "llm2"))
     assert sorted(delta_names(eds)) == ["llm", "llm2"]
     ads.cache.set_resource(EDS, "llm2", cla("llm2", weight=3))
     r = await c.recv()

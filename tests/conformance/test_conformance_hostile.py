@@ -231,7 +231,7 @@ async def test_issue9_client_chosen_node_ids_never_become_metric_labels(control_
 
 
 async def test_issue9_node_ids_and_nonces_are_escaped_in_every_log_line(hostile_env, caplog):
-    s, clean, channel, state = hostile_env
+    s, _clean, channel, _state = hostile_env
     call = raw_call(channel, "sotw")
     forged = "envoy\nINFO xds_server.server: node gpu-a: HEALTHY -> UNHEALTHY (forged)"
     req = discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=["llm"])

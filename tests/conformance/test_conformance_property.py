@@ -13,7 +13,7 @@ fails (``test_property_check_catches_a_server_that_sends_stale_bytes`` shows it)
 from __future__ import annotations
 
 import pytest
-from conformance_support import CDS, EDS, cla
+from conformance_support import CDS, EDS
 from envoy.service.discovery.v3 import discovery_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -42,7 +42,7 @@ async def test_sotw_02_nonces_unique_per_stream_and_never_reused_after_reconnect
     first = {cds.nonce, eds.nonce, r.nonce}
     assert len(first) == 3
     await c.close()
-    c2, cds2, eds2 = await handshake(ads)
+    _c2, cds2, eds2 = await handshake(ads)
     assert not {cds2.nonce, eds2.nonce} & first
 
 
@@ -54,7 +54,7 @@ async def test_sotw_03_ack_with_unchanged_state_gets_no_response(ads):
 
 
 async def test_sotw_04_nack_is_recorded_and_the_same_version_is_never_resent(ads):
-    c, cds, eds = await handshake(ads)
+    c, _cds, eds = await handshake(ads)
     ads.cache.set_resource(EDS, "llm", cla(weight=5))
     bad = await c.recv()
     await c.send(type_url=EDS, names=["llm"], version=eds.version_info, nonce=bad.nonce, error="rejected")
@@ -69,7 +69,7 @@ async def test_sotw_04_nack_is_recorded_and_the_same_version_is_never_resent(ads
 
 
 async def test_sotw_05_nack_detected_by_error_detail_not_by_version_mismatch(ads):
-    c, cds, eds = await handshake(ads)
+    c, _cds, eds = await handshake(ads)
     ads.cache.set_resource(EDS, "llm", cla(weight=5))
     r = await c.recv()
     # version differs from what was sent, no error_detail: an ACK (e.g. after a subscription change)
@@ -85,7 +85,7 @@ async def test_sotw_05_nack_detected_by_error_detail_not_by_version_mismatch(ads
 
 
 async def test_sotw_06_request_with_stale_nonce_gets_no_response(ads):
-    c, cds, eds = await handshake(ads)
+    c, _cds, eds = await handshake(ads)
     ads.cache.set_resource(EDS, "llm", cla(weight=7))
     await c.recv()
     await c.send(type_url=EDS, names=["llm", "llm2"], version=eds.version_info, nonce=eds.nonce)
@@ -95,14 +95,14 @@ async def test_sotw_06_request_with_stale_nonce_gets_no_response(ads):
 
 async def test_sotw_07_new_eds_name_at_same_version_gets_that_assignment(ads):
     ads.cache.set_resource(EDS, "llm2", cla("llm2"))
-    c, cds, eds = await handshake(ads)
+    c, _cds, eds = await handshake(ads)
     await c.send(type_url=EDS, names=["llm", "llm2"], version=eds.version_info, nonce=eds.nonce)
     r = await c.recv()
     assert [m.cluster_name for m in clas_of(r)] == ["llm2"]
 
 
 async def test_sotw_08_assignment_created_after_request_is_pushed_without_new_request(ads):
-    c, cds, eds = await handshake(ads, names=("llm", "llm2"))
+    c, _cds, eds = await handshake(ads, names=("llm", "llm2"))
     assert [m.cluster_name for m in clas_of(eds)] == ["llm"]  # llm2 held: not published yet
     await c.expect_silence(QUIET_S)
     ads.cache.set_resource(EDS, "llm2", cla("llm2"))
@@ -111,7 +111,7 @@ async def test_sotw_08_assignment_created_after_request_is_pushed_without_new_re
 
 
 async def test_sotw_09_cds_change_repushes_the_unchanged_assignment_with_a_new_nonce(ads):
-    c, cds, eds = await handshake(ads)
+    c, _cds, eds = await handshake(ads)
     ads.publish_clusters("llm", "llm2", connect_timeout_ms=2500)
     r1 = await c.recv()
     r2 = await c.recv()
@@ -121,7 +121,7 @@ async def test_sotw_09_cds_change_repushes_the_unchanged_assignment_with_a_new_n
 
 
 async def test_sotw_10_cds_is_full_state_and_a_left_out_cluster_is_deleted(ads):
-    c, cds, eds = await handshake(ads)
+    c, _cds, _eds = await handshake(ads)
     ads.cache.set_resource(EDS, "llm", cla(weight=3))
     await c.recv()  # EDS change: CDS not resent
     ads.publish_clusters("llm")
@@ -134,7 +134,7 @@ async def test_sotw_10_cds_is_full_state_and_a_left_out_cluster_is_deleted(ads):
 
 async def test_sotw_11_eds_holds_only_requested_names_no_duplicates_and_matching_cluster_name(ads):
     ads.cache.set_resource(EDS, "llm2", cla("llm2"))
-    c, cds, eds = await handshake(ads, names=("llm",))
+    c, _cds, eds = await handshake(ads, names=("llm",))
     names = [m.cluster_name for m in clas_of(eds)]
     assert names == ["llm"]
     ads.cache.set_resource(EDS, "llm2", cla("llm2", weight=9))  # not requested: not sent
@@ -144,7 +144,7 @@ async def test_sotw_11_eds_holds_only_requested_names_no_duplicates_and_matching
 
 
 async def test_sotw_12_name_removed_stops_pushes_and_readded_is_resent_unchanged(ads):
-    c, cds, eds = await handshake(ads)
+    c, _cds, eds = await handshake(ads)
     await c.send(type_url=EDS, names=[], version=eds.version_info, nonce=eds.nonce)
     await c.expect_silence(QUIET_S)  # unsubscribe-only: no answer (and now applied)
     ads.cache.set_resource(EDS, "llm", cla(weight=11))
@@ -169,7 +169,7 @@ async def test_sotw_13_versions_from_content_only_same_on_every_replica_and_acro
     other.cache.set_resource(EDS, "llm", cla(weight=7))
     try:
         for srv, expect_same in ((same, True), (other, False)):
-            c2, cds2, eds2 = await handshake(srv)
+            _c2, cds2, eds2 = await handshake(srv)
             assert cds2.version_info == cds.version_info
             assert (eds2.version_info == eds.version_info) is expect_same
     finally:
@@ -178,7 +178,7 @@ async def test_sotw_13_versions_from_content_only_same_on_every_replica_and_acro
 
 
 async def test_sotw_14_new_stream_gets_full_state_even_with_a_known_version_info(ads):
-    c, cds, eds = await handshake(ads)
+    _c, cds, eds = await handshake(ads)
     c2 = await ads.sotw()
     await c2.send(type_url=CDS, version=cds.version_info, node_id="envoy-1")
     r = await c2.recv()
@@ -189,7 +189,7 @@ async def test_sotw_14_new_stream_gets_full_state_even_with_a_known_version_info
 
 
 async def test_sotw_15_node_from_first_message_later_messages_without_node_accepted(ads):
-    c, cds, eds = await handshake(ads, node_id="envoy-first")
+    c, _cds, _eds = await handshake(ads, node_id="envoy-first")
     st = ads.only_stream()
     assert st.node_id == "envoy-first"
     ads.cache.set_resource(EDS, "llm", cla(weight=8))
@@ -205,12 +205,12 @@ async def test_sotw_16_missing_type_url_is_invalid_argument_and_others_keep_work
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await c.recv()
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    c2, cds, eds = await handshake(ads)
+    _c2, _cds, eds = await handshake(ads)
     assert eds.resources
 
 
 async def test_sotw_17_invalid_assignment_is_held_back_and_never_sent(ads):
-    c, cds, eds = await handshake(ads)
+    c, _cds, _eds = await handshake(ads)
     zero = cla(weight=5)
     zero.endpoints[0].lb_endpoints[0].load_balancing_weight.value = 0
     two_drops = cla(weight=5)
@@ -256,7 +256,7 @@ async def test_sotw_19_unknown_type_gets_one_empty_response_and_the_stream_stays
 
 async def test_sotw_20_cds_pushed_before_eds_of_a_new_cluster_on_one_stream(ads):
     ads.publish_clusters("llm")
-    c, cds, eds = await handshake(ads)
+    c, _cds, eds = await handshake(ads)
     ads.cache.set_resource(EDS, "llm2", cla("llm2"))
     ads.publish_clusters("llm", "llm2")
     r = await c.recv()

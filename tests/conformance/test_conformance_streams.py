@@ -57,14 +57,14 @@ def delta_req(type_url, subscribe=(), nonce="", node_id=None, error=None):
     return req
 
 
-async def read(s: "RawStream", timeout_s: float = 3.0):
+async def read(s: RawStream, timeout_s: float = 3.0):
     return await s.read(timeout_s)
 
 
-async def expect_silence(s: "RawStream", duration_s: float) -> None:
+async def expect_silence(s: RawStream, duration_s: float) -> None:
     try:
         msg = await s.read(duration_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return
     raise AssertionError(f"expected no response, got {msg}")
 
@@ -88,7 +88,7 @@ class RawStream:
             self._pending = asyncio.ensure_future(self.call.read())
         done, _ = await asyncio.wait({self._pending}, timeout=timeout_s)
         if not done:
-            raise asyncio.TimeoutError
+            raise TimeoutError
         fut, self._pending = self._pending, None
         return fut.result()
 

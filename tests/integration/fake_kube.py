@@ -238,7 +238,7 @@ class FakeKube:
             while True:
                 try:
                     entry = await asyncio.wait_for(queue.get(), max(0.0, end - loop.time()))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
                 if entry is None:
                     break
@@ -256,7 +256,7 @@ class FakeKube:
         return resp
 
     async def _event(self, resp, ns: str, selector, entry) -> None:
-        rv, ens, before, after = entry
+        _rv, ens, before, after = entry
         if ens != ns:
             return
         was, now = _matches(before, selector), _matches(after, selector)

@@ -44,7 +44,7 @@ class HeadlessChromium:
         self._pending: dict[int, asyncio.Future] = {}
         self.console: list[str] = []
 
-    async def __aenter__(self) -> "HeadlessChromium":
+    async def __aenter__(self) -> HeadlessChromium:
         self._dir = tempfile.TemporaryDirectory(prefix="sentinel-chromium-")
         self.proc = await asyncio.create_subprocess_exec(
             self.binary, *FLAGS, f"--user-data-dir={self._dir.name}",

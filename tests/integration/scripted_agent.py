@@ -45,7 +45,7 @@ class ScriptedAgent(probe_pb2_grpc.NodeProbeServicer):
         self._seq = 0
 
     @classmethod
-    async def start(cls, port: int = 0) -> "ScriptedAgent":
+    async def start(cls, port: int = 0) -> ScriptedAgent:
         a = cls()
         a._server = grpc.aio.server()
         probe_pb2_grpc.add_NodeProbeServicer_to_server(a, a._server)
@@ -68,7 +68,7 @@ class ScriptedAgent(probe_pb2_grpc.NodeProbeServicer):
     def probe_now_reasons(self) -> list[str]:
         return [m.probe_now.reason for m in self.received if m.HasField("probe_now")]
 
-    async def Watch(self, request_iterator, context):  # noqa: N802
+    async def Watch(self, request_iterator, context):
         self.streams += 1
         pongs: asyncio.Queue = asyncio.Queue()
 

@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xds_server.admin import app as admin_app
-from xds_server.server import ControlPlane
 
 TOKEN = "s3cret-token"
 

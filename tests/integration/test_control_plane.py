@@ -66,7 +66,7 @@ async def stack():
 
 
 async def test_nodes_become_healthy_and_admin_shows_why(stack):
-    cp, http, agents, _ = stack
+    _cp, http, _agents, _ = stack
 
     async def all_healthy():
         async with http.get("/nodes") as r:
@@ -116,7 +116,7 @@ async def test_nodes_become_healthy_and_admin_shows_why(stack):
 
 
 async def test_agent_lost_then_back_recovers(stack):
-    cp, http, agents, nodes = stack
+    _cp, http, agents, nodes = stack
     await wait_for(lambda: _state(http, "n1", "HEALTHY"))
     aport = nodes[0][2]
     await agents["n1"].stop()
@@ -146,7 +146,7 @@ async def _state(http, node, state):
 class _BadAgent(probe_pb2_grpc.NodeProbeServicer):
     """Sends heartbeats with malformed messages mixed in."""
 
-    async def Watch(self, request_iterator, context):  # noqa: N802
+    async def Watch(self, request_iterator, context):
         seq = 0
         for i in range(1000):
             seq += 1
@@ -190,7 +190,7 @@ class _RecordingAgent(probe_pb2_grpc.NodeProbeServicer):
     def __init__(self) -> None:
         self.received: list[str] = []
 
-    async def Watch(self, request_iterator, context):  # noqa: N802
+    async def Watch(self, request_iterator, context):
         async def read():
             async for m in request_iterator:
                 self.received.append(m.WhichOneof("msg") + (f":{m.probe_now.reason}" if m.HasField("probe_now") else ""))
@@ -226,7 +226,7 @@ async def _true_if(v: bool) -> bool:
 
 
 async def test_fc10_drain_and_undrain_through_admin_with_token(stack):
-    cp, http, agents, _ = stack
+    cp, http, _agents, _ = stack
     await wait_for(lambda: _state(http, "n1", "HEALTHY"))
     async with http.post("/nodes/n1/drain") as r:
         assert r.status == 403  # no admin.token configured: drain disabled

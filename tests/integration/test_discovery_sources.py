@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import sys
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -57,7 +56,7 @@ class Env:
         self._pump: asyncio.Task | None = None
         self.in_flight: dict[str, float] = {}
 
-    async def __aenter__(self) -> "Env":
+    async def __aenter__(self) -> Env:
         await self.cp.start()
         self._pump = asyncio.create_task(self._beat())
         return self
@@ -325,7 +324,7 @@ async def test_serve_process_discovers_pods_into_nodes_and_eds(kube, tmp_path):
                 try:
                     async with s.get(f"{base_url}/nodes") as r:
                         return {n["id"] for n in (await r.json())["nodes"]} if r.status == 200 else set()
-                except (aiohttp.ClientError, asyncio.TimeoutError):  # not up yet, or a loaded machine
+                except (TimeoutError, aiohttp.ClientError):  # not up yet, or a loaded machine
                     return set()
 
             await wait_for(lambda: node_ids(), timeout_s=20.0, step_s=0.1)

@@ -59,7 +59,7 @@ async def _stream_then_freeze(fleet, http, freeze_after_s: float, watch_s: float
             while True:
                 try:
                     line = await asyncio.wait_for(r.content.readline(), watch_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     return chunks, None, done
                 if not line:
                     break

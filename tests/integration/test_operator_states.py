@@ -4,7 +4,6 @@ Envoy was told. A ControlPlane on a manual clock with in-memory probe sources (r
 and for the unreachable agent the real gRPC probe session dialling a port with nothing on it."""
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import aiohttp
@@ -68,7 +67,7 @@ async def admin_state(url: str) -> tuple[dict, dict[tuple[str, str], float], lis
 
 def beat(probes, clock, live, seconds: float, **fields) -> None:
     """Advance ``seconds`` in 50 ms steps, heartbeats from the ``live`` nodes each step."""
-    for _ in range(int(round(seconds / 0.05))):
+    for _ in range(round(seconds / 0.05)):
         clock.advance(0.05)
         for nid in live:
             probes[nid].heartbeat(**fields.get(nid, {}))
@@ -79,7 +78,7 @@ def row(lines: list[str], nid: str) -> list[str]:
 
 
 async def test_states_01_fail_static_6_of_10_silent_shown_FAIL_STATIC_never_healthy_and_unrouted(plane):
-    cp, probes, clock, url = await plane(10)
+    _cp, probes, clock, url = await plane(10)
     live = [f"n{i}" for i in range(10)]
     beat(probes, clock, live, 0.5)
     beat(probes, clock, live[6:], 1.0)   # n0..n5 fall silent together: 6 of 10 > 50 %
@@ -98,7 +97,7 @@ async def test_states_01_fail_static_6_of_10_silent_shown_FAIL_STATIC_never_heal
 
 
 async def test_states_02_1_of_3_queue_blocked_nodes_held_back_by_the_50pct_cap_shown_HELD_BACK(plane):
-    cp, probes, clock, url = await plane(4)   # cap: 50 % of 4 = 2 soft ejections
+    _cp, probes, clock, url = await plane(4)   # cap: 50 % of 4 = 2 soft ejections
     deep = {"requests_waiting": 150.0}         # > queue_critical 100: a soft block
     beat(probes, clock, ["n0", "n1", "n2", "n3"], 0.3, n0=deep, n1=deep, n2=deep)
     nodes, shown, lines, _, _ = await admin_state(url)

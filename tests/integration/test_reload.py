@@ -17,7 +17,7 @@ from xds_server.config import load_config
 from xds_server.probing.memory import InMemoryProbes
 from xds_server.server import ControlPlane
 from xds_server.testing import ScriptedAdsClient, wait_for
-from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL
+from xds_server.xds.resources import CLA_TYPE_URL
 
 TOKEN = "reload-token"
 

@@ -4,7 +4,6 @@ leaves a failing priority (``previous_priorities``) and honours ``Retry-After``,
 assignment comes from an in-process ADS server over a real gRPC stream."""
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -46,7 +45,7 @@ class Upstream:
             return web.Response(status=self.status, headers=self.headers, text=f"{self.name} busy")
         return web.json_response({"served_by": self.name})
 
-    async def start(self) -> "Upstream":
+    async def start(self) -> Upstream:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self.handle)
         self.runner = web.AppRunner(app)

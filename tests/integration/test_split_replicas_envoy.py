@@ -111,7 +111,7 @@ class Split:
                  "probe_address": f"127.0.0.1:{n.agent_port}"} for n in self.nodes if self.cluster_of[n.node_id] == cluster]}],
         }
 
-    def start(self) -> "Split":
+    def start(self) -> Split:
         wd = self.wd
         for n in self.nodes:
             n.engine = ManagedProcess(f"engine-{n.node_id}", self._py(
@@ -181,7 +181,7 @@ class Split:
                 if got != want:
                     return False
             return True
-        except Exception as e:  # noqa: BLE001 - a failed read is "not yet"; kept for the message
+        except Exception as e:
             self.last_seen["error"] = repr(e)[:200]
             return False
 

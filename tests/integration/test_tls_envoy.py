@@ -16,7 +16,6 @@ a real Envoy whose ADS connection presents a SPIFFE client certificate through f
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import aiohttp

@@ -15,8 +15,8 @@ from xds_server.health.model import (
     ProbeResultKind as K,
 )
 
-FAST_RECOVERY = dict(probation_clean_s=0.5, probation_clean_max_s=2.0, ramp_step_percent=25.0, ramp_step_s=0.2,
-                     probation_min_probes=1, good_probes_to_recover=2)
+FAST_RECOVERY = {"probation_clean_s": 0.5, "probation_clean_max_s": 2.0, "ramp_step_percent": 25.0, "ramp_step_s": 0.2,
+                     "probation_min_probes": 1, "good_probes_to_recover": 2}
 """HealthConfig fields: short clean period, ramp and HEALTHY run, so random sequences reach every state."""
 
 probe = st.builds(ProbeObserved, st.sampled_from([K.OK] * 6 + list(K)), st.sampled_from([10.0, 10.0, 900.0, 6000.0]),

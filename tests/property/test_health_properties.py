@@ -106,7 +106,7 @@ def test_prop_transitions_chain_and_have_reasons(items):
 def test_prop_never_healthy_after_engine_fatal_before_a_complete_probation(items):
     must_ramp = False
     ramp_done = False
-    for _, nh, evs, obs in play(items):
+    for _, _nh, evs, _obs in play(items):
         for e in evs:
             if e.to_state is S.UNHEALTHY and ("engine fatal" in e.reason or "engine FAILED" in e.reason):
                 must_ramp, ramp_done = True, False
@@ -178,7 +178,7 @@ def test_prop_jittery_heartbeats_are_not_a_flapping_source(gaps):
         t = target
         nh, evs = step(nh, HeartbeatObserved(), t, cfg)
         disproved += [e.at_s for e in evs if "disproved" in e.reason]
-    for i, at in enumerate(disproved):
+    for _i, at in enumerate(disproved):
         assert sum(1 for x in disproved if at - 60 < x <= at) <= cfg.phi_max_suspicions_per_min
 
 
@@ -199,7 +199,7 @@ def test_prop_cluster_policy_weights_valid_and_soft_ejections_capped(nodes, pct)
     items = [(f"n{i}", cap, replace(nh, node_id=f"n{i}")) for i, (nh, cap) in enumerate(nodes)]
     d = cluster_routing(items, {}, 100.0, cfg)
     assert set(d.routing) == {nid for nid, _, _ in items}
-    for nid, cap, nh in items:
+    for nid, cap, _nh in items:
         r = d.routing[nid]
         assert isinstance(r.weight, int) and r.weight >= 1
     hard = sum(1 for _, _, nh in items if nh.state is S.UNHEALTHY)

@@ -169,7 +169,7 @@ def test_any_cut_any_chunking_client_sees_the_uninterrupted_generation(kind, n, 
 def test_first_attempt_bytes_are_forwarded_unchanged():
     body = {"prompt": "w1", "max_tokens": 5, "stream": True, "return_token_ids": True}
     whole, _ = generate("completions", body, rid="id-0", created=100)
-    got, book = relay("completions", body, [], [[3, 50, 51, 400]])
+    got, _book = relay("completions", body, [], [[3, 50, 51, 400]])
     assert got == whole
 
 

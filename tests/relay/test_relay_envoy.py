@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -118,8 +116,7 @@ async def run_stream(http, url, path, body, act=None, on_node=None, timeout_s=12
                 if act is not None and not acted and events >= CUT:
                     acted = True
                     await act(headers.get(HEADER))
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError,
-            aiohttp.ClientOSError):
+    except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
         cut = True
     got = parse_client(bytes(raw))
     got.update(cut=cut, gap=gap, headers=headers, elapsed=time.monotonic() - t0)
@@ -184,7 +181,7 @@ async def test_sse_engine_error_mid_stream(rig, http, kind, mode):
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 async def test_sse_hang_after_headers(rig, http, kind):
-    fleet, relay_url, admin, _ = rig
+    fleet, relay_url, _admin, _ = rig
     ref = await reference(http, fleet, kind)
     victim = fleet.nodes[0]
 
@@ -249,7 +246,7 @@ async def test_sse_node_freeze_or_kill_mid_stream(rig, http, kind, fault):
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 @pytest.mark.parametrize("fault", ["freeze", "kill"])
 async def test_non_streaming_node_freeze_or_kill(rig, http, kind, fault):
-    fleet, relay_url, admin, _ = rig
+    fleet, relay_url, _admin, _ = rig
     body = body_for(kind, stream=False)
     body["max_tokens"] = 60  # ~0.6 s of generation: time to strike while it runs
     async with http.post(fleet.url + PATHS[kind], json=body) as r:
@@ -282,7 +279,7 @@ async def test_non_streaming_node_freeze_or_kill(rig, http, kind, fault):
         try:
             r = await t
             return r.status, await r.json(content_type=None), time.monotonic() - t0
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None, None, time.monotonic() - t0
     try:
         direct_s = 99.0
@@ -290,7 +287,7 @@ async def test_non_streaming_node_freeze_or_kill(rig, http, kind, fault):
             # Without the relay: the wait for Envoy's per-try idle timeout (2 s), then its retry.
             # (A kill needs no comparison: the reset comes before the response headers, which
             # Envoy's gateway-error retry already covers; the relay must still answer right.)
-            status, direct, direct_s = await call(fleet.url)
+            status, _direct, direct_s = await call(fleet.url)
             assert status != 200 or direct_s >= 2.0, direct_s
         status, got, relay_s = await call(relay_url)
         assert status == 200, got

@@ -125,7 +125,7 @@ async def test_health_signal_rescues_streams_on_the_ejected_node_only(rig):
     assert relay.by_node["10.0.0.1:8000"]  # still in flight: drain lets it finish
     t0 = asyncio.get_running_loop().time()
     relay.on_node(SimpleNamespace(node_id="a", address="10.0.0.1:8000", state="UNHEALTHY"))
-    status, _, raw = await task
+    _status, _, raw = await task
     assert asyncio.get_running_loop().time() - t0 < 0.3  # at once, not at the stall gap
     ref, gen = reference("completions", BODY)
     got = parse_client(raw)
@@ -135,7 +135,7 @@ async def test_health_signal_rescues_streams_on_the_ejected_node_only(rig):
 
 
 async def test_last_attempt_failing_sends_one_error_event_and_no_done(rig):
-    up, relay, url = rig
+    up, _relay, url = rig
     up.faults = [("cut", 3), ("cut", 1), ("cut", 1)]
     status, _, raw = await post(url, "/v1/completions", BODY)
     got = parse_client(raw)
@@ -146,7 +146,7 @@ async def test_last_attempt_failing_sends_one_error_event_and_no_done(rig):
 
 
 async def test_refused_request_passes_through_with_header(rig):
-    up, relay, url = rig
+    up, _relay, url = rig
     up.faults = [("cut", 3)]
     async with aiohttp.ClientSession() as s:
         async with s.post(url + "/v1/completions", json={**BODY, "echo": True}) as r:

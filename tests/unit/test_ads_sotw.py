@@ -67,7 +67,7 @@ async def handshake(client):
 
 
 async def test_first_cds_request_gets_full_state_with_version_and_nonce(server):
-    cache, servicer, client = server
+    _cache, _servicer, client = server
     c = await client()
     await c.send(type_url=CDS, node_id="envoy-1")
     r = await c.recv()
@@ -76,7 +76,7 @@ async def test_first_cds_request_gets_full_state_with_version_and_nonce(server):
 
 
 async def test_ack_gets_no_response_and_eds_answers_only_requested(server):
-    cache, servicer, client = server
+    _cache, servicer, client = server
     c, cds, eds = await handshake(client)
     assert eds.type_url == EDS and [m.cluster_name for m in cla_of(eds)] == ["llm"]
     assert eds.nonce != cds.nonce
@@ -87,7 +87,7 @@ async def test_ack_gets_no_response_and_eds_answers_only_requested(server):
 
 
 async def test_change_pushes_new_version_once(server):
-    cache, servicer, client = server
+    cache, _servicer, client = server
     c, cds, eds = await handshake(client)
     cache.set_resource(EDS, "llm", build_cla(CFG.clusters[0], {"a": Routing(100, "UNHEALTHY")}))
     r = await c.recv()
@@ -100,7 +100,7 @@ async def test_change_pushes_new_version_once(server):
 
 async def test_fc02_nack_counted_once_not_resent_then_one_response_after_change(server):
     cache, servicer, client = server
-    c, cds, eds = await handshake(client)
+    c, _cds, eds = await handshake(client)
     await c.send(type_url=EDS, names=["llm", "llm2"], version=eds.version_info, nonce=eds.nonce)
     # llm2 has no assignment yet: held, no response
     await c.expect_silence(0.2)
@@ -121,7 +121,7 @@ async def test_fc02_nack_counted_once_not_resent_then_one_response_after_change(
 
 async def test_stale_nonce_is_ignored(server):
     cache, servicer, client = server
-    c, cds, eds = await handshake(client)
+    c, _cds, eds = await handshake(client)
     cache.set_resource(EDS, "llm", build_cla(CFG.clusters[0], {"a": Routing(7, "HEALTHY")}))
     r = await c.recv()
     # a request carrying the older nonce and a new name: stale, not answered
@@ -132,8 +132,8 @@ async def test_stale_nonce_is_ignored(server):
 
 
 async def test_resubscribe_resends_unchanged_resource(server):
-    cache, servicer, client = server
-    c, cds, eds = await handshake(client)
+    _cache, _servicer, client = server
+    c, _cds, eds = await handshake(client)
     await c.send(type_url=EDS, names=[], version=eds.version_info, nonce=eds.nonce)
     await c.expect_silence(0.2)
     await c.send(type_url=EDS, names=["llm"], version=eds.version_info, nonce=eds.nonce)
@@ -142,8 +142,8 @@ async def test_resubscribe_resends_unchanged_resource(server):
 
 
 async def test_cds_change_repushes_subscribed_cla_even_if_unchanged(server):
-    cache, servicer, client = server
-    c, cds, eds = await handshake(client)
+    cache, _servicer, client = server
+    c, _cds, eds = await handshake(client)
     changed = CFG.clusters[0].model_copy(update={"connect_timeout_ms": 2000})
     cache.set_resources(CDS, {"llm": build_cluster(changed), "llm2": build_cluster(CFG.clusters[1])})
     r1 = await c.recv()
@@ -153,8 +153,8 @@ async def test_cds_change_repushes_subscribed_cla_even_if_unchanged(server):
 
 
 async def test_reconnect_with_version_gets_full_state(server):
-    cache, servicer, client = server
-    c, cds, eds = await handshake(client)
+    _cache, _servicer, client = server
+    _c, cds, eds = await handshake(client)
     c2 = await client()
     await c2.send(type_url=CDS, version=cds.version_info, node_id="envoy-1")
     r = await c2.recv()
@@ -165,7 +165,7 @@ async def test_reconnect_with_version_gets_full_state(server):
 
 
 async def test_missing_type_url_is_invalid_argument(server):
-    cache, servicer, client = server
+    _cache, _servicer, client = server
     c = await client()
     await c.send(type_url="", node_id="x")
     with pytest.raises(grpc.aio.AioRpcError) as ei:
@@ -174,7 +174,7 @@ async def test_missing_type_url_is_invalid_argument(server):
 
 
 async def test_unknown_type_gets_empty_response(server):
-    cache, servicer, client = server
+    _cache, _servicer, client = server
     c = await client()
     lds = "type.googleapis.com/envoy.config.listener.v3.Listener"
     await c.send(type_url=lds, node_id="x")
@@ -185,7 +185,7 @@ async def test_unknown_type_gets_empty_response(server):
 
 
 async def test_closed_streams_leave_no_state(server):
-    cache, servicer, client = server
+    _cache, servicer, client = server
     for _ in range(5):
         c, _, _ = await handshake(client)
         await c.close()

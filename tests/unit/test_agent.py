@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import signal
 import statistics
@@ -175,14 +174,14 @@ async def make_agent():
     agents: list[ProbeAgent] = []
 
     async def make(engine_url: str, gpu: Any = None, **overrides: Any) -> tuple[ProbeAgent, int]:
-        kwargs: dict[str, Any] = dict(
-            engine_url=engine_url,
-            listen="127.0.0.1:0",
-            node_id="node-a",
-            probe_interval_s=30.0,
-            metrics_interval_ms=50,
-            gpu_interval_s=0.2 if gpu is not None else 0.0,
-        )
+        kwargs: dict[str, Any] = {
+            "engine_url": engine_url,
+            "listen": "127.0.0.1:0",
+            "node_id": "node-a",
+            "probe_interval_s": 30.0,
+            "metrics_interval_ms": 50,
+            "gpu_interval_s": 0.2 if gpu is not None else 0.0,
+        }
         kwargs.update(overrides)
         agent = ProbeAgent(AgentConfig(**kwargs), gpu_collector=gpu)
         agents.append(agent)
@@ -379,7 +378,7 @@ async def test_two_streams_share_probe_results(engine, make_agent, open_watch):
 
 async def test_engine_down_then_up_then_gone(make_agent, open_watch):
     port_engine = free_port()
-    agent, port = await make_agent(f"http://127.0.0.1:{port_engine}", probe_interval_s=0.25,
+    _agent, port = await make_agent(f"http://127.0.0.1:{port_engine}", probe_interval_s=0.25,
                                    probe_jitter_ratio=0.0, probe_timeout_ms=300)
     call = await open_watch(port)
     got = await collect_for(call, 0.8)
@@ -432,7 +431,7 @@ async def test_frozen_engine_heartbeats_unaffected_probe_times_out(engine, make_
 
 async def test_engine_fatal_marks_failed_and_stays(engine, make_agent, open_watch):
     engine.mode = "fatal"
-    agent, port = await make_agent(engine.url, probe_interval_s=0.3, probe_jitter_ratio=0.0)
+    _agent, port = await make_agent(engine.url, probe_interval_s=0.3, probe_jitter_ratio=0.0)
     call = await open_watch(port)
     _, msg = await read_until(call, is_result)
     assert msg.inference_result.failure == probe_pb2.FAILURE_KIND_ENGINE_FATAL
@@ -606,7 +605,7 @@ async def test_fc08_never_ready_before_first_good_probe_restart_rewarms(make_age
     await eng.start()
     port_engine = int(eng.url.rsplit(":", 1)[1])
     eng.mode = "noheaders"
-    agent, port = await make_agent(eng.url, probe_interval_s=0.25, probe_jitter_ratio=0.0,
+    _agent, port = await make_agent(eng.url, probe_interval_s=0.25, probe_jitter_ratio=0.0,
                                    probe_timeout_ms=150, engine_kind="vllm")
     call = await open_watch(port)
     try:
@@ -678,7 +677,7 @@ async def test_stall_on_simulated_engine_hang_under_load(make_agent, open_watch)
 
     users = [asyncio.create_task(user(i)) for i in range(3)]
     try:
-        agent, port = await make_agent(url, probe_timeout_ms=300, min_probe_now_interval_ms=200)
+        _agent, port = await make_agent(url, probe_timeout_ms=300, min_probe_now_interval_ms=200)
         call = await open_watch(port)
         await read_until(call, lambda m: kind(m) == "heartbeat"
                          and m.heartbeat.telemetry.engine_load.requests_running >= 3)
@@ -686,7 +685,7 @@ async def test_stall_on_simulated_engine_hang_under_load(make_agent, open_watch)
         assert not any(hb.telemetry.stalled for hb in beats_of(got))  # busy, progressing
         sim.set_fault("hang")
         t0 = time.monotonic()
-        seen, msg = await read_until(call, lambda m: kind(m) == "heartbeat" and m.heartbeat.telemetry.stalled)
+        _seen, msg = await read_until(call, lambda m: kind(m) == "heartbeat" and m.heartbeat.telemetry.stalled)
         elapsed = time.monotonic() - t0
         assert 0.95 <= elapsed <= 1.5, elapsed
         assert msg.heartbeat.telemetry.engine_load.requests_running >= 3

@@ -459,7 +459,7 @@ def test_the_health_table_settles_a_folded_run_on_every_read_and_a_write_ends_it
     nh = hm.initial("n0", 0.0)
     for k in range(1, 4):
         nh, _ = hm.step(nh, hb, k * 0.1, cfg)
-    for reader in (lambda t: t["n0"], lambda t: t.get("n0"), lambda t: list(t.values())[0],
+    for reader in (lambda t: t["n0"], lambda t: t.get("n0"), lambda t: next(iter(t.values())),
                    lambda t: dict(t.items())["n0"], lambda t: dict(t)["n0"]):
         table = HealthTable()
         table["n0"] = nh

@@ -8,10 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
-import aiohttp
 import pytest
 from aiohttp import web
 

@@ -99,7 +99,7 @@ def test_count_rule_third_miss_ejects_380ms_after_the_last_heartbeat(freeze_phas
     t_fault = 4.0 + freeze_phase_ms / 1000.0  # last heartbeat at 4.0
     sim.heartbeat = lambda t: None if t >= t_fault else HeartbeatObserved()
     sim.run_until(5.0)
-    ej = [e for e in sim.events if e.to_state is S.UNHEALTHY][0]
+    ej = next(e for e in sim.events if e.to_state is S.UNHEALTHY)
     assert "3 consecutive misses" in ej.reason
     # the third miss is counted 380 ms after the last heartbeat: <= 300 ms after the first
     # heartbeat that failed to arrive (at +100 ms)
@@ -113,7 +113,7 @@ def test_phi_suspicion_ejects_a_frozen_node_faster_than_the_count_rule(freeze_ph
     t_fault = 4.0 + freeze_phase_ms / 1000.0
     sim.heartbeat = lambda t: None if t >= t_fault else HeartbeatObserved()
     sim.run_until(5.0)
-    ej = [e for e in sim.events if e.to_state is S.UNHEALTHY][0]
+    ej = next(e for e in sim.events if e.to_state is S.UNHEALTHY)
     assert "phi" in ej.reason and ej.at_s - t_fault < 0.24
     assert sim.nh.ejection.cause is EjectionCause.HEARTBEAT  # then proven by the count rule at +380 ms
 
@@ -134,7 +134,7 @@ def test_stream_closed_counts_as_a_miss_at_once():
     sim.apply(StreamClosed("UNAVAILABLE"), last + 0.01)
     assert sim.nh.heartbeat.consecutive_misses == 1
     sim.run_until(5.0)
-    ej = [e for e in sim.events if e.to_state is S.UNHEALTHY][0]
+    ej = next(e for e in sim.events if e.to_state is S.UNHEALTHY)
     assert abs(ej.at_s - (last + 0.28)) < 1e-6  # closed (1) + misses at +180 and +280 ms
 
 
@@ -143,7 +143,7 @@ def test_ttft_tiers_and_degraded_recovery():
     sim.apply(ProbeObserved(K.OK, ttft_ms=450), 4.5)
     assert sim.nh.state is S.DEGRADED
     assert route(sim.nh, 1, CFG).weight == 30 and route(sim.nh, 1, CFG).health_status == "HEALTHY"
-    for i, t in enumerate((5.5, 6.5)):
+    for _i, t in enumerate((5.5, 6.5)):
         sim.apply(ProbeObserved(K.OK, ttft_ms=50), t)
         assert sim.nh.state is S.DEGRADED
     sim.apply(ProbeObserved(K.OK, ttft_ms=50), 7.5)
@@ -236,7 +236,7 @@ def test_half_open_after_60s_clean_then_1pct_ramp_then_healthy():
         pcts.append(sim.nh.ramp.percent)
     assert [b - a for a, b in zip(pcts, pcts[1:])] == [1.0] * 4  # +1 % per 1 s step
     assert pcts[0] <= 5
-    assert route(sim.nh, 1, CFG).weight == int(round(pcts[-1]))
+    assert route(sim.nh, 1, CFG).weight == round(pcts[-1])
     sim.run_until(sim.now + 100.0)
     assert sim.nh.state is S.HEALTHY
 
@@ -247,7 +247,7 @@ def test_failure_in_probation_doubles_the_next_clean_period_capped():
     sim.run_until(1.0)
     assert sim.nh.state is S.PROBATION
     clean = []
-    for k in range(3):
+    for _k in range(3):
         sim.apply(ProbeObserved(K.TIMEOUT), sim.now + 0.01)
         assert sim.nh.state is S.UNHEALTHY and sim.nh.ramp.percent == 0
         clean.append(sim.nh.ejection.clean_period_s)

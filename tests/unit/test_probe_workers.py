@@ -77,7 +77,7 @@ def test_default_control_plane_keeps_probe_streams_in_process():
 # -- detector + adopt == the in-process model -----------------------------------------------------
 
 
-def EventRecord_json(e) -> dict:  # noqa: N802 - used as a map() function below
+def EventRecord_json(e) -> dict:
     return e.to_json()
 
 
@@ -224,7 +224,7 @@ def test_fail_static_end_goes_to_the_workers_nodes_not_the_local_copy():
 
 async def test_frames_round_trip_and_end_of_stream_reads_none():
     a, b = socket.socketpair()
-    ra, wa = await asyncio.open_unix_connection(sock=a)
+    _ra, wa = await asyncio.open_unix_connection(sock=a)
     rb, wb = await asyncio.open_unix_connection(sock=b)
     msg = ("report", [hm.initial("n0", 1.0)], {"n0": 3}, {}, {}, {})
     wa.write(encode(msg))

@@ -142,10 +142,10 @@ def test_busy_needs_load_and_an_observable_progress_counter():
     assert not load_is_busy(None, stalled=False)
 
 
-@pytest.mark.parametrize("kw", [dict(busy_interval_s=0), dict(idle_interval_s=-1), dict(jitter_ratio=1.0),
-                                dict(min_request_gap_s=-0.1), dict(deep_interval_s=-1)])
+@pytest.mark.parametrize("kw", [{"busy_interval_s": 0}, {"idle_interval_s": -1}, {"jitter_ratio": 1.0},
+                                {"min_request_gap_s": -0.1}, {"deep_interval_s": -1}])
 def test_settings_reject_out_of_range(kw):
-    base = dict(busy_interval_s=1.0, idle_interval_s=1.0)
+    base = {"busy_interval_s": 1.0, "idle_interval_s": 1.0}
     with pytest.raises(ValueError):
         ScheduleSettings(**{**base, **kw})
 

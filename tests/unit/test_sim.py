@@ -993,7 +993,7 @@ async def read_raw_sse(resp: aiohttp.ClientResponse, timeout_s: float = 2.0) -> 
     while True:
         try:
             data = await asyncio.wait_for(resp.content.readany(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return events, "silent"
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError):
             return events, "cut"

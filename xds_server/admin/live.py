@@ -37,7 +37,7 @@ class LiveClient:
     """One connected browser: a bounded queue of ``(kind, json_text)`` messages; ``None`` in
     the queue ends the stream. ``dropped`` is set once the feed gave up on it."""
 
-    __slots__ = ("queue", "dropped")
+    __slots__ = ("dropped", "queue")
 
     def __init__(self, maxsize: int) -> None:
         self.queue: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue(maxsize)
@@ -172,7 +172,7 @@ class LiveFeed:
             while True:
                 try:
                     item = await asyncio.wait_for(client.queue.get(), timeout=ping_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     await resp.write(b": ping\n\n")
                     continue
                 if item is None:

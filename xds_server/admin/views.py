@@ -32,7 +32,7 @@ class NodeRow:
     """One node as the metrics collector reads it: ``cluster``, ``node_id``, ``health``,
     ``routing`` (as last published, or None)."""
 
-    __slots__ = ("cluster", "node_id", "health", "routing")
+    __slots__ = ("cluster", "health", "node_id", "routing")
 
     def __init__(self, cluster: str, node_id: str, health: hm.NodeHealth, routing: hm.Routing | None) -> None:
         self.cluster = cluster

@@ -70,7 +70,7 @@ class SentinelConfig(_Model):
     clusters: list[ClusterConfig] = Field(..., min_length=1)
 
     @model_validator(mode="after")
-    def _unique(self) -> "SentinelConfig":
+    def _unique(self) -> SentinelConfig:
         names: set[str] = set()
         node_ids: set[str] = set()
         for c in self.clusters:

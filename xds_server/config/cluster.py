@@ -139,7 +139,7 @@ class ClusterConfig(_Model):
     )
 
     @model_validator(mode="after")
-    def _unique_nodes(self) -> "ClusterConfig":
+    def _unique_nodes(self) -> ClusterConfig:
         seen: set[str] = set()
         for n in self.nodes:
             if n.id in seen:

@@ -105,7 +105,7 @@ class DiscoveryConfig(_Model):
     kubernetes: KubernetesDiscoveryConfig | None = None
 
     @model_validator(mode="after")
-    def _some(self) -> "DiscoveryConfig":
+    def _some(self) -> DiscoveryConfig:
         if self.file is None and self.kubernetes is None:
             raise ValueError("discovery needs a source: file or kubernetes")
         return self

@@ -194,7 +194,7 @@ class HealthConfig(_Model):
         return v
 
     @model_validator(mode="after")
-    def _ordered(self) -> "HealthConfig":
+    def _ordered(self) -> HealthConfig:
         if self.ttft_timeout_ms <= self.ttft_healthy_ms:
             raise ValueError("ttft_timeout_ms must be greater than ttft_healthy_ms")
         if self.reconnect_backoff_max_ms < self.reconnect_backoff_initial_ms:

@@ -1,7 +1,7 @@
 """``probe:`` section: the control plane's probe streams to the node_probe agents."""
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -87,7 +87,7 @@ class ProbeConfig(_Model):
         "heartbeat miss window, 180 ms; 20 wake-ups a second per process). Read when a process's "
         "first probe stream starts",
     )
-    workers: Union[Literal["auto"], Annotated[int, Field(ge=0, le=1024)]] = Field(
+    workers: Literal["auto"] | Annotated[int, Field(ge=0, le=1024)] = Field(
         0,
         description="probe worker processes that hold the agents' streams and run the per-node "
         "detector (issue 12 calls it probing.workers; docs/DESIGN.md section 12): 0 = in this "

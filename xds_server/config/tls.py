@@ -58,7 +58,7 @@ class AgentTlsConfig(_Model):
     )
 
     @model_validator(mode="after")
-    def _files(self) -> "AgentTlsConfig":
+    def _files(self) -> AgentTlsConfig:
         if self.mode in ("tls", "mtls") and not self.ca_file:
             raise ValueError(f"ca_file is required with mode {self.mode}")
         if self.mode == "mtls" and not (self.cert_file and self.key_file):
@@ -102,7 +102,7 @@ class TlsConfig(_Model):
         return {k: getattr(self, k) for k in ("mode", "cert_file", "key_file", "client_ca_file")}
 
     @model_validator(mode="after")
-    def _files(self) -> "TlsConfig":
+    def _files(self) -> TlsConfig:
         if self.mode in ("tls", "mtls") and not (self.cert_file and self.key_file):
             raise ValueError(f"cert_file and key_file are required with mode {self.mode}")
         if self.mode == "mtls" and not self.client_ca_file:

@@ -88,7 +88,7 @@ class KubernetesPods:
             while api_client is None:
                 try:
                     api_client = await self._client()
-                except Exception as e:  # noqa: BLE001 - a bad kubeconfig is reported, then retried
+                except Exception as e:
                     self._fail(f"cannot load the Kubernetes client configuration: {e}")
                     await asyncio.sleep(self.spec.retry_backoff_s)
             api = self._api = client.CoreV1Api(api_client)
@@ -104,7 +104,7 @@ class KubernetesPods:
                     self.state = PodState(self.state.pods, None, self.state.applied, self.state.stale)
                 except asyncio.CancelledError:
                     raise
-                except Exception as e:  # noqa: BLE001 - the API server may be away; retry
+                except Exception as e:
                     self._fail(f"{type(e).__name__}: {e}")
                     await asyncio.sleep(self.spec.retry_backoff_s)
         finally:
@@ -187,7 +187,7 @@ class KubernetesPods:
                 finally:
                     resp.release()
                 self.node_labels[name] = dict((json.loads(body).get("metadata") or {}).get("labels") or {})
-            except Exception as e:  # noqa: BLE001 - no locality is better than no node
+            except Exception as e:
                 self.node_labels[name] = {}
                 self._fail(f"cannot read Kubernetes node {name!r} for its locality: {e}")
 

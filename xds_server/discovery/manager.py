@@ -112,7 +112,7 @@ class Discovery:
             self._dirty = False
             try:
                 await self.on_change()
-            except Exception:  # noqa: BLE001 - a failed apply must not end discovery
+            except Exception:
                 log.exception("applying discovered nodes failed")
 
     def status(self) -> dict:

@@ -128,13 +128,13 @@ class PodState:
     stale: int = 0
 
     @classmethod
-    def listed(cls, pod_list: Mapping[str, Any], prev: "PodState | None" = None) -> "PodState":
+    def listed(cls, pod_list: Mapping[str, Any], prev: PodState | None = None) -> PodState:
         """The state a PodList gives (a relist replaces every pod; counts carry over from ``prev``)."""
         items = {((p.get("metadata") or {}).get("name") or ""): p for p in pod_list.get("items") or ()}
         rv = (pod_list.get("metadata") or {}).get("resourceVersion")
         return cls(items, rv, prev.applied if prev else 0, prev.stale if prev else 0)
 
-    def apply(self, etype: str, obj: Mapping[str, Any]) -> "PodState":
+    def apply(self, etype: str, obj: Mapping[str, Any]) -> PodState:
         """One watch event. BOOKMARK only moves the resourceVersion; ADDED/MODIFIED put the pod,
         DELETED removes it; a stale event (see the class) is counted and changes nothing. Raises ValueError for another type (ERROR is the caller's)."""
         meta = obj.get("metadata") or {}

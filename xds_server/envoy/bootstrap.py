@@ -108,7 +108,7 @@ class ControlPlaneGroup:
 
     @classmethod
     def from_config(cls, path: str | Path, replicas: Sequence[str] = (), name: str | None = None
-                    ) -> "ControlPlaneGroup":
+                    ) -> ControlPlaneGroup:
         """The group served by the xds-server config at ``path``: its clusters, its replicas
         (default: the config's ``xds.listen``), its name (default: the file's stem). Raises
         ConfigError for an invalid file, ValueError for a bad replica address."""

@@ -8,8 +8,8 @@ than Envoy does. Listeners must not block: they run on the control plane's event
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 __all__ = ["RoutingChange", "RoutingListener", "RoutingNotifier"]
 

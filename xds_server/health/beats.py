@@ -167,7 +167,7 @@ class BeatRun:
     ``mean_ms``, ``var_ms2`` and ``samples`` are read as an ``ArrivalStats`` by the phi functions.
     """
 
-    __slots__ = ("base", "obs", "cfg", "plan", "last_s", "mean_ms", "var_ms2", "samples")
+    __slots__ = ("base", "cfg", "last_s", "mean_ms", "obs", "plan", "samples", "var_ms2")
 
     def __init__(self, base: NodeHealth, obs: HeartbeatObserved, cfg: HealthConfig) -> None:
         h = base.heartbeat

@@ -12,8 +12,21 @@ from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
 from xds_server.health.records import ROUTED_STATES, EjectionCause, NodeHealth, NodeState
 
-__all__ = ["DuePlan", "EPS_S", "due_plan", "miss_after_s", "misses_at", "misses_shown", "next_check_s", "phi_delay_s",
-           "planned_due_s", "required_clean_s", "stall_confirm_at_s", "tick_due_s", "ticks_backed_off"]
+__all__ = [
+    "EPS_S",
+    "DuePlan",
+    "due_plan",
+    "miss_after_s",
+    "misses_at",
+    "misses_shown",
+    "next_check_s",
+    "phi_delay_s",
+    "planned_due_s",
+    "required_clean_s",
+    "stall_confirm_at_s",
+    "tick_due_s",
+    "ticks_backed_off",
+]
 
 EPS_S = 1e-9
 """Tolerance (s) for float error when a time lands exactly on a boundary."""
@@ -36,7 +49,7 @@ def misses_at(last_heartbeat_s: float, now_s: float, cfg: HealthConfig) -> int:
     late = now_s - last_heartbeat_s - miss_after_s(cfg) + EPS_S
     if late < 0:
         return 0
-    return 1 + int(math.floor(late / (cfg.heartbeat_interval_ms / 1000.0)))
+    return 1 + math.floor(late / (cfg.heartbeat_interval_ms / 1000.0))
 
 
 def required_clean_s(nh: NodeHealth, cfg: HealthConfig) -> float:

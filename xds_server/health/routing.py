@@ -11,8 +11,16 @@ from xds_server.config import HealthConfig
 from xds_server.health.outcome import refusal_evidence
 from xds_server.health.records import ROUTED_STATES, NodeHealth, NodeState
 
-__all__ = ["NodeRouting", "Routing", "RoutingStatus", "WEIGHT_PER_CAPACITY", "full_weight", "node_routing",
-           "route", "weight"]
+__all__ = [
+    "WEIGHT_PER_CAPACITY",
+    "NodeRouting",
+    "Routing",
+    "RoutingStatus",
+    "full_weight",
+    "node_routing",
+    "route",
+    "weight",
+]
 
 WEIGHT_PER_CAPACITY = 100
 """Full weight per unit of ``capacity``: a 1 % ramp step is still an integer weight (NodeConfig)."""
@@ -73,7 +81,7 @@ def weight(capacity: int, factor: float, score_factor: float = 1.0) -> int:
     Weight is never the way to eject (Envoy NACKs 0): a node that is not routed keeps its full
     weight and is published UNHEALTHY or DRAINING.
     """
-    return max(1, int(round(full_weight(capacity) * factor * score_factor)))
+    return max(1, round(full_weight(capacity) * factor * score_factor))
 
 
 def node_routing(nh: NodeHealth, cfg: HealthConfig) -> NodeRouting:

@@ -36,8 +36,18 @@ from xds_server.probing.telemetry import (
     text,
 )
 
-__all__ = ["AgentEdge", "BadField", "Checked", "CheckedHeartbeat", "CheckedPong", "CheckedResult",
-           "EngineLoadSummary", "GpuSummary", "REASONS", "TelemetrySummary"]
+__all__ = [
+    "REASONS",
+    "AgentEdge",
+    "BadField",
+    "Checked",
+    "CheckedHeartbeat",
+    "CheckedPong",
+    "CheckedResult",
+    "EngineLoadSummary",
+    "GpuSummary",
+    "TelemetrySummary",
+]
 
 REASONS = frozenset({"not_finite", "negative", "out_of_range", "unknown_enum", "too_long", "too_many",
                      "empty", "mismatch"})

@@ -49,7 +49,7 @@ class LoopStallWatch:
     :meth:`release`. Stalls shorter than ``period_s`` are not recorded.
     """
 
-    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopStallWatch]" = weakref.WeakKeyDictionary()
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopStallWatch] = weakref.WeakKeyDictionary()
 
     def __init__(self, loop: asyncio.AbstractEventLoop, period_s: float) -> None:
         self.loop = loop
@@ -59,7 +59,7 @@ class LoopStallWatch:
         self._handle: asyncio.TimerHandle | None = None
 
     @classmethod
-    def acquire(cls, loop: asyncio.AbstractEventLoop, period_s: float) -> "LoopStallWatch":
+    def acquire(cls, loop: asyncio.AbstractEventLoop, period_s: float) -> LoopStallWatch:
         """The loop's watch (created with ``period_s`` if it has none), sampling from now on."""
         w = cls._by_loop.get(loop)
         if w is None:
@@ -92,7 +92,7 @@ class SilenceGate:
     heartbeat miss window (``health``: interval + grace), ``hold_s``: ``probe.stall_hold_ms``.
     ``pending_close``: (detail, loop s) of a stream close found during a hold, to report at its end."""
 
-    __slots__ = ("stall_s", "hold_s", "period_s", "pending_close", "held", "_watch")
+    __slots__ = ("_watch", "held", "hold_s", "pending_close", "period_s", "stall_s")
 
     def __init__(self, cfg: HealthConfig, probe: ProbeConfig) -> None:
         self.stall_s = miss_after_s(cfg)

@@ -27,8 +27,16 @@ from xds_server.config import ProbeConfig
 from xds_server.health.frozen import fast_init
 from xds_server.process.untrusted import clip
 
-__all__ = ["BadField", "EngineLoadSummary", "GpuCheck", "GpuSummary", "LoadCheck", "NVML_UNKNOWN", "number",
-           "text"]
+__all__ = [
+    "NVML_UNKNOWN",
+    "BadField",
+    "EngineLoadSummary",
+    "GpuCheck",
+    "GpuSummary",
+    "LoadCheck",
+    "number",
+    "text",
+]
 
 _NVML = {
     probe_pb2.NVML_STATE_UNSPECIFIED: "NVML_STATE_UNSPECIFIED",

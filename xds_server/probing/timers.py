@@ -48,7 +48,7 @@ def recheck_after_s(late_s: float, lag_recheck_s: float, stall_recheck_s: float 
     return lag_recheck_s
 
 
-_QUEUES: "weakref.WeakKeyDictionary[Any, DeadlineQueue]" = weakref.WeakKeyDictionary()
+_QUEUES: weakref.WeakKeyDictionary[Any, DeadlineQueue] = weakref.WeakKeyDictionary()
 
 _COMPACT_MIN = 256  # stale entries before the heap is rebuilt without them (and only when most are stale)
 
@@ -61,7 +61,7 @@ class DeadlineQueue:
     by then (the loop's time read once for the batch; each timer reads it again). ``stale``: entries left in the heap by a timer re-queued earlier or
     cancelled (skipped when due; the heap is rebuilt when they are most of it). Not thread-safe."""
 
-    __slots__ = ("_loop", "_heap", "_seq", "_handle", "_handle_at", "_running", "stale", "__weakref__")
+    __slots__ = ("__weakref__", "_handle", "_handle_at", "_heap", "_loop", "_running", "_seq", "stale")
 
     def __init__(self, loop: Any) -> None:
         self._loop = loop
@@ -73,7 +73,7 @@ class DeadlineQueue:
         self.stale = 0
 
     @classmethod
-    def of(cls, loop: Any) -> "DeadlineQueue":
+    def of(cls, loop: Any) -> DeadlineQueue:
         """The queue of ``loop`` (made on first use, dropped with the loop)."""
         q = _QUEUES.get(loop)
         if q is None:
@@ -84,7 +84,7 @@ class DeadlineQueue:
         """Live entries (queued timers)."""
         return len(self._heap) - self.stale
 
-    def push(self, timer: "TickTimer", at_s: float) -> int:
+    def push(self, timer: TickTimer, at_s: float) -> int:
         """Queue ``timer`` to come due at ``at_s`` (loop s); returns the entry's seq (> 0)."""
         self._seq += 1
         seq = self._seq
@@ -141,8 +141,23 @@ class DeadlineQueue:
 class TickTimer:
     """A single re-armable detection timer (see the module docstring). Not thread-safe."""
 
-    __slots__ = ("_loop", "_q", "_on_tick", "_on_error", "_lag_s", "_recheck_s", "_retry_s", "_stall_s", "_seq",
-                 "_at", "_want", "_deferred", "deferrals", "fired", "rearmed")
+    __slots__ = (
+        "_at",
+        "_deferred",
+        "_lag_s",
+        "_loop",
+        "_on_error",
+        "_on_tick",
+        "_q",
+        "_recheck_s",
+        "_retry_s",
+        "_seq",
+        "_stall_s",
+        "_want",
+        "deferrals",
+        "fired",
+        "rearmed",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_tick: Callable[[], None], *,
                  lag_tolerance_s: float, lag_recheck_s: float, retry_s: float,
@@ -215,7 +230,7 @@ class TickTimer:
         self.fired += 1
         try:
             self._on_tick()
-        except Exception:  # noqa: BLE001 - a Tick that fails is retried at the next interval
+        except Exception:
             if self._on_error is not None:
                 self._on_error()
             if self._seq:  # the failed Tick had queued one already: the retry replaces it

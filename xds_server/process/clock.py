@@ -69,7 +69,7 @@ class LoopClock:
 
 
 class _ManualTimer:
-    __slots__ = ("at_s", "cancelled", "fn", "args")
+    __slots__ = ("args", "at_s", "cancelled", "fn")
 
     def __init__(self, at_s: float, fn: Callable[..., Any], args: tuple) -> None:
         self.at_s = at_s

@@ -26,8 +26,16 @@ import time
 
 from xds_server.process.untrusted import for_log
 
-__all__ = ["FIELDS", "LEVELS", "FORMATS", "JsonFormatter", "TextFormatter", "configure_logging", "quiet_grpc_core",
-           "set_replica"]
+__all__ = [
+    "FIELDS",
+    "FORMATS",
+    "LEVELS",
+    "JsonFormatter",
+    "TextFormatter",
+    "configure_logging",
+    "quiet_grpc_core",
+    "set_replica",
+]
 
 FIELDS = ("node", "cluster", "reason", "version", "client", "stream", "type", "nonce")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

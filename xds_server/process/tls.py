@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import ipaddress
 import logging
 import os
 import ssl
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 
 import grpc
 from prometheus_client.core import CounterMetricFamily
@@ -142,7 +140,7 @@ class ServerCertFiles:
                 self.reloads += 1
                 log.info("TLS: certificate files %s reloaded; new connections use them", self.cert_file)
                 return cfg
-        except Exception:  # noqa: BLE001 - a fetcher that raises fails the handshake
+        except Exception:
             log.exception("TLS: certificate reload check failed")
             return None
 

@@ -88,7 +88,7 @@ class ScriptedAdsClient:
         """Raise AssertionError if any response arrives within ``duration_s``."""
         try:
             resp = await asyncio.wait_for(self._responses.get(), duration_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return
         raise AssertionError(f"expected no response, got {resp}")
 

@@ -57,7 +57,7 @@ class TestCA:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._key = ec.generate_private_key(ec.SECP256R1())
-        now = dt.datetime.now(dt.timezone.utc)
+        now = dt.datetime.now(dt.UTC)
         self._cert = (
             x509.CertificateBuilder().subject_name(_name(f"{name} test CA")).issuer_name(_name(f"{name} test CA"))
             .public_key(self._key.public_key()).serial_number(x509.random_serial_number())
@@ -84,7 +84,7 @@ class TestCA:
         from cryptography.x509.oid import ExtendedKeyUsageOID
 
         key = ec.generate_private_key(ec.SECP256R1())
-        now = dt.datetime.now(dt.timezone.utc)
+        now = dt.datetime.now(dt.UTC)
         sans: list[Any] = [x509.DNSName(d) for d in dns]
         sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
         sans += [x509.UniformResourceIdentifier(u) for u in uris]

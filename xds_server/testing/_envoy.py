@@ -132,7 +132,7 @@ class StandaloneEnvoy:
         """Base URL of Envoy's admin endpoint."""
         return f"http://127.0.0.1:{self.admin_port}"
 
-    async def start(self, timeout_s: float = 20.0) -> "StandaloneEnvoy":
+    async def start(self, timeout_s: float = 20.0) -> StandaloneEnvoy:
         """Start Envoy and wait for its admin endpoint. Raises EnvoyNotFound or RuntimeError."""
         envoy_bin = find_envoy(self.envoy_binary)
         self._tmp = tempfile.TemporaryDirectory(prefix="xds-envoy-")

@@ -83,7 +83,7 @@ class FaultRig:
     relay_admin_port: int = 0
     _tmp: Any = field(default=None, repr=False)
 
-    def start(self) -> "FaultRig":
+    def start(self) -> FaultRig:
         """Start the fleet and the relay; waits until Envoy routes to every node."""
         self._tmp = tempfile.TemporaryDirectory(prefix="xds-faults-")
         wd = Path(self._tmp.name)
@@ -157,7 +157,7 @@ class FaultRig:
         try:
             async with http.get(f"http://127.0.0.1:{self.fleet.admin_port}/xds/clients") as r:
                 clients = (await r.json())["clients"]
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, ValueError):
             return False
         return any(c["node_id"].startswith("envoy-") and len(c["types"]) == 2 and all(
             t["acked_nonce"] == t["last_nonce"] for t in c["types"].values()) for c in clients)

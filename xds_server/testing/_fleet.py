@@ -89,7 +89,7 @@ class Fleet:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def __enter__(self) -> "Fleet":
+    def __enter__(self) -> Fleet:
         self.start()
         return self
 
@@ -99,7 +99,7 @@ class Fleet:
     def _py(self, *args: str) -> list[str]:
         return [sys.executable, *args]
 
-    def start(self) -> "Fleet":
+    def start(self) -> Fleet:
         """Start everything; raises EnvoyNotFound or RuntimeError (with output) on failure."""
         envoy_bin = find_envoy(self.envoy_binary)
         if self.workdir is None:

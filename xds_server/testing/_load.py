@@ -87,7 +87,7 @@ class LoadGenerator:
                         phase.latencies_ms.append((time.monotonic() - t) * 1000.0)
                     else:
                         phase.failures[f"HTTP {r.status}"] += 1
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientError) as e:
                 phase.failures[type(e).__name__] += 1
             if self.pause_s:
                 await asyncio.sleep(self.pause_s)

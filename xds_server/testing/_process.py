@@ -19,7 +19,7 @@ from pathlib import Path
 
 __all__ = ["ManagedProcess", "free_port"]
 
-_LIVE: set["ManagedProcess"] = set()
+_LIVE: set[ManagedProcess] = set()
 
 
 def _kill_all_at_exit() -> None:
@@ -63,7 +63,7 @@ class ManagedProcess:
             raise RuntimeError(f"{self.name} not started")
         return self.proc.pid
 
-    def start(self, timeout_s: float = 20.0) -> "ManagedProcess":
+    def start(self, timeout_s: float = 20.0) -> ManagedProcess:
         """Start and wait for the ready line. Raises RuntimeError (with the output tail) on failure."""
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"

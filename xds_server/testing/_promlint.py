@@ -71,7 +71,7 @@ def lint_exposition(text: str) -> list[str]:
         if family is None:
             problems.append(f"{sample}: sample without a TYPE line")
             continue
-        if types[family] == "counter" and not (sample.endswith("_total") or sample.endswith("_created")):
+        if types[family] == "counter" and not (sample.endswith(("_total", "_created"))):
             problems.append(f"{sample}: counter metrics should have '_total' suffix")
         for label in _LABEL.findall(m.group(3) or ""):
             if label.startswith("__"):

@@ -40,7 +40,7 @@ class TrafficStats:
         """Streams that did not end whole (one ``[DONE]``, no in-band error)."""
         return sum(self.streams_cut.values())
 
-    def add(self, other: "TrafficStats") -> None:
+    def add(self, other: TrafficStats) -> None:
         """Add ``other``'s counts into this one."""
         self.requests_ok += other.requests_ok
         self.requests_failed.update(other.requests_failed)
@@ -85,7 +85,7 @@ class TrafficLoad:
             t.add(s)
         return t
 
-    async def start(self) -> "TrafficLoad":
+    async def start(self) -> TrafficLoad:
         """Start the workers."""
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
@@ -134,7 +134,7 @@ class TrafficLoad:
                     self.phases[self.current].requests_failed[f"HTTP {r.status}"] += 1
         except aiohttp.ClientConnectorError:
             raise
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             self.phases[self.current].requests_failed[type(e).__name__] += 1
 
     async def _stream(self, body: dict) -> None:
@@ -160,7 +160,7 @@ class TrafficLoad:
                                 error = True
         except aiohttp.ClientConnectorError:
             raise
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             self.phases[self.current].streams_cut[type(e).__name__] += 1
             return
         finally:

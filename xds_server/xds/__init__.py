@@ -15,14 +15,14 @@ from xds_server.xds.sotw import SotwStream
 from xds_server.xds.stats import XdsStats
 
 __all__ = [
-    "AdsServicer",
-    "AdsStream",
     "CLA_TYPE_URL",
     "CLUSTER_TYPE_URL",
+    "RESOURCE_TYPES",
+    "AdsServicer",
+    "AdsStream",
     "CachedResource",
     "DeltaStream",
     "InvalidResource",
-    "RESOURCE_TYPES",
     "RequestBudget",
     "RequestVerdict",
     "ResponsePlan",

@@ -91,7 +91,7 @@ class StreamIdentity:
     stream_id: int
     nonce_prefix: str
     connected_at_s: float
-    client_certificate: "ClientCertificate | None" = None
+    client_certificate: ClientCertificate | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +129,7 @@ class StreamLimits:
     max_absent_names: int = 1000
 
     @classmethod
-    def from_config(cls, xds) -> "StreamLimits":
+    def from_config(cls, xds) -> StreamLimits:
         """From an :class:`~xds_server.config.XdsConfig`."""
         return cls(max_types=xds.max_types_per_stream, max_tracked_nonces=xds.max_tracked_nonces,
                    max_names=xds.max_names_per_stream, text_max_chars=xds.client_text_max_chars,

@@ -37,8 +37,8 @@ from xds_server.config import ClusterConfig, NodeConfig, parse_hostport
 from xds_server.health.model import Routing
 
 __all__ = [
-    "CLUSTER_TYPE_URL",
     "CLA_TYPE_URL",
+    "CLUSTER_TYPE_URL",
     "MAX_LOCALITY_WEIGHT_SUM",
     "MAX_PRIORITY",
     "RESOURCE_TYPES",
@@ -201,7 +201,7 @@ def build_cla(
                 cla.policy.drop_overloads.add(
                     category=d.category,
                     drop_percentage=percent_pb2.FractionalPercent(
-                        numerator=int(round(d.drop_percent * 10_000)),
+                        numerator=round(d.drop_percent * 10_000),
                         denominator=percent_pb2.FractionalPercent.MILLION,
                     ),
                 )

@@ -53,7 +53,7 @@ class _Node:
     """One node's model in the worker. ``nh`` settles a run of folded heartbeats (``run``,
     :class:`~xds_server.health.beats.BeatRun`) on read; setting it ends the run."""
 
-    __slots__ = ("_nh", "run", "kept", "handover", "key", "sent", "events")
+    __slots__ = ("_nh", "events", "handover", "kept", "key", "run", "sent")
 
     def __init__(self, nh: hm.NodeHealth, kept: hm.NodeHealth | None = None, handover: bool = False,
                  key: tuple | None = None, sent: tuple | None = None) -> None:

@@ -78,7 +78,7 @@ class RemoteSource:
     """One node watched by a probe worker, as the control plane and its admin view see it
     (a :class:`~xds_server.probing.sources.ProbeSource`): the agent link as last reported."""
 
-    def __init__(self, pool: "WorkerPool", node: NodeConfig, ctx: ProbeSourceContext) -> None:
+    def __init__(self, pool: WorkerPool, node: NodeConfig, ctx: ProbeSourceContext) -> None:
         self.node = node
         self.ctx = ctx
         self._pool = pool
@@ -137,7 +137,7 @@ class WorkerPool:
         self._stopping = False
 
     @classmethod
-    def attach(cls, core: HealthHost, clock: Clock, counters: Counters) -> "WorkerPool | None":
+    def attach(cls, core: HealthHost, clock: Clock, counters: Counters) -> WorkerPool | None:
         """The pool ``core.config.probe.workers`` asks for (None for 0: probe streams in this
         process), wired to forward the end of fail-static to the workers."""
         n = core.config.probe.worker_count(os.cpu_count())
@@ -222,7 +222,7 @@ class WorkerPool:
                         self._apply(h, msg)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - a bad frame ends this worker; it is restarted
+            except Exception:
                 log.exception("probe worker %d: channel failed", h.index)
             finally:
                 if h.writer is not None:
@@ -301,7 +301,7 @@ class WorkerPool:
                 h.task.cancel()
                 try:
                     await h.task
-                except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
+                except (asyncio.CancelledError, Exception):
                     pass
             if h.proc is not None and h.proc.poll() is None:
                 await asyncio.to_thread(self._reap, h)
