@@ -33,8 +33,8 @@ from aiohttp import web
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from node_probe.proto import probe_pb2, probe_pb2_grpc  # noqa: E402
-from xds_server.testing import free_port  # noqa: E402
+from node_probe.proto import probe_pb2, probe_pb2_grpc  # noqa: E402 - after the sys.path setup
+from xds_server.testing import free_port  # noqa: E402 - after the sys.path setup
 
 FIXTURE = ROOT / "tests" / "fixtures" / "vllm-0.32.0-cpu" / "13_metrics_during_load.raw"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -116,9 +116,11 @@ async def measure(engine_url: str, counts: dict, streams: int, seconds: float, e
             await call.write(probe_pb2.ControlMessage(hello=probe_pb2.Hello(control_plane_id=f"cp-{i}")))
             tasks.append(asyncio.create_task(read(call)))
         await asyncio.sleep(2.0)  # warm-up: connections, model discovery, first probes
-        c0, b0, r0, m0, p0, t0 = cpu_seconds(proc.pid), beats, results, counts["metrics"], counts["probes"], time.monotonic()
+        c0, b0, r0, m0, p0, t0 = (cpu_seconds(proc.pid), beats, results, counts["metrics"], counts["probes"],
+                                  time.monotonic())
         await asyncio.sleep(seconds)
-        c1, b1, r1, m1, p1, t1 = cpu_seconds(proc.pid), beats, results, counts["metrics"], counts["probes"], time.monotonic()
+        c1, b1, r1, m1, p1, t1 = (cpu_seconds(proc.pid), beats, results, counts["metrics"], counts["probes"],
+                                  time.monotonic())
     finally:
         for t in tasks:
             t.cancel()

@@ -111,7 +111,8 @@ async def main(runs: int, fault: str, probe_interval_s: float, detector: str, bu
                 false = (await _false_ejections(fleet, http))[before:]
                 async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events?limit=10000") as r:
                     fs = [e for e in (await r.json())["events"] if e["kind"] == "fail_static_on"]
-                print(f"quiet {quiet_s:.0f} s under load with {burners} CPU burner(s){' on the control plane CPU' if busy_cp else ''}, "
+                print(f"quiet {quiet_s:.0f} s under load with {burners} CPU burner(s)"
+                      f"{' on the control plane CPU' if busy_cp else ''}, "
                       f"detector {detector}: {len(false)} false ejection(s) {[e['reason'][:90] for e in false]}; "
                       f"fail-static entered {len(fs)} time(s)", flush=True)
             prefill_false = 0
@@ -147,7 +148,8 @@ async def main(runs: int, fault: str, probe_interval_s: float, detector: str, bu
                     cp_ms.append(tl.cp_ejected_s * 1000)
                 if tl.envoy_excluded_s is not None:
                     envoy_ms.append(tl.envoy_excluded_s * 1000)
-                print(f"run {i + 1:>2} {node.node_id}: control plane {tl.cp_ejected_s and tl.cp_ejected_s * 1000:.0f} ms, "
+                print(f"run {i + 1:>2} {node.node_id}: "
+                      f"control plane {tl.cp_ejected_s and tl.cp_ejected_s * 1000:.0f} ms, "
                       f"Envoy {tl.envoy_excluded_s and tl.envoy_excluded_s * 1000:.0f} ms ({tl.envoy_status}), "
                       f"routed again {back if back is None else round(back, 1)} s after heal", flush=True)
                 await asyncio.sleep(0.5)

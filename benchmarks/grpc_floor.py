@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--fleet-cpu", type=int, default=None, help="pin the fake fleet to this CPU")
     a = ap.parse_args()
     try:
-        import uvloop  # noqa: F401
+        import uvloop  # noqa: F401 - only: is it installed?
         variants = VARIANTS
     except ImportError:
         print("uvloop is not installed (pip install 'xds-sentinel[uvloop]'): asyncio variants only")

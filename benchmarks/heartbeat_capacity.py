@@ -242,7 +242,7 @@ class _OurTime:
                 me.s += clock() - t0
 
         self._undo.append((ProbeSession, "on_message", orig_msg))
-        ProbeSession.on_message = on_message  # type: ignore[method-assign]
+        ProbeSession.on_message = on_message  # type: ignore[method-assign] - timing wrapper, undone
         wrap(TickTimer, "_fire")
 
     def undo(self) -> None:
@@ -336,7 +336,7 @@ async def measure(n: int, seconds: float, *, gpus: int = 0, freeze: int = 0, cp_
             for at, i in window:
                 if i in frozen_ids and freeze_at is not None and at >= freeze_at:
                     first.setdefault(i, at)
-            detect = [(at - freeze_at) * 1000.0 for at in first.values()]  # type: ignore[operator]
+            detect = [] if freeze_at is None else [(at - freeze_at) * 1000.0 for at in first.values()]
             hb = max(msgs, 1)
             out = {"nodes": n, "gpus": gpus, "floor": floor, "heartbeats_per_s": msgs / dt,
                    "expected_per_s": n * 10, "cpu_cores": cpu / dt, "cpu_us_per_heartbeat": cpu / hb * 1e6,
@@ -422,7 +422,7 @@ async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: b
             t0 = time.process_time()
             if prof:
                 prof.enable()
-            for i, (s, w) in enumerate(zip(sessions[b:b + batch], wire[b:b + batch]), b):
+            for i, (s, w) in enumerate(zip(sessions[b:b + batch], wire[b:b + batch], strict=True), b):
                 if k >= quiet_from and i < n_silent:
                     continue  # this node's stream has gone silent
                 if floor:

@@ -29,10 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import aiohttp  # noqa: E402
+import aiohttp  # noqa: E402 - after the sys.path setup
 
-from xds_server.config import HealthConfig  # noqa: E402
-from xds_server.testing import LoadGenerator, wait_for  # noqa: E402
+from xds_server.config import HealthConfig  # noqa: E402 - after the sys.path setup
+from xds_server.testing import LoadGenerator, wait_for  # noqa: E402 - after the sys.path setup
 
 NODES = ("gpu-a1", "gpu-a2")
 
@@ -119,7 +119,8 @@ def analyse(samples: list[dict], h: HealthConfig) -> list[tuple[str, float]]:
     out = [("published weights (observed)", observed),
            ("each replica's RTT (recomputed)", share(lambda r, n, v: v[1]))]
     out += [(f"RTT in {b} ms buckets", share(lambda r, n, v, b=b: b * math.floor(v[1] / b))) for b in (5, 10, 25, 50)]
-    out += [(f"RTT in {b} ms buckets, hysteresis {m} ms", share(hysteresis(b, m))) for b, m in ((5, 2), (10, 3), (25, 5))]
+    out += [(f"RTT in {b} ms buckets, hysteresis {m} ms", share(hysteresis(b, m)))
+            for b, m in ((5, 2), (10, 3), (25, 5))]
     out.append(("agent-reported probe TTFT (both replicas receive it)", share(lambda r, n, v: v[2])))
     return out
 

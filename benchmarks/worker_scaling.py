@@ -117,7 +117,7 @@ async def measure(n: int, workers: int, seconds: float) -> dict:
         return {
             "nodes": n, "workers": workers, "seconds": dt, "heartbeats_per_s": hb / dt,
             "expected_per_s": n * 10, "main_cores": (main1 - main0) / dt,
-            "worker_cores": [(b - a) / dt for a, b in zip(w0, w1)],
+            "worker_cores": [(b - a) / dt for a, b in zip(w0, w1, strict=True)],
             "reports_per_s": ((pool.reports - rep0) / dt) if pool else 0.0,
             "false_ejections": cp.event_counts["to_UNHEALTHY"] - ev0, "routed": routed,
             "restarts": pool.restarts if pool else 0, "states": dict(states),

@@ -101,8 +101,9 @@ def bench_encode(sizes: list[int], changes: int) -> None:
             builds.append((t1 - t0) * 1e3)
             encodes.append((t2 - t1) * 1e3)
         size = cache.resources(EDS)["llm"].any.ByteSize()
+        totals = [a + b for a, b in zip(builds, encodes, strict=True)]
         print(f"| {n:,} | {size:,} | {pct(builds, 50):.2f} / {pct(builds, 99):.2f} | "
-              f"{pct(encodes, 50):.2f} / {pct(encodes, 99):.2f} | {pct([a + b for a, b in zip(builds, encodes)], 50):.2f} |")
+              f"{pct(encodes, 50):.2f} / {pct(encodes, 99):.2f} | {pct(totals, 50):.2f} |")
 
 
 # ---- fan-out: server process -------------------------------------------------------------------
@@ -137,7 +138,8 @@ async def run_server(endpoints: int, window_ms: float) -> None:
             break
         if line == "status":
             acked = sum(1 for s in servicer.streams.values()
-                        if EDS in s.types and s.types[EDS].acked_nonce and s.types[EDS].acked_nonce == s.types[EDS].last_nonce)
+                        if EDS in s.types and s.types[EDS].acked_nonce
+                        and s.types[EDS].acked_nonce == s.types[EDS].last_nonce)
             print(json.dumps({"streams": len(servicer.streams), "acked": acked, "rss": rss_bytes()}), flush=True)
         elif line == "change":
             # The control plane's publishing path: a health change marks the cluster dirty, the
@@ -146,10 +148,10 @@ async def run_server(endpoints: int, window_ms: float) -> None:
             t0 = time.monotonic_ns()
             done = loop.create_future()
 
-            def publish(kk=k) -> None:
+            def publish(kk=k, fut=done) -> None:
                 last_publish[0] = loop.time()
                 cache.set_resource(EDS, "llm", build_cla(c, routings[kk % 97]))
-                done.set_result(time.monotonic_ns())
+                fut.set_result(time.monotonic_ns())
 
             delay_s = last_publish[0] + window_ms / 1000.0 - loop.time()  # as ControlPlane._mark_dirty
             if delay_s > 0:

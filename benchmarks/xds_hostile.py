@@ -316,15 +316,18 @@ def main() -> None:
         root, tmp = export(a.before)
         trees.insert(0, (f"before ({a.before})", root, tmp))
     if a.cmd == "rss":
-        print("| code | variant | streams x names | RSS start (MB) | RSS after all closed (MB) | growth (MB) | time (s) |")
+        print("| code | variant | streams x names | RSS start (MB) | RSS after all closed (MB) | growth (MB) "
+              "| time (s) |")
         print("|---|---|---:|---:|---:|---:|---:|")
         for label, root, _ in trees:
             for variant in a.variants.split(","):
                 res = asyncio.run(bench_rss(root, variant, a.streams, a.names))
-                print(f"| {label} | {variant} | {a.streams} x {a.names:,} | {res['start_mb']:.0f} | {res['end_mb']:.0f} | "
+                print(f"| {label} | {variant} | {a.streams} x {a.names:,} | {res['start_mb']:.0f} "
+                      f"| {res['end_mb']:.0f} | "
                       f"{res['growth_mb']:+.1f} | {res['seconds']:.1f} |", flush=True)
     else:
-        print("| code | quiet p50 / p99 (ms) | flooding p50 / p99 (ms) | p99 ratio | flood sent (requests, MB) | samples quiet / flood |")
+        print("| code | quiet p50 / p99 (ms) | flooding p50 / p99 (ms) | p99 ratio | flood sent (requests, MB) "
+              "| samples quiet / flood |")
         print("|---|---:|---:|---:|---:|---:|")
         for label, root, _ in trees:
             res = asyncio.run(bench_flood(root, a.quiet_s, a.flood_s, a.interval_ms))

@@ -119,7 +119,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
                               queue_max=cfg.stream_queue_max, telemetry=self.telemetry,
                               on_probe_now=self.request_probe)
         self._probe_seq = 0
-        self._last_failure: int | None = None
+        self._last_failure: probe_pb2.FailureKind | None = None
         self._load_reading: EngineLoadReading | None = None
         self._load_msg = probe_pb2.EngineLoad(metrics_ok=False, metrics_error="no scrape yet")
         self._load_at: float | None = None
@@ -149,7 +149,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         return self._port
 
     @property
-    def engine_state(self) -> int:
+    def engine_state(self) -> probe_pb2.EngineState:
         """Current ``probe_pb2.EngineState`` value."""
         return self._lifecycle.state
 

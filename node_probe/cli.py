@@ -20,9 +20,13 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from node_probe.engines import ENGINE_KINDS
 from node_probe.telemetry import FATAL_XIDS
+
+if TYPE_CHECKING:
+    from node_probe.config import AgentConfig
 
 __all__ = ["build_parser", "main"]
 
@@ -158,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _serve(cfg: object) -> int:
+async def _serve(cfg: AgentConfig) -> int:
     from node_probe.agent import ProbeAgent
 
     loop = asyncio.get_running_loop()
@@ -168,17 +172,17 @@ async def _serve(cfg: object) -> int:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread / platform
             pass
-    agent = ProbeAgent(cfg)  # type: ignore[arg-type]
+    agent = ProbeAgent(cfg)
     try:
         try:
             port = await agent.start()
         except OSError as exc:
             print(f"node-probe: {exc}", file=sys.stderr, flush=True)
             return 1
-        host = cfg.listen.rpartition(":")[0]  # type: ignore[attr-defined]
+        host = cfg.listen.rpartition(":")[0]
         print(
-            f"node-probe {cfg.node_id} listening on {host}:{port} "  # type: ignore[attr-defined]
-            f"engine={cfg.engine_url}",  # type: ignore[attr-defined]
+            f"node-probe {cfg.node_id} listening on {host}:{port} "
+            f"engine={cfg.engine_url}",
             flush=True,
         )
         await stop.wait()

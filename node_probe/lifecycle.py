@@ -31,7 +31,7 @@ class EngineLifecycle:
     """
 
     def __init__(self, on_change: Callable[[int, int, str], None] | None = None) -> None:
-        self.state: int = probe_pb2.ENGINE_STATE_COLD
+        self.state: probe_pb2.EngineState = probe_pb2.ENGINE_STATE_COLD
         self.reason = "no engine answer yet"
         #: what caused the last transition: "answered", "refused", "fatal", "probe_ok",
         #: "restart" or "gpu".
@@ -40,7 +40,7 @@ class EngineLifecycle:
         self._gpu_fatal: str | None = None
         self._on_change = on_change
 
-    def _set(self, new: int, reason: str, cause: str = "") -> None:
+    def _set(self, new: probe_pb2.EngineState, reason: str, cause: str = "") -> None:
         if new != self.state:
             self.cause = cause
             old, self.state = self.state, new
@@ -65,7 +65,7 @@ class EngineLifecycle:
         self._fatal_latched = True
         self._set(probe_pb2.ENGINE_STATE_FAILED, reason, "fatal")
 
-    def _failed(self, source: str, kind: int, detail: str, http_status: int) -> None:
+    def _failed(self, source: str, kind: probe_pb2.FailureKind, detail: str, http_status: int) -> None:
         """A failed request from ``source`` ("metrics" or "probe"): ENGINE_FATAL latches FAILED,
         CONNECT means the process is gone, any other failure with an HTTP answer means it is up."""
         if kind == probe_pb2.FAILURE_KIND_ENGINE_FATAL:

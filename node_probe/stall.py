@@ -149,7 +149,7 @@ class StallDetector:
         for key in list(self._tracks):
             if key not in seen:
                 del self._tracks[key]
-        age, pdetail = (None, "") if fresh is None else fresh
+        progress_age, pdetail = (None, "") if fresh is None else fresh
         if worst is None:
-            return StallVerdict(False, "", capable, age, pdetail)
-        return StallVerdict(True, worst[1], capable, age, pdetail)
+            return StallVerdict(False, "", capable, progress_age, pdetail)
+        return StallVerdict(True, worst[1], capable, progress_age, pdetail)

@@ -36,9 +36,12 @@ async def _serve(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int |
         async def metrics(_req: web.Request) -> web.Response:
             return web.Response(body=generate_latest(relay.metrics.registry),
                                 content_type="text/plain", charset="utf-8")
+
+        async def healthz(_req: web.Request) -> web.Response:
+            return web.Response(text="ok")
         app = web.Application()
         app.router.add_get("/metrics", metrics)
-        app.router.add_get("/healthz", lambda _r: web.Response(text="ok"))
+        app.router.add_get("/healthz", healthz)
         runner = web.AppRunner(app, handle_signals=False)
         await runner.setup()
         host, _, port = cfg.admin_listen.rpartition(":")
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(0)
         os.close(w)
         return _supervise([pid], r, cfg)
-    pids, r = [], None
+    pids: list[int] = []
     rfd, wfd = os.pipe()
     for i in range(cfg.workers):
         pid = os.fork()

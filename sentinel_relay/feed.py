@@ -27,7 +27,7 @@ log = logging.getLogger("sentinel_relay.feed")
 
 
 class FeedClient:
-    def __init__(self, target: str | Sequence[str], on_node: Callable[[routing_pb2.NodeRouting, bool], None], *,
+    def __init__(self, target: str | Sequence[str], on_node: Callable[[routing_pb2.NodeRouting, bool], object], *,
                  subscriber_id: str = "sentinel-relay", reconnect_max_s: float = 2.0, keepalive_s: float = 1.0,
                  on_connected: Callable[[bool], None] | None = None, tls: ClientTls | None = None) -> None:
         self.targets = [target] if isinstance(target, str) else list(target)

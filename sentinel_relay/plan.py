@@ -148,7 +148,9 @@ def plan_request(path: str, raw: bytes) -> Plan:
 def _text_continuation(body: dict[str, Any]) -> bool:
     """Stop strings let the engine hold text back while it has sent the ids: continue from text."""
     stop = body.get("stop")
-    return bool(stop) and (isinstance(stop, str) or any(isinstance(s, str) and s for s in stop))
+    if not stop:
+        return False
+    return isinstance(stop, str) or any(isinstance(s, str) and s for s in stop)
 
 
 def continuation_body(kind: str, body: dict[str, Any], rx: Received,

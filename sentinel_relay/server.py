@@ -246,7 +246,8 @@ class Relay:
                     last_error, head, reason = (head.status, head.reason, hh, err), None, "error"
                 if head is not None:
                     if client is None:
-                        client = web.StreamResponse(status=200, headers=_out_headers(CIMultiDict(head.headers), "rescue"))
+                        client = web.StreamResponse(status=200,
+                                                    headers=_out_headers(CIMultiDict(head.headers), "rescue"))
                         await client.prepare(request)
                         writer = client._payload_writer
                         if writer is not None and hasattr(writer, "send_headers"):
@@ -280,7 +281,8 @@ class Relay:
                         await client.write_eof()
                         return client
                 if refusal is not None:
-                    self.metrics.rescues.labels(trigger, "refused" if rescues <= self.cfg.max_rescues else "failed").inc()
+                    outcome = "refused" if rescues <= self.cfg.max_rescues else "failed"
+                    self.metrics.rescues.labels(trigger, outcome).inc()
                     log.warning("stream not rescued (%s after %s)", refusal, reason)
                     if client is None:
                         if last_error is not None:

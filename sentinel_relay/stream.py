@@ -198,8 +198,7 @@ class StreamBook:
                 continue
             if data == b"[DONE]":
                 before = self.state
-                self._go(In.DONE)
-                if self.state is St.COMPLETE:
+                if self._go(In.DONE) is St.COMPLETE:
                     out.append(self._closing(raw if (not self.rewriting and before is St.FINISHED) else None))
                 else:
                     self.fault = "truncated"
@@ -213,8 +212,7 @@ class StreamBook:
             except ValueError:
                 obj = None
             if not isinstance(obj, dict) or "error" in obj or obj.get("object") == "error":
-                self._go(In.ERROR)
-                if self.state is St.FAULTED:
+                if self._go(In.ERROR) is St.FAULTED:
                     self.fault = "error"
                 else:
                     out.append(self._closing(None))
@@ -279,7 +277,7 @@ class StreamBook:
             if not text and finish is None and not delta.get("tool_calls"):
                 return b""  # the continuation's opening role chunk: the client has its own
             ch["delta"] = {k: v for k, v in delta.items() if k != "role"}
-        cid, cobj, created, model = self._identity  # type: ignore[misc]
+        cid, cobj, created, model = self._identity
         obj["id"], obj["created"], obj["model"] = cid, created, model
         if cobj is not None:
             obj["object"] = cobj
@@ -333,8 +331,7 @@ class StreamBook:
         """The shell declares the current attempt failed (``reason``: health, stall, reset, ...)."""
         if self.state in (St.FAULTED, St.COMPLETE, St.FAILED):
             return b""
-        self._go(In.FAULT)
-        if self.state is St.COMPLETE:
+        if self._go(In.FAULT) is St.COMPLETE:
             return self._closing(None)
         self.fault = reason
         return b""

@@ -72,9 +72,9 @@ class UnaryRequests:
     async def passthrough(self, request: web.BaseRequest, raw: bytes, note: str) -> web.StreamResponse:
         assert self._session is not None
         url = self.cfg.upstream + request.path_qs
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         try:
-            up = await self._session.request(request.method, url, data=raw or None,
-                                             headers={k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS})
+            up = await self._session.request(request.method, url, data=raw or None, headers=headers)
         except aiohttp.ClientError as e:
             return web.json_response({"error": {"message": f"upstream: {e}", "code": 502}},
                                      status=502, headers={RELAY_HEADER: note})

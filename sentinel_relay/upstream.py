@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import cast
 
 from .http1 import HTTPFramingError, ResponseReader
 
@@ -28,8 +29,9 @@ class UpstreamExchange(asyncio.Protocol):
 
     # -- protocol --------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        transport.write(self.request)  # type: ignore[attr-defined]
+        # open_exchange connects over TCP: the loop hands a stream transport (BaseTransport by signature)
+        self.transport = stream = cast("asyncio.Transport", transport)
+        stream.write(self.request)
 
     def data_received(self, data: bytes) -> None:
         try:

@@ -283,17 +283,17 @@ def _bootstrap_tls(args: argparse.Namespace, doc: dict) -> None:
 
     from xds_server.envoy.bootstrap import add_xds_tls, xds_tls_sds_secrets, xds_tls_transport_socket
 
-    absolute = {k: os.path.abspath(v) if v else None
-                for k, v in (("ca", args.xds_tls_ca), ("cert", args.xds_tls_cert), ("key", args.xds_tls_key),
-                             ("sds", args.xds_tls_sds))}
-    if absolute["sds"]:
-        os.makedirs(absolute["sds"], exist_ok=True)
-        for name, secret in xds_tls_sds_secrets(absolute["ca"], absolute["cert"], absolute["key"],
-                                                args.xds_tls_server_name).items():
-            with open(os.path.join(absolute["sds"], name), "w", encoding="utf-8") as f:
+    def absolute(v: str | None) -> str | None:
+        return os.path.abspath(v) if v else None
+
+    ca: str = os.path.abspath(args.xds_tls_ca)  # set: the caller checked
+    cert, key, sds = absolute(args.xds_tls_cert), absolute(args.xds_tls_key), absolute(args.xds_tls_sds)
+    if sds:
+        os.makedirs(sds, exist_ok=True)
+        for name, secret in xds_tls_sds_secrets(ca, cert, key, args.xds_tls_server_name).items():
+            with open(os.path.join(sds, name), "w", encoding="utf-8") as f:
                 f.write(yaml.safe_dump(secret, sort_keys=False))
-    add_xds_tls(doc, xds_tls_transport_socket(absolute["ca"], absolute["cert"], absolute["key"],
-                                              args.xds_tls_server_name, absolute["sds"]))
+    add_xds_tls(doc, xds_tls_transport_socket(ca, cert, key, args.xds_tls_server_name, sds))
 
 
 def _port(v: str) -> int:

@@ -63,7 +63,8 @@ def shortened_settings() -> list[tuple[str, str, str]]:
          f"{h.probation_clean_s:g} s"),
         ("health.ramp_step_percent / ramp_step_s (ramp)", f"+{d['ramp_step_percent']:g} % per {d['ramp_step_s']:g} s",
          f"+{h.ramp_step_percent:g} % per {h.ramp_step_s:g} s"),
-        ("Envoy retry per_try_timeout", f"{DEMO_PER_TRY_TIMEOUT_S:g} s", rp.get("per_try_timeout", "none (idle timeout only)")),
+        ("Envoy retry per_try_timeout", f"{DEMO_PER_TRY_TIMEOUT_S:g} s",
+         rp.get("per_try_timeout", "none (idle timeout only)")),
         ("Envoy retry per_try_idle_timeout", f"{DEMO_PER_TRY_IDLE_TIMEOUT_S:g} s",
          rp.get("per_try_idle_timeout", "none")),
     ]
@@ -219,15 +220,17 @@ async def _faults(fleet: Fleet, session: aiohttp.ClientSession) -> int:
 
         # Fault 1: host freeze (engine + agent SIGSTOP); healed 2.5 s after injection.
         a = fleet.nodes[0]
+        a_engine, a_agent = a.engine, a.agent
+        assert a_engine is not None and a_agent is not None  # the fleet started them
 
         async def freeze() -> None:
-            a.engine.freeze()
-            a.agent.freeze()
+            a_engine.freeze()
+            a_agent.freeze()
 
         async def thaw(tl: FaultTimeline, t0: float) -> None:
             await asyncio.sleep(max(0.0, 2.5 - (time.monotonic() - t0)))
-            a.agent.thaw()
-            a.engine.thaw()
+            a_agent.thaw()
+            a_engine.thaw()
 
         timelines.append(await _fault(fleet, session, load, "host freeze (SIGSTOP engine + agent)", a.node_id,
                                       "frozen", "thawed", freeze, thaw, detect_timeout_s=5.0))
@@ -254,7 +257,7 @@ async def _faults(fleet: Fleet, session: aiohttp.ClientSession) -> int:
     rescued = await _relay_fault(fleet, session)
     _p("")
     _p("Requests per node and phase (through Envoy):")
-    _phase_table(load, ids, fleet.per_try_timeout_s)
+    _phase_table(load, ids, DEMO_PER_TRY_TIMEOUT_S)
     total = load.totals()
     _p(f"Total: {total.ok} requests succeeded, {total.failed} failed"
        + (f" ({dict(total.failures)})" if total.failed else ""))
@@ -292,6 +295,7 @@ async def _relay_fault(fleet: Fleet, session: aiohttp.ClientSession) -> bool:
                 if kill_after is not None and len(text) == kill_after:
                     node = r.headers.get("x-sentinel-upstream-host")
                     victim = next(n for n in fleet.nodes if n.address == node)
+                    assert victim.engine is not None
                     os.killpg(victim.engine.pid, signal.SIGKILL)
         return "".join(text), dones, gap, node
     try:
@@ -301,6 +305,7 @@ async def _relay_fault(fleet: Fleet, session: aiohttp.ClientSession) -> bool:
         await feed.stop()
         await relay.stop()
         for n in fleet.nodes:
+            assert n.engine is not None
             if not n.engine.alive():
                 await asyncio.to_thread(n.engine.start)
     ok = got == ref and dones == 1

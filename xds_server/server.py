@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 
 import grpc
 from aiohttp import web
@@ -90,7 +90,7 @@ class ControlPlane:
         self.core = ControlCore(config, self.clock, on_publish=self._write, counters=self.counters)
         self._notifier = RoutingNotifier()
         self.routing_listeners: list[RoutingListener] = self._notifier.listeners
-        # probe.workers >= 1: probe streams and per-node models in worker processes (probe_workers)
+        # probe.workers >= 1: probe streams and per-node models in worker processes (probing/workers)
         self.probe_pool = WorkerPool.attach(self.core, self.clock, self.counters) if probe_sources is None else None
         self._probe_factory = probe_sources or (self.probe_pool.source if self.probe_pool else grpc_probe_source)
         self.sessions: dict[str, ProbeSource] = {}
@@ -172,7 +172,8 @@ class ControlPlane:
                  self.config.tls.mode or "plaintext", ahost, self.admin_port)
         self._file_sig = file_signature(self.config_path)
         rc = self.config.reload
-        loops = [(lambda: self.config.reload.drain_check_interval_s, self.reap_drained, "dropping drained nodes")]
+        loops: list[tuple[Callable[[], float], Callable[[], Awaitable[object]], str]] = [
+            (lambda: self.config.reload.drain_check_interval_s, self.reap_drained, "dropping drained nodes")]
         if self.config.state.path:
             loops.append((lambda: self.config.state.write_interval_s, self._write_state_async, "writing state"))
         if self.config_path and rc.watch_interval_s > 0:
@@ -270,7 +271,7 @@ class ControlPlane:
         await self.reload(new, source)
         return self.reload_status
 
-    async def _serve_config(self, serving: SentinelConfig, restart: set[str] = frozenset()) -> None:
+    async def _serve_config(self, serving: SentinelConfig, restart: Collection[str] = frozenset()) -> None:
         """Make ``serving`` the running config: core, CDS, one probe source per node."""
         added, dropped = self.core.reconfigure(serving)
         self._config = serving

@@ -77,7 +77,7 @@ class EngineAdapter:
     metrics_path: str = "/metrics"
     cache_salt_field: str | None = None
     needs_model: bool = True
-    metrics_spec: MetricSpec = MetricSpec()
+    metrics_spec: MetricSpec = MetricSpec()  # noqa: RUF009 - frozen, tuples only: safe to share
     probe_prompt: str = "Hi"
 
     # -- metrics --------------------------------------------------------------------------------

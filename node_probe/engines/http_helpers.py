@@ -82,7 +82,7 @@ class EngineRequestError(Exception):
         detail: human-readable cause.
     """
 
-    def __init__(self, kind: int, detail: str, http_status: int = 0) -> None:
+    def __init__(self, kind: probe_pb2.FailureKind, detail: str, http_status: int = 0) -> None:
         super().__init__(detail)
         self.kind = kind
         self.detail = detail

@@ -251,7 +251,7 @@ def parse_with_spec(text: str, spec: MetricSpec) -> EngineLoadReading:
 
     kv_by_group = per_group_max(spec.kv_usage)
     if kv_by_group is None:
-        for used_sel, total_sel in spec.kv_used_total:
+        for used_sel, _total_sel in spec.kv_used_total:
             used = _select(samples, used_sel)
             if used:  # the used-block count alone moves exactly when the ratio does
                 kv_by_group = {}

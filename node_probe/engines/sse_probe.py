@@ -53,7 +53,7 @@ class ProbeOutcome:
 
     ok: bool
     ttft_ms: float | None
-    failure: int
+    failure: probe_pb2.FailureKind
     http_status: int
     detail: str
     headers_ms: float | None = None
@@ -65,7 +65,7 @@ class ProbeOutcome:
         return self.http_status != 0
 
 
-def fail(kind: int, status: int, detail: str, headers_ms: float | None = None) -> ProbeOutcome:
+def fail(kind: probe_pb2.FailureKind, status: int, detail: str, headers_ms: float | None = None) -> ProbeOutcome:
     """A failed :class:`ProbeOutcome` (no token) with ``detail`` truncated."""
     return ProbeOutcome(False, None, kind, status, truncate(detail), headers_ms)
 

@@ -30,7 +30,7 @@ class TgiAdapter(EngineAdapter):
 
     kind: str = "tgi"
     needs_model: bool = False
-    metrics_spec: MetricSpec = MetricSpec(
+    metrics_spec: MetricSpec = MetricSpec(  # noqa: RUF009 - frozen, tuples only: safe to share
         running=(sel("tgi_batch_current_size"),),
         waiting=(sel("tgi_queue_size"),),
         generation_tokens=(sel("tgi_request_generated_tokens_sum"),),

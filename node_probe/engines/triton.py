@@ -42,7 +42,7 @@ class TritonAdapter(EngineAdapter):
     """Triton with a TensorRT-LLM model (generate extension)."""
 
     kind: str = "triton"
-    metrics_spec: MetricSpec = MetricSpec(
+    metrics_spec: MetricSpec = MetricSpec(  # noqa: RUF009 - frozen, tuples only: safe to share
         running=(sel("nv_trt_llm_request_metrics", request_type="scheduled"),
                  sel("nv_trt_llm_request_metrics", request_type="active")),
         waiting=(sel("nv_trt_llm_request_metrics", request_type="waiting"),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from node_probe.sim import model
 
@@ -77,6 +77,10 @@ def _param_error(name: str, msg: str, value: Any) -> BadRequest:
     return BadRequest(f"{msg} (parameter={name}, value={value})", name)
 
 
+@overload
+def _int_field(body: dict[str, Any], name: str, default: int) -> int: ...
+@overload
+def _int_field(body: dict[str, Any], name: str, default: None) -> int | None: ...
 def _int_field(body: dict[str, Any], name: str, default: int | None) -> int | None:
     value = body.get(name)
     if value is None:

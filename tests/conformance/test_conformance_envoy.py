@@ -176,8 +176,10 @@ async def test_envoy_acks_priorities_localities_overprovisioning_and_one_drop_ca
     await wait_for(lambda: acked_all(ads), timeout_s=5.0, step_s=0.02)
     c = parse_config({"clusters": [{"name": "llm", "overprovisioning_factor": 100,
                                     "drop_overloads": [{"category": "lost", "drop_percent": 10}], "nodes": [
-        {"id": "a", "address": "127.0.0.1:8001", "probe_address": "127.0.0.1:1", "locality": {"region": "eu", "zone": "z1"}},
-        {"id": "b", "address": "127.0.0.1:8002", "probe_address": "127.0.0.1:2", "locality": {"region": "eu", "zone": "z2"}},
+        {"id": "a", "address": "127.0.0.1:8001", "probe_address": "127.0.0.1:1",
+         "locality": {"region": "eu", "zone": "z1"}},
+        {"id": "b", "address": "127.0.0.1:8002", "probe_address": "127.0.0.1:2",
+         "locality": {"region": "eu", "zone": "z2"}},
         {"id": "c", "address": "127.0.0.1:8003", "probe_address": "127.0.0.1:3", "priority": 1},
     ]}]}).clusters[0]
     routing = {"a": Routing(100, "UNHEALTHY"), "b": Routing(100, "UNHEALTHY"), "c": Routing(100, "HEALTHY")}

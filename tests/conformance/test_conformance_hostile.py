@@ -242,7 +242,8 @@ async def test_issue9_node_ids_and_nonces_are_escaped_in_every_log_line(hostile_
         nack = discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=["llm"], response_nonce=r.nonce)
         nack.error_detail.message = "bad\nINFO forged line"
         await call.write(nack.SerializeToString())
-        await wait_for(lambda: s.servicer.stats.nacks[("sotw", "ClusterLoadAssignment")] == 1, timeout_s=5.0, step_s=0.02)
+        await wait_for(lambda: s.servicer.stats.nacks[("sotw", "ClusterLoadAssignment")] == 1,
+                       timeout_s=5.0, step_s=0.02)
         bad = raw_call(channel, "delta")
         breq = discovery_pb2.DeltaDiscoveryRequest(type_url="")
         breq.node.id = forged
@@ -272,7 +273,8 @@ async def test_issue9_one_flooding_stream_is_held_to_its_request_budget_and_othe
 
     async def flood() -> None:
         for k in range(400):
-            await call.write(discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=names[k % 2:]).SerializeToString())
+            await call.write(
+                discovery_pb2.DiscoveryRequest(type_url=EDS, resource_names=names[k % 2:]).SerializeToString())
 
     flooder = asyncio.create_task(flood())
     loop = asyncio.get_running_loop()

@@ -168,7 +168,8 @@ def delta_walk(ops, server) -> None:
             client.eds_subscribed -= o[1]
             for n in o[1]:
                 client.forget(EDS, n)
-            stream.on_request(discovery_pb2.DeltaDiscoveryRequest(type_url=EDS, resource_names_unsubscribe=sorted(o[1])))
+            stream.on_request(discovery_pb2.DeltaDiscoveryRequest(type_url=EDS,
+                                                                  resource_names_unsubscribe=sorted(o[1])))
             assert drain(stream, cache, client, server) == 0, "an unsubscribe-only request gets no response"
             continue
         if kind == "set_cla":

@@ -14,10 +14,12 @@ from xds_server.xds.resources import build_cla, routable_capacity_ratio, validat
 
 def cluster(**extra):
     nodes = [
-        {"id": "a", "address": "127.0.0.1:8001", "probe_address": "127.0.0.1:1", "locality": {"region": "eu", "zone": "eu-1"}},
-        {"id": "b", "address": "127.0.0.1:8002", "probe_address": "127.0.0.1:2", "locality": {"region": "eu", "zone": "eu-2"}},
-        {"id": "c", "address": "127.0.0.1:8003", "probe_address": "127.0.0.1:3", "locality": {"region": "us", "zone": "us-1"},
-         "priority": 1, "capacity": 2},
+        {"id": "a", "address": "127.0.0.1:8001", "probe_address": "127.0.0.1:1",
+         "locality": {"region": "eu", "zone": "eu-1"}},
+        {"id": "b", "address": "127.0.0.1:8002", "probe_address": "127.0.0.1:2",
+         "locality": {"region": "eu", "zone": "eu-2"}},
+        {"id": "c", "address": "127.0.0.1:8003", "probe_address": "127.0.0.1:3",
+         "locality": {"region": "us", "zone": "us-1"}, "priority": 1, "capacity": 2},
     ]
     return parse_config({"clusters": [{"name": "llm", "nodes": nodes, **extra}]}).clusters[0]
 
@@ -59,17 +61,29 @@ def test_two_drop_categories_are_refused_by_config_and_by_validation():
 def test_validation_catches_what_envoy_nacks():
     base = build_cla(cluster(), ALL_UP)
     cases = []
-    m = type(base)(); m.CopyFrom(base); m.endpoints[0].lb_endpoints[0].load_balancing_weight.value = 0
+    m = type(base)()
+    m.CopyFrom(base)
+    m.endpoints[0].lb_endpoints[0].load_balancing_weight.value = 0
     cases.append((m, "< 1"))
-    m = type(base)(); m.CopyFrom(base); m.endpoints[2].priority = 129
+    m = type(base)()
+    m.CopyFrom(base)
+    m.endpoints[2].priority = 129
     cases.append((m, "> 128"))
-    m = type(base)(); m.CopyFrom(base); m.endpoints[1].locality.zone = "eu-1"
+    m = type(base)()
+    m.CopyFrom(base)
+    m.endpoints[1].locality.zone = "eu-1"
     cases.append((m, "twice"))
-    m = type(base)(); m.CopyFrom(base); m.endpoints[0].load_balancing_weight.value = 0
+    m = type(base)()
+    m.CopyFrom(base)
+    m.endpoints[0].load_balancing_weight.value = 0
     cases.append((m, "endpoints\\[0\\].load_balancing_weight"))
-    m = type(base)(); m.CopyFrom(base); m.policy.overprovisioning_factor.value = 0
+    m = type(base)()
+    m.CopyFrom(base)
+    m.policy.overprovisioning_factor.value = 0
     cases.append((m, "overprovisioning_factor"))
-    m = type(base)(); m.CopyFrom(base); m.cluster_name = "other"
+    m = type(base)()
+    m.CopyFrom(base)
+    m.cluster_name = "other"
     cases.append((m, "cluster_name"))
     import re
     for msg, why in cases:

@@ -208,7 +208,8 @@ async def test_large_request_of_150k_names_over_4mib_is_accepted(control_plane):
         # names that exist nowhere (issue 11), never 150,000 of them
         names_sent = [endpoint_pb2.ClusterLoadAssignment.FromString(a.value).cluster_name for a in r.resources]
         assert len(r.resources) == 1 + 1000 and "llm" in names_sent
-        assert sum(1 for a in r.resources if not endpoint_pb2.ClusterLoadAssignment.FromString(a.value).endpoints) == 1000
+        assert sum(1 for a in r.resources
+                   if not endpoint_pb2.ClusterLoadAssignment.FromString(a.value).endpoints) == 1000
 
 
 async def test_many_concurrent_streams_sotw_and_delta_all_receive_each_change(ads):
@@ -218,7 +219,7 @@ async def test_many_concurrent_streams_sotw_and_delta_all_receive_each_change(ad
         streams = [RawStream(ads_pb2_grpc.AggregatedDiscoveryServiceStub(channels[i % 4]),
                              "sotw" if i % 2 else "delta", f"envoy-{i}") for i in range(2 * n_per_variant)]
         firsts = await asyncio.gather(*(s.handshake() for s in streams))
-        await asyncio.gather(*(s.ack(r) for s, r in zip(streams, firsts)))
+        await asyncio.gather(*(s.ack(r) for s, r in zip(streams, firsts, strict=True)))
         assert len(ads.servicer.streams) == 2 * n_per_variant
         for weight in (11, 12, 13):
             t0 = time.monotonic()
@@ -226,13 +227,13 @@ async def test_many_concurrent_streams_sotw_and_delta_all_receive_each_change(ad
             want = ads.cache.resources(EDS)["llm"].version
             resps = await asyncio.gather(*(read(s, 5) for s in streams))
             elapsed = time.monotonic() - t0
-            for s, r in zip(streams, resps):
+            for s, r in zip(streams, resps, strict=True):
                 got = r.version_info if s.variant == "sotw" else r.resources[0].version
                 if s.variant == "sotw":
                     assert r.resources[0].value == ads.cache.resources(EDS)["llm"].any.value
                 else:
                     assert got == want
-            await asyncio.gather(*(s.ack(r) for s, r in zip(streams, resps)))
+            await asyncio.gather(*(s.ack(r) for s, r in zip(streams, resps, strict=True)))
             print(f"\n{len(streams)} streams got weight {weight} in {elapsed * 1000:.0f} ms")
             assert elapsed < 3.0
     finally:

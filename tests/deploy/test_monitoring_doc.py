@@ -50,7 +50,7 @@ def test_every_metric_in_what_to_monitor_is_exposed():
     reg = CollectorRegistry(auto_describe=False)
     reg.register(ControlPlaneCollector(cp.view))
     exposed = _families(generate_latest(reg).decode())
-    exposed |= _families(AgentMetrics(_IdleAgent()).exposition().decode())  # type: ignore[arg-type]
+    exposed |= _families(AgentMetrics(_IdleAgent()).exposition().decode())  # type: ignore[arg-type] - a stand-in agent
     assert "sentinel_fail_static" in exposed and "node_probe_engine_stalled" in exposed
 
     named = set(re.findall(r"\b((?:sentinel|node_probe)_[a-z_]+)", _section("What to monitor")))

@@ -75,7 +75,7 @@ async def test_control_plane_sigstop_5s_loses_nothing_and_ejects_no_node(rig, ht
     # static held them) or, some runs, one node alone, which Envoy then stopped routing; later a
     # timer whose earlier lag deferral a heartbeat had ended kept its "deferred" flag and ran its
     # Tick at once on waking (one node alone again). Now silence across our own stall is held
-    # until each node is heard again (xds_server/probing/stall_hold.py, tick_timer.py).
+    # until each node is heard again (xds_server/probing/stall_hold.py, probing/timers.py).
     assert all(states == ["HEALTHY"] for states in info["envoy_states_seen"].values()), info
     assert len(info["envoy_states_seen"]) == len(rig.fleet.nodes)
     # no ejection outside a fail-static episode (one inside is forgiven when heartbeats return)

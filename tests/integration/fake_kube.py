@@ -82,7 +82,7 @@ class FakeKube:
         self._runner = web.AppRunner(app, shutdown_timeout=0.2, handler_cancellation=True)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = "http://127.0.0.1:%d" % self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]:d}"
         return self.url
 
     async def stop(self) -> None:

@@ -193,7 +193,8 @@ class _RecordingAgent(probe_pb2_grpc.NodeProbeServicer):
     async def Watch(self, request_iterator, context):
         async def read():
             async for m in request_iterator:
-                self.received.append(m.WhichOneof("msg") + (f":{m.probe_now.reason}" if m.HasField("probe_now") else ""))
+                self.received.append(m.WhichOneof("msg")
+                                     + (f":{m.probe_now.reason}" if m.HasField("probe_now") else ""))
 
         reader = asyncio.ensure_future(read())
         try:

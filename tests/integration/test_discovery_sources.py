@@ -217,10 +217,10 @@ async def test_watch_restart_resumes_from_last_resource_version_without_duplicat
     async with Env(kube_doc(kube)) as env:
         src = env.cp.discovery.sources[("llm", "kubernetes")]
         await wait_for(lambda: "p1" in env.cp.health, timeout_s=15.0, step_s=0.02)
-        watch_rvs = lambda: [rv for kind, _, rv in kube.requests if kind == "watch"]  # noqa: E731
+        watch_rvs = lambda: [rv for kind, _, rv in kube.requests if kind == "watch"]  # noqa: E731 - a one-line probe
         resumed_from = [str(kube.rv)]  # the first watch starts at the list's resourceVersion
         for i in range(2, 5):
-            await wait_for(lambda: len(watch_rvs()) == i - 1, timeout_s=15.0, step_s=0.02)
+            await wait_for(lambda i=i: len(watch_rvs()) == i - 1, timeout_s=15.0, step_s=0.02)
             kube.add_pod(f"p{i}", ip=f"127.0.1.{i}", ready=True)
             kube.add_pod(f"x{i}", labels={"app": "other"})  # not selected: only a bookmark tells
             kube.bookmark()
@@ -267,7 +267,7 @@ async def test_an_ejected_pod_that_still_exists_stays_ejected_across_a_restart(k
     for i in (1, 2, 3):
         kube.add_pod(f"p{i}", ip=f"127.0.1.{i}", ready=True)
     doc = {**kube_doc(kube), "state": {"path": str(tmp_path / "state.json"), "write_interval_s": 0.05}}
-    saved = lambda: json.loads((tmp_path / "state.json").read_text())["nodes"]  # noqa: E731
+    saved = lambda: json.loads((tmp_path / "state.json").read_text())["nodes"]  # noqa: E731 - a one-line probe
     async with Env(doc) as env:
         for i in (1, 2, 3):
             await env.healthy(f"p{i}", f"127.0.1.{i}:8000")

@@ -49,7 +49,7 @@ async def test_slow_engine_gets_less_traffic_hung_engine_is_ejected_and_comes_ba
         hung = load.phase("gpu-b hung (UNHEALTHY)")
         await asyncio.sleep(2.0)
         await fleet.set_fault(http, "gpu-b", "none")
-        ramp = load.phase("gpu-b healed (PROBATION ramp)")
+        load.phase("gpu-b healed (PROBATION ramp)")
         seen: list[int] = []
         t0 = time.monotonic()
         while time.monotonic() - t0 < 15:
@@ -69,11 +69,12 @@ async def test_slow_engine_gets_less_traffic_hung_engine_is_ejected_and_comes_ba
         for name, st in load.phases.items() if st.ok or st.failed))
     print(f"Envoy weights while gpu-a was DEGRADED: {weights}; gpu-b ramp seen by Envoy: {seen}; "
           f"failures: {dict(load.totals().failures)}")
-    share = lambda st, n: st.ok_by_node.get(n, 0) / max(1, st.ok)  # noqa: E731
+    share = lambda st, n: st.ok_by_node.get(n, 0) / max(1, st.ok)  # noqa: E731 - a one-line helper
     async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events?limit=1000") as r:
         evs = [e for e in (await r.json())["events"] if e.get("node") == "gpu-b"]
     print("gpu-b's transitions (a failure below shows the path its ramp took):\n" + "\n".join(
-        f"  {e['time'] % 1000:.2f} {e['from']} -> {e['to']}: {e['reason'][:100]}" for e in evs if e["kind"] == "transition"))
+        f"  {e['time'] % 1000:.2f} {e['from']} -> {e['to']}: {e['reason'][:100]}"
+        for e in evs if e["kind"] == "transition"))
     assert weights == {"gpu-a": 30, "gpu-b": 100, "gpu-c": 100}
     # weight 30 of 230: ~13 % expected (33 % at baseline)
     assert share(slow, "gpu-a") < 0.25, (share(slow, "gpu-a"), share(base, "gpu-a"))

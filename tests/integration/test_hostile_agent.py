@@ -180,7 +180,7 @@ async def play(rig: Rig, seq: list[Step]) -> None:
             await until(counted)
             agent.end_stream()
             streams = agent.streams
-            await until(lambda: agent.streams > streams)
+            await until(lambda streams=streams: agent.streams > streams)
         expected.update(bad)
     await until(counted)
     delta = collections.Counter({k: cp.counters.bad_fields[k] - before[k] for k in expected})

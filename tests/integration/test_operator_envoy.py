@@ -79,9 +79,9 @@ async def test_restart_resumes_full_weight_and_keeps_ejection(make_fleet, http, 
     await fleet.wait_all_routed(http)
     await wait_for(lambda: _all_healthy(http, fleet), timeout_s=20.0)
     full = await fleet.envoy_weights(http)
-    # Production recovery from here on (set before the ejection: its clean period is fixed then) (60 s clean period, +1 % per 1 s), picked up by the file
-    # watch: a restart that forgot what it knew would ramp gpu-a and gpu-b from 1 % and route
-    # gpu-c at its first good probe.
+    # Production recovery from here on (set before the ejection: its clean period is fixed then)
+    # (60 s clean period, +1 % per 1 s), picked up by the file watch: a restart that forgot what
+    # it knew would ramp gpu-a and gpu-b from 1 % and route gpu-c at its first good probe.
     _rewrite(fleet, lambda doc: [doc["health"].pop(k) for k in FAST])
 
     async def reloaded():

@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import aiohttp
@@ -62,7 +63,7 @@ class _External:
 @pytest.fixture(scope="module")
 def server():
     if os.environ.get("SENTINEL_REAL_VLLM_URL"):
-        yield Server(_External(int(os.environ["SENTINEL_REAL_VLLM_PID"])),  # type: ignore[arg-type]
+        yield Server(_External(int(os.environ["SENTINEL_REAL_VLLM_PID"])),  # type: ignore[arg-type] - Popen stand-in
                      os.environ["SENTINEL_REAL_VLLM_URL"], Path("/dev/null"))
         return
     srv = launch(*ensure_install())
@@ -176,7 +177,7 @@ async def test_real_vllm_probes_succeed_with_real_ttft(server, watch):
     assert all(r.ok and r.trigger == "scheduled" for _, r in got), got
     ttfts = sorted(r.ttft_ms for _, r in got)
     assert all(0 < r.headers_ms <= r.ttft_ms < 800 for _, r in got)
-    gaps = [b[0] - a[0] for a, b in zip(got, got[1:])]
+    gaps = [b[0] - a[0] for a, b in pairwise(got)]
     assert all(0.3 < g < 1.0 for g in gaps), gaps  # idle cadence 0.5 s +- 25 % (+ TTFT)
     tel = watch.agent.telemetry()
     assert tel.engine_load.metrics_ok and tel.engine_load.kv_cache_metric == "vllm:kv_cache_usage_perc"
@@ -193,7 +194,7 @@ async def test_real_vllm_sigstop_idle_detected_although_health_200(server, watch
         t0 = time.monotonic()
         try:
             t, r = await watch.wait(
-                lambda: watch.result_after(t0, lambda r: r.failure == probe_pb2.FAILURE_KIND_TIMEOUT),
+                lambda t0=t0: watch.result_after(t0, lambda res: res.failure == probe_pb2.FAILURE_KIND_TIMEOUT),
                 5, "probe timeout")
             assert await health_status(server.url) == 200  # /health never notices
             assert r.http_status == 200 and 0 < r.headers_ms < 100  # headers at once, no token
@@ -202,7 +203,7 @@ async def test_real_vllm_sigstop_idle_detected_although_health_200(server, watch
             os.kill(engine, signal.SIGCONT)
         record("sigstop_idle_probe_timeout_ms", run=run, ms=round((t - t0) * 1000))
         t1 = time.monotonic()
-        await watch.wait(lambda: watch.result_after(t1, lambda r: r.ok), 10, "probe ok again")
+        await watch.wait(lambda t1=t1: watch.result_after(t1, lambda res: res.ok), 10, "probe ok again")
 
 
 async def test_real_vllm_sigstop_under_load_is_stalled_busy_is_not(server, watch):
@@ -230,10 +231,10 @@ async def test_real_vllm_sigstop_under_load_is_stalled_busy_is_not(server, watch
                 # stalled about one window later; or the last numbers vLLM published before the
                 # freeze say 0 running (seen in ~1 of 5 freezes on this machine): then the engine
                 # looks idle and the idle-cadence probe catches it.
-                def first_detection():
+                def first_detection(t0=t0):
                     if watch.agent.telemetry().stalled:
                         return time.monotonic(), "stalled"
-                    hit = watch.result_after(t0, lambda r: r.failure == probe_pb2.FAILURE_KIND_TIMEOUT)
+                    hit = watch.result_after(t0, lambda res: res.failure == probe_pb2.FAILURE_KIND_TIMEOUT)
                     return (hit[0], "probe") if hit else None
 
                 t_first, how = await watch.wait(first_detection, 5, "stalled or probe timeout")
@@ -250,11 +251,12 @@ async def test_real_vllm_sigstop_under_load_is_stalled_busy_is_not(server, watch
                     detail = watch.agent.telemetry().stall_detail
                     assert "running" in detail and "frozen" in detail, detail
                     hb = await watch.wait(
-                        lambda: next((h for tt, h in watch.beats if tt >= t_stalled and h.telemetry.stalled), None),
+                        lambda t_stalled=t_stalled: next(
+                            (h for tt, h in watch.beats if tt >= t_stalled and h.telemetry.stalled), None),
                         1, "stalled heartbeat")
                     assert hb.telemetry.engine_load.requests_running > 0
                 t, _ = await watch.wait(
-                    lambda: watch.result_after(t0, lambda r: r.failure == probe_pb2.FAILURE_KIND_TIMEOUT),
+                    lambda t0=t0: watch.result_after(t0, lambda res: res.failure == probe_pb2.FAILURE_KIND_TIMEOUT),
                     5, "probe timeout")
             finally:
                 os.kill(engine, signal.SIGCONT)
@@ -264,7 +266,7 @@ async def test_real_vllm_sigstop_under_load_is_stalled_busy_is_not(server, watch
                    first_probe_timeout_ms=round((t - t0) * 1000), detail=detail)
             assert t_first - t0 < 2.5
             await watch.wait(lambda: not watch.agent.telemetry().stalled, 10, "progressing again")
-            await watch.wait(lambda: watch.result_after(t_cont, lambda r: r.ok), 10, "probe ok again")
+            await watch.wait(lambda t_cont=t_cont: watch.result_after(t_cont, lambda res: res.ok), 10, "probe ok again")
         assert stalled_runs >= max(1, RUNS // 2), f"stall seen in {stalled_runs} of {RUNS} freezes"
     finally:
         await load.close()

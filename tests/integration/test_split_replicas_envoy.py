@@ -84,7 +84,8 @@ class Split:
         self.routed = ("pool-a", "pool-b") if variant == EDS_SOTW else ("pool-a",)
         self.procs: list[ManagedProcess] = []
         self.cluster_of = {"gpu-a1": "pool-a", "gpu-a2": "pool-a", "gpu-b1": "pool-b"}
-        self.nodes = [NodeProcs(nid, free_port(), free_port()) for nid, c in self.cluster_of.items() if c in self.routed]
+        self.nodes = [NodeProcs(nid, free_port(), free_port())
+                      for nid, c in self.cluster_of.items() if c in self.routed]
         self.cps = [ControlPlaneProc(r, g, free_port(), free_port())
                     for r, g in (("cp-a1", "a"), ("cp-a2", "a"), ("cp-b1", "b")) if f"pool-{g}" in self.routed]
         self.envoy_port, self.envoy_admin_port = free_port(), free_port()
@@ -108,7 +109,8 @@ class Split:
             "health": HEALTH,
             "clusters": [{"name": cluster, "outlier_detection": {"enabled": False}, "nodes": [
                 {"id": n.node_id, "address": f"127.0.0.1:{n.engine_port}",
-                 "probe_address": f"127.0.0.1:{n.agent_port}"} for n in self.nodes if self.cluster_of[n.node_id] == cluster]}],
+                 "probe_address": f"127.0.0.1:{n.agent_port}"}
+                for n in self.nodes if self.cluster_of[n.node_id] == cluster]}],
         }
 
     def start(self) -> Split:
@@ -399,7 +401,8 @@ async def test_kill_9_or_sigterm_of_the_connected_replica_under_load_changes_not
     # and the survivor's from `before` on, counted by their caches (polling the survivor's
     # version alone misses one replaced within a poll)
     changes = victim_encoded + await split.encoded(http, survivor) - encoded_before[survivor.replica]
-    print(f"\n{split.variant}: {sig.name} to {victim.replica}, Envoy on {survivor.replica} (ACKed) after {moved_s:.2f} s; requests ok {total.ok} failed "
+    print(f"\n{split.variant}: {sig.name} to {victim.replica}, Envoy on {survivor.replica} (ACKed) after "
+          f"{moved_s:.2f} s; requests ok {total.ok} failed "
           f"{dict(total.failures)}; survivor's versions {version} -> {sorted(set(published))} (polled); "
           f"versions published: {victim_encoded} by the victim, {changes - victim_encoded} by the survivor; "
           f"Envoy pool-a stats before {before} after {after}")

@@ -174,5 +174,6 @@ def test_a_repeated_heartbeat_of_a_healthy_node_is_folded_and_a_changed_one_is_n
         ref, _ = step(nh, hb, t, CFG)
         assert run.fold(hb, t, CFG) == tick_due_s(ref, CFG, t) and run.settled() == ref
         nh = ref
-    assert run.fold(HeartbeatObserved(engine_state="READY", requests_running=4.0), t + 0.1, CFG) is None  # another object
+    # another object
+    assert run.fold(HeartbeatObserved(engine_state="READY", requests_running=4.0), t + 0.1, CFG) is None
     assert BeatRun.start(nh, HeartbeatObserved(engine_state="READY", progress_age_ms=5.0), CFG) is None

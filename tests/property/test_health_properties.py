@@ -105,11 +105,10 @@ def test_prop_transitions_chain_and_have_reasons(items):
 @given(timeline)
 def test_prop_never_healthy_after_engine_fatal_before_a_complete_probation(items):
     must_ramp = False
-    ramp_done = False
     for _, _nh, evs, _obs in play(items):
         for e in evs:
             if e.to_state is S.UNHEALTHY and ("engine fatal" in e.reason or "engine FAILED" in e.reason):
-                must_ramp, ramp_done = True, False
+                must_ramp = True
             if e.to_state is S.HEALTHY and must_ramp:
                 assert e.from_state is S.PROBATION and e.reason == "ramp complete (100 %)"
                 must_ramp = False
@@ -199,7 +198,7 @@ def test_prop_cluster_policy_weights_valid_and_soft_ejections_capped(nodes, pct)
     items = [(f"n{i}", cap, replace(nh, node_id=f"n{i}")) for i, (nh, cap) in enumerate(nodes)]
     d = cluster_routing(items, {}, 100.0, cfg)
     assert set(d.routing) == {nid for nid, _, _ in items}
-    for nid, cap, _nh in items:
+    for nid, _cap, _nh in items:
         r = d.routing[nid]
         assert isinstance(r.weight, int) and r.weight >= 1
     hard = sum(1 for _, _, nh in items if nh.state is S.UNHEALTHY)

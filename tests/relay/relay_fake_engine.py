@@ -69,7 +69,8 @@ def generate(kind: str, body: dict, rid: str, model: str = "m", created: int = 1
         ids = [t] if body.get("return_token_ids") else None
         if kind == "completions":
             ch = {"index": 0, "text": tok_text(t), "logprobs": None, "finish_reason": fin,
-                  "stop_reason": None, "prompt_token_ids": prompt_ids if (i == 0 and body.get("return_token_ids")) else None,
+                  "stop_reason": None,
+                  "prompt_token_ids": prompt_ids if (i == 0 and body.get("return_token_ids")) else None,
                   "token_ids": ids}
         else:
             ch = {"index": 0, "delta": {"content": tok_text(t)}, "logprobs": None,

@@ -30,9 +30,9 @@ def test_routing_feed_takes_one_address_or_the_replicas():
     assert load_relay_config(routing_feed=["127.0.0.1:18000", "127.0.0.1:18001"]).routing_feed == both  # flags
     with pytest.raises(RelayConfigError, match=r"routing_feed: .*expected HOST:PORT, got 'nowhere'"):
         load_relay_config(routing_feed=["127.0.0.1:18000", "nowhere"])
-    with pytest.raises(RelayConfigError, match="routing_feed: .*no HOST:PORT"):
+    with pytest.raises(RelayConfigError, match=r"routing_feed: .*no HOST:PORT"):
         load_relay_config(routing_feed=" , ")
-    with pytest.raises(RelayConfigError, match="routing_feed 10.0.0.2:18000 is not a loopback address"):
+    with pytest.raises(RelayConfigError, match=r"routing_feed 10\.0\.0\.2:18000 is not a loopback address"):
         load_relay_config(routing_feed="127.0.0.1:18000,10.0.0.2:18000")  # each replica is checked
 
 

@@ -236,7 +236,8 @@ def test_transition_table_total_for_upstream_inputs(state, inp):
 def test_fast_path_records_any_text_exactly(texts, kind, ascii_only):
     """Token chunks are recorded without a JSON decode; what a rescue sees is still exact
     (quotes, backslashes, unicode, empty deltas)."""
-    book = StreamBook(kind, {"prompt": "x"} if kind == "completions" else {"messages": [{"role": "user", "content": "x"}]})
+    book = StreamBook(kind, {"prompt": "x"} if kind == "completions"
+                      else {"messages": [{"role": "user", "content": "x"}]})
     evs = []
     for i, t in enumerate(texts):
         if kind == "completions":

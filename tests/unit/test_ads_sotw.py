@@ -123,7 +123,7 @@ async def test_stale_nonce_is_ignored(server):
     cache, servicer, client = server
     c, _cds, eds = await handshake(client)
     cache.set_resource(EDS, "llm", build_cla(CFG.clusters[0], {"a": Routing(7, "HEALTHY")}))
-    r = await c.recv()
+    await c.recv()
     # a request carrying the older nonce and a new name: stale, not answered
     await c.send(type_url=EDS, names=["llm"], version=eds.version_info, nonce=eds.nonce, error="late")
     await c.expect_silence(0.3)

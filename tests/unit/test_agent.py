@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import types
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -309,7 +310,7 @@ async def test_heartbeats_fixed_rate_with_cached_telemetry(engine, make_agent, o
         if kind(_check(msg)) == "heartbeat":
             beats.append((t, msg.heartbeat))
     assert [hb.seq for _, hb in beats] == list(range(1, 17))
-    gaps = [(b[0] - a[0]) * 1000 for a, b in zip(beats[1:], beats[2:])]
+    gaps = [(b[0] - a[0]) * 1000 for a, b in pairwise(beats[1:])]
     assert 85 <= statistics.median(gaps) <= 115, gaps
     span = beats[-1][0] - beats[1][0]
     assert 1.30 <= span <= 1.60, span  # 14 intervals, no drift accumulation
@@ -369,7 +370,7 @@ async def test_two_streams_share_probe_results(engine, make_agent, open_watch):
     # one probe per interval at the engine, however many control planes listen
     assert len(engine.probes) == agent.probe_count
     in_window = [t for t in engine.probes if t >= t0 - 0.05]
-    gaps = [y - x for x, y in zip(in_window, in_window[1:])]
+    gaps = [y - x for x, y in pairwise(in_window)]
     assert all(g >= 0.3 for g in gaps), gaps
     results = [m.inference_result for _, m in got_a if is_result(m)]
     assert all(r.ok and r.timeout_ms == 800 and r.ttft_ms > 0 for r in results)
@@ -419,7 +420,7 @@ async def test_frozen_engine_heartbeats_unaffected_probe_times_out(engine, make_
     call = await open_watch(port)
     got = await collect_for(call, 1.2)
     times = [t for t, m in got if kind(m) == "heartbeat"]
-    gaps = [b - a for a, b in zip(times[1:], times[2:])]
+    gaps = [b - a for a, b in pairwise(times[1:])]
     assert len(times) >= 10 and max(gaps) < 0.2, gaps
     results = [m.inference_result for _, m in got if is_result(m)]
     assert results
@@ -935,7 +936,8 @@ def test_cli_new_flags_and_harness_flags_parse():
     assert args.fatal_xids == frozenset({79, 48}) and args.deep_check_interval_s == 30.0
     assert (args.deep_check_prompt, args.deep_check_expect) == ("2+2=", "4")
     d = cli.build_parser().parse_args(["--engine-url", "http://h:8000"])
-    assert (d.engine_kind, d.metrics_interval_ms, d.probe_idle_interval_s, d.probe_interval_s) == ("auto", None, 0.5, 4.0)
+    assert (d.engine_kind, d.metrics_interval_ms, d.probe_idle_interval_s, d.probe_interval_s) == \
+        ("auto", None, 0.5, 4.0)
     assert (d.stall_window_ms, d.deep_check_interval_s, d.fatal_xids) == (1000, 0.0, None)
 
 

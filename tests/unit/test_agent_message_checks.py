@@ -89,7 +89,8 @@ def test_each_planted_bad_field_is_reported_by_name_and_reason():
     assert [(b.field, b.reason) for b in EDGE.check(msg)[1]] == [("inference_result.ttft_ms", "out_of_range")]
     msg = probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(ok=False, failure=77, detail="d" * 10_000))
     checked, bad = EDGE.check(msg)
-    assert checked.observation.kind is ProbeResultKind.BAD_OUTPUT and len(checked.observation.detail) == PC.max_text_chars
+    assert checked.observation.kind is ProbeResultKind.BAD_OUTPUT
+    assert len(checked.observation.detail) == PC.max_text_chars
     assert {(b.field, b.reason) for b in bad} == {("inference_result.failure", "unknown_enum"),
                                                    ("inference_result.detail", "too_long")}
     hb = probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(telemetry=probe_pb2.Telemetry(
@@ -166,7 +167,7 @@ def test_honestly_numbered_gpu_parts_give_what_a_fresh_check_gives(msgs, repeat)
     """An agent that gives every new GPU part a new poll_seq (and repeats a part with its number):
     the reusing edge returns the same observation and bad fields as an edge checking afresh."""
     edge, seq, last = AgentEdge(HealthConfig(), ProbeConfig()), 10, None
-    for msg, again in zip(msgs, repeat):
+    for msg, again in zip(msgs, repeat, strict=False):
         if msg.WhichOneof("msg") != "heartbeat":
             continue
         if again and last is not None:

@@ -20,7 +20,7 @@ async def scrape(port: int) -> tuple[str, dict]:
                   for f in text_string_to_metric_families(text) for smp in f.samples}
 
 
-async def test_agent_serves_probe_scrape_stall_and_gpu_metrics(engine, make_agent):  # noqa: F811
+async def test_agent_serves_probe_scrape_stall_and_gpu_metrics(engine, make_agent):  # noqa: F811 - fixtures imported above
     agent, _ = await make_agent(engine.url, gpu=FakeGpuCollector(), metrics_listen="127.0.0.1:0",
                                 probe_idle_interval_s=0.1, probe_interval_s=0.2)
     assert agent.metrics_port
@@ -51,7 +51,7 @@ async def test_agent_serves_probe_scrape_stall_and_gpu_metrics(engine, make_agen
     await wait_for(lambda: _value(agent.metrics_port, fatal), timeout_s=10, step_s=0.1, what="ENGINE_FATAL counted")
 
 
-async def test_agent_counts_engine_metrics_scrape_errors(engine, make_agent):  # noqa: F811
+async def test_agent_counts_engine_metrics_scrape_errors(engine, make_agent):  # noqa: F811 - fixtures imported above
     dead = f"http://127.0.0.1:{free_port()}/metrics"
     agent, _ = await make_agent(engine.url, metrics_url=dead, metrics_listen="127.0.0.1:0")
     errors = ("node_probe_metrics_scrape_errors_total", ())
@@ -61,7 +61,7 @@ async def test_agent_counts_engine_metrics_scrape_errors(engine, make_agent):  #
     assert m[("node_probe_metrics_scrapes_total", ())] >= n >= 3
 
 
-async def test_metrics_listen_off_by_default_and_validated(engine, make_agent):  # noqa: F811
+async def test_metrics_listen_off_by_default_and_validated(engine, make_agent):  # noqa: F811 - fixtures imported above
     agent, _ = await make_agent(engine.url)
     assert agent.metrics_port is None
     import pytest
@@ -75,7 +75,7 @@ async def _value(port: int, key: tuple, at_least: float = 1) -> float | None:
     return v if v >= at_least else None
 
 
-async def test_agent_healthz_answers_while_the_engine_is_down(make_agent):  # noqa: F811
+async def test_agent_healthz_answers_while_the_engine_is_down(make_agent):  # noqa: F811 - fixtures imported above
     """The containers' liveness URL (Dockerfile HEALTHCHECK, deploy/kubernetes) is the agent's
     own: it answers 200 although its engine cannot be reached (the agent reports that state)."""
     dead = f"http://127.0.0.1:{free_port()}"

@@ -168,5 +168,6 @@ def test_demo_prints_what_it_shortens_next_to_the_defaults():
     h = HealthConfig()
     assert rows["health.probation_clean_s (half-open clean period)"] == (
         f"{DEMO_HEALTH['probation_clean_s']:g} s", f"{h.probation_clean_s:g} s")
-    assert rows["health.ramp_step_percent / ramp_step_s (ramp)"][1] == f"+{h.ramp_step_percent:g} % per {h.ramp_step_s:g} s"
+    assert rows["health.ramp_step_percent / ramp_step_s (ramp)"][1] == \
+        f"+{h.ramp_step_percent:g} % per {h.ramp_step_s:g} s"
     assert rows["Envoy retry per_try_idle_timeout"] == ("2 s", "10s")

@@ -44,10 +44,12 @@ def test_discovery_config_defaults_and_errors_name_the_field():
     ("[{id: a", "t.yaml: not valid YAML/JSON at line 1"),
     ("{a: 1}", "expected a list of nodes"),
     ("- 3", "entry 0: expected a mapping, got int"),
-    ("- {id: a, address: 'x:1', probe_address: '10.0.0.1:9100'}", "entry 0 (id 'a'): address: host 'x' must be an IP literal"),
+    ("- {id: a, address: 'x:1', probe_address: '10.0.0.1:9100'}",
+     "entry 0 (id 'a'): address: host 'x' must be an IP literal"),
     ("- {id: a, address: '10.0.0.1:1'}", "entry 0 (id 'a'): probe_address: Field required"),
     ("- {id: a, address: '10.0.0.1:1', probe_address: '10.0.0.1:2'}\n"
-     "- {id: a, address: '10.0.0.2:1', probe_address: '10.0.0.2:2'}", "entry 1 (id 'a'): duplicate id (entry 0 has it too)"),
+     "- {id: a, address: '10.0.0.2:1', probe_address: '10.0.0.2:2'}",
+     "entry 1 (id 'a'): duplicate id (entry 0 has it too)"),
 ])
 def test_targets_errors_name_file_entry_and_reason(text, message):
     with pytest.raises(TargetsError) as e:

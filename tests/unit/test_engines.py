@@ -166,7 +166,8 @@ async def test_vllm_probe_request_shape_cache_salt_and_header(serve, session):
     headers, body = seen[0]
     assert headers.get("x-sentinel-probe") == "1"
     assert body["cache_salt"] and isinstance(body["cache_salt"], str)
-    assert (body["max_tokens"], body["temperature"], body["stream"], body["model"]) == (1, 0, True, "local/tiny-llama-1")
+    assert (body["max_tokens"], body["temperature"], body["stream"], body["model"]) == \
+        (1, 0, True, "local/tiny-llama-1")
 
 
 async def test_vllm_fatal_500_after_sigkill_is_engine_fatal(serve, session):

@@ -40,13 +40,13 @@ def test_fast_init_takes_the_same_arguments_defaults_and_factories_as_the_datacl
 def test_fast_init_instances_stay_frozen_and_replace_pickle_and_keywords_work():
     s = _Sample(1.0, c=(2,))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        s.a = 2.0  # type: ignore[misc]
+        s.a = 2.0  # type: ignore[misc] - the assignment must fail
     assert dataclasses.replace(s, b="y") == _Sample(1.0, "y", (2,))
     assert pickle.loads(pickle.dumps(s)) == s
     with pytest.raises(TypeError):
-        _Sample()  # type: ignore[call-arg]
+        _Sample()  # type: ignore[call-arg] - the call must fail
     with pytest.raises(TypeError):
-        _Sample(1.0, nope=1)  # type: ignore[call-arg]
+        _Sample(1.0, nope=1)  # type: ignore[call-arg] - the call must fail
 
 
 def test_fast_init_refuses_what_it_cannot_build():

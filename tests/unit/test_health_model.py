@@ -1,6 +1,8 @@
 """The per-node health state machine: seed scenarios as tables (docs/DESIGN.md section 4)."""
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 from xds_server.config import HealthConfig
@@ -187,7 +189,8 @@ def test_fc07_busy_engine_with_advancing_tokens_is_saturated_not_ejected():
                                              "1000 -> 1768 0.1 s ago")
     sim = healthy_sim()
     sim.heartbeat = lambda t: busy
-    sim.probe = lambda t: ProbeObserved(K.OK, ttft_ms=900) if int(t) % 2 else ProbeObserved(K.HTTP_STATUS, http_status=429)
+    sim.probe = lambda t: (ProbeObserved(K.OK, ttft_ms=900) if int(t) % 2
+                           else ProbeObserved(K.HTTP_STATUS, http_status=429))
     sim.run_until(70.0)
     assert sim.nh.state is S.DEGRADED and "saturated" in sim.nh.reason
     assert not any(e.to_state is S.UNHEALTHY for e in sim.events)
@@ -202,7 +205,8 @@ def test_fc07_busy_engine_with_advancing_tokens_is_saturated_not_ejected():
 def test_engine_fatal_ejects_at_once_and_engine_failed_report_too():
     sim = healthy_sim()
     sim.apply(ProbeObserved(K.ENGINE_FATAL, detail="CUDA error: an illegal memory access"), 4.5)
-    assert sim.nh.state is S.UNHEALTHY and "CUDA error" in sim.nh.reason and sim.nh.ejection.cause is EjectionCause.ENGINE
+    assert sim.nh.state is S.UNHEALTHY and "CUDA error" in sim.nh.reason
+    assert sim.nh.ejection.cause is EjectionCause.ENGINE
     sim2 = healthy_sim()
     sim2.apply(HeartbeatObserved(engine_state="FAILED"), 4.05)
     assert sim2.nh.state is S.UNHEALTHY and sim2.nh.reason == "agent reports engine FAILED"
@@ -234,7 +238,7 @@ def test_half_open_after_60s_clean_then_1pct_ramp_then_healthy():
     for _ in range(5):
         sim.run_until(sim.now + 1.0)
         pcts.append(sim.nh.ramp.percent)
-    assert [b - a for a, b in zip(pcts, pcts[1:])] == [1.0] * 4  # +1 % per 1 s step
+    assert [b - a for a, b in pairwise(pcts)] == [1.0] * 4  # +1 % per 1 s step
     assert pcts[0] <= 5
     assert route(sim.nh, 1, CFG).weight == round(pcts[-1])
     sim.run_until(sim.now + 100.0)

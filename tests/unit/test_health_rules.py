@@ -84,8 +84,10 @@ def test_saturated_http_statuses_come_from_config_while_busy(cfg, status, outcom
 
 def test_busy_http_statuses_are_busy_even_when_idle_and_configurable():
     idle = initial("n", 0.0)
-    assert classify_probe(idle, ProbeObserved(K.HTTP_STATUS, http_status=429), HealthConfig(), 1.0)[0] is ProbeOutcome.BUSY
-    assert classify_probe(idle, ProbeObserved(K.HTTP_STATUS, http_status=503), HealthConfig(), 1.0)[0] is ProbeOutcome.FAIL
+    assert classify_probe(idle, ProbeObserved(K.HTTP_STATUS, http_status=429), HealthConfig(),
+                          1.0)[0] is ProbeOutcome.BUSY
+    assert classify_probe(idle, ProbeObserved(K.HTTP_STATUS, http_status=503), HealthConfig(),
+                          1.0)[0] is ProbeOutcome.FAIL
     cfg = HealthConfig(busy_http_statuses=())
     assert classify_probe(idle, ProbeObserved(K.HTTP_STATUS, http_status=429), cfg, 1.0)[0] is ProbeOutcome.FAIL
 

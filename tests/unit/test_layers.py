@@ -43,7 +43,8 @@ SLIPS = {
         "The control plane's layers"),
     "type_checking_import_of_probing_from_control": (
         "xds_server/control/publish.py",
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from xds_server.probing.session import ProbeSession\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from xds_server.probing.session import ProbeSession\n",
         "The control plane's layers"),
     "health_importing_grpc": (
         "xds_server/health/clocks.py", "import grpc\n", "Health is pure"),

@@ -143,7 +143,8 @@ def test_fail_static_when_most_nodes_go_silent_together_and_resume_when_they_ret
 
 
 def test_fail_static_not_for_losses_spread_out_in_time():
-    h = {"a": node("a", last_heartbeat_s=1.0), "b": node("b", last_heartbeat_s=5.0), "c": node("c", last_heartbeat_s=20.0)}
+    h = {"a": node("a", last_heartbeat_s=1.0), "b": node("b", last_heartbeat_s=5.0),
+         "c": node("c", last_heartbeat_s=20.0)}
     st, _ = fail_static(FailStaticState(), h, 21.0, CFG)
     assert not st.active
 

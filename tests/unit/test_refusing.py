@@ -112,7 +112,8 @@ def test_refusing_after_a_failed_probation_returns_degraded_and_needs_3_good_pro
 
 def test_refusal_with_progress_300ms_old_gives_the_age_never_progressing():
     sim = healthy_sim()
-    sim.apply(HeartbeatObserved(requests_running=8, progress_age_ms=200, progress_detail="engine 0: tokens 5 -> 9"), 4.4)
+    sim.apply(HeartbeatObserved(requests_running=8, progress_age_ms=200,
+                                progress_detail="engine 0: tokens 5 -> 9"), 4.4)
     sim.apply(R429, 4.5)
     assert sim.nh.reason == ("busy: saturated, the engine refuses work (HTTP 429); last progress 0.3 s ago: "
                              "engine 0: tokens 5 -> 9")

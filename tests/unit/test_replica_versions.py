@@ -92,7 +92,7 @@ def test_without_anchoring_the_replicas_diverge_during_the_ramp():
     samples = _samples()
     a, _ = _timeline("local", "replica-a", 0.0, 0.0, samples)
     b, _ = _timeline("local", "replica-b", 0.03, 1000.0, samples)
-    differ = [s for s, x, y in zip(samples, a, b) if x != y]
+    differ = [s for s, x, y in zip(samples, a, b, strict=True) if x != y]
     assert differ, "each replica on its own schedule steps 30 ms apart"
 
 

@@ -1,6 +1,8 @@
 """Health -> Envoy resources: weights, health_status, Cluster settings (fc01, fc04)."""
 from __future__ import annotations
 
+from itertools import pairwise
+
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import health_check_pb2
 from hypothesis import given, settings
@@ -16,8 +18,10 @@ def cfg(nodes, **cluster):
 
 
 NODES = [
-    {"id": "b", "address": "127.0.0.1:8002", "probe_address": "127.0.0.1:1", "locality": {"region": "r1", "zone": "z1"}},
-    {"id": "a", "address": "127.0.0.1:8001", "probe_address": "127.0.0.1:2", "locality": {"region": "r1", "zone": "z1"}},
+    {"id": "b", "address": "127.0.0.1:8002", "probe_address": "127.0.0.1:1",
+     "locality": {"region": "r1", "zone": "z1"}},
+    {"id": "a", "address": "127.0.0.1:8001", "probe_address": "127.0.0.1:2",
+     "locality": {"region": "r1", "zone": "z1"}},
     {"id": "c", "address": "127.0.0.1:8003", "probe_address": "127.0.0.1:3", "priority": 1, "capacity": 3},
 ]
 
@@ -45,7 +49,8 @@ def test_node_without_routing_is_published_unhealthy_never_unknown():
 def test_same_input_same_bytes():
     c = cfg(NODES).clusters[0]
     r = {"a": Routing(100, "HEALTHY"), "b": Routing(100, "DRAINING"), "c": Routing(300, "HEALTHY")}
-    assert build_cla(c, r).SerializeToString(deterministic=True) == build_cla(c, dict(reversed(r.items()))).SerializeToString(deterministic=True)
+    assert build_cla(c, r).SerializeToString(deterministic=True) == \
+        build_cla(c, dict(reversed(r.items()))).SerializeToString(deterministic=True)
 
 
 def test_fc04_cluster_sets_panic_threshold_0_and_merge_window_0():
@@ -83,7 +88,7 @@ def test_prop_clamped_weights_valid_and_order_kept(ws):
     out = clamp_weights(ws)
     assert all(isinstance(w, int) and w >= 1 for w in out)
     assert sum(out) <= MAX_LOCALITY_WEIGHT_SUM
-    for (a, b), (x, y) in zip(zip(ws, ws[1:]), zip(out, out[1:])):
+    for (a, b), (x, y) in zip(pairwise(ws), pairwise(out), strict=True):
         if a <= b:
             assert x <= y
 

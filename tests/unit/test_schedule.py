@@ -3,6 +3,7 @@ Property tests run arbitrary sequences of time steps, requests, load changes and
 from __future__ import annotations
 
 import random
+from itertools import pairwise
 
 import pytest
 from hypothesis import given, settings
@@ -66,13 +67,13 @@ def test_prop_schedule_invariants(script, seed):
         assert decisions[0][1].trigger is not None
     # requested probes start at least the request gap apart
     req_starts = [p[0] for p in probes if p[2] in (Trigger.PROBE_NOW, Trigger.STALL)]
-    assert all(b - a >= s.min_request_gap_s - 1e-9 for a, b in zip(req_starts, req_starts[1:]))
+    assert all(b - a >= s.min_request_gap_s - 1e-9 for a, b in pairwise(req_starts))
     # deep checks start at least deep_interval_s apart
     deep = [p[0] for p in probes if p[2] == Trigger.DEEP]
-    assert all(b - a >= s.deep_interval_s - 1e-9 for a, b in zip(deep, deep[1:]))
+    assert all(b - a >= s.deep_interval_s - 1e-9 for a, b in pairwise(deep))
     # a scheduled (or deep) probe never starts sooner than the shortest jittered interval
     # after the previous probe ended
-    for prev, cur in zip(probes, probes[1:]):
+    for prev, cur in pairwise(probes):
         if cur[2] in (Trigger.SCHEDULED, Trigger.DEEP):
             assert cur[0] - prev[1] >= lo - 1e-9
     # a pending request is served at the first decision at which the gap allows it

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -349,7 +350,7 @@ async def test_prefill_600ms_kv_rises_counters_frozen_and_a_queued_probe_answers
     for _ in range(4):
         await asyncio.sleep(0.1)
         samples.append(await scrape(client))
-    assert all(b[kv] > a[kv] for a, b in zip(samples, samples[1:]))
+    assert all(b[kv] > a[kv] for a, b in pairwise(samples))
     assert all(m[gen] == before[gen] and m[prompt] == before[prompt] for m in samples)
     assert samples[-1][f"vllm:num_requests_running{{{L}}}"] == 1
     assert samples[-1][f"vllm:num_requests_waiting{{{L}}}"] == 1
@@ -651,10 +652,10 @@ async def test_cli_subprocess_serves_and_exits_cleanly_on_sigterm() -> None:
 
 
 # ------------------------------------------------------------------------ deterministic model
-from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402 - this section's imports
+from hypothesis import strategies as st  # noqa: E402 - this section's imports
 
-from node_probe.sim import model as sim_model  # noqa: E402
+from node_probe.sim import model as sim_model  # noqa: E402 - this section's imports
 
 WORD_IDS = st.integers(sim_model.FIRST_WORD_ID, sim_model.FIRST_HASHED_ID - 1)
 

@@ -3,6 +3,8 @@ the compact history answers like one that keeps every stall, and a hold ends at 
 heartbeat after we woke or ``hold_s`` after waking."""
 from __future__ import annotations
 
+from itertools import pairwise
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,7 +53,7 @@ def test_the_hold_equals_one_computed_over_every_stall_ever_recorded(runs, later
     if at is not None:  # a hold ends after now, at most hold_s after waking from the stall
         assert now < at <= now + hold_s
     # the compact form stays small: waking order, gaps strictly decreasing
-    assert all(a.woke_s < b.woke_s and a.gap_s > b.gap_s for a, b in zip(h.stalls, h.stalls[1:]))
+    assert all(a.woke_s < b.woke_s and a.gap_s > b.gap_s for a, b in pairwise(h.stalls))
 
 
 def test_a_five_second_sigstop_holds_a_silent_node_for_hold_s_and_a_heard_one_not_at_all():

@@ -161,7 +161,7 @@ class ControlPlaneCollector:
         yield from self._probe_workers()
 
     def _probe_workers(self):
-        pool = getattr(self.view, "probe_pool", None)  # None: probe.workers 0 (probe_workers/_pool.py)
+        pool = getattr(self.view, "probe_pool", None)  # None: probe.workers 0 (probing/workers/_pool.py)
         restarts = CounterMetricFamily("sentinel_probe_worker_restarts", "probe worker processes started "
                                        "again after theirs exited (crash, OOM, kill), per worker slot",
                                        labels=["worker"])

@@ -10,7 +10,7 @@ Units: times in seconds, RTT/TTFT in ms, ratios 0..1.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf import json_format
 
@@ -24,6 +24,11 @@ from xds_server.probing.sources import ProbeSource
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL
+
+if TYPE_CHECKING:
+    from xds_server.feed.service import RoutingFeed
+    from xds_server.probing.workers import WorkerPool
+    from xds_server.process.tls import ServerCertFiles
 
 __all__ = ["ControlPlaneView", "NodeRow"]
 
@@ -54,6 +59,11 @@ class ControlPlaneView:
         self.reload_status: Callable[[], dict] = lambda: {"ok": True, "source": None, "at": None,
                                                           "errors": [], "changes": None}
         self.discovery_status: Callable[[], dict] = lambda: {"problems": [], "clusters": {}}
+        # set by the control plane, read by admin/metrics.py; None: not there (no probe workers,
+        # the routing feed not served yet, a plaintext ADS port)
+        self.probe_pool: WorkerPool | None = None
+        self.routing_feed: RoutingFeed | None = None
+        self.tls_files: ServerCertFiles | None = None
 
     @property
     def config(self) -> SentinelConfig:

@@ -11,14 +11,22 @@ Files are PEM. They are re-read when they change (rotation without restart, see
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Literal, TypedDict
 
 from pydantic import Field, model_validator
 
 from xds_server.config.base import _Model, parse_hostport
 from xds_server.process.dialing import ClientTls, is_loopback
 
-__all__ = ["AgentTlsConfig", "NodeAllowRule", "TlsConfig", "TlsMode", "check_plaintext", "implicit_agent_plaintext"]
+__all__ = [
+    "AgentTlsConfig",
+    "ListenerTls",
+    "NodeAllowRule",
+    "TlsConfig",
+    "TlsMode",
+    "check_plaintext",
+    "implicit_agent_plaintext",
+]
 
 TlsMode = Literal["plaintext", "tls", "mtls"]
 
@@ -78,6 +86,16 @@ class AgentTlsConfig(_Model):
         return ClientTls(self.ca_file, self.cert_file, self.key_file, name)
 
 
+class ListenerTls(TypedDict):
+    """:meth:`TlsConfig.listener`: the keyword arguments of
+    :func:`xds_server.process.tls.listener_credentials`."""
+
+    mode: TlsMode | None
+    cert_file: str | None
+    key_file: str | None
+    client_ca_file: str | None
+
+
 class TlsConfig(_Model):
     """The ADS port (also serving the routing feed) as a TLS server, and the probe streams."""
 
@@ -96,10 +114,11 @@ class TlsConfig(_Model):
     )
     agents: AgentTlsConfig = AgentTlsConfig()
 
-    def listener(self) -> dict[str, str | None]:
+    def listener(self) -> ListenerTls:
         """The restart-only part (mode and files of the ADS port) as keyword arguments of
         :func:`xds_server.process.tls.listener_credentials`."""
-        return {k: getattr(self, k) for k in ("mode", "cert_file", "key_file", "client_ca_file")}
+        return ListenerTls(mode=self.mode, cert_file=self.cert_file, key_file=self.key_file,
+                           client_ca_file=self.client_ca_file)
 
     @model_validator(mode="after")
     def _files(self) -> TlsConfig:

@@ -29,7 +29,7 @@ from xds_server.health import model as hm
 from xds_server.health import policy as hp
 from xds_server.health.anchor import anchor_ramp
 from xds_server.health.counters import Counters
-from xds_server.health.keys import probe_result_key, resume_kept, routing_key, same_routing_inputs
+from xds_server.health.keys import RoutingKey, probe_result_key, resume_kept, routing_key, same_routing_inputs
 from xds_server.process.clock import Clock, Timer
 
 __all__ = ["ControlCore"]
@@ -67,7 +67,7 @@ class ControlCore:
         self.fail_static = hp.FailStaticState()
         self._counted_silent: set[str] = set()  # nodes hp.counted_silent: the walk's lower bound
         self.planner = PublishPlanner(config)
-        self._keys: dict[str, tuple] = {}
+        self._keys: dict[str, RoutingKey] = {}
         self._publish_timer: Timer | None = None
         self._gate_timer: Timer | None = None
         self._wake_timers: dict[str, tuple[float, Timer]] = {}
@@ -280,7 +280,7 @@ class ControlCore:
         self.events.record(self.clock.wall(), cluster, ev.node_id, "transition", ev.reason,
                            ev.from_state.value, ev.to_state.value)
 
-    def _routing_key(self, nh: hm.NodeHealth) -> tuple:
+    def _routing_key(self, nh: hm.NodeHealth) -> RoutingKey:
         return routing_key(nh, self.config.health)
 
     def fail_static_floor_s(self) -> float:
@@ -299,8 +299,8 @@ class ControlCore:
         ended = self.fail_static.active and not st.active
         burst_start = self.fail_static.burst_start_s
         self.fail_static = st
-        for ev in evs:
-            self.events.record(self.clock.wall(), "*", "*", ev.kind, ev.reason)
+        for pev in evs:
+            self.events.record(self.clock.wall(), "*", "*", pev.kind, pev.reason)
         if ended:
             forwarded = set(self.forward_fail_static_end(burst_start)) if self.forward_fail_static_end else set()
             for node_id in self.health:

@@ -34,7 +34,7 @@ class EventRecord:
     from_state: str | None = None
     to_state: str | None = None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, float | str | None]:
         """JSON-able form."""
         return {
             "time": self.wall_time_s,

@@ -55,10 +55,10 @@ class LastGoodHistory:
     published at the very instant a node can first be judged missing may already carry that
     judgment). Only entries that can still be that answer are kept: ``floor_s`` passed to
     :meth:`record` is the earliest limit any future fail-static can ask for (see
-    :meth:`ControlCore.fail_static_floor_s`), so of the entries before it only the newest is kept. Beyond ``max_entries`` the oldest
-    *newer* entries are dropped, never the oldest one: a long burst of publishes can make the
-    answer older, never make it missing (the bug where a bounded look-back of 64 publishes let
-    a long burst publish the bad state).
+    :meth:`ControlCore.fail_static_floor_s`), so of the entries before it only the newest is kept.
+    Beyond ``max_entries`` the oldest *newer* entries are dropped, never the oldest one: a long
+    burst of publishes can make the answer older, never make it missing (the bug where a bounded
+    look-back of 64 publishes let a long burst publish the bad state).
     """
 
     def __init__(self, max_entries: int) -> None:
@@ -112,7 +112,8 @@ class PublishPlanner:
 
     def reconfigure(self, config: SentinelConfig, dropped_nodes: list[str]) -> None:
         """Plan for ``config`` from now on (a reload): new clusters get an empty fail-static
-        look-back and a closed warm-up gate, a cluster whose node set changed a fresh look-back; state of clusters and nodes no longer served is dropped."""
+        look-back and a closed warm-up gate, a cluster whose node set changed a fresh look-back;
+        state of clusters and nodes no longer served is dropped."""
         old_ids = {c.name: [n.id for n in c.nodes] for c in self.config.clusters}
         self.config = config
         self._clusters = {c.name: c for c in config.clusters}

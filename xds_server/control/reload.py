@@ -39,7 +39,7 @@ class ConfigDiff:
     changed: tuple[str, ...]
     restart_needed: tuple[str, ...]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, list[str]]:
         return {"added": list(self.added), "removed": list(self.removed), "changed": list(self.changed),
                 "restart_needed": list(self.restart_needed)}
 

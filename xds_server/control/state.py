@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 from xds_server.health import model as hm
 from xds_server.health.records import Drain, EjectionCause, Ramp, Rtt
@@ -65,6 +65,12 @@ def snapshot(health: Mapping[str, hm.NodeHealth], now_mono_s: float, now_wall_s:
             "rtt": {"ewma_ms": nh.rtt.ewma_ms, "baseline_ms": nh.rtt.baseline_ms},
         }
     return {"version": FORMAT_VERSION, "written_at_wall_s": now_wall_s, "nodes": nodes}
+
+
+@overload
+def _num(v: Any, where: str, optional: Literal[True] = ...) -> float | None: ...
+@overload
+def _num(v: Any, where: str, optional: Literal[False]) -> float: ...
 
 
 def _num(v: Any, where: str, optional: bool = True) -> float | None:
@@ -113,7 +119,8 @@ def restore(doc: Any, now_mono_s: float, now_wall_s: float, max_age_s: float,
             ej, ramp, drain, rtt = d["ejection"], d["ramp"], d["drain"], d["rtt"]
             base = hm.initial(node_id, now_mono_s)
             out[node_id] = dataclasses.replace(
-                base, state=state, reason=str(d["reason"])[:512], since_s=_or(t(d["since_s"], f"{w}.since_s"), now_mono_s),
+                base, state=state, reason=str(d["reason"])[:512],
+                since_s=_or(t(d["since_s"], f"{w}.since_s"), now_mono_s),
                 ejection=dataclasses.replace(
                     base.ejection,
                     cause=None if ej["cause"] is None else EjectionCause(ej["cause"]),

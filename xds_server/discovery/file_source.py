@@ -2,9 +2,10 @@
 
 Every ``interval_s`` the file is read and hashed (sha256); a content whose hash differs from the
 last one read is parsed. The hash decides, not the mtime: a rewrite of the same size within one
-filesystem timestamp tick keeps the mtime, and reading a small file once a second is cheap. A good file replaces ``nodes`` and calls ``on_change``; a bad one
-(unreadable, invalid: :class:`~xds_server.discovery.targets.TargetsError`) keeps the last good
-``nodes``, logs the error once per distinct content and counts it in ``errors``.
+filesystem timestamp tick keeps the mtime, and reading a small file once a second is cheap. A
+good file replaces ``nodes`` and calls ``on_change``; a bad one (unreadable, invalid:
+:class:`~xds_server.discovery.targets.TargetsError`) keeps the last good ``nodes``, logs the
+error once per distinct content and counts it in ``errors``.
 """
 from __future__ import annotations
 

@@ -19,10 +19,14 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from xds_server.config import KubernetesDiscoveryConfig, NodeConfig
 from xds_server.discovery.pods import PodState, pods_to_nodes
+
+if TYPE_CHECKING:
+    import aiohttp
+    from kubernetes_asyncio.client import CoreV1Api
 
 __all__ = ["KubernetesPods", "selector_string"]
 
@@ -56,7 +60,7 @@ class KubernetesPods:
         self.skipped: dict[str, str] = {}
         self.state = PodState()
         self.node_labels: dict[str, dict[str, str]] = {}  # Kubernetes node name -> labels (locality_from: node)
-        self._api = None
+        self._api: CoreV1Api | None = None  # set once the client is up, before any list
         self.error: str | None = None
         self.lists = self.watches = self.gone = self.errors = 0
 
@@ -121,7 +125,8 @@ class KubernetesPods:
         self.error = error
 
     async def _list(self, api) -> None:
-        resp = await api.list_namespaced_pod(self.spec.namespace, label_selector=selector_string(self.spec.label_selector),
+        resp = await api.list_namespaced_pod(self.spec.namespace,
+                                             label_selector=selector_string(self.spec.label_selector),
                                              _preload_content=False, _request_timeout=_LIST_TIMEOUT_S)
         try:
             body = await resp.read()
@@ -176,10 +181,13 @@ class KubernetesPods:
         """Read the labels of each Kubernetes node a pod runs on that was not read yet (once: a
         node's topology labels do not change). A failure (e.g. no RBAC get on nodes) is logged
         and counted; that node then has no locality."""
-        names = {(p.get("spec") or {}).get("nodeName") for p in self.state.pods.values()} - {None, ""}
+        names = {n for p in self.state.pods.values() if (n := (p.get("spec") or {}).get("nodeName"))}
         for name in sorted(names - self.node_labels.keys()):
             try:
-                resp = await self._api.read_node(name, _preload_content=False, _request_timeout=_LIST_TIMEOUT_S)
+                assert self._api is not None, "nodes are read once the client is up (after a list)"
+                # _preload_content=False: the raw aiohttp response, not the V1Node the stubs say
+                resp = cast("aiohttp.ClientResponse", await self._api.read_node(
+                    name, _preload_content=False, _request_timeout=_LIST_TIMEOUT_S))
                 try:
                     body = await resp.read()
                     if resp.status != 200:

@@ -18,7 +18,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from xds_server.config import NodeConfig, SentinelConfig
+from xds_server.config import FileDiscoveryConfig, KubernetesDiscoveryConfig, NodeConfig, SentinelConfig
 from xds_server.discovery.file_source import FileTargets
 from xds_server.discovery.kube_source import KubernetesPods
 from xds_server.discovery.nodeset import merge_discovered
@@ -33,7 +33,7 @@ Source = FileTargets | KubernetesPods
 class Discovery:
     """Sources by (cluster name, kind); ``problems`` of the last merge (nodes left out)."""
 
-    def __init__(self, on_change: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, on_change: Callable[[], Awaitable[object]]) -> None:
         self.on_change = on_change
         self.static: SentinelConfig | None = None
         self.sources: dict[tuple[str, str], Source] = {}
@@ -47,13 +47,13 @@ class Discovery:
         """Follow ``static``'s ``clusters[].discovery``; returns :meth:`merged`. Targets files are
         read now, so a start or reload serves their nodes at once."""
         self.static = static
-        want: dict[tuple[str, str], object] = {}
+        want: dict[tuple[str, str], FileDiscoveryConfig | KubernetesDiscoveryConfig] = {}
         for c in static.clusters:
             if c.discovery is not None:
-                for kind in ("file", "kubernetes"):
-                    spec = getattr(c.discovery, kind)
-                    if spec is not None:
-                        want[(c.name, kind)] = spec
+                if c.discovery.file is not None:
+                    want[(c.name, "file")] = c.discovery.file
+                if c.discovery.kubernetes is not None:
+                    want[(c.name, "kubernetes")] = c.discovery.kubernetes
         for key in [k for k, s in self.sources.items() if want.get(k) != s.spec]:
             del self.sources[key]
             task = self._tasks.pop(key, None)
@@ -61,8 +61,9 @@ class Discovery:
                 task.cancel()
         for key, spec in want.items():
             if key not in self.sources:
-                cls = FileTargets if key[1] == "file" else KubernetesPods
-                src = self.sources[key] = cls(key[0], spec, self._changed)
+                src: Source = (FileTargets(key[0], spec, self._changed) if isinstance(spec, FileDiscoveryConfig)
+                               else KubernetesPods(key[0], spec, self._changed))
+                self.sources[key] = src
                 src.check()
                 if self._running:
                     self._tasks[key] = src.start()

@@ -69,9 +69,10 @@ def pod_node(pod: Mapping[str, Any], spec: KubernetesDiscoveryConfig,
     if ready != "True":
         return f"not Ready (condition Ready={ready or 'absent'})"
     target, probe = _port(pod, spec.target_port), _port(pod, spec.probe_port)
-    for want, got, what in ((spec.target_port, target, "target_port"), (spec.probe_port, probe, "probe_port")):
-        if got is None:
-            return f"no container port named {want!r} ({what})"
+    if target is None:
+        return f"no container port named {spec.target_port!r} (target_port)"
+    if probe is None:
+        return f"no container port named {spec.probe_port!r} (probe_port)"
     labels: Mapping[str, str] = {}
     if spec.locality_from == "pod":
         labels = meta.get("labels") or {}
@@ -136,7 +137,8 @@ class PodState:
 
     def apply(self, etype: str, obj: Mapping[str, Any]) -> PodState:
         """One watch event. BOOKMARK only moves the resourceVersion; ADDED/MODIFIED put the pod,
-        DELETED removes it; a stale event (see the class) is counted and changes nothing. Raises ValueError for another type (ERROR is the caller's)."""
+        DELETED removes it; a stale event (see the class) is counted and changes nothing. Raises
+        ValueError for another type (ERROR is the caller's)."""
         meta = obj.get("metadata") or {}
         rv = meta.get("resourceVersion")
         new_rv = rv if isinstance(rv, str) and rv else self.resource_version
@@ -146,7 +148,8 @@ class PodState:
             raise ValueError(f"unexpected watch event type {etype!r}")
         name = meta.get("name") or ""
         held_rv = ((self.pods.get(name) or {}).get("metadata") or {}).get("resourceVersion")
-        if isinstance(rv, str) and any(r and not resource_version_newer(rv, r) for r in (self.resource_version, held_rv)):
+        if isinstance(rv, str) and any(r and not resource_version_newer(rv, r)
+                                       for r in (self.resource_version, held_rv)):
             return PodState(self.pods, self.resource_version, self.applied, self.stale + 1)
         pods = dict(self.pods)
         if etype == "DELETED":

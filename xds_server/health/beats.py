@@ -200,12 +200,12 @@ class BeatRun:
         self.mean_ms, self.var_ms2, self.samples = phimod.fold(self.mean_ms, self.var_ms2, self.samples,
                                                                (now - self.last_s) * 1000.0, cfg.phi_alpha)
         self.last_s = now
-        return planned_due_s(self.plan, cfg, now, 0, self)  # type: ignore[arg-type]
+        return planned_due_s(self.plan, cfg, now, 0, self)
 
     def settled(self) -> NodeHealth:
         """The node's record after the folded heartbeats, as ``step`` builds it."""
         nh = self.base
         return NodeHealth(nh.node_id, nh.state, nh.reason, nh.since_s,
-                          Heartbeats(self.last_s, 0, False, phimod.ArrivalStats(self.mean_ms, self.var_ms2, self.samples),
-                                     ()),
+                          Heartbeats(self.last_s, 0, False,
+                                     phimod.ArrivalStats(self.mean_ms, self.var_ms2, self.samples), ()),
                           nh.rtt, nh.probe, nh.engine, nh.ejection, nh.ramp, nh.drain)

@@ -73,7 +73,7 @@ def _phi_on(nh: NodeHealth, cfg: HealthConfig) -> bool:
         cfg.phi_max_suspicions_per_min and len(nh.heartbeat.suspicion_clears) >= cfg.phi_max_suspicions_per_min)
 
 
-def _phi_delay(arrivals: phimod.ArrivalStats | None, cfg: HealthConfig) -> float | None:
+def _phi_delay(arrivals: phimod.Arrivals | None, cfg: HealthConfig) -> float | None:
     """:func:`phi_delay_s` from the inter-arrival estimate ``arrivals`` (``mean_ms``, ``var_ms2``
     and ``samples`` are read), phi on: None while untrained."""
     if arrivals is None or arrivals.samples < cfg.phi_min_samples:
@@ -175,7 +175,7 @@ def due_plan(nh: NodeHealth, cfg: HealthConfig) -> DuePlan:
 
 
 def planned_due_s(plan: DuePlan, cfg: HealthConfig, last_s: float | None, counted: int,
-                  arrivals: phimod.ArrivalStats | None) -> float | None:
+                  arrivals: phimod.Arrivals | None) -> float | None:
     """The earliest of the deadlines :func:`next_check_s` lists, from ``due_plan`` and a last
     heartbeat at ``last_s`` (None: none yet) whose miss boundary is ``counted`` intervals after
     the first, with the inter-arrival estimate ``arrivals``. A node whose heartbeats are folded

@@ -93,8 +93,12 @@ def _not_busy(nh: NodeHealth) -> NodeHealth:
 slow_to_degraded: Effect = _then(_not_busy, with_detail)
 
 
-fail_to_degraded: Effect = lambda nh, f, c: (_counted(nh), f"probe failure: {f.detail}")
-eject_in_probation = _then(_counted, eject(EjectionCause.PROBE, lambda nh, f: f"probe failure in PROBATION: {f.detail}"))
+def fail_to_degraded(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    return _counted(nh), f"probe failure: {f.detail}"
+
+
+eject_in_probation = _then(_counted, eject(EjectionCause.PROBE,
+                                           lambda nh, f: f"probe failure in PROBATION: {f.detail}"))
 eject_on_count = _then(_counted, eject(
     EjectionCause.PROBE, lambda nh, f: f"probe: {nh.probe.consecutive_failures} consecutive failures, last {f.detail}"))
 

@@ -24,11 +24,14 @@ a field outside ``__init__`` or keyword-only (those keep the dataclass's own ``_
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = ["fast_init"]
 
-T = TypeVar("T")
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class _Missing:
@@ -55,7 +58,7 @@ def fast_init(cls: type[T]) -> type[T]:
     params = getattr(cls, "__dataclass_params__", None)
     if params is None or not params.frozen or "__slots__" not in cls.__dict__:
         raise TypeError(f"{cls.__qualname__}: fast_init needs a frozen, slotted dataclass")
-    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    fields = dataclasses.fields(cls)
     ns: dict[str, Any] = {"_MISSING": _MISSING}
     args, body = [], []
     for i, f in enumerate(fields):
@@ -79,5 +82,5 @@ def fast_init(cls: type[T]) -> type[T]:
     init = ns["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
-    cls.__init__ = init  # type: ignore[misc]
+    cls.__init__ = init  # type: ignore[method-assign]  # replacing the dataclass's __init__ is the point
     return cls

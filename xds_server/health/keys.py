@@ -10,10 +10,13 @@ import math
 from xds_server.config import HealthConfig
 from xds_server.health import model as hm
 
-__all__ = ["probe_result_key", "resume_kept", "routing_key", "same_routing_inputs"]
+__all__ = ["RoutingKey", "probe_result_key", "resume_kept", "routing_key", "same_routing_inputs"]
+
+RoutingKey = tuple[hm.NodeRouting, hm.NodeState, int | None, int | None, float | None]
+"""What :func:`routing_key` gives: node routing, state, RTT and TTFT buckets, GPU free ratio."""
 
 
-def routing_key(nh: hm.NodeHealth, cfg: HealthConfig) -> tuple:
+def routing_key(nh: hm.NodeHealth, cfg: HealthConfig) -> RoutingKey:
     """What cluster policy reads from a node, coarsened so noise does not trigger recomputes:
     (node routing, state, RTT and TTFT EWMA in 10 % log buckets, GPU free ratio to 0.01)."""
     nr = hm.node_routing(nh, cfg)

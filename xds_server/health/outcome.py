@@ -78,8 +78,8 @@ def classify_probe(nh: NodeHealth, obs: ProbeObserved, cfg: HealthConfig,
     if is_refusal(obs, cfg):
         tail = f"; {evidence}" if evidence else ""
         return ProbeOutcome.BUSY, f"busy: saturated, the engine refuses work ({what}){tail}"
-    if evidence is not None and (
-            k in (ProbeResultKind.TIMEOUT, ProbeResultKind.OK) or (http and obs.http_status in cfg.saturated_http_statuses)):
+    if evidence is not None and (k in (ProbeResultKind.TIMEOUT, ProbeResultKind.OK)
+                                 or (http and obs.http_status in cfg.saturated_http_statuses)):
         return ProbeOutcome.BUSY, f"busy: saturated, {what}; {evidence}"
     return out, what
 

@@ -19,10 +19,23 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from statistics import NormalDist
+from typing import Protocol
 
 from xds_server.health.frozen import fast_init
 
-__all__ = ["ArrivalStats", "fold", "phi", "suspicion_delay_ms", "update"]
+__all__ = ["ArrivalStats", "Arrivals", "fold", "phi", "suspicion_delay_ms", "update"]
+
+
+class Arrivals(Protocol):
+    """What the phi functions read of an inter-arrival estimate: an :class:`ArrivalStats`, or
+    the numbers of one folded in place (:class:`xds_server.health.beats.BeatRun`)."""
+
+    @property
+    def mean_ms(self) -> float: ...
+    @property
+    def var_ms2(self) -> float: ...
+    @property
+    def samples(self) -> int: ...
 
 
 @fast_init
@@ -67,7 +80,7 @@ def _z_for(threshold: float) -> float:
     return NormalDist().inv_cdf(1.0 - 10.0 ** (-threshold))
 
 
-def suspicion_delay_ms(stats: ArrivalStats, threshold: float, min_std_ms: float,
+def suspicion_delay_ms(stats: Arrivals, threshold: float, min_std_ms: float,
                        acceptable_pause_ms: float = 0.0) -> float:
     """Silence (ms after the last heartbeat) at which ``phi`` reaches ``threshold``.
 

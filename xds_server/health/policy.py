@@ -157,12 +157,12 @@ def cluster_routing(
         if views[nid].hard:  # UNHEALTHY (counted against the cap) or COLD/WARMING (not counted)
             why[nid] = f"{nh.state.value}: {nh.reason}"
     soft: list[tuple[str, str]] = []
-    for nid, _, nh in nodes:
-        v = views[nid]
-        if v.status is not RoutingStatus.HEALTHY:
+    for nid, _, _ in nodes:
+        view = views[nid]
+        if view.status is not RoutingStatus.HEALTHY:
             continue
-        if v.soft_block:
-            soft.append((nid, v.soft_block))
+        if view.soft_block:
+            soft.append((nid, view.soft_block))
         elif new_out[nid].reason and new_out[nid].until_s > now_s:
             soft.append((nid, new_out[nid].reason))
     cap = math.floor(n * cfg.max_ejection_percent / 100.0 + 1e-9)
@@ -193,17 +193,18 @@ def cluster_routing(
         scores[nid] = score(rtt, free, cfg)
     best = min(scores.values()) if scores else 0.0
     routing: dict[str, Routing] = {}
-    for nid, cap_units, nh in nodes:
-        v = views[nid]
-        if v.status is RoutingStatus.DRAINING:
+    for nid, cap_units, _ in nodes:
+        view = views[nid]
+        if view.status is RoutingStatus.DRAINING:
             routing[nid] = Routing(full_weight(cap_units), RoutingStatus.DRAINING)
-        elif nid in why or v.status is not RoutingStatus.HEALTHY:
+        elif nid in why or view.status is not RoutingStatus.HEALTHY:
             routing[nid] = Routing(full_weight(cap_units), RoutingStatus.UNHEALTHY)
         else:
-            sf = (best + cfg.score_slack) / (scores[nid] + cfg.score_slack) if scores[nid] + cfg.score_slack > 0 else 1.0
+            sf = ((best + cfg.score_slack) / (scores[nid] + cfg.score_slack)
+                  if scores[nid] + cfg.score_slack > 0 else 1.0)
             sf = min(1.0, max(cfg.score_min_factor, sf))
             sf = max(cfg.score_min_factor, round(sf / cfg.score_step) * cfg.score_step)
-            routing[nid] = Routing(weight(cap_units, v.factor, min(sf, 1.0)), RoutingStatus.HEALTHY)
+            routing[nid] = Routing(weight(cap_units, view.factor, min(sf, 1.0)), RoutingStatus.HEALTHY)
     return ClusterDecision(routing, why, new_out, tuple(events), held)
 
 

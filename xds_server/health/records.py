@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Union
 
 from xds_server.health import phi as phimod
 from xds_server.health.frozen import fast_init
@@ -41,7 +40,7 @@ __all__ = [
 ]
 
 
-class NodeState(str, enum.Enum):
+class NodeState(str, enum.Enum):  # noqa: UP042  StrEnum would change str()/format() from "NodeState.X" to "X"
     """Per-node health state (docs/DESIGN.md section 4). DRAINING is the operator overlay only."""
 
     COLD = "COLD"
@@ -206,8 +205,8 @@ class DrainRequested:
     reason: str = "operator"
 
 
-Observation = Union[HeartbeatObserved, Tick, StreamClosed, PingObserved, ProbeObserved, DrainRequested,
-                    FailStaticEnded]
+Observation = (HeartbeatObserved | Tick | StreamClosed | PingObserved | ProbeObserved | DrainRequested
+               | FailStaticEnded)
 
 
 # ---- per-node records ---------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar, cast
 
 from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
@@ -56,6 +57,7 @@ class _StepCtx(Ctx):
 
 Record = Callable[[NodeHealth, Observation, _StepCtx], NodeHealth]
 Rule = Callable[[NodeHealth, Observation, _StepCtx], Sequence[Fired]]
+_O = TypeVar("_O", bound=Observation)
 _NONE: tuple[Fired, ...] = ()
 # Signals without a detail, built once (Fired is immutable): these fire on most steps.
 _HEARTBEAT = (Fired(Signal.HEARTBEAT),)
@@ -230,7 +232,7 @@ def _record_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> NodeHealth
         failures, clean_since, clean_probes = p.consecutive_failures, None, 0
     if is_refusal(obs, c.cfg):  # the run of only refusals goes on (or starts)
         since = p.refused_since_s if p.refused_since_s is not None else c.now_s
-        refused = (since, c.now_s, p.refused_probes + 1, obs.http_status)
+        refused: tuple[float | None, float | None, int, int] = (since, c.now_s, p.refused_probes + 1, obs.http_status)
     else:
         refused = (None, None, 0, 0)
     return replace(nh, probe=replace(p, consecutive_failures=failures, last_ttft_ms=last, ewma_ttft_ms=ewma,
@@ -367,16 +369,26 @@ def _r_fail_static_end(nh: NodeHealth, obs: FailStaticEnded, c: _StepCtx) -> Seq
     return _NONE
 
 
+_Observer = tuple[Record, tuple[Rule, ...]]
+
+
+def _observer(kind: type[_O], record: Callable[[NodeHealth, _O, _StepCtx], NodeHealth],
+              rules: tuple[Callable[[NodeHealth, _O, _StepCtx], Sequence[Fired]], ...]) -> _Observer:
+    """``(record, rules)`` for observations of type ``kind``, checked against it here. Widened to
+    take any Observation: :func:`_step_full` only calls them with an observation of ``kind``."""
+    return cast(_Observer, (record, rules))
+
+
 _TIME: tuple[Rule, ...] = (_r_stall_confirmed, _r_clean_period, _r_ramp, _r_healthy_run)
-_SILENCE: tuple[Record, tuple[Rule, ...]] = (_record_silence, (_r_silence, *_TIME))
-_OBSERVERS: dict[type, tuple[Record, tuple[Rule, ...]]] = {
-    HeartbeatObserved: (_record_heartbeat, (_r_disproved, _r_forgive_pending, _r_heartbeat, _r_gpu_fatal,
-                                            _r_engine_failed, _r_engine_restarting, _r_stall, *_TIME)),
-    Tick: _SILENCE,
-    StreamClosed: _SILENCE,
-    PingObserved: (_record_ping, (_r_ping, *_TIME)),
-    ProbeObserved: (_record_probe, (_r_probe, *_TIME)),
-    DrainRequested: (_keep, (_r_drain,)),
-    FailStaticEnded: (_record_fail_static_end, (_r_fail_static_end,)),
+_OBSERVERS: dict[type[Observation], _Observer] = {
+    HeartbeatObserved: _observer(HeartbeatObserved, _record_heartbeat, (
+        _r_disproved, _r_forgive_pending, _r_heartbeat, _r_gpu_fatal, _r_engine_failed, _r_engine_restarting,
+        _r_stall, *_TIME)),
+    Tick: _observer(Tick, _record_silence, (_r_silence, *_TIME)),
+    StreamClosed: _observer(StreamClosed, _record_silence, (_r_silence, *_TIME)),
+    PingObserved: _observer(PingObserved, _record_ping, (_r_ping, *_TIME)),
+    ProbeObserved: _observer(ProbeObserved, _record_probe, (_r_probe, *_TIME)),
+    DrainRequested: _observer(DrainRequested, _keep, (_r_drain,)),
+    FailStaticEnded: _observer(FailStaticEnded, _record_fail_static_end, (_r_fail_static_end,)),
 }
 """Observation type -> (recording, rules in order)."""

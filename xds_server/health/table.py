@@ -135,9 +135,10 @@ def apply(nh: NodeHealth, fired: Fired, ctx: Ctx) -> NodeHealth:
         raise InvalidTransition(nh.state, fired.signal)
     target = t.next
     if isinstance(target, Previous):
-        target = nh.ejection.from_state
-        if target not in ROUTED_STATES:
-            raise InvalidTransition(nh.state, fired.signal, f"no routed state to return to ({target})")
+        before = nh.ejection.from_state
+        if before is None or before not in ROUTED_STATES:
+            raise InvalidTransition(nh.state, fired.signal, f"no routed state to return to ({before})")
+        target = before
     out, reason = t.effect(nh, fired, ctx)
     if target is nh.state:
         return out if reason is None else replace(out, reason=reason)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Union
 
 from node_probe.proto import probe_pb2
 from xds_server.config import HealthConfig, ProbeConfig
@@ -107,7 +106,7 @@ class CheckedResult:
     observation: ProbeObserved
 
 
-Checked = Union[CheckedHeartbeat, CheckedPong, CheckedResult]
+Checked = CheckedHeartbeat | CheckedPong | CheckedResult
 
 
 class AgentEdge:

@@ -302,7 +302,7 @@ class ProbeSession:
                     if silent[0]:
                         raise SilentStream(f"no heartbeat for {silent_s:g} s: redialling") from None
                     raise
-                if msg is grpc.aio.EOF:
+                if msg is grpc.aio.EOF:  # type: ignore[attr-defined]  # grpc-stubs 1.53 lacks grpc.aio.EOF
                     if silent[0]:
                         raise SilentStream(f"no heartbeat for {silent_s:g} s: redialling")
                     return st.got_any

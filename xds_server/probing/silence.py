@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Callable
+from typing import ClassVar
 
 from xds_server.config import HealthConfig, ProbeConfig
 from xds_server.health.clocks import miss_after_s
@@ -49,7 +50,9 @@ class LoopStallWatch:
     :meth:`release`. Stalls shorter than ``period_s`` are not recorded.
     """
 
-    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopStallWatch] = weakref.WeakKeyDictionary()
+    # one watch per loop, shared by every holder: a class-level registry on purpose
+    _by_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopStallWatch]] = (
+        weakref.WeakKeyDictionary())
 
     def __init__(self, loop: asyncio.AbstractEventLoop, period_s: float) -> None:
         self.loop = loop

@@ -38,7 +38,9 @@ class ProbeSource(Protocol):
     """
 
     connected: bool
-    lag_deferrals: int
+
+    @property
+    def lag_deferrals(self) -> int: ...
 
     @property
     def last_telemetry(self) -> Any: ...

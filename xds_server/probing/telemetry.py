@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from node_probe.proto import probe_pb2
@@ -122,7 +123,7 @@ def _same_zero_sign(last: EngineLoadSummary, waiting: float | None, running: flo
     """``-0.0 == 0.0``: the kept summary is reused only when its zeros have the same sign too."""
     for a, b in ((last.requests_waiting, waiting), (last.requests_running, running),
                  (last.kv_cache_usage_ratio, kv)):
-        if a == 0.0 and math.copysign(1.0, a) != math.copysign(1.0, b):  # type: ignore[arg-type]
+        if a == 0.0 and math.copysign(1.0, a) != math.copysign(1.0, b):  # type: ignore[arg-type]  # b == a: a float
             return False
     return True
 
@@ -237,7 +238,7 @@ class GpuCheck:
             nvml = NVML_UNKNOWN
         max_text = self.probe.max_text_chars
         error = text(gpu.error, p + "error", max_text, bad)
-        readings = gpu.gpus
+        readings: Sequence[probe_pb2.GpuReading] = gpu.gpus
         count = len(readings)
         if count > self.probe.max_gpus:
             bad.append(BadField(p + "gpus", "too_many"))
@@ -260,11 +261,11 @@ class GpuCheck:
             v = g.power_w
             if not 0.0 <= v <= 1e6:
                 number(v, _P_READING + "power_w", 0.0, 1e6, bad)
-            xids = g.xid_events
+            xids: Sequence[int] = g.xid_events
             if len(xids) > n_items:
                 bad.append(BadField(_P_READING + "xid_events", "too_many"))
                 xids = list(xids)[:n_items]
-            errors = g.errors
+            errors: Sequence[str] = g.errors
             if errors:
                 errors = list(errors)
                 if len(errors) > n_items:

@@ -58,8 +58,9 @@ class DeadlineQueue:
 
     ``loop`` needs ``time()`` and ``call_at(at_s, fn)`` (an asyncio loop, or a test's stand-in).
     Entries come due in (due time, queueing order); one loop-timer firing runs every entry due
-    by then (the loop's time read once for the batch; each timer reads it again). ``stale``: entries left in the heap by a timer re-queued earlier or
-    cancelled (skipped when due; the heap is rebuilt when they are most of it). Not thread-safe."""
+    by then (the loop's time read once for the batch; each timer reads it again). ``stale``:
+    entries left in the heap by a timer re-queued earlier or cancelled (skipped when due; the heap
+    is rebuilt when they are most of it). Not thread-safe."""
 
     __slots__ = ("__weakref__", "_handle", "_handle_at", "_heap", "_loop", "_running", "_seq", "stale")
 

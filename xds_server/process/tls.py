@@ -30,6 +30,7 @@ import os
 import ssl
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 import grpc
 from prometheus_client.core import CounterMetricFamily
@@ -37,6 +38,7 @@ from prometheus_client.core import CounterMetricFamily
 from xds_server.process.dialing import ClientTls, is_loopback
 
 __all__ = [
+    "AllowRule",
     "ClientTls",
     "ServerCertFiles",
     "add_port",
@@ -160,8 +162,9 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None
     a certificate it signed (mutual TLS). Returns the credentials and their watcher (counters).
     Raises OSError or ssl.SSLError when the files do not load."""
     files = ServerCertFiles(cert_file, key_file, client_ca_file)
-    creds = grpc.dynamic_ssl_server_credentials(files.initial, files.fetch,
-                                                require_client_authentication=client_ca_file is not None)
+    creds = grpc.dynamic_ssl_server_credentials(
+        files.initial, files.fetch,  # type: ignore[arg-type]  # fetch's None: no change (grpc docs; stubs omit)
+        require_client_authentication=client_ca_file is not None)
     return creds, files
 
 
@@ -286,7 +289,17 @@ def refused_client(patterns: Sequence[str], auth_context: Mapping[str, Iterable[
     return f"client certificate names {names[:4]} match no allowed pattern"
 
 
-def node_allow_authorizer(rules: Callable[[], Sequence[object]]) -> Callable[[Sequence[str], str], str | None]:
+class AllowRule(Protocol):
+    """One allow-list entry as :func:`node_allow_authorizer` reads it (``tls.node_allow``'s)."""
+
+    @property
+    def identity(self) -> str: ...
+
+    @property
+    def node_ids(self) -> Sequence[str]: ...
+
+
+def node_allow_authorizer(rules: Callable[[], Sequence[AllowRule]]) -> Callable[[Sequence[str], str], str | None]:
     """An ADS ``authorize(names, node_id)`` (``names``: the client certificate's, as
     :func:`peer_identities` reads them) over the allow-list ``rules()`` returns when asked
     (objects with ``identity`` and ``node_ids``, as ``tls.node_allow``; empty: every node id)."""
@@ -294,6 +307,5 @@ def node_allow_authorizer(rules: Callable[[], Sequence[object]]) -> Callable[[Se
         current = rules()
         if not current:
             return None
-        return node_allowed([(r.identity, r.node_ids) for r in current],  # type: ignore[attr-defined]
-                            names, node_id)
+        return node_allowed([(r.identity, r.node_ids) for r in current], names, node_id)
     return authorize

@@ -28,9 +28,10 @@ only; the underscored modules may move):
 - certificates (``_certs``; ``cryptography`` from the ``dev`` extra, imported when a CA is made):
   :class:`TestCA` issues server and client certificates (DNS, IP and URI SANs) as PEM files;
   :class:`CertPair` holds the paths.
-- in-memory seams, re-exported from :mod:`xds_server.process.clock` and :mod:`xds_server.probing.memory`: :class:`ManualClock` (time moves
-  only when told, due timers run in order; also a ``Callable[[], float]``), :class:`InMemoryProbes`
-  and :class:`InMemoryProbeSource` (drive a control plane's probe observations without agents:
+- in-memory seams, re-exported from :mod:`xds_server.process.clock` and
+  :mod:`xds_server.probing.memory`: :class:`ManualClock` (time moves only when told, due timers
+  run in order; also a ``Callable[[], float]``), :class:`InMemoryProbes` and
+  :class:`InMemoryProbeSource` (drive a control plane's probe observations without agents:
   ``ControlPlane(cfg, clock=ManualClock(), probe_sources=InMemoryProbes())``).
 """
 

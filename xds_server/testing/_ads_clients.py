@@ -53,7 +53,7 @@ class ScriptedAdsClient:
             try:
                 while True:
                     msg = await self.call.read()
-                    if msg is grpc.aio.EOF:
+                    if msg is grpc.aio.EOF:  # type: ignore[attr-defined]  # grpc-stubs 1.53 lacks grpc.aio.EOF
                         await self._responses.put(EOFError("stream ended"))
                         return
                     await self._responses.put(msg)
@@ -98,7 +98,7 @@ class ScriptedAdsClient:
         if self.call is not None:
             self.call.cancel()
             self._pump.cancel()
-        await self.channel.close()
+        await self.channel.close(None)
 
 
 class ScriptedDeltaAdsClient(ScriptedAdsClient):
@@ -120,9 +120,10 @@ class ScriptedDeltaAdsClient(ScriptedAdsClient):
     def _rpc(self) -> Any:
         return self.stub.DeltaAggregatedResources
 
-    async def send(self, *, type_url: str, subscribe: list[str] | None = None,  # type: ignore[override]
-                   unsubscribe: list[str] | None = None, initial_versions: dict[str, str] | None = None,
-                   nonce: str = "", node_id: str | None = None, error: str | None = None) -> None:
+    async def send(  # type: ignore[override]  # delta's keywords (subscribe, ...) replace the SotW ones
+            self, *, type_url: str, subscribe: list[str] | None = None,
+            unsubscribe: list[str] | None = None, initial_versions: dict[str, str] | None = None,
+            nonce: str = "", node_id: str | None = None, error: str | None = None) -> None:
         """Send one DeltaDiscoveryRequest (``nonce`` set: an ACK, plus ``error``: a NACK)."""
         from envoy.service.discovery.v3 import discovery_pb2
         from google.rpc import status_pb2

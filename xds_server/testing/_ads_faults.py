@@ -54,13 +54,14 @@ class _FastClient:
         first = discovery_pb2.DeltaDiscoveryRequest(type_url=CDS)
         first.node.id = self.node_id
         await self.call.write(first)
-        await self.call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=EDS, resource_names_subscribe=[self.cluster]))
+        await self.call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=EDS,
+                                                                  resource_names_subscribe=[self.cluster]))
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
         while True:
             r = await self.call.read()
-            if r is grpc.aio.EOF:
+            if r is grpc.aio.EOF:  # type: ignore[attr-defined]  # grpc-stubs 1.53 lacks grpc.aio.EOF
                 return
             if r.type_url == EDS and r.resources:
                 self.eds_at.append(time.monotonic())
@@ -102,9 +103,9 @@ async def _push_round(rig: FaultRig, http: aiohttp.ClientSession, fast: list[_Fa
                          headers={"Authorization": f"Bearer {TOKEN}"}) as r:
         r.raise_for_status()
     answered_s = time.monotonic() - t0
-    await wait_for(lambda: all(len(f.eds_at) > n for f, n in zip(fast, counts)), timeout_s=10.0, step_s=0.005,
-                   what="every fast client got the change")
-    return [f.eds_at[n] - t0 for f, n in zip(fast, counts)], answered_s
+    await wait_for(lambda: all(len(f.eds_at) > n for f, n in zip(fast, counts, strict=True)), timeout_s=10.0,
+                   step_s=0.005, what="every fast client got the change")
+    return [f.eds_at[n] - t0 for f, n in zip(fast, counts, strict=True)], answered_s
 
 
 async def slow_ads_reader(rig: FaultRig, http: aiohttp.ClientSession, fast: int = 100, changes: int = 20,
@@ -145,22 +146,23 @@ async def slow_ads_reader(rig: FaultRig, http: aiohttp.ClientSession, fast: int 
         finally:
             if slow is not None:
                 slow[1].cancel()
-                await slow[0].close()
+                await slow[0].close(None)
             await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
             if changes % 2:
                 async with http.post(f"http://127.0.0.1:{fleet.admin_port}/nodes/{fleet.nodes[-1].node_id}/undrain",
                                      headers={"Authorization": f"Bearer {TOKEN}"}):
                     pass
-    info = {"p50_ms": {k: round(pct(v, 0.5) * 1e3, 1) for k, v in lat.items()},
-            "p99_ms": {k: round(pct(v, 0.99) * 1e3, 1) for k, v in lat.items()},
-            "max_ms": {k: round(max(v) * 1e3, 1) for k, v in lat.items()},
-            "admin_answer_max_ms": {k: round(max(v) * 1e3, 1) for k, v in answers.items()},
-            "rss_growth_mb": round((rss1 - rss0) / 1e6, 2), "slow_open": slow_open}
+    p50 = {k: round(pct(v, 0.5) * 1e3, 1) for k, v in lat.items()}
+    p99 = {k: round(pct(v, 0.99) * 1e3, 1) for k, v in lat.items()}
+    answer_max = {k: round(max(v) * 1e3, 1) for k, v in answers.items()}
+    growth_mb = round((rss1 - rss0) / 1e6, 2)
+    info = {"p50_ms": p50, "p99_ms": p99, "max_ms": {k: round(max(v) * 1e3, 1) for k, v in lat.items()},
+            "admin_answer_max_ms": answer_max, "rss_growth_mb": growth_mb, "slow_open": slow_open}
     rows = [FaultRow(f"slow ADS reader beside {fast} fast", "Envoy", changes, loads[0].totals(),
-                     notes=f"fast push p50/p99 {info['p50_ms']['alone']}/{info['p99_ms']['alone']} ms alone, "
-                           f"{info['p50_ms']['with_slow']}/{info['p99_ms']['with_slow']} ms beside the slow "
-                           f"reader (slowest admin answer {info['admin_answer_max_ms']['alone']}/"
-                           f"{info['admin_answer_max_ms']['with_slow']} ms); server RSS {info['rss_growth_mb']:+.1f} MB")]
+                     notes=f"fast push p50/p99 {p50['alone']}/{p99['alone']} ms alone, "
+                           f"{p50['with_slow']}/{p99['with_slow']} ms beside the slow "
+                           f"reader (slowest admin answer {answer_max['alone']}/"
+                           f"{answer_max['with_slow']} ms); server RSS {growth_mb:+.1f} MB")]
     return rows, info
 
 
@@ -231,11 +233,13 @@ async def ads_stream_churn(rig: FaultRig, http: aiohttp.ClientSession, streams: 
             rss1 = rss_bytes(fleet.control_plane.pid)
         finally:
             await shared.close(grace=None)
-    info = {"tasks": (int(tasks0), int(tasks1)), "rss_mb": (round(rss0 / 1e6, 1), round(rss1 / 1e6, 1)),
-            "growth_mb": round((rss1 - rss0) / 1e6, 2), "seconds": round(took, 2)}
+    tasks = (int(tasks0), int(tasks1))
+    rss_mb = (round(rss0 / 1e6, 1), round(rss1 / 1e6, 1))
+    seconds = round(took, 2)
+    info = {"tasks": tasks, "rss_mb": rss_mb, "growth_mb": round((rss1 - rss0) / 1e6, 2), "seconds": seconds}
     rows = [FaultRow(f"{streams:,} ADS streams opened and abruptly closed", "Envoy", 1, loads[0].totals(),
-                     notes=f"in {info['seconds']} s; server tasks {info['tasks'][0]} -> {info['tasks'][1]}, "
-                           f"RSS {info['rss_mb'][0]} -> {info['rss_mb'][1]} MB")]
+                     notes=f"in {seconds} s; server tasks {tasks[0]} -> {tasks[1]}, "
+                           f"RSS {rss_mb[0]} -> {rss_mb[1]} MB")]
     return rows, info
 
 

@@ -193,4 +193,5 @@ async def _warm(loads: list[TrafficLoad], timeout_s: float = 5.0) -> None:
 
 
 def _paths(rig: FaultRig, loads: list[TrafficLoad]) -> list[str]:
-    return ["Envoy" if ld.base == rig.fleet.url else "relay -> Envoy" for ld in loads]  # type: ignore[union-attr]
+    assert rig.fleet is not None
+    return ["Envoy" if ld.base == rig.fleet.url else "relay -> Envoy" for ld in loads]

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +67,7 @@ async def cp_kill_restart(rig: FaultRig, http: aiohttp.ClientSession, times: int
     rows = [FaultRow("control plane kill -9 + restart", p, times, ld.totals(),
                      notes=f"restart to Envoy re-synced {min(info['restart_s'])}-{max(info['restart_s'])} s; "
                            f"ejection kept across restart: {info['ejection_kept']}")
-            for p, ld in zip(_paths(rig, loads), loads)]
+            for p, ld in zip(_paths(rig, loads), loads, strict=True)]
     return rows, info
 
 
@@ -122,7 +124,7 @@ async def cp_sigstop(rig: FaultRig, http: aiohttp.ClientSession, stop_s: float =
     rows = [FaultRow(f"control plane SIGSTOP {stop_s:g} s", p, 1, ld.totals(),
                      notes=f"Envoy host states seen: {info['envoy_states_seen']}; ejections "
                            f"{info['ejections']}, fail-static episodes {info['fail_static_episodes']}")
-            for p, ld in zip(_paths(rig, loads), loads)]
+            for p, ld in zip(_paths(rig, loads), loads, strict=True)]
     return rows, info
 
 
@@ -182,7 +184,7 @@ async def agent_kill_restart(rig: FaultRig, http: aiohttp.ClientSession, times: 
             await rig.heal(http)
     rows = [FaultRow("agent kill -9 + restart", p, times, ld.totals(),
                      notes=f"node excluded by Envoy after {min(excluded)}-{max(excluded)} s")
-            for p, ld in zip(_paths(rig, loads), loads)]
+            for p, ld in zip(_paths(rig, loads), loads, strict=True)]
     return rows, {"excluded_s": excluded}
 
 
@@ -214,24 +216,12 @@ async def engine_kill_restart(rig: FaultRig, http: aiohttp.ClientSession, times:
             states: list[str] = []
             weights: list[int] = []
             os.killpg(node.engine.pid, signal.SIGKILL)
-            await wait_for(lambda: _state(fleet, http, node.node_id, "UNHEALTHY"), timeout_s=10.0,
+            await wait_for(functools.partial(_state, fleet, http, node.node_id, "UNHEALTHY"), timeout_s=10.0,
                            what=f"{node.node_id} ejected after its engine died")
             states.append("UNHEALTHY")
             await asyncio.to_thread(node.engine.start)
-
-            async def back() -> bool:
-                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, KeyError):
-                    st = (await fleet.cp_nodes(http))[node.node_id]["state"]
-                    if st != states[-1]:
-                        states.append(st)
-                    if st == "PROBATION":  # a weight Envoy routes with, read while PROBATION before and after
-                        w = await _routed_weight(fleet, http, node.node_id)
-                        if (await fleet.cp_nodes(http))[node.node_id]["state"] == "PROBATION" and w is not None \
-                                and w not in weights:
-                            weights.append(w)
-                    return st == "HEALTHY"
-                return False
-            await wait_for(back, timeout_s=30.0, step_s=0.02, what=f"{node.node_id} back to HEALTHY")
+            await wait_for(_recovery(fleet, http, node.node_id, states, weights), timeout_s=30.0, step_s=0.02,
+                           what=f"{node.node_id} back to HEALTHY")
             info["states"].append(states)
             info["weights"].append(weights)
             await rig.heal(http)
@@ -240,8 +230,27 @@ async def engine_kill_restart(rig: FaultRig, http: aiohttp.ClientSession, times:
     rows = [FaultRow("engine kill -9 + restart", p, times, ld.totals(),
                      rescued=info["rescued"] if p != "Envoy" else None,
                      notes=f"states after the kill: {' -> '.join(info['states'][0])}")
-            for p, ld in zip(_paths(rig, loads), loads)]
+            for p, ld in zip(_paths(rig, loads), loads, strict=True)]
     return rows, info
+
+
+def _recovery(fleet: Fleet, http: aiohttp.ClientSession, node_id: str, states: list[str],
+              weights: list[int]) -> Callable[[], Awaitable[bool]]:
+    """A poll for :func:`wait_for`: True once ``node_id`` is HEALTHY; appends each new state to
+    ``states`` and each distinct weight Envoy routes it with while PROBATION to ``weights``."""
+    async def back() -> bool:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, KeyError):
+            st = (await fleet.cp_nodes(http))[node_id]["state"]
+            if st != states[-1]:
+                states.append(st)
+            if st == "PROBATION":  # a weight Envoy routes with, read while PROBATION before and after
+                w = await _routed_weight(fleet, http, node_id)
+                if (await fleet.cp_nodes(http))[node_id]["state"] == "PROBATION" and w is not None \
+                        and w not in weights:
+                    weights.append(w)
+            return st == "HEALTHY"
+        return False
+    return back
 
 
 async def _routed_weight(fleet: Fleet, http: aiohttp.ClientSession, node_id: str) -> int | None:
@@ -286,17 +295,8 @@ async def envoy_restart(rig: FaultRig, http: aiohttp.ClientSession, times: int =
             t0 = time.monotonic()
             async with http.post(f"{admin}/drain_listeners", params={"graceful": ""}) as r:
                 r.raise_for_status()
-
-            async def idle() -> bool:
-                async with http.get(f"{admin}/stats",
-                                    params={"filter": r"downstream_(rq|cx)_active$|listener_stopped$"}) as r:
-                    text = await r.text()
-                stat = {line.split(": ")[0]: int(line.rsplit(": ", 1)[1]) for line in text.strip().splitlines()}
-                if stat.get("listener_manager.listener_stopped", 0) < 1:
-                    return False   # still accepting: a stop now resets the connections it accepts
-                idle_cx = stat.get("http.llm_ingress.downstream_cx_active", 0) == 0 or time.monotonic() - t0 > 3.0
-                return stat.get("http.llm_ingress.downstream_rq_active", 0) == 0 and idle_cx
-            await wait_for(idle, timeout_s=15.0, what="Envoy's listener closed and its requests in flight finished")
+            await wait_for(functools.partial(_envoy_idle, http, admin, t0), timeout_s=15.0,
+                           what="Envoy's listener closed and its requests in flight finished")
             old = fleet.envoy
             await asyncio.to_thread(old.stop)
             new = envoy_process(find_envoy(fleet.envoy_binary), fleet.workdir / "envoy.yaml", fleet.workdir,
@@ -309,8 +309,21 @@ async def envoy_restart(rig: FaultRig, http: aiohttp.ClientSession, times: int =
             down.append(round(time.monotonic() - t0, 2))
     rows = [FaultRow("Envoy restart (drain, stop, start)", p, times, ld.totals(),
                      notes=f"drain to routing again {min(down)}-{max(down)} s")
-            for p, ld in zip(_paths(rig, loads), loads)]
+            for p, ld in zip(_paths(rig, loads), loads, strict=True)]
     return rows, {"down_s": down}
+
+
+async def _envoy_idle(http: aiohttp.ClientSession, admin: str, t0: float) -> bool:
+    """Whether the draining Envoy (admin API ``admin``, drain begun at ``t0``, monotonic s) has
+    stopped its listener and finished its requests (its idle connections: given 3 s at most)."""
+    async with http.get(f"{admin}/stats",
+                        params={"filter": r"downstream_(rq|cx)_active$|listener_stopped$"}) as r:
+        text = await r.text()
+    stat = {line.split(": ")[0]: int(line.rsplit(": ", 1)[1]) for line in text.strip().splitlines()}
+    if stat.get("listener_manager.listener_stopped", 0) < 1:
+        return False   # still accepting: a stop now resets the connections it accepts
+    idle_cx = stat.get("http.llm_ingress.downstream_cx_active", 0) == 0 or time.monotonic() - t0 > 3.0
+    return stat.get("http.llm_ingress.downstream_rq_active", 0) == 0 and idle_cx
 
 
 async def _listening(url: str) -> bool:

@@ -59,7 +59,7 @@ class Fleet:
     probe_timeout_ms: int = 800
     heartbeat_interval_ms: int = 100
     token_interval_ms: float = 10.0
-    per_try_timeout_s: float = 1.0
+    per_try_timeout_s: float | None = 1.0
     per_try_idle_timeout_s: float = 2.0
     api_type: str = "GRPC"
     envoy_binary: str | None = None
@@ -76,7 +76,7 @@ class Fleet:
     config_options: dict[str, Any] = field(default_factory=dict)
     admin_options: dict[str, Any] = field(default_factory=dict)  # merged into the admin section
     serve_args: list[str] = field(default_factory=list)  # more `xds-server serve` arguments ("--loop", ...)
-    # Envoy's xds_cluster transport_socket (envoy_bootstrap.xds_tls_transport_socket); None: plaintext.
+    # Envoy's xds_cluster transport_socket (envoy.bootstrap.xds_tls_transport_socket); None: plaintext.
     envoy_xds_tls: dict[str, Any] | None = None
     nodes: list[NodeProcs] = field(default_factory=list)
     procs: list[ManagedProcess] = field(default_factory=list)

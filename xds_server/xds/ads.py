@@ -35,11 +35,11 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Union
 
 import grpc
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf.message import DecodeError
+from prometheus_client.core import Metric
 
 from xds_server.config import XdsConfig
 from xds_server.process.tls import peer_certificate_sha256, peer_identities
@@ -48,7 +48,7 @@ from xds_server.xds.budget import RequestBudget
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.delta import DeltaStream
 from xds_server.xds.encoding import encode_response
-from xds_server.xds.protocol import ClientCertificate, StreamIdentity, StreamLimits, Verdict
+from xds_server.xds.protocol import ClientCertificate, RequestVerdict, StreamIdentity, StreamLimits, Verdict
 from xds_server.xds.resources import type_label
 from xds_server.xds.sotw import SotwStream
 from xds_server.xds.stats import XdsStats
@@ -57,7 +57,7 @@ __all__ = ["AdsServicer", "AdsStream"]
 
 log = logging.getLogger(__name__)
 
-AdsStream = Union[SotwStream, DeltaStream]
+AdsStream = SotwStream | DeltaStream
 
 _SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 _EDS_SERVICE = "envoy.service.endpoint.v3.EndpointDiscoveryService"
@@ -117,7 +117,7 @@ class AdsServicer:
         Requests arrive as bytes (decoded here, so an undecodable one is answered
         INVALID_ARGUMENT) and responses leave as bytes
         (:func:`~xds_server.xds.encoding.encode_response`: bodies shared by every stream)."""
-        def handlers(sotw: str, delta: str) -> dict:
+        def handlers(sotw: str, delta: str) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]:
             return {
                 sotw: grpc.stream_stream_rpc_method_handler(
                     self.StreamAggregatedResources, request_deserializer=None, response_serializer=None),
@@ -134,7 +134,7 @@ class AdsServicer:
                 _CDS_SERVICE, handlers("StreamClusters", "DeltaClusters")),
         ))
 
-    def _identity(self, context: grpc.aio.ServicerContext) -> StreamIdentity:
+    def _identity(self, context: grpc.aio.ServicerContext[bytes, bytes]) -> StreamIdentity:
         sid = next(self._ids)
         cert = None
         auth = context.auth_context()
@@ -144,14 +144,14 @@ class AdsServicer:
         return StreamIdentity(sid, f"{self._boot}.{sid:x}.", self._clock(), cert)
 
     async def StreamAggregatedResources(
-        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> None:
         """State-of-the-world ADS: one stream per Envoy, all types multiplexed."""
         stream = SotwStream(self._identity(context), self.limits)
         await self._serve(stream, discovery_pb2.DiscoveryRequest, request_iterator, context)
 
     async def DeltaAggregatedResources(
-        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> None:
         """Delta (incremental) ADS: one stream per Envoy, all types multiplexed."""
         stream = DeltaStream(self._identity(context), self.limits)
@@ -163,7 +163,7 @@ class AdsServicer:
         """Subscriptions held by all open streams (named resources + wildcards)."""
         return sum(s.subscription_count() for s in self.streams.values())
 
-    def clients_view(self) -> dict:
+    def clients_view(self) -> dict[str, object]:
         """JSON-able ``/xds/clients``: every open stream (node, ACKed versions, last NACK), counts,
         and NACKs by node of the open streams (closed streams' node ids are not kept)."""
         streams = list(self.streams.values())
@@ -175,13 +175,13 @@ class AdsServicer:
                               for s in streams for tu, ts in s.types.items() if ts.nacks],
         }
 
-    def metric_families(self) -> Iterator:
+    def metric_families(self) -> Iterator[Metric]:
         """Prometheus metric families of the xDS server (see :class:`XdsStats`)."""
         return self.stats.families(self.streams.values(), self.subscription_count(), self.cache)
 
     # -- the stream loop ---------------------------------------------------------------------
 
-    def _on_verdict(self, stream: AdsStream, verdict) -> None:
+    def _on_verdict(self, stream: AdsStream, verdict: RequestVerdict) -> None:
         label = type_label(verdict.type_url)
         self.stats.requests[(stream.variant, label, verdict.kind.value)] += 1
         # Per-Envoy lines (client text escaped): connect once per stream, ACK at most once per
@@ -213,8 +213,9 @@ class AdsServicer:
                       "ADS %s stream %d from %s ended (%s): %s", stream.variant, stream.stream_id,
                       for_log(stream.node_id or "?"), err.code.name, for_log(str(err), 300))
 
-    async def _serve(self, stream: AdsStream, request_cls, request_iterator: AsyncIterator[bytes],
-                     context: grpc.aio.ServicerContext) -> None:
+    async def _serve(self, stream: AdsStream,
+                     request_cls: type[discovery_pb2.DiscoveryRequest] | type[discovery_pb2.DeltaDiscoveryRequest],
+                     request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]) -> None:
         # Ordering vs back-pressure: one writer per stream computes what is due right before
         # writing it. While a write waits on HTTP/2 flow control (a client that stopped reading),
         # changes only set `wake`; the next write then carries the latest state. Nothing queues

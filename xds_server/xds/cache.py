@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
@@ -44,6 +45,9 @@ __all__ = ["EMPTY_VERSION", "CachedResource", "InvalidResource", "SnapshotCache"
 
 EMPTY_VERSION = "empty"
 """The version of a type or response with no resources (the same on every replica)."""
+
+_K = TypeVar("_K", bound=Hashable)
+_V = TypeVar("_V")
 
 Validator = Callable[[str, Message], list[str]]
 """``validate(name, message) -> problems``; an empty list means valid."""
@@ -110,8 +114,8 @@ class SnapshotCache:
         self._resources: dict[str, dict[str, CachedResource]] = {}
         self._type_version: dict[str, str] = {}
         self._type_generation: dict[str, int] = {}
-        self._subset_versions: dict[str, BoundedMemo] = {}
-        self._memos: dict[str, BoundedMemo] = {}
+        self._subset_versions: dict[str, BoundedMemo[frozenset[str], str]] = {}
+        self._memos: dict[str, BoundedMemo[Hashable, bytes]] = {}
         self._generation = 0  # increments on every content change of any type
         self._watchers: dict[int, Callable[[], None]] = {}
         self._watch_ids = 0
@@ -231,7 +235,7 @@ class SnapshotCache:
             memo.put(names, ver, size_of_names(names) + 128)
         return ver
 
-    def memo(self, type_url: str) -> BoundedMemo:
+    def memo(self, type_url: str) -> BoundedMemo[Hashable, bytes]:
         """A bounded scratch memo for data derived from this type's current content (the ADS
         layer keeps encoded response bodies there); emptied whenever the type changes."""
         memo = self._memos.get(type_url)
@@ -239,12 +243,13 @@ class SnapshotCache:
             memo = self._memos[type_url] = self._new_memo()
         return memo
 
-    def _new_memo(self) -> BoundedMemo:
+    def _new_memo(self) -> BoundedMemo[_K, _V]:
         return BoundedMemo(self.memo_max_entries, self.memo_max_bytes)
 
     def memo_bytes(self) -> int:
         """Bytes (estimated) held by every memo of the cache."""
-        return sum(m.nbytes for m in (*self._memos.values(), *self._subset_versions.values()))
+        return (sum(m.nbytes for m in self._memos.values())
+                + sum(m.nbytes for m in self._subset_versions.values()))
 
     def consistent(self, *, complete: bool = False) -> list[str]:
         """Problems with how the types fit together, as readable strings ([] = consistent):

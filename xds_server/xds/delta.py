@@ -65,7 +65,7 @@ class DeltaTypeState(AckState):
     seen: tuple[int, int] = (-1, -1)
 
 
-class DeltaStream(StreamBase):
+class DeltaStream(StreamBase[DeltaTypeState]):
     """Pure bookkeeping of one delta (incremental) ADS stream.
 
     ``on_request(req)`` applies a DeltaDiscoveryRequest (subscription changes always, whatever
@@ -223,7 +223,7 @@ class DeltaStream(StreamBase):
             ts.outstanding.popitem(last=False)
         return resp
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, object]:
         """JSON-able summary for the admin endpoint (``/xds/clients``)."""
         view = self._base_view()
         view["types"] = {

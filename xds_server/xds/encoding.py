@@ -13,6 +13,7 @@ Shape::
 from __future__ import annotations
 
 from envoy.service.discovery.v3 import discovery_pb2
+from google.protobuf.message import Message
 
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.memo import size_of_names
@@ -24,18 +25,22 @@ __all__ = ["encode_response", "response_message"]
 _NONCE_TAG = b"\x2a"  # field 5 (nonce in DiscoveryResponse and DeltaDiscoveryResponse), length-delimited
 
 
-def response_message(plan: ResponsePlan, with_nonce: bool = True):
+def response_message(plan: ResponsePlan, with_nonce: bool = True) -> Message:
     """The DiscoveryResponse (SotW) or DeltaDiscoveryResponse (delta) of ``plan``."""
     nonce = plan.nonce if with_nonce else ""
+    # xds-protos is untyped (its classes are Any to mypy); both responses are protobuf Messages.
+    msg: Message
     if plan.variant == "sotw":
-        return discovery_pb2.DiscoveryResponse(
+        msg = discovery_pb2.DiscoveryResponse(
             version_info=plan.version, type_url=plan.type_url, nonce=nonce,
             resources=[r.any for r in plan.resources])
-    return discovery_pb2.DeltaDiscoveryResponse(
-        system_version_info=plan.version, type_url=plan.type_url, nonce=nonce,
-        resources=[discovery_pb2.Resource(name=r.name, version=r.version, resource=r.any)
-                   for r in plan.resources],
-        removed_resources=list(plan.removed))
+    else:
+        msg = discovery_pb2.DeltaDiscoveryResponse(
+            system_version_info=plan.version, type_url=plan.type_url, nonce=nonce,
+            resources=[discovery_pb2.Resource(name=r.name, version=r.version, resource=r.any)
+                       for r in plan.resources],
+            removed_resources=list(plan.removed))
+    return msg
 
 
 def _varint(n: int) -> bytes:

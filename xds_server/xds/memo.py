@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
-from typing import Any
+from typing import Generic, TypeVar
 
 __all__ = ["BoundedMemo", "size_of_names"]
 
@@ -24,13 +24,16 @@ NAME_OVERHEAD_BYTES = 64
 """Approximate bytes a name costs in a Python set or tuple besides its characters (str header
 ~49 B + slot): a size estimate, not an exact count."""
 
+_K = TypeVar("_K", bound=Hashable)
+_V = TypeVar("_V")
+
 
 def size_of_names(names: Iterable[str]) -> int:
     """Approximate memory of a collection of names, bytes (characters + per-name overhead)."""
     return sum(len(n) + NAME_OVERHEAD_BYTES for n in names)
 
 
-class BoundedMemo:
+class BoundedMemo(Generic[_K, _V]):
     """LRU memo bounded by ``max_entries`` (>= 1) and ``max_bytes`` (>= 1, as estimated by the
     caller for each entry). One entry larger than ``max_bytes // 4`` is not stored, so a single
     huge value cannot evict everything else. Raises ValueError for bounds < 1."""
@@ -40,13 +43,13 @@ class BoundedMemo:
             raise ValueError(f"bounds must be >= 1, got {max_entries} entries, {max_bytes} bytes")
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._items: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._items: OrderedDict[_K, tuple[_V, int]] = OrderedDict()
         self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def get(self, key: Hashable) -> Any:
+    def get(self, key: _K) -> _V | None:
         """The value stored for ``key`` (now most recently used), or None."""
         item = self._items.get(key)
         if item is None:
@@ -54,7 +57,7 @@ class BoundedMemo:
         self._items.move_to_end(key)
         return item[0]
 
-    def put(self, key: Hashable, value: Any, nbytes: int) -> bool:
+    def put(self, key: _K, value: _V, nbytes: int) -> bool:
         """Store ``value`` (``nbytes``: its size with its key), evicting the least recently used
         entries beyond the bounds. Returns False, storing nothing, when ``nbytes`` is over a
         quarter of ``max_bytes``."""

@@ -21,8 +21,13 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
+from envoy.service.discovery.v3 import discovery_pb2
+
+from xds_server.config import XdsConfig
 from xds_server.process.untrusted import clip
 from xds_server.xds.cache import CachedResource, SnapshotCache
 from xds_server.xds.resources import CLUSTER_TYPE_URL, RESOURCE_TYPES, type_label
@@ -104,7 +109,7 @@ class ClientCertificate:
     names: tuple[str, ...]
     sha256: str
 
-    def view(self) -> dict:
+    def view(self) -> dict[str, object]:
         return {"names": list(self.names), "sha256": self.sha256}
 
 
@@ -129,7 +134,7 @@ class StreamLimits:
     max_absent_names: int = 1000
 
     @classmethod
-    def from_config(cls, xds) -> StreamLimits:
+    def from_config(cls, xds: XdsConfig) -> StreamLimits:
         """From an :class:`~xds_server.config.XdsConfig`."""
         return cls(max_types=xds.max_types_per_stream, max_tracked_nonces=xds.max_tracked_nonces,
                    max_names=xds.max_names_per_stream, text_max_chars=xds.client_text_max_chars,
@@ -153,7 +158,7 @@ class AckState:
     acks: int = 0
     responses: int = 0
 
-    def ack_view(self) -> dict:
+    def ack_view(self) -> dict[str, object]:
         return {
             "last_version_sent": self.last_version_sent,
             "last_nonce": self.last_nonce,
@@ -169,11 +174,32 @@ class AckState:
         }
 
 
-class StreamBase:
+class TypeStateLike(Protocol):
+    """What :class:`StreamBase` reads of a variant's per-type state (both are :class:`AckState` s)."""
+
+    subscribed: set[str]
+    wildcard: bool
+    sent: dict[str, str]
+    last_nonce: str
+    acked_nonce: str
+
+
+_S = TypeVar("_S", bound=TypeStateLike)
+_S_co = TypeVar("_S_co", bound=TypeStateLike, covariant=True)
+_T = TypeVar("_T")
+
+
+class TypeStateFactory(Protocol[_S_co]):
+    """A variant's per-type state class, called as in :meth:`StreamBase._begin`."""
+
+    def __call__(self, *, type_url: str, unserved: bool) -> _S_co: ...
+
+
+class StreamBase(Generic[_S]):
     """Node identity, nonces and the CDS -> EDS re-push rule, shared by both variants.
 
-    Subclasses set ``variant`` and ``types`` (type_url -> per-type state with ``subscribed`` and
-    ``wildcard``).
+    Subclasses set ``variant`` and ``types`` (type_url -> per-type state ``_S`` with ``subscribed``
+    and ``wildcard``).
     """
 
     variant = ""
@@ -186,13 +212,13 @@ class StreamBase:
         self.user_agent = ""
         self.connected_at = ident.connected_at_s
         self.client_certificate = ident.client_certificate
-        self.types: dict = {}
+        self.types: dict[str, _S] = {}
         self._nonce = itertools.count(1)
         self._nonce_prefix = ident.nonce_prefix
         # Clusters added or changed by a CDS push whose assignment has not been pushed since.
         self._eds_owed: set[str] = set()
 
-    def _take_node(self, req) -> None:
+    def _take_node(self, req: discovery_pb2.DiscoveryRequest | discovery_pb2.DeltaDiscoveryRequest) -> None:
         if not self.node_id and req.HasField("node"):
             n = req.node
             cap = self.limits.text_max_chars
@@ -202,7 +228,8 @@ class StreamBase:
             ver = f"{v.major_number}.{v.minor_number}.{v.patch} " if n.HasField("user_agent_build_version") else ""
             self.user_agent = clip(f"{n.user_agent_name} {ver}".strip(), cap)
 
-    def _begin(self, req, state_cls):
+    def _begin(self, req: discovery_pb2.DiscoveryRequest | discovery_pb2.DeltaDiscoveryRequest,
+               state_cls: TypeStateFactory[_S]) -> tuple[str, _S]:
         """Common start of on_request: take the node, require a type_url, find or create the
         type's state. Raises ValueError for no type_url, one longer than ``text_max_chars`` or
         more than ``max_types`` types on one stream."""
@@ -250,7 +277,7 @@ class StreamBase:
         """Subscriptions held: named resources plus one per wildcard type."""
         return sum(len(ts.subscribed) + (1 if ts.wildcard else 0) for ts in self.types.values())
 
-    def _base_view(self) -> dict:
+    def _base_view(self) -> dict[str, object]:
         return {
             "stream_id": self.stream_id,
             "variant": self.variant,
@@ -261,12 +288,12 @@ class StreamBase:
             "client_certificate": self.client_certificate.view() if self.client_certificate else None,
         }
 
-    def _subscribed_view(self, ts) -> dict:
+    def _subscribed_view(self, ts: _S) -> dict[str, object]:
         star = ["*"] if ts.wildcard else []
         shown = (star + heapq.nsmallest(self.limits.view_max_names, ts.subscribed))[: self.limits.view_max_names]
         return {"subscribed": shown, "subscribed_count": len(star) + len(ts.subscribed)}
 
-    def _held_view(self, ts) -> dict:
+    def _held_view(self, ts: _S) -> dict[str, object]:
         """What the client holds per resource: ``resource_versions`` (name -> the resource version
         sent, the same format as ``/clusters``' ``xds_version``; the first ``view_max_names``
         names) and ``resources_acked`` (the client ACKed the last response of this type)."""
@@ -281,6 +308,6 @@ class StreamBase:
         return label if label != "unknown" else type_url
 
 
-def small_first(a, b):
+def small_first(a: Collection[_T], b: Collection[_T]) -> tuple[Collection[_T], Collection[_T]]:
     """``(smaller, larger)`` of two sized containers: iterate the smaller, look up in the larger."""
     return (a, b) if len(a) <= len(b) else (b, a)

@@ -34,7 +34,7 @@ from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
 from xds_server.config import ClusterConfig, NodeConfig, parse_hostport
-from xds_server.health.model import Routing
+from xds_server.health.model import Routing, RoutingStatus
 
 __all__ = [
     "CLA_TYPE_URL",
@@ -182,14 +182,14 @@ def build_cla(
     for key in sorted(groups):
         prio, region, zone, sub_zone = key
         nodes = sorted(groups[key], key=lambda n: n.id)
-        rs = [routing.get(n.id) or Routing(n.capacity * 100, "UNHEALTHY") for n in nodes]
+        rs = [routing.get(n.id) or Routing(n.capacity * 100, RoutingStatus.UNHEALTHY) for n in nodes]
         weights = clamp_weights([r.weight for r in rs])
         lle = cla.endpoints.add(priority=prio)
         if region or zone or sub_zone:
             lle.locality.region = region
             lle.locality.zone = zone
             lle.locality.sub_zone = sub_zone
-        for n, r, w in zip(nodes, rs, weights):
+        for n, r, w in zip(nodes, rs, weights, strict=True):  # clamp_weights keeps the length
             e = lle.lb_endpoints.add(health_status=_HEALTH[r.health_status])
             e.endpoint.CopyFrom(_endpoint(n.address, n.id))
             e.load_balancing_weight.value = w

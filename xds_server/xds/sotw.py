@@ -13,6 +13,7 @@ Protocol rules (docs/xds_protocol.md section 1; checklist 1.9 numbers in bracket
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from envoy.service.discovery.v3 import discovery_pb2
@@ -54,7 +55,7 @@ class TypeState(AckState):
     seen: tuple[int, int] = (-1, -1)     # cache generations (type, parent type) last looked at
 
 
-class SotwStream(StreamBase):
+class SotwStream(StreamBase[TypeState]):
     """Pure bookkeeping of one state-of-the-world ADS stream.
 
     ``on_request(req)`` updates state and classifies the request (raises ValueError, answered
@@ -182,11 +183,12 @@ class SotwStream(StreamBase):
         return resp
 
     @staticmethod
-    def _absent(ts: TypeState, cache: SnapshotCache, res, limit: int) -> list[CachedResource]:
+    def _absent(ts: TypeState, cache: SnapshotCache, res: Mapping[str, CachedResource],
+                limit: int) -> list[CachedResource]:
         """Stand-ins for subscribed names that exist nowhere and were not answered yet
         (EDS: an empty assignment, so Envoy does not wait on the name; issue 11), at most
         ``limit`` names per type held at once (the rest get no answer, as before)."""
-        out = []
+        out: list[CachedResource] = []
         if len(ts.absent) >= limit:
             return out
         for n in sorted(ts.subscribed.difference(res)):
@@ -200,7 +202,7 @@ class SotwStream(StreamBase):
                     break
         return out
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, object]:
         """JSON-able summary for the admin endpoint (``/xds/clients``)."""
         view = self._base_view()
         view["types"] = {

@@ -11,8 +11,11 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from xds_server.xds.cache import SnapshotCache
 
 __all__ = ["REJECT_REASONS", "XdsStats"]
 
@@ -20,6 +23,13 @@ REJECT_REASONS = ("undecodable", "invalid", "permission_denied")
 """Why a stream was ended by the server: a request that is not a Discovery(Delta)Request
 (undecodable), one that breaks a protocol rule or a limit (invalid: INVALID_ARGUMENT), or a node
 id the client's certificate may not use (permission_denied: PERMISSION_DENIED, ``tls.node_allow``)."""
+
+
+class _Stream(Protocol):
+    """What :meth:`XdsStats.families` reads of an open stream."""
+
+    @property
+    def variant(self) -> str: ...
 
 
 @dataclass
@@ -35,7 +45,7 @@ class XdsStats:
     streams_opened: int = 0
     throttled_s: float = 0.0
 
-    def families(self, streams: Iterable, subscriptions: int, cache) -> Iterator:
+    def families(self, streams: Iterable[_Stream], subscriptions: int, cache: SnapshotCache) -> Iterator[Metric]:
         """Prometheus metric families: these counters plus gauges of the open ``streams`` (objects
         with ``variant``), ``subscriptions`` held and the ``cache`` (a SnapshotCache)."""
         streams = list(streams)

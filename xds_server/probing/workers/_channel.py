@@ -11,9 +11,9 @@ CPU per node report).
 Messages are tuples whose first item names them (docs/DESIGN.md section 12):
 
 main -> worker: ``("init", index, HealthConfig, ProbeConfig, ident, grace_s, log_level)``,
-``("config", HealthConfig, ProbeConfig, ident)`` (ident: replica id, ``tls.agents``, ramp anchor), ``("add", NodeConfig, mirror NodeHealth,
-kept NodeHealth | None)``, ``("remove", node_id)``, ``("fail_static_ended", burst_start_s)``,
-``("stop",)``.
+``("config", HealthConfig, ProbeConfig, ident)`` (ident: replica id, ``tls.agents``, ramp anchor),
+``("add", NodeConfig, mirror NodeHealth, kept NodeHealth | None)``, ``("remove", node_id)``,
+``("fail_static_ended", burst_start_s)``, ``("stop",)``.
 
 worker -> main: ``("report", nodes, heartbeats, probe_results, counters, links)`` (see
 :meth:`xds_server.probing.workers._detector.Detector.take` and ``_worker.Worker.flush``).

@@ -135,15 +135,16 @@ class Detector:
     def observe(self, node_id: str, obs: hm.Observation, now_s: float) -> float | None:
         """Step the node's model (a ProbeSession's sink). Returns when its next Tick is due."""
         n = self.nodes[node_id]
-        heartbeat = type(obs) is hm.HeartbeatObserved
-        if heartbeat and n.run is not None:
-            due = n.run.fold(obs, now_s, self.cfg)  # a steady node's repeated heartbeat: nothing to report
+        hb = obs if type(obs) is hm.HeartbeatObserved else None  # None: another kind of observation
+        if hb is not None and n.run is not None:
+            due = n.run.fold(hb, now_s, self.cfg)  # a steady node's repeated heartbeat: nothing to report
             if due is not None:
                 self.heartbeats[node_id] += 1
                 self._touched.add(node_id)
                 return due
         prev = nh = n.nh
         events: list[hm.Event] = []
+        step_events: list[hm.Event]
         if isinstance(obs, hm.HeartbeatObserved):
             self.heartbeats[node_id] += 1
             if n.handover:
@@ -154,7 +155,7 @@ class Detector:
                 n.kept = None
         elif isinstance(obs, hm.ProbeObserved):
             self.probe_results[(node_id, *probe_result_key(nh, obs, self.cfg, now_s))] += 1
-        steady = hm.steady_heartbeat(nh, obs, now_s, self.cfg) if heartbeat and not events else None
+        steady = hm.steady_heartbeat(nh, hb, now_s, self.cfg) if hb is not None and not events else None
         if steady is not None:  # the step's record, and the Tick deadline it gives
             nh, step_events = steady[0], []
         else:
@@ -164,7 +165,7 @@ class Detector:
             nh = anchor_ramp(nh, self.cfg.ramp_step_s, self.wall_offset_s)
         n.nh = nh
         if steady is not None:
-            n.run = hm.BeatRun.start(nh, obs, self.cfg)  # type: ignore[arg-type]
+            n.run = hm.BeatRun.start(nh, obs, self.cfg)  # type: ignore[arg-type]  # steady: obs is a heartbeat
         self._touched.add(node_id)
         if events or step_events:
             n.events.extend(events)

@@ -63,6 +63,7 @@ class Worker:
         self.counters = Counters()
         self.sessions: dict[str, ProbeSession] = {}
         self._links: dict[str, tuple] = {}
+        self._stopping: set[asyncio.Task] = set()  # sessions of removed nodes, stopping (a reference each)
         self._flush_pending = False
 
     def _ident(self, ident: tuple) -> None:
@@ -118,7 +119,9 @@ class Worker:
     def _remove(self, node_id: str) -> None:
         s = self.sessions.pop(node_id, None)
         if s is not None:
-            asyncio.ensure_future(s.stop())
+            task = asyncio.ensure_future(s.stop())
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
         self.detector.remove(node_id)
         self._links.pop(node_id, None)
 
@@ -152,9 +155,9 @@ class Worker:
                 counters = {}
         else:
             for r in nodes:  # the link of a node reported now is sent with it (connected, error)
-                s = self.sessions.get(r.node_id)
-                if s is not None:
-                    self._links[r.node_id] = links[r.node_id] = self._link(s)
+                session = self.sessions.get(r.node_id)
+                if session is not None:
+                    self._links[r.node_id] = links[r.node_id] = self._link(session)
         if nodes or links or hb or probes or counters:
             self.writer.write(encode(("report", nodes, hb, probes, counters, links)))
 
