@@ -44,7 +44,7 @@ def call(nvml, label: str, fn_name: str, *args, fmt=lambda v: v):
         return None
     try:
         value = fn(*args)
-    except Exception as exc:
+    except Exception as exc:  # every failure is a reading here
         print(f"    {label:<28} ERROR {nvml_error_name(exc)}")
         return None
     try:

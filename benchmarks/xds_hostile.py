@@ -124,7 +124,7 @@ class Server:
             self.proc.stdin.write("quit\n")
             self.proc.stdin.flush()
             self.proc.wait(10)
-        except Exception:
+        except Exception:  # make sure it is gone
             self.proc.kill()
             self.proc.wait()
 

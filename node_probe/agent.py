@@ -315,7 +315,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
                 reading, error = await self._scrape()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # the loop must survive anything
                 log.exception("metrics scrape failed unexpectedly")
                 reading, error = None, f"agent error: {type(exc).__name__}: {exc}"
             self._on_reading(reading, error, time.monotonic())
@@ -389,7 +389,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
             outcome = await self._prober.probe(self._session, deep)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # never let a probe kill the loop
             log.exception("probe %d failed unexpectedly", seq)
             outcome = ProbeOutcome(
                 False, None, probe_pb2.FAILURE_KIND_BAD_OUTPUT, 0, f"agent error: {type(exc).__name__}: {exc}"
@@ -434,7 +434,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
 
     # -- streams -------------------------------------------------------------------------------
 
-    async def Watch(
+    async def Watch(  # gRPC method name
         self,
         request_iterator: AsyncIterator[probe_pb2.ControlMessage],
         context: grpc.aio.ServicerContext,

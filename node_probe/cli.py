@@ -199,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "sim-engine":
-        from node_probe import sim
+        from node_probe import sim  # only this subcommand needs it
 
         return int(sim.main(args_list[1:]) or 0)
     if args_list and args_list[0] == "agent":

@@ -153,7 +153,7 @@ class StreamHub:
                              st.id, st.control_plane_id, st.peer)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # the client went away; the writer ends too
             log.debug("stream %d: read side ended: %r", st.id, exc)
         # Half-closed by the client: keep sending heartbeats until it cancels.
 

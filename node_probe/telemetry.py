@@ -140,7 +140,7 @@ class GpuCollector:
             return
         self._last_init_attempt = now
         try:
-            import pynvml
+            import pynvml  # (optional at runtime: absent GPU stack is a state)
         except Exception as exc:  # ImportError, or a broken install
             self._absent_message = f"pynvml not importable: {type(exc).__name__}: {exc}"
             log.info("GPU telemetry: %s", self._absent_message)
@@ -174,7 +174,7 @@ class GpuCollector:
             if self._event_set is not None:
                 try:
                     nvml.nvmlEventSetFree(self._event_set)
-                except Exception:
+                except Exception:  # shutting down anyway
                     pass
                 self._event_set = None
             try:
@@ -206,7 +206,7 @@ class GpuCollector:
             return fn(*args)
         except self._nvml.NVMLError as exc:
             errors.append(f"{field}: {nvml_error_name(exc)}")
-        except Exception as exc:
+        except Exception as exc:  # a wrapper bug must not stop the collector
             errors.append(f"{field}: {type(exc).__name__}")
         return None
 
@@ -309,7 +309,7 @@ class GpuCollector:
             if name not in _NO_MIG_ERRORS:
                 errors.append(f"mig: {name}")
             return []
-        except Exception:
+        except Exception:  # e.g. a handle this pynvml cannot pass to C
             return []
         if current != getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1):
             return []

@@ -87,7 +87,7 @@ class FeedClient:
             except grpc.aio.AioRpcError as e:
                 log.warning("routing feed %s: %s; reconnecting in %.1f s", self.target,
                             e.code().name, backoff)
-            except Exception as e:
+            except Exception as e:  # any failure: reconnect
                 log.warning("routing feed %s: %r; reconnecting in %.1f s", self.target, e, backoff)
             self.on_connected(False)
             await asyncio.sleep(backoff)

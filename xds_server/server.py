@@ -188,7 +188,7 @@ class ControlPlane:
         for t in self._tasks:
             try:
                 await t
-            except (asyncio.CancelledError, Exception):
+            except (asyncio.CancelledError, Exception):  # stopping anyway
                 pass
         self._tasks.clear()
         await self.discovery.stop()
@@ -314,7 +314,7 @@ class ControlPlane:
             await asyncio.sleep(interval_s())
             try:
                 await step()
-            except Exception:
+            except Exception:  # keep going
                 log.exception("%s failed", what)
 
     async def _check_file(self) -> None:

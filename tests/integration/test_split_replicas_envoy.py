@@ -183,7 +183,7 @@ class Split:
                 if got != want:
                     return False
             return True
-        except Exception as e:
+        except Exception as e:  # a failed read is "not yet"; kept for the message
             self.last_seen["error"] = repr(e)[:200]
             return False
 

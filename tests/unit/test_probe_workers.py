@@ -77,7 +77,7 @@ def test_default_control_plane_keeps_probe_streams_in_process():
 # -- detector + adopt == the in-process model -----------------------------------------------------
 
 
-def EventRecord_json(e) -> dict:
+def EventRecord_json(e) -> dict:  # used as a map() function below
     return e.to_json()
 
 

@@ -92,7 +92,7 @@ class KubernetesPods:
             while api_client is None:
                 try:
                     api_client = await self._client()
-                except Exception as e:
+                except Exception as e:  # a bad kubeconfig is reported, then retried
                     self._fail(f"cannot load the Kubernetes client configuration: {e}")
                     await asyncio.sleep(self.spec.retry_backoff_s)
             api = self._api = client.CoreV1Api(api_client)
@@ -108,7 +108,7 @@ class KubernetesPods:
                     self.state = PodState(self.state.pods, None, self.state.applied, self.state.stale)
                 except asyncio.CancelledError:
                     raise
-                except Exception as e:
+                except Exception as e:  # the API server may be away; retry
                     self._fail(f"{type(e).__name__}: {e}")
                     await asyncio.sleep(self.spec.retry_backoff_s)
         finally:
@@ -195,7 +195,7 @@ class KubernetesPods:
                 finally:
                     resp.release()
                 self.node_labels[name] = dict((json.loads(body).get("metadata") or {}).get("labels") or {})
-            except Exception as e:
+            except Exception as e:  # no locality is better than no node
                 self.node_labels[name] = {}
                 self._fail(f"cannot read Kubernetes node {name!r} for its locality: {e}")
 

@@ -113,7 +113,7 @@ class Discovery:
             self._dirty = False
             try:
                 await self.on_change()
-            except Exception:
+            except Exception:  # a failed apply must not end discovery
                 log.exception("applying discovered nodes failed")
 
     def status(self) -> dict:

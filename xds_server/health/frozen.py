@@ -78,7 +78,7 @@ def fast_init(cls: type[T]) -> type[T]:
     if hasattr(cls, "__post_init__"):
         body.append("self.__post_init__()")
     src = f"def __init__(self, {', '.join(args)}):\n" + "".join(f"    {line}\n" for line in body or ["pass"])
-    exec(src, ns)
+    exec(src, ns)  # our own source, built from the class's field names above
     init = ns["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__

@@ -31,8 +31,9 @@ import grpc
 
 from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
-from xds_server.health import model as hm
+from xds_server.health.clocks import miss_after_s
 from xds_server.health.counters import Counters
+from xds_server.health.records import Observation, PingObserved, ProbeObserved, ProbeResultKind, StreamClosed, Tick
 from xds_server.probing.edge import AgentEdge, BadField, CheckedHeartbeat, CheckedPong, CheckedResult, TelemetrySummary
 from xds_server.probing.silence import SilenceGate, SilentStream
 from xds_server.probing.sources import ObservationSink, ProbeSource, ProbeSourceContext
@@ -112,7 +113,7 @@ class ProbeSession:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stream: _Stream | None = None
         self._latest: _Stream | None = None  # the open stream, or the one that ended last
-        self._gap_limit = hm.miss_after_s(cfg)
+        self._gap_limit = miss_after_s(cfg)
         self.silence_gate = SilenceGate(cfg, self.probe_cfg)
 
     def start(self) -> None:
@@ -147,10 +148,10 @@ class ProbeSession:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _emit(self, obs: hm.Observation) -> None:
+    def _emit(self, obs: Observation) -> None:
         assert self._loop is not None
-        if isinstance(obs, hm.ProbeObserved):
-            self.last_probe_failure = "" if obs.kind is hm.ProbeResultKind.OK else clip(
+        if isinstance(obs, ProbeObserved):
+            self.last_probe_failure = "" if obs.kind is ProbeResultKind.OK else clip(
                 f"{obs.kind.value}{f' {obs.http_status}' if obs.http_status else ''}: {obs.detail}",
                 self.probe_cfg.max_text_chars)
         self._arm(self.sink(self.node.id, obs, self._loop.time()))
@@ -161,7 +162,7 @@ class ProbeSession:
             assert self._loop is not None
             self._timer = TickTimer(self._loop, self._tick, lag_tolerance_s=self.cfg.self_lag_tolerance_ms / 1000.0,
                                     lag_recheck_s=self.probe_cfg.lag_recheck_ms / 1000.0,
-                                    stall_recheck_s=hm.miss_after_s(self.cfg),
+                                    stall_recheck_s=miss_after_s(self.cfg),
                                     retry_s=self.cfg.heartbeat_interval_ms / 1000.0,
                                     on_error=lambda: self._handler_failed("tick"))
         self._timer.arm(at_s)
@@ -169,7 +170,7 @@ class ProbeSession:
     def _tick(self) -> None:
         self._judge(self.silence_gate.due(self._now(), self._heard_s()))
 
-    def _judge(self, verdict: float | hm.Tick | hm.StreamClosed) -> None:
+    def _judge(self, verdict: float | Tick | StreamClosed) -> None:
         """Emit a verdict on the node's silence, or (a loop time) re-arm at the end of a hold."""
         if isinstance(verdict, float):
             self._arm(verdict)
@@ -215,7 +216,7 @@ class ProbeSession:
                     await channel.close(grace=None)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
+            except Exception as e:  # never let one node's session die
                 got_any = False
                 detail = f"{type(e).__name__}: {clip(str(e), pc.max_text_chars)}"
                 self._rl.log(logging.ERROR, self._now(), "session", "probe session %s failed: %s",
@@ -355,13 +356,13 @@ class ProbeSession:
                     # else: an answer to a ping dropped after a heartbeat gap, or beyond
                     # max_unanswered_pings: no sample, not the agent's fault
                     return
-                self._arm(self.sink(self.node.id, hm.PingObserved(rtt_ms=(monotonic() - sent) * 1000.0), now))
+                self._arm(self.sink(self.node.id, PingObserved(rtt_ms=(monotonic() - sent) * 1000.0), now))
             elif isinstance(checked, CheckedResult):
                 obs = checked.observation
-                if obs.kind is not hm.ProbeResultKind.OK:
+                if obs.kind is not ProbeResultKind.OK:
                     self._probe_now(f"confirm probe failure: {obs.kind.value}")
                 self._arm(self.sink(self.node.id, obs, now))
-        except Exception:
+        except Exception:  # one message must never end health checking
             self._handler_failed("message")
 
     def _bad_fields(self, bad: list[BadField], now: float) -> None:

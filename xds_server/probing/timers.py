@@ -231,7 +231,7 @@ class TickTimer:
         self.fired += 1
         try:
             self._on_tick()
-        except Exception:
+        except Exception:  # a Tick that fails is retried at the next interval
             if self._on_error is not None:
                 self._on_error()
             if self._seq:  # the failed Tick had queued one already: the retry replaces it

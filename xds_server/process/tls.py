@@ -142,7 +142,7 @@ class ServerCertFiles:
                 self.reloads += 1
                 log.info("TLS: certificate files %s reloaded; new connections use them", self.cert_file)
                 return cfg
-        except Exception:
+        except Exception:  # a fetcher that raises fails the handshake
             log.exception("TLS: certificate reload check failed")
             return None
 

@@ -143,14 +143,14 @@ class AdsServicer:
             cert = ClientCertificate(tuple(peer_identities(auth)), digest)
         return StreamIdentity(sid, f"{self._boot}.{sid:x}.", self._clock(), cert)
 
-    async def StreamAggregatedResources(
+    async def StreamAggregatedResources(  # gRPC method name
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> None:
         """State-of-the-world ADS: one stream per Envoy, all types multiplexed."""
         stream = SotwStream(self._identity(context), self.limits)
         await self._serve(stream, discovery_pb2.DiscoveryRequest, request_iterator, context)
 
-    async def DeltaAggregatedResources(
+    async def DeltaAggregatedResources(  # gRPC method name
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> None:
         """Delta (incremental) ADS: one stream per Envoy, all types multiplexed."""
@@ -261,7 +261,7 @@ class AdsServicer:
                         wake.set()
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
+            except Exception as e:  # the client went away; the send loop ends too
                 log.debug("ADS stream %d: read side ended: %r", stream.stream_id, e)
             finally:
                 failure.append(EOFError())

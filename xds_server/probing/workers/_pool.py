@@ -222,7 +222,7 @@ class WorkerPool:
                         self._apply(h, msg)
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception:  # a bad frame ends this worker; it is restarted
                 log.exception("probe worker %d: channel failed", h.index)
             finally:
                 if h.writer is not None:
@@ -301,7 +301,7 @@ class WorkerPool:
                 h.task.cancel()
                 try:
                     await h.task
-                except (asyncio.CancelledError, Exception):
+                except (asyncio.CancelledError, Exception):  # stopping anyway
                     pass
             if h.proc is not None and h.proc.poll() is None:
                 await asyncio.to_thread(self._reap, h)
