@@ -47,8 +47,8 @@ async def test_stream_of_a_frozen_ads_client_is_closed_by_our_keepalive(tmp_path
                     return [c["node_id"] for c in (await r.json())["clients"]]
 
             client.start()
-            await wait_for(lambda: clients(), timeout_s=10.0)
-            assert await clients() == ["frozen-envoy"]
+            # the stream is listed as soon as it opens, its node id once the first request is read
+            await wait_for(lambda: _only(clients, "frozen-envoy"), timeout_s=10.0)
             t0 = time.monotonic()
             client.freeze()
             await wait_for(lambda: _none(clients), timeout_s=10.0, step_s=0.05)
@@ -63,3 +63,7 @@ async def test_stream_of_a_frozen_ads_client_is_closed_by_our_keepalive(tmp_path
 
 async def _none(clients) -> bool:
     return await clients() == []
+
+
+async def _only(clients, node_id: str) -> bool:
+    return await clients() == [node_id]
