@@ -135,6 +135,18 @@ def test_warm_up_gate_holds_a_cluster_until_every_node_left_warming_or_the_timeo
     assert published(cp)["n2"] == "UNHEALTHY"
 
 
+def test_a_configured_cluster_with_no_nodes_is_published_at_start_not_after_the_warm_up_timeout():
+    """Issue 25 item 6: ``nodes: []`` meets "every node left COLD" at once, but no node change ever
+    marked it, so it waited for ``warmup_timeout_ms`` (5 s) while an Envoy asked for it."""
+    cfg = config()
+    cfg["clusters"].append({"name": "empty", "nodes": []})
+    cp, clock, probes = in_memory(cfg)
+    clock.advance(0.01)  # the first publish runs on the clock, well inside the 5 s timeout
+    assert cp.cla_version("empty") != ""
+    assert "empty" in cp.core.planner.gate_open
+    assert cp.cla_version("llm") == ""  # the other cluster's nodes are all COLD: still held
+
+
 # -- bug 1: fail-static look-back ----------------------------------------------------------------
 
 

@@ -93,6 +93,11 @@ class ControlCore:
         self._running = True
         self._gate_timer = self.clock.call_at(now + self.config.xds.warmup_timeout_ms / 1000.0,
                                               self._open_all_gates)
+        # A cluster without nodes is warm at once (no node can leave COLD to mark it): publish it
+        # now, not at the warm-up timeout (issue 25 item 6).
+        for name, ids in self._cluster_nodes.items():
+            if not ids:
+                self.mark_dirty(name)
 
     def end(self) -> None:
         """Cancel every timer; later observations still update state but schedule nothing."""
