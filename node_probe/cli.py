@@ -6,9 +6,15 @@ Forms::
     node-probe agent --engine-url URL ...                        same, explicit
     node-probe sim-engine ...                                    simulated engine (node_probe.sim)
 
-The agent runs until SIGTERM or SIGINT, then stops cleanly and exits 0. Once serving it prints
-``node-probe <node_id> listening on HOST:PORT engine=URL`` (flushed) on stdout. Bad arguments
-are an argparse error (exit 2); a listen address that cannot be bound exits 1.
+The agent runs until SIGTERM or SIGINT, then stops cleanly and exits 0; SIGHUP is logged and
+changes nothing (TLS files are re-read when they change; other flags need a restart). Once
+serving it prints ``node-probe <node_id> listening on HOST:PORT engine=URL`` (flushed) on
+stdout. ``--version``, ``--log-level`` and ``--log-format`` as the other programs
+(:mod:`xds_server.process.commandline`).
+
+Exit codes: 0 stopped by a signal; 1 runtime failure (a listen address that cannot be bound,
+TLS files that do not load: one line naming the flag); 2 bad arguments (argparse, naming the
+flag).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from typing import TYPE_CHECKING
 
 from node_probe.engines import ENGINE_KINDS
 from node_probe.telemetry import FATAL_XIDS
+from xds_server.process.commandline import add_common_options, bind_failure, run_main
+from xds_server.process.logs import configure_logging, quiet_grpc_core
 
 if TYPE_CHECKING:
     from node_probe.config import AgentConfig
@@ -98,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--engine-url", required=True, type=_engine_url,
-                   help="engine root URL, e.g. http://127.0.0.1:8000")
+                   help="engine root URL, e.g. http://127.0.0.1:8000 (required)")
     p.add_argument("--listen", default="127.0.0.1:50051", type=_listen,
                    help="gRPC listen address HOST:PORT; port 0 picks a free one (default %(default)s)")
     p.add_argument("--metrics-listen", default=None, type=_listen,
@@ -136,9 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="period of the deep check (arithmetic prompt whose answer is checked), s; "
                         "0 disables it (default %(default)s)")
     p.add_argument("--deep-check-prompt", default="1+1=",
-                   help="deep-check prompt (default %(default)r)")
+                   help="deep-check prompt (default %(default)s)")
     p.add_argument("--deep-check-expect", default="2",
-                   help="text the deep-check answer must contain (default %(default)r)")
+                   help="text the deep-check answer must contain (default %(default)s)")
     p.add_argument("--gpu-interval-s", type=_float, default=1.0,
                    help="NVML collection period, s; 0 disables GPU telemetry (default %(default)s)")
     p.add_argument("--fatal-xids", type=_xids, default=None,
@@ -147,19 +155,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="model id to probe (default: first id from GET /v1/models)")
     p.add_argument("--tls-cert", default=None, metavar="PEM",
-                   help="serve the gRPC port over TLS with this certificate (re-read when it changes)")
-    p.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
+                   help="serve the gRPC port over TLS with this certificate (re-read when it changes; "
+                   "default: plaintext)")
+    p.add_argument("--tls-key", default=None, metavar="PEM",
+                   help="the certificate's private key (default: none; needed with --tls-cert)")
     p.add_argument("--tls-client-ca", default=None, metavar="PEM",
-                   help="mutual TLS: the control plane must present a certificate this CA signed")
+                   help="mutual TLS: the control plane must present a certificate this CA signed "
+                   "(default: no client certificate asked)")
     p.add_argument("--tls-allow-client", dest="tls_allow_clients", action="append", default=[], metavar="PATTERN",
                    help="mutual TLS: serve only clients whose certificate carries a name (SPIFFE id, "
                         "DNS SAN, CN) matching this fnmatch pattern; repeatable (default: any the CA signed)")
     p.add_argument("--plaintext", action="store_true",
-                   help="serve plaintext on a non-loopback --listen (refused unless said)")
-    p.add_argument("--log-level", default="INFO", type=str.upper,
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                   help="log level (default %(default)s)")
+                   help="serve plaintext on a non-loopback --listen (refused unless said; default off)")
+    add_common_options(p, "node-probe")
     return p
+
+
+SIGHUP_IGNORED = ("SIGHUP: nothing to reload, still running (TLS files are re-read when they change; "
+                  "other flags need a restart)")
+
+
+def _start_failure(cfg: AgentConfig, agent: object, exc: OSError) -> str:
+    """One line naming the flag of what could not start."""
+    if cfg.metrics_listen is not None and getattr(agent, "metrics_port", None) is None:
+        return bind_failure(cfg.metrics_listen, "--metrics-listen", exc)
+    if str(exc).startswith(f"cannot listen on {cfg.listen}"):
+        return bind_failure(cfg.listen, "--listen", exc.__cause__)
+    return str(exc)
 
 
 async def _serve(cfg: AgentConfig) -> int:
@@ -167,9 +189,12 @@ async def _serve(cfg: AgentConfig) -> int:
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    log = logging.getLogger("node_probe")
+    handlers = ((signal.SIGTERM, stop.set), (signal.SIGINT, stop.set),
+                (signal.SIGHUP, lambda: log.warning(SIGHUP_IGNORED)))
+    for sig, fn in handlers:
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, fn)
         except (NotImplementedError, RuntimeError):  # not the main thread / platform
             pass
     agent = ProbeAgent(cfg)
@@ -177,7 +202,8 @@ async def _serve(cfg: AgentConfig) -> int:
         try:
             port = await agent.start()
         except OSError as exc:
-            print(f"node-probe: {exc}", file=sys.stderr, flush=True)
+            print(f"node-probe: {_start_failure(cfg, agent, exc)}", file=sys.stderr, flush=True)
+            logging.getLogger("node_probe.agent").setLevel(logging.WARNING)  # the one line stays the last
             return 1
         host = cfg.listen.rpartition(":")[0]
         print(
@@ -205,11 +231,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args_list and args_list[0] == "agent":
         args_list = args_list[1:]
 
+    quiet_grpc_core()  # before grpc is imported: no raw C-core lines on a failed bind
     args = build_parser().parse_args(args_list)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level, args.log_format)
+    return run_main("node-probe", lambda: _run(args), lambda: args.log_level == "DEBUG")
+
+
+def _run(args: argparse.Namespace) -> int:
     from node_probe.agent import AgentConfig
 
     extra = {} if args.fatal_xids is None else {"fatal_xids": args.fatal_xids}

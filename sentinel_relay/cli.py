@@ -1,8 +1,12 @@
-"""``sentinel-relay``: run the relay (flags or ``--config relay.yaml``; flags win).
+"""sentinel-relay: run the relay (flags or --config relay.yaml; flags win).
 
 ``--workers N`` forks N processes that share the listening port (SO_REUSEPORT; the kernel
 spreads connections); worker *i* serves its metrics on the admin port + *i*. Prints
-``sentinel-relay ready on HOST:PORT`` once every worker listens.
+``sentinel-relay ready on HOST:PORT`` once every worker listens. SIGTERM/SIGINT stop it (exit
+0); SIGHUP is logged and changes nothing (the config is read at start).
+
+Exit codes: 0 stopped by a signal; 1 runtime failure (a port that cannot be bound: one line
+naming ``--listen`` or ``--admin-listen``); 2 bad flags or config (naming the field).
 """
 from __future__ import annotations
 
@@ -16,21 +20,40 @@ import sys
 from aiohttp import web
 
 from xds_server.process import event_loop
+from xds_server.process.commandline import add_common_options, bind_failure, run_main
+from xds_server.process.logs import configure_logging, set_process_field
 
 from .config import RelayConfig, RelayConfigError, load_relay_config
 
-__all__ = ["main", "run_worker"]
+__all__ = ["config_fields", "main", "run_worker"]
 
 log = logging.getLogger("sentinel_relay")
+
+SIGHUP_IGNORED = "SIGHUP: nothing to reload, still running (the config is read at start: restart to change it)"
+
+
+class StartFailure(Exception):
+    """A worker could not start; the message is the one line to print (names the flag)."""
+
+
+async def _start(cfg: RelayConfig, reuse_port: bool):
+    """The started relay; StartFailure naming ``--listen`` when its port cannot be bound."""
+    from .server import Relay
+
+    relay = Relay(cfg)
+    try:
+        return await relay.start(reuse_port=reuse_port)
+    except OSError as e:
+        await relay.stop()  # closes its client session: no "Unclosed client session" at exit
+        raise StartFailure(bind_failure(cfg.listen, "--listen", e)) from e
 
 
 async def _serve(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int | None) -> None:
     from prometheus_client import generate_latest
 
     from .feed import FeedClient
-    from .server import Relay
 
-    relay = await Relay(cfg).start(reuse_port=reuse_port)
+    relay = await _start(cfg, reuse_port)
     runners = []
     if cfg.admin_listen:
         async def metrics(_req: web.Request) -> web.Response:
@@ -45,7 +68,13 @@ async def _serve(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int |
         runner = web.AppRunner(app, handle_signals=False)
         await runner.setup()
         host, _, port = cfg.admin_listen.rpartition(":")
-        await web.TCPSite(runner, host, int(port) + index if int(port) else 0).start()
+        where = f"{host}:{int(port) + index if int(port) else 0}"
+        try:
+            await web.TCPSite(runner, host, int(port) + index if int(port) else 0).start()
+        except OSError as e:
+            await runner.cleanup()
+            await relay.stop()
+            raise StartFailure(bind_failure(where, "--admin-listen", e)) from e
         runners.append(runner)
     feed = None
     if cfg.routing_feed:
@@ -61,6 +90,7 @@ async def _serve(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int |
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: log.warning(SIGHUP_IGNORED))
     try:
         await stop.wait()
     finally:
@@ -74,45 +104,83 @@ async def _serve(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int |
 def run_worker(cfg: RelayConfig, index: int = 0, reuse_port: bool = False, ready_fd: int | None = None,
                loop: str = "auto") -> None:
     """Run one relay process until SIGTERM/SIGINT. ``loop``: "uvloop", "asyncio" or "auto"
-    (uvloop when installed: the ``relay`` extra); :func:`xds_server.process.event_loop.run`."""
-    event_loop.run(_serve(cfg, index, reuse_port, ready_fd), loop)
+    (uvloop when installed: the ``relay`` extra); :func:`xds_server.process.event_loop.run`.
+    A start that fails writes ``E<one line>\n`` on ``ready_fd`` (the supervisor prints it)
+    and raises StartFailure."""
+    try:
+        event_loop.run(_serve(cfg, index, reuse_port, ready_fd), loop)
+    except StartFailure as e:
+        if ready_fd is None:
+            raise
+        os.write(ready_fd, b"E" + str(e).encode("utf-8", "replace") + b"\n")
+        raise
+
+
+def _default(name: str) -> str:
+    v = RelayConfig.model_fields[name].default
+    return "off" if v is None else str(v)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sentinel-relay", description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="YAML file with RelayConfig fields")
-    p.add_argument("--listen")
-    p.add_argument("--upstream", help="Envoy's listener URL")
+    p = argparse.ArgumentParser(prog="sentinel-relay", description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--config", help="YAML file with RelayConfig fields; flags override it (default: none)")
+    p.add_argument("--listen", help=f"HOST:PORT clients connect to (default {_default('listen')})")
+    p.add_argument("--upstream", help=f"Envoy's listener URL (default {_default('upstream')})")
     p.add_argument("--routing-feed", action="append",
-                   help="control plane routing feed HOST:PORT; repeat it (or comma-separate) for "
-                   "replicas: each reconnect dials the next")
+                   help="control plane routing feed HOST:PORT (its xds.listen); repeat it (or comma-separate) "
+                   "for replicas: each reconnect dials the next (default: off, the relay rescues on its own "
+                   "evidence)")
     p.add_argument("--feed-tls-ca", dest="feed_tls_ca_file", metavar="PEM",
-                   help="dial the routing feed over TLS, verifying the control plane with this CA")
+                   help="dial the routing feed over TLS, verifying the control plane with this CA (default: "
+                   "plaintext)")
     p.add_argument("--feed-tls-cert", dest="feed_tls_cert_file", metavar="PEM",
-                   help="the relay's client certificate (mutual TLS)")
-    p.add_argument("--feed-tls-key", dest="feed_tls_key_file", metavar="PEM", help="its private key")
+                   help="the relay's client certificate (mutual TLS; default: none)")
+    p.add_argument("--feed-tls-key", dest="feed_tls_key_file", metavar="PEM",
+                   help="its private key (default: none)")
     p.add_argument("--feed-tls-server-name", dest="feed_tls_server_name",
                    help="name the control plane's certificate must carry (default: the feed's host)")
     p.add_argument("--feed-plaintext", action="store_true", default=None,
-                   help="dial a non-loopback routing feed in plaintext (refused unless said)")
-    p.add_argument("--admin-listen")
-    p.add_argument("--workers", type=int)
-    p.add_argument("--max-rescues", type=int)
-    p.add_argument("--max-resume-tokens", type=int)
-    p.add_argument("--stall-gap-s", type=float)
-    p.add_argument("--first-chunk-timeout-s", type=float)
-    p.add_argument("--ping-interval-s", type=float)
+                   help="dial a non-loopback routing feed in plaintext (refused unless said; default off)")
+    p.add_argument("--admin-listen",
+                   help="HOST:PORT of /metrics and /healthz; worker i listens on PORT + i "
+                   f"(default {_default('admin_listen')})")
+    p.add_argument("--workers", type=int,
+                   help=f"processes sharing --listen (SO_REUSEPORT), one per core to scale (default "
+                   f"{_default('workers')})")
+    p.add_argument("--max-rescues", type=int,
+                   help=f"continuation attempts after the first (default {_default('max_rescues')})")
+    p.add_argument("--max-resume-tokens", type=int,
+                   help=f"most generated tokens re-sent as context on a rescue (default "
+                   f"{_default('max_resume_tokens')})")
+    p.add_argument("--stall-gap-s", type=float,
+                   help=f"silence within a stream that counts as a stall, s (default {_default('stall_gap_s')})")
+    p.add_argument("--first-chunk-timeout-s", type=float,
+                   help=f"silence before an attempt's first chunk, s (default {_default('first_chunk_timeout_s')})")
+    p.add_argument("--ping-interval-s", type=float,
+                   help=f"': ping' lines while a rescue prefills, s (default {_default('ping_interval_s')})")
     p.add_argument("--loop", choices=event_loop.LOOPS, default="auto",
-                   help="event loop (auto: uvloop when installed)")
-    p.add_argument("--log-level", default="INFO")
+                   help="event loop (auto: uvloop when installed; default auto)")
+    add_common_options(p, "sentinel-relay")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``sentinel-relay`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
-    fields = {k: v for k, v in vars(args).items() if k not in ("config", "log_level", "loop")}
+    configure_logging(args.log_level, args.log_format)
+    return run_main("sentinel-relay", lambda: _run(args), lambda: args.log_level == "DEBUG")
+
+
+def config_fields(args: argparse.Namespace) -> dict:
+    """The RelayConfig fields given as flags (None: not given)."""
+    return {k: v for k, v in vars(args).items() if k not in ("config", "log_level", "log_format", "loop")}
+
+
+def _run(args: argparse.Namespace) -> int:
+    fields = config_fields(args)
+    if args.config is not None and not os.path.isfile(args.config):
+        print(f"sentinel-relay: --config {args.config}: no such file", file=sys.stderr)
+        return 2
     try:
         cfg = load_relay_config(args.config, **fields)
     except RelayConfigError as e:
@@ -128,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - child
             os.close(r)
-            run_worker(cfg, 0, False, w, loop_name)
-            os._exit(0)
+            _child(cfg, 0, False, w, loop_name)
         os.close(w)
         return _supervise([pid], r, cfg)
     pids: list[int] = []
@@ -138,23 +205,42 @@ def main(argv: list[str] | None = None) -> int:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - child
             os.close(rfd)
-            run_worker(cfg, i, True, wfd, loop_name)
-            os._exit(0)
+            _child(cfg, i, True, wfd, loop_name)
         pids.append(pid)
     os.close(wfd)
     return _supervise(pids, rfd, cfg)
 
 
+def _child(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int, loop_name: str) -> None:
+    """A forked worker: run, then leave without the parent's atexit handlers (exit 1 when its
+    start failed; the supervisor prints why)."""
+    set_process_field("worker", str(index))
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until its loop logs it: never a death
+    try:
+        run_worker(cfg, index, reuse_port, ready_fd, loop_name)
+    except StartFailure:
+        os._exit(1)
+    os._exit(0)
+
+
 def _supervise(pids: list[int], ready_r: int, cfg: RelayConfig) -> int:
-    got = 0
+    signal.signal(signal.SIGHUP, lambda _s, _f: log.warning(SIGHUP_IGNORED))
+    got, buf = 0, b""
     while got < len(pids):
-        b = os.read(ready_r, 64)
-        if not b:
-            print("sentinel-relay: a worker failed to start", file=sys.stderr)
+        b = os.read(ready_r, 4096)
+        buf += b
+        if b"E" in buf or not b:
+            err = buf.partition(b"E")[2].partition(b"\n")[0].decode("utf-8", "replace")
+            print(f"sentinel-relay: {err or 'a worker failed to start'}", file=sys.stderr)
             for pid in pids:
-                os.kill(pid, signal.SIGTERM)
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            for pid in pids:
+                os.waitpid(pid, 0)
             return 1
-        got += len(b)
+        got = buf.count(b"r")
     print(f"sentinel-relay ready on {cfg.listen} ({len(pids)} worker(s))", flush=True)
 
     def forward(sig: int, _frame: object) -> None:

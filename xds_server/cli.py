@@ -19,17 +19,15 @@ import logging
 import os
 import signal
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
-from importlib import metadata
 
+from xds_server.admin.client import AdminError, admin_base_url, drain_line, get_json, post_json
 from xds_server.admin.status_text import format_status
 from xds_server.process import event_loop
-from xds_server.process.logs import FORMATS, LEVELS, configure_logging, quiet_grpc_core, set_replica
-from xds_server.process.untrusted import for_log
+from xds_server.process.commandline import add_common_options, run_main, version
+from xds_server.process.logs import configure_logging, quiet_grpc_core, set_replica
 
-__all__ = ["EXIT_CODES", "TOKEN_ENV", "admin_base_url", "main"]
+__all__ = ["EXIT_CODES", "TOKEN_ENV", "admin_base_url", "main"]  # admin_base_url: xds_server.admin.client
 
 TOKEN_ENV = "XDS_SENTINEL_ADMIN_TOKEN"
 EXIT_CODES = {
@@ -38,33 +36,6 @@ EXIT_CODES = {
     2: "bad usage or invalid configuration (the message names the option or config field)",
     3: "refused by the server (missing or wrong admin token, unknown node, invalid new config)",
 }
-
-
-def _version() -> str:
-    try:
-        return metadata.version("xds-sentinel")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def admin_base_url(value: str) -> str:
-    """``host:port``, ``:port`` or an ``http(s)://`` URL -> the admin base URL, no trailing slash.
-
-    Raises ValueError naming ``--admin`` when the value is neither.
-    """
-    v = value.strip()
-    if "://" not in v:
-        if v.startswith(":"):
-            v = "127.0.0.1" + v
-        v = "http://" + v
-    u = urllib.parse.urlsplit(v)
-    try:
-        port = u.port
-    except ValueError:
-        port = None
-    if u.scheme not in ("http", "https") or not u.hostname or (port is None and ":" in u.netloc.rsplit("]", 1)[-1]):
-        raise ValueError(f"--admin: expected HOST:PORT or http(s)://HOST:PORT, got {value!r}")
-    return v.rstrip("/")
 
 
 def _config_arg(args: argparse.Namespace) -> str | None:
@@ -164,16 +135,13 @@ def _check_config(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     try:
-        url = admin_base_url(args.admin) + "/nodes"
+        data = get_json(admin_base_url(args.admin), "/nodes")
     except ValueError as e:
         print(f"xds-server: {e}", file=sys.stderr)
         return 2
-    try:
-        with urllib.request.urlopen(url, timeout=3) as r:
-            data = json.load(r)
-    except (urllib.error.URLError, OSError) as e:
-        print(f"xds-server: cannot reach admin at {url}: {e}", file=sys.stderr)
-        return 1
+    except AdminError as e:
+        print(f"xds-server: {e}", file=sys.stderr)
+        return e.code
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -188,39 +156,43 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(keep_running=args.keep_running, envoy_binary=args.envoy_binary)
 
 
-def _post(args: argparse.Namespace, path: str) -> int:
-    """POST ``path`` on the admin endpoint with the bearer token; print the JSON answer."""
+def _post(args: argparse.Namespace, path: str) -> dict | None:
+    """POST ``path`` on the admin endpoint with the bearer token: its JSON answer, or None after
+    printing one line saying why not (``args.rc``: the exit code)."""
+    args.rc = 2
     try:
-        url = admin_base_url(args.admin) + path
+        base = admin_base_url(args.admin)
     except ValueError as e:
         print(f"xds-server: {e}", file=sys.stderr)
-        return 2
+        return None
     token = args.token or os.environ.get(TOKEN_ENV)
     if not token:
         print(f"xds-server: an admin token is required (--token or ${TOKEN_ENV})", file=sys.stderr)
-        return 2
-    req = urllib.request.Request(url, data=b"", method="POST", headers={"Authorization": f"Bearer {token}"})
+        return None
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            body = r.read()
-    except urllib.error.HTTPError as e:
-        detail = e.read(4096).decode("utf-8", "replace")
-        print(f"xds-server: {url}: HTTP {e.code}: {for_log(detail, 2000)}", file=sys.stderr)
-        return 3 if e.code in (400, 401, 403, 404, 409, 422) else 1
-    except (urllib.error.URLError, OSError) as e:
-        print(f"xds-server: cannot reach admin at {url}: {e}", file=sys.stderr)
-        return 1
-    try:
-        print(json.dumps(json.loads(body), indent=2))
-    except ValueError:
-        print(body.decode("utf-8", "replace"))
+        return post_json(base, path, token)
+    except AdminError as e:
+        print(f"xds-server: {e}", file=sys.stderr)
+        args.rc = e.code
+        return None
+
+
+def _reload(args: argparse.Namespace) -> int:
+    body = _post(args, "/reload")
+    if body is None:
+        return int(args.rc)
+    print(json.dumps(body, indent=2))
     return 0
 
 
 def _drain(args: argparse.Namespace) -> int:
     q = urllib.parse.urlencode({"reason": args.reason}) if args.reason else ""
     path = f"/nodes/{urllib.parse.quote(args.node, safe='')}/{args.cmd}" + (f"?{q}" if q else "")
-    return _post(args, path)
+    body = _post(args, path)
+    if body is None:
+        return int(args.rc)
+    print(json.dumps(body, indent=2) if args.json else drain_line(args.cmd, body))
+    return 0
 
 
 def _envoy_bootstrap(args: argparse.Namespace) -> int:
@@ -306,25 +278,18 @@ def _port(v: str) -> int:
     return p
 
 
-def _level(v: str) -> str:
-    if v.upper() not in LEVELS:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LEVELS)}")
-    return v.upper()
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``xds-server`` argument parser (global options accepted before or after the command)."""
     glob = argparse.ArgumentParser(add_help=False)
     g = glob.add_argument_group("global options")
-    # SUPPRESS: an option given after the command must not be reset by the subparser's default
-    g.add_argument("--log-level", type=_level, default=argparse.SUPPRESS,
-                   help=f"{', '.join(LEVELS)} (default INFO)")
-    g.add_argument("--log-format", choices=FORMATS, default=argparse.SUPPRESS, help="text or json (default text)")
+    # suppress: an option given after the command must not be reset by the subparser's default
+    add_common_options(g, "xds-server", with_version=False, suppress=True)
     epilog = "exit codes:\n" + "\n".join(f"  {k}  {v}" for k, v in EXIT_CODES.items())
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(prog="xds-server", parents=[glob], epilog=epilog, formatter_class=fmt,
                                 description="Health-aware Envoy control plane for LLM fleets")
-    p.add_argument("--version", action="version", version=f"xds-server {_version()}")
+    p.add_argument("--version", action="version", version=f"xds-server {version()}",
+                   help="print the version and exit")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def cmd(name: str, help_: str, fn) -> argparse.ArgumentParser:
@@ -345,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     admin_help = "admin endpoint: HOST:PORT or http(s)://HOST:PORT (default 127.0.0.1:19000)"
     st = cmd("status", "print node states from a running server's admin endpoint", _status)
     st.add_argument("--admin", default="http://127.0.0.1:19000", help=admin_help)
-    st.add_argument("--json", action="store_true", help="print the /nodes JSON")
+    st.add_argument("--json", action="store_true", help="print the /nodes JSON (default: a table)")
     for name, help_ in (("drain", "drain a node (published DRAINING at once)"),
                         ("undrain", "end a node's drain")):
         dr = cmd(name, help_, _drain)
@@ -353,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
         dr.add_argument("--admin", default="http://127.0.0.1:19000", help=admin_help)
         dr.add_argument("--token", default=None, help=f"admin token (default: ${TOKEN_ENV})")
         dr.add_argument("--reason", default=None, help="recorded in events (default: operator)")
-    rl = cmd("reload", "re-read the running server's config file", lambda a: _post(a, "/reload"))
+        dr.add_argument("--json", action="store_true", help="print the node's full record (default: one line)")
+    rl = cmd("reload", "re-read the running server's config file", _reload)
     rl.add_argument("--admin", default="http://127.0.0.1:19000", help=admin_help)
     rl.add_argument("--token", default=None, help=f"admin token (default: ${TOKEN_ENV})")
     eb = cmd("envoy-bootstrap", "render an Envoy bootstrap (envoy.yaml) for this control plane",
@@ -392,8 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``xds-server`` console script; returns the exit code."""
     quiet_grpc_core()
     args = build_parser().parse_args(argv)
-    configure_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
-    return args.fn(args)
+    level = getattr(args, "log_level", "INFO")
+    configure_logging(level, getattr(args, "log_format", "text"))
+    return run_main("xds-server", lambda: int(args.fn(args)), lambda: level == "DEBUG")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from xds_server.probing.session import grpc_probe_source
 from xds_server.probing.sources import ProbeSource, ProbeSourceContext, ProbeSourceFactory
 from xds_server.probing.workers import WorkerPool
 from xds_server.process.clock import Clock, LoopClock
+from xds_server.process.commandline import bind_failure
 from xds_server.process.tls import add_port, listener_credentials, node_allow_authorizer
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import InvalidResource, SnapshotCache
@@ -166,7 +167,10 @@ class ControlPlane:
         await self._admin_runner.setup()
         ahost, aport = parse_hostport(self.config.admin.listen)
         site = web.TCPSite(self._admin_runner, ahost, aport)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # one line naming the field, as for xds.listen (issue 26)
+            raise OSError(bind_failure(self.config.admin.listen, "admin.listen", exc)) from exc
         self.admin_port = self._admin_runner.addresses[0][1]
         log.info("xds-server: ADS on %s:%d (%s), admin on http://%s:%d", host, self.xds_port,
                  self.config.tls.mode or "plaintext", ahost, self.admin_port)

@@ -1,9 +1,16 @@
-"""Command line of the simulated engine: ``node-probe sim-engine`` / ``python -m node_probe.sim``."""
+"""Command line of the simulated engine: ``node-probe sim-engine`` / ``python -m node_probe.sim``.
+
+Runs until SIGTERM or SIGINT (exit 0); SIGHUP is logged and changes nothing (faults are set
+over HTTP, ``POST /sim/fault``). A port that cannot be bound is one line naming ``--port`` /
+``--host`` (exit 1); bad arguments exit 2. ``--version``, ``--log-level``, ``--log-format`` as
+the other programs (:mod:`xds_server.process.commandline`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import math
 import signal
 import socket
@@ -13,11 +20,15 @@ from aiohttp import web
 
 from node_probe.sim.app import build_app
 from node_probe.sim.engine import SimConfig
+from xds_server.process.commandline import add_common_options, bind_failure, run_main
+from xds_server.process.logs import configure_logging
+
+log = logging.getLogger("node_probe.sim")
 
 __all__ = ["main"]
 
 
-def _parse_args(argv: list[str] | None) -> SimConfig:
+def _parse_args(argv: list[str] | None) -> tuple[SimConfig, argparse.Namespace]:
     parser = argparse.ArgumentParser(
         prog="sim-engine",
         description="Simulated OpenAI-compatible LLM engine (vLLM-shaped) with fault injection.")
@@ -33,6 +44,7 @@ def _parse_args(argv: list[str] | None) -> SimConfig:
                              "(default 0: generations run to max_tokens)")
     parser.add_argument("--max-model-len", type=int, default=4096,
                         help="context length in tokens (default 4096)")
+    add_common_options(parser, "sim-engine")
     args = parser.parse_args(argv)
     if args.token_interval_ms < 0 or not math.isfinite(args.token_interval_ms):
         parser.error("--token-interval-ms must be a finite number >= 0")
@@ -44,7 +56,10 @@ def _parse_args(argv: list[str] | None) -> SimConfig:
         parser.error("--port must be in 0..65535")
     return SimConfig(host=args.host, port=args.port, replica_id=args.replica_id,
                      model=args.model, token_interval_ms=args.token_interval_ms,
-                     eos_rate=args.eos_rate, max_model_len=args.max_model_len)
+                     eos_rate=args.eos_rate, max_model_len=args.max_model_len), args
+
+
+SIGHUP_IGNORED = "SIGHUP: nothing to reload, still running (faults are set with POST /sim/fault)"
 
 
 async def _serve(cfg: SimConfig) -> None:
@@ -52,6 +67,7 @@ async def _serve(cfg: SimConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: log.warning(SIGHUP_IGNORED))
     runner: web.AppRunner | None = None
     try:
         if cfg.port == 0:
@@ -79,7 +95,7 @@ async def _serve(cfg: SimConfig) -> None:
         print(f"sim-engine {cfg.replica_id} listening on http://{host}:{cfg.port}", flush=True)
         await stop.wait()
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         if runner is not None:
             await runner.cleanup()
@@ -96,13 +112,18 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         0 after a clean shutdown; 1 when the port cannot be bound.
     """
-    cfg = _parse_args(argv)
-    try:
-        asyncio.run(_serve(cfg))
-    except OSError as exc:
-        print(f"sim-engine: cannot listen on {cfg.host}:{cfg.port}: {exc}", file=sys.stderr,
-              flush=True)
-        return 1
-    return 0
+    cfg, args = _parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
+
+    def run() -> int:
+        address = f"{cfg.host}:{cfg.port}"
+        try:
+            asyncio.run(_serve(cfg))
+        except OSError as exc:
+            print(f"sim-engine: {bind_failure(address, '--port', exc)}", file=sys.stderr, flush=True)
+            return 1
+        return 0
+
+    return run_main("sim-engine", run, lambda: args.log_level == "DEBUG")
 
 

@@ -119,19 +119,22 @@ async def test_drain_and_undrain_commands_against_a_real_admin_endpoint():
         probes["n0"].probe(ttft_ms=20.0)
         hostport = f"127.0.0.1:{cp.admin_port}"
         env_ok = {**_env(), TOKEN_ENV: TOKEN}
-        rc, out, err = await arun("drain", "n0", "--admin", hostport, "--reason", "maint", env=env_ok)
+        rc, out, err = await arun("drain", "n0", "--admin", hostport, "--reason", "maint", "--json", env=env_ok)
         assert rc == 0, err
         assert json.loads(out)["state"] == "DRAINING"
         assert cp.health["n0"].effective_state.value == "DRAINING"
         rc, out, err = await arun("status", "--admin", hostport, "--json")
         assert rc == 0 and json.loads(out)["nodes"][0]["state"] == "DRAINING"
+        rc, out, err = await arun("drain", "n0", "--admin", hostport, env=env_ok)  # one line, as status
+        assert rc == 0 and out.count("\n") == 1 and out.startswith("drain n0: now DRAINING, weight -, EDS DRAINING: ")
         rc, out, err = await arun("undrain", "n0", "--admin", f"http://{hostport}", "--token", TOKEN)
         assert rc == 0, err
+        assert out.count("\n") == 1 and out.startswith("undrain n0: now "), out
         assert cp.health["n0"].effective_state.value != "DRAINING"
         rc, _, err = await arun("drain", "n0", "--admin", hostport, "--token", "wrong")
-        assert rc == 3 and "401" in err
+        assert rc == 3 and "401" in err and "--token" in err and err.count("\n") == 1
         rc, _, err = await arun("drain", "nope", "--admin", hostport, env=env_ok)
-        assert rc == 3 and "404" in err
+        assert rc == 3 and "unknown node 'nope'" in err and err.count("\n") == 1
         rc, _, err = await arun("drain", "n0", "--admin", hostport, env=_env())
         assert rc == 2 and TOKEN_ENV in err
     finally:

@@ -283,13 +283,13 @@ def test_node_probe_command_refuses_implicit_plaintext_off_loopback(capsys):
 
 
 def test_relay_command_flags_reach_the_feed_tls(pki):
-    from sentinel_relay.cli import _parser
+    from sentinel_relay.cli import _parser, config_fields
 
     ca, srv, _ = pki
     args = _parser().parse_args(["--routing-feed", "xds.internal:18000", "--feed-tls-ca", ca.cert,
                                  "--feed-tls-cert", srv.cert, "--feed-tls-key", srv.key,
                                  "--feed-tls-server-name", "xds.internal"])
-    fields = {k: v for k, v in vars(args).items() if k not in ("config", "log_level", "loop")}
+    fields = config_fields(args)
     assert load_relay_config(None, **fields).feed_tls() == ClientTls(ca.cert, srv.cert, srv.key, "xds.internal")
 
 
