@@ -8,6 +8,7 @@ malformed HTTP request is logged as one rate-limited line, never a traceback.
 
 Routes: ``/`` (the dashboard: static HTML/JS/CSS from ``admin/static``, no build step, no
 CDN), ``/live`` (the dashboard's Server-Sent Events feed, :mod:`xds_server.admin.live`),
+``/history`` (its recent past, fetched with the page: :mod:`xds_server.admin.history`),
 ``/healthz`` (process up), ``/readyz`` (every cluster published and at least one node
 routable; the body says why not), ``/nodes``,
 ``/nodes/{id}``, ``/clusters``, ``/xds/clients``, ``/config_dump``, ``/events``, ``/metrics``;
@@ -17,6 +18,8 @@ through the ``drain`` command the server passes in.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -30,6 +33,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
+from xds_server.admin.history import History
 from xds_server.admin.live import LiveFeed
 from xds_server.admin.metrics import ControlPlaneCollector, EventLoopCollector
 from xds_server.admin.views import ControlPlaneView
@@ -84,6 +88,35 @@ class HttpErrorLog(logging.LoggerAdapter):
                 return
         self.logger.log(level, msg, *args)
 
+def _history(view: ControlPlaneView, app: web.Application) -> History | None:
+    """The dashboard's recent history, sampled every ``admin.history_interval_ms`` from the
+    app's start to its cleanup (whether a browser listens or not); None when ``admin.history_s``
+    is 0. Its size is fixed at start (a reload of the two fields applies at the next start)."""
+    cfg = view.config.admin
+    if cfg.history_s <= 0:
+        return None
+    interval_s = cfg.history_interval_ms / 1000.0
+    history = History(max(1, round(cfg.history_s / interval_s)), interval_s)
+
+    async def sample() -> None:
+        while True:
+            try:
+                history.add(time.time(), view.history_rows())
+            except Exception:  # a view error must not end the history for the rest of the run
+                log.exception("admin: history sample failed")
+            await asyncio.sleep(interval_s)
+
+    async def run(_app: web.Application):
+        task = asyncio.get_running_loop().create_task(sample(), name="admin-history")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(run)
+    return history
+
+
 DrainCommand = Callable[[str, bool, str], dict]
 """``drain(node_id, drain, reason) -> node view``; KeyError for an unknown node."""
 
@@ -98,6 +131,13 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
     live = LiveFeed(view, json_dumps)
     app.on_startup.append(live.start)
     app.on_shutdown.append(live.close)  # before aiohttp waits for open requests: ends SSE streams
+
+    history = _history(view, app)
+
+    async def history_handler(_: web.Request) -> web.Response:
+        if history is None:
+            return _json({"error": "history is off: admin.history_s is 0"}, status=404)
+        return _json(history.to_json())
 
     async def dashboard(_: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
@@ -176,6 +216,7 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
     app.router.add_get("/", dashboard)
     app.router.add_static("/static/", STATIC_DIR, follow_symlinks=False)
     app.router.add_get("/live", live.handle)
+    app.router.add_get("/history", history_handler)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/nodes", nodes)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from google.protobuf import json_format
 
 from xds_server.admin.display import DisplayInputs, NodeDisplay, node_display
+from xds_server.admin.history import HistoryRow
 from xds_server.config import ClusterConfig, SentinelConfig
 from xds_server.control.core import ControlCore
 from xds_server.control.events import EventRecord
@@ -243,6 +244,18 @@ class ControlPlaneView:
     def nodes(self) -> list[dict]:
         return [self.node(n) for n in self._core.node_cfg]
 
+    def history_rows(self) -> list[HistoryRow]:
+        """Every node as the dashboard's history samples it (shown state and weight, RTT, TTFT):
+        lighter than :meth:`node`."""
+        core = self._core
+        rows = []
+        for node_id, nh in core.health.items():
+            shown = self.display(node_id)
+            rows.append(HistoryRow(node_id, core.node_cluster[node_id], shown.state, shown.shown_weight,
+                                   hm.full_weight(core.node_cfg[node_id].capacity), nh.rtt.ewma_ms,
+                                   nh.probe.last_ttft_ms))
+        return rows
+
     def cluster_summaries(self) -> list[dict]:
         out = []
         for c in self.config.clusters:
@@ -255,6 +268,7 @@ class ControlPlaneView:
                 "healthy_fraction": healthy / len(views) if views else 0.0,  # a pool scaled to zero
                 "xds_version": self.cla_version(c.name),
                 "published": bool(self.cla_version(c.name)),
+                "fail_static_held": c.name in self._core.planner.fail_static_held,
             })
         return out
 

@@ -37,5 +37,16 @@ class AdminConfig(_Model):
         description="an idle live-feed stream gets a comment line this often (ours: under the "
         "common 30-60 s proxy idle timeouts)",
     )
+    history_s: float = Field(
+        900.0, ge=0, le=86_400,
+        description="the dashboard's recent history (GET /history: each node's shown state, weight, "
+        "RTT, TTFT), s; 0 = off (ours: 15 min covers what led to an incident an operator opens the "
+        "page for; ~9 KB per node at the default resolution)",
+    )
+    history_interval_ms: int = Field(
+        2000, ge=50, le=600_000,
+        description="one history sample this often, ms (ours: 2 s keeps a 15-minute sparkline at "
+        "450 points, finer than a table cell's pixels; the live feed fills in between)",
+    )
 
     _v_listen = field_validator("listen")(_check_hostport)

@@ -4,9 +4,14 @@
 // undrain and never stored (not in localStorage, not in a cookie, not in the URL).
 "use strict";
 
-const HISTORY = 60;           // sparkline points kept per node (one per snapshot)
 const MAX_EVENTS = 200;       // event feed entries kept in the page
-const history = new Map();    // node id -> {rtt: [ms], ttft: [ms]}
+// The recent past comes from the control plane (GET /history, fetched before the live feed
+// opens): the page opens with its sparklines and timelines full. Live snapshots extend it at
+// the same resolution; points older than the window are dropped.
+const past = {interval: 2, window: 900, states: [], nodes: new Map()};  // id -> {t, state, weight, rtt, ttft}
+const STATE_COLOR = {HEALTHY: "#1f9d55", PROBATION: "#2b7bd6", DEGRADED: "#d69e2e", UNHEALTHY: "#d64545",
+  DRAINING: "#8a5cd6", WARMING: "#7a8699", COLD: "#a0a8b5", FAIL_STATIC: "#b7410e", UNREACHABLE: "#4b5563",
+  HELD_BACK: "#c2851b"};
 
 function el(tag, attrs, ...children) {
   const e = document.createElement(tag);
@@ -21,34 +26,133 @@ function el(tag, attrs, ...children) {
 }
 
 function fmtMs(v) { return v == null ? "–" : (v < 10 ? v.toFixed(2) : v.toFixed(0)) + " ms"; }
+function fmtAgo(s) { return s >= 120 ? `${(s / 60).toFixed(0)} min` : `${s.toFixed(0)} s`; }
 function fmtS(v) { return v == null ? "–" : (v < 10 ? v.toFixed(1) : v.toFixed(0)) + " s"; }
 
-function spark(values) {
-  const ns = "http://www.w3.org/2000/svg";
-  const svg = document.createElementNS(ns, "svg");
-  svg.setAttribute("class", "spark");
-  svg.setAttribute("viewBox", "0 0 110 26");
-  const pts = values.filter(v => v != null);
+const NS = "http://www.w3.org/2000/svg";
+function svgEl(tag, attrs) {
+  const e = document.createElementNS(NS, tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+  return e;
+}
+
+// The time span drawn: the window, or less while the history is younger than it.
+function span(now) {
+  let first = now;
+  for (const h of past.nodes.values()) if (h.t.length && h.t[0] < first) first = h.t[0];
+  const t0 = Math.max(first, now - past.window);
+  return {t0, t1: now, width: Math.max(now - t0, past.interval)};
+}
+
+function spark(times, values, sp) {
+  const svg = svgEl("svg", {class: "spark", viewBox: "0 0 110 26", preserveAspectRatio: "none"});
+  const pts = [];
+  for (let i = 0; i < times.length; i++) if (values[i] != null && times[i] >= sp.t0) pts.push([times[i], values[i]]);
   if (pts.length > 1) {
-    const max = Math.max(...pts), min = Math.min(...pts), span = (max - min) || 1;
-    const step = 110 / (HISTORY - 1), off = HISTORY - values.length;
-    const line = document.createElementNS(ns, "polyline");
-    line.setAttribute("points", values.map((v, i) => v == null ? null :
-      `${((off + i) * step).toFixed(1)},${(24 - ((v - min) / span) * 22).toFixed(1)}`).filter(Boolean).join(" "));
-    svg.append(line);
-    const title = document.createElementNS(ns, "title");
-    title.textContent = `min ${min.toFixed(1)} ms, max ${max.toFixed(1)} ms`;
+    const vs = pts.map(p => p[1]);
+    const max = Math.max(...vs), min = Math.min(...vs), range = (max - min) || 1;
+    svg.append(svgEl("polyline", {points: pts.map(([t, v]) =>
+      `${(110 * (t - sp.t0) / sp.width).toFixed(1)},${(24 - ((v - min) / range) * 22).toFixed(1)}`).join(" ")}));
+    const title = svgEl("title");
+    title.textContent = `last ${fmtS(sp.width)}: min ${min.toFixed(1)} ms, max ${max.toFixed(1)} ms`;
     svg.append(title);
   }
   return svg;
 }
 
-function remember(n) {
-  let h = history.get(n.id);
-  if (!h) { h = {rtt: [], ttft: []}; history.set(n.id, h); }
-  h.rtt.push(n.ewma_rtt_ms); h.ttft.push(n.last_ttft_ms);
-  if (h.rtt.length > HISTORY) { h.rtt.shift(); h.ttft.shift(); }
+function seriesOf(id) {
+  let h = past.nodes.get(id);
+  if (!h) { h = {t: [], state: [], weight: [], full: 0, rtt: [], ttft: []}; past.nodes.set(id, h); }
   return h;
+}
+
+function trim(h, now) {
+  let k = 0;
+  while (k < h.t.length && h.t[k] < now - past.window) k++;
+  if (k) for (const a of [h.t, h.state, h.weight, h.rtt, h.ttft]) a.splice(0, k);
+}
+
+// A live snapshot extends the history once per history interval.
+function remember(n, now) {
+  const h = seriesOf(n.id);
+  h.full = n.full_weight;
+  if (h.t.length && now - h.t[h.t.length - 1] < past.interval * 0.9) return h;
+  h.t.push(now); h.state.push(n.display_state || n.state); h.weight.push(routed(n) ? n.weight : null);
+  h.rtt.push(n.ewma_rtt_ms); h.ttft.push(n.last_ttft_ms);
+  trim(h, now);
+  return h;
+}
+
+function loadHistory(doc) {
+  past.interval = doc.interval_s; past.window = doc.window_s; past.states = doc.states;
+  const neg = v => (v < 0 ? null : v);
+  for (const [id, s] of Object.entries(doc.nodes)) {
+    const h = seriesOf(id);
+    h.full = s.full_weight;
+    s.state.forEach((st, i) => {
+      if (st < 0) return;  // no sample of this node then (added later)
+      h.t.push(doc.t[i]); h.state.push(doc.states[st]); h.weight.push(neg(s.weight[i]));
+      h.rtt.push(neg(s.rtt_ms[i])); h.ttft.push(neg(s.ttft_ms[i]));
+    });
+  }
+}
+
+function routed(n) { return n.routed != null ? n.routed : n.eds_health_status === "HEALTHY"; }
+
+// One cluster's last minutes: a band per node coloured by its shown state, its published weight
+// (share of full weight) drawn over it; a gap in the line: not routed ("-").
+function timeline(nodes, sp) {
+  const rowH = 16, labelW = 0, W = 1000, H = Math.max(1, nodes.length) * rowH;
+  const svg = svgEl("svg", {class: "timeline", viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none",
+    height: String(H), "data-nodes": String(nodes.length)});
+  const x = t => labelW + (W - labelW) * (t - sp.t0) / sp.width;
+  nodes.forEach((n, row) => {
+    const h = past.nodes.get(n.id);
+    const y = row * rowH;
+    const g = svgEl("g", {"data-node": n.id});
+    if (h && h.t.length) {
+      let start = 0;
+      for (let i = 1; i <= h.t.length; i++) {
+        if (i < h.t.length && h.state[i] === h.state[start]) continue;
+        const x0 = x(Math.max(h.t[start], sp.t0)), x1 = i < h.t.length ? x(h.t[i]) : W;
+        if (x1 > x0) {
+          const r = svgEl("rect", {x: x0.toFixed(1), y: y + 1, width: (x1 - x0).toFixed(1), height: rowH - 2,
+            fill: STATE_COLOR[h.state[start]] || "#999", "data-state": h.state[start]});
+          const tip = svgEl("title");
+          tip.textContent = `${n.id}: ${h.state[start]} from ${new Date(h.t[start] * 1000).toLocaleTimeString()}`;
+          r.append(tip);
+          g.append(r);
+        }
+        start = i;
+      }
+      const segs = [];
+      let cur = [];
+      h.t.forEach((t, i) => {
+        const w = h.weight[i];
+        if (w == null || t < sp.t0) { if (cur.length > 1) segs.push(cur); cur = []; return; }
+        cur.push(`${x(t).toFixed(1)},${(y + rowH - 2 - (rowH - 4) * Math.min(1, w / (h.full || 1))).toFixed(1)}`);
+      });
+      if (cur.length > 1) segs.push(cur);
+      for (const s of segs) g.append(svgEl("polyline", {class: "weight", points: s.join(" ")}));
+    }
+    svg.append(g);
+  });
+  const names = el("div", {class: "tl-names"}, ...nodes.map(n => el("div", {text: n.id})));
+  const axis = el("div", {class: "tl-axis muted"}, el("span", {text: `${fmtAgo(sp.width)} ago`}),
+    el("span", {text: "state band, white line: published weight (share of full)"}), el("span", {text: "now"}));
+  return el("div", {class: "tl"}, names, el("div", {}, svg, axis));
+}
+
+function clusterBanner(c, fs) {
+  if (c.fail_static_held || (fs && c.nodes > 0 && (fs.held_clusters || []).includes(c.name))) {
+    return el("div", {class: "cbanner failstatic", "data-banner": "fail-static",
+      text: `FAIL-STATIC holds ${c.name}: Envoy keeps its last good assignment; health verdicts are not applied`});
+  }
+  if (c.nodes > 0 && c.routable === 0) {
+    return el("div", {class: "cbanner nothing", "data-banner": "nothing-routable",
+      text: `NOTHING ROUTABLE in ${c.name}: 0 of ${c.nodes} node(s) routed; Envoy has nowhere to send its requests`});
+  }
+  return null;
 }
 
 // "why not routed and until when": the reason and the next moment something can change.
@@ -90,17 +194,20 @@ function drainButton(n) {
   return b;
 }
 
-function nodeRow(n) {
-  const h = remember(n);
-  return el("tr", {class: n.state, "data-node": n.id, "data-state": n.state},
+function nodeRow(n, now, sp) {
+  const h = remember(n, now);
+  const shown = n.display_state || n.state;
+  // weight as `xds-server status` shows it: "-" when Envoy does not route to the node
+  const weight = routed(n) ? `${n.weight} / ${n.full_weight}` : "-";
+  return el("tr", {class: shown, "data-node": n.id, "data-state": shown},
     el("td", {}, el("div", {text: n.id}), el("div", {class: "muted", text: n.address})),
-    el("td", {}, el("span", {class: `state ${n.state}`, text: n.state}),
-      n.state !== n.health_state ? el("div", {class: "muted", text: `health: ${n.health_state}`}) : null),
-    el("td", {class: "num", text: `${n.weight} / ${n.full_weight}`}),
+    el("td", {}, el("span", {class: `state ${shown}`, text: shown}),
+      shown !== n.health_state ? el("div", {class: "muted", text: `health: ${n.health_state}`}) : null),
+    el("td", {class: "num weight", text: weight}),
     el("td", {}, el("span", {class: `eds ${n.eds_health_status}`, text: n.eds_health_status}),
       el("div", {class: "muted", text: n.probe_stream_connected ? "agent connected" : "agent not connected"})),
-    el("td", {}, spark(h.rtt), el("div", {class: "muted", text: `RTT ${fmtMs(n.ewma_rtt_ms)}`})),
-    el("td", {}, spark(h.ttft), el("div", {class: "muted", text: `TTFT ${fmtMs(n.last_ttft_ms)}`})),
+    el("td", {}, spark(h.t, h.rtt, sp), el("div", {class: "muted", text: `RTT ${fmtMs(n.ewma_rtt_ms)}`})),
+    el("td", {}, spark(h.t, h.ttft, sp), el("div", {class: "muted", text: `TTFT ${fmtMs(n.last_ttft_ms)}`})),
     whyCell(n),
     probationCell(n),
     el("td", {}, drainButton(n)));
@@ -114,14 +221,22 @@ function render(s) {
     if (!byCluster.has(n.cluster)) byCluster.set(n.cluster, []);
     byCluster.get(n.cluster).push(n);
   }
+  for (const id of [...past.nodes.keys()]) if (!s.nodes.some(n => n.id === id)) past.nodes.delete(id);
+  for (const n of s.nodes) remember(n, s.time);
+  const sp = span(s.time);
   const root = document.getElementById("clusters");
-  const sections = s.clusters.map(c => el("section", {class: "cluster", "data-cluster": c.name},
-    el("h2", {}, c.name, el("span", {class: "muted",
-      text: `${c.routable}/${c.nodes} routable · EDS ${c.published ? "version " + c.xds_version.slice(0, 12) : "not published yet"}`})),
-    el("table", {},
-      el("thead", {}, el("tr", {}, ...["node", "state", "weight", "EDS", "RTT", "TTFT", "why not routed / until",
-        "probation", ""].map(t => el("th", {text: t})))),
-      el("tbody", {}, ...(byCluster.get(c.name) || []).map(nodeRow)))));
+  const sections = s.clusters.map(c => {
+    const nodes = byCluster.get(c.name) || [];
+    return el("section", {class: "cluster", "data-cluster": c.name},
+      el("h2", {}, c.name, el("span", {class: "muted",
+        text: `${c.routable}/${c.nodes} routable · EDS ${c.published ? "version " + c.xds_version.slice(0, 12) : "not published yet"}`})),
+      clusterBanner(c, s.fail_static_view),
+      timeline(nodes, sp),
+      el("table", {},
+        el("thead", {}, el("tr", {}, ...["node", "state", "weight", "EDS", "RTT", "TTFT", "why not routed / until",
+          "probation", ""].map(t => el("th", {text: t})))),
+        el("tbody", {}, ...nodes.map(n => nodeRow(n, s.time, sp)))));
+  });
   root.replaceChildren(...sections);
 }
 
@@ -167,4 +282,6 @@ function connect() {
   es.addEventListener("event", ev => addEvent(JSON.parse(ev.data)));
 }
 
-connect();
+// The past first (sparklines and timelines full at once), then the live feed.
+fetch("/history").then(r => (r.ok ? r.json() : null)).then(doc => { if (doc) loadHistory(doc); })
+  .catch(() => {}).finally(connect);
