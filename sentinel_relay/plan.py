@@ -3,11 +3,15 @@
 - :func:`plan_request`: path + body bytes -> :class:`Plan`: the kind (completions or chat),
   streaming or not, the body to send upstream on the first attempt, and a refusal reason when the
   request cannot be continued (it is then passed through unchanged).
-- :func:`continuation_body`: the original request + what the client has received -> the body of
-  the next attempt. Completions: ``prompt`` = prompt token ids + generated token ids (or prompt
-  text + received text where stop strings can hold text back behind the ids), ``max_tokens``
-  reduced, ``min_tokens`` rebased. Chat: a trailing assistant message holding the text received,
-  ``continue_final_message: true``, ``add_generation_prompt: false`` (vLLM and SGLang). Never an
+- :func:`continuation_body`: the original request + what the client has received -> the
+  :class:`Continuation` (path kind and body) of the next attempt. Whenever the engine returned
+  token ids (it does for every armed stream: ``return_token_ids``), the continuation is
+  ``/v1/completions`` with ``prompt`` = prompt token ids + a prefix of the generated ids, for
+  chat too (the chat template's prompt ids, the chunks re-wrapped as chat chunks by the stream
+  book): text is never re-tokenized, because a byte-level BPE does not give the same ids back
+  (a lone-byte token seen as U+FFFD, a token cut by the stop-string hold-back). Without ids:
+  completions continue from prompt text + received text, chat from a trailing assistant
+  message (``continue_final_message``). ``max_tokens`` reduced, ``min_tokens`` rebased. Never an
   added instruction or turn.
 
 Errors: :class:`Refused` (a reason string) when a continuation cannot be built faithfully.
@@ -19,25 +23,41 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "CHAT_ONLY_FIELDS",
     "COMPLETIONS_DEFAULT_MAX_TOKENS",
+    "PATHS",
+    "Continuation",
     "Plan",
     "Received",
     "Refused",
     "continuation_body",
     "plan_request",
     "static_refusal",
+    "stop_holdback",
 ]
 
 # OpenAI's and vLLM's default for /v1/completions when max_tokens is absent (chat has none).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 _PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+#: The path of each kind.
+PATHS = {v: k for k, v in _PATHS.items()}
 
 # Request fields that constrain decoding to a grammar: a continuation would restart the grammar
 # at the beginning of the partial output, so these are never continued.
 _GUIDED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
                   "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
                   "regex", "json_schema", "ebnf")
+
+
+# Chat request fields with no meaning (or another one) on /v1/completions: dropped when a chat
+# stream continues there from token ids (the prompt ids already hold the rendered template).
+CHAT_ONLY_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
+                    "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "documents",
+                    "functions", "function_call", "max_completion_tokens", "logprobs", "top_logprobs",
+                    "reasoning_effort", "include_reasoning", "mm_processor_kwargs", "media_io_kwargs",
+                    "add_special_tokens", "return_tokens_as_token_ids", "audio", "modalities",
+                    "prediction", "web_search_options")
 
 
 class Refused(Exception):
@@ -72,7 +92,9 @@ class Received:
     of the tokens delivered (when the engine returns them). ``prompt_token_ids``: from the first
     attempt's first chunk (None if the engine did not send them). ``chunks``: content chunks sent.
     ``ids_with_text``: how many of ``token_ids`` were delivered up to the last chunk with text
-    (None: all of them).
+    (None: all of them). ``marks``: ``(ids, characters)`` delivered after each chunk that
+    carried text, in order (where a continuation from ids may start). ``chars``: characters of
+    text delivered (code points, as the engine counts them).
     """
 
     text: list[str] = field(default_factory=list)
@@ -80,6 +102,20 @@ class Received:
     prompt_token_ids: list[int] | None = None
     chunks: int = 0
     ids_with_text: int | None = None
+    marks: list[tuple[int, int]] = field(default_factory=list)
+    chars: int = 0
+
+    def add(self, text: str | None, ids: list[int] | None) -> None:
+        """Record one delivered chunk's text and token ids."""
+        if ids:
+            self.token_ids.extend(ids)
+        if text:
+            self.text.append(text)
+            self.chars += len(text)
+            self.ids_with_text = len(self.token_ids)
+            self.marks.append((len(self.token_ids), self.chars))
+        if text or ids:
+            self.chunks += 1
 
     @property
     def held_back(self) -> int:
@@ -145,68 +181,107 @@ def plan_request(path: str, raw: bytes) -> Plan:
     return Plan(kind, body, stream, refusal, upstream, include_usage)
 
 
-def _text_continuation(body: dict[str, Any]) -> bool:
-    """Stop strings let the engine hold text back while it has sent the ids: continue from text."""
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """The next attempt: ``kind`` ("completions" or "chat": the path it goes to), ``body``, and
+    what the stream book drops from its output because the client already has it:
+    ``skip_ids`` regenerated token ids and ``skip_chars`` characters of regenerated text.
+    ``resent``: generated tokens re-sent as context (the re-prefill)."""
+
+    kind: str
+    body: dict[str, Any]
+    skip_ids: int = 0
+    skip_chars: int = 0
+    resent: int = 0
+
+
+def stop_holdback(body: dict[str, Any]) -> int:
+    """Characters the engine holds back while a stop string may still match (vLLM's stop
+    buffer: the longest stop string's length - 1; 0 with ``include_stop_str_in_output``)."""
     stop = body.get("stop")
-    if not stop:
-        return False
-    return isinstance(stop, str) or any(isinstance(s, str) and s for s in stop)
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or body.get("include_stop_str_in_output") is True:
+        return 0
+    return max((len(s) - 1 for s in stop if isinstance(s, str) and s), default=0)
+
+
+def _resume_point(rx: Received, holdback: int) -> tuple[int, int]:
+    """``(ids, chars)``: the longest prefix of the generated ids to continue from, and the
+    characters of text those ids decode to.
+
+    After a chunk that carried text the engine had decoded ``chars + holdback`` characters (it
+    releases all but the hold-back; text is released only when the last token completed a
+    character, so no partial UTF-8 sequence is pending there). A continuation from that prefix
+    sees every stop string that can still end after the text delivered if it starts no later
+    than ``delivered - holdback``; the engine's release then meets the delivered text exactly at
+    the last delivered token. Falls back to ``(0, 0)``: the whole generation is regenerated."""
+    limit = rx.chars - holdback
+    for ids, chars in reversed(rx.marks):
+        if chars + holdback <= limit and ids <= len(rx.token_ids):
+            return ids, chars + holdback
+    return 0, 0
 
 
 def continuation_body(kind: str, body: dict[str, Any], rx: Received,
-                      max_resume_tokens: int) -> dict[str, Any] | None:
-    """The next attempt's request body, or None when the generation is already complete
-    (``max_tokens`` all delivered: the caller finishes with ``length``).
+                      max_resume_tokens: int) -> Continuation | None:
+    """The next attempt, or None when the generation is already complete (``max_tokens`` all
+    delivered: the caller finishes with ``length``).
 
-    Completions continue from token ids, except with stop strings and a text prompt (the engine
-    may hold text back behind the ids it sent): then prompt text + the text received. A token-id
-    prompt with stop strings still continues from ids (no text prompt to extend). Ids delivered
-    with empty text (held back inside an incomplete UTF-8 sequence: ``rx.held_back``) are not
-    resent: continuing from them makes vLLM's detokenizer emit the whole context as text (seen
-    on vLLM 0.32); they are regenerated, and the caller drops their ids the second time.
+    With the prompt's and the generated token ids (see the module docstring): a
+    ``/v1/completions`` request from prompt ids + the ids of :func:`_resume_point`; the tokens
+    after it are regenerated and dropped by the caller (``skip_ids``, ``skip_chars``), so a stop
+    string whose match spans the cut, or began in the last delivered token, is still found, and
+    tokens whose text was held back are never delivered twice. Without ids: prompt text +
+    received text (completions), or a trailing assistant message (chat).
 
     ``max_resume_tokens``: the most generated tokens re-sent as context (bounds the re-prefill).
     Raises :class:`Refused` when it cannot be built faithfully.
     """
     delivered = rx.tokens
-    if delivered > max_resume_tokens:
-        raise Refused(f"resume_too_long ({delivered} > {max_resume_tokens} tokens)")
     new = dict(body)
     new["stream"] = True
     new["return_token_ids"] = True
     if delivered == 0 and not rx.text:
-        return new  # nothing reached the client: the original request, as it was
+        return Continuation(kind, new)  # nothing reached the client: the original request, as it was
     mt_key = "max_tokens"
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         mt_key = "max_completion_tokens"
     max_tokens = body.get(mt_key)
     if kind == "completions" and max_tokens is None:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    # Tokens whose text was held back are regenerated (the caller skips their ids again), so
-    # the continuation starts after the last token the client saw text for.
+    if isinstance(max_tokens, int) and max_tokens - delivered <= 0:
+        return None
+    pids = rx.prompt_token_ids
+    if pids is None and kind == "completions" and isinstance(body.get("prompt"), list):
+        pids = list(body["prompt"])  # a token-id prompt (static_refusal checked its shape)
+    # chat logprobs have another shape on /v1/completions: such a stream continues from text
+    if pids is not None and rx.token_ids and not (kind == "chat" and body.get("logprobs")):
+        kept, at = _resume_point(rx, stop_holdback(body))
+        if kept > max_resume_tokens:
+            raise Refused(f"resume_too_long ({kept} > {max_resume_tokens} tokens)")
+        out = {k: v for k, v in new.items() if k not in CHAT_ONLY_FIELDS} if kind == "chat" else new
+        out["prompt"] = pids + rx.token_ids[:kept]
+        if isinstance(max_tokens, int):
+            out["max_tokens"] = max_tokens - kept
+        _rebase_min(out, body, kept)
+        return Continuation("completions", out, len(rx.token_ids) - kept, rx.chars - at, kept)
+    # No ids from the engine: continue from text (exact only where text re-tokenizes to the
+    # same ids); the tokens whose text was held back are regenerated.
     kept = delivered - rx.held_back
+    if kept > max_resume_tokens:
+        raise Refused(f"resume_too_long ({kept} > {max_resume_tokens} tokens)")
     if isinstance(max_tokens, int):
-        if max_tokens - delivered <= 0:
-            return None
         new[mt_key] = max_tokens - kept
-    mn = body.get("min_tokens")
-    if isinstance(mn, int) and mn > 0:
-        new["min_tokens"] = max(0, mn - kept)
+    _rebase_min(new, body, kept)
     text = "".join(rx.text)
-    seen_ids = rx.token_ids[:len(rx.token_ids) - rx.held_back]
     if kind == "completions":
         prompt = body.get("prompt")
-        if _text_continuation(body) and isinstance(prompt, str):
-            new["prompt"] = prompt + text
-        elif rx.prompt_token_ids is not None and rx.token_ids:
-            new["prompt"] = rx.prompt_token_ids + seen_ids
-        elif isinstance(prompt, list) and rx.token_ids:
-            new["prompt"] = list(prompt) + seen_ids
-        elif isinstance(prompt, str):
+        if isinstance(prompt, str):
             new["prompt"] = prompt + text
         else:
             raise Refused("no_token_ids")
-        return new
+        return Continuation(kind, new, rx.held_back, 0, kept)
     msgs = list(body["messages"])
     last = msgs[-1] if msgs else None
     if (body.get("continue_final_message") and isinstance(last, dict)
@@ -217,4 +292,10 @@ def continuation_body(kind: str, body: dict[str, Any], rx: Received,
     new["messages"] = msgs
     new["continue_final_message"] = True
     new["add_generation_prompt"] = False
-    return new
+    return Continuation(kind, new, rx.held_back, 0, kept)
+
+
+def _rebase_min(new: dict[str, Any], body: dict[str, Any], kept: int) -> None:
+    mn = body.get("min_tokens")
+    if isinstance(mn, int) and mn > 0:
+        new["min_tokens"] = max(0, mn - kept)

@@ -29,7 +29,7 @@ from multidict import CIMultiDict
 from .config import RelayConfig
 from .http1 import build_request
 from .metrics import RelayMetrics
-from .plan import Plan, Refused, plan_request
+from .plan import PATHS, Plan, Refused, plan_request
 from .sse import SSESplitter
 from .stream import PING, St, StreamBook
 from .unary import HOP_HEADERS, RELAY_HEADER, UnaryRequests
@@ -192,6 +192,11 @@ class Relay:
                 if ctx.rescuing and ctx.transport is not None and now - ctx.last_tx >= self.cfg.ping_interval_s:
                     ctx.last_tx = now
                     ctx.send(PING)
+                if ctx.transport is not None and (ctx.client_gone or ctx.transport.is_closing()):
+                    # the client left (seen at the latest by a ping's write): the upstream
+                    # request goes at once, not at the next body write or Envoy's idle timeout
+                    ctx.client_gone = True
+                    ctx.kill("client")
 
     # -- HTTP ------------------------------------------------------------------------------------
     def _upstream_headers(self, request: web.BaseRequest, armed: bool) -> dict[str, str]:
@@ -230,13 +235,18 @@ class Relay:
                 ctx.kill_reason, ctx.first_chunk, ctx.last_rx = None, False, loop.time()
                 reason: str | None = None
                 head = None
+                target = request.path_qs
+                if book.upstream_kind != plan.kind:  # a chat stream continued from token ids
+                    target = PATHS[book.upstream_kind] + (f"?{request.query_string}" if request.query_string else "")
                 try:
                     ex = await open_exchange(self._up_host, self._up_port, build_request(
-                        "POST", request.path_qs, self._up_hostport, hdrs, body))
+                        "POST", target, self._up_hostport, hdrs, body))
                     ctx.up = ex
                     head = await ex.head
                 except (TimeoutError, OSError):
                     reason = ctx.kill_reason or "reset"
+                if ctx.client_gone:  # left while this attempt connected or prefilled
+                    return client or web.Response(status=499)
                 if head is not None and head.status != 200:
                     err = await _collect(ex)
                     ctx.up = None

@@ -7,11 +7,19 @@ one ``finish_reason``, usage computed here (prompt tokens once, completion token
 delivered) and one ``data: [DONE]``; or, when the last attempt fails, one in-band error event and
 no ``[DONE]``.
 
-First attempt: events are forwarded byte for byte (no JSON re-encoding); a plain token chunk in
-compact JSON (vLLM's) is not even decoded: the JSON of its text and token ids is kept as bytes
-and decoded only when a rescue (or the relay's usage) needs it (:attr:`StreamBook.rx`). Later
-attempts: each chunk is rewritten (id, model, created of the first; the repeated chat ``role``
-delta, the continuation's ``prompt_token_ids`` and the engine's usage dropped).
+First attempt: events are forwarded byte for byte (no JSON re-encoding), except the token ids the
+relay asked for (``return_token_ids``): unless the client asked for them too, each
+``"token_ids":[...]`` and ``"prompt_token_ids":[...]`` goes out as ``null``, what the engine
+sends without them. A plain token chunk in compact JSON (vLLM's) is not even decoded: the JSON
+of its text and token ids is kept as bytes and decoded only when a rescue (or the relay's usage)
+needs it (:attr:`StreamBook.rx`). Later attempts: each chunk is rewritten (id, model, created of
+the first; the repeated chat ``role`` delta, the continuation's ``prompt_token_ids`` and the
+engine's usage numbers dropped; the tokens and text the client already has skipped; a chat
+stream continued on ``/v1/completions`` re-wrapped as chat chunks, key for key).
+
+A data event that is not JSON (an engine's or a proxy's bug) is not a failed node: it is passed
+through as Envoy alone would, and the stream is no longer rescued (the relay cannot know what it
+carried): a later fault sends the error event with reason ``garbled_event``.
 
 States and inputs are a table (:data:`TRANSITIONS`); an input the table does not allow in a
 state raises :class:`BookError` (a bug in the caller, never upstream data: every upstream input is
@@ -21,20 +29,16 @@ from __future__ import annotations
 
 import enum
 import json
-import re
 from typing import Any
 
+from .chunks import chat_choice, error_event, fast_fields, strip_ids
+from .chunks import dumps as _dumps
 from .plan import Received, Refused, continuation_body
 from .sse import event_data
 
 __all__ = ["DONE", "PING", "TRANSITIONS", "BookError", "In", "St", "StreamBook", "error_event"]
 
 PING = b": ping\n\n"
-# Compact JSON (vLLM's pydantic output): the string value of a key, the token id list.
-_STR = rb'("(?:[^"\\]|\\.)*")'
-_TEXT = re.compile(rb'"text":' + _STR)
-_CONTENT = re.compile(rb'"delta":\{(?:"role":"assistant",)?"content":' + _STR)
-_IDS = re.compile(rb'"token_ids":(\[[0-9,]*\]|null)')
 DONE = b"data: [DONE]\n\n"
 
 
@@ -80,31 +84,25 @@ class BookError(RuntimeError):
     """An input the state table does not allow (a caller's bug)."""
 
 
-def error_event(message: str, code: int = 502, type_: str = "relay_rescue_failed") -> bytes:
-    """The one in-band error event sent when the last attempt failed (OpenAI error shape)."""
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _dumps(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
 class StreamBook:
     """One streamed response across attempts. ``kind``: "completions" or "chat"; ``body``: the
     client's request (parsed); ``include_usage``: the client asked for a usage chunk.
 
     Read-only facts for the shell: ``state``, ``attempt`` (1-based), ``rx`` (what the client has
     received), ``fault`` (the reason the current attempt failed, or None), ``resent_tokens``
-    (generated tokens re-sent as context in the current attempt).
+    (generated tokens re-sent as context in the current attempt), ``upstream_kind`` (the path
+    kind of the current attempt: a chat stream continues on "completions" from token ids),
+    ``garbled`` (a data event that was not JSON passed through: no rescue from then on).
     """
 
     def __init__(self, kind: str, body: dict[str, Any], include_usage: bool = False) -> None:
         self.kind = kind
         self.body = body
         self.include_usage = include_usage
+        self.client_ids = body.get("return_token_ids") is True
         self.state = St.OPEN
         self.attempt = 1
+        self.upstream_kind = kind
         self._rx = Received()
         # Fast path (first attempt, compact vLLM-style chunks): the JSON of each chunk's text and
         # token ids is kept as bytes, comma-joined, and decoded only when needed (see ``rx``).
@@ -112,8 +110,10 @@ class StreamBook:
         self._fast_ids = bytearray()
         self._fast_n = 0
         self.fault: str | None = None
+        self.garbled = False
         self.resent_tokens = 0
-        self._skip_ids = 0  # held-back ids the current attempt regenerates: not delivered twice
+        self._skip_ids = 0    # regenerated ids the client already has: not delivered twice
+        self._skip_chars = 0  # regenerated text the client already has
         self._identity: tuple[Any, Any, Any, Any] | None = None  # id, object, created, model
         self._identity_attempt = 0
         self._engine_usage: dict[str, Any] | None = None
@@ -127,11 +127,9 @@ class StreamBook:
         if self._fast_n:
             rx = self._rx
             texts = json.loads(b"[" + self._fast_text + b"]")
-            rx.text.extend(t for t in texts if t)
-            if self._fast_ids:
-                rx.token_ids.extend(json.loads(b"[" + self._fast_ids + b"]"))
-            rx.ids_with_text = len(rx.token_ids)  # every fast-path chunk carried text
-            rx.chunks += self._fast_n
+            ids = json.loads(b"[" + self._fast_ids + b"]")
+            for t, i in zip(texts, ids, strict=True):
+                rx.add(t, i)
             self._fast_text.clear()
             self._fast_ids.clear()
             self._fast_n = 0
@@ -140,32 +138,19 @@ class StreamBook:
     def _fast(self, data: bytes) -> bool:
         """Record a plain token chunk without decoding its JSON; False when it needs the full
         parse (first chunk, finish_reason, errors, usage, tool calls, reasoning, non-compact
-        JSON)."""
-        # An error event carries no "finish_reason":null; logprobs cannot match the patterns.
-        if b'"finish_reason":null' not in data or b'"usage"' in data:
+        JSON, ids whose text is held back)."""
+        f = fast_fields(data, self.kind == "chat")
+        if f is None:
             return False
-        if self.kind == "chat":
-            if b'"tool_calls"' in data or b'"reasoning' in data:
-                return False
-            m = _CONTENT.search(data)
-        else:
-            m = _TEXT.search(data)
-        i = _IDS.search(data)
-        if m is None or i is None:
-            return False
-        if m.group(1) == b'""' and i.group(1) not in (b"null", b"[]"):
-            return False  # ids whose text is held back: the full parse keeps track of them
-        ft = self._fast_text
-        if ft or self._fast_n:
+        text, ids = f
+        if text == b'""':
+            return ids in (b"null", b"[]")  # neither text nor ids: not a content chunk
+        ft, fi = self._fast_text, self._fast_ids
+        if self._fast_n:
             ft += b","
-        ft += m.group(1)
-        ids = i.group(1)
-        if ids != b"null" and len(ids) > 2:
-            if self._fast_ids:
-                self._fast_ids += b","
-            self._fast_ids += ids[1:-1]
-        elif m.group(1) == b'""':
-            return True  # neither text nor ids: not a content chunk
+            fi += b","
+        ft += text
+        fi += b"[]" if ids == b"null" else ids
         self._fast_n += 1
         return True
 
@@ -182,6 +167,10 @@ class StreamBook:
     def rewriting(self) -> bool:
         """Chunks are rewritten: the client already has the identity of an earlier attempt."""
         return self._identity is not None and self._identity_attempt != self.attempt
+
+    def _out(self, raw: bytes) -> bytes:
+        """A first-attempt event as the client gets it (ids it did not ask for: null)."""
+        return raw if self.client_ids else strip_ids(raw)
 
     def feed(self, events: list[bytes]) -> bytes:
         """Upstream events of the current attempt -> the bytes to send to the client (may be
@@ -205,13 +194,19 @@ class StreamBook:
                 continue
             if self.state is St.OPEN and self._identity is not None and not self.rewriting \
                     and self._fast(data):
-                out.append(raw)
+                out.append(self._out(raw))
                 continue
             try:
                 obj = json.loads(data)
             except ValueError:
                 obj = None
-            if not isinstance(obj, dict) or "error" in obj or obj.get("object") == "error":
+            if not isinstance(obj, dict):
+                # garbled: as Envoy alone would, the client gets it; no rescue from now on
+                self.garbled = True
+                self._go(In.COMMENT)
+                out.append(raw)
+                continue
+            if "error" in obj or obj.get("object") == "error":
                 if self._go(In.ERROR) is St.FAULTED:
                     self.fault = "error"
                 else:
@@ -219,6 +214,13 @@ class StreamBook:
                 continue
             out.append(self._chunk(raw, obj))
         return b"".join(out)
+
+    def _rewrite_identity(self, obj: dict[str, Any]) -> None:
+        assert self._identity is not None
+        cid, cobj, created, model = self._identity
+        obj["id"], obj["created"], obj["model"] = cid, created, model
+        if cobj is not None:
+            obj["object"] = cobj
 
     def _chunk(self, raw: bytes, obj: dict[str, Any]) -> bytes:
         choices = obj.get("choices") or []
@@ -228,14 +230,23 @@ class StreamBook:
             self._engine_usage_attempt = self.attempt
         if not choices:
             self._go(In.USAGE)
-            if self.rewriting or self.state is not St.FINISHED:
+            if self.state is not St.FINISHED or self._usage_sent:
                 return b""  # the relay sends its own usage at the end
-            self._usage_sent = self._usage_sent or usage is not None
-            return raw
+            self._usage_sent = usage is not None
+            if not self.rewriting:
+                return self._out(raw)
+            if usage is None:
+                return b""
+            self._rewrite_identity(obj)  # the engine's usage chunk, with the relay's numbers
+            obj["usage"] = self.usage()
+            return _dumps(obj)
         if self._identity is None:
             self._identity = (obj.get("id"), obj.get("object"), obj.get("created"), obj.get("model"))
             self._identity_attempt = self.attempt
         ch = choices[0]
+        if self.kind == "chat" and self.upstream_kind == "completions":
+            ch = choices[0] = chat_choice(ch)
+            obj.pop("prompt_token_ids", None)
         finish = ch.get("finish_reason")
         if self.state is St.FINISHED:
             return b""  # a second finish or a late chunk: exactly one finish_reason reaches the client
@@ -251,40 +262,40 @@ class StreamBook:
             text = ch.get("text")
         ids = ch.get("token_ids")
         rx = self.rx  # decodes the fast path's pending chunks first: order is kept
-        if rx.prompt_token_ids is None and self.resent_tokens == 0:
+        if rx.prompt_token_ids is None and self.resent_tokens == 0:  # this attempt's prompt is the original
             pids = ch.get("prompt_token_ids") or obj.get("prompt_token_ids")
             if isinstance(pids, list):
                 rx.prompt_token_ids = pids
-        if isinstance(ids, list) and ids and self._skip_ids:
-            drop = min(self._skip_ids, len(ids))
-            self._skip_ids -= drop
-            ids = ids[drop:]
-            ch["token_ids"] = ids
+        if self._skip_ids or self._skip_chars:
+            if isinstance(ids, list) and ids and self._skip_ids:
+                drop = min(self._skip_ids, len(ids))
+                self._skip_ids -= drop
+                ids = ch["token_ids"] = ids[drop:]
+            if isinstance(text, str) and text and self._skip_chars:
+                drop = min(self._skip_chars, len(text))
+                self._skip_chars -= drop
+                text = text[drop:]
+                if delta is not None:
+                    delta["content"] = text
+                else:
+                    ch["text"] = text
             if not ids and not text and finish is None:
-                return b""  # a regenerated held-back token the client already has
-        if text:
-            rx.text.append(text)
-        if isinstance(ids, list) and ids:
-            rx.token_ids.extend(ids)
-        if text:
-            rx.ids_with_text = len(rx.token_ids)
-        if text or ids:
-            rx.chunks += 1
+                return b""  # a regenerated token the client already has
+        rx.add(text if isinstance(text, str) else None, ids if isinstance(ids, list) else None)
         self._go(In.FINISH if finish is not None else In.CHUNK)
         if not self.rewriting:
-            return raw
+            return self._out(raw)
         if delta is not None and "role" in delta:
             if not text and finish is None and not delta.get("tool_calls"):
                 return b""  # the continuation's opening role chunk: the client has its own
             ch["delta"] = {k: v for k, v in delta.items() if k != "role"}
-        cid, cobj, created, model = self._identity
-        obj["id"], obj["created"], obj["model"] = cid, created, model
-        if cobj is not None:
-            obj["object"] = cobj
+        self._rewrite_identity(obj)
         if "prompt_token_ids" in obj:
             obj["prompt_token_ids"] = None
         if "prompt_token_ids" in ch:
             ch["prompt_token_ids"] = None
+        if "token_ids" in ch and not self.client_ids:
+            ch["token_ids"] = None
         if usage is not None:
             obj["usage"] = self.usage()
         return _dumps(obj)
@@ -337,25 +348,30 @@ class StreamBook:
         return b""
 
     def next_request(self, max_resume_tokens: int) -> dict[str, Any] | None:
-        """The body of the next attempt and the move to it (``attempt`` += 1, state OPEN).
+        """The body of the next attempt and the move to it (``attempt`` += 1, state OPEN; the
+        path kind in ``upstream_kind``).
 
         Returns None when ``max_tokens`` was already all delivered: the book then finished the
         response itself (call :meth:`finish_length`). Raises :class:`Refused` when a tool call or
-        reasoning block was in progress or the context is too long (then call :meth:`give_up`).
+        reasoning block was in progress, a garbled event went through, or the context is too
+        long (then call :meth:`give_up`).
         """
         if self.state is not St.FAULTED:
             raise BookError(f"next_request in state {self.state.value}")
         if self._tool_or_reasoning:
             raise Refused(f"{self._tool_or_reasoning}_in_progress")
-        body = continuation_body(self.kind, self.body, self.rx, max_resume_tokens)
-        if body is None:
+        if self.garbled:
+            raise Refused("garbled_event")
+        nxt = continuation_body(self.kind, self.body, self.rx, max_resume_tokens)
+        if nxt is None:
             return None
         self._go(In.RESUME)
         self.attempt += 1
         self.fault = None
-        self.resent_tokens = self.rx.tokens
-        self._skip_ids = self.rx.held_back
-        return body
+        self.upstream_kind = nxt.kind
+        self.resent_tokens = nxt.resent
+        self._skip_ids, self._skip_chars = nxt.skip_ids, nxt.skip_chars
+        return nxt.body
 
     def finish_length(self) -> bytes:
         """Close a response whose ``max_tokens`` was all delivered but whose finish chunk was

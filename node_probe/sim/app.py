@@ -77,7 +77,7 @@ class _Exchange:
         self.created = int(time.time())
         self.decoders = [Decoder(list(ids), job.max_tokens, job.min_tokens, job.stop,
                                  job.ignore_eos, job.include_stop_str_in_output, cfg.eos_rate,
-                                 heal) for ids, heal in job.prompts for _ in range(job.n)]
+                                 heal, cfg.byte_token_rate) for ids, heal in job.prompts for _ in range(job.n)]
         obj = "chat.completion.chunk" if job.chat else "text_completion"
         self.head = (f'data: {{"id":"{self.req_id}","object":"{obj}","created":{self.created},'
                      f'"model":{_j(cfg.model)},"choices":[')

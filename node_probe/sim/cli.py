@@ -42,6 +42,9 @@ def _parse_args(argv: list[str] | None) -> tuple[SimConfig, argparse.Namespace]:
     parser.add_argument("--eos-rate", type=float, default=0.0,
                         help="chance (0..1) that the model's next token is EOS in a context "
                              "(default 0: generations run to max_tokens)")
+    parser.add_argument("--byte-token-rate", type=float, default=0.0,
+                        help="chance (0..1) that the next token is a lone byte, as a byte-level "
+                             "BPE has (default 0: words only)")
     parser.add_argument("--max-model-len", type=int, default=4096,
                         help="context length in tokens (default 4096)")
     add_common_options(parser, "sim-engine")
@@ -50,13 +53,16 @@ def _parse_args(argv: list[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         parser.error("--token-interval-ms must be a finite number >= 0")
     if not (math.isfinite(args.eos_rate) and 0.0 <= args.eos_rate <= 1.0):
         parser.error("--eos-rate must be a ratio in 0..1")
+    if not (math.isfinite(args.byte_token_rate) and 0.0 <= args.byte_token_rate <= 1.0):
+        parser.error("--byte-token-rate must be a ratio in 0..1")
     if args.max_model_len < 2:
         parser.error("--max-model-len must be an integer >= 2")
     if not 0 <= args.port <= 65535:
         parser.error("--port must be in 0..65535")
     return SimConfig(host=args.host, port=args.port, replica_id=args.replica_id,
                      model=args.model, token_interval_ms=args.token_interval_ms,
-                     eos_rate=args.eos_rate, max_model_len=args.max_model_len), args
+                     eos_rate=args.eos_rate, max_model_len=args.max_model_len,
+                     byte_token_rate=args.byte_token_rate), args
 
 
 SIGHUP_IGNORED = "SIGHUP: nothing to reload, still running (faults are set with POST /sim/fault)"

@@ -35,6 +35,9 @@ class SimConfig:
         max_model_len: context length in tokens; larger ``max_tokens`` is a 400 like vLLM's.
         eos_rate: chance (ratio 0..1) that the model's greedy next token is EOS in a given
             context; 0 (default) means generations always run to ``max_tokens``.
+        byte_token_rate: chance (ratio 0..1) that the greedy next token is a lone byte (a
+            byte-level BPE's: text held back, U+FFFD; see :mod:`node_probe.sim.model`); 0
+            (default): words only, as before it existed.
     """
 
     host: str = "127.0.0.1"
@@ -46,12 +49,15 @@ class SimConfig:
     kv_cache_usage: float = 0.1
     max_model_len: int = 4096
     eos_rate: float = 0.0
+    byte_token_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.replica_id:
             self.replica_id = f"sim-{self.port}"
         if not (math.isfinite(self.eos_rate) and 0.0 <= self.eos_rate <= 1.0):
             raise ValueError("eos_rate must be a ratio in 0..1")
+        if not (math.isfinite(self.byte_token_rate) and 0.0 <= self.byte_token_rate <= 1.0):
+            raise ValueError("byte_token_rate must be a ratio in 0..1")
 
 
 class SimEngine:

@@ -2,23 +2,29 @@
 
 Pure code, no I/O. The model is deterministic: the next token is a function of the whole
 context (prompt ids + generated ids), computed with a rolling hash, so a generation cut after
-any k tokens and continued from ``prompt ids + first k ids`` (or, for chat, from the assistant
-text seen so far with ``continue_final_message``) yields exactly the rest of the uninterrupted
-generation, ids and text. Sampling parameters (temperature, top_p, seed) are accepted by the
-HTTP layer and ignored: decoding is always greedy.
+any k tokens and continued from ``prompt ids + first k ids`` yields exactly the rest of the
+uninterrupted generation, ids and text. Sampling parameters (temperature, top_p, seed) are
+accepted by the HTTP layer and ignored: decoding is always greedy.
 
 Tokenizer: text splits into pieces with :data:`PIECE_RE` (a word with its leading spaces, one
 punctuation mark with its leading spaces, or trailing spaces). A piece that is a vocabulary word
-gets that word's id; any other piece gets a stable hashed id in ``[FIRST_HASHED_ID, VOCAB_SIZE)``.
-Every generated token is a vocabulary word (or EOS), and a word's text is exactly one piece, so
-``tokenize(detokenize(ids)) == ids`` for every generated sequence: text continuation is exact.
+gets that word's id; any other piece gets a stable hashed id in ``[FIRST_HASHED_ID,
+FIRST_BYTE_ID)``. Generated tokens are vocabulary words, EOS, and (with ``byte_rate`` > 0) lone
+bytes: ids ``FIRST_BYTE_ID + b`` for the bytes of :data:`BYTE_TOKENS`, as a byte-level BPE has.
+
+Like a byte-level BPE, the tokenizer disagrees with itself, so text is not a faithful way to
+continue a generation (exactly what a real tokenizer does; the relay continues from ids):
+
+- text is decoded incrementally from the tokens' bytes (:func:`detokenize`): while the bytes
+  since the last release decode to text ending in U+FFFD they are held back (the token's text
+  is ``""``); once a token makes them end otherwise they are released, each byte that is not
+  UTF-8 as U+FFFD, and U+FFFD re-tokenizes to a hashed id, not to the byte;
+- a piece cut inside a word (`` T`` of `` The``: text held back for a stop string) re-tokenizes
+  to a hashed id, not to a prefix of the word: nothing is "healed".
 
 Chat template (token ids): ``BOS``, then per message ``<role> content-pieces END``; with
 ``add_generation_prompt`` an ``ASSISTANT`` header follows. With ``continue_final_message`` the
-final (assistant) message is left open: no ``END``, so the model continues its content. When that
-content ends inside a token (text held back for stop strings can end mid-word), the partial piece
-is left out of the context and "healed": the first generated token must start with it and only
-its remainder is emitted as text.
+final (assistant) message is left open: no ``END``, so the model continues its content.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "BOS_ID",
+    "BYTE_TOKENS",
     "END_ID",
     "EOS_ID",
+    "FIRST_BYTE_ID",
     "FIRST_HASHED_ID",
     "FIRST_WORD_ID",
     "ROLE_IDS",
@@ -44,6 +52,7 @@ __all__ = [
     "context_state",
     "detokenize",
     "next_token",
+    "token_bytes",
     "token_text",
     "tokenize",
 ]
@@ -67,8 +76,14 @@ WORDS = (
 )
 FIRST_WORD_ID = len(SPECIALS)
 FIRST_HASHED_ID = FIRST_WORD_ID + len(WORDS)
+#: Byte tokens: ``FIRST_BYTE_ID + b`` is the single byte ``b`` (0..255).
+FIRST_BYTE_ID = 32000
+#: The bytes the model generates as lone tokens (with ``byte_rate`` > 0): the UTF-8 of "é"
+#: (C3 A9) and "—" (E2 80 94). In order they make the character; most draws do not (a lead
+#: byte held back, then U+FFFD; a lone continuation byte at once U+FFFD).
+BYTE_TOKENS = (0xC3, 0xA9, 0xE2, 0x80, 0x94)
 #: Token ids are in ``[0, VOCAB_SIZE)``; a prompt id outside is an error (like vLLM's).
-VOCAB_SIZE = 32000
+VOCAB_SIZE = FIRST_BYTE_ID + 256
 
 #: Tokenizer pieces: a word with leading spaces, one other mark with leading spaces, or spaces.
 PIECE_RE = re.compile(r"\s*\w+|\s*[^\s\w]|\s+")
@@ -85,13 +100,14 @@ def tokenize(text: str) -> list[int]:
     for piece in PIECE_RE.findall(text):
         tid = _WORD_IDS.get(piece)
         if tid is None:
-            tid = FIRST_HASHED_ID + zlib.crc32(piece.encode()) % (VOCAB_SIZE - FIRST_HASHED_ID)
+            tid = FIRST_HASHED_ID + zlib.crc32(piece.encode()) % (FIRST_BYTE_ID - FIRST_HASHED_ID)
         out.append(tid)
     return out
 
 
 def token_text(tid: int) -> str:
-    """Text of one generated token: a word's text, ``""`` for special tokens.
+    """Text of one generated token on its own: a word's text, ``""`` for special tokens, U+FFFD
+    for a lone byte (in a sequence, bytes decode together: :func:`detokenize`).
 
     Raises:
         ValueError: ``tid`` is a hashed (prompt-only) id, which has no single text.
@@ -100,12 +116,50 @@ def token_text(tid: int) -> str:
         return WORDS[tid - FIRST_WORD_ID]
     if 0 <= tid < FIRST_WORD_ID:
         return ""
+    if FIRST_BYTE_ID <= tid < VOCAB_SIZE:
+        return "\ufffd"
     raise ValueError(f"token id {tid} is not a generated token")
 
 
+def token_bytes(tid: int) -> bytes:
+    """UTF-8 bytes of one generated token (a byte token: its one byte; specials: none).
+
+    Raises:
+        ValueError: ``tid`` is a hashed (prompt-only) id.
+    """
+    if FIRST_BYTE_ID <= tid < VOCAB_SIZE:
+        return bytes((tid - FIRST_BYTE_ID,))
+    if FIRST_WORD_ID <= tid < FIRST_HASHED_ID:
+        return WORDS[tid - FIRST_WORD_ID].encode()
+    if 0 <= tid < FIRST_WORD_ID:
+        return b""
+    raise ValueError(f"token id {tid} is not a generated token")
+
+
+class _Detok:
+    """The streaming detokenizer, as vLLM's (``tokenizers.DecodeStream``): the bytes since the
+    last text released are decoded with U+FFFD for what is not UTF-8; while that ends in U+FFFD
+    (a sequence that may still complete a character) nothing is released. What is pending at
+    the end is never released."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, data: bytes) -> str:
+        self._pending += data
+        text = self._pending.decode("utf-8", errors="replace")
+        if text.endswith("\ufffd"):
+            return ""
+        self._pending = b""
+        return text
+
+
 def detokenize(ids: Sequence[int]) -> str:
-    """Text of a generated sequence (special tokens skipped)."""
-    return "".join(token_text(t) for t in ids)
+    """Text of a generated sequence, as streamed (special tokens skipped)."""
+    dec = _Detok()
+    return "".join(dec.feed(token_bytes(t)) for t in ids)
 
 
 def _mix(x: int) -> int:
@@ -128,7 +182,7 @@ def context_state(ids: Sequence[int]) -> int:
     return state
 
 
-def next_token(state: int, *, eos_rate: float, allow_eos: bool) -> int:
+def next_token(state: int, *, eos_rate: float, allow_eos: bool, byte_rate: float = 0.0) -> int:
     """The greedy next token for a context state.
 
     Args:
@@ -136,16 +190,21 @@ def next_token(state: int, *, eos_rate: float, allow_eos: bool) -> int:
         eos_rate: chance (ratio 0..1, over contexts) that the model's top token is EOS.
         allow_eos: False while ``min_tokens`` is not reached or with ``ignore_eos``: the best
             non-EOS token is chosen instead (what masking EOS's logit does).
+        byte_rate: chance (ratio 0..1, over contexts) that the top token is a lone byte of
+            :data:`BYTE_TOKENS` (0: words only, the generations of earlier versions).
     """
     h = _mix(state)
     if allow_eos and eos_rate > 0 and (h >> 40) < eos_rate * (1 << 24):
         return EOS_ID
+    if byte_rate > 0 and ((h >> 24) & 0xFFFF) < byte_rate * (1 << 16):
+        return FIRST_BYTE_ID + BYTE_TOKENS[(h >> 8) % len(BYTE_TOKENS)]
     return FIRST_WORD_ID + (h & 0xFFFFFF) % len(WORDS)
 
 
 def chat_prompt_ids(messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool,
                     continue_final_message: bool) -> tuple[list[int], str]:
-    """Prompt ids of a chat and the partial piece to heal (``""`` when none).
+    """Prompt ids of a chat, and ``""`` (the piece to heal: never one, a real tokenizer heals
+    nothing; the pair is kept for the callers).
 
     Args:
         messages: ``(role, content text)`` pairs, roles from :data:`ROLE_IDS`.
@@ -156,27 +215,17 @@ def chat_prompt_ids(messages: Sequence[tuple[str, str]], *, add_generation_promp
         ValueError: a role outside :data:`ROLE_IDS`.
     """
     ids = [BOS_ID]
-    heal = ""
     last = len(messages) - 1
     for i, (role, content) in enumerate(messages):
         if role not in ROLE_IDS:
             raise ValueError(f"messages[{i}].role: unknown role {role!r}")
         ids.append(ROLE_IDS[role])
-        pieces = PIECE_RE.findall(content)
-        if i == last and continue_final_message:
-            if pieces and pieces[-1] not in _WORD_IDS and _is_word_prefix(pieces[-1]):
-                heal = pieces.pop()
-            ids.extend(tokenize("".join(pieces)))
-        else:
-            ids.extend(tokenize(content))
+        ids.extend(tokenize(content))
+        if not (i == last and continue_final_message):
             ids.append(END_ID)
     if add_generation_prompt:
         ids.append(ROLE_IDS["assistant"])
-    return ids, heal
-
-
-def _is_word_prefix(piece: str) -> bool:
-    return any(w.startswith(piece) for w in WORDS)
+    return ids, ""
 
 
 @dataclass
@@ -200,6 +249,9 @@ class Decoder:
       string. While not finished, the last ``max(len(stop)) - 1`` characters are held back
       (vLLM's stop buffer), so token ids run ahead of the text.
     - ``max_tokens``: finish "length" after that many tokens. EOS: finish "stop", its text "".
+    - text is decoded incrementally from the tokens' bytes (:func:`detokenize`): a token that
+      leaves a character incomplete adds no text yet (its id runs ahead too).
+    - ``byte_rate``: see :func:`next_token`. ``heal``: ignored (kept for the callers).
     """
 
     prompt_ids: list[int]
@@ -210,6 +262,7 @@ class Decoder:
     include_stop_str_in_output: bool = False
     eos_rate: float = 0.0
     heal: str = ""
+    byte_rate: float = 0.0
     ids: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of ``text`` already released
@@ -218,6 +271,7 @@ class Decoder:
 
     def __post_init__(self) -> None:
         self._state = context_state(self.prompt_ids)
+        self._utf8 = _Detok()
         self._holdback = (max((len(s) for s in self.stop), default=1) - 1
                           if self.stop and not self.include_stop_str_in_output else 0)
 
@@ -230,12 +284,11 @@ class Decoder:
         if self.finished:
             raise RuntimeError("decoder already finished")
         allow_eos = not self.ignore_eos and len(self.ids) >= self.min_tokens
-        tid = next_token(self._state, eos_rate=self.eos_rate, allow_eos=allow_eos)
+        tid = next_token(self._state, eos_rate=self.eos_rate, allow_eos=allow_eos,
+                         byte_rate=self.byte_rate)
         self._state = advance(self._state, tid)
         self.ids.append(tid)
-        piece = token_text(tid)
-        if self.heal and len(self.ids) == 1 and piece.startswith(self.heal):
-            piece = piece[len(self.heal):]
+        piece = self._utf8.feed(token_bytes(tid))
         old_len = len(self.text)
         self.text += piece
         if tid == EOS_ID and allow_eos:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from relay_fake_engine import generate, parse_client
 
-from sentinel_relay.plan import Received, Refused, continuation_body, plan_request
+from sentinel_relay.plan import Received, Refused, continuation_body, plan_request, stop_holdback
 from sentinel_relay.sse import SSESplitter, event_data
 from sentinel_relay.stream import TRANSITIONS, BookError, In, St, StreamBook
 
@@ -86,31 +86,67 @@ def test_armed_stream_asks_for_token_ids_and_bad_bodies_pass():
     assert plan_request("/v1/models", b"").refusal == "path"
 
 
+def rx_of(chunks, prompt_ids=None):
+    """A Received from (text, ids) chunks, as the stream book records them."""
+    rx = Received(prompt_token_ids=prompt_ids)
+    for text, ids in chunks:
+        rx.add(text, ids)
+    return rx
+
+
 def test_continuation_completions_ids_and_budgets():
-    rx = Received(text=["a", "b"], token_ids=[5, 6], prompt_token_ids=[1, 2, 3], chunks=2)
+    rx = rx_of([("a", [5]), ("b", [6])], [1, 2, 3])
     body = {"prompt": "hey", "max_tokens": 10, "min_tokens": 3, "stream": True}
     new = continuation_body("completions", body, rx, 100)
-    assert new["prompt"] == [1, 2, 3, 5, 6] and new["max_tokens"] == 8 and new["min_tokens"] == 1
+    assert new.kind == "completions" and (new.skip_ids, new.skip_chars, new.resent) == (0, 0, 2)
+    assert new.body["prompt"] == [1, 2, 3, 5, 6] and new.body["max_tokens"] == 8 and new.body["min_tokens"] == 1
     assert continuation_body("completions", {**body, "max_tokens": 2}, rx, 100) is None
     with pytest.raises(Refused):
         continuation_body("completions", body, rx, 1)
-    # stop strings: continue from the text the client has seen
-    new = continuation_body("completions", {**body, "stop": ["\n\n"]}, rx, 100)
-    assert new["prompt"] == "heyab"
 
 
-def test_continuation_chat_appends_one_assistant_message_never_an_instruction():
+def test_continuation_with_stop_strings_backs_up_past_the_hold_back():
+    # stop "xyz": the engine holds 2 characters back, so after chunk i it had decoded 2 more
+    # than it released; the continuation starts where no stop string can begin before it
+    rx = rx_of([("", [5]), ("ab", [6]), ("c", [7]), ("d", [8]), ("e", [9])], [1])
+    body = {"prompt": "hey", "max_tokens": 10, "stop": ["xyz"], "stream": True}
+    new = continuation_body("completions", body, rx, 100)
+    # 5 characters delivered: a stop string still to match begins at >= 3; after "ab" (2 ids)
+    # the engine had decoded 4: too late; only the start qualifies (all regenerated)
+    assert new.body["prompt"] == [1] and (new.skip_ids, new.skip_chars, new.resent) == (5, 5, 0)
+    assert new.body["max_tokens"] == 10
+    assert stop_holdback({"stop": "abc"}) == 2 and stop_holdback({"stop": ["a", "abcd"]}) == 3
+    assert stop_holdback({"stop": ["abc"], "include_stop_str_in_output": True}) == 0
+    long = rx_of([(c, [i]) for i, c in enumerate("abcdefghij")], [1])
+    new = continuation_body("completions", {**body, "max_tokens": 20}, long, 100)
+    # after chunk i (i+1 chars) the engine had decoded i+3; it must be <= 10 - 2
+    assert new.body["prompt"] == [1, *range(6)] and new.skip_chars == 10 - 8 and new.skip_ids == 4
+
+
+def test_continuation_chat_from_ids_goes_to_completions_without_chat_fields():
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
-    rx = Received(text=["Hel", "lo"], token_ids=[7, 8], chunks=2)
+    rx = rx_of([("Hel", [7]), ("lo", [8])], [1, 3, 9, 2])
+    new = continuation_body("chat", {"messages": msgs, "max_completion_tokens": 5, "tools": [],
+                                     "temperature": 0, "stop": "x"}, rx, 100)
+    assert new.kind == "completions"
+    assert new.body == {"prompt": [1, 3, 9, 2, 7, 8], "max_tokens": 3, "temperature": 0, "stop": "x",
+                        "stream": True, "return_token_ids": True}
+
+
+def test_continuation_chat_without_ids_appends_one_assistant_message_never_an_instruction():
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    rx = rx_of([("Hel", None), ("lo", None)])
     new = continuation_body("chat", {"messages": msgs, "max_completion_tokens": 5}, rx, 100)
-    assert new["messages"] == msgs + [{"role": "assistant", "content": "Hello"}]
-    assert new["continue_final_message"] is True and new["add_generation_prompt"] is False
-    assert new["max_completion_tokens"] == 3
+    assert new.kind == "chat"
+    assert new.body["messages"] == msgs + [{"role": "assistant", "content": "Hello"}]
+    assert new.body["continue_final_message"] is True and new.body["add_generation_prompt"] is False
+    assert new.body["max_completion_tokens"] == 3
     # the client's own prefill is extended, not doubled
     pre = msgs + [{"role": "assistant", "content": "Sure: "}]
     new = continuation_body("chat", {"messages": pre, "continue_final_message": True,
                                      "add_generation_prompt": False}, rx, 100)
-    assert new["messages"][-1] == {"role": "assistant", "content": "Sure: Hello"} and len(new["messages"]) == 3
+    assert new.body["messages"][-1] == {"role": "assistant", "content": "Sure: Hello"}
+    assert len(new.body["messages"]) == 3
 
 
 # -- the stream book: any cut, any chunking, up to three attempts -----------------------------
@@ -122,7 +158,7 @@ def relay(kind, body, cuts_per_attempt, chunkings):
     req = json.loads(plan.upstream_body)
     out = []
     for attempt, cut in enumerate(cuts_per_attempt + [None]):
-        sse, _ = generate(kind, req, rid=f"id-{attempt}", model="m", created=100 + attempt)
+        sse, _ = generate(book.upstream_kind, req, rid=f"id-{attempt}", model="m", created=100 + attempt)
         data = sse if cut is None else sse[:cut % (len(sse) + 1)]
         sp = SSESplitter()
         for piece in chunked(data, chunkings[attempt % len(chunkings)]):
@@ -141,9 +177,12 @@ def relay(kind, body, cuts_per_attempt, chunkings):
 @settings(max_examples=200, deadline=None)
 @given(kind=st.sampled_from(["completions", "chat"]), n=st.integers(1, 12),
        usage=st.booleans(), cuts=st.lists(st.integers(0, 5000), max_size=3),
-       chunkings=st.lists(st.lists(st.integers(0, 5000), max_size=8), min_size=1, max_size=3))
-def test_any_cut_any_chunking_client_sees_the_uninterrupted_generation(kind, n, usage, cuts, chunkings):
+       chunkings=st.lists(st.lists(st.integers(0, 5000), max_size=8), min_size=1, max_size=3),
+       ask_ids=st.booleans())
+def test_any_cut_any_chunking_client_sees_the_uninterrupted_generation(kind, n, usage, cuts, chunkings, ask_ids):
     body = {"max_tokens": n, "stream": True}
+    if ask_ids:
+        body["return_token_ids"] = True
     if kind == "completions":
         body["prompt"] = "w5 w6 hello"
     else:
@@ -155,7 +194,7 @@ def test_any_cut_any_chunking_client_sees_the_uninterrupted_generation(kind, n, 
     got_raw, book = relay(kind, body, cuts, chunkings)
     got = parse_client(got_raw)
     assert got["text"] == ref["text"]                      # nothing lost, nothing repeated
-    assert got["token_ids"] == gen
+    assert got["token_ids"] == (gen if ask_ids else [])  # ids only when the client asked
     assert got["finishes"] == ["length"]                  # exactly one finish_reason
     assert got["dones"] == 1 and not got["errors"]
     assert len(got["ids"]) == 1 and got["models"] == {"m"}
@@ -179,7 +218,11 @@ def test_in_band_error_faults_then_give_up_sends_one_error_and_no_done():
     evs = SSESplitter().feed(whole)
     out = book.feed(evs[:2] + [b'data: {"error":{"message":"boom","code":500}}\n\n'] + evs[2:])
     assert book.state is St.FAULTED and book.fault == "error"
-    assert out == b"".join(evs[:2])
+    assert out == b"".join(evs[:2]).replace(b'token_ids":[' + str(book.rx.token_ids[0]).encode() + b"]",
+                                            b'token_ids":null', 1).replace(
+        b'token_ids":[' + str(book.rx.token_ids[1]).encode() + b"]", b'token_ids":null', 1).replace(
+        b'"prompt_token_ids":' + json.dumps(book.rx.prompt_token_ids, separators=(",", ":")).encode(),
+        b'"prompt_token_ids":null')  # the ids the relay asked for go out as null
     err = book.give_up("node failed twice")
     got = parse_client(out + err)
     assert got["dones"] == 0 and len(got["errors"]) == 1
@@ -277,7 +320,7 @@ def test_cut_after_held_back_utf8_resumes_before_it_and_never_delivers_its_id_tw
     # vLLM holds a token's text back while it is an incomplete UTF-8 sequence (text "" with its
     # id); continuing from that id makes its detokenizer emit the whole context as text, so the
     # relay resumes from the last token with text and drops the regenerated id.
-    book = StreamBook("completions", {"prompt": "hi", "max_tokens": 4, "stream": True,
+    book = StreamBook("completions", {"prompt": "hi", "max_tokens": 4, "stream": True, "return_token_ids": True,
                                       "stream_options": {"include_usage": True}}, True)
     first = [_cmpl_chunk("c1", "a", [5], prompt_ids=[1, 2]), _cmpl_chunk("c1", "", [6])]
     out = [book.feed(first)]
@@ -296,8 +339,9 @@ def test_cut_after_held_back_utf8_resumes_before_it_and_never_delivers_its_id_tw
 
 
 def test_continuation_budget_counts_held_back_tokens_as_regenerated():
-    rx = Received(text=["a"], token_ids=[5, 6, 7], prompt_token_ids=[1], chunks=3, ids_with_text=1)
+    rx = rx_of([("a", [5]), ("", [6]), ("", [7])], [1])
     new = continuation_body("completions", {"prompt": "x", "max_tokens": 10, "min_tokens": 4}, rx, 100)
-    assert new["prompt"] == [1, 5] and new["max_tokens"] == 9 and new["min_tokens"] == 3
+    assert new.body["prompt"] == [1, 5] and new.body["max_tokens"] == 9 and new.body["min_tokens"] == 3
+    assert new.skip_ids == 2
     chat = continuation_body("chat", {"messages": [{"role": "user", "content": "u"}], "max_tokens": 10}, rx, 100)
-    assert chat["messages"][-1] == {"role": "assistant", "content": "a"} and chat["max_tokens"] == 9
+    assert chat.body["prompt"] == [1, 5] and chat.body["max_tokens"] == 9

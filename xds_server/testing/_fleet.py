@@ -78,6 +78,7 @@ class Fleet:
     serve_args: list[str] = field(default_factory=list)  # more `xds-server serve` arguments ("--loop", ...)
     # Envoy's xds_cluster transport_socket (envoy.bootstrap.xds_tls_transport_socket); None: plaintext.
     envoy_xds_tls: dict[str, Any] | None = None
+    engine_args: list[str] = field(default_factory=list)  # more `sim-engine` arguments ("--byte-token-rate", ...)
     nodes: list[NodeProcs] = field(default_factory=list)
     procs: list[ManagedProcess] = field(default_factory=list)
 
@@ -115,7 +116,8 @@ class Fleet:
                 n.engine = self._spawn(ManagedProcess(
                     f"engine-{n.node_id}",
                     self._py("-m", "node_probe.cli", "sim-engine", "--port", str(n.engine_port),
-                             "--replica-id", n.node_id, "--token-interval-ms", str(self.token_interval_ms)),
+                             "--replica-id", n.node_id, "--token-interval-ms", str(self.token_interval_ms),
+                             *self.engine_args),
                     wd / f"engine-{n.node_id}.log", ready_pattern="listening"))
             for n in self.nodes:
                 n.agent = self._spawn(ManagedProcess(
