@@ -6,7 +6,10 @@ engine ``/metrics`` scrapes and their errors) with prometheus-client's own types
 registry, and reads the rest at scrape time from the agent (engine state, stall flag, open
 streams, GPU readings from the latest NVML telemetry). Units are base units (seconds, bytes,
 ratio 0..1, watts, celsius); counters end in ``_total``. Labels come from bounded sets: result
-(``ok`` or a failure kind), engine state, NVML state, GPU index.
+(``ok`` or a failure kind), engine state, NVML state, GPU index; every series also carries
+``node`` (the agent's ``--node-id``), so dashboards join the agent's series with the control
+plane's ``sentinel_node_*`` without relabelling. Counters export no ``_created`` samples
+(counted here, exposed through a collector: a restart resets them, which ``rate()`` handles).
 """
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ import platform
 from typing import Any, Protocol
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 
 from node_probe.lifecycle import STATE_NAMES
 from node_probe.proto import probe_pb2
@@ -54,56 +57,63 @@ def _version() -> str:
 
 
 class _StateCollector:
-    """Gauges read from the agent at scrape time."""
+    """Gauges read from the agent at scrape time, and the counts :class:`AgentMetrics` keeps."""
 
-    def __init__(self, agent: _AgentState) -> None:
+    def __init__(self, agent: _AgentState, node: str, counts: AgentMetrics) -> None:
         self.agent = agent
+        self.node = node
+        self.counts = counts
 
     def collect(self):
-        a = self.agent
-        info = InfoMetricFamily("node_probe_build", "version of this build and the Python running it")
-        info.add_metric([], {"version": _version(), "python": platform.python_version()})
+        a, n = self.agent, [self.node]
+        info = InfoMetricFamily("node_probe_build", "version of this build and the Python running it",
+                                labels=["node"])
+        info.add_metric(n, {"version": _version(), "python": platform.python_version()})
         yield info
         state = GaugeMetricFamily("node_probe_engine_state", "1 for the engine's current lifecycle state "
-                                  "(COLD, WARMING, READY, FAILED)", labels=["state"])
+                                  "(COLD, WARMING, READY, FAILED)", labels=["node", "state"])
         current = a.engine_state
         for value, name in sorted(STATE_NAMES.items()):
             if value:
-                state.add_metric([name.removeprefix("ENGINE_STATE_")], 1.0 if value == current else 0.0)
+                state.add_metric([*n, name.removeprefix("ENGINE_STATE_")], 1.0 if value == current else 0.0)
         yield state
         stalled = GaugeMetricFamily("node_probe_engine_stalled", "1 while requests run and the engine's "
-                                    "progress counters have not moved for the stall window")
-        stalled.add_metric([], 1.0 if a.stalled else 0.0)
+                                    "progress counters have not moved for the stall window", labels=["node"])
+        stalled.add_metric(n, 1.0 if a.stalled else 0.0)
         yield stalled
-        streams = GaugeMetricFamily("node_probe_connected_streams", "open Watch streams from control planes")
-        streams.add_metric([], a.subscriber_count)
+        streams = GaugeMetricFamily("node_probe_connected_streams", "open Watch streams from control planes",
+                                    labels=["node"])
+        streams.add_metric(n, a.subscriber_count)
         yield streams
+        yield from self.counts.families(self.node)
         yield from self._gpu(a.telemetry().gpu)
 
     def _gpu(self, tel: probe_pb2.GpuTelemetry):
+        n = [self.node]
         nvml = GaugeMetricFamily("node_probe_nvml_state", "1 for the NVML state (OK, ABSENT, ERROR)",
-                                 labels=["state"])
+                                 labels=["node", "state"])
         for name, value in probe_pb2.NvmlState.items():
             if value:
-                nvml.add_metric([name.removeprefix("NVML_STATE_")], 1.0 if value == tel.state else 0.0)
+                nvml.add_metric([*n, name.removeprefix("NVML_STATE_")], 1.0 if value == tel.state else 0.0)
         yield nvml
+        gl = ["node", "gpu"]
         fams = {
-            "memory_total": GaugeMetricFamily("node_probe_gpu_memory_total_bytes", "GPU memory, bytes", labels=["gpu"]),
+            "memory_total": GaugeMetricFamily("node_probe_gpu_memory_total_bytes", "GPU memory, bytes", labels=gl),
             "memory_used": GaugeMetricFamily("node_probe_gpu_memory_used_bytes", "GPU memory in use, bytes",
-                                             labels=["gpu"]),
-            "util": GaugeMetricFamily("node_probe_gpu_utilization_ratio", "GPU utilization, 0..1", labels=["gpu"]),
+                                             labels=gl),
+            "util": GaugeMetricFamily("node_probe_gpu_utilization_ratio", "GPU utilization, 0..1", labels=gl),
             "temp": GaugeMetricFamily("node_probe_gpu_temperature_celsius", "GPU temperature, celsius",
-                                      labels=["gpu"]),
-            "power": GaugeMetricFamily("node_probe_gpu_power_watts", "GPU power draw, watts", labels=["gpu"]),
+                                      labels=gl),
+            "power": GaugeMetricFamily("node_probe_gpu_power_watts", "GPU power draw, watts", labels=gl),
             "ecc": GaugeMetricFamily("node_probe_gpu_ecc_uncorrected_errors", "uncorrected ECC errors NVML "
-                                     "reports (its volatile count)", labels=["gpu"]),
+                                     "reports (its volatile count)", labels=gl),
             "throttle": GaugeMetricFamily("node_probe_gpu_clock_event_reasons", "NVML clocks-event "
-                                          "(throttle) reason bit mask", labels=["gpu"]),
+                                          "(throttle) reason bit mask", labels=gl),
             "xids": GaugeMetricFamily("node_probe_gpu_recent_xid_events", "Xid events in the latest reading",
-                                      labels=["gpu"]),
+                                      labels=gl),
         }
         for g in tel.gpus:
-            idx = [str(g.index)]
+            idx = [*n, str(g.index)]
             if g.HasField("memory_total_bytes"):
                 fams["memory_total"].add_metric(idx, g.memory_total_bytes)
             if g.HasField("memory_used_bytes"):
@@ -122,34 +132,59 @@ class _StateCollector:
 
 
 class AgentMetrics:
-    """The agent's registry; ``probe()`` and ``scrape()`` count, :meth:`serve` exposes them."""
+    """The agent's registry; ``probe()`` and ``scrape()`` count, :meth:`serve` exposes them.
+    ``node_id``: the ``node`` label (default: the agent's ``cfg.node_id``)."""
 
-    def __init__(self, agent: _AgentState) -> None:
+    def __init__(self, agent: _AgentState, node_id: str | None = None) -> None:
+        node = node_id if node_id is not None else getattr(getattr(agent, "cfg", None), "node_id", None)
+        self.node = str(node or "unknown")
+        self.probes: dict[str, float] = dict.fromkeys(("ok", *_FAILURE_NAMES.values()), 0.0)
+        self.ttft_buckets = [0] * (len(TTFT_BUCKETS_S) + 1)  # per bucket (not cumulative), last: +Inf
+        self.ttft_sum_s = 0.0
+        self.scrapes = 0
+        self.scrape_errors = 0
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_StateCollector(agent))
-        self.probes = Counter("node_probe_probes", "micro-probes run, by result (ok or the failure kind)",
-                              ["result"], registry=self.registry)
-        for kind in ("ok", *_FAILURE_NAMES.values()):
-            self.probes.labels(kind)
-        self.ttft = Histogram("node_probe_probe_ttft_seconds", "TTFT of successful micro-probes, seconds",
-                              buckets=TTFT_BUCKETS_S, registry=self.registry)
-        self.scrapes = Counter("node_probe_metrics_scrapes", "scrapes of the engine's /metrics",
-                               registry=self.registry)
-        self.scrape_errors = Counter("node_probe_metrics_scrape_errors", "failed scrapes of the engine's "
-                                     "/metrics", registry=self.registry)
+        self.registry.register(_StateCollector(agent, self.node, self))
         self._runner: web.AppRunner | None = None
 
     def probe(self, ok: bool, failure: int, ttft_ms: float | None) -> None:
         """Count one probe result (``failure`` a ``FailureKind`` value; TTFT in ms)."""
-        self.probes.labels("ok" if ok else _FAILURE_NAMES.get(failure, "OTHER")).inc()
+        kind = "ok" if ok else _FAILURE_NAMES.get(failure, "OTHER")
+        self.probes[kind] = self.probes.get(kind, 0.0) + 1
         if ok and ttft_ms is not None:
-            self.ttft.observe(ttft_ms / 1000.0)
+            s = ttft_ms / 1000.0
+            self.ttft_buckets[next((i for i, le in enumerate(TTFT_BUCKETS_S) if s <= le), len(TTFT_BUCKETS_S))] += 1
+            self.ttft_sum_s += s
 
     def scrape(self, error: str) -> None:
         """Count one engine /metrics scrape (``error`` empty when it worked)."""
-        self.scrapes.inc()
+        self.scrapes += 1
         if error:
-            self.scrape_errors.inc()
+            self.scrape_errors += 1
+
+    def families(self, node: str):
+        """The counted families (``_total`` counters and the TTFT histogram), labelled ``node``."""
+        probes = CounterMetricFamily("node_probe_probes", "micro-probes run, by result (ok or the failure kind)",
+                                     labels=["node", "result"])
+        for kind, v in self.probes.items():
+            probes.add_metric([node, kind], v)
+        yield probes
+        cum, buckets = 0, []
+        for le, c in zip((*(f"{b:g}" for b in TTFT_BUCKETS_S), "+Inf"), self.ttft_buckets, strict=True):
+            cum += c
+            buckets.append((le, float(cum)))
+        ttft = HistogramMetricFamily("node_probe_probe_ttft_seconds", "TTFT of successful micro-probes, seconds",
+                                     labels=["node"])
+        ttft.add_metric([node], buckets, sum_value=self.ttft_sum_s)
+        yield ttft
+        scrapes = CounterMetricFamily("node_probe_metrics_scrapes", "scrapes of the engine's /metrics",
+                                      labels=["node"])
+        scrapes.add_metric([node], self.scrapes)
+        yield scrapes
+        errors = CounterMetricFamily("node_probe_metrics_scrape_errors", "failed scrapes of the engine's "
+                                     "/metrics", labels=["node"])
+        errors.add_metric([node], self.scrape_errors)
+        yield errors
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

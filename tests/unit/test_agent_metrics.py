@@ -16,8 +16,12 @@ async def scrape(port: int) -> tuple[str, dict]:
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
         assert r.status == 200 and r.content_type == "text/plain"
         text = await r.text()
-    return text, {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
-                  for f in text_string_to_metric_families(text) for smp in f.samples}
+    smps = [smp for f in text_string_to_metric_families(text) for smp in f.samples]
+    # every series names its node (issue 26: dashboards join on it); no _created samples
+    assert {smp.labels.get("node") for smp in smps} == {"node-a"}
+    assert not [smp.name for smp in smps if smp.name.endswith("_created")]
+    return text, {(smp.name, tuple(sorted((k, v) for k, v in smp.labels.items() if k != "node"))): smp.value
+                  for smp in smps}
 
 
 async def test_agent_serves_probe_scrape_stall_and_gpu_metrics(engine, make_agent):  # noqa: F811 - fixtures imported above
