@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import aiohttp
 
@@ -23,6 +24,17 @@ from node_probe.proto import probe_pb2
 __all__ = ["Prober"]
 
 log = logging.getLogger(__name__)
+
+
+def _not_an_engine(path: str, status: int, model: str | None = None) -> str:
+    """The hint in front of a failure's detail when ``path`` answered a status no inference engine
+    gives for its own API (404 Not Found, 405 Method Not Allowed): the URL is most likely
+    something else (issue 26: the most common slip), or for a configured ``model`` one it does
+    not serve; "" for any other status."""
+    if status not in (404, 405):
+        return ""
+    serving = f" serving --model {model}" if model else ""
+    return f"{path} answered {status}: is --engine-url an inference engine{serving}? "
 
 
 class Prober:
@@ -75,7 +87,9 @@ class Prober:
         try:
             model = await adapter.discover_model(session, self.cfg.engine_url, timeout_s)
         except EngineRequestError as err:
-            raise EngineRequestError(err.kind, f"model discovery: {err.detail}", err.http_status) from err
+            hint = _not_an_engine("/v1/models", err.http_status)
+            detail = f"{hint}(model discovery: {err.detail})" if hint else f"model discovery: {err.detail}"
+            raise EngineRequestError(err.kind, detail, err.http_status) from err
         self._model = model
         self._model_discovered = True
         log.info("probing model %s (discovered)", model)
@@ -101,6 +115,9 @@ class Prober:
         if outcome.http_status == 404 and self._model_discovered:
             self._model = None  # engine restarted with another model: rediscover
             self._model_discovered = False
+        elif not outcome.ok and _not_an_engine("", outcome.http_status):
+            hint = _not_an_engine(adapter.probe_request(model, "", None, 1).path, outcome.http_status, model)
+            outcome = replace(outcome, detail=f"{hint}{outcome.detail}")
         if deep and outcome.ok and cfg.deep_check_expect not in outcome.text:
             outcome = ProbeOutcome(
                 False, outcome.ttft_ms, probe_pb2.FAILURE_KIND_BAD_OUTPUT, outcome.http_status,

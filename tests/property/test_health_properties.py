@@ -97,7 +97,9 @@ def test_prop_transitions_chain_and_have_reasons(items):
         for e in evs:
             if isinstance(obs, DrainRequested):
                 continue  # drain events show the override, not the health state machine
-            assert e.from_state is prev and e.to_state is not e.from_state and e.reason
+            assert e.from_state is prev and e.reason
+            if e.to_state is e.from_state:  # the one event that is no move: "cannot warm" (issue 26)
+                assert e.from_state in (S.COLD, S.WARMING) and e.reason.startswith("cannot warm: ")
             prev = e.to_state
 
 

@@ -87,7 +87,12 @@ def test_prop_every_state_signal_pair_reaches_the_table_next_state_or_raises(sta
         assert out.drain.active is (signal is Signal.DRAIN) and len(ctx.events) == 1
         assert out.state is state
     if expected is state:
-        assert moves == [] and out.since_s == nh.since_s
+        reports = [e for e in moves if e.from_state is e.to_state]  # "cannot warm", once per episode
+        assert moves == reports and out.since_s == nh.since_s
+        if reports:
+            assert state in (NodeState.COLD, NodeState.WARMING) and len(reports) == 1
+            assert out.probe.warm_reported and not nh.probe.warm_reported
+            assert reports[0].reason.startswith("cannot warm: ") and reports[0].reason == out.reason
         return
     # a transition: one event with a reason, and what every entry resets
     assert [(e.from_state, e.to_state) for e in moves] == [(state, expected)] and moves[0].reason

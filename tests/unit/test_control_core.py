@@ -140,7 +140,7 @@ def test_a_configured_cluster_with_no_nodes_is_published_at_start_not_after_the_
     marked it, so it waited for ``warmup_timeout_ms`` (5 s) while an Envoy asked for it."""
     cfg = config()
     cfg["clusters"].append({"name": "empty", "nodes": []})
-    cp, clock, probes = in_memory(cfg)
+    cp, clock, _ = in_memory(cfg)
     clock.advance(0.01)  # the first publish runs on the clock, well inside the 5 s timeout
     assert cp.cla_version("empty") != ""
     assert "empty" in cp.core.planner.gate_open

@@ -105,10 +105,12 @@ def node_display(x: DisplayInputs) -> NodeDisplay:
     if x.held_back and routed:
         return NodeDisplay("HELD_BACK", f"held back by max_ejection_percent: {x.held_back}", routed, weight, None)
     reason = nh.reason
-    if nh.state is hm.NodeState.WARMING and x.engine_error:
+    # a reason that gives the last probe already (the health model's COLD/WARMING wording) needs no repeat
+    told = nh.reason.startswith(("warming, no good probe yet", "cannot warm: "))
+    if nh.state is hm.NodeState.WARMING and x.engine_error and not told:
         reason = f"{nh.reason}; engine not answering: {x.engine_error}"
     elif not routed and not x.agent_connected and x.failed_dials > 0:
         reason = f"{nh.reason}; agent unreachable ({x.failed_dials} dial(s) failed): {x.agent_error or 'no answer'}"
-    if not_routed is not None and nh.state is hm.NodeState.WARMING and x.engine_error:
+    if not_routed is not None and nh.state is hm.NodeState.WARMING and (x.engine_error or told):
         not_routed = f"WARMING: {reason}"
     return NodeDisplay(nh.state.value, reason, routed, weight, not_routed)

@@ -101,6 +101,15 @@ class HealthConfig(_Model):
         "everything is a 429 to retry elsewhere. 15 s is half Envoy's default outlier "
         "base_ejection_time (30 s) and within the 10-30 s an operator expects of a soft ejection",
     )
+    warm_limit_s: float = Field(
+        300.0, gt=0,
+        description="seconds (s) a COLD or WARMING node may go without a good probe before it is "
+        "shown as 'cannot warm' (reason with the last probe result, one event); it is never routed "
+        "before a good probe either way. Probe failures from an engine that answers (an HTTP status "
+        "other than 503, bad output, a fatal error) say so sooner, at probe_failures_to_eject in a "
+        "row (issue 26: a wrong --engine-url). Ours: above fc08's 270 s weight load, so an engine "
+        "still loading is not called stuck",
+    )
     busy_good_probes_to_recover: int = Field(
         1, ge=1,
         description="good probes that return a node DEGRADED only for being busy (slow probes, "

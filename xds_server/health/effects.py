@@ -45,6 +45,7 @@ __all__ = [
     "restarting",
     "slow_to_degraded",
     "stall_counted",
+    "warming_probe",
     "with_detail",
 ]
 
@@ -147,6 +148,48 @@ def refusal_over(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | No
 def gpu_lost_while_warming(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
     """WARMING with a fatal GPU event: stays WARMING (never routed, not even at the ramp's 1 %)."""
     return nh, f"{f.detail}; not routed while warming"
+
+
+def warming_probe(count: bool) -> Effect:
+    """COLD or WARMING and a probe that does not promote the node (never routed either way, fc08).
+
+    ``count``: a failure, counted in ``consecutive_failures`` (a failure arrives as PROBE_FAIL or
+    FAILURES_REACH_EJECT; ``Fired.arg`` is 1 when the engine answered: an HTTP status other than
+    503, bad output, a fatal error); else a busy answer (429, a busy timeout), not counted. The
+    reason gives the last probe's result. It reads "cannot warm: ..." once ``warm_limit_s`` has
+    passed since the node entered its state without a good probe, or after
+    ``probe_failures_to_eject`` failures in a row from an engine that answers (something that is
+    not a loading engine is there: a wrong ``--engine-url``, issue 26); the first such reason of
+    the episode is also an event (``from_state`` = ``to_state``)."""
+
+    def effect(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+        cfg, p = c.cfg, nh.probe
+        n = p.consecutive_failures + 1 if count else p.consecutive_failures
+        age_s = c.now_s - nh.since_s
+        plural = "s" if n != 1 else ""
+        if count and f.arg and n >= cfg.probe_failures_to_eject:
+            why = f"{n} consecutive probe failure{plural} from an engine that answers"
+        elif age_s >= cfg.warm_limit_s or p.warm_reported:  # once reported, it reads so until a good probe
+            limit = f" (warm_limit_s {cfg.warm_limit_s:g} s)" if age_s >= cfg.warm_limit_s else ""
+            why = f"no good probe {age_s:.0f} s after {nh.state.value} began{limit}"
+            if n:
+                why += f", {n} consecutive probe failure{plural}"
+        else:
+            why = ""
+        if not why:
+            tail = f" ({n} consecutive probe failure{plural})" if n else ""
+            reason = f"{nh.state.value.lower()}, no good probe yet{tail}: {f.detail}"
+        else:
+            reason = f"cannot warm: {why}; last probe: {f.detail}"
+        report = bool(why) and not p.warm_reported
+        if report:
+            c.events.append(Event(c.now_s, nh.node_id, nh.state, nh.state, reason))
+        if n != p.consecutive_failures or report:
+            nh = replace(nh, probe=replace(p, consecutive_failures=n, consecutive_good=0,
+                                           warm_reported=p.warm_reported or report))
+        return nh, reason
+
+    return effect
 
 
 def not_good(reason: bool) -> Effect:

@@ -253,6 +253,7 @@ class Probes:
     refused_last_s: float | None = None     # probe answered a busy_http_statuses status) and the
     refused_probes: int = 0                 # last one; probes in the run; the status last seen
     refused_status: int = 0
+    warm_reported: bool = False             # COLD/WARMING: "cannot warm" was reported (one event)
 
 
 @fast_init

@@ -79,7 +79,7 @@ def step(nh: NodeHealth, obs: Observation, now_s: float, cfg: HealthConfig) -> t
     ``saturated_http_statuses`` while the engine is busy and its token counter advances is
     saturation, not death (DEGRADED only, field case fc07). A STALLED engine counts as one probe
     timeout, and as a second one if still stalled after ``stall_confirm_ms`` (fc06).
-    COLD/WARMING: not routed, failures not counted.
+    COLD/WARMING: not routed, failures counted but never ejecting ("cannot warm", issue 26).
 
     Raises TypeError for an unknown observation type and
     :class:`~xds_server.health.table.InvalidTransition` for a (state, signal) pair the table
@@ -106,10 +106,19 @@ def _step_full(nh: NodeHealth, obs: Observation, now_s: float, cfg: HealthConfig
     return nh, ctx.events
 
 
-def _failure(nh: NodeHealth, what: str, cfg: HealthConfig) -> Fired:
-    """One more probe failure: does it reach ``probe_failures_to_eject``?"""
+def _failure(nh: NodeHealth, what: str, cfg: HealthConfig, answered: bool = False) -> Fired:
+    """One more probe failure: does it reach ``probe_failures_to_eject``? ``answered``: the engine
+    answered it (:func:`_answered`; carried as ``Fired.arg`` for COLD/WARMING's "cannot warm")."""
     reach = nh.probe.consecutive_failures + 1 >= cfg.probe_failures_to_eject
-    return Fired(Signal.FAILURES_REACH_EJECT if reach else Signal.PROBE_FAIL, what)
+    return Fired(Signal.FAILURES_REACH_EJECT if reach else Signal.PROBE_FAIL, what, 1.0 if answered else 0.0)
+
+
+def _answered(obs: ProbeObserved) -> bool:
+    """A failed probe that something answered as no loading engine does: an HTTP status other
+    than 503 (what engines answer while loading), bad output or a fatal engine error."""
+    k = obs.kind
+    return (k is ProbeResultKind.HTTP_STATUS and obs.http_status != 503) or k in (
+        ProbeResultKind.BAD_OUTPUT, ProbeResultKind.ENGINE_FATAL)
 
 
 # ---- heartbeats ---------------------------------------------------------------------------
@@ -258,7 +267,7 @@ def _r_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> Sequence[Fired]
     its next Tick, for a clean period); its next heartbeat clears the misses."""
     o = c.outcome
     if o is ProbeOutcome.FAIL:
-        return (_failure(nh, c.what, c.cfg),)
+        return (_failure(nh, c.what, c.cfg, _answered(obs)),)
     if nh.engine.gpu_fatal and o in (ProbeOutcome.GOOD, ProbeOutcome.SLOW, ProbeOutcome.BUSY):
         return (Fired(Signal.GPU_FATAL, f"GPU fatal event: {nh.engine.gpu_fatal} (probe {c.what} ignored)"),)
     hb = nh.heartbeat
@@ -275,7 +284,7 @@ def _r_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> Sequence[Fired]
         if run_s >= c.cfg.busy_refusal_block_s - EPS_S:
             return (Fired(Signal.REFUSED_TOO_LONG, refusal_evidence(nh)),)
         return (Fired(Signal.PROBE_REFUSED, c.what),)
-    return (Fired(_PROBE_SIGNAL[o], c.what),)
+    return (Fired(_PROBE_SIGNAL[o], c.what, 1.0 if o is ProbeOutcome.FATAL else 0.0),)
 
 
 # ---- time ---------------------------------------------------------------------------------

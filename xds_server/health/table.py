@@ -59,10 +59,11 @@ _SPEC: tuple[tuple[tuple[NodeState, ...], tuple[Signal, ...], Effect, NodeState 
     ((HEALTHY,), (G.PING,), fx.baseline, _STAY),
     ((COLD, WARMING, PROBATION, DEGRADED, REFUSING, UNHEALTHY), (G.PING,), fx.noop, _STAY),
     # probes: startup grace in COLD/WARMING; UNHEALTHY only keeps the clean-run bookkeeping
-    ((COLD,), _PROBES, fx.noop, _STAY),
+    # (failures counted and the last one shown, never ejected: "cannot warm" is a reason and an event)
+    ((COLD,), (G.PROBE_GOOD, G.GOOD_PROBES_RECOVER, G.PROBE_SLOW), fx.noop, _STAY),
     ((WARMING,), (G.PROBE_GOOD, G.GOOD_PROBES_RECOVER, G.PROBE_SLOW), fx.first_good_probe, PROBATION),
-    ((WARMING,), (G.PROBE_BUSY, G.PROBE_REFUSED, G.REFUSED_TOO_LONG, G.PROBE_FAIL, G.FAILURES_REACH_EJECT,
-                  G.PROBE_FATAL), fx.noop, _STAY),
+    ((COLD, WARMING), (G.PROBE_BUSY, G.PROBE_REFUSED, G.REFUSED_TOO_LONG), fx.warming_probe(count=False), _STAY),
+    ((COLD, WARMING), (G.PROBE_FAIL, G.FAILURES_REACH_EJECT, G.PROBE_FATAL), fx.warming_probe(count=True), _STAY),
     ((UNHEALTHY,), _PROBES[:-1], fx.noop, _STAY),
     ((UNHEALTHY,), (G.PROBE_FATAL,), fx.fatal_while_out, _STAY),
     ((PROBATION, HEALTHY, DEGRADED), (G.PROBE_GOOD,), fx.good, _STAY),
@@ -165,6 +166,8 @@ def _enter(nh: NodeHealth, state: NodeState, reason: str, ctx: Ctx) -> NodeHealt
     elif ramp.step_at_s is not None:
         ramp = replace(ramp, step_at_s=None)
     probe = replace(nh.probe, consecutive_good=0) if nh.probe.consecutive_good else nh.probe
+    if probe.warm_reported and not (nh.state is NodeState.COLD and state is NodeState.WARMING):
+        probe = replace(probe, warm_reported=False)  # "cannot warm" is reported once per COLD/WARMING episode
     return replace(nh, state=state, reason=reason, since_s=now, ejection=ej, ramp=ramp, probe=probe)
 
 

@@ -150,11 +150,13 @@ class ProbeSession:
 
     def _emit(self, obs: Observation) -> None:
         assert self._loop is not None
-        if isinstance(obs, ProbeObserved):
-            self.last_probe_failure = "" if obs.kind is ProbeResultKind.OK else clip(
-                f"{obs.kind.value}{f' {obs.http_status}' if obs.http_status else ''}: {obs.detail}",
-                self.probe_cfg.max_text_chars)
         self._arm(self.sink(self.node.id, obs, self._loop.time()))
+
+    def _note_probe(self, obs: ProbeObserved) -> None:
+        """Keep the last probe failure's text for /nodes ("" after a success)."""
+        self.last_probe_failure = "" if obs.kind is ProbeResultKind.OK else clip(
+            f"{obs.kind.value}{f' {obs.http_status}' if obs.http_status else ''}: {obs.detail}",
+            self.probe_cfg.max_text_chars)
 
     def _arm(self, at_s: float | None) -> None:
         """The next Tick is due at ``at_s`` (loop clock, s), None: none pending."""
@@ -359,6 +361,7 @@ class ProbeSession:
                 self._arm(self.sink(self.node.id, PingObserved(rtt_ms=(monotonic() - sent) * 1000.0), now))
             elif isinstance(checked, CheckedResult):
                 obs = checked.observation
+                self._note_probe(obs)
                 if obs.kind is not ProbeResultKind.OK:
                     self._probe_now(f"confirm probe failure: {obs.kind.value}")
                 self._arm(self.sink(self.node.id, obs, now))
