@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -39,6 +40,10 @@ __all__ = ["FaultTimeline", "run_demo", "watch_exclusion"]
 # probes, then +1 % per 1 s step).
 DEMO_HEALTH = {"probation_clean_s": 3.0, "ramp_step_percent": 10.0, "ramp_step_s": 0.3}
 
+
+PHASE_LEAD_S = 0.3
+"""A fault's phase of the request table begins this long before the fault is injected (s):
+longer than any request of the demo's load takes on a healthy node (p50 ~45 ms, max ~60 ms)."""
 
 DEMO_PER_TRY_TIMEOUT_S = 1.0
 DEMO_PER_TRY_IDLE_TIMEOUT_S = 2.0
@@ -164,8 +169,9 @@ def _phase_table(load: LoadGenerator, node_ids: list[str], per_try_timeout_s: fl
         retried = sum(1 for ms in lat if ms >= per_try_timeout_s * 1000)
         _p(f"  {name:<34}" + "".join(f"{st.ok_by_node.get(n, 0):>8}" for n in node_ids)
            + f"{st.failed:>8}{retried:>9}{p50:>8}{mx:>8}")
-    _p(f"  (a request is counted in the phase it started in; 'retried' = caught on a failing node and "
-       f"answered by another after the {per_try_timeout_s:g} s per-try timeout)")
+    _p(f"  (a request is counted in the phase it started in, a fault's phase from {PHASE_LEAD_S:g} s before "
+       f"it strikes; 'retried' = caught on a failing node and answered by another after the "
+       f"{per_try_timeout_s:g} s per-try timeout)")
 
 
 async def _demo(keep_running: bool, envoy_binary: str | None) -> int:
@@ -274,6 +280,10 @@ async def _relay_fault(fleet: Fleet, session: aiohttp.ClientSession) -> bool:
     from sentinel_relay.feed import FeedClient
     from sentinel_relay.server import Relay
 
+    said = _RelayLines()  # the relay's log lines, printed whole below as lines of the demo
+    relay_log = logging.getLogger("sentinel_relay")
+    relay_log.addHandler(said)
+    relay_log.propagate = False
     relay = await Relay(RelayConfig(listen="127.0.0.1:0", upstream=fleet.url, admin_listen=None)).start()
     feed = FeedClient(f"127.0.0.1:{fleet.xds_port}", relay.on_node)
     feed.start()
@@ -293,8 +303,9 @@ async def _relay_fault(fleet: Fleet, session: aiohttp.ClientSession) -> bool:
                     continue
                 text += [c.get("text") or "" for c in json.loads(line[6:]).get("choices", [])]
                 if kill_after is not None and len(text) == kill_after:
-                    node = r.headers.get("x-sentinel-upstream-host")
-                    victim = next(n for n in fleet.nodes if n.address == node)
+                    address = r.headers.get("x-sentinel-upstream-host")
+                    victim = next(n for n in fleet.nodes if n.address == address)
+                    node = victim.node_id
                     assert victim.engine is not None
                     os.killpg(victim.engine.pid, signal.SIGKILL)
         return "".join(text), dones, gap, node
@@ -304,6 +315,8 @@ async def _relay_fault(fleet: Fleet, session: aiohttp.ClientSession) -> bool:
     finally:
         await feed.stop()
         await relay.stop()
+        relay_log.removeHandler(said)
+        relay_log.propagate = True
         for n in fleet.nodes:
             assert n.engine is not None
             if not n.engine.alive():
@@ -311,17 +324,34 @@ async def _relay_fault(fleet: Fleet, session: aiohttp.ClientSession) -> bool:
     ok = got == ref and dones == 1
     _p("")
     _p(f"Fault 3: engine of {node} SIGKILLed mid-stream after 15 of 60 tokens, stream through sentinel-relay:")
+    for line in said.lines:
+        _p(f"  relay: {line}")
     _p(f"  completed {'whole' if ok else 'NOT whole'} (same text as uninterrupted: {got == ref}, "
        f"[DONE]: {dones}), largest gap the client saw {gap * 1000:.0f} ms")
     return ok
+
+
+class _RelayLines(logging.Handler):
+    """Collects the relay's log messages (INFO and up) of the demo's third fault."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.lines) < 20:
+            self.lines.append(record.getMessage())
 
 
 async def _fault(fleet: Fleet, session: aiohttp.ClientSession, load: LoadGenerator, name: str, node_id: str,
                  during: str, after: str, inject, heal, detect_timeout_s: float) -> FaultTimeline:
     """Inject, watch both the control plane and Envoy exclude the node, heal, wait for the full
     recovery (routed again, ramp complete), print the timeline."""
-    tl = FaultTimeline(name, node_id, injected_wall_s=time.time())
     load.phase(f"{node_id} {during}")
+    # requests in flight when the fault strikes started up to ~60 ms before it: they count in
+    # this phase, not in the quiet one before it (which then shows no retry it did not cause)
+    await asyncio.sleep(PHASE_LEAD_S)
+    tl = FaultTimeline(name, node_id, injected_wall_s=time.time())
     t0 = time.monotonic()
     await inject()
     await watch_exclusion(fleet, session, tl, t0, timeout_s=detect_timeout_s)

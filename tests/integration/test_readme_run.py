@@ -58,5 +58,5 @@ def test_readme_run_block_runs_as_written(tmp_path):
     assert "xds.yaml: OK (1 cluster(s), 1 node(s))" in text
     assert '"text"' in text and "sim-model" in text          # the completion through Envoy
     assert re.search(r"gpu-a\s+llm\s+(PROBATION|HEALTHY)", text), text[-4000:]  # status
-    assert '"state": "DRAINING"' in text                       # drain
+    assert "drain gpu-a: now DRAINING, weight -" in text       # drain: one line, as status shows it
     assert (tmp_path / "envoy.yaml").exists() and (tmp_path / "xds-state.json").exists()
