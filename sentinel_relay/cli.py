@@ -2,7 +2,8 @@
 
 ``--workers N`` forks N processes that share the listening port (SO_REUSEPORT; the kernel
 spreads connections); worker *i* serves its metrics on the admin port + *i*. Prints
-``sentinel-relay ready on HOST:PORT`` once every worker listens. SIGTERM/SIGINT stop it (exit
+``sentinel-relay ready on HOST:PORT`` (the bound port, also for ``--listen HOST:0``) once
+every worker listens. SIGTERM/SIGINT stop it (exit
 0); SIGHUP is logged and changes nothing (the config is read at start).
 
 Exit codes: 0 stopped by a signal; 1 runtime failure (a port that cannot be bound: one line
@@ -84,7 +85,7 @@ async def _serve(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int |
                           tls=cfg.feed_tls())
         feed.start()
     if ready_fd is not None:
-        os.write(ready_fd, b"r")
+        os.write(ready_fd, f"r{relay.port}\n".encode())
         os.close(ready_fd)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -225,12 +226,15 @@ def _child(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int, loop_n
 
 def _supervise(pids: list[int], ready_r: int, cfg: RelayConfig) -> int:
     signal.signal(signal.SIGHUP, lambda _s, _f: log.warning(SIGHUP_IGNORED))
-    got, buf = 0, b""
-    while got < len(pids):
+    ports: list[str] = []  # each worker writes "r<port>\n" once it listens, "E<why>\n" if it cannot
+    buf = b""
+    while len(ports) < len(pids):
         b = os.read(ready_r, 4096)
         buf += b
-        if b"E" in buf or not b:
-            err = buf.partition(b"E")[2].partition(b"\n")[0].decode("utf-8", "replace")
+        lines = buf.split(b"\n")
+        ports = [ln[1:].decode() for ln in lines[:-1] if ln.startswith(b"r")]
+        err = next((ln[1:].decode("utf-8", "replace") for ln in lines[:-1] if ln.startswith(b"E")), None)
+        if err is not None or not b:
             print(f"sentinel-relay: {err or 'a worker failed to start'}", file=sys.stderr)
             for pid in pids:
                 try:
@@ -240,8 +244,8 @@ def _supervise(pids: list[int], ready_r: int, cfg: RelayConfig) -> int:
             for pid in pids:
                 os.waitpid(pid, 0)
             return 1
-        got = buf.count(b"r")
-    print(f"sentinel-relay ready on {cfg.listen} ({len(pids)} worker(s))", flush=True)
+    host = cfg.listen.rpartition(":")[0]
+    print(f"sentinel-relay ready on {host}:{ports[0]} ({len(pids)} worker(s))", flush=True)
 
     def forward(sig: int, _frame: object) -> None:
         for pid in pids:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from xds_server.process.tls import ClientTls, dial
+from xds_server.process.untrusted import for_log
 from xds_server.proto import routing_pb2, routing_pb2_grpc
 
 __all__ = ["FeedClient"]
@@ -84,11 +85,20 @@ class FeedClient:
                                 log.exception("routing feed callback failed for %s", n.node_id)
             except asyncio.CancelledError:
                 raise
-            except grpc.aio.AioRpcError as e:
-                log.warning("routing feed %s: %s; reconnecting in %.1f s", self.target,
-                            e.code().name, backoff)
+            except grpc.aio.AioRpcError as e:  # the details say what answered (an HTTP/1 server, nothing)
+                log.warning("routing feed %s (--routing-feed, the control plane's xds.listen): %s: %s; "
+                            "reconnecting in %.1f s", self.target, e.code().name, _why(e.details() or ""), backoff)
             except Exception as e:  # any failure: reconnect
                 log.warning("routing feed %s: %r; reconnecting in %.1f s", self.target, e, backoff)
             self.on_connected(False)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.reconnect_max_s)
+
+
+def _why(details: str) -> str:
+    """gRPC's connect error in a few words: what answered at the feed's address."""
+    if "http1" in details.lower():
+        return "an HTTP/1 server answers there, not a gRPC port (the admin port?)"
+    if "Connection refused" in details:
+        return "nothing listens there (connection refused)"
+    return for_log(details, 400)
