@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                             ("check-config", "validate a config file and exit", _check_config)):
         sp = cmd(name, help_, fn)
         sp.add_argument("config_pos", nargs="?", metavar="CONFIG", help="YAML config file")
-        sp.add_argument("--config", help="YAML config file (same as CONFIG)")
+        sp.add_argument("--config", help="YAML config file (same as CONFIG; one of the two is required, no default)")
         if name == "serve":
             sp.add_argument("--loop", choices=event_loop.LOOPS, default="asyncio",
                             help="event loop of this process and its probe workers (default asyncio; "
@@ -332,14 +332,16 @@ def build_parser() -> argparse.ArgumentParser:
     eb.add_argument("--api", choices=("GRPC", "DELTA_GRPC"), default="GRPC", help="ADS variant (default GRPC)")
     eb.add_argument("--per-try-timeout-s", type=float, default=None, help="retry per-try timeout (default 10)")
     eb.add_argument("--xds-tls-ca", default=None, metavar="PEM",
-                    help="connect to the ADS port over TLS, verifying xds-server with this CA")
-    eb.add_argument("--xds-tls-cert", default=None, metavar="PEM", help="Envoy's client certificate (mutual TLS)")
-    eb.add_argument("--xds-tls-key", default=None, metavar="PEM", help="its private key")
+                    help="connect to the ADS port over TLS, verifying xds-server with this CA "
+                         "(default: plaintext)")
+    eb.add_argument("--xds-tls-cert", default=None, metavar="PEM", help="Envoy's client certificate (mutual TLS; default: none)")
+    eb.add_argument("--xds-tls-key", default=None, metavar="PEM", help="its private key (default: none)")
     eb.add_argument("--xds-tls-server-name", default=None,
-                    help="DNS SAN xds-server's certificate must carry (also sent as SNI)")
+                    help="DNS SAN xds-server's certificate must carry (also sent as SNI; default: none, "
+                         "the CA alone decides)")
     eb.add_argument("--xds-tls-sds", default=None, metavar="DIR",
                     help="write the certificate and CA as filesystem SDS files into DIR and point Envoy "
-                         "at them (Envoy watches DIR: rotation without restart)")
+                         "at them (Envoy watches DIR: rotation without restart; default: inline files)")
     eb.add_argument("--xds", action="append", metavar="HOST:PORT",
                     help="a replica of the control plane (repeat for each; default 127.0.0.1:--xds-port)")
     eb.add_argument("--group", action="append", metavar="CONFIG[=HOST:PORT,...]",
@@ -349,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --group: the request header naming the cluster (default x-sentinel-cluster)")
     eb.add_argument("-o", "--output", default=None, help="file to write (default stdout)")
     d = cmd("demo", "local demo: real Envoy, simulated engines, injected faults", _demo)
-    d.add_argument("--keep-running", action="store_true", help="stay up until Ctrl-C (no faults)")
+    d.add_argument("--keep-running", action="store_true", help="stay up until Ctrl-C (no faults; default: run the faults and exit)")
     d.add_argument("--envoy-binary", default=None, help="path to envoy (default: `envoy` on PATH)")
     return p
 

@@ -174,3 +174,38 @@ def test_demo_prints_what_it_shortens_next_to_the_defaults():
     assert rows["health.ramp_step_percent / ramp_step_s (ramp)"][1] == \
         f"+{h.ramp_step_percent:g} % per {h.ramp_step_s:g} s"
     assert rows["Envoy retry per_try_idle_timeout"] == ("2 s", "10s")
+
+
+def _parsers():
+    """(name, parser) for every program and xds-server subcommand."""
+    import argparse
+
+    from node_probe.cli import build_parser as probe_parser
+    from sentinel_relay.cli import _parser as relay_parser
+
+    out = [("node-probe", probe_parser()), ("sentinel-relay", relay_parser())]
+    p = build_parser()
+    out.append(("xds-server", p))
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            out += [(f"xds-server {name}", sp) for name, sp in action.choices.items()]
+    return out
+
+
+def test_every_flag_of_every_program_has_help_with_its_default():
+    """Issue 26 item 4: --help of each program names every flag's default (the relay's showed
+    none for --listen, --admin-listen, --workers, --max-rescues)."""
+    missing = []
+    for name, p in _parsers():
+        for a in p._actions:
+            if not a.option_strings or a.dest in ("help", "version"):
+                continue
+            if not a.help or ("default" not in a.help and "required" not in a.help):
+                missing.append(f"{name} {a.option_strings[0]}")
+    r = subprocess.run([sys.executable, "-m", "node_probe.cli", "sim-engine", "--help"], capture_output=True,
+                       text=True, timeout=30)
+    for line in r.stdout.split("\n  --")[1:]:
+        flag = line.split()[0]
+        if flag not in ("help", "version") and "default" not in line:
+            missing.append(f"sim-engine --{flag}")
+    assert missing == []
