@@ -209,3 +209,22 @@ def test_every_flag_of_every_program_has_help_with_its_default():
         if flag not in ("help", "version") and "default" not in line:
             missing.append(f"sim-engine --{flag}")
     assert missing == []
+
+
+def test_tracebacks_only_at_debug_in_both_formats():
+    try:
+        raise ConnectionResetError("peer went away")
+    except ConnectionResetError:
+        rec = logging.LogRecord("sentinel_relay", logging.ERROR, __file__, 1, "client gone", (), sys.exc_info())
+    line = TextFormatter(tracebacks=False).format(rec)
+    assert "\n" not in line and line.endswith("client gone exc=ConnectionResetError: peer went away")
+    assert "Traceback" in TextFormatter(tracebacks=True).format(rec)
+    assert json.loads(JsonFormatter(tracebacks=False).format(rec))["exc"] == "ConnectionResetError: peer went away"
+    from xds_server.process.commandline import run_main
+
+    def boom() -> int:
+        raise RuntimeError("a bug")
+
+    assert run_main("prog", boom, lambda: False) == 1
+    with pytest.raises(RuntimeError):
+        run_main("prog", boom, lambda: True)
