@@ -334,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     eb.add_argument("--xds-tls-ca", default=None, metavar="PEM",
                     help="connect to the ADS port over TLS, verifying xds-server with this CA "
                          "(default: plaintext)")
-    eb.add_argument("--xds-tls-cert", default=None, metavar="PEM", help="Envoy's client certificate (mutual TLS; default: none)")
+    eb.add_argument("--xds-tls-cert", default=None, metavar="PEM",
+                    help="Envoy's client certificate (mutual TLS; default: none)")
     eb.add_argument("--xds-tls-key", default=None, metavar="PEM", help="its private key (default: none)")
     eb.add_argument("--xds-tls-server-name", default=None,
                     help="DNS SAN xds-server's certificate must carry (also sent as SNI; default: none, "
@@ -351,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --group: the request header naming the cluster (default x-sentinel-cluster)")
     eb.add_argument("-o", "--output", default=None, help="file to write (default stdout)")
     d = cmd("demo", "local demo: real Envoy, simulated engines, injected faults", _demo)
-    d.add_argument("--keep-running", action="store_true", help="stay up until Ctrl-C (no faults; default: run the faults and exit)")
+    d.add_argument("--keep-running", action="store_true",
+                   help="stay up until Ctrl-C (no faults; default: run the faults and exit)")
     d.add_argument("--envoy-binary", default=None, help="path to envoy (default: `envoy` on PATH)")
     return p
 
