@@ -143,7 +143,9 @@ def test_a_probe_queued_behind_the_prefill_answered_300ms_late_after_it_keeps_1_
     sim.apply(HeartbeatObserved(requests_running=1, requests_waiting=1, progress_age_ms=30,
                                 progress_detail="engine 0: vllm:kv_cache_usage_perc 0.08 -> 0.0814 0.0 s ago"), 4.45)
     sim.apply(ProbeObserved(K.TIMEOUT), 4.5)
-    assert sim.nh.state is S.DEGRADED and sim.nh.reason.startswith("busy:")
+    sim.apply(HeartbeatObserved(requests_running=1, requests_waiting=1, progress_age_ms=30,
+                                progress_detail="engine 0: vllm:kv_cache_usage_perc 0.0814 -> 0.0828 0.0 s ago"), 4.6)
+    assert sim.nh.state is S.DEGRADED and sim.nh.reason.startswith("busy:")  # moved after the timeout
     sim.apply(HeartbeatObserved(requests_running=0, requests_waiting=0), 9.55)
     sim.apply(ProbeObserved(K.OK, ttft_ms=300), 9.56)
     assert sim.nh.state is S.DEGRADED
@@ -169,13 +171,18 @@ def test_timeout_with_progress_900ms_old_older_than_the_800ms_wait_is_a_failure_
     assert sim.nh.probe.consecutive_failures == 1
 
 
-def test_timeout_with_progress_700ms_old_within_the_800ms_wait_is_busy_and_says_the_age_and_the_wait():
+def test_timeout_with_progress_700ms_old_within_the_800ms_wait_is_busy_once_progress_moves_after_it():
+    """Issue 25 item 8: the timeout alone says nothing yet (progress moved during the wait, maybe
+    just before a hang); the next heartbeat showing a move after the timeout makes it busy."""
     sim = healthy_sim()
     sim.apply(_busy_heartbeat(650), 4.45)
     sim.apply(ProbeObserved(K.TIMEOUT), 4.5)
+    assert sim.nh.state is S.HEALTHY and sim.nh.probe.busy_timeout_s == 4.5   # not judged yet
+    sim.apply(_busy_heartbeat(20), 4.6)
     assert sim.nh.state is S.DEGRADED
-    assert sim.nh.reason == ("busy: saturated, inference timeout (no token within 800 ms); progressing: moved 0.7 s "
-                             "ago, within the probe's 0.8 s wait: engine 0: tokens 100 -> 140")
+    assert sim.nh.reason == ("busy: saturated, inference timeout (no token within 800 ms); progressing: moved 0.0 s "
+                             "ago, after the probe timed out: engine 0: tokens 100 -> 140")
+    assert sim.nh.probe.consecutive_failures == 0 and sim.nh.probe.busy_timeout_s is None
 
 
 def test_slow_probe_450ms_with_progress_600ms_old_is_slow_not_busy():

@@ -90,6 +90,21 @@ class HealthConfig(_Model):
         "once) uses this window alone and gives the age. Ours: the agent's stall window (1 s), so a "
         "hang's last progress stops counting as evidence when the stall is declared (issue 11)",
     )
+    busy_confirm_min_ms: float = Field(
+        300.0, gt=0,
+        description="a probe timeout while the engine shows evidence of progress is judged busy only once "
+        "a progress signal moves *after* it, and a failure when none has moved this long (ms) after it, "
+        "or busy_confirm_gaps x the engine's own progress cadence if longer, at most "
+        "busy_progress_window_ms (unknown cadence: the window): a hang that began during the probe's "
+        "wait never reads as busy (issue 25 item 8). Ours: the agent's 100 ms scrape plus a 100 ms "
+        "heartbeat plus 100 ms slack, the longest a progressing engine takes to show a move",
+    )
+    busy_confirm_gaps: float = Field(
+        2.0, ge=1,
+        description="... or this many of the engine's recent gaps between progress moves (a chunked "
+        "prefill moves its KV usage every ~0.46 s on vLLM 0.32 with 256-token chunks, issue 11), "
+        "so an engine whose signals move slowly is not called hung between two moves. Ours",
+    )
     busy_refusal_block_s: float = Field(
         15.0, gt=0,
         description="seconds (s) a node may answer every probe with a busy_http_statuses status (429) "

@@ -47,6 +47,9 @@ or None for the first, engine state before it, (burst start, until) of a pending
 _QUIET_STATES = frozenset({NodeState.WARMING, NodeState.PROBATION, NodeState.HEALTHY, NodeState.DEGRADED,
                            NodeState.REFUSING})
 _RESTARTING = (EngineState.COLD, EngineState.WARMING)
+_GAP_DECAY = 0.5
+"""``Engine.progress_gap_s`` after a move: the larger of this gap and the last value x this, so a
+slow cadence (a chunked prefill) is learned at its first long gap and forgotten within a few moves."""
 
 
 def _same(a: float | None, b: float | None) -> bool:
@@ -84,6 +87,11 @@ def _recorded(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: HealthConf
     age = hb.progress_age_ms
     progress_at = None if age is None else now - age / 1000.0
     progress_detail = hb.progress_detail if age is not None else ""
+    gap = None if progress_at is None else e.progress_gap_s
+    if progress_at is not None and e.progress_at_s is not None and \
+            progress_at - e.progress_at_s > cfg.heartbeat_interval_ms / 2000.0:  # moved (not arrival jitter)
+        moved = min(progress_at - e.progress_at_s, cfg.busy_progress_window_ms / 1000.0)
+        gap = moved if gap is None else max(moved, gap * _GAP_DECAY)
     if not (progress_at is None and e.progress_at_s is None and e.state is hb.engine_state
             and e.stalled == hb.stalled and e.stalled_since_s == stalled_since and e.stall_counted == counted
             and (e.requests_running is hb.requests_running or _same(e.requests_running, hb.requests_running))
@@ -91,7 +99,7 @@ def _recorded(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: HealthConf
             and (e.gpu_free_ratio is hb.gpu_free_ratio or _same(e.gpu_free_ratio, hb.gpu_free_ratio))
             and e.gpu_fatal == hb.gpu_fatal and e.progress_detail == progress_detail):
         e = Engine(hb.engine_state, hb.stalled, stalled_since, counted, hb.requests_running,
-                   hb.requests_waiting, hb.gpu_free_ratio, hb.gpu_fatal, progress_at, progress_detail)
+                   hb.requests_waiting, hb.gpu_free_ratio, hb.gpu_fatal, progress_at, progress_detail, gap)
     # else: the engine record is unchanged (a steady node): the same immutable value is kept
     return NodeHealth(nh.node_id, nh.state, nh.reason, nh.since_s, Heartbeats(now, 0, False, arrivals, clears),
                       nh.rtt, nh.probe, e, ej, nh.ramp, nh.drain)
@@ -116,8 +124,8 @@ def _quiet(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: HealthConfig)
 
 def _quiet_record(nh: NodeHealth, hb: HeartbeatObserved) -> bool:
     """The conditions of :func:`_quiet` that do not read the time."""
-    if nh.state not in _QUIET_STATES or hb.stalled or hb.gpu_fatal:
-        return False
+    if nh.state not in _QUIET_STATES or hb.stalled or hb.gpu_fatal or nh.probe.busy_timeout_s is not None:
+        return False  # (a timeout read as busy is judged at the heartbeats after it)
     ej = nh.ejection
     if ej.cause is not None or ej.forgive_since_s is not None:
         return False

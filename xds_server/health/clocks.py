@@ -15,6 +15,7 @@ from xds_server.health.records import ROUTED_STATES, EjectionCause, NodeHealth, 
 __all__ = [
     "EPS_S",
     "DuePlan",
+    "busy_confirm_s",
     "due_plan",
     "miss_after_s",
     "misses_at",
@@ -100,6 +101,18 @@ def stall_confirm_at_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
         if frozen_at >= e.stalled_since_s:  # older progress (idle before the request): not this freeze's
             at = min(at, frozen_at)
     return at
+
+
+def busy_confirm_s(nh: NodeHealth, cfg: HealthConfig) -> float:
+    """How long (s) after a probe timeout with evidence of progress a progress signal may take to
+    move before the timeout is a failure (a hang) rather than busy: ``busy_confirm_min_ms``, or
+    ``busy_confirm_gaps`` x the engine's own cadence (``Engine.progress_gap_s``) if longer, at
+    most ``busy_progress_window_ms``; the window while the cadence is unknown."""
+    window = cfg.busy_progress_window_ms / 1000.0
+    gap = nh.engine.progress_gap_s
+    if gap is None:
+        return window
+    return min(window, max(cfg.busy_confirm_min_ms / 1000.0, cfg.busy_confirm_gaps * gap))
 
 
 def ticks_backed_off(nh: NodeHealth, cfg: HealthConfig) -> bool:

@@ -5,9 +5,10 @@ Pure: reads the result, the node's engine telemetry (busy? evidence of progress?
 from __future__ import annotations
 
 from xds_server.config import HealthConfig
+from xds_server.health.clocks import EPS_S, busy_confirm_s
 from xds_server.health.records import NodeHealth, ProbeObserved, ProbeOutcome, ProbeResultKind
 
-__all__ = ["classify_probe", "is_refusal", "refusal_evidence"]
+__all__ = ["answered_failure", "classify_probe", "is_refusal", "judge_busy_timeout", "refusal_evidence"]
 
 _DETAIL_CHARS = 120       # agent-supplied detail kept in a reason
 _FATAL_DETAIL_CHARS = 160
@@ -99,3 +100,40 @@ def refusal_evidence(nh: NodeHealth) -> str:
     n = p.refused_probes
     return (f"busy: every probe answered HTTP {p.refused_status} for {p.refused_last_s - p.refused_since_s:.1f} s "
             f"({n} probe{'s' if n != 1 else ''}, no good probe)")
+
+
+def answered_failure(obs: ProbeObserved) -> bool:
+    """A failed probe that something answered as no loading engine does: an HTTP status other
+    than 503 (what engines answer while loading), bad output or a fatal engine error."""
+    k = obs.kind
+    return (k is ProbeResultKind.HTTP_STATUS and obs.http_status != 503) or k in (
+        ProbeResultKind.BAD_OUTPUT, ProbeResultKind.ENGINE_FATAL)
+
+
+def judge_busy_timeout(nh: NodeHealth, now_s: float, cfg: HealthConfig) -> tuple[bool, str] | None:
+    """A probe timeout with evidence of progress (``Probes.busy_timeout_s``: classified BUSY, not
+    judged yet), judged at a heartbeat at ``now_s`` (s) from the engine record it just updated:
+    ``(True, reason)`` once a progress signal moved after the timeout, or nothing runs any more
+    (busy: saturated, never a failure; a hang keeps its requests running); ``(False, reason)``
+    when the engine is reported stalled, shows no evidence while requests run, or nothing moved
+    within :func:`~xds_server.health.clocks.busy_confirm_s` after it (a hang that began during
+    the probe's wait: a failure, never called busy); None: not yet.
+    "After" is more than half a heartbeat interval after it, so arrival jitter of the last move
+    before the timeout is not read as a new one."""
+    at, e = nh.probe.busy_timeout_s, nh.engine
+    if at is None:
+        return None
+    timeout = f"inference timeout (no token within {cfg.ttft_timeout_ms:.0f} ms)"
+    moved = e.progress_at_s
+    if (moved is not None and moved > at + cfg.heartbeat_interval_ms / 2000.0 and not e.stalled
+            and (e.requests_running or 0) > 0):
+        what = e.progress_detail[:_DETAIL_CHARS] or f"{e.requests_running:.0f} running"
+        return True, (f"busy: saturated, {timeout}; progressing: moved {max(0.0, now_s - moved):.1f} s ago, "
+                      f"after the probe timed out: {what}")
+    waited = now_s - at
+    if not e.stalled and (e.requests_running or 0) <= 0:  # a hang keeps its requests: this one drained
+        return True, f"busy: saturated, {timeout}; nothing running {waited:.1f} s later: the load has drained"
+    if e.stalled or moved is None or waited >= busy_confirm_s(nh, cfg) - EPS_S:
+        since = "" if moved is None else f"; no progress for {max(0.0, now_s - moved):.1f} s"
+        return False, f"{timeout}{since}, none in the {waited:.1f} s since it timed out: a hang, not load"
+    return None

@@ -254,6 +254,8 @@ class Probes:
     refused_probes: int = 0                 # last one; probes in the run; the status last seen
     refused_status: int = 0
     warm_reported: bool = False             # COLD/WARMING: "cannot warm" was reported (one event)
+    busy_timeout_s: float | None = None     # a timeout with evidence of progress, not judged yet: busy
+                                            # once progress moves after it, else a failure (clocks.busy_confirm_s)
 
 
 @fast_init
@@ -271,6 +273,8 @@ class Engine:
     gpu_fatal: str = ""
     progress_at_s: float | None = None      # when a progress signal last moved (heartbeat arrival - age)
     progress_detail: str = ""               # what moved (agent's text)
+    progress_gap_s: float | None = None     # the engine's own progress cadence: the largest recent gap (s)
+                                            # between two moves (halved per move since), None: unknown
 
 
 @fast_init

@@ -19,8 +19,8 @@ from typing import TypeVar, cast
 from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
 from xds_server.health.beats import quiet_heartbeat, record_heartbeat
-from xds_server.health.clocks import EPS_S, misses_at, phi_delay_s, required_clean_s, stall_confirm_at_s
-from xds_server.health.outcome import classify_probe, is_refusal, refusal_evidence
+from xds_server.health.clocks import EPS_S, misses_at, phi_delay_s
+from xds_server.health.outcome import answered_failure, classify_probe, is_refusal, judge_busy_timeout, refusal_evidence
 from xds_server.health.records import (
     ROUTED_STATES,
     DrainRequested,
@@ -40,6 +40,7 @@ from xds_server.health.records import (
     Tick,
 )
 from xds_server.health.table import Ctx, Fired, Signal, apply
+from xds_server.health.time_rules import TIME_RULES, failure
 
 __all__ = ["step"]
 
@@ -53,6 +54,7 @@ class _StepCtx(Ctx):
     pending: tuple[float, float] | None = None      # (burst start, until) of a pending forgiveness
     outcome: ProbeOutcome = ProbeOutcome.GOOD
     what: str = ""
+    busy_verdict: tuple[bool, str] | None = None    # a busy-read timeout judged by this heartbeat
 
 
 Record = Callable[[NodeHealth, Observation, _StepCtx], NodeHealth]
@@ -62,10 +64,6 @@ _NONE: tuple[Fired, ...] = ()
 # Signals without a detail, built once (Fired is immutable): these fire on most steps.
 _HEARTBEAT = (Fired(Signal.HEARTBEAT),)
 _PING = (Fired(Signal.PING),)
-_CLEAN_PERIOD_MET = (Fired(Signal.CLEAN_PERIOD_MET),)
-_RAMP_HELD = (Fired(Signal.RAMP_HELD),)
-_RAMP_COMPLETE = (Fired(Signal.RAMP_COMPLETE),)
-_HEALTHY_RUN_MET = (Fired(Signal.HEALTHY_RUN_MET),)
 
 
 def step(nh: NodeHealth, obs: Observation, now_s: float, cfg: HealthConfig) -> tuple[NodeHealth, list[Event]]:
@@ -106,27 +104,24 @@ def _step_full(nh: NodeHealth, obs: Observation, now_s: float, cfg: HealthConfig
     return nh, ctx.events
 
 
-def _failure(nh: NodeHealth, what: str, cfg: HealthConfig, answered: bool = False) -> Fired:
-    """One more probe failure: does it reach ``probe_failures_to_eject``? ``answered``: the engine
-    answered it (:func:`_answered`; carried as ``Fired.arg`` for COLD/WARMING's "cannot warm")."""
-    reach = nh.probe.consecutive_failures + 1 >= cfg.probe_failures_to_eject
-    return Fired(Signal.FAILURES_REACH_EJECT if reach else Signal.PROBE_FAIL, what, 1.0 if answered else 0.0)
-
-
-def _answered(obs: ProbeObserved) -> bool:
-    """A failed probe that something answered as no loading engine does: an HTTP status other
-    than 503 (what engines answer while loading), bad output or a fatal engine error."""
-    k = obs.kind
-    return (k is ProbeResultKind.HTTP_STATUS and obs.http_status != 503) or k in (
-        ProbeResultKind.BAD_OUTPUT, ProbeResultKind.ENGINE_FATAL)
-
-
 # ---- heartbeats ---------------------------------------------------------------------------
 
 
 def _record_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> NodeHealth:
     nh, (c.gap_ms, c.prev_engine, c.pending) = record_heartbeat(nh, hb, c.now_s, c.cfg)
+    if nh.probe.busy_timeout_s is not None:
+        c.busy_verdict = judge_busy_timeout(nh, c.now_s, c.cfg)
+        if c.busy_verdict is not None:
+            nh = replace(nh, probe=replace(nh.probe, busy_timeout_s=None))
     return nh
+
+
+def _r_busy_judged(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fired]:
+    """A timeout read as busy, judged by this heartbeat: busy, or a failure (a hang)."""
+    if c.busy_verdict is None:
+        return _NONE
+    busy, what = c.busy_verdict
+    return (Fired(Signal.PROBE_BUSY, what),) if busy else (failure(nh, what, c.cfg),)
 
 
 def _r_disproved(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fired]:
@@ -172,7 +167,7 @@ def _r_engine_restarting(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> 
 def _r_stall(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fired]:
     if hb.stalled and nh.engine.stall_counted == 0:  # the first report counts as one timeout
         return (Fired(Signal.STALL),
-                _failure(nh, f"engine STALLED ({hb.stall_detail or 'tokens frozen'})", c.cfg))
+                failure(nh, f"engine STALLED ({hb.stall_detail or 'tokens frozen'})", c.cfg))
     return _NONE
 
 
@@ -244,11 +239,13 @@ def _record_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> NodeHealth
         refused: tuple[float | None, float | None, int, int] = (since, c.now_s, p.refused_probes + 1, obs.http_status)
     else:
         refused = (None, None, 0, 0)
+    # a timeout read as busy is judged at the next heartbeats (did progress move after it?)
+    judge_at = c.now_s if c.outcome is ProbeOutcome.BUSY and obs.kind is ProbeResultKind.TIMEOUT else None
     return replace(nh, probe=replace(p, consecutive_failures=failures, last_ttft_ms=last, ewma_ttft_ms=ewma,
                                      last_kind=obs.kind, seen=p.seen + 1, clean_since_s=clean_since,
                                      clean_probes=clean_probes, refused_since_s=refused[0],
                                      refused_last_s=refused[1], refused_probes=refused[2],
-                                     refused_status=refused[3]))
+                                     refused_status=refused[3], busy_timeout_s=judge_at))
 
 
 _PROBE_SIGNAL = {ProbeOutcome.SLOW: Signal.PROBE_SLOW, ProbeOutcome.BUSY: Signal.PROBE_BUSY,
@@ -267,7 +264,9 @@ def _r_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> Sequence[Fired]
     its next Tick, for a clean period); its next heartbeat clears the misses."""
     o = c.outcome
     if o is ProbeOutcome.FAIL:
-        return (_failure(nh, c.what, c.cfg, _answered(obs)),)
+        return (failure(nh, c.what, c.cfg, answered_failure(obs)),)
+    if nh.probe.busy_timeout_s is not None:
+        return _NONE  # busy or a hang: the heartbeats after it tell (_r_busy_judged)
     if nh.engine.gpu_fatal and o in (ProbeOutcome.GOOD, ProbeOutcome.SLOW, ProbeOutcome.BUSY):
         return (Fired(Signal.GPU_FATAL, f"GPU fatal event: {nh.engine.gpu_fatal} (probe {c.what} ignored)"),)
     hb = nh.heartbeat
@@ -285,65 +284,6 @@ def _r_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> Sequence[Fired]
             return (Fired(Signal.REFUSED_TOO_LONG, refusal_evidence(nh)),)
         return (Fired(Signal.PROBE_REFUSED, c.what),)
     return (Fired(_PROBE_SIGNAL[o], c.what, 1.0 if o is ProbeOutcome.FATAL else 0.0),)
-
-
-# ---- time ---------------------------------------------------------------------------------
-
-
-def _r_stall_confirmed(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[Fired]:
-    """A reported stall still reported at :func:`~xds_server.health.clocks.stall_confirm_at_s`
-    counts as a second probe timeout; the reason gives the evidence that confirmed it."""
-    e, cfg = nh.engine, c.cfg
-    at = stall_confirm_at_s(nh, cfg)
-    if e.stall_counted != 1 or at is None or c.now_s < at - EPS_S:
-        return _NONE
-    assert e.stalled_since_s is not None  # stall_confirm_at_s is None without it
-    if c.now_s - e.stalled_since_s >= cfg.stall_confirm_ms / 1000.0 - EPS_S:
-        what = f"engine still STALLED {cfg.stall_confirm_ms:.0f} ms later"
-    else:
-        assert e.progress_at_s is not None
-        what = (f"engine still STALLED: no progress for {c.now_s - e.progress_at_s:.2f} s (stall window "
-                f"{cfg.busy_progress_window_ms:.0f} ms + {cfg.stall_confirm_ms:.0f} ms)")
-    return (Fired(Signal.STALL_CONFIRMED), _failure(nh, what, cfg))
-
-
-def _r_clean_period(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[Fired]:
-    """Half-open entry (seed 000): a clean run of probes, heartbeats flowing, RTT back at baseline
-    (EWMA <= baseline x ``rtt_baseline_tolerance`` + ``rtt_baseline_slack_ms``), engine READY."""
-    cfg, p, h, r = c.cfg, nh.probe, nh.heartbeat, nh.rtt
-    if p.clean_since_s is None or nh.ejection.cause is EjectionCause.PHI:
-        return _NONE
-    if c.now_s - p.clean_since_s < required_clean_s(nh, cfg) - EPS_S or p.clean_probes < cfg.probation_min_probes:
-        return _NONE
-    if h.last_s is None or h.consecutive_misses >= cfg.consecutive_misses:
-        return _NONE
-    if (r.baseline_ms is not None and r.ewma_ms is not None
-            and r.ewma_ms > r.baseline_ms * cfg.rtt_baseline_tolerance + cfg.rtt_baseline_slack_ms):
-        return _NONE
-    if nh.engine.state is not EngineState.READY or nh.engine.gpu_fatal:
-        return _NONE
-    return _CLEAN_PERIOD_MET
-
-
-def _r_ramp(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[Fired]:
-    cfg, r, p = c.cfg, nh.ramp, nh.probe
-    if r.step_at_s is None or c.now_s - r.step_at_s < cfg.ramp_step_s - EPS_S:
-        return _NONE
-    if p.last_kind is ProbeResultKind.OK and (p.last_ttft_ms or 0) >= cfg.ttft_healthy_ms:
-        return _RAMP_HELD
-    steps = int((c.now_s - r.step_at_s + EPS_S) // cfg.ramp_step_s)
-    if r.percent + steps * cfg.ramp_step_percent >= 100.0:
-        return _RAMP_COMPLETE
-    return (Fired(Signal.RAMP_STEP, arg=steps),)
-
-
-def _r_healthy_run(nh: NodeHealth, obs: Observation, c: _StepCtx) -> Sequence[Fired]:
-    """A HEALTHY run of ``probation_clean_max_s`` forgets earlier failed probations."""
-    ej = nh.ejection
-    if (ej.clean_period_s and ej.healthy_since_s is not None
-            and c.now_s - ej.healthy_since_s >= c.cfg.probation_clean_max_s):
-        return _HEALTHY_RUN_MET
-    return _NONE
 
 
 # ---- operator and fleet -------------------------------------------------------------------
@@ -388,11 +328,11 @@ def _observer(kind: type[_O], record: Callable[[NodeHealth, _O, _StepCtx], NodeH
     return cast(_Observer, (record, rules))
 
 
-_TIME: tuple[Rule, ...] = (_r_stall_confirmed, _r_clean_period, _r_ramp, _r_healthy_run)
+_TIME: tuple[Rule, ...] = TIME_RULES
 _OBSERVERS: dict[type[Observation], _Observer] = {
     HeartbeatObserved: _observer(HeartbeatObserved, _record_heartbeat, (
         _r_disproved, _r_forgive_pending, _r_heartbeat, _r_gpu_fatal, _r_engine_failed, _r_engine_restarting,
-        _r_stall, *_TIME)),
+        _r_busy_judged, _r_stall, *_TIME)),
     Tick: _observer(Tick, _record_silence, (_r_silence, *_TIME)),
     StreamClosed: _observer(StreamClosed, _record_silence, (_r_silence, *_TIME)),
     PingObserved: _observer(PingObserved, _record_ping, (_r_ping, *_TIME)),

@@ -1,0 +1,90 @@
+"""The health model's time rules: what a step fires because time passed (stall confirmation,
+clean period, ramp, a long HEALTHY run), and :func:`failure`, one more probe failure. Pure: a
+node's records, the config and the step's time (:mod:`xds_server.health.rules` runs them after
+every observation's own rules)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from xds_server.config import HealthConfig
+from xds_server.health.clocks import EPS_S, required_clean_s, stall_confirm_at_s
+from xds_server.health.records import EjectionCause, EngineState, NodeHealth, Observation, ProbeResultKind
+from xds_server.health.signals import Ctx, Fired, Signal
+
+__all__ = ["TIME_RULES", "failure"]
+
+_NONE: tuple[Fired, ...] = ()
+_CLEAN_PERIOD_MET = (Fired(Signal.CLEAN_PERIOD_MET),)
+_RAMP_HELD = (Fired(Signal.RAMP_HELD),)
+_RAMP_COMPLETE = (Fired(Signal.RAMP_COMPLETE),)
+_HEALTHY_RUN_MET = (Fired(Signal.HEALTHY_RUN_MET),)
+
+
+def failure(nh: NodeHealth, what: str, cfg: HealthConfig, answered: bool = False) -> Fired:
+    """One more probe failure: does it reach ``probe_failures_to_eject``? ``answered``: the engine
+    answered it (:func:`~xds_server.health.outcome.answered_failure`; carried as ``Fired.arg``
+    for COLD/WARMING's "cannot warm")."""
+    reach = nh.probe.consecutive_failures + 1 >= cfg.probe_failures_to_eject
+    return Fired(Signal.FAILURES_REACH_EJECT if reach else Signal.PROBE_FAIL, what, 1.0 if answered else 0.0)
+
+
+
+
+def r_stall_confirmed(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:
+    """A reported stall still reported at :func:`~xds_server.health.clocks.stall_confirm_at_s`
+    counts as a second probe timeout; the reason gives the evidence that confirmed it."""
+    e, cfg = nh.engine, c.cfg
+    at = stall_confirm_at_s(nh, cfg)
+    if e.stall_counted != 1 or at is None or c.now_s < at - EPS_S:
+        return _NONE
+    assert e.stalled_since_s is not None  # stall_confirm_at_s is None without it
+    if c.now_s - e.stalled_since_s >= cfg.stall_confirm_ms / 1000.0 - EPS_S:
+        what = f"engine still STALLED {cfg.stall_confirm_ms:.0f} ms later"
+    else:
+        assert e.progress_at_s is not None
+        what = (f"engine still STALLED: no progress for {c.now_s - e.progress_at_s:.2f} s (stall window "
+                f"{cfg.busy_progress_window_ms:.0f} ms + {cfg.stall_confirm_ms:.0f} ms)")
+    return (Fired(Signal.STALL_CONFIRMED), failure(nh, what, cfg))
+
+
+def r_clean_period(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:
+    """Half-open entry (seed 000): a clean run of probes, heartbeats flowing, RTT back at baseline
+    (EWMA <= baseline x ``rtt_baseline_tolerance`` + ``rtt_baseline_slack_ms``), engine READY."""
+    cfg, p, h, r = c.cfg, nh.probe, nh.heartbeat, nh.rtt
+    if p.clean_since_s is None or nh.ejection.cause is EjectionCause.PHI:
+        return _NONE
+    if c.now_s - p.clean_since_s < required_clean_s(nh, cfg) - EPS_S or p.clean_probes < cfg.probation_min_probes:
+        return _NONE
+    if h.last_s is None or h.consecutive_misses >= cfg.consecutive_misses:
+        return _NONE
+    if (r.baseline_ms is not None and r.ewma_ms is not None
+            and r.ewma_ms > r.baseline_ms * cfg.rtt_baseline_tolerance + cfg.rtt_baseline_slack_ms):
+        return _NONE
+    if nh.engine.state is not EngineState.READY or nh.engine.gpu_fatal:
+        return _NONE
+    return _CLEAN_PERIOD_MET
+
+
+def r_ramp(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:
+    cfg, r, p = c.cfg, nh.ramp, nh.probe
+    if r.step_at_s is None or c.now_s - r.step_at_s < cfg.ramp_step_s - EPS_S:
+        return _NONE
+    if p.last_kind is ProbeResultKind.OK and (p.last_ttft_ms or 0) >= cfg.ttft_healthy_ms:
+        return _RAMP_HELD
+    steps = int((c.now_s - r.step_at_s + EPS_S) // cfg.ramp_step_s)
+    if r.percent + steps * cfg.ramp_step_percent >= 100.0:
+        return _RAMP_COMPLETE
+    return (Fired(Signal.RAMP_STEP, arg=steps),)
+
+
+def r_healthy_run(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:
+    """A HEALTHY run of ``probation_clean_max_s`` forgets earlier failed probations."""
+    ej = nh.ejection
+    if (ej.clean_period_s and ej.healthy_since_s is not None
+            and c.now_s - ej.healthy_since_s >= c.cfg.probation_clean_max_s):
+        return _HEALTHY_RUN_MET
+    return _NONE
+
+
+TIME_RULES = (r_stall_confirmed, r_clean_period, r_ramp, r_healthy_run)
+"""Run after every observation's own rules, in this order."""
