@@ -52,3 +52,14 @@ def test_bounded_and_aligned_whatever_nodes_come_and_go(cap, steps):
             assert len(series[key]) == n
         if n:
             assert series["weight"][-1] == len(steps) - 1  # the last sample is the newest
+
+
+def test_a_large_fleet_gets_every_kth_sample_ending_with_the_newest():
+    h = History(capacity=20, interval_s=2.0)
+    for i in range(25):
+        h.add(float(i), [row(f"n{k}", weight=i) for k in range(100)])
+    assert h.added == 25
+    doc = h.to_json(max_values=2000)  # 5 values per series for 100 nodes x 4 series
+    assert doc["interval_s"] == 8.0 and doc["t"] == [8.0, 12.0, 16.0, 20.0, 24.0]
+    assert doc["nodes"]["n7"]["weight"] == [8, 12, 16, 20, 24]
+    assert len(h.to_json()["t"]) == 20  # small enough: every sample
