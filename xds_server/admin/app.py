@@ -133,11 +133,14 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
     app.on_shutdown.append(live.close)  # before aiohttp waits for open requests: ends SSE streams
 
     history = _history(view, app)
+    history_body: list = [-1, b""]  # (samples added when encoded, the encoded answer): one encoding per sample
 
     async def history_handler(_: web.Request) -> web.Response:
         if history is None:
             return _json({"error": "history is off: admin.history_s is 0"}, status=404)
-        return _json(history.to_json())
+        if history_body[0] != history.added:
+            history_body[:] = [history.added, json_dumps(history.to_json()).encode()]
+        return web.Response(body=history_body[1], content_type="application/json")
 
     async def dashboard(_: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
