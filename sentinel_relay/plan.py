@@ -30,6 +30,7 @@ __all__ = [
     "Plan",
     "Received",
     "Refused",
+    "choose_pin",
     "continuation_body",
     "plan_request",
     "static_refusal",
@@ -299,3 +300,20 @@ def _rebase_min(new: dict[str, Any], body: dict[str, Any], kept: int) -> None:
     mn = body.get("min_tokens")
     if isinstance(mn, int) and mn > 0:
         new["min_tokens"] = max(0, mn - kept)
+
+
+def choose_pin(nodes: dict[str, tuple[bool, int]], exclude: set[str], r: float) -> str | None:
+    """The endpoint a request is pinned to (``x-sentinel-pin``), or None to let Envoy pick.
+
+    ``nodes``: address -> (routable, published weight) from the routing feed; ``exclude``: the
+    addresses that failed this request; ``r``: a uniform draw in [0, 1). A routable node not
+    excluded, drawn by weight (the shares Envoy gives them); None when there is none.
+    """
+    choices = sorted((a, max(1, w)) for a, (ok, w) in nodes.items() if ok and a not in exclude)
+    total = sum(w for _, w in choices)
+    x = r * total
+    for addr, w in choices:
+        if x < w:
+            return addr
+        x -= w
+    return choices[-1][0] if choices else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -29,10 +30,10 @@ from multidict import CIMultiDict
 from .config import RelayConfig
 from .http1 import build_request
 from .metrics import RelayMetrics
-from .plan import PATHS, Plan, Refused, plan_request
+from .plan import PATHS, Plan, Refused, choose_pin, plan_request
 from .sse import SSESplitter
 from .stream import PING, St, StreamBook
-from .unary import HOP_HEADERS, RELAY_HEADER, UnaryRequests
+from .unary import HOP_HEADERS, PIN_HEADER, RELAY_HEADER, UnaryRequests, pin_value
 from .unary import out_headers as _out_headers
 from .unary import reply as _reply
 from .upstream import UpstreamExchange, open_exchange
@@ -114,6 +115,7 @@ class Relay:
         self._runner: web.ServerRunner | None = None
         self._tasks: list[asyncio.Task] = []
         self._node_state: dict[str, str] = {}  # node id -> last state heard on the routing feed
+        self.routes: dict[str, tuple[bool, int]] = {}  # address -> (routable, weight) from the feed
         self.port: int | None = None
         u = urlsplit(cfg.upstream)
         if u.scheme != "http" or not u.hostname:
@@ -127,7 +129,7 @@ class Relay:
             connector=aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
             auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
-        self.unary = UnaryRequests(self.cfg, self.metrics, self._session)
+        self.unary = UnaryRequests(self.cfg, self.metrics, self._session, self.pin)
         # access_log=None: the relay logs what matters (rescues) itself; no line per request
         self._runner = web.ServerRunner(Server(self._handle, access_log=None), handle_signals=False)
         await self._runner.setup()
@@ -159,6 +161,8 @@ class Relay:
         other states: nothing. Returns how many requests it acted on."""
         prev = self._node_state.get(node.node_id)
         self._node_state[node.node_id] = node.state
+        self.routes[node.address] = (bool(getattr(node, "routable", node.state not in ("UNHEALTHY", "DRAINING"))),
+                                     int(getattr(node, "weight", 1) or 1))
         if node.state != "UNHEALTHY":
             return 0
         n = 0
@@ -166,7 +170,7 @@ class Relay:
             ctx.kill("health")
             n += 1
         if self.cfg.hedge_unary_on_ejection and not snapshot and prev != "UNHEALTHY":
-            n += self.unary.on_ejection()
+            n += self.unary.on_ejection(node.address)
         if n:
             log.info("node %s (%s) ejected: rescuing %d requests (%s)", node.node_id,
                      node.address, n, getattr(node, "reason", ""))
@@ -198,9 +202,14 @@ class Relay:
                     ctx.client_gone = True
                     ctx.kill("client")
 
+    def pin(self, exclude: set[str]) -> str | None:
+        """A routable node from the feed, not in ``exclude``, drawn by weight (None: Envoy picks)."""
+        return choose_pin(self.routes, exclude, random.random())
+
     # -- HTTP ------------------------------------------------------------------------------------
     def _upstream_headers(self, request: web.BaseRequest, armed: bool) -> dict[str, str]:
-        h = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        # a client's own pin is dropped: only the relay chooses endpoints
+        h = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS and k.lower() != PIN_HEADER}
         if armed:
             h.pop("Accept-Encoding", None)
             h.pop("accept-encoding", None)
@@ -229,6 +238,7 @@ class Relay:
         last_error: tuple[int, str | None, Any, bytes] | None = None
         rescues = 0
         trigger: str | None = None
+        failed: set[str] = set()  # nodes that failed this stream: a rescue never goes back to them
         self.streams.add(ctx)
         try:
             while True:
@@ -238,9 +248,11 @@ class Relay:
                 target = request.path_qs
                 if book.upstream_kind != plan.kind:  # a chat stream continued from token ids
                     target = PATHS[book.upstream_kind] + (f"?{request.query_string}" if request.query_string else "")
+                pin = self.pin(failed) if failed else None
+                attempt_hdrs = hdrs if pin is None else [*hdrs, (PIN_HEADER, pin_value(pin))]
                 try:
                     ex = await open_exchange(self._up_host, self._up_port, build_request(
-                        "POST", target, self._up_hostport, hdrs, body))
+                        "POST", target, self._up_hostport, attempt_hdrs, body))
                     ctx.up = ex
                     head = await ex.head
                 except (TimeoutError, OSError):
@@ -251,6 +263,8 @@ class Relay:
                     err = await _collect(ex)
                     ctx.up = None
                     hh = CIMultiDict(head.headers)
+                    if hh.get(self.cfg.upstream_host_header):
+                        failed.add(hh[self.cfg.upstream_host_header])
                     if client is None and head.status < 500:
                         return _reply(head.status, head.reason, hh, err)
                     last_error, head, reason = (head.status, head.reason, hh, err), None, "error"
@@ -263,7 +277,10 @@ class Relay:
                         if writer is not None and hasattr(writer, "send_headers"):
                             writer.send_headers()
                         ctx.bind_client(client, request.transport)
+                    node = head.header(self.cfg.upstream_host_header)
                     reason = await self._relay_attempt(ctx, ex, head, book)
+                    if reason is not None and node:
+                        failed.add(node)
                     if ctx.client_gone:
                         return client
                     if reason is None:

@@ -1,14 +1,21 @@
 """Non-streaming requests and pass-through, for the relay (:mod:`.server` owns streams).
 
 - A non-streaming request that can be continued is re-issued (as it was: nothing reached the
-  client) on a reset or a 5xx, and re-issued at once on any ejection while it waits, because its
-  node is unknown until its answer arrives: the first good answer wins, the others are cancelled.
+  client) on a reset or a 5xx, and at once when the node it waits on is ejected: the first good
+  answer wins, the others are cancelled. Its node is unknown until its answer arrives (Envoy
+  names it in the response headers, which come with the body), so while the routing feed lists
+  routable nodes the relay pins each attempt to one (``x-sentinel-pin``, drawn by the published
+  weights; Envoy's stateful-session filter honours it) and re-issues only the requests on the
+  ejected node, pinned elsewhere: one generation per request reaches a survivor. Without the
+  feed's list the node is unknown and every waiting request is re-issued on an ejection.
 - Everything else (refused requests, other paths, other methods) is forwarded unchanged, a cut
   included, with ``x-sentinel-relay: passthrough; reason=...``.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -18,19 +25,27 @@ from .config import RelayConfig
 from .metrics import RelayMetrics
 from .plan import Plan
 
-__all__ = ["HOP_HEADERS", "RELAY_HEADER", "UnaryRequests", "out_headers", "reply"]
+__all__ = ["HOP_HEADERS", "PIN_HEADER", "RELAY_HEADER", "UnaryRequests", "out_headers", "pin_value", "reply"]
 
 RELAY_HEADER = "x-sentinel-relay"
+#: Request header naming the endpoint an attempt must go to (Envoy's stateful-session filter,
+#: xds_server/envoy/envoy.yaml); Envoy also puts it on responses: never passed to the client.
+PIN_HEADER = "x-sentinel-pin"
 HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
                          "trailer", "upgrade", "host", "content-length"})
 
 
 def out_headers(h: Any, extra: str | None = None) -> dict[str, str]:
     """Response headers for the client: the upstream's, less hop-by-hop, plus the relay's note."""
-    out = {k: v for k, v in h.items() if k.lower() not in HOP_HEADERS}
+    out = {k: v for k, v in h.items() if k.lower() not in HOP_HEADERS and k.lower() != PIN_HEADER}
     if extra:
         out[RELAY_HEADER] = extra
     return out
+
+
+def pin_value(address: str) -> str:
+    """The ``x-sentinel-pin`` value for an endpoint ``ip:port`` (base64, as Envoy reads it)."""
+    return base64.b64encode(address.encode()).decode()
 
 
 def reply(status: int, reason: str | None, headers: Any, body: bytes, note: str = "rescue") -> web.Response:
@@ -40,7 +55,7 @@ def reply(status: int, reason: str | None, headers: Any, body: bytes, note: str 
 class _Unary:
     """One armed non-streaming request in flight: its attempts and their answers."""
 
-    __slots__ = ("args", "hedges", "pending", "results", "tasks")
+    __slots__ = ("args", "hedges", "nodes", "pending", "results", "tasks")
 
     def __init__(self, *args: Any) -> None:
         self.args = args  # url, body, headers
@@ -48,24 +63,28 @@ class _Unary:
         self.pending = 0  # attempts started whose answer is not yet in ``results``
         self.tasks: set[asyncio.Task] = set()
         self.hedges = 0
+        self.nodes: list[str | None] = []  # the node each attempt was pinned to (None: Envoy's pick)
 
 
 
 class UnaryRequests:
     """The relay's non-streaming side; ``inflight``: armed requests waiting for an answer."""
 
-    def __init__(self, cfg: RelayConfig, metrics: RelayMetrics, session: aiohttp.ClientSession) -> None:
+    def __init__(self, cfg: RelayConfig, metrics: RelayMetrics, session: aiohttp.ClientSession,
+                 pin: Callable[[set[str]], str | None] = lambda exclude: None) -> None:
         self.cfg, self.metrics, self._session = cfg, metrics, session
+        self.pin = pin  # exclude -> a routable node to pin to, or None (Envoy picks)
         self.inflight: set[_Unary] = set()
 
-    def on_ejection(self) -> int:
-        """A node was ejected: re-issue every waiting request (within ``max_rescues``)."""
+    def on_ejection(self, address: str) -> int:
+        """The node at ``address`` was ejected: re-issue each waiting request that may run there
+        (pinned to it, or unpinned: unknown), within ``max_rescues``, pinned elsewhere."""
         n = 0
         for u in list(self.inflight):
-            if u.hedges < self.cfg.max_rescues and u.pending:
+            if u.hedges < self.cfg.max_rescues and u.pending and (address in u.nodes or None in u.nodes):
                 u.hedges += 1
                 self.metrics.rescues.labels("health", "hedged").inc()
-                self._spawn_unary_attempt(u)
+                self._spawn_unary_attempt(u, {address})
                 n += 1
         return n
 
@@ -94,8 +113,12 @@ class UnaryRequests:
         finally:
             up.close()
 
-    def _spawn_unary_attempt(self, u: _Unary) -> None:
+    def _spawn_unary_attempt(self, u: _Unary, exclude: set[str] | None = None) -> None:
         url, body, headers = u.args
+        node = self.pin({a for a in u.nodes if a} | (exclude or set()))
+        u.nodes.append(node)
+        if node is not None:
+            headers = {**headers, PIN_HEADER: pin_value(node)}
 
         async def attempt() -> None:
             assert self._session is not None

@@ -31,7 +31,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from node_probe.sim.engine import SimConfig, SimEngine
-from node_probe.sim.faults import FAULT_FIELDS, FAULT_MODES
+from node_probe.sim.faults import FAULT_FIELDS, FAULT_MODES, GARBLED_EVENT
 from node_probe.sim.model import Decoder
 from node_probe.sim.protocol import BadRequest, Job, parse_job
 
@@ -219,6 +219,8 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
             if delay > 0:
                 await asyncio.sleep(delay)
             fired = engine.faults.on_token(ex.produced, probe)
+            if fired == "garble_after" and resp is not None:
+                await resp.write(GARBLED_EVENT)
             if fired in ("reset_after", "fail_after", "error_after"):
                 finished = "abort" if fired == "reset_after" else "error"
                 return await _fail(request, resp, fired)

@@ -26,6 +26,9 @@ says. Modes (``POST /sim/fault`` body ``{"mode": ..., params}``):
                     ``data: {"error": {"message", "type": "InternalServerError", "param": null,
                     "code": 500}}`` event, then ``data: [DONE]`` (no finish_reason); a
                     non-streaming request gets that error body with HTTP 500.
+``garble_after``    an engine's or a proxy's bug, not a dead node: at ``after_tokens`` a stream
+                    gets one data event that is not JSON (:data:`GARBLED_EVENT`), then goes on
+                    as if nothing happened; a non-streaming request is not affected.
 ``prefill``         one long prompt is prefilled in chunks for ``prefill_ms`` ms (default 5,500,
                     measured on vLLM 0.32: a 3,000-token prompt, ``--max-num-batched-tokens
                     256``). As in vLLM v1, which counts prompt tokens only when a prefill
@@ -57,6 +60,7 @@ __all__ = [
     "DEFAULT_QUEUE_WAITING",
     "DEFAULT_SLOW_TTFT_MS",
     "FAULT_MODES",
+    "GARBLED_EVENT",
     "MIDSTREAM_MODES",
     "PREFILL_KV_RISE",
     "PREFILL_PROMPT_TOKENS",
@@ -64,7 +68,7 @@ __all__ = [
 ]
 
 #: Mid-stream modes: what fires when a request reaches ``after_tokens`` tokens.
-MIDSTREAM_MODES = ("freeze_after", "reset_after", "fail_after", "error_after")
+MIDSTREAM_MODES = ("freeze_after", "reset_after", "fail_after", "error_after", "garble_after")
 #: Fault modes accepted by ``POST /sim/fault``.
 FAULT_MODES = ("none", "hang", "slow", "error", "queue", *MIDSTREAM_MODES, "hang_after_headers", "prefill")
 _COUNTED = (*MIDSTREAM_MODES, "hang_after_headers")
@@ -78,6 +82,8 @@ DEFAULT_QUEUE_WAITING = 120
 DEFAULT_PREFILL_MS = 5500.0
 PREFILL_PROMPT_TOKENS = 3000
 PREFILL_KV_RISE = 0.078
+#: The event ``garble_after`` writes: a chunk cut short and run into the next (not JSON).
+GARBLED_EVENT = b'data: {"id":"cmpl-garbled","object":"text_completion","choices":[{"index":0,"te\n\n'
 #: Accepted keys of a fault request.
 FAULT_FIELDS = frozenset({"mode", "ttft_ms", "waiting", "after_tokens", "times", "prefill_ms"})
 
