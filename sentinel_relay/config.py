@@ -51,8 +51,9 @@ class RelayConfig(BaseModel):
       SDK and proxy read timeouts quiet and shows the client the stream is alive).
     - ``upstream_host_header``: Envoy's response header naming the node (%UPSTREAM_HOST%).
     - ``hedge_unary_on_ejection``: a non-streaming request in flight when a node is ejected is
-      re-issued at once (its node is unknown until its headers arrive, so every such request is
-      re-issued and the first answer wins; the other is cancelled).
+      re-issued at once, pinned to another node, if it runs there (each attempt is pinned to a
+      routable node from the feed; one started before the feed listed any is re-issued on every
+      ejection); the first answer wins, the other is cancelled.
     - ``feed_reconnect_max_s``: longest wait between routing feed reconnects (backoff from 0.1 s).
     - ``feed_keepalive_s``: HTTP/2 PING interval on the feed's connection, and how long an
       answer may take before the connection is dropped and redialled (1.0 s: a frozen or cut-off
