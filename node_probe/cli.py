@@ -181,7 +181,11 @@ def _start_failure(cfg: AgentConfig, agent: object, exc: OSError) -> str:
         return bind_failure(cfg.metrics_listen, "--metrics-listen", exc)
     if str(exc).startswith(f"cannot listen on {cfg.listen}"):
         return bind_failure(cfg.listen, "--listen", exc.__cause__)
-    return str(exc)
+    text = str(exc)  # TLS files: the config's field names, said as this command's flags
+    for field, flag in (("tls_cert_file", "--tls-cert"), ("tls_key_file", "--tls-key"),
+                        ("tls_client_ca_file", "--tls-client-ca")):
+        text = text.replace(field, flag)
+    return text
 
 
 async def _serve(cfg: AgentConfig) -> int:

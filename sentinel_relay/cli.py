@@ -187,6 +187,12 @@ def _run(args: argparse.Namespace) -> int:
     except RelayConfigError as e:
         print(f"sentinel-relay: {e}", file=sys.stderr)
         return 2
+    for name, flag in (("feed_tls_ca_file", "--feed-tls-ca"), ("feed_tls_cert_file", "--feed-tls-cert"),
+                       ("feed_tls_key_file", "--feed-tls-key")):
+        path = getattr(cfg, name)
+        if path is not None and not os.path.isfile(path):  # refused now, not at every reconnect
+            print(f"sentinel-relay: {flag} ({name}) {path}: no such file", file=sys.stderr)
+            return 2
     try:
         loop_name = event_loop.resolve(args.loop)  # refused before any worker is forked
     except event_loop.LoopUnavailable as e:

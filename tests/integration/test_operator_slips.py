@@ -160,6 +160,13 @@ def test_each_slip_of_the_three_programs_is_one_line_with_its_exit_code(fleet):
     rc, _, err = one_shot([*RELAY, "--config", str(tmp / "relay-missing.yaml")])
     assert rc == 2
     one_line(err, "sentinel-relay", "--config", "no such file")
+    rc, _, err = one_shot([*RELAY, "--routing-feed", ads, "--feed-tls-ca", str(tmp / "ca-missing.pem")])
+    assert rc == 2  # refused at start, not retried at every reconnect
+    one_line(err, "sentinel-relay", "--feed-tls-ca", "no such file")
+    rc, _, err = one_shot([*PROBE, "--engine-url", f"http://{engine}", "--listen", "127.0.0.1:0", "--gpu-interval-s",
+                           "0", "--tls-cert", str(tmp / "missing.pem"), "--tls-key", str(tmp / "missing.key")])
+    assert rc == 1
+    one_line(err, "node-probe", "--tls-cert", "No such file")
 
 
 def test_the_three_programs_share_version_log_format_and_timestamps(tmp_path):
