@@ -28,6 +28,7 @@ from aiohttp.web_server import Server
 from multidict import CIMultiDict
 
 from .config import RelayConfig
+from .flight import LOW_WATER, StreamCtx
 from .http1 import build_request
 from .metrics import RelayMetrics
 from .plan import PATHS, Plan, Refused, choose_pin, plan_request
@@ -42,66 +43,6 @@ __all__ = ["RELAY_HEADER", "Relay"]
 
 log = logging.getLogger("sentinel_relay")
 
-_HIGH_WATER, _LOW_WATER = 1 << 20, 256 << 10  # client write buffer: pause / resume upstream (bytes)
-
-
-class _Ctx:
-    """One armed stream in flight (the shell's handle on it)."""
-
-    __slots__ = (
-        "chunked",
-        "client",
-        "client_gone",
-        "fault_tx",
-        "first_chunk",
-        "kill_reason",
-        "last_rx",
-        "last_tx",
-        "node",
-        "paused",
-        "rescuing",
-        "transport",
-        "up",
-    )
-
-    def __init__(self, now: float) -> None:
-        self.up: UpstreamExchange | None = None
-        self.node: str | None = None
-        self.last_rx = now
-        self.last_tx = now
-        self.rescuing = False
-        self.fault_tx = now
-        self.kill_reason: str | None = None
-        self.client: web.StreamResponse | None = None
-        self.transport: asyncio.Transport | None = None
-        self.chunked = False
-        self.first_chunk = False
-        self.client_gone = False
-        self.paused = False
-
-    def bind_client(self, client: web.StreamResponse, transport: Any) -> None:
-        self.client, self.transport = client, transport
-        w = client._payload_writer
-        self.chunked = bool(getattr(w, "chunked", False))
-
-    def send(self, data: bytes) -> None:
-        """Write to the client now (chunked framing as aiohttp set up); flags a gone client and
-        pauses the upstream while the client's buffer is over 1 MiB (the watchdog resumes it)."""
-        tr = self.transport
-        if tr is None or tr.is_closing():
-            self.client_gone = True
-            return
-        tr.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
-        if tr.get_write_buffer_size() > _HIGH_WATER and self.up is not None:
-            self.up.pause()
-            self.paused = True
-
-    def kill(self, reason: str) -> None:
-        if self.kill_reason is None and self.up is not None:
-            self.kill_reason = reason
-            self.up.abort(reason)
-
-
 class Relay:
     """``await Relay(cfg).start()`` serves until ``await stop()``. ``metrics``: its registry.
     ``sock``: an already bound socket to serve on (worker mode), else ``cfg.listen``."""
@@ -109,8 +50,8 @@ class Relay:
     def __init__(self, cfg: RelayConfig, metrics: RelayMetrics | None = None) -> None:
         self.cfg = cfg
         self.metrics = metrics or RelayMetrics()
-        self.by_node: dict[str, set[_Ctx]] = {}
-        self.streams: set[_Ctx] = set()
+        self.by_node: dict[str, set[StreamCtx]] = {}
+        self.streams: set[StreamCtx] = set()
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.ServerRunner | None = None
         self._tasks: list[asyncio.Task] = []
@@ -186,7 +127,7 @@ class Relay:
             for ctx in list(self.streams):
                 gap = self.cfg.stall_gap_s if ctx.first_chunk else self.cfg.first_chunk_timeout_s
                 if ctx.paused:
-                    if ctx.transport is None or ctx.transport.get_write_buffer_size() < _LOW_WATER:
+                    if ctx.transport is None or ctx.transport.get_write_buffer_size() < LOW_WATER:
                         ctx.paused = False
                         if ctx.up is not None:
                             ctx.up.resume()
@@ -232,7 +173,7 @@ class Relay:
         loop = asyncio.get_running_loop()
         hdrs = [(k, v) for k, v in headers.items() if k.lower() != "accept-encoding"]
         book = StreamBook(plan.kind, plan.body, plan.include_usage)
-        ctx = _Ctx(loop.time())
+        ctx = StreamCtx(loop.time())
         body = plan.upstream_body
         client: web.StreamResponse | None = None
         last_error: tuple[int, str | None, Any, bytes] | None = None
@@ -331,7 +272,7 @@ class Relay:
             if ctx.up is not None:
                 ctx.up.abort("handler")
 
-    async def _relay_attempt(self, ctx: _Ctx, ex: UpstreamExchange, head: Any, book: StreamBook) -> str | None:
+    async def _relay_attempt(self, ctx: StreamCtx, ex: UpstreamExchange, head: Any, book: StreamBook) -> str | None:
         """Relay one attempt's body; the hot path runs in ``on_body`` (no await per chunk).
         Returns None when the response is whole, else the fault reason."""
         loop = asyncio.get_running_loop()
@@ -371,13 +312,13 @@ class Relay:
             return None
         return ctx.kill_reason or book.fault or "reset"
 
-    def _attach(self, ctx: _Ctx, up: UpstreamExchange, node: str | None) -> None:
+    def _attach(self, ctx: StreamCtx, up: UpstreamExchange, node: str | None) -> None:
         ctx.up, ctx.node = up, node
         if node:
             self.by_node.setdefault(node, set()).add(ctx)
             self.metrics.in_flight.labels(node).inc()
 
-    def _detach(self, ctx: _Ctx) -> None:
+    def _detach(self, ctx: StreamCtx) -> None:
         if ctx.node:
             s = self.by_node.get(ctx.node)
             if s is not None and ctx in s:
