@@ -8,11 +8,18 @@ import time
 import pytest
 
 from xds_server.demo import wait_state
-from xds_server.testing import LoadGenerator
+from xds_server.testing import EnvoyHost, Fleet, LoadGenerator, fetch_envoy_hosts
 
 pytestmark = pytest.mark.envoy
 
 HEALTH = {"probation_clean_s": 1.5, "ramp_step_percent": 20, "ramp_step_s": 0.4}
+
+
+async def _envoy_host(fleet: Fleet, http, node_id: str) -> EnvoyHost | None:
+    """One node's host in Envoy's /clusters: status and weight from the same snapshot."""
+    port = fleet.node(node_id).engine_port
+    hosts = await fetch_envoy_hosts(http, f"http://127.0.0.1:{fleet.envoy_admin_port}", fleet.cluster)
+    return next((h for h in hosts if h.port == port), None)
 
 
 async def test_slow_engine_gets_less_traffic_hung_engine_is_ejected_and_comes_back_gradually(make_fleet, http):
@@ -53,11 +60,14 @@ async def test_slow_engine_gets_less_traffic_hung_engine_is_ejected_and_comes_ba
         seen: list[int] = []
         t0 = time.monotonic()
         while time.monotonic() - t0 < 15:
-            w = (await fleet.envoy_weights(http)).get("gpu-b")
-            hosts = await fleet.envoy_hosts(http)
-            if hosts.get("gpu-b") == "HEALTHY" and (not seen or w != seen[-1]):
+            # weight and health from one /clusters snapshot (issue 25 item 9): read from two, an EDS
+            # push landing between them paired the ejected node's full weight (an UNHEALTHY host
+            # keeps weight 100) with its first HEALTHY status, and the ramp read [100, 1, 21, ...]
+            host = await _envoy_host(fleet, http, "gpu-b")
+            w = host.weight if host is not None else None
+            if host is not None and host.status == "HEALTHY" and (not seen or w != seen[-1]):
                 seen.append(w)
-            if w == 100 and hosts.get("gpu-b") == "HEALTHY":
+            if w == 100 and host is not None and host.status == "HEALTHY":
                 break
             await asyncio.sleep(0.05)
         after = load.phase("after")

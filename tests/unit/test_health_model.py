@@ -87,6 +87,9 @@ def test_a_good_probe_does_not_promote_a_warming_node_whose_agent_is_not_heard(s
     nh, events = step(nh, ProbeObserved(K.OK, ttft_ms=30), 5.0, CFG)
     assert nh.state is S.WARMING and events == []
     assert route(nh, 1, CFG).health_status == "UNHEALTHY"
+    why = "its stream closed" if silence == "stream closed" else "3 heartbeats missed"
+    assert nh.reason == (f"warming: the engine answers (TTFT 30 ms) but its agent is not heard ({why}); "
+                         "promoted after a heartbeat")   # the table's PROBE_UNHEARD, said (issue 25 item 9)
     nh, _ = step(nh, HeartbeatObserved(engine_state="READY"), 5.01, CFG)
     nh, events = step(nh, ProbeObserved(K.OK, ttft_ms=30), 5.02, CFG)
     assert nh.state is S.PROBATION and [e.to_state for e in events] == [S.PROBATION]

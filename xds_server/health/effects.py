@@ -45,6 +45,7 @@ __all__ = [
     "restarting",
     "slow_to_degraded",
     "stall_counted",
+    "unheard",
     "warming_probe",
     "with_detail",
 ]
@@ -190,6 +191,14 @@ def warming_probe(count: bool) -> Effect:
         return nh, reason
 
     return effect
+
+
+def unheard(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    """WARMING, a good probe while its heartbeats are missed: stays WARMING until its agent is heard."""
+    h = nh.heartbeat
+    why = "its stream closed" if h.stream_closed else f"{h.consecutive_misses} heartbeats missed"
+    return nh, (f"warming: the engine answers ({f.detail}) but its agent is not heard ({why}); "
+                "promoted after a heartbeat")
 
 
 def not_good(reason: bool) -> Effect:

@@ -30,7 +30,6 @@ from xds_server.health.records import (
     FailStaticEnded,
     HeartbeatObserved,
     NodeHealth,
-    NodeState,
     Observation,
     PingObserved,
     ProbeObserved,
@@ -258,10 +257,11 @@ def _r_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> Sequence[Fired]
     busy since it was last HEALTHY recovers after ``busy_good_probes_to_recover`` good probes,
     one with a counted failure after ``good_probes_to_recover``. A refusal (429) is
     PROBE_REFUSED, or REFUSED_TOO_LONG once every probe for ``busy_refusal_block_s`` was one.
-    A WARMING node whose heartbeats are missed (its stream closed, or ``consecutive_misses``
-    counted) is not promoted: the engine answers, but its agent is not heard (a result read
-    before a reconnected agent's first heartbeat would route a node the count rule ejects at
-    its next Tick, for a clean period); its next heartbeat clears the misses."""
+    A good or slow probe while the node's heartbeats are missed (its stream closed, or
+    ``consecutive_misses`` counted) is PROBE_UNHEARD: the engine answers, but its agent is not
+    heard, and the table promotes nothing on it (a result read before a reconnected agent's
+    first heartbeat would route a WARMING node the count rule ejects at its next Tick, for a
+    clean period); its next heartbeat clears the misses."""
     o = c.outcome
     if o is ProbeOutcome.FAIL:
         return (failure(nh, c.what, c.cfg, answered_failure(obs)),)
@@ -270,8 +270,9 @@ def _r_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> Sequence[Fired]
     if nh.engine.gpu_fatal and o in (ProbeOutcome.GOOD, ProbeOutcome.SLOW, ProbeOutcome.BUSY):
         return (Fired(Signal.GPU_FATAL, f"GPU fatal event: {nh.engine.gpu_fatal} (probe {c.what} ignored)"),)
     hb = nh.heartbeat
-    if nh.state is NodeState.WARMING and (hb.stream_closed or hb.consecutive_misses >= c.cfg.consecutive_misses):
-        return _NONE
+    if o in (ProbeOutcome.GOOD, ProbeOutcome.SLOW) and (hb.stream_closed
+                                                         or hb.consecutive_misses >= c.cfg.consecutive_misses):
+        return (Fired(Signal.PROBE_UNHEARD, c.what),)
     if o is ProbeOutcome.GOOD:
         need = (c.cfg.good_probes_to_recover if nh.probe.degraded_not_busy
                 else c.cfg.busy_good_probes_to_recover)

@@ -64,6 +64,10 @@ _SPEC: tuple[tuple[tuple[NodeState, ...], tuple[Signal, ...], Effect, NodeState 
     ((WARMING,), (G.PROBE_GOOD, G.GOOD_PROBES_RECOVER, G.PROBE_SLOW), fx.first_good_probe, PROBATION),
     ((COLD, WARMING), (G.PROBE_BUSY, G.PROBE_REFUSED, G.REFUSED_TOO_LONG), fx.warming_probe(count=False), _STAY),
     ((COLD, WARMING), (G.PROBE_FAIL, G.FAILURES_REACH_EJECT, G.PROBE_FATAL), fx.warming_probe(count=True), _STAY),
+    # an answer while the agent is not heard promotes nothing (routing it, the next Tick would eject it
+    # by the count rule for a whole clean period); the next heartbeat clears the misses
+    ((WARMING,), (G.PROBE_UNHEARD,), fx.unheard, _STAY),
+    ((COLD, *ROUTED, UNHEALTHY), (G.PROBE_UNHEARD,), fx.noop, _STAY),
     ((UNHEALTHY,), _PROBES[:-1], fx.noop, _STAY),
     ((UNHEALTHY,), (G.PROBE_FATAL,), fx.fatal_while_out, _STAY),
     ((PROBATION, HEALTHY, DEGRADED), (G.PROBE_GOOD,), fx.good, _STAY),
