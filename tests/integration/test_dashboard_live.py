@@ -112,16 +112,18 @@ async def test_live_feed_sends_a_snapshot_then_a_node_turning_unhealthy(admin):
 async def test_a_client_that_does_not_read_is_dropped_when_its_queue_is_full(admin):
     cp, _, _ = admin
     feed = LiveFeed(cp.view, json_dumps)
-    slow, fast = feed.subscribe(), feed.subscribe()
+    aborted: list[str] = []
+    slow, fast = feed.subscribe(lambda: aborted.append("slow")), feed.subscribe(lambda: aborted.append("fast"))
     qmax = cp.config.admin.live_queue_max
     for _ in range(qmax):
         feed.tick()
-        fast.queue.get_nowait()  # the fast client keeps up
-    assert slow.queue.qsize() == qmax and not slow.dropped
+        feed.book.take(fast, time.monotonic())  # the fast client keeps up
+        feed.book.sent(fast)
+    assert len(slow.queue) == qmax and slow.closed is None
     feed.tick()
-    assert slow.dropped and slow not in feed.clients and feed.dropped_total == 1
-    assert slow.queue.get_nowait() is None  # its stream ends; the browser reconnects
-    assert fast in feed.clients and fast.queue.qsize() == 1
+    assert slow.closed == "slow" and slow.sid not in feed.book.subs and feed.dropped_total == 1
+    assert aborted == ["slow"] and not slow.queue  # its socket closed; the browser reconnects
+    assert fast.sid in feed.book.subs and len(fast.queue) == 1
 
 
 async def test_stop_ends_open_live_streams_promptly():
@@ -147,18 +149,15 @@ async def test_stop_ends_open_live_streams_promptly():
 async def test_a_client_joining_does_not_hide_an_event_from_those_already_listening(admin):
     cp, probes, _ = admin
     feed = LiveFeed(cp.view, json_dumps)
-    first = feed.subscribe()
+    first = feed.subscribe(lambda: None)
     feed.tick()
-    while not first.queue.empty():
-        first.queue.get_nowait()
+    feed.book.take(first, time.monotonic())
     for _ in range(2):  # n2 ejected between two ticks
         probes["n2"].probe(kind=hm.ProbeResultKind.TIMEOUT)
-    second = feed.subscribe()  # joins before the next tick
+    second = feed.subscribe(lambda: None)  # joins before the next tick
     feed.tick()
     for client in (first, second):
-        got = []
-        while not client.queue.empty():
-            got.append(client.queue.get_nowait())
-        events = [json.loads(d) for k, d in got if k == "event"]
+        got = [frame.decode().split("\n")[:2] for frame in feed.book.take(client, time.monotonic())]
+        events = [json.loads(d.removeprefix("data: ")) for k, d in got if k == "event: event"]
         assert any(e["node"] == "n2" and e["to"] == "UNHEALTHY" for e in events)
-        assert got[-1][0] == "state"
+        assert got[-1][0] == "event: state"

@@ -129,6 +129,7 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
     registry.register(EventLoopCollector())
     ProcessCollector(registry=registry)  # process_resident_memory_bytes, open fds, CPU seconds
     live = LiveFeed(view, json_dumps)
+    registry.register(live)  # sentinel_admin_live_clients, its drops and refusals
     app.on_startup.append(live.start)
     app.on_shutdown.append(live.close)  # before aiohttp waits for open requests: ends SSE streams
 
