@@ -24,6 +24,7 @@ from xds_server.config.cluster import (
     OutlierDetectionConfig,
 )
 from xds_server.config.discovery import DiscoveryConfig, FileDiscoveryConfig, KubernetesDiscoveryConfig
+from xds_server.config.feed import FeedConfig, check_feed
 from xds_server.config.health import HealthConfig
 from xds_server.config.ops import ReloadConfig, StateConfig
 from xds_server.config.probe import ProbeConfig
@@ -37,6 +38,7 @@ __all__ = [
     "ConfigError",
     "DiscoveryConfig",
     "DropOverloadConfig",
+    "FeedConfig",
     "FileDiscoveryConfig",
     "HealthConfig",
     "KubernetesDiscoveryConfig",
@@ -67,6 +69,7 @@ class SentinelConfig(_Model):
     reload: ReloadConfig = ReloadConfig()
     state: StateConfig = StateConfig()
     tls: TlsConfig = TlsConfig()
+    feed: FeedConfig = FeedConfig()
     clusters: list[ClusterConfig] = Field(..., min_length=1)
 
     @model_validator(mode="after")
@@ -88,6 +91,7 @@ class SentinelConfig(_Model):
         check_plaintext(self.tls, self.xds.listen,
                         [(f"clusters.{ci}.nodes.{ni}.probe_address", n.probe_address)
                          for ci, c in enumerate(self.clusters) for ni, n in enumerate(c.nodes)])
+        check_feed(self.feed, self.tls.mode)
         return self
 
     def nodes(self) -> list[tuple[str, NodeConfig]]:

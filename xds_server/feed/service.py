@@ -11,28 +11,35 @@ publish order; changes queued while the subscriber was busy go out together in o
 reconnecting subscriber simply gets a fresh snapshot.
 
 Built on :data:`ControlPlane.routing_listeners <xds_server.server.ControlPlane>`: the listener
-only appends to per-subscriber queues (no I/O on the control plane's path). Each queue is bounded
-(``queue_limit`` node changes, default :data:`DEFAULT_QUEUE_LIMIT`); a subscriber that falls that
-far behind is dropped with ``RESOURCE_EXHAUSTED`` (it reconnects and gets a snapshot) rather than
-slowing the control plane or growing memory. Unknown cluster names are ``INVALID_ARGUMENT``
-naming the field.
+only appends to per-subscriber queues (no I/O on the control plane's path). Bounds (``feed:``
+section, :mod:`xds_server.config.feed`; bookkeeping in :class:`~xds_server.process.fanout.FanOut`):
+at most ``feed.max_subscribers`` streams (RESOURCE_EXHAUSTED past it); each queue holds at most
+``feed.queue_limit`` node changes, and a subscriber that falls that far behind is dropped with
+``RESOURCE_EXHAUSTED`` (it reconnects and gets a snapshot) rather than slowing the control plane
+or growing memory; an update not taken within ``feed.send_timeout_s`` (a subscriber that stopped
+reading) drops it the same way. Unknown cluster names are ``INVALID_ARGUMENT`` naming the field.
+
+Access: plaintext off loopback must be said (``feed.plaintext``), and with mTLS
+``feed.allow_identities`` lists who may subscribe (PERMISSION_DENIED otherwise, one call site:
+:meth:`RoutingFeed.refusal`).
 """
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
-import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from xds_server.config.feed import FeedConfig, feed_plaintext_refusal
 from xds_server.feed.events import RoutingChange
+from xds_server.process.fanout import CLOSE_REASONS, FanOut, Subscriber
+from xds_server.process.tls import refused_client
+from xds_server.process.untrusted import RateLimitedLog
 from xds_server.proto import routing_pb2, routing_pb2_grpc
 
 # The control plane is typed structurally (ControlPlane-like: routing_listeners, config,
@@ -43,9 +50,8 @@ __all__ = ["DEFAULT_QUEUE_LIMIT", "RoutingFeed", "to_proto"]
 
 log = logging.getLogger(__name__)
 
-#: Node changes one subscriber may have queued before it is dropped. A full fleet flap of 1,000
-#: nodes fits; a subscriber this far behind is better served by a fresh snapshot (ours).
-DEFAULT_QUEUE_LIMIT = 1024
+#: Node changes one subscriber may have queued before it is dropped (``feed.queue_limit``'s default).
+DEFAULT_QUEUE_LIMIT: int = FeedConfig.model_fields["queue_limit"].default
 
 
 def to_proto(change: RoutingChange) -> routing_pb2.NodeRouting:
@@ -57,50 +63,60 @@ def to_proto(change: RoutingChange) -> routing_pb2.NodeRouting:
         eds_health_status=change.eds_health_status, published_unix_s=change.wall_time_s)
 
 
-@dataclass(eq=False)
-class _Subscriber:
-    sid: int
-    name: str
-    clusters: frozenset[str]  # empty: all
-    limit: int
-    queue: collections.deque[RoutingChange] = field(default_factory=collections.deque)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    dropped: bool = False
+class _Watch:
+    """One Watch stream besides its bookkeeping: its name, clusters (empty: all), wake-up."""
 
-    def offer(self, change: RoutingChange) -> None:
-        if self.dropped or (self.clusters and change.cluster not in self.clusters):
-            return
-        if len(self.queue) >= self.limit:
-            self.dropped = True
-            self.queue.clear()
-        else:
-            self.queue.append(change)
-        self.wake.set()
+    __slots__ = ("clusters", "name", "wake")
+
+    def __init__(self, name: str, clusters: frozenset[str]) -> None:
+        self.name, self.clusters = name, clusters
+        self.wake = asyncio.Event()
 
 
 class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
     """Servicer of ``sentinel.routing.v1.RoutingFeed``; registers itself as a routing listener.
 
     Counters (for ``/metrics``): ``subscribers`` (open streams), ``subscriptions_total``,
-    ``dropped_total`` (slow subscribers dropped), ``updates_sent_total``.
+    ``dropped_total`` (subscribers dropped: too far behind or past the send deadline),
+    ``updates_sent_total``; :attr:`book` holds the rest (refused, by reason). ``queue_limit``
+    overrides ``feed.queue_limit`` (tests).
     """
 
-    def __init__(self, cp: ControlPlane, *, queue_limit: int = DEFAULT_QUEUE_LIMIT) -> None:
-        if queue_limit < 1:
+    def __init__(self, cp: ControlPlane, *, queue_limit: int | None = None) -> None:
+        if queue_limit is not None and queue_limit < 1:
             raise ValueError("queue_limit must be >= 1")
         self._cp = cp
-        self._limit = queue_limit
+        self._queue_limit = queue_limit
         self._last: dict[str, RoutingChange] = {}  # node id -> as last published
-        self._subs: dict[int, _Subscriber] = {}
-        self._ids = itertools.count(1)
-        self.subscriptions_total = 0
-        self.dropped_total = 0
+        f = self._cfg()
+        self.book: FanOut[RoutingChange] = FanOut(f.max_subscribers, queue_limit or f.queue_limit, f.send_timeout_s)
+        self._watches: dict[int, _Watch] = {}
         self.updates_sent_total = 0
+        self.permission_denied_total = 0
+        self._rl = RateLimitedLog(log, 10.0, max_keys=16)
         cp.routing_listeners.append(self._on_change)
+
+    def _cfg(self) -> FeedConfig:
+        cfg: FeedConfig = getattr(self._cp.config, "feed", None) or FeedConfig()
+        return cfg
+
+    def _limits(self) -> None:
+        """Follow a reloaded ``feed:`` section (open streams beyond a lowered cap stay)."""
+        f, b = self._cfg(), self.book
+        b.max_subscribers, b.queue_max, b.send_timeout_s = (f.max_subscribers, self._queue_limit or f.queue_limit,
+                                                            f.send_timeout_s)
 
     @property
     def subscribers(self) -> int:
-        return len(self._subs)
+        return len(self.book.subs)
+
+    @property
+    def subscriptions_total(self) -> int:
+        return self.book.joined_total
+
+    @property
+    def dropped_total(self) -> int:
+        return self.book.dropped["slow"] + self.book.dropped["deadline"]
 
     def add_to_server(self, server: grpc.aio.Server) -> RoutingFeed:
         """Serve the feed on ``server`` (the control plane's ADS server); returns self."""
@@ -109,8 +125,14 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
 
     def _on_change(self, change: RoutingChange) -> None:
         self._last[change.node_id] = change
-        for sub in self._subs.values():
-            sub.offer(change)
+        if not self.book.subs:
+            return
+        wanting = {sid for sid, w in self._watches.items() if not w.clusters or change.cluster in w.clusters}
+        self.book.publish([change], only=wanting)
+        for sid in wanting:
+            w = self._watches.get(sid)
+            if w is not None:
+                w.wake.set()
 
     def snapshot(self, clusters: frozenset[str]) -> list[RoutingChange]:
         """Every node of ``clusters`` (all when empty) as last published, in config order: the
@@ -137,54 +159,126 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
                 out.append(last)
         return out
 
-    async def Watch(self, request: routing_pb2.WatchRequest,
-                    context: grpc.aio.ServicerContext) -> AsyncIterator[routing_pb2.RoutingUpdate]:
+    def refusal(self, context: grpc.aio.ServicerContext) -> str | None:
+        """Why this subscriber may not read the feed (PERMISSION_DENIED details), else None: the
+        plaintext rule (``feed.plaintext``) and, with mTLS, ``feed.allow_identities`` matched
+        against the client certificate's identities (the one place a subscriber's identity is
+        checked)."""
+        cfg = self._cp.config
+        why = feed_plaintext_refusal(self._cfg(), cfg.tls.mode, cfg.xds.listen)
+        if why is None and cfg.tls.mode == "mtls" and self._cfg().allow_identities:
+            why = refused_client(self._cfg().allow_identities, context.auth_context())
+            if why is not None:
+                why = f"routing feed refused: {why} (feed.allow_identities)"
+        return why
+
+    async def Watch(self, request: routing_pb2.WatchRequest, context: grpc.aio.ServicerContext) -> None:
         known = {c.name for c in self._cp.config.clusters}
         unknown = sorted(set(request.clusters) - known)
         if unknown:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"clusters: unknown cluster(s) {', '.join(unknown[:10])}")
-        sub = _Subscriber(next(self._ids), request.subscriber_id[:200],
-                          frozenset(request.clusters), self._limit)
+        why = self.refusal(context)
+        if why is not None:
+            self.permission_denied_total += 1
+            self._rl.warning(time.monotonic(), "denied", "%s", why)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        self._limits()
+        sub = self.book.join()
+        if sub is None:
+            n = self.book.max_subscribers
+            self._rl.warning(time.monotonic(), "cap", "routing feed: subscriber refused (%d open, "
+                             "feed.max_subscribers)", n)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many routing-feed subscribers ({n}, feed.max_subscribers); retry later")
+        assert sub is not None
+        w = _Watch(request.subscriber_id[:200], frozenset(request.clusters))
         # Registered and snapshotted in one step of the event loop: no change falls between.
-        self._subs[sub.sid] = sub
-        self.subscriptions_total += 1
-        log.info("routing feed: subscriber %r joined (%d open)", sub.name, len(self._subs))
+        self._watches[sub.sid] = w
+        log.info("routing feed: subscriber %r joined (%d open)", w.name, len(self.book.subs))
         try:
-            yield routing_pb2.RoutingUpdate(snapshot=True,
-                                            nodes=[to_proto(c) for c in self.snapshot(sub.clusters)])
-            self.updates_sent_total += 1
+            snap = routing_pb2.RoutingUpdate(snapshot=True, nodes=[to_proto(c) for c in self.snapshot(w.clusters)])
+            self.book.begin(sub, time.monotonic())
+            await self._send(sub, w, context, snap)
             while True:
-                await sub.wake.wait()
-                sub.wake.clear()
-                if sub.dropped:
-                    self.dropped_total += 1
-                    log.warning("routing feed: subscriber %r dropped: more than %d changes queued",
-                                sub.name, self._limit)
+                await w.wake.wait()
+                w.wake.clear()
+                if sub.closed == "slow":
+                    self._rl.warning(time.monotonic(), "slow", "routing feed: subscriber %r dropped: more than "
+                                     "%d changes queued", w.name, self.book.queue_max)
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        f"subscriber too slow: more than {self._limit} changes "
+                                        f"subscriber too slow: more than {self.book.queue_max} changes "
                                         "queued; reconnect for a fresh snapshot")
-                batch = [to_proto(c) for c in sub.queue]
-                sub.queue.clear()
+                batch = [to_proto(c) for c in self.book.take(sub, time.monotonic())]
                 if batch:
-                    yield routing_pb2.RoutingUpdate(snapshot=False, nodes=batch)
-                    self.updates_sent_total += 1
+                    await self._send(sub, w, context, routing_pb2.RoutingUpdate(snapshot=False, nodes=batch))
         finally:
-            self._subs.pop(sub.sid, None)
-            log.info("routing feed: subscriber %r left (%d open)", sub.name, len(self._subs))
+            self.book.leave(sub)
+            self._watches.pop(sub.sid, None)
+            log.info("routing feed: subscriber %r left (%d open)", w.name, len(self.book.subs))
+
+    async def _send(self, sub: Subscriber[RoutingChange], w: _Watch, context: grpc.aio.ServicerContext,
+                    update: routing_pb2.RoutingUpdate) -> None:
+        """Write ``update``; past ``feed.send_timeout_s`` drop the subscriber (aborts the call).
+
+        gRPC Python cannot take back a write its transport holds, so the write is left pending
+        (it ends with the connection) and keeps the subscriber's place under the cap until then."""
+        write = asyncio.ensure_future(context.write(update))
+        write.add_done_callback(_retrieved)
+        try:
+            done, _ = await asyncio.wait({write}, timeout=self.book.send_timeout_s)
+        except asyncio.CancelledError:  # the client cancelled the call (gRPC cancels the handler)
+            write.cancel()
+            raise
+        if done:
+            write.result()  # raises what the write raised (the client went away)
+            self.book.sent(sub)
+            self.updates_sent_total += 1
+            return
+        self.book.close(sub, "deadline", pending=True)
+        write.add_done_callback(lambda t: self._released(sub, t))
+        self._rl.warning(time.monotonic(), "deadline", "routing feed: subscriber %r dropped: an update "
+                         "not taken within %.1f s (feed.send_timeout_s)", w.name, self.book.send_timeout_s)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"subscriber too slow: an update not taken within {self.book.send_timeout_s:g} s; "
+                            "reconnect for a fresh snapshot")
+
+    def _released(self, sub: Subscriber[RoutingChange], _write: asyncio.Future[Any]) -> None:
+        self.book.release(sub)
 
     def metrics(self) -> Iterator[Any]:
         """Prometheus metric families of the feed."""
         g = GaugeMetricFamily("sentinel_routing_feed_subscribers", "open routing-feed streams")
         g.add_metric([], self.subscribers)
         yield g
+        closing = GaugeMetricFamily("sentinel_routing_feed_closing", "routing-feed streams dropped past "
+                                    "feed.send_timeout_s whose connection has not ended yet (they still "
+                                    "count toward feed.max_subscribers)")
+        closing.add_metric([], self.book.closing)
+        yield closing
         for name, help_, value in (
                 ("sentinel_routing_feed_subscriptions", "routing-feed streams opened since start",
                  self.subscriptions_total),
-                ("sentinel_routing_feed_dropped", "slow routing-feed subscribers dropped",
-                 self.dropped_total),
                 ("sentinel_routing_feed_updates_sent", "routing-feed updates sent",
-                 self.updates_sent_total)):
+                 self.updates_sent_total),
+                ("sentinel_routing_feed_refused", "routing-feed streams refused: feed.max_subscribers open",
+                 self.book.refused_total),
+                ("sentinel_routing_feed_permission_denied", "routing-feed streams refused: plaintext off "
+                 "loopback not said (feed.plaintext) or identity not in feed.allow_identities",
+                 self.permission_denied_total)):
             c = CounterMetricFamily(name, help_)
             c.add_metric([], value)
             yield c
+        d = CounterMetricFamily("sentinel_routing_feed_dropped", "routing-feed subscribers dropped by reason "
+                                "(slow: more than feed.queue_limit changes queued; deadline: an update not "
+                                "taken within feed.send_timeout_s; shutdown)", labels=["reason"])
+        for reason in CLOSE_REASONS:
+            d.add_metric([reason], self.book.dropped[reason])
+        yield d
+
+
+def _retrieved(write: asyncio.Future[Any]) -> None:
+    """A write's failure is the client gone: seen by the handler or by no one, never logged as
+    "exception never retrieved"."""
+    if not write.cancelled():
+        write.exception()
