@@ -5,6 +5,7 @@ Every field has its default and the reason for it. Errors: :func:`load_relay_con
 """
 from __future__ import annotations
 
+import resource
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,25 @@ class RelayConfig(BaseModel):
       feed's host). Files are re-read at each reconnect when they changed.
     - ``feed_plaintext``: dial a non-loopback routing feed in plaintext (must be said; refused
       otherwise).
+    - ``header_timeout_s``: a client's request head (request line and headers) must be whole
+      within this of its first byte (of the connection, for the first request), else the
+      connection is closed (10.0 s: a head is one packet, a slow mobile link takes well under a
+      second; Apache's mod_reqtimeout allows 20-40 s with a minimum rate, nginx 60 s. Measured:
+      2,000 slowloris connections held the relay's fds for as long as they dripped).
+    - ``body_timeout_s``: the request body must be whole within this of the head, else 408 and
+      the connection closed (30.0 s: 1 MiB, the most the relay accepts (413 above), at 35 KB/s;
+      a prompt is kilobytes. Measured: bodies dripping 1 byte/s were never timed out).
+    - ``keepalive_timeout_s``: an idle kept-alive connection is closed after this (60.0 s:
+      under the common 75 s of nginx, over the 15-60 s idle pools of HTTP clients, so a client
+      rarely sends on a connection the relay is closing).
+    - ``max_connections``: client connections open at once; one more evicts the connection idle
+      longest (between requests or still sending its head), or is answered 503 when every one
+      has a request in flight. None (default): half the process's open-file limit
+      (RLIMIT_NOFILE soft), since each client connection may hold one upstream connection to
+      Envoy; a common 1,024 limit gives 512.
+    - ``listen_backlog``: connections the kernel queues before the relay accepts them (1024,
+      capped by net.core.somaxconn; aiohttp's 128 made a burst of 2,000 connections wait for SYN
+      retries, 11 s in all, where 1,024 took 0.4 s).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -89,6 +109,11 @@ class RelayConfig(BaseModel):
     feed_tls_key_file: str | None = None
     feed_tls_server_name: str | None = None
     feed_plaintext: bool = False
+    header_timeout_s: float = Field(10.0, gt=0, le=3600)
+    body_timeout_s: float = Field(30.0, gt=0, le=3600)
+    keepalive_timeout_s: float = Field(60.0, gt=0, le=86_400)
+    max_connections: int | None = Field(None, ge=1, le=10_000_000)
+    listen_backlog: int = Field(1024, ge=16, le=65_535)
 
     @model_validator(mode="after")
     def _feed_tls(self) -> RelayConfig:
@@ -104,6 +129,13 @@ class RelayConfig(BaseModel):
                     raise ValueError(f"routing_feed {target} is not a loopback address: set feed_tls_ca_file "
                                      "(--feed-tls-ca) or feed_plaintext (--feed-plaintext)")
         return self
+
+    def connection_cap(self) -> int:
+        """``max_connections``, or half the soft open-file limit when it is None."""
+        if self.max_connections is not None:
+            return self.max_connections
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return max(16, (soft if soft != resource.RLIM_INFINITY else 1 << 20) // 2)
 
     def feed_tls(self) -> ClientTls | None:
         """How to dial the routing feed: None for plaintext."""

@@ -24,10 +24,10 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
-from aiohttp.web_server import Server
 from multidict import CIMultiDict
 
 from .config import RelayConfig
+from .connections import bounded_runner
 from .flight import LOW_WATER, StreamCtx
 from .http1 import build_request
 from .metrics import RelayMetrics
@@ -71,11 +71,11 @@ class Relay:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
             auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
         self.unary = UnaryRequests(self.cfg, self.metrics, self._session, self.pin)
-        # access_log=None: the relay logs what matters (rescues) itself; no line per request
-        self._runner = web.ServerRunner(Server(self._handle, access_log=None), handle_signals=False)
+        # no access log: the relay logs what matters (rescues) itself; connection bounds: connections.py
+        self._runner = bounded_runner(self._handle, self.cfg, self.metrics.registry)
         await self._runner.setup()
         host, _, port = self.cfg.listen.rpartition(":")
-        site = web.TCPSite(self._runner, host, int(port), reuse_port=reuse_port or None)
+        site = web.TCPSite(self._runner, host, int(port), reuse_port=reuse_port, backlog=self.cfg.listen_backlog)
         await site.start()
         self.port = self._runner.addresses[0][1]
         loop = asyncio.get_running_loop()
