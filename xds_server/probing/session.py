@@ -33,6 +33,7 @@ from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
 from xds_server.health.clocks import miss_after_s
 from xds_server.health.counters import Counters
+from xds_server.health.outcome import is_refusal
 from xds_server.health.records import Observation, PingObserved, ProbeObserved, ProbeResultKind, StreamClosed, Tick
 from xds_server.probing.edge import AgentEdge, BadField, CheckedHeartbeat, CheckedPong, CheckedResult, TelemetrySummary
 from xds_server.probing.silence import SilenceGate, SilentStream
@@ -362,7 +363,7 @@ class ProbeSession:
             elif isinstance(checked, CheckedResult):
                 obs = checked.observation
                 self._note_probe(obs)
-                if obs.kind is not ProbeResultKind.OK:
+                if obs.kind is not ProbeResultKind.OK and not is_refusal(obs, self.cfg):  # a 429 is an answer
                     self._probe_now(f"confirm probe failure: {obs.kind.value}")
                 self._arm(self.sink(self.node.id, obs, now))
         except Exception:  # one message must never end health checking
