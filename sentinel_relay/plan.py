@@ -225,7 +225,7 @@ def _resume_point(rx: Received, holdback: int) -> tuple[int, int]:
 
 
 def continuation_body(kind: str, body: dict[str, Any], rx: Received,
-                      max_resume_tokens: int) -> Continuation | None:
+                      max_resume_tokens: int, context_len: int | None = None) -> Continuation | None:
     """The next attempt, or None when the generation is already complete (``max_tokens`` all
     delivered: the caller finishes with ``length``).
 
@@ -237,6 +237,9 @@ def continuation_body(kind: str, body: dict[str, Any], rx: Received,
     received text (completions), or a trailing assistant message (chat).
 
     ``max_resume_tokens``: the most generated tokens re-sent as context (bounds the re-prefill).
+    ``context_len``: the model's context length (``max_model_len``), for a chat request without
+    a token limit: chat's default is the rest of the context, ``/v1/completions``' is 16, so such a
+    stream continues there with ``max_tokens`` = the rest; unknown (None): from text.
     Raises :class:`Refused` when it cannot be built faithfully.
     """
     delivered = rx.tokens
@@ -257,7 +260,11 @@ def continuation_body(kind: str, body: dict[str, Any], rx: Received,
     if pids is None and kind == "completions" and isinstance(body.get("prompt"), list):
         pids = list(body["prompt"])  # a token-id prompt (static_refusal checked its shape)
     # chat logprobs have another shape on /v1/completions: such a stream continues from text
-    if pids is not None and rx.token_ids and not (kind == "chat" and body.get("logprobs")):
+    by_ids = pids is not None and rx.token_ids and not (kind == "chat" and body.get("logprobs"))
+    if by_ids and kind == "chat" and not isinstance(max_tokens, int):
+        by_ids = context_len is not None
+    if by_ids:
+        assert pids is not None
         kept, at = _resume_point(rx, stop_holdback(body))
         if kept > max_resume_tokens:
             raise Refused(f"resume_too_long ({kept} > {max_resume_tokens} tokens)")
@@ -265,6 +272,10 @@ def continuation_body(kind: str, body: dict[str, Any], rx: Received,
         out["prompt"] = pids + rx.token_ids[:kept]
         if isinstance(max_tokens, int):
             out["max_tokens"] = max_tokens - kept
+        elif context_len is not None:  # chat without a limit: the rest of the context, as chat's default
+            if context_len - len(pids) - len(rx.token_ids) <= 0:
+                return None
+            out["max_tokens"] = context_len - len(out["prompt"])
         _rebase_min(out, body, kept)
         return Continuation("completions", out, len(rx.token_ids) - kept, rx.chars - at, kept)
     # No ids from the engine: continue from text (exact only where text re-tokenizes to the

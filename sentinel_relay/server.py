@@ -240,8 +240,11 @@ class Relay:
                 if rescues > self.cfg.max_rescues:
                     refusal = f"attempts exhausted ({rescues} failed)"
                 else:
+                    limit = plan.body.get("max_tokens") or plan.body.get("max_completion_tokens")
+                    ctx_len = await self.unary.context_len(plan.body.get("model")) \
+                        if plan.kind == "chat" and limit is None else None
                     try:
-                        nxt = book.next_request(self.cfg.max_resume_tokens)
+                        nxt = book.next_request(self.cfg.max_resume_tokens, ctx_len)
                     except Refused as e:
                         refusal = str(e)
                     if nxt is None and refusal is None and client is not None:

@@ -347,9 +347,9 @@ class StreamBook:
         self.fault = reason
         return b""
 
-    def next_request(self, max_resume_tokens: int) -> dict[str, Any] | None:
+    def next_request(self, max_resume_tokens: int, context_len: int | None = None) -> dict[str, Any] | None:
         """The body of the next attempt and the move to it (``attempt`` += 1, state OPEN; the
-        path kind in ``upstream_kind``).
+        path kind in ``upstream_kind``; ``context_len``: see :func:`~.plan.continuation_body`).
 
         Returns None when ``max_tokens`` was already all delivered: the book then finished the
         response itself (call :meth:`finish_length`). Raises :class:`Refused` when a tool call or
@@ -362,7 +362,7 @@ class StreamBook:
             raise Refused(f"{self._tool_or_reasoning}_in_progress")
         if self.garbled:
             raise Refused("garbled_event")
-        nxt = continuation_body(self.kind, self.body, self.rx, max_resume_tokens)
+        nxt = continuation_body(self.kind, self.body, self.rx, max_resume_tokens, context_len)
         if nxt is None:
             return None
         self._go(In.RESUME)

@@ -75,6 +75,26 @@ class UnaryRequests:
         self.cfg, self.metrics, self._session = cfg, metrics, session
         self.pin = pin  # exclude -> a routable node to pin to, or None (Envoy picks)
         self.inflight: set[_Unary] = set()
+        self._context_lens: dict[str | None, int] = {}
+
+    async def context_len(self, model: str | None) -> int | None:
+        """The served model's context length (``max_model_len`` of ``GET /v1/models``, as vLLM
+        and the simulator list it), through Envoy; None when it cannot be learned within 2 s.
+        Learned once per model name."""
+        if model in self._context_lens:
+            return self._context_lens[model]
+        try:
+            async with self._session.get(self.cfg.upstream + "/v1/models",
+                                         timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                cards = (await r.json(content_type=None)).get("data") or []
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+            return None
+        for card in cards:
+            n = card.get("max_model_len") if isinstance(card, dict) else None
+            if isinstance(n, int) and (model is None or card.get("id") == model or len(cards) == 1):
+                self._context_lens[model] = n
+                return n
+        return None
 
     def on_ejection(self, address: str) -> int:
         """The node at ``address`` was ejected: re-issue each waiting request that may run there

@@ -345,3 +345,15 @@ def test_continuation_budget_counts_held_back_tokens_as_regenerated():
     assert new.skip_ids == 2
     chat = continuation_body("chat", {"messages": [{"role": "user", "content": "u"}], "max_tokens": 10}, rx, 100)
     assert chat.body["prompt"] == [1, 5] and chat.body["max_tokens"] == 9
+
+
+def test_chat_without_a_token_limit_continues_from_ids_only_with_the_context_length():
+    # chat's default limit is the rest of the context, /v1/completions' is 16: without the
+    # model's context length the continuation stays on chat (from text), never cut at 16
+    rx = rx_of([("Hel", [7]), ("lo", [8])], [1, 3, 9, 2])
+    body = {"messages": [{"role": "user", "content": "u"}], "stream": True}
+    assert continuation_body("chat", body, rx, 100).kind == "chat"
+    new = continuation_body("chat", body, rx, 100, context_len=50)
+    assert new.kind == "completions" and new.body["prompt"] == [1, 3, 9, 2, 7, 8]
+    assert new.body["max_tokens"] == 50 - 6
+    assert continuation_body("chat", body, rx, 100, context_len=6) is None  # the context is full
