@@ -30,7 +30,7 @@ import time
 
 import aiohttp
 
-from xds_server.demo import FaultTimeline, wait_routed, watch_exclusion
+from xds_server.demo import FaultTimeline, node_events, wait_routed, watch_exclusion
 from xds_server.testing import Fleet, LoadGenerator
 
 
@@ -127,9 +127,11 @@ async def main(runs: int, fault: str, probe_interval_s: float, detector: str, bu
                       f"false ejections {n_false}, full weight published "
                       f"{'never' if back_s is None else f'{back_s * 1000:.0f} ms'} after it ended", flush=True)
                 await asyncio.sleep(0.5)
+            busy_reads = 0
             for i in range(runs if fault != "prefill" else 0):
                 node = fleet.nodes[i % len(fleet.nodes)]
                 tl = FaultTimeline(fault, node.node_id)
+                wall0 = time.time()
                 t0 = time.monotonic()
                 if fault == "freeze":
                     node.engine.freeze()
@@ -137,6 +139,10 @@ async def main(runs: int, fault: str, probe_interval_s: float, detector: str, bu
                 else:
                     await fleet.set_fault(http, node.node_id, "hang")
                 await watch_exclusion(fleet, http, tl, t0, timeout_s=10.0)
+                # a hang must never read as busy (issue 25 item 8): transitions that called it so
+                busy = [e for e in await node_events(fleet, http, node.node_id, wall0)
+                        if e["kind"] == "transition" and e["reason"].startswith("busy")]
+                busy_reads += len(busy)
                 await asyncio.sleep(hold_s)  # a real outage, not a blip the count rule would forgive
                 if fault == "freeze":
                     node.agent.thaw()
@@ -151,7 +157,8 @@ async def main(runs: int, fault: str, probe_interval_s: float, detector: str, bu
                 print(f"run {i + 1:>2} {node.node_id}: "
                       f"control plane {tl.cp_ejected_s and tl.cp_ejected_s * 1000:.0f} ms, "
                       f"Envoy {tl.envoy_excluded_s and tl.envoy_excluded_s * 1000:.0f} ms ({tl.envoy_status}), "
-                      f"routed again {back if back is None else round(back, 1)} s after heal", flush=True)
+                      f"routed again {back if back is None else round(back, 1)} s after heal, "
+                      f"shown busy {len(busy)}", flush=True)
                 await asyncio.sleep(0.5)
             await load.stop()
             total = load.totals()
@@ -161,6 +168,8 @@ async def main(runs: int, fault: str, probe_interval_s: float, detector: str, bu
         await asyncio.to_thread(fleet.stop)
     if fault == "prefill":
         print(f"long prefills: {runs} runs, false ejections {prefill_false}")
+    else:
+        print(f"faults read as busy before the ejection: {busy_reads} transition(s) in {runs} runs")
     for name, xs in (("control plane ejected", cp_ms), ("Envoy excluded", envoy_ms),
                      ("full weight after the prefill", prefill_back if fault == "prefill" else [])):
         if xs:

@@ -66,7 +66,8 @@ fail-static episode returns to its previous state when the episode ends.
 This module is the public face of the health model and re-exports the names below. Homes:
 ``records`` (enums, observations, per-node records), ``clocks`` (timers: misses, phi, next
 Tick), ``outcome`` (what a probe result means), ``signals``/``effects``/``table`` (the state
-machine), ``rules`` (``step``: observations to signals), ``routing`` (status and weight).
+machine), ``rules`` (``step``: observations to signals; ``time_rules``: what time passing fires),
+``routing`` (status and weight).
 Cluster-wide decisions are in :mod:`xds_server.health.policy`.
 """
 from __future__ import annotations

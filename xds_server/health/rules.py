@@ -5,7 +5,8 @@ node's records (bookkeeping that does not depend on the state), then runs the ob
 in order. Each rule reads the node as it is after the signals before it, and gives zero or more
 signals; each signal goes through :func:`xds_server.health.table.apply`. Rules read records, not
 the state: what a signal does in each state is the table's business alone. After heartbeats,
-silence, pings and probes the time rules run (stall confirmation, clean period, ramp, backoff).
+silence, pings and probes the time rules run (stall confirmation, clean period, ramp, backoff;
+:mod:`xds_server.health.time_rules`).
 
 Thresholds are fields of :class:`~xds_server.config.HealthConfig` (defaults and sources there).
 """
