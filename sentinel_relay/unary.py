@@ -55,7 +55,7 @@ def reply(status: int, reason: str | None, headers: Any, body: bytes, note: str 
 class _Unary:
     """One armed non-streaming request in flight: its attempts and their answers."""
 
-    __slots__ = ("args", "hedges", "nodes", "pending", "results", "tasks")
+    __slots__ = ("args", "hedges", "live", "nodes", "pending", "results", "tasks")
 
     def __init__(self, *args: Any) -> None:
         self.args = args  # url, body, headers
@@ -64,6 +64,7 @@ class _Unary:
         self.tasks: set[asyncio.Task] = set()
         self.hedges = 0
         self.nodes: list[str | None] = []  # the node each attempt was pinned to (None: Envoy's pick)
+        self.live: list[str | None] = []   # the same, of the attempts not answered yet
 
 
 
@@ -101,7 +102,7 @@ class UnaryRequests:
         (pinned to it, or unpinned: unknown), within ``max_rescues``, pinned elsewhere."""
         n = 0
         for u in list(self.inflight):
-            if u.hedges < self.cfg.max_rescues and u.pending and (address in u.nodes or None in u.nodes):
+            if u.hedges < self.cfg.max_rescues and (address in u.live or None in u.live):
                 u.hedges += 1
                 self.metrics.rescues.labels("health", "hedged").inc()
                 self._spawn_unary_attempt(u, {address})
@@ -137,6 +138,7 @@ class UnaryRequests:
         url, body, headers = u.args
         node = self.pin({a for a in u.nodes if a} | (exclude or set()))
         u.nodes.append(node)
+        u.live.append(node)
         if node is not None:
             headers = {**headers, PIN_HEADER: pin_value(node)}
 
@@ -151,6 +153,7 @@ class UnaryRequests:
             except (aiohttp.ClientError, OSError) as e:
                 res = e
             u.pending -= 1
+            u.live.remove(node)
             u.results.put_nowait(res)
         u.pending += 1
         t = asyncio.get_running_loop().create_task(attempt())

@@ -179,3 +179,27 @@ async def test_non_streaming_reissued_on_500_and_on_ejection(rig):
     status, _, raw2 = await asyncio.wait_for(task, 5)
     assert status == 200 and json.loads(raw2)["choices"] == json.loads(raw)["choices"]
     assert relay.metrics.rescues.labels("health", "hedged")._value.get() == 1
+
+
+async def test_ejection_reissues_only_the_non_streaming_attempts_waiting_on_that_node(rig):
+    up, relay, url = rig
+    a, b = "10.0.0.1:8000", "10.0.0.2:8000"
+    for node_id, addr in (("a", a), ("b", b)):
+        relay.on_node(SimpleNamespace(node_id=node_id, address=addr, state="HEALTHY", routable=True, weight=1))
+    up.faults = [("500",), ("stall",)]  # the first attempt fails at once, the re-issue waits
+    task = asyncio.create_task(post(url, "/v1/completions", {"prompt": "w5 hello", "max_tokens": 5}))
+    for _ in range(200):
+        if relay.unary.inflight and len(next(iter(relay.unary.inflight)).nodes) == 2:
+            break
+        await asyncio.sleep(0.01)
+    u = next(iter(relay.unary.inflight))
+    first, second = u.nodes
+    assert {first, second} == {a, b}  # pinned, the re-issue away from the node that failed
+    await asyncio.sleep(0.05)
+    # the node of the answered attempt is ejected: nothing of this request waits there
+    relay.on_node(SimpleNamespace(node_id="x", address=first, state="UNHEALTHY", routable=False, weight=1))
+    assert relay.metrics.rescues.labels("health", "hedged")._value.get() == 0
+    relay.on_node(SimpleNamespace(node_id="y", address=second, state="UNHEALTHY", routable=False, weight=1))
+    assert relay.metrics.rescues.labels("health", "hedged")._value.get() == 1
+    status, _, _ = await asyncio.wait_for(task, 5)
+    assert status == 200 and up.n == 3
