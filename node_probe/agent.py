@@ -63,7 +63,8 @@ from node_probe.stall import StallDetector
 from node_probe.streams import StreamHub
 from node_probe.telemetry import GpuCollector, gpu_fatal_reason
 from node_probe.ticks import sleep_until_tick
-from xds_server.process.tls import ServerCertFiles, add_port, listener_credentials, refused_client
+from xds_server.process.refusals import Refusals
+from xds_server.process.tls import ServerCertFiles, add_port, check_client, listener_credentials
 
 # AgentConfig and EngineLifecycle live in their own modules; this module is their public face.
 __all__ = ["AgentConfig", "EngineLifecycle", "ProbeAgent", "run_agent"]
@@ -113,6 +114,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         self.metrics = AgentMetrics(self)
         self.metrics_port: int | None = None  # bound port of --metrics-listen once started
         self.tls_files: ServerCertFiles | None = None  # the gRPC port's certificate files (TLS)
+        self.refusals = Refusals(log, prefix="node_probe", ports=("agent",), labels={"node": cfg.node_id})
         self._prober = Prober(cfg)
         self._schedule = ProbeScheduler(cfg.schedule_settings())
         self._hub = StreamHub(node_id=cfg.node_id, heartbeat_interval_ms=cfg.heartbeat_interval_ms,
@@ -443,9 +445,8 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         Ends when the client cancels or the agent stops."""
         if self._stopped:
             return
-        refused = refused_client(self.cfg.tls_allow_clients, context.auth_context())  # --tls-allow-client
-        if refused:
-            log.warning("refused a stream from %s: %s", context.peer() or "?", refused)
+        if refused := check_client(self.cfg.tls_allow_clients, context, "--tls-allow-client", self.refusals,
+                                   "agent", "allow_client"):  # typed identities; counted, logged per identity
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
         async for msg in self._hub.serve(request_iterator, context.peer() or "?"):
             yield msg

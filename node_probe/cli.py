@@ -163,13 +163,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mutual TLS: the control plane must present a certificate this CA signed "
                    "(default: no client certificate asked)")
     p.add_argument("--tls-allow-client", dest="tls_allow_clients", action="append", default=[], metavar="PATTERN",
-                   help="mutual TLS: serve only clients whose certificate carries a name (SPIFFE id, "
-                        "DNS SAN, CN) matching this fnmatch pattern; repeatable (default: any the CA signed)")
+                   help="mutual TLS: serve only clients whose certificate matches this typed fnmatch "
+                        "pattern: spiffe://... or uri:P (URI SANs only), dns:P or P (DNS SANs), cn:P (the "
+                        "CN of a certificate without SANs); repeatable, give the control plane's identity "
+                        "(default: any certificate the CA signed, with a warning at start)")
     p.add_argument("--plaintext", action="store_true",
                    help="serve plaintext on a non-loopback --listen (refused unless said; default off)")
     add_common_options(p, "node-probe")
     return p
 
+
+NO_ALLOWED_CLIENTS = ("mutual TLS without --tls-allow-client: any certificate the CA in --tls-client-ca "
+                      "signed (an Envoy's, a relay's) may read this agent's heartbeats and telemetry and "
+                      "trigger probes; give the control plane's identity, e.g. --tls-allow-client "
+                      "spiffe://cluster.local/ns/llm/sa/xds-server")
 
 SIGHUP_IGNORED = ("SIGHUP: nothing to reload, still running (TLS files are re-read when they change; "
                   "other flags need a restart)")
@@ -210,6 +217,8 @@ async def _serve(cfg: AgentConfig) -> int:
             logging.getLogger("node_probe.agent").setLevel(logging.WARNING)  # the one line stays the last
             return 1
         host = cfg.listen.rpartition(":")[0]
+        if cfg.tls_client_ca_file is not None and not cfg.tls_allow_clients:
+            log.warning(NO_ALLOWED_CLIENTS)
         print(
             f"node-probe {cfg.node_id} listening on {host}:{port} "
             f"engine={cfg.engine_url}",

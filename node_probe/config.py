@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from node_probe.engines import ENGINE_KINDS
 from node_probe.schedule import ScheduleSettings
 from node_probe.telemetry import FATAL_XIDS
+from xds_server.process.identity import check_pattern
 from xds_server.process.tls import is_loopback
 
 __all__ = ["AgentConfig"]
@@ -70,9 +71,11 @@ class AgentConfig:
             neither): the gRPC port serves TLS, the files re-read when they change.
         tls_client_ca_file: with a certificate: the control plane must present a client
             certificate this CA bundle signed (mutual TLS).
-        tls_allow_clients: with ``tls_client_ca_file``: fnmatch patterns; a stream is served only
-            when one matches a name of the client's certificate (URI SAN such as a SPIFFE id,
-            DNS SAN, CN), else it ends with PERMISSION_DENIED. Empty: any certificate the CA signed.
+        tls_allow_clients: with ``tls_client_ca_file``: typed fnmatch patterns
+            (:mod:`xds_server.process.identity`: ``spiffe://...`` and ``uri:`` match URI SANs
+            only, ``dns:`` or no prefix DNS SANs, ``cn:`` the CN of a certificate without SANs);
+            a stream is served only when one matches, else it ends with PERMISSION_DENIED.
+            Empty: any certificate the CA signed (the agent warns at start).
         plaintext: serve plaintext on a non-loopback ``listen`` (must be said; without a
             certificate a non-loopback listen is refused).
 
@@ -159,6 +162,9 @@ class AgentConfig:
         self.tls_allow_clients = tuple(self.tls_allow_clients)
         if self.tls_allow_clients and self.tls_client_ca_file is None:
             raise ValueError("tls_allow_clients needs tls_client_ca_file (mutual TLS)")
+        for pat in self.tls_allow_clients:
+            if why := check_pattern(pat):
+                raise ValueError(f"--tls-allow-client/tls_allow_clients: {why}")
         if self.plaintext and self.tls_cert_file is not None:
             raise ValueError("plaintext and tls_cert_file exclude each other")
         if self.tls_cert_file is None and not self.plaintext and not is_loopback(self.listen.rpartition(":")[0]):

@@ -86,6 +86,9 @@ class _StateCollector:
         streams.add_metric(n, a.subscriber_count)
         yield streams
         yield from self.counts.families(self.node)
+        refusals = getattr(a, "refusals", None)  # node_probe_access_refused_total{port="agent"} (issue 28)
+        if refusals is not None:
+            yield from refusals.metric_families()
         yield from self._gpu(a.telemetry().gpu)
 
     def _gpu(self, tel: probe_pb2.GpuTelemetry):

@@ -78,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
             await cp.stop()
             return 1
         print(f"xds-server ADS listening on {cfg.xds.listen.rpartition(':')[0]}:{cp.xds_port}", flush=True)
-        print(f"xds-server admin listening on http://{cfg.admin.listen.rpartition(':')[0]}:{cp.admin_port}",
+        print(f"xds-server admin listening on {'https' if cfg.admin.tls else 'http'}://{cfg.admin.listen.rpartition(':')[0]}:{cp.admin_port}",
               flush=True)
         logging.getLogger("xds_server.server").info("event loop: %s", event_loop.running_loop_name())
         stop = asyncio.Event()

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 import grpc
 from aiohttp import web
 
+from xds_server.admin.access import start_admin_site, watch_certificates
 from xds_server.admin.app import HttpErrorLog, build_admin_app
 from xds_server.admin.reload import add_reload_route
 from xds_server.admin.views import ControlPlaneView
@@ -44,7 +45,7 @@ from xds_server.probing.session import grpc_probe_source
 from xds_server.probing.sources import ProbeSource, ProbeSourceContext, ProbeSourceFactory
 from xds_server.probing.workers import WorkerPool
 from xds_server.process.clock import Clock, LoopClock
-from xds_server.process.commandline import bind_failure
+from xds_server.process.refusals import Refusals
 from xds_server.process.tls import add_port, listener_credentials, node_allow_authorizer
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import InvalidResource, SnapshotCache
@@ -98,6 +99,7 @@ class ControlPlane:
         self.ads = AdsServicer(self.cache, config=config.xds,
                                authorize=node_allow_authorizer(lambda: self._config.tls.node_allow))
         self.view = ControlPlaneView(self.core, self.cache, self.ads, self.sessions, lambda: self._config)
+        self.refusals = self.ads.refusals = self.view.refusals = Refusals(logging.getLogger("xds_server.access"))
         self.view.reload_status = lambda: self.reload_status
         self.view.discovery_status = self.discovery.status
         self.view.probe_pool = self.probe_pool  # None without workers; read by admin/metrics.py
@@ -151,6 +153,7 @@ class ControlPlane:
         self.view.routing_feed = self.routing_feed  # read by admin/metrics.py
         host, port = parse_hostport(self.config.xds.listen)
         creds, self.view.tls_files = listener_credentials(**self.config.tls.listener())  # None: plaintext
+        self.view.cert_watch = watch_certificates(self.config)  # expiry metrics, warnings, /readyz
         try:
             self.xds_port = add_port(self._grpc, f"{host}:{port}", creds)
         except RuntimeError as exc:  # grpc raises RuntimeError when the bind fails
@@ -165,15 +168,9 @@ class ControlPlane:
         self._admin_runner = web.AppRunner(app, access_log=None,
                                            logger=HttpErrorLog(logging.getLogger("aiohttp.server")))
         await self._admin_runner.setup()
-        ahost, aport = parse_hostport(self.config.admin.listen)
-        site = web.TCPSite(self._admin_runner, ahost, aport)
-        try:
-            await site.start()
-        except OSError as exc:  # one line naming the field, as for xds.listen (issue 26)
-            raise OSError(bind_failure(self.config.admin.listen, "admin.listen", exc)) from exc
-        self.admin_port = self._admin_runner.addresses[0][1]
-        log.info("xds-server: ADS on %s:%d (%s), admin on http://%s:%d", host, self.xds_port,
-                 self.config.tls.mode or "plaintext", ahost, self.admin_port)
+        ahost, self.admin_port, scheme = await start_admin_site(self._admin_runner, self.config.admin)
+        log.info("xds-server: ADS on %s:%d (%s), admin on %s://%s:%d", host, self.xds_port,
+                 self.config.tls.mode or "plaintext", scheme, ahost, self.admin_port)
         self._file_sig = file_signature(self.config_path)
         rc = self.config.reload
         loops: list[tuple[Callable[[], float], Callable[[], Awaitable[object]], str]] = [

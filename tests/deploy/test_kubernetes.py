@@ -6,6 +6,8 @@ probes, ConfigMaps, the ServiceAccount and its Role, the sidecar's arguments).""
 from __future__ import annotations
 
 import copy
+import tempfile
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -55,7 +57,25 @@ def _port(container: dict, name: str) -> int:
 
 
 def _sentinel_config(objs) -> dict:
-    return yaml.safe_load(objs[("ConfigMap", "xds-server-config")]["data"]["xds.yaml"])
+    """The ConfigMap's config, its admin.token_file pointed at a copy of the Secret's token (the
+    Deployment mounts that Secret at the file's directory: test_admin_token_comes_from_the_secret)."""
+    cfg = yaml.safe_load(objs[("ConfigMap", "xds-server-config")]["data"]["xds.yaml"])
+    token = objs[("Secret", "xds-server-admin-token")]["stringData"]["token"]
+    path = Path(tempfile.mkdtemp(prefix="k8s-admin-token-")) / "token"
+    path.write_text(token)
+    cfg["admin"]["token_file"] = str(path)
+    return cfg
+
+
+def test_admin_token_comes_from_the_secret(objs):
+    """Off loopback the admin port needs a token (issue 28): the config reads it from the Secret."""
+    raw = yaml.safe_load(objs[("ConfigMap", "xds-server-config")]["data"]["xds.yaml"])
+    c = _container(objs, "xds-server", "xds-server")
+    (secret_vol,) = [v["name"] for v in _pod(objs, "xds-server")["spec"]["volumes"]
+                     if v.get("secret", {}).get("secretName") == "xds-server-admin-token"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert raw["admin"]["token_file"] == f"{mounts[secret_vol]}/token"
+    assert parse_config(_sentinel_config(objs)).admin.token == "replace-me-with-a-random-token"
 
 
 def _bootstrap_text(objs) -> str:
@@ -64,7 +84,7 @@ def _bootstrap_text(objs) -> str:
 
 def test_every_object_validates_against_the_kubernetes_schemas(objs):
     assert {k for k, _ in objs} == {"Namespace", "ServiceAccount", "Role", "RoleBinding", "ConfigMap",
-                                    "Deployment", "PodDisruptionBudget", "Service"}
+                                    "Deployment", "PodDisruptionBudget", "Service", "Secret"}
     for (kind, name), doc in objs.items():
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         if kind != "Namespace":

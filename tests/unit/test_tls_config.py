@@ -19,14 +19,18 @@ from sentinel_relay.config import RelayConfigError, load_relay_config
 from xds_server.cli import main as xds_main
 from xds_server.config import ConfigError, XdsConfig, parse_config
 from xds_server.envoy.bootstrap import xds_tls_sds_secrets, xds_tls_transport_socket
+from xds_server.process.identity import check_pattern, identity_matches
 from xds_server.process.tls import (
     ClientTls,
+    PeerIdentity,
     ServerCertFiles,
     channel_credentials,
     is_loopback,
     node_allowed,
     peer_certificate_sha256,
     peer_identities,
+    peer_identity,
+    refused_client,
 )
 from xds_server.testing import TestCA
 
@@ -48,38 +52,100 @@ def _cfg(tls=None, listen="127.0.0.1:18000", probe="127.0.0.1:50051"):
     return parse_config(doc)
 
 
-# -- the allow-list -----------------------------------------------------------------------------
+# -- the allow-list: typed identities (one matcher for ADS, the feed and the agent) ---------------
 
-RULES = [("spiffe://cluster.local/ns/llm/sa/envoy", ["envoy-llm-*"]), ("gw.example.com", ["gw-1", "gw-2"])]
+RULES = [("spiffe://cluster.local/ns/llm/sa/envoy", ["envoy-llm-*"]), ("gw.example.com", ["gw-1", "gw-2"]),
+         ("cn:legacy-gw", ["legacy-*"])]
 
 
-@pytest.mark.parametrize("identities, node, allowed", [
-    ([ENVOY], "envoy-llm-gw-1", True),
-    ([ENVOY], "gw-1", False),                                   # its identity does not cover this id
-    (["gw.example.com"], "gw-2", True),
-    (["spiffe://cluster.local/ns/other/sa/envoy"], "envoy-llm-1", False),  # unknown identity
-    ([], "envoy-llm-1", False),                                 # no certificate
-    ([ENVOY], "", False),                                       # no node id
-    (["CN-only", ENVOY], "envoy-llm-a", True),                  # any of the certificate's names
+def _id(uris=(), dns=(), cn=None, other_sans=False):
+    return PeerIdentity(tuple(uris), tuple(d.lower() for d in dns), cn, bool(uris or dns or other_sans))
+
+
+@pytest.mark.parametrize("ident, node, allowed", [
+    (_id(uris=[ENVOY]), "envoy-llm-gw-1", True),
+    (_id(uris=[ENVOY]), "gw-1", False),                                   # its identity does not cover this id
+    (_id(dns=["gw.example.com"]), "gw-2", True),                          # untyped pattern: a DNS SAN
+    (_id(dns=["GW.Example.COM"]), "gw-1", True),                          # DNS is case-insensitive
+    (_id(uris=["spiffe://cluster.local/ns/other/sa/envoy"]), "envoy-llm-1", False),  # unknown identity
+    (_id(), "envoy-llm-1", False),                                        # no certificate
+    (_id(uris=[ENVOY]), "", False),                                       # no node id
+    (_id(dns=["other.example"], uris=[ENVOY]), "envoy-llm-a", True),      # any of the certificate's names
+    # the tricks of issue 28: a name of another kind reading like the SPIFFE id never passes
+    (_id(cn=ENVOY), "envoy-llm-1", False),                                # CN-trick, no SANs
+    (_id(cn=ENVOY, dns=["x.example"]), "envoy-llm-1", False),             # CN-trick next to SANs
+    (_id(dns=[ENVOY]), "envoy-llm-1", False),                             # DNS-trick
+    (_id(uris=["gw.example.com"]), "gw-1", False),                        # a URI SAN is not a DNS name
+    (_id(cn="gw.example.com"), "gw-1", False),                            # nor is a CN
+    (_id(cn="legacy-gw"), "legacy-1", True),                              # cn: for a certificate without SANs
+    (_id(cn="legacy-gw", dns=["a.example"]), "legacy-1", False),          # never when SANs exist
+    (_id(cn="legacy-gw", other_sans=True), "legacy-1", False),            # an IP SAN is a SAN too
 ])
-def test_node_allowed_table(identities, node, allowed):
-    reason = node_allowed(RULES, identities, node)
+def test_node_allowed_table(ident, node, allowed):
+    reason = node_allowed(RULES, ident, node)
     assert (reason is None) is allowed
     if not allowed:
         assert reason
+    assert (node_allowed(RULES, ident.names(), node) is None) is allowed  # the typed names say the same
 
 
-@given(st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=3), st.text(min_size=1, max_size=12))
-def test_node_allowed_properties(identities, node):
-    assert node_allowed([("*", ["*"])], identities, node) is None
-    assert node_allowed([], identities, node) is not None
-    exact = [(identities[0].replace("[", "[[]").replace("*", "[*]").replace("?", "[?]"), ["nomatch-*"])]
-    assert "may not use" in node_allowed(exact, identities, node if not node.startswith("nomatch-") else "x")
+_text = st.text(st.characters(codec="ascii", exclude_categories=("Cc",)), min_size=1, max_size=12)
+
+
+@given(_text, st.sampled_from(["spiffe://", "uri:", "dns:", "cn:", ""]))
+def test_a_name_of_one_kind_never_passes_a_pattern_of_another(value, prefix):
+    """Whatever a requester puts in a CN or DNS SAN, it passes only the pattern of its own kind."""
+    exact = value.replace("[", "[[]").replace("*", "[*]").replace("?", "[?]")
+    pattern = prefix + exact
+    kind = {"spiffe://": "uri", "uri:": "uri", "dns:": "dns", "cn:": "cn", "": "dns"}[prefix]
+    if check_pattern(pattern) is not None:
+        return
+    full = ("spiffe://" + value) if prefix == "spiffe://" else value
+    as_uri, as_dns, as_cn = _id(uris=[full]), _id(dns=[full]), _id(cn=full)
+    assert identity_matches(pattern, as_uri) is (kind == "uri")
+    assert identity_matches(pattern, as_dns) is (kind == "dns")
+    assert identity_matches(pattern, as_cn) is (kind == "cn")
+    assert not identity_matches(pattern, _id(cn=full, other_sans=True)) or kind != "cn"
+
+
+def test_peer_identity_from_grpc_auth_context_keeps_kinds_apart():
+    """The auth_context keys grpc fills (measured: peer_uri, peer_dns, x509_common_name)."""
+    auth = {"x509_common_name": [ENVOY.encode()], "peer_dns": [ENVOY.encode(), b"A.B"],
+            "peer_uri": [b"spiffe://x/uri", b"https://foo/bar"],
+            "x509_subject_alternative_name": [ENVOY.encode(), b"a.b", b"spiffe://x/uri", b"https://foo/bar"]}
+    ident = peer_identity(auth)
+    assert ident == PeerIdentity(("spiffe://x/uri", "https://foo/bar"), (ENVOY, "a.b"), ENVOY, True)
+    assert peer_identities(auth) == ["spiffe://x/uri", "uri:https://foo/bar", f"dns:{ENVOY}", "dns:a.b"]
+    assert peer_identities({"x509_common_name": [b"envoy"]}) == ["cn:envoy"]
+    assert peer_identities({"transport_security_type": [b"insecure"]}) == []
+    assert refused_client([ENVOY], auth, "X") == ("client identity spiffe://x/uri, uri:https://foo/bar, "
+                                                  f"dns:{ENVOY} (+1) is not in X")
+    assert refused_client(["spiffe://x/*"], auth) is None and refused_client([], {}) is None
+
+
+def test_allow_list_patterns_are_checked_at_load(pki):
+    ca, srv, _ = pki
+    base = {"mode": "mtls", "cert_file": srv.cert, "key_file": srv.key, "client_ca_file": ca.cert}
+    with pytest.raises(ConfigError, match=r"tls.node_allow.0.identity.*looks like a URI.*uri:https://a/b"):
+        _cfg({**base, "node_allow": [{"identity": "https://a/b", "node_ids": ["*"]}]})
+    with pytest.raises(ConfigError, match=r"nothing to match after 'dns:'"):
+        _cfg({**base, "node_allow": [{"identity": "dns:", "node_ids": ["*"]}]})
+    with pytest.raises(ValueError, match=r"--tls-allow-client/tls_allow_clients: 'cn:' has nothing"):
+        AgentConfig(engine_url="http://127.0.0.1:1", tls_cert_file=srv.cert, tls_key_file=srv.key,
+                    tls_client_ca_file=ca.cert, tls_allow_clients=("cn:",))
 
 
 def test_loopback():
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost", "LOCALHOST"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "gpu-a", "example.com"))
+
+
+def test_a_dot_localhost_name_is_loopback_only_when_it_resolves_only_to_loopback():
+    """Issue 28 item 7: any *.localhost used to count as loopback, wherever it resolved."""
+    assert is_loopback("gw.localhost", lambda h: ["127.0.0.1", "::1"])
+    assert not is_loopback("gw.localhost", lambda h: ["127.0.0.1", "10.0.0.5"])   # /etc/hosts sends it off
+    assert not is_loopback("gw.localhost", lambda h: [])                           # does not resolve
+    assert not is_loopback("nothing-here-28.localhost")  # the real resolver: not in this machine's hosts
 
 
 # -- config -------------------------------------------------------------------------------------

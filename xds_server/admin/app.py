@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import math
@@ -33,6 +32,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
+from xds_server.admin.access import REFUSALS, refused_token
 from xds_server.admin.history import History
 from xds_server.admin.live import LiveFeed
 from xds_server.admin.metrics import ControlPlaneCollector, EventLoopCollector
@@ -129,6 +129,8 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
     registry.register(EventLoopCollector())
     ProcessCollector(registry=registry)  # process_resident_memory_bytes, open fds, CPU seconds
     live = LiveFeed(view, json_dumps)
+    if view.refusals is not None:
+        app[REFUSALS] = view.refusals  # the admin token check counts its refusals there
     registry.register(live)  # sentinel_admin_live_clients, its drops and refusals
     app.on_startup.append(live.start)
     app.on_shutdown.append(live.close)  # before aiohttp waits for open requests: ends SSE streams
@@ -161,8 +163,11 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
             why.append(f"{len(missing)} cluster(s) not published yet")
         if published and total == 0:
             why.append("0 routable nodes: Envoy has nowhere to send requests")
+        certs = view.cert_watch.reasons() if view.cert_watch is not None else []  # within tls.expiry_warning_days
+        why += [c for c in certs if " expired at " in c]  # an expired certificate is not ready; a near one warns
         ready = not why
-        return _json({"ready": ready, "why_not_ready": "; ".join(why) or None, "unpublished_clusters": missing,
+        return _json({"ready": ready, "why_not_ready": "; ".join(why) or None, "certificate_warnings": certs,
+                      "unpublished_clusters": missing,
                       "routable_nodes": total, "routable_by_cluster": routable,
                       "config_reload": view.reload_status(), "discovery": view.discovery_status()},
                      status=200 if ready else 503)
@@ -203,8 +208,7 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
         admin = view.config.admin
         if admin.token is None:
             return _json({"error": "drain is disabled: set admin.token in the config"}, status=403)
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(given, f"Bearer {admin.token}".encode()):  # constant time
+        if refused_token(request, admin.token):  # constant time; counted and logged per peer
             return _json({"error": "missing or wrong bearer token"}, status=401)
         node_id = request.match_info["id"]
         if not view.has_node(node_id):

@@ -6,11 +6,11 @@ when no token is configured; 401 for a missing or wrong token.
 """
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from xds_server.admin.access import refused_token
 from xds_server.admin.app import json_dumps
 from xds_server.config import SentinelConfig
 
@@ -30,8 +30,7 @@ def add_reload_route(app: web.Application, config: Callable[[], SentinelConfig],
         token = config().admin.token
         if token is None:
             return answer({"error": "reload is disabled: set admin.token in the config"}, status=403)
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(given, f"Bearer {token}".encode()):  # constant time
+        if refused_token(request, token):  # constant time; counted and logged per peer
             return answer({"error": "missing or wrong bearer token"}, status=401)
         try:
             status = await reload_file("admin")

@@ -29,6 +29,8 @@ from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL
 if TYPE_CHECKING:
     from xds_server.feed.service import RoutingFeed
     from xds_server.probing.workers import WorkerPool
+    from xds_server.process.certwatch import CertWatch
+    from xds_server.process.refusals import Refusals
     from xds_server.process.tls import ServerCertFiles
 
 __all__ = ["ControlPlaneView", "NodeRow"]
@@ -65,6 +67,8 @@ class ControlPlaneView:
         self.probe_pool: WorkerPool | None = None
         self.routing_feed: RoutingFeed | None = None
         self.tls_files: ServerCertFiles | None = None
+        self.refusals: Refusals | None = None  # refused identities and tokens (issue 28)
+        self.cert_watch: CertWatch | None = None  # certificate expiry (issue 28)
 
     @property
     def config(self) -> SentinelConfig:

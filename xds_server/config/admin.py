@@ -5,18 +5,36 @@ not): no token, bounded instead by ``live_max_clients``, ``live_queue_max``, ``l
 ``live_send_buffer_bytes`` and ``live_write_buffer_bytes``."""
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from xds_server.config.base import _check_hostport, _Model
+from xds_server.config.base import _check_hostport, _Model, parse_hostport
+from xds_server.config.tls import _not_expired, _readable
+from xds_server.process.dialing import is_loopback
 
-__all__ = ["AdminConfig"]
+__all__ = ["AdminConfig", "AdminTls"]
+
+
+class AdminTls(_Model):
+    """HTTPS on the admin port: a server certificate and key (PEM), read at start."""
+
+    cert_file: str = Field(..., min_length=1, description="the admin port's certificate (may be tls.cert_file)")
+    key_file: str = Field(..., min_length=1, description="its private key (may be tls.key_file)")
+
+    @model_validator(mode="after")
+    def _files(self) -> AdminTls:
+        for name in ("cert_file", "key_file"):
+            _readable(getattr(self, name), name)
+        _not_expired(self.cert_file, "cert_file")
+        return self
 
 
 class AdminConfig(_Model):
     """The admin HTTP endpoint (aiohttp)."""
 
     listen: str = Field("127.0.0.1:19000", description="HOST:PORT of the admin HTTP server")
-    token: str | None = Field(None, description="bearer token for POST drain/undrain; None = disabled")
+    token: str | None = Field(None, description="bearer token for POST drain/undrain and /reload; None = "
+                              "disabled, allowed only on a loopback admin.listen (check-config and serve exit 2 "
+                              "naming admin.token otherwise)")
     events_buffer: int = Field(1000, ge=10, description="events kept in the ring buffer")
     event_reason_max_chars: int = Field(
         512, ge=16, le=65_536,
@@ -81,4 +99,43 @@ class AdminConfig(_Model):
         "is a few dashboard messages",
     )
 
+    tls: AdminTls | None = Field(
+        None, description="serve the admin port over HTTPS with this certificate (the xDS port's "
+        "files or its own); unset: plain HTTP (then keep it on loopback or behind a proxy: the "
+        "token would travel in clear)",
+    )
+
     _v_listen = field_validator("listen")(_check_hostport)
+
+    token_file: str | None = Field(
+        None, description="read admin.token from this file (its content, surrounding white space "
+        "stripped; e.g. a mounted Kubernetes Secret), at load and at every reload; excludes admin.token",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_token_file(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("token_file") is not None:
+            if data.get("token") is not None:
+                raise ValueError("admin.token and admin.token_file exclude each other")
+            path = str(data["token_file"])
+            try:
+                with open(path, encoding="utf-8") as f:
+                    token = f.read().strip()
+            except (OSError, UnicodeError) as e:
+                raise ValueError(f"admin.token_file: cannot read {path!r}: {e}") from e
+            if not token:
+                raise ValueError(f"admin.token_file: {path!r} is empty")
+            data = {**data, "token": token}
+        return data
+
+    @model_validator(mode="after")
+    def _token_off_loopback(self) -> AdminConfig:
+        host = parse_hostport(self.listen)[0]
+        if self.token is None and not is_loopback(host):
+            raise ValueError(
+                f"admin.token: admin.listen {self.listen} is not a loopback address and admin.token "
+                "is not set: /nodes, /config_dump, /events and /xds/clients would be open to the "
+                "network and drain/reload disabled; set admin.token (and admin.tls), or listen on "
+                "127.0.0.1")
+        return self

@@ -9,9 +9,10 @@ Watch (PERMISSION_DENIED naming ``feed.plaintext``) unless ``feed.plaintext: tru
 """
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from xds_server.config.base import _Model, parse_hostport
+from xds_server.config.tls import check_patterns
 from xds_server.process.dialing import is_loopback
 
 __all__ = ["FeedConfig", "check_feed", "feed_plaintext_refusal"]
@@ -50,10 +51,15 @@ class FeedConfig(_Model):
     allow_identities: list[str] = Field(
         default_factory=list,
         description="tls.mode mtls only: when not empty, a subscriber whose client certificate "
-        "carries no identity matching one of these fnmatch patterns (URI SANs such as SPIFFE ids, "
-        "DNS SANs, the subject's common name; as tls.node_allow's identity) is refused "
-        "(PERMISSION_DENIED); applied on reload",
+        "matches none of these typed fnmatch patterns (as tls.node_allow's identity: spiffe:// "
+        "and uri: match URI SANs only, dns: or no prefix DNS SANs, cn: the CN of a certificate "
+        "without SANs) is refused (PERMISSION_DENIED); applied on reload",
     )
+
+    @field_validator("allow_identities")
+    @classmethod
+    def _typed(cls, v: list[str]) -> list[str]:
+        return check_patterns(v, "allow_identities")  # the one typed matcher's syntax (issue 28)
 
 
 def check_feed(feed: FeedConfig, tls_mode: str | None) -> None:

@@ -11,12 +11,15 @@ Files are PEM. They are re-read when they change (rotation without restart, see
 from __future__ import annotations
 
 import os
+import time
 from typing import Literal, TypedDict
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from xds_server.config.base import _Model, parse_hostport
+from xds_server.process.certs import refuse_expired
 from xds_server.process.dialing import ClientTls, is_loopback
+from xds_server.process.identity import check_pattern
 
 __all__ = [
     "AgentTlsConfig",
@@ -24,6 +27,7 @@ __all__ = [
     "NodeAllowRule",
     "TlsConfig",
     "TlsMode",
+    "check_patterns",
     "check_plaintext",
     "implicit_agent_plaintext",
 ]
@@ -36,17 +40,45 @@ def _readable(path: str | None, field: str) -> None:
         raise ValueError(f"{field}: cannot read {path!r} (missing or not readable)")
 
 
+def _not_expired(path: str | None, field: str) -> None:
+    """A certificate already past its notAfter is refused at load (ValueError naming ``field``)."""
+    if path is not None:
+        try:
+            refuse_expired(path, time.time(), field)
+        except OSError as e:
+            raise ValueError(f"{field}: cannot read {path!r}: {e.strerror}") from e
+
+
+def check_patterns(patterns: list[str], field: str) -> list[str]:
+    """Validate identity allow-list patterns (typed: :mod:`xds_server.process.identity`)."""
+    for i, p in enumerate(patterns):
+        why = check_pattern(p)
+        if why:
+            raise ValueError(f"{field}.{i}: {why}")
+    return patterns
+
+
 class NodeAllowRule(_Model):
     """One allow-list entry: clients whose certificate carries ``identity`` may use these node ids."""
 
     identity: str = Field(
         ..., min_length=1,
-        description="fnmatch pattern over the client certificate's identities: URI SANs (SPIFFE ids "
-        "such as spiffe://cluster.local/ns/x/sa/envoy), DNS SANs, the subject's common name",
+        description="typed fnmatch pattern over the client certificate: 'spiffe://...' or "
+        "'uri:PATTERN' match URI SANs only, 'dns:PATTERN' DNS SANs, 'cn:PATTERN' the subject's "
+        "common name of a certificate without SANs; a pattern without a prefix matches DNS SANs "
+        "(as dns:). A CN or DNS SAN that reads spiffe://... never matches a spiffe:// pattern",
     )
     node_ids: list[str] = Field(
         ..., min_length=1, description="fnmatch patterns of the Envoy node ids (node.id) it may use",
     )
+
+    @field_validator("identity")
+    @classmethod
+    def _typed(cls, v: str) -> str:
+        why = check_pattern(v)
+        if why:
+            raise ValueError(why)
+        return v
 
 
 class AgentTlsConfig(_Model):
@@ -75,6 +107,7 @@ class AgentTlsConfig(_Model):
             raise ValueError(f"cert_file/key_file are used with mode mtls only (mode is {self.mode})")
         for name in ("ca_file", "cert_file", "key_file"):
             _readable(getattr(self, name), name)
+        _not_expired(self.cert_file, "cert_file")
         return self
 
     def client(self, node_id: str) -> ClientTls | None:
@@ -113,6 +146,14 @@ class TlsConfig(_Model):
         "sentinel_xds_streams_rejected_total{reason=\"permission_denied\"}); applied on reload",
     )
     agents: AgentTlsConfig = AgentTlsConfig()
+    expiry_warning_days: float = Field(
+        7.0, gt=0, le=3650,
+        description="days: a certificate in use (ADS server, client CA, agents client, admin) "
+        "within this many days of its notAfter logs a warning (at most hourly) and is named in "
+        "/readyz's certificate_warnings (still 200: the old certificate still works); once expired "
+        "/readyz answers 503 naming it (ours: a week covers a weekend and a renewal pipeline's "
+        "retries; cert-manager renews 30 days before a 90-day certificate ends)",
+    )
 
     def listener(self) -> ListenerTls:
         """The restart-only part (mode and files of the ADS port) as keyword arguments of
@@ -132,6 +173,7 @@ class TlsConfig(_Model):
             raise ValueError(f"cert_file/key_file are used with mode tls or mtls only (mode is {self.mode})")
         for name in ("cert_file", "key_file", "client_ca_file"):
             _readable(getattr(self, name), name)
+        _not_expired(self.cert_file, "cert_file")
         return self
 
 

@@ -38,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from xds_server.config.feed import FeedConfig, feed_plaintext_refusal
 from xds_server.feed.events import RoutingChange
 from xds_server.process.fanout import CLOSE_REASONS, FanOut, Subscriber
-from xds_server.process.tls import refused_client
+from xds_server.process.tls import peer_identities, refused_client
 from xds_server.process.untrusted import RateLimitedLog
 from xds_server.proto import routing_pb2, routing_pb2_grpc
 
@@ -167,9 +167,13 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
         cfg = self._cp.config
         why = feed_plaintext_refusal(self._cfg(), cfg.tls.mode, cfg.xds.listen)
         if why is None and cfg.tls.mode == "mtls" and self._cfg().allow_identities:
-            why = refused_client(self._cfg().allow_identities, context.auth_context())
+            why = refused_client(self._cfg().allow_identities, context.auth_context(), "feed.allow_identities")
             if why is not None:
-                why = f"routing feed refused: {why} (feed.allow_identities)"
+                why = f"routing feed refused: {why}"
+                record = getattr(self._cp, "refusals", None)  # counted and logged per identity (issue 28)
+                if record is not None:
+                    record.refuse("xds", "feed_allow", context.peer() or "?",
+                                  ", ".join(peer_identities(context.auth_context())[:3]) or "-", why)
         return why
 
     async def Watch(self, request: routing_pb2.WatchRequest, context: grpc.aio.ServicerContext) -> None:

@@ -12,37 +12,45 @@ No import from the rest of the project (node_probe and sentinel_relay use it too
   (verifying the server against ``ClientTls.ca_file`` and ``server_name``), with a client
   certificate when ``cert_file`` is set (mutual TLS). The files are read at each dial when they
   changed, so a redial after rotation presents and trusts the new files.
-- :func:`peer_identities` -> the names a client's certificate proves (URI SANs such as SPIFFE
-  ids, DNS SANs, the subject's common name), from a call's ``auth_context()``;
+- :func:`peer_identity` -> the typed identity a client's certificate proves (URI SANs such as
+  SPIFFE ids, DNS SANs; the subject's common name only without SANs), from a call's
+  ``auth_context()``; :func:`peer_identities` -> its typed names;
   :func:`peer_certificate_sha256` -> that certificate's SHA-256 fingerprint.
 - :func:`listener_credentials` and :func:`add_port`: a listener's credentials for a mode, its bind.
-- :func:`refused_client`: whether a client's certificate names match allowed patterns (the agent).
-- :func:`node_allowed`: the pure allow-list check of an Envoy node id against those names.
+- :func:`refused_client`: whether a client's certificate matches allowed patterns (the agent, the
+  routing feed); :func:`node_allowed`: the ADS check of an Envoy node id. Both are the one typed
+  matcher of :mod:`xds_server.process.identity` (``spiffe://`` matches URI SANs only, ``dns:``
+  DNS SANs, ``cn:`` the CN of a certificate without SANs).
 - :class:`ClientTls` and :func:`is_loopback` (whether a listen or dial host stays on this machine)
   are plain values from :mod:`xds_server.process.dialing`, re-exported here.
 """
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import logging
 import os
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import grpc
 from prometheus_client.core import CounterMetricFamily
 
+from xds_server.process.certs import refuse_expired
 from xds_server.process.dialing import ClientTls, is_loopback
+from xds_server.process.identity import PeerIdentity, node_allowed, refusal_reason
+from xds_server.process.refusals import Refusals
 
 __all__ = [
     "AllowRule",
     "ClientTls",
+    "PeerIdentity",
     "ServerCertFiles",
     "add_port",
     "channel_credentials",
+    "check_client",
     "dial",
     "is_loopback",
     "listener_credentials",
@@ -50,6 +58,7 @@ __all__ = [
     "node_allowed",
     "peer_certificate_sha256",
     "peer_identities",
+    "peer_identity",
     "refused_client",
     "server_credentials",
 ]
@@ -81,7 +90,12 @@ def _read(path: str) -> bytes:
 
 
 def _check_pair(cert_file: str, key_file: str, ca_file: str | None) -> None:
-    """Raise ssl.SSLError/OSError unless the key matches the certificate and the CA bundle loads."""
+    """Raise ssl.SSLError/OSError unless the key matches the certificate, the certificate has not
+    expired (:func:`~xds_server.process.certs.refuse_expired`) and the CA bundle loads."""
+    try:
+        refuse_expired(cert_file, time.time())
+    except ValueError as e:
+        raise OSError(str(e)) from e
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.load_cert_chain(cert_file, key_file)
     if ca_file:
@@ -96,13 +110,18 @@ class ServerCertFiles:
     """A server certificate, its key and (mutual TLS) the client CA bundle, as files watched for
     change. ``fetch()`` is gRPC's certificate-config fetcher: called on every new handshake (from a
     gRPC thread), it returns a new configuration when the files changed and load, else None (keep
-    the current one). Counters: ``reloads`` (new files taken), ``reload_errors`` (refused).
+    the current one). Counters: ``reloads`` (new files taken), ``reload_errors`` (refused),
+    ``handshakes`` (fetch calls: gRPC asks once per new connection, before its handshake, so a
+    handshake it refuses counts here too; ``port`` labels them).
 
-    Raises OSError or ssl.SSLError from the constructor when the files do not load at start.
+    Raises OSError or ssl.SSLError from the constructor when the files do not load at start (an
+    expired certificate included).
     """
 
-    def __init__(self, cert_file: str, key_file: str, client_ca_file: str | None = None) -> None:
+    def __init__(self, cert_file: str, key_file: str, client_ca_file: str | None = None, port: str = "xds") -> None:
         self.cert_file, self.key_file, self.client_ca_file = cert_file, key_file, client_ca_file
+        self.port = port
+        self.handshakes = 0
         self.reloads = 0
         self.reload_errors = 0
         self.last_error = ""
@@ -122,6 +141,7 @@ class ServerCertFiles:
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """The new configuration when the files changed and load; None to keep the current one.
         Never raises (gRPC would fail the handshake)."""
+        self.handshakes += 1  # one per connection (int += under the GIL: a lost count at worst)
         try:
             with self._lock:
                 sig = _signature(self._paths())
@@ -154,6 +174,12 @@ class ServerCertFiles:
         fam.add_metric(["ok"], self.reloads)
         fam.add_metric(["refused"], self.reload_errors)
         yield fam
+        hs = CounterMetricFamily(f"{prefix}_tls_handshakes", "TLS connections begun on this port (gRPC "
+                                 "asks for the certificate once per connection, before the handshake); "
+                                 "refused handshakes count here only: gRPC ends them before Python sees "
+                                 "them", labels=["port"])
+        hs.add_metric([self.port], self.handshakes)
+        yield hs
 
 
 def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None = None
@@ -233,16 +259,17 @@ def dial(target: str, *, options: Sequence[tuple[str, object]] = (), tls: Client
 # -- identities and the node allow-list ------------------------------------------------------
 
 
+def peer_identity(auth_context: Mapping[str, Iterable[bytes]]) -> PeerIdentity:
+    """The typed identity (:class:`~xds_server.process.identity.PeerIdentity`) of the peer's
+    verified certificate; empty without one."""
+    return PeerIdentity.from_auth_context(auth_context)
+
+
 def peer_identities(auth_context: Mapping[str, Iterable[bytes]]) -> list[str]:
-    """Names the peer's verified certificate carries: SPIFFE id and other URI SANs, DNS SANs, the
-    common name (in that order, without repeats). Empty without a client certificate."""
-    out: list[str] = []
-    for key in ("peer_spiffe_id", "peer_uri", "x509_subject_alternative_name", "x509_common_name"):
-        for v in auth_context.get(key, ()):
-            s = v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
-            if s and s not in out:
-                out.append(s)
-    return out
+    """The typed names the peer's verified certificate proves (:meth:`PeerIdentity.names`:
+    ``spiffe://...``, ``uri:...``, ``dns:...``; ``cn:...`` only without SANs). Empty without a
+    client certificate."""
+    return peer_identity(auth_context).names()
 
 
 def peer_certificate_sha256(auth_context: Mapping[str, Iterable[bytes]]) -> str | None:
@@ -257,36 +284,28 @@ def peer_certificate_sha256(auth_context: Mapping[str, Iterable[bytes]]) -> str 
     return None
 
 
-def node_allowed(rules: Iterable[tuple[str, Sequence[str]]], identities: Sequence[str], node_id: str
-                 ) -> str | None:
-    """Pure allow-list check. ``rules``: (identity pattern, node id patterns) pairs, fnmatch
-    patterns, case-sensitive. A node id is allowed when a rule whose identity pattern matches one
-    of ``identities`` has a node id pattern matching it. Returns None when allowed, else the reason
-    (for the PERMISSION_DENIED status)."""
-    if not node_id:
-        return "the stream's first request carries no node id"
-    if not identities:
-        return "no client certificate identity"
-    matched = False
-    for ident_pat, node_pats in rules:
-        if any(fnmatch.fnmatchcase(i, ident_pat) for i in identities):
-            matched = True
-            if any(fnmatch.fnmatchcase(node_id, p) for p in node_pats):
-                return None
-    if not matched:
-        return f"client identity {identities[0]!r} is not in tls.node_allow"
-    return f"client identity {identities[0]!r} may not use node id {node_id!r}"
+def refused_client(patterns: Sequence[str], auth_context: Mapping[str, Iterable[bytes]],
+                   field: str = "the allowed clients") -> str | None:
+    """None when ``patterns`` is empty or one matches the peer's certificate (typed:
+    :mod:`xds_server.process.identity`); else the reason to refuse it, naming ``field``."""
+    return refusal_reason(patterns, peer_identity(auth_context), field)
 
 
-def refused_client(patterns: Sequence[str], auth_context: Mapping[str, Iterable[bytes]]) -> str | None:
-    """None when ``patterns`` is empty or one (fnmatch) matches a name of the peer's certificate
-    (:func:`peer_identities`); else the reason to refuse it."""
-    if not patterns:
-        return None
-    names = peer_identities(auth_context)
-    if any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns):
-        return None
-    return f"client certificate names {names[:4]} match no allowed pattern"
+class _Call(Protocol):
+    def peer(self) -> str: ...
+
+    def auth_context(self) -> Mapping[str, Iterable[bytes]]: ...
+
+
+def check_client(patterns: Sequence[str], context: _Call, field: str, record: Refusals,
+                 port: str, reason: str) -> str | None:
+    """:func:`refused_client` for a call's ``context``; a refusal is also counted and logged per
+    identity in ``record`` (as ``port``/``reason``). Returns the reason, None when allowed."""
+    auth = context.auth_context()
+    why = refused_client(patterns, auth, field)
+    if why is not None:
+        record.refuse(port, reason, context.peer() or "?", ", ".join(peer_identities(auth)[:3]), why)
+    return why
 
 
 class AllowRule(Protocol):

@@ -74,10 +74,12 @@ class TestCA:
 
     def issue(self, name: str, *, common_name: str | None = None, dns: list[str] | tuple[str, ...] = (),
               ips: list[str] | tuple[str, ...] = (), uris: list[str] | tuple[str, ...] = (),
-              client: bool = False, directory: str | Path | None = None) -> CertPair:
+              client: bool = False, directory: str | Path | None = None,
+              valid_from_s: float = -3600.0, valid_for_s: float = 90000.0) -> CertPair:
         """Issue a leaf certificate and write ``<name>.pem`` and ``<name>.key`` (into ``directory``,
         default the CA's). ``client``: extended key usage clientAuth (else serverAuth and
-        clientAuth). Returns the paths."""
+        clientAuth). Validity: from now + ``valid_from_s`` for ``valid_for_s`` (s; default an
+        hour ago to a day from now; negative sums make an expired certificate). Returns the paths."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.hazmat.primitives.asymmetric import ec
@@ -93,7 +95,8 @@ class TestCA:
         builder = (
             x509.CertificateBuilder().subject_name(_name(common_name or name)).issuer_name(self._cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=1))
+            .not_valid_before(now + dt.timedelta(seconds=valid_from_s))
+            .not_valid_after(now + dt.timedelta(seconds=valid_from_s + valid_for_s))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         )

@@ -42,6 +42,7 @@ from google.protobuf.message import DecodeError
 from prometheus_client.core import Metric
 
 from xds_server.config import XdsConfig
+from xds_server.process.refusals import Refusals
 from xds_server.process.tls import peer_certificate_sha256, peer_identities
 from xds_server.process.untrusted import RateLimitedLog, clip, for_log
 from xds_server.xds.budget import RequestBudget
@@ -96,6 +97,7 @@ class AdsServicer:
                  nonce_prefix: str | None = None, authorize: Authorizer | None = None) -> None:
         self.cache = cache
         self.authorize = authorize
+        self.refusals: Refusals | None = None  # set by the control plane: refused identities on record
         self.config = config or XdsConfig()
         self.limits = StreamLimits.from_config(self.config)
         self.stats = XdsStats()
@@ -209,6 +211,8 @@ class AdsServicer:
 
     def _reject(self, stream: AdsStream, err: _Rejected) -> None:
         self.stats.rejected[(stream.variant, err.reason)] += 1
+        if err.reason == "permission_denied" and self.refusals is not None:
+            return  # logged per identity by self.refusals
         self._log.log(logging.INFO, self._monotonic(), f"rejected:{stream.variant}:{err.reason}",
                       "ADS %s stream %d from %s ended (%s): %s", stream.variant, stream.stream_id,
                       for_log(stream.node_id or "?"), err.code.name, for_log(str(err), 300))
@@ -248,6 +252,10 @@ class AdsServicer:
                         cert = stream.client_certificate
                         refused = self.authorize(cert.names if cert is not None else (), node_id)
                         if refused is not None:
+                            if self.refusals is not None:  # counted and logged per identity
+                                self.refusals.refuse("xds", "node_allow", context.peer() or "?",
+                                                     ", ".join(cert.names[:3]) if cert else "-",
+                                                     f"node id {for_log(node_id, 100)!r}: {refused}")
                             failure.append(_Rejected("permission_denied", refused, grpc.StatusCode.PERMISSION_DENIED))
                             return
                     authorized = True
