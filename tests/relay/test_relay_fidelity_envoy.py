@@ -217,7 +217,10 @@ async def test_client_leaving_during_a_rescue_releases_the_upstream_within_the_p
                 if pings >= 2:
                     break  # the relay is rescuing: the client leaves
             assert pings >= 2
-            assert (await stats(http, survivor))["in_flight"] == 1  # the continuation waits there
+
+            async def waiting() -> bool:  # the continuation waits there, behind the long prefill
+                return (await stats(http, survivor))["in_flight"] == 1
+            await wait_for(waiting, timeout_s=5, what="the continuation on the survivor")
             r.connection.transport.abort()
         t0 = time.monotonic()
 
