@@ -306,8 +306,13 @@ def test_readme_tls_example_is_valid(pki, tmp_path, monkeypatch):
     ca = TestCA(tmp_path / "certs", "ca")
     for name in ("xds-server", "xds-client"):
         ca.issue(name)
+    (tmp_path / "certs" / "admin-token").write_text("t0ken\n")
     cfg = parse_config(doc)
     assert cfg.tls.mode == "mtls" and cfg.tls.node_allow and cfg.tls.agents.mode == "mtls"
+    assert cfg.admin.token == "t0ken" and cfg.admin.tls is not None and cfg.feed.allow_identities
+    del doc["admin"]["token_file"]
+    with pytest.raises(ConfigError, match=r"admin.token: admin.listen 0.0.0.0:19000 is not a loopback address"):
+        parse_config(doc)
 
 
 # -- reload ---------------------------------------------------------------------------------------
