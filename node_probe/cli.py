@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "pattern: spiffe://... or uri:P (URI SANs only), dns:P or P (DNS SANs), cn:P (the "
                         "CN of a certificate without SANs); repeatable, give the control plane's identity "
                         "(default: any certificate the CA signed, with a warning at start)")
+    p.add_argument("--tls-expiry-warning-days", type=_positive_float, default=7.0, metavar="DAYS",
+                   help="warn when --tls-cert or --tls-client-ca is within this many days of its end "
+                        "(default %(default)s)")
     p.add_argument("--plaintext", action="store_true",
                    help="serve plaintext on a non-loopback --listen (refused unless said; default off)")
     add_common_options(p, "node-probe")
@@ -219,6 +222,9 @@ async def _serve(cfg: AgentConfig) -> int:
         host = cfg.listen.rpartition(":")[0]
         if cfg.tls_client_ca_file is not None and not cfg.tls_allow_clients:
             log.warning(NO_ALLOWED_CLIENTS)
+        watch = agent.metrics.cert_watch()
+        if watch is not None:
+            watch.reasons()  # a certificate near its end: the warning line now
         print(
             f"node-probe {cfg.node_id} listening on {host}:{port} "
             f"engine={cfg.engine_url}",
@@ -280,6 +286,7 @@ def _run(args: argparse.Namespace) -> int:
             tls_key_file=args.tls_key,
             tls_client_ca_file=args.tls_client_ca,
             tls_allow_clients=tuple(args.tls_allow_clients),
+            tls_expiry_warning_days=args.tls_expiry_warning_days,
             plaintext=args.plaintext,
         )
     except ValueError as exc:

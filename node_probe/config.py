@@ -76,6 +76,10 @@ class AgentConfig:
             only, ``dns:`` or no prefix DNS SANs, ``cn:`` the CN of a certificate without SANs);
             a stream is served only when one matches, else it ends with PERMISSION_DENIED.
             Empty: any certificate the CA signed (the agent warns at start).
+        tls_expiry_warning_days: days; the certificate files within this many days of their
+            notAfter log a warning (at start and at most hourly on a scrape) and are on
+            ``node_probe_tls_certificate_expiry_seconds`` (ours: as the control plane's
+            ``tls.expiry_warning_days``, a week covers a weekend and a renewal's retries).
         plaintext: serve plaintext on a non-loopback ``listen`` (must be said; without a
             certificate a non-loopback listen is refused).
 
@@ -113,6 +117,7 @@ class AgentConfig:
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
     tls_allow_clients: tuple[str, ...] = ()
+    tls_expiry_warning_days: float = 7.0
     plaintext: bool = False
 
     def __post_init__(self) -> None:
@@ -162,6 +167,8 @@ class AgentConfig:
         self.tls_allow_clients = tuple(self.tls_allow_clients)
         if self.tls_allow_clients and self.tls_client_ca_file is None:
             raise ValueError("tls_allow_clients needs tls_client_ca_file (mutual TLS)")
+        if not 0 < self.tls_expiry_warning_days <= 3650:
+            raise ValueError("tls_expiry_warning_days must be > 0 and <= 3650")
         for pat in self.tls_allow_clients:
             if why := check_pattern(pat):
                 raise ValueError(f"--tls-allow-client/tls_allow_clients: {why}")

@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from node_probe.lifecycle import STATE_NAMES
 from node_probe.proto import probe_pb2
+from xds_server.process.certwatch import CertWatch
 
 __all__ = ["TTFT_BUCKETS_S", "AgentMetrics"]
 
@@ -89,6 +90,10 @@ class _StateCollector:
         refusals = getattr(a, "refusals", None)  # node_probe_access_refused_total{port="agent"} (issue 28)
         if refusals is not None:
             yield from refusals.metric_families()
+        watch = self.counts.cert_watch()  # node_probe_tls_certificate_expiry_* (issue 28)
+        if watch is not None:
+            watch.reasons()  # the warning line, at most hourly
+            yield from watch.metric_families()
         yield from self._gpu(a.telemetry().gpu)
 
     def _gpu(self, tel: probe_pb2.GpuTelemetry):
@@ -146,6 +151,8 @@ class AgentMetrics:
         self.ttft_sum_s = 0.0
         self.scrapes = 0
         self.scrape_errors = 0
+        self._cfg = getattr(agent, "cfg", None)
+        self._watch: CertWatch | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StateCollector(agent, self.node, self))
         self._runner: web.AppRunner | None = None
@@ -188,6 +195,17 @@ class AgentMetrics:
                                      "/metrics", labels=["node"])
         errors.add_metric([node], self.scrape_errors)
         yield errors
+
+    def cert_watch(self) -> CertWatch | None:
+        """The agent's certificate files (``tls_cert_file``, ``tls_client_ca_file``) watched for
+        expiry within ``tls_expiry_warning_days``; None without TLS."""
+        cfg = self._cfg
+        if self._watch is None and cfg is not None and getattr(cfg, "tls_cert_file", None):
+            self._watch = CertWatch(cfg.tls_expiry_warning_days * 86400.0, prefix="node_probe",
+                                    labels={"node": self.node})
+            self._watch.add("agent_server", cfg.tls_cert_file)
+            self._watch.add("agent_client_ca", cfg.tls_client_ca_file)
+        return self._watch
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

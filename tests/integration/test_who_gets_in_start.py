@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -106,15 +107,24 @@ def test_an_agent_in_mutual_tls_without_allowed_clients_warns_at_start(tmp_path)
     srv = ca.issue("agent", dns=["localhost"], ips=["127.0.0.1"])
     base = [PY, "-m", "node_probe.cli", "--engine-url", f"http://127.0.0.1:{free_port()}", "--node-id", "a",
             "--tls-cert", srv.cert, "--tls-key", srv.key, "--tls-client-ca", ca.cert]
-    logs = {}
-    for name, extra in (("open", []), ("allowed", ["--tls-allow-client", "spiffe://cluster.local/ns/llm/sa/xds-server"])):
-        proc = ManagedProcess(f"agent-{name}", [*base, "--listen", f"127.0.0.1:{free_port()}", *extra],
+    logs, expiry = {}, {}
+    for name, extra in (("open", []), ("allowed", ["--tls-allow-client", "spiffe://cluster.local/ns/llm/sa/xds-server",
+                                                    "--tls-expiry-warning-days", "0.5"])):
+        metrics_port = free_port()
+        proc = ManagedProcess(f"agent-{name}", [*base, "--listen", f"127.0.0.1:{free_port()}", *extra,
+                                                "--metrics-listen", f"127.0.0.1:{metrics_port}"],
                               tmp_path / f"{name}.log", ready_pattern="listening")
         try:
             proc.start()
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+            expiry[name] = [ln for ln in text.splitlines() if ln.startswith("node_probe_tls_certificate_expiry_days{")]
         finally:
             proc.stop()
         logs[name] = (tmp_path / f"{name}.log").read_text()
-    assert "mutual TLS without --tls-allow-client: any certificate the CA in --tls-client-ca signed" in logs["open"]
-    assert "--tls-allow-client" not in logs["allowed"].split("listening")[0].replace(
-        "spiffe://cluster.local/ns/llm/sa/xds-server", "")
+    warning = "mutual TLS without --tls-allow-client: any certificate the CA in --tls-client-ca signed"
+    assert warning in logs["open"] and warning not in logs["allowed"]
+    # Its certificates are watched too: a day left is inside the 7-day default, outside 0.5 days.
+    assert f"TLS: certificate {srv.cert} (agent_server) expires in 1.0 days" in logs["open"]
+    assert "expires in" not in logs["allowed"]
+    (line,) = [ln for ln in expiry["open"] if 'role="agent_server"' in ln]
+    assert 'node="a"' in line and 0.9 < float(line.rsplit(" ", 1)[1]) < 1.01

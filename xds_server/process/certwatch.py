@@ -25,11 +25,12 @@ WARN_INTERVAL_S = 3600.0
 
 class CertWatch:
     """Certificate files in use by role (``add(role, path)``), re-read when they change.
-    ``window_s``: within this much of expiry a file warns and :meth:`reasons` names it."""
+    ``window_s``: within this much of expiry a file warns and :meth:`reasons` names it (s);
+    ``labels``: constant labels of every sample (the agent's ``node``)."""
 
-    def __init__(self, window_s: float, *, prefix: str = "sentinel", clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
-        self.window_s, self.prefix = window_s, prefix
+    def __init__(self, window_s: float, *, prefix: str = "sentinel", labels: dict[str, str] | None = None,
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.window_s, self.prefix, self.labels = window_s, prefix, dict(labels or {})
         self._clock, self._mono = clock, monotonic
         self._files: dict[tuple[str, str], tuple[tuple[int, int], float | None, str]] = {}
         self._warned: dict[str, float] = {}
@@ -77,14 +78,17 @@ class CertWatch:
 
     def metric_families(self) -> Iterator[GaugeMetricFamily]:
         """Seconds and days to expiry of each watched certificate (negative: expired)."""
-        now = self._clock()
+        now, names = self._clock(), list(self.labels)
+        const = [self.labels[n] for n in names]
         secs = GaugeMetricFamily(f"{self.prefix}_tls_certificate_expiry_seconds", "seconds until the "
-                                 "certificate file's earliest notAfter (negative: expired)", labels=["role", "file"])
+                                 "certificate file's earliest notAfter (negative: expired)",
+                                 labels=[*names, "role", "file"])
         days = GaugeMetricFamily(f"{self.prefix}_tls_certificate_expiry_days", "days until the "
-                                 "certificate file's earliest notAfter (negative: expired)", labels=["role", "file"])
+                                 "certificate file's earliest notAfter (negative: expired)",
+                                 labels=[*names, "role", "file"])
         for role, path, not_after, _err in self._read():
             if not_after is not None:
-                secs.add_metric([role, path], not_after - now)
-                days.add_metric([role, path], (not_after - now) / 86400)
+                secs.add_metric([*const, role, path], not_after - now)
+                days.add_metric([*const, role, path], (not_after - now) / 86400)
         yield secs
         yield days
