@@ -7,7 +7,7 @@ counts.
 
     .venv/bin/python benchmarks/fault_matrix.py [--cp-kills 5] [--sigstop-s 5] [--agent-kills 3]
         [--engine-kills 5] [--envoy-restarts 3] [--fast-readers 100] [--changes 20]
-        [--churn 5000] [--json FILE]
+        [--churn 5000] [--api-type GRPC|DELTA_GRPC] [--only FAULT ...] [--json FILE]
 """
 from __future__ import annotations
 
@@ -75,8 +75,10 @@ if __name__ == "__main__":
     ap.add_argument("--only", nargs="+", default=None, metavar="FAULT",
                     help="run only these: cp_kill cp_sigstop agent_kill engine_kill envoy_restart slow_reader churn")
     ap.add_argument("--json", default=None, help="also write the rows and details here")
+    ap.add_argument("--api-type", choices=("GRPC", "DELTA_GRPC"), default="GRPC",
+                    help="Envoy's ADS flavour: GRPC (state of the world, default) or DELTA_GRPC")
     args = ap.parse_args()
-    rig = FaultRig().start()
+    rig = FaultRig(api_type=args.api_type).start()
     try:
         rows, infos = asyncio.run(main(args, rig))
     finally:

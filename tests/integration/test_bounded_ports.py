@@ -228,6 +228,13 @@ async def test_live_clients_past_the_cap_get_a_clear_503_and_are_counted():
                     text = await m.text()
                 assert prometheus_value(text, "sentinel_admin_live_clients") == 2
                 assert prometheus_value(text, "sentinel_admin_live_refused_total") == 1
+                # the refused connection is closed too (a client that never reads holds no fd)
+                port = int(base.rpartition(":")[2])
+                refused = stuck_http_get(port)
+                try:
+                    assert await asyncio.to_thread(closed_by_peer, refused)
+                finally:
+                    refused.close()
             finally:
                 a.close()
                 b.close()

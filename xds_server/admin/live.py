@@ -208,9 +208,11 @@ class LiveFeed:
         if sub is None:
             n = self.book.max_subscribers
             self._rl.warning(time.monotonic(), "refused", "admin: live client refused (%d open, the cap)", n)
-            return web.json_response(
+            busy = web.json_response(
                 {"error": f"too many live-feed clients ({n} open, admin.live_max_clients); try again later"},
                 status=503, headers={"Retry-After": "5"})
+            busy.force_close()  # the connection too: a refused client holds nothing here
+            return busy
         conn = self._conns[sub.sid]
         sock = transport.get_extra_info("socket") if transport is not None else None
         admin = self.view.config.admin

@@ -77,6 +77,7 @@ class FaultRig:
 
     n_nodes: int = 3
     token_interval_ms: float = 10.0
+    api_type: str = "GRPC"  # Envoy's ADS: GRPC (SotW) or DELTA_GRPC
     fleet: Fleet | None = None
     relay: ManagedProcess | None = None
     relay_port: int = 0
@@ -89,6 +90,7 @@ class FaultRig:
         wd = Path(self._tmp.name)
         self.fleet = Fleet(
             n_nodes=self.n_nodes, workdir=wd, probe_interval_s=0.3, token_interval_ms=self.token_interval_ms,
+            api_type=self.api_type,
             health=FAST_HEALTH, per_try_timeout_s=None, per_try_idle_timeout_s=2.0,
             admin_options={"token": TOKEN}, cluster_options=OUTLIER,
             config_options={"state": {"path": str(wd / "state.json"), "write_interval_s": 0.2}})
