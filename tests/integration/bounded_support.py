@@ -19,6 +19,7 @@ import socket
 import struct
 import threading
 from pathlib import Path
+from typing import cast
 
 from xds_server.proto import routing_pb2
 
@@ -95,7 +96,7 @@ class H2Keeper(threading.Thread):
             with self._lock:
                 ready = self.sel.select(0.05) if self._buf else []
                 for key, _ in ready:
-                    self._read(key.fileobj)  # type: ignore[arg-type]
+                    self._read(cast(socket.socket, key.fileobj))
 
     def _read(self, s: socket.socket) -> None:
         try:
