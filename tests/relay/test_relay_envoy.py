@@ -16,6 +16,7 @@ import pytest
 from relay_fake_engine import parse_client
 
 from sentinel_relay.sse import SSESplitter, event_data
+from sentinel_relay.unary import PIN_HEADER, pin_value
 from xds_server.envoy.bootstrap import EnvoyNotFound, find_envoy
 from xds_server.testing import Fleet, ManagedProcess, free_port, wait_for
 
@@ -159,6 +160,28 @@ async def heal(http, fleet):
             elif p is not None and getattr(p, "frozen", False):
                 p.thaw()
     await fleet.wait_all_routed(http, timeout_s=30)
+
+
+async def test_a_direct_client_never_sees_the_pin_header_and_a_pin_still_routes(rig, http):
+    """Envoy's stateful-session filter answers with x-sentinel-pin (base64 of the serving
+    endpoint's address) to a client that sent none; the header_mutation filter first in
+    http_filters (so it encodes last) removes it, and a request that carries a pin (the relay's
+    rescue) still lands on the pinned node."""
+    fleet, *_ = rig
+    await heal(http, fleet)
+    for stream in (False, True):
+        for _ in range(3):
+            async with http.post(fleet.url + PATHS["completions"], json=body_for("completions", stream)) as r:
+                await r.read()
+                assert r.status == 200 and r.headers.get(HEADER), r.headers
+                assert PIN_HEADER not in r.headers, dict(r.headers)
+    for n in fleet.nodes:
+        for _ in range(3):
+            async with http.post(fleet.url + PATHS["completions"], json=body_for("completions", False),
+                                 headers={PIN_HEADER: pin_value(n.address)}) as r:
+                await r.read()
+                assert r.status == 200 and r.headers.get(HEADER) == n.address, (n.address, dict(r.headers))
+                assert PIN_HEADER not in r.headers, dict(r.headers)
 
 
 # -- SSE -----------------------------------------------------------------------------------------
