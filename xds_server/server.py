@@ -41,6 +41,7 @@ from xds_server.discovery import Discovery, drop_readdressed
 from xds_server.feed.events import RoutingChange, RoutingListener, RoutingNotifier
 from xds_server.health import model as hm
 from xds_server.health.counters import Counters
+from xds_server.load.service import LoadReportingService
 from xds_server.probing.session import grpc_probe_source
 from xds_server.probing.sources import ProbeSource, ProbeSourceContext, ProbeSourceFactory
 from xds_server.probing.workers import WorkerPool
@@ -100,6 +101,8 @@ class ControlPlane:
                                authorize=node_allow_authorizer(lambda: self._config.tls.node_allow))
         self.view = ControlPlaneView(self.core, self.cache, self.ads, self.sessions, lambda: self._config)
         self.refusals = self.ads.refusals = self.view.refusals = Refusals(logging.getLogger("xds_server.access"))
+        self.load = self.view.load_reports = LoadReportingService(  # LRS (xds_server.load), ADS's allow-list
+            lambda: self._config, monotonic=self.clock.now, authorize=self.ads.authorize, refusals=self.refusals)
         self.view.reload_status = lambda: self.reload_status
         self.view.discovery_status = self.discovery.status
         self.view.probe_pool = self.probe_pool  # None without workers; read by admin/metrics.py
@@ -151,6 +154,7 @@ class ControlPlane:
         from xds_server.feed.service import RoutingFeed  # routing feed for the relay, same port
         self.routing_feed = RoutingFeed(self).add_to_server(self._grpc)
         self.view.routing_feed = self.routing_feed  # read by admin/metrics.py
+        self.load.add_to_server(self._grpc)  # LRS StreamLoadStats (lrs.enabled), same port
         host, port = parse_hostport(self.config.xds.listen)
         creds, self.view.tls_files = listener_credentials(**self.config.tls.listener())  # None: plaintext
         self.view.cert_watch = watch_certificates(self.config)  # expiry metrics, warnings, /readyz

@@ -138,6 +138,9 @@ class ControlPlaneCollector:
         tls_files = getattr(self.view, "tls_files", None)  # the ADS port's certificate (tls, mtls)
         if tls_files is not None:
             yield from tls_files.metric_families()
+        load = getattr(self.view, "load_reports", None)  # LRS (xds_server/load), if served
+        if load is not None:
+            yield from load.metric_families()
         for part in (getattr(self.view, "refusals", None), getattr(self.view, "cert_watch", None)):
             if part is not None:  # refused identities and tokens; certificate expiry (issue 28)
                 yield from part.metric_families()

@@ -28,6 +28,7 @@ from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL
 
 if TYPE_CHECKING:
     from xds_server.feed.service import RoutingFeed
+    from xds_server.load.service import LoadReportingService
     from xds_server.probing.workers import WorkerPool
     from xds_server.process.certwatch import CertWatch
     from xds_server.process.refusals import Refusals
@@ -69,6 +70,7 @@ class ControlPlaneView:
         self.tls_files: ServerCertFiles | None = None
         self.refusals: Refusals | None = None  # refused identities and tokens (issue 28)
         self.cert_watch: CertWatch | None = None  # certificate expiry (issue 28)
+        self.load_reports: LoadReportingService | None = None  # LRS (issue 22); None: not served
 
     @property
     def config(self) -> SentinelConfig:
@@ -209,6 +211,8 @@ class ControlPlaneView:
             "progress_evidence": nh.engine.progress_detail or None,
             "engine_state": nh.engine.state.value,
         }
+        if self.load_reports is not None:  # real traffic over the window, all Envoys (LRS)
+            view["traffic"] = self.load_reports.node_view(cluster, node_id)
         tel = sess.last_telemetry if sess else None
         if tel is not None:
             view.update(tel.to_json())
@@ -273,6 +277,7 @@ class ControlPlaneView:
                 "xds_version": self.cla_version(c.name),
                 "published": bool(self.cla_version(c.name)),
                 "fail_static_held": c.name in self._core.planner.fail_static_held,
+                **({"traffic": self.load_reports.cluster_view(c.name)} if self.load_reports is not None else {}),
             })
         return out
 

@@ -26,6 +26,7 @@ from xds_server.config.cluster import (
 from xds_server.config.discovery import DiscoveryConfig, FileDiscoveryConfig, KubernetesDiscoveryConfig
 from xds_server.config.feed import FeedConfig, check_feed
 from xds_server.config.health import HealthConfig
+from xds_server.config.load import LrsConfig, QueueThresholds, TrafficEjectionConfig
 from xds_server.config.ops import ReloadConfig, StateConfig
 from xds_server.config.probe import ProbeConfig
 from xds_server.config.tls import AgentTlsConfig, NodeAllowRule, TlsConfig, check_plaintext
@@ -43,14 +44,17 @@ __all__ = [
     "HealthConfig",
     "KubernetesDiscoveryConfig",
     "Locality",
+    "LrsConfig",
     "NodeAllowRule",
     "NodeConfig",
     "OutlierDetectionConfig",
     "ProbeConfig",
+    "QueueThresholds",
     "ReloadConfig",
     "SentinelConfig",
     "StateConfig",
     "TlsConfig",
+    "TrafficEjectionConfig",
     "XdsConfig",
     "load_config",
     "parse_config",
@@ -70,6 +74,7 @@ class SentinelConfig(_Model):
     state: StateConfig = StateConfig()
     tls: TlsConfig = TlsConfig()
     feed: FeedConfig = FeedConfig()
+    lrs: LrsConfig = LrsConfig()
     clusters: list[ClusterConfig] = Field(..., min_length=1)
 
     @model_validator(mode="after")

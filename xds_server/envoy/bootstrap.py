@@ -176,6 +176,7 @@ def render_bootstrap(
     xds_replicas: Sequence[str] = (),
     groups: Sequence[ControlPlaneGroup] = (),
     route_header: str = ROUTE_HEADER,
+    lrs: bool = True,
     template: Path | Traversable = BOOTSTRAP_TEMPLATE,
 ) -> dict[str, Any]:
     """The bootstrap from ``template`` with ports, routed cluster, node id and timeouts replaced.
@@ -201,6 +202,8 @@ def render_bootstrap(
     ``xds_server/envoy/envoy.yaml``).
     ``retry_after_max_s`` bounds how long a retry honours a ``Retry-After`` header
     (``rate_limited_retry_back_off.max_interval``, s; the template's 3 s when None).
+    ``lrs``: keep ``cluster_manager.load_stats_config`` (load reports to the control plane, to
+    the first group's replicas when split); False removes it.
 
     Returns the YAML document as a dict (write it with ``yaml.safe_dump``). Raises OSError when
     the template cannot be read and ValueError for an unknown ``api_type``, a bad address (named),
@@ -218,11 +221,14 @@ def render_bootstrap(
             raise ValueError("with groups, each group names its replicas and clusters "
                              "(--group CONFIG=HOST:PORT,...): xds replicas and cluster are not used")
         routed = _split(doc, proto, groups, api_type)
+        _lrs_cluster(doc, groups[0].xds_cluster)
     else:
         doc["dynamic_resources"]["ads_config"]["api_type"] = api_type
         sr["clusters"] = [xds_cluster("xds_cluster", tuple(xds_replicas) or (f"127.0.0.1:{xds_port}",), proto)
                           if c is proto else c for c in sr["clusters"]]
         routed = [cluster or "llm"]
+    if not lrs:
+        doc.get("cluster_manager", {}).pop("load_stats_config", None)
     listener = sr["listeners"][0]
     listener["address"]["socket_address"]["port_value"] = listener_port
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
@@ -261,6 +267,11 @@ def _split(doc: dict[str, Any], proto: dict[str, Any], groups: Sequence[ControlP
     sr["clusters"] = [c for c in sr["clusters"] if c is not proto] + clusters
     doc.pop("dynamic_resources", None)
     return list(owner)
+
+
+def _lrs_cluster(doc: dict[str, Any], name: str) -> None:
+    for svc in doc.get("cluster_manager", {}).get("load_stats_config", {}).get("grpc_services", ()):
+        svc["envoy_grpc"]["cluster_name"] = name
 
 
 def _routes_for(route: dict[str, Any], clusters: Sequence[str], header: str) -> list[dict[str, Any]]:

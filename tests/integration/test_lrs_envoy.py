@@ -1,0 +1,163 @@
+"""LRS with real Envoys: three Envoys report their real traffic to the control plane, which sums
+it per node exactly (xds_server.load); a client not allowed on the xDS port, undecodable reports
+and too many streams are refused per protocol and counted."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+from envoy.service.load_stats.v3 import lrs_pb2
+
+from xds_server.config import parse_config
+from xds_server.server import ControlPlane
+from xds_server.testing import InMemoryProbes, LoadGenerator, StandaloneEnvoy, free_port, wait_for
+
+pytestmark = pytest.mark.envoy
+
+LRS_METHOD = "/envoy.service.load_stats.v3.LoadReportingService/StreamLoadStats"
+
+
+async def test_three_envoys_reports_sum_exactly_per_node(make_fleet, http):
+    fleet = make_fleet(n_nodes=3, xds_options={})
+    extra = [StandaloneEnvoy(fleet.xds_port, node_id=f"envoy-{i}") for i in (2, 3)]
+    try:
+        for e in extra:
+            await e.start()
+        await fleet.wait_all_routed(http)
+        for e in extra:
+            await wait_for(lambda e=e: _routes_all(e), 20, what=f"{e.node_id} routes to every node")
+        # Envoy counts a cluster's traffic from the first report that names it (one created after
+        # the LRS stream opened shows up a report or two later): start once every Envoy lists it
+        async def listed() -> bool:
+            async with http.get(f"http://127.0.0.1:{fleet.admin_port}/clusters") as r:
+                return (await r.json())["clusters"][0]["traffic"]["envoys_reporting_cluster"] == 3
+        await wait_for(listed, 10, what="every Envoy reports cluster llm")
+        gens = [LoadGenerator(u, concurrency=2, max_tokens=2)
+                for u in (fleet.url, *(e.url for e in extra))]
+        for g in gens:
+            await g.start()
+        await asyncio.sleep(2.5)
+        for g in gens:
+            await g.stop()
+        sent: dict[str, int] = {}
+        for g in gens:
+            t = g.totals()
+            assert t.failed == 0, dict(t.failures)
+            for node, n in t.ok_by_node.items():
+                sent[node] = sent.get(node, 0) + n
+
+        async def reported() -> dict[str, int] | None:
+            nodes = await fleet.cp_nodes(http)
+            got = {nid: v["traffic"]["since_start"]["succeeded"] for nid, v in nodes.items()}
+            return got if got == sent else None
+
+        # every Envoy reports each second: the closed window is complete within ~2 intervals
+        await wait_for(reported, 10, what=f"control plane totals equal what was sent {sent}")
+        nodes = await fleet.cp_nodes(http)
+        print(f"\nsent per node {sent}; reported {({k: v['traffic'] for k, v in nodes.items()})}")
+        for nid, v in nodes.items():
+            assert v["traffic"]["since_start"] == {"issued": sent[nid], "succeeded": sent[nid], "errored": 0}
+            assert v["traffic"]["reporting_envoys"] == 3
+        async with http.get(f"http://127.0.0.1:{fleet.admin_port}/clusters") as r:
+            cl = (await r.json())["clusters"][0]["traffic"]
+        assert cl["reporting_envoys"] == 3 and 0.9 < cl["measured_interval_s"] < 1.1
+        assert cl["issued"] == sum(sent.values())  # all within the 10 s window
+        async with http.get(f"http://127.0.0.1:{fleet.admin_port}/metrics") as r:
+            text = await r.text()
+        assert "sentinel_lrs_streams 3.0" in text
+        assert f'sentinel_node_traffic_requests_total{{cluster="llm",node="gpu-a",outcome="succeeded"}} ' \
+               f'{float(sent["gpu-a"])}' in text
+        assert 'reason="unknown_cluster"' not in text  # the bootstrap's own xds_cluster is expected, not bad input
+    finally:
+        for e in extra:
+            e.stop()
+
+
+async def _routes_all(e: StandaloneEnvoy) -> bool:
+    with contextlib.suppress(Exception):
+        hosts = await e.hosts()
+        return len(hosts) == 3 and all(h["health"] == "HEALTHY" for h in hosts.values())
+    return False
+
+
+def _cfg(**lrs):
+    return parse_config({
+        "xds": {"listen": f"127.0.0.1:{free_port()}"},
+        "admin": {"listen": f"127.0.0.1:{free_port()}"},
+        "lrs": lrs,
+        "clusters": [{"name": "llm", "nodes": [{"id": "gpu-a", "address": "127.0.0.1:9001",
+                                                 "probe_address": "127.0.0.1:9101"}]}]})
+
+
+async def _first(call) -> lrs_pb2.LoadStatsResponse:
+    raw = await call.read()
+    return lrs_pb2.LoadStatsResponse.FromString(raw)
+
+
+async def test_lrs_edges_refused_per_protocol_and_counted():
+    cfg = _cfg(max_streams=2)
+    cfg = cfg.model_copy(update={"tls": cfg.tls.model_copy(update={"node_allow": [
+        __import__("xds_server.config", fromlist=["NodeAllowRule"]).NodeAllowRule(
+            identity="dns:envoy.example", node_ids=["envoy-*"])]})})
+    cp = ControlPlane(cfg, probe_sources=InMemoryProbes())
+    await cp.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cp.xds_port}") as ch:
+            method = ch.stream_stream(LRS_METHOD)
+            hello = lrs_pb2.LoadStatsRequest()
+            hello.node.id = "envoy-1"
+            # no client certificate: not on tls.node_allow, as for ADS
+            call = method()
+            await call.write(hello.SerializeToString())
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call.read()
+            assert e.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert cp.load.aggregator.problems["not_allowed"] == 1
+        assert cp.refusals.counts[("xds", "node_allow")] == 1
+    finally:
+        await cp.stop()
+
+    cp = ControlPlane(_cfg(max_streams=2, interval_s=0.5), probe_sources=InMemoryProbes())
+    await cp.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cp.xds_port}") as ch:
+            method = ch.stream_stream(LRS_METHOD)
+            hello = lrs_pb2.LoadStatsRequest()
+            hello.node.id = "envoy-1"
+            a = method()
+            await a.write(hello.SerializeToString())
+            first = await _first(a)
+            assert first.send_all_clusters and first.report_endpoint_granularity
+            assert first.load_reporting_interval.ToMilliseconds() == 500
+            b = method()  # a stream that never sends a report and never closes: holds a slot
+            await b.write(hello.SerializeToString())
+            await _first(b)
+            c = method()  # beyond lrs.max_streams
+            await c.write(hello.SerializeToString())
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.read()
+            assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            # a report for an unknown cluster and an absurd one: counted, stream kept, nothing applied
+            bad = lrs_pb2.LoadStatsRequest()
+            bad.cluster_stats.add(cluster_name="nope", total_dropped_requests=1)
+            await a.write(bad.SerializeToString())
+            await asyncio.sleep(0.6)
+            absurd = lrs_pb2.LoadStatsRequest()
+            loc = absurd.cluster_stats.add(cluster_name="llm").upstream_locality_stats.add()
+            ep = loc.upstream_endpoint_stats.add(total_issued_requests=2**63, total_successful_requests=2**63)
+            ep.address.socket_address.address, ep.address.socket_address.port_value = "127.0.0.1", 9001
+            await a.write(absurd.SerializeToString())
+            await wait_for(lambda: cp.load.aggregator.problems["absurd_count"] == 1, 5, what="absurd counted")
+            assert cp.load.aggregator.problems["unknown_cluster"] == 1
+            assert cp.load.aggregator.totals == {}
+            await a.write(b"\xff\xff\xff")  # undecodable: the stream ends INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await a.read()
+            assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            await wait_for(lambda: len(cp.load.streams) == 1, 5, what="the ended stream freed its slot")
+            b.cancel()
+            await wait_for(lambda: not cp.load.streams, 5, what="a cancelled stream freed its slot")
+    finally:
+        await cp.stop()

@@ -1,0 +1,109 @@
+"""``lrs:`` section: the Load Reporting Service (real-traffic outcomes reported by every Envoy),
+fleet-wide passive ejection from them, and seed 002's queue thresholds.
+
+Sources: Envoy's LRS protocol (envoy.service.load_stats.v3) as measured on Envoy 1.40
+(docs/xds_protocol.md section 6), Envoy's outlier-detection defaults for the success-rate
+comparison (docs/xds_protocol.md 2.8), and seed 002 (the regional-failover article) for the
+queue thresholds (docs/sources.md).
+"""
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from xds_server.config.base import _Model
+
+__all__ = ["LrsConfig", "QueueThresholds", "TrafficEjectionConfig"]
+
+
+class TrafficEjectionConfig(_Model):
+    """Fleet-wide passive ejection: a node whose real traffic, summed over every reporting Envoy,
+    fails far more than its cluster's is ejected through the health model (signal ``traffic``),
+    under the cluster's ``max_ejection_percent`` cap and with the same half-open probation and ramp
+    as every other signal. Envoy's own outlier detection stays the second line."""
+
+    enabled: bool = Field(
+        True, description="eject on real-traffic evidence; off: LRS figures are shown, never applied")
+    window_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="sliding window the decision reads, s (Envoy's outlier-detection interval, 10 s)")
+    min_requests: int = Field(
+        20, ge=1,
+        description="completed requests (succeeded + errored) a node needs in the window before its "
+        "success ratio counts, summed over every Envoy. Ours: Envoy's success-rate detector needs 100 "
+        "per Envoy and interval, so with 3 Envoys at low volume it never decides; 20 fleet-wide is "
+        "enough to tell 90 % failures from noise")
+    stdev_factor: float = Field(
+        1.9, ge=0,
+        description="success-rate style: eject when the node's ratio is below the cluster mean minus "
+        "this many standard deviations (Envoy's success_rate_stdev_factor 1900 / 1000)")
+    success_floor_ratio: float = Field(
+        0.95, ge=0, le=1,
+        description="a node at or above this success ratio (0..1) is never ejected by the stdev rule, "
+        "whatever the spread: at high volume the spread is tiny and Envoy's stdev rule ejects 99 %-"
+        "successful hosts (envoy#37723). Ours")
+    failure_ratio: float = Field(
+        0.5, gt=0, le=1,
+        description="eject when the node's failure share (errored / completed, 0..1) is at or above "
+        "this with min_requests, whatever its peers do (Envoy's failure_percentage_threshold is 85 "
+        "%; ours is lower because a probe-healthy node failing half its real requests is broken)")
+    min_hosts: int = Field(
+        2, ge=1,
+        description="nodes with min_requests a cluster needs before the stdev rule applies (the "
+        "failure-share rule needs none); Envoy's success_rate_minimum_hosts is 5, ours is lower "
+        "because LLM clusters are small")
+
+
+class QueueThresholds(_Model):
+    """Seed 002 (the regional-failover article): waiting requests per node."""
+
+    warning: int = Field(
+        50, ge=1, description="more waiting than this is a warning (event, metric, dashboard); seed 002")
+    critical: int = Field(
+        100, ge=1,
+        description="more waiting than this is critical: the node counts as saturated and takes no "
+        "new share; seed 002 (new requests are refused with 429 past it)")
+
+    @model_validator(mode="after")
+    def _order(self) -> QueueThresholds:
+        if self.critical < self.warning:
+            raise ValueError(f"critical ({self.critical}) must be >= warning ({self.warning})")
+        return self
+
+
+class LrsConfig(_Model):
+    """The LRS server on the xDS port (``StreamLoadStats``) and what is done with its reports."""
+
+    enabled: bool = Field(
+        True, description="serve StreamLoadStats; off: the service answers UNIMPLEMENTED and Envoys "
+        "rendered with lrs enabled retry quietly")
+    interval_s: float = Field(
+        1.0, ge=0.1, le=300,
+        description="load_reporting_interval asked of every Envoy, s (a minimum: Envoy measures and "
+        "reports the interval it really covered). Ours: 1 s, so a decision waits at most ~2 s for "
+        "evidence")
+    retain_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="how long per-interval reports are kept, s; the longest window that can be "
+        "asked (bounds memory: nodes x reporting Envoys x retain_s / interval_s buckets)")
+    stale_after_s: float = Field(
+        3.0, gt=0,
+        description="a reporting Envoy silent this long no longer counts (its in-progress gauge "
+        "and its evidence are old), s; ours: 3 intervals")
+    max_streams: int = Field(
+        4096, ge=1, description="open StreamLoadStats streams at once; more are answered "
+        "RESOURCE_EXHAUSTED (an Envoy holds one)")
+    max_clusters_per_report: int = Field(
+        1024, ge=1, description="cluster_stats entries in one report; a bigger report is refused whole")
+    max_endpoints_per_report: int = Field(
+        100_000, ge=1, description="endpoint entries (all clusters) in one report; a bigger report "
+        "is refused whole")
+    max_requests_per_interval: int = Field(
+        10_000_000, ge=1,
+        description="a count above this in one report is absurd (a real Envoy at 1 s does far less "
+        "than 10 M requests per host and interval): that cluster's entry is refused and counted")
+    min_report_gap_ratio: float = Field(
+        0.5, ge=0, le=1,
+        description="a report arriving sooner than this x interval_s after the previous one on the "
+        "same stream is a flood: counted and not applied (Envoy reports on its timer only)")
+    traffic_ejection: TrafficEjectionConfig = TrafficEjectionConfig()
+    queue: QueueThresholds = QueueThresholds()

@@ -1,0 +1,234 @@
+"""The Load Reporting Service (``envoy.service.load_stats.v3.LoadReportingService.StreamLoadStats``)
+on the control plane's xDS port: every Envoy rendered by ``xds-server envoy-bootstrap`` opens one
+stream (``cluster_manager.load_stats_config``) and reports its real traffic per cluster, locality
+and endpoint every ``lrs.interval_s``; :class:`~xds_server.load.aggregate.LoadAggregator` sums it
+across Envoys.
+
+Protocol (docs/xds_protocol.md section 6): Envoy's first request carries only its node; it
+reports nothing until it gets a ``LoadStatsResponse``. We answer it once, with
+``send_all_clusters``, ``report_endpoint_granularity`` and ``load_reporting_interval``; Envoy then
+sends one report per interval on its own timer, without waiting for another response.
+
+Who may report: the same rule as ADS (``tls.node_allow`` over the client certificate's names and
+the node id of the first request); a refusal ends the stream PERMISSION_DENIED and is counted
+(``sentinel_lrs_problems_total{reason="not_allowed"}``) and logged per identity. Bad input
+never applies: an undecodable request ends the stream INVALID_ARGUMENT; a report too large, a
+flood, unknown clusters, absurd counts are counted and skipped with the stream kept (Envoy has no
+NACK for load reports). Streams beyond ``lrs.max_streams`` get RESOURCE_EXHAUSTED; each stream's
+reading is paced by the xDS request budget (``xds.request_bytes_per_s``), as ADS is.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from envoy.service.load_stats.v3 import lrs_pb2
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from xds_server.config import SentinelConfig, parse_hostport
+from xds_server.load.aggregate import LoadAggregator, Traffic
+from xds_server.load.report import ReportRefused, decode_report, decode_request
+from xds_server.process.refusals import Refusals
+from xds_server.process.tls import peer_identities
+from xds_server.process.untrusted import clip, for_log
+from xds_server.xds.budget import RequestBudget
+
+__all__ = ["LoadReportingService", "node_map"]
+
+log = logging.getLogger(__name__)
+
+_SERVICE = "envoy.service.load_stats.v3.LoadReportingService"
+
+
+def node_map(config: SentinelConfig) -> dict[str, dict[tuple[str, int], str]]:
+    """cluster -> {(host, port) of each node's EDS address: node id}."""
+    return {c.name: {parse_hostport(n.address): n.id for n in c.nodes} for c in config.clusters}
+
+
+class LoadReportingService:
+    """grpc.aio handler of ``StreamLoadStats`` feeding one :class:`LoadAggregator`.
+
+    ``config()``: the running config (node map, limits; re-read when it changes); ``authorize``:
+    the ADS authorizer (``names, node_id -> None | reason``); ``monotonic``: the clock (s);
+    ``on_report``: called after each applied report (the control plane evaluates traffic
+    ejection there); ``refusals``: where refused identities are counted and logged.
+    ``streams``: open stream id -> Envoy node id.
+    """
+
+    def __init__(self, config: Callable[[], SentinelConfig], *,
+                 authorize: Callable[[Sequence[str], str], str | None] | None = None,
+                 monotonic: Callable[[], float] = time.monotonic,
+                 on_report: Callable[[], None] | None = None, refusals: Refusals | None = None) -> None:
+        self._config = config
+        self.authorize = authorize
+        self.refusals = refusals
+        self.monotonic = monotonic
+        self.on_report = on_report
+        cfg = config()
+        self._seen = cfg
+        lrs = cfg.lrs
+        self.aggregator = LoadAggregator(node_map(cfg), interval_s=lrs.interval_s, retain_s=lrs.retain_s,
+                                         stale_after_s=lrs.stale_after_s, max_count=lrs.max_requests_per_interval,
+                                         min_gap_s=lrs.interval_s * lrs.min_report_gap_ratio)
+        self.streams: dict[int, str] = {}
+        self.streams_opened = 0
+        self._ids = itertools.count(1)
+
+    def add_to_server(self, server: grpc.aio.Server) -> LoadReportingService:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {
+            "StreamLoadStats": grpc.stream_stream_rpc_method_handler(
+                self.StreamLoadStats, request_deserializer=None, response_serializer=None)}),))
+        return self
+
+    def _refresh(self) -> SentinelConfig:
+        cfg = self._config()
+        if cfg is not self._seen:
+            self._seen = cfg
+            self.aggregator.set_nodes(node_map(cfg))
+        return cfg
+
+    def _problem(self, reason: str) -> None:
+        self.aggregator.problems[reason] += 1
+
+    async def StreamLoadStats(  # gRPC method name
+        self, request_iterator: Any, context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> None:
+        cfg = self._refresh()
+        if not cfg.lrs.enabled:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "load reporting is off (lrs.enabled)")
+        if len(self.streams) >= cfg.lrs.max_streams:
+            self._problem("too_many_streams")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{len(self.streams)} load-report streams open (lrs.max_streams)")
+        sid = next(self._ids)
+        reporter = ""
+        xc = cfg.xds
+        budget = RequestBudget(xc.request_bytes_per_s, xc.request_burst_bytes, xc.request_cost_min_bytes,
+                               self.monotonic())
+        try:
+            async for raw in request_iterator:
+                wait_s = budget.wait_s(self.monotonic())
+                if wait_s > 0:
+                    await asyncio.sleep(wait_s)
+                budget.charge(len(raw), self.monotonic())
+                try:
+                    req = decode_request(raw)
+                except ReportRefused as e:
+                    self._problem(e.reason)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                if sid not in self.streams:  # the first request: who is this?
+                    reporter = clip(req.node.id, xc.client_text_max_chars) if req.HasField("node") else ""
+                    refused = self._refused(context, reporter)
+                    if refused is not None:
+                        self._problem("not_allowed")
+                        await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
+                    self.streams[sid] = reporter
+                    self.streams_opened += 1
+                    log.info("Envoy %s opened a load-report stream (%d)", for_log(reporter or "?"), sid)
+                    await context.write(self._response(cfg).SerializeToString())
+                cfg = self._refresh()
+                try:
+                    report = decode_report(req, reporter, sid, max_clusters=cfg.lrs.max_clusters_per_report,
+                                           max_endpoints=cfg.lrs.max_endpoints_per_report)
+                except ReportRefused as e:
+                    self._problem(e.reason)
+                    continue
+                self.aggregator.ingest(report, self.monotonic())
+                if report.clusters and self.on_report is not None:
+                    self.on_report()
+        finally:
+            if self.streams.pop(sid, None) is not None:
+                self.aggregator.forget_stream(reporter, sid)
+
+    def _refused(self, context: grpc.aio.ServicerContext[bytes, bytes], node_id: str) -> str | None:
+        if self.authorize is None:
+            return None
+        names = peer_identities(context.auth_context())
+        refused = self.authorize(names, node_id)
+        if refused is not None and self.refusals is not None:
+            self.refusals.refuse("xds", "node_allow", context.peer() or "?", ", ".join(names[:3]),
+                                 f"load reports from node id {for_log(node_id, 100)!r}: {refused}")
+        return refused
+
+    @staticmethod
+    def _response(cfg: SentinelConfig) -> lrs_pb2.LoadStatsResponse:
+        resp = lrs_pb2.LoadStatsResponse(send_all_clusters=True, report_endpoint_granularity=True)
+        resp.load_reporting_interval.FromNanoseconds(round(cfg.lrs.interval_s * 1e9))
+        return resp
+
+    # -- views -------------------------------------------------------------------------------
+
+    def window_s(self) -> float:
+        return self._config().lrs.traffic_ejection.window_s
+
+    def node_traffic(self, cluster: str, node_id: str) -> Traffic:
+        """A node's real traffic over the ejection window (``lrs.traffic_ejection.window_s``)."""
+        return self.aggregator.node(cluster, node_id, self.monotonic(), self.window_s())
+
+    def node_view(self, cluster: str, node_id: str) -> dict[str, object]:
+        """JSON for ``/nodes``: the window figures and the counts since this process started."""
+        t = self.aggregator.totals.get((cluster, node_id))
+        return {**self.node_traffic(cluster, node_id).to_json(),
+                "since_start": {"issued": t.issued if t else 0, "succeeded": t.succeeded if t else 0,
+                                "errored": t.errored if t else 0}}
+
+    def cluster_view(self, cluster: str) -> dict[str, object]:
+        """JSON for ``/clusters``: the cluster's window figures, drops per category, localities."""
+        now, w, agg = self.monotonic(), self.window_s(), self.aggregator
+        return {**agg.cluster(cluster, now, w).to_json(),
+                "dropped_by_category": {k or "total": v for k, v in agg.drops(cluster, now, w).items()},
+                "measured_interval_s": agg.measured_interval_s(cluster),
+                "envoys_reporting_cluster": agg.listing(cluster, now),
+                "localities": [{"locality": {"region": r, "zone": z, "sub_zone": s},
+                                **agg.locality(cluster, (r, z, s), now, w).to_json()}
+                               for r, z, s in agg.localities(cluster)]}
+
+    def metric_families(self) -> Iterator[Metric]:
+        """Prometheus families: streams, reports, problems, and per node the real-traffic counts."""
+        agg, now = self.aggregator, self.monotonic()
+        streams = GaugeMetricFamily("sentinel_lrs_streams", "open StreamLoadStats streams (one per Envoy)")
+        streams.add_metric([], len(self.streams))
+        reporting = GaugeMetricFamily("sentinel_lrs_reporting_envoys", "Envoys whose last load report is "
+                                      "younger than lrs.stale_after_s")
+        reporting.add_metric([], agg.reporters(now))
+        reports = CounterMetricFamily("sentinel_lrs_reports", "load reports applied")
+        reports.add_metric([], agg.reports)
+        problems = CounterMetricFamily("sentinel_lrs_problems", "load reports or parts of them refused, by "
+                                       "reason (not_allowed, undecodable, too_large, flood, unknown_cluster, "
+                                       "unknown_endpoint, absurd_count, bad_interval, too_many_streams)",
+                                       labels=["reason"])
+        for reason, count in sorted(agg.problems.items()):
+            problems.add_metric([reason], count)
+        slots = GaugeMetricFamily("sentinel_lrs_slots", "per-interval buckets held (memory bound: nodes x "
+                                  "lrs.retain_s / lrs.interval_s)")
+        slots.add_metric([], agg.slot_count())
+        total = CounterMetricFamily("sentinel_node_traffic_requests", "real requests Envoys reported per "
+                                    "node (LRS), by outcome (issued, succeeded, errored)",
+                                    labels=["cluster", "node", "outcome"])
+        ratio = GaugeMetricFamily("sentinel_node_traffic_success_ratio", "succeeded / completed real requests "
+                                  "over lrs.traffic_ejection.window_s (0..1; absent without traffic)",
+                                  labels=["cluster", "node"])
+        rps = GaugeMetricFamily("sentinel_node_traffic_rps", "real requests issued per second over the "
+                                "window, all Envoys", labels=["cluster", "node"])
+        dropped = GaugeMetricFamily("sentinel_cluster_traffic_dropped", "requests Envoys dropped over the "
+                                    "window (drop_overloads, circuit breaking), by category ('total': "
+                                    "Envoy's total)", labels=["cluster", "category"])
+        w = self.window_s()
+        for c in self._config().clusters:
+            for n in c.nodes:
+                t = agg.totals.get((c.name, n.id))
+                if t is not None:
+                    for outcome, v in (("issued", t.issued), ("succeeded", t.succeeded), ("errored", t.errored)):
+                        total.add_metric([c.name, n.id, outcome], v)
+                tr = agg.node(c.name, n.id, now, w)
+                if tr.success_ratio is not None:
+                    ratio.add_metric([c.name, n.id], tr.success_ratio)
+                rps.add_metric([c.name, n.id], tr.rps)
+            for cat, v in agg.drops(c.name, now, w).items():
+                dropped.add_metric([c.name, cat or "total"], v)
+        yield from (streams, reporting, reports, problems, slots, total, ratio, rps, dropped)
