@@ -1,18 +1,21 @@
 """Upstream HTTP/1.1 framing on the relay's hot path: ``sentinel_relay.http1.ResponseReader``
-against ``httptools`` (llhttp, the parser behind uvicorn), in one run, on the same bytes.
+(the relay's interface on top of ``httptools``, llhttp) against ``httptools`` used bare (what the
+interface costs), in one run, on the same bytes; with ``--old FILE`` also the hand-written parser
+it replaced (the module as of commit e9958a2, loaded from a file).
 
 The relay reads each SSE stream from Envoy as a chunked HTTP/1.1 response; one TCP read
 usually holds exactly one HTTP chunk with one SSE event (~250 bytes, vLLM's token chunk). Cases:
 one chunk per read (the common one), 8 chunks coalesced in one read (a burst after a pause), and
 each chunk split over 2 reads. Reported: microseconds per HTTP chunk, median of ``--repeat``
-runs, and the parsed bodies are checked equal. httptools is not a dependency of the project:
-install it beside the run (``pip install --target DIR httptools``; ``PYTHONPATH=DIR``).
+runs, and the parsed bodies are checked equal.
 
-    .venv/bin/python benchmarks/relay_http1_parse.py [--chunks 20000] [--repeat 7]
+    git show e9958a2:sentinel_relay/http1.py > /tmp/http1_handwritten.py   # optional
+    .venv/bin/python benchmarks/relay_http1_parse.py [--chunks 20000] [--repeat 7] [--old /tmp/http1_handwritten.py]
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -21,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import httptools
+
 from sentinel_relay.http1 import ResponseReader
 
 HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ncache-control: no-cache\r\n"
@@ -44,21 +49,30 @@ def reads(n: int, shape: str) -> tuple[list[bytes], bytes]:
     return [HEAD, *out, b"0\r\n\r\n"], body
 
 
-def ours(data: list[bytes]) -> bytes:
-    rr = ResponseReader()
-    got: list[bytes] = []
-    for d in data:
-        got.extend(rr.feed(d))
-    assert rr.complete and rr.status == 200
-    return b"".join(got)
+def make_reader(reader: Callable[[], ResponseReader]) -> Callable[[list[bytes]], bytes]:
+    """Parse with the relay's interface (``feed`` returns the body pieces of each read)."""
+    def run(data: list[bytes]) -> bytes:
+        rr = reader()
+        got: list[bytes] = []
+        for d in data:
+            got.extend(rr.feed(d))
+        assert rr.complete and rr.status == 200
+        return b"".join(got)
+    return run
 
 
-def make_httptools() -> Callable[[list[bytes]], bytes] | None:
-    try:
-        import httptools  # type: ignore[import-not-found]  # not a dependency: see the docstring
-    except ImportError:
-        return None
+def load_old(path: str) -> Callable[[], ResponseReader]:
+    """The hand-written ``ResponseReader`` from a file (same interface, its own module)."""
+    spec = importlib.util.spec_from_file_location("http1_handwritten", path)
+    assert spec is not None and spec.loader is not None, path
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    reader: Callable[[], ResponseReader] = mod.ResponseReader
+    return reader
 
+
+def make_httptools() -> Callable[[list[bytes]], bytes]:
+    """httptools bare: the least a parse on it costs (callbacks into one Python object)."""
     class Proto:
         __slots__ = ("body", "done", "headers")
 
@@ -100,18 +114,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=20000)
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--old", metavar="FILE", help="the hand-written sentinel_relay/http1.py of e9958a2, to compare")
     args = ap.parse_args()
-    ht = make_httptools()
-    out: dict = {"python": sys.version.split()[0], "httptools": None}
-    if ht is not None:
-        import httptools  # type: ignore[import-not-found]  # present: make_httptools found it
-        out["httptools"] = httptools.__version__
+    runs = {"http1.py_us_per_chunk": make_reader(ResponseReader), "httptools_bare_us_per_chunk": make_httptools()}
+    if args.old:
+        runs["handwritten_us_per_chunk"] = make_reader(load_old(args.old))
+    out: dict = {"python": sys.version.split()[0], "httptools": httptools.__version__}
     for shape in ("one", "burst8", "split"):
         data, body = reads(args.chunks, shape)
-        row = {"http1.py_us_per_chunk": timed(ours, data, args.chunks, args.repeat, body)}
-        if ht is not None:
-            row["httptools_us_per_chunk"] = timed(ht, data, args.chunks, args.repeat, body)
-        out[shape] = row
+        out[shape] = {name: timed(fn, data, args.chunks, args.repeat, body) for name, fn in runs.items()}
     print(json.dumps(out, indent=1))
 
 

@@ -52,7 +52,7 @@ class UpstreamExchange(asyncio.Protocol):
             self._end(None)
 
     def eof_received(self) -> bool:
-        self._end(None if self.reader.complete or self.reader._mode == "close" else "reset")
+        self._end(None if self.reader.eof() else "reset")
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
