@@ -211,6 +211,10 @@ async def test_cn_and_dns_tricks_are_refused_on_ads_feed_and_agent_and_each_is_l
             logged(stack.dir / "agent.log", "agent", "allow_client", f"dns:{CP}"),
         ])
     await wait_for(all_logged, timeout_s=10.0, step_s=0.2)
+    # ... once: the refusal record (peer and identity) is the only line of a refused subscriber.
+    feed_lines = [ln for ln in (stack.dir / "xds.log").read_text().splitlines() if "routing feed refused" in ln]
+    assert all("refused on the xds port (feed_allow): peer ipv4:127.0.0.1:" in ln for ln in feed_lines), feed_lines
+    assert len([ln for ln in feed_lines if f"identity cn:{RELAY}" in ln]) == 1, feed_lines
 
 
 async def test_refused_handshakes_never_reach_python_and_raise_the_handshake_counter(stack):

@@ -166,14 +166,18 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
         checked)."""
         cfg = self._cp.config
         why = feed_plaintext_refusal(self._cfg(), cfg.tls.mode, cfg.xds.listen)
-        if why is None and cfg.tls.mode == "mtls" and self._cfg().allow_identities:
+        if why is not None:  # a setting, the same for every subscriber: one line per 10 s
+            self._rl.warning(time.monotonic(), "denied", "%s", why)
+        elif cfg.tls.mode == "mtls" and self._cfg().allow_identities:
             why = refused_client(self._cfg().allow_identities, context.auth_context(), "feed.allow_identities")
             if why is not None:
                 why = f"routing feed refused: {why}"
                 record = getattr(self._cp, "refusals", None)  # counted and logged per identity (issue 28)
-                if record is not None:
+                if record is not None:  # the one line: with the peer's address and identity
                     record.refuse("xds", "feed_allow", context.peer() or "?",
                                   ", ".join(peer_identities(context.auth_context())[:3]) or "-", why)
+                else:
+                    self._rl.warning(time.monotonic(), "denied", "%s", why)
         return why
 
     async def Watch(self, request: routing_pb2.WatchRequest, context: grpc.aio.ServicerContext) -> None:
@@ -184,8 +188,7 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
                                 f"clusters: unknown cluster(s) {', '.join(unknown[:10])}")
         why = self.refusal(context)
         if why is not None:
-            self.permission_denied_total += 1
-            self._rl.warning(time.monotonic(), "denied", "%s", why)
+            self.permission_denied_total += 1  # logged once, by refusal()
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         self._limits()
         sub = self.book.join()
