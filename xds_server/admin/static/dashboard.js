@@ -5,8 +5,9 @@
 "use strict";
 
 const MAX_EVENTS = 200;       // event feed entries kept in the page
-// The recent past comes from the control plane (GET /history, fetched before the live feed
-// opens): the page opens with its sparklines and timelines full. Live snapshots extend it at
+// The recent past comes from the control plane (GET /history, fetched each time /live accepts
+// the page, before its first message is read): the page opens, and resumes after a pause, with
+// its sparklines and timelines full. Live snapshots extend it at
 // the same resolution; points older than the window are dropped.
 const past = {interval: 2, window: 900, states: [], nodes: new Map()};  // id -> {t, state, weight, rtt, ttft}
 const STATE_COLOR = {HEALTHY: "#1f9d55", PROBATION: "#2b7bd6", DEGRADED: "#d69e2e", UNHEALTHY: "#d64545",
@@ -270,18 +271,103 @@ async function operate(node, action) {
   }
 }
 
-function connect() {
-  const conn = document.getElementById("conn");
-  const es = new EventSource("/live");
-  es.addEventListener("open", () => {  // the server resends its event backlog on every (re)connect
-    conn.textContent = "live"; conn.className = "conn up";
-    document.getElementById("events").replaceChildren();
-  });
-  es.addEventListener("error", () => { conn.textContent = "reconnecting"; conn.className = "conn down"; });
-  es.addEventListener("state", ev => render(JSON.parse(ev.data)));
-  es.addEventListener("event", ev => addEvent(JSON.parse(ev.data)));
+// The live feed, read with fetch rather than EventSource: EventSource gives up for good on an
+// answer other than 200 (the 503 past admin.live_max_clients) and never says why. Here every
+// end (refused, connection lost, control plane unreachable) shows why in #live-notice and
+// retries after RETRY_MIN_S doubling to RETRY_MAX_S, each wait jittered by +-25 % so refused
+// dashboards do not come back together, and never sooner than the answer's Retry-After (s).
+const RETRY_MIN_S = 1, RETRY_MAX_S = 30;
+
+// One SSE message ("event:" and "data:" lines; ":" lines are pings) to its handler.
+function dispatch(block) {
+  let kind = "message";
+  const data = [];
+  for (const line of block.split("\n")) {
+    if (line.startsWith("event:")) kind = line.slice(6).trim();
+    else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+  }
+  if (!data.length) return;
+  if (kind === "state") render(JSON.parse(data.join("\n")));
+  else if (kind === "event") addEvent(JSON.parse(data.join("\n")));
 }
 
-// The past first (sparklines and timelines full at once), then the live feed.
-fetch("/history").then(r => (r.ok ? r.json() : null)).then(doc => { if (doc) loadHistory(doc); })
-  .catch(() => {}).finally(connect);
+// The past (sparklines and timelines full at once): GET /history replaces what the page holds.
+async function loadPast() {
+  try {
+    const r = await fetch("/history", {cache: "no-store"});
+    if (r.ok) { past.nodes.clear(); loadHistory(await r.json()); }
+  } catch (err) { /* the live feed alone then */ }
+}
+
+// One connection to /live until it ends: why it ended ({status, error, retryAfter} or {lost}).
+async function stream() {
+  let r;
+  try {
+    r = await fetch("/live", {cache: "no-store", headers: {"Accept": "text/event-stream"}});
+  } catch (err) {
+    return {unreachable: String(err)};
+  }
+  if (!r.ok) {
+    const body = await r.json().catch(() => ({}));
+    return {status: r.status, error: body.error || "", retryAfter: Number(r.headers.get("Retry-After")) || 0};
+  }
+  await loadPast();  // after /live accepted us (a refused page does not fetch it on every try)
+  const conn = document.getElementById("conn");
+  conn.textContent = "live"; conn.className = "conn up";
+  notice(null);
+  document.getElementById("events").replaceChildren();  // the server resends its event backlog
+  const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buf = "";
+  try {
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) return {opened: true, lost: "the control plane closed the live feed"};
+      buf += value.replace(/\r\n?/g, "\n");
+      let i;
+      while ((i = buf.indexOf("\n\n")) >= 0) { dispatch(buf.slice(0, i)); buf = buf.slice(i + 2); }
+    }
+  } catch (err) {
+    return {opened: true, lost: "the connection to the control plane was lost"};
+  }
+}
+
+function notice(why, s) {
+  const n = document.getElementById("live-notice");
+  n.hidden = !why;
+  n.dataset.reason = why ? why.kind : "";
+  n.textContent = why ? `live updates paused: ${why.text} - retrying in ${s} s` : "";
+}
+
+function pauseReason(end) {
+  if (end.status === 503) {
+    return {kind: "refused", text: "the control plane refused (503, too many dashboards?)"};
+  }
+  if (end.status) {
+    return {kind: "refused", text: `the control plane refused (${end.status}${end.error ? ": " + end.error : ""})`};
+  }
+  if (end.unreachable) return {kind: "unreachable", text: "the control plane cannot be reached"};
+  return {kind: "lost", text: end.lost};
+}
+
+const sleep = ms => new Promise(done => setTimeout(done, ms));
+
+async function connect() {
+  const conn = document.getElementById("conn");
+  let backoff = RETRY_MIN_S;
+  for (;;) {
+    const end = await stream();
+    if (end.opened) backoff = RETRY_MIN_S;  // it was up: the next try starts from the shortest wait
+    const jittered = backoff * (0.75 + 0.5 * Math.random());
+    let wait = Math.min(RETRY_MAX_S, Math.max(jittered, end.retryAfter || 0));
+    backoff = Math.min(RETRY_MAX_S, backoff * 2);
+    const why = pauseReason(end);
+    conn.textContent = why.kind === "refused" ? "paused" : "reconnecting"; conn.className = "conn down";
+    for (; wait > 0; wait -= 1) {
+      notice(why, Math.ceil(wait));
+      await sleep(1000 * Math.min(1, wait));
+    }
+    notice(why, 0);
+  }
+}
+
+connect();
