@@ -101,10 +101,10 @@ class ControlPlane:
                                authorize=node_allow_authorizer(lambda: self._config.tls.node_allow))
         self.view = ControlPlaneView(self.core, self.cache, self.ads, self.sessions, lambda: self._config)
         self.refusals = self.ads.refusals = self.view.refusals = Refusals(logging.getLogger("xds_server.access"))
-        self.load = self.view.load_reports = LoadReportingService(  # LRS (xds_server.load), ADS's allow-list
-            lambda: self._config, monotonic=self.clock.now, authorize=self.ads.authorize, refusals=self.refusals)
-        self.view.reload_status = lambda: self.reload_status
-        self.view.discovery_status = self.discovery.status
+        self.load = self.view.load_reports = LoadReportingService(  # LRS, ADS's allow-list (xds_server/load)
+            lambda: self._config, monotonic=self.clock.now, authorize=self.ads.authorize, refusals=self.refusals,
+            core=self.core)
+        self.view.reload_status, self.view.discovery_status = (lambda: self.reload_status), self.discovery.status
         self.view.probe_pool = self.probe_pool  # None without workers; read by admin/metrics.py
         self._grpc: grpc.aio.Server | None = None
         self._admin_runner: web.AppRunner | None = None

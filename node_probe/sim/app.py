@@ -191,7 +191,7 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     except BadRequest as exc:
         return web.json_response(error_body(exc.message, exc.type, exc.param, exc.status),
                                  status=exc.status)
-    if engine.mode == "error":
+    if engine.mode == "error" or engine.faults.fails_request(probe, job.prompt_tokens):  # user_error
         return web.json_response(error_body(CUDA_ERROR_MESSAGE, "InternalServerError", None, 500),
                                  status=500)
 
@@ -342,7 +342,8 @@ async def _set_fault(request: web.Request) -> web.Response:
     try:
         state = engine.set_fault(mode, ttft_ms=ttft, waiting=body.get("waiting"),
                                  after_tokens=body.get("after_tokens"), times=body.get("times"),
-                                 prefill_ms=body.get("prefill_ms"))
+                                 prefill_ms=body.get("prefill_ms"), rate=body.get("rate"),
+                                 min_prompt_tokens=body.get("min_prompt_tokens"))
     except ValueError as exc:
         return _fault_error(str(exc))
     return web.json_response(state)

@@ -38,6 +38,11 @@ says. Modes (``POST /sim/fault`` body ``{"mode": ..., params}``):
                     when it ends; then the prompt counter advances by 3,000, KV usage returns
                     to its idle value and the mode to ``none``. Deterministic: every value is
                     a function of the time since the fault was set.
+``user_error``      real traffic fails while probes pass (a CUDA OOM on long contexts, a missing
+                    LoRA adapter): user requests whose prompt has at least
+                    ``min_prompt_tokens`` tokens (default 0: every prompt) are answered HTTP
+                    500 (the ``error`` body) at ``rate`` (0..1, default 1; deterministic: the
+                    k-th such request fails when floor(k x rate) grows). Probes always pass.
 ``hang_after_headers`` new user requests (the next ``times``) send their headers (streams: 200
                     SSE headers; non-streaming: nothing) and then never a token; the rest of
                     the engine works. ``none`` (or any other mode) releases them.
@@ -70,7 +75,8 @@ __all__ = [
 #: Mid-stream modes: what fires when a request reaches ``after_tokens`` tokens.
 MIDSTREAM_MODES = ("freeze_after", "reset_after", "fail_after", "error_after", "garble_after")
 #: Fault modes accepted by ``POST /sim/fault``.
-FAULT_MODES = ("none", "hang", "slow", "error", "queue", *MIDSTREAM_MODES, "hang_after_headers", "prefill")
+FAULT_MODES = ("none", "hang", "slow", "error", "queue", *MIDSTREAM_MODES, "hang_after_headers", "prefill",
+               "user_error")
 _COUNTED = (*MIDSTREAM_MODES, "hang_after_headers")
 
 #: Default first-token delay for ``slow`` when the fault request gives no ``ttft_ms`` (ms).
@@ -85,7 +91,8 @@ PREFILL_KV_RISE = 0.078
 #: The event ``garble_after`` writes: a chunk cut short and run into the next (not JSON).
 GARBLED_EVENT = b'data: {"id":"cmpl-garbled","object":"text_completion","choices":[{"index":0,"te\n\n'
 #: Accepted keys of a fault request.
-FAULT_FIELDS = frozenset({"mode", "ttft_ms", "waiting", "after_tokens", "times", "prefill_ms"})
+FAULT_FIELDS = frozenset({"mode", "ttft_ms", "waiting", "after_tokens", "times", "prefill_ms", "rate",
+                          "min_prompt_tokens"})
 
 
 class Faults:
@@ -98,6 +105,9 @@ class Faults:
         self.after_tokens = 1
         self.times = 1  # requests still to hit (0: every request)
         self.prefill_ms = 0.0  # length of the current ``prefill``, ms
+        self.rate = 1.0  # ``user_error``: share of matching user requests failed (0..1)
+        self.min_prompt_tokens = 0  # ``user_error``: shortest prompt (tokens) that fails
+        self._matched = 0  # ``user_error``: matching user requests seen
 
     def state(self) -> dict[str, Any]:
         """JSON view: ``mode``, ``ttft_ms``, ``waiting``; plus ``after_tokens`` and ``times``
@@ -106,6 +116,8 @@ class Faults:
                                "waiting": self.waiting}
         if self.mode == "prefill":
             out["prefill_ms"] = self.prefill_ms
+        if self.mode == "user_error":
+            out.update(rate=self.rate, min_prompt_tokens=self.min_prompt_tokens)
         if self.mode in _COUNTED:
             out["times"] = self.times
             if self.mode in MIDSTREAM_MODES:
@@ -114,7 +126,8 @@ class Faults:
 
     def set(self, mode: str, *, ttft_ms: float | None = None, waiting: int | None = None,
             after_tokens: int | None = None, times: int | None = None,
-            prefill_ms: float | None = None) -> None:
+            prefill_ms: float | None = None, rate: float | None = None,
+            min_prompt_tokens: int | None = None) -> None:
         """Switch mode (all-or-nothing: on error nothing changes).
 
         Raises:
@@ -127,8 +140,11 @@ class Faults:
         if prefill_ms is not None and (isinstance(prefill_ms, bool) or not isinstance(prefill_ms, (int, float))
                                        or not (math.isfinite(prefill_ms) and prefill_ms > 0)):
             raise ValueError("prefill_ms must be a finite number > 0")
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                                 or not (math.isfinite(rate) and 0 <= rate <= 1)):
+            raise ValueError("rate must be a number in 0..1")
         for name, value in (("waiting", waiting), ("after_tokens", after_tokens),
-                            ("times", times)):
+                            ("times", times), ("min_prompt_tokens", min_prompt_tokens)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 0):
                 raise ValueError(f"{name} must be an integer >= 0")
@@ -141,6 +157,16 @@ class Faults:
         self.times = 1 if times is None else times
         self.prefill_ms = float(DEFAULT_PREFILL_MS if prefill_ms is None else prefill_ms) \
             if mode == "prefill" else 0.0
+        self.rate = 1.0 if rate is None else float(rate)
+        self.min_prompt_tokens = 0 if min_prompt_tokens is None else min_prompt_tokens
+        self._matched = 0
+
+    def fails_request(self, probe: bool, prompt_tokens: int) -> bool:
+        """``user_error``: True when this user request (``prompt_tokens`` long) must get a 500."""
+        if probe or self.mode != "user_error" or prompt_tokens < self.min_prompt_tokens:
+            return False
+        self._matched += 1
+        return math.floor(self._matched * self.rate + 1e-9) > math.floor((self._matched - 1) * self.rate + 1e-9)
 
     def _spend(self) -> None:
         if self.times == 1:

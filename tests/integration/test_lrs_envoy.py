@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ from xds_server.testing import InMemoryProbes, LoadGenerator, StandaloneEnvoy, f
 
 pytestmark = pytest.mark.envoy
 
+FAST = {"probation_clean_s": 1.5, "ramp_step_percent": 25, "ramp_step_s": 0.25}
 LRS_METHOD = "/envoy.service.load_stats.v3.LoadReportingService/StreamLoadStats"
 
 
@@ -161,3 +163,69 @@ async def test_lrs_edges_refused_per_protocol_and_counted():
             await wait_for(lambda: not cp.load.streams, 5, what="a cancelled stream freed its slot")
     finally:
         await cp.stop()
+
+
+async def _all_healthy(fleet, http) -> bool:
+    return all(v["state"] == "HEALTHY" for v in (await fleet.cp_nodes(http)).values())
+
+
+async def _envoy_ejections(http, admin_url: str) -> int:
+    flt = r"cluster\.llm\.outlier_detection\.ejections_enforced_total"
+    async with http.get(f"{admin_url}/stats", params={"filter": flt}) as r:
+        text = await r.text()
+    return sum(int(line.rsplit(": ", 1)[1]) for line in text.strip().splitlines() if ": " in line)
+
+
+async def test_real_traffic_failures_eject_fleet_wide_before_any_envoy_could(make_fleet, http):
+    # a node that answers 500 to every real request while its 1-token probes pass; three Envoys at
+    # low volume each: none sees Envoy's consecutive_5xx (5) before the control plane, summing all
+    # three, has min_requests (6) and ejects it at the next report
+    interval_s, min_requests = 1.0, 4
+    fleet = make_fleet(n_nodes=3, health=FAST, config_options={"lrs": {"interval_s": interval_s, "traffic_ejection": {
+        "min_requests": min_requests}}})
+    extra = [StandaloneEnvoy(fleet.xds_port, node_id=f"envoy-{i}") for i in (2, 3)]
+    try:
+        for e in extra:
+            await e.start()
+        await fleet.wait_all_routed(http)
+        for e in extra:
+            await wait_for(lambda e=e: _routes_all(e), 20, what=f"{e.node_id} routes to every node")
+        await wait_for(lambda: _all_healthy(fleet, http), 20, what="every node HEALTHY (ramp done)")
+        await fleet.set_fault(http, "gpu-c", "user_error", rate=0.8)  # 4 of 5: runs of 4 at most
+        gens = [LoadGenerator(u, concurrency=1, max_tokens=2, pause_s=0.6)
+                for u in (fleet.url, *(e.url for e in extra))]
+        bad = fleet.node("gpu-c").engine_url
+        for g in gens:
+            await g.start()
+        t_volume = t_ejected = None
+        t0 = asyncio.get_running_loop().time()
+        while t_ejected is None and asyncio.get_running_loop().time() - t0 < 20:
+            async with http.get(f"{bad}/sim/stats") as r:
+                user = (await r.json())["requests_by_kind"]["user"]
+            now = asyncio.get_running_loop().time()
+            if t_volume is None and user >= min_requests:
+                t_volume = now
+            nodes = await fleet.cp_nodes(http)
+            if nodes["gpu-c"]["state"] == "UNHEALTHY":
+                t_ejected = now
+            await asyncio.sleep(0.05)
+        envoy_ejections = [await _envoy_ejections(http, f"http://127.0.0.1:{fleet.envoy_admin_port}"),
+                           *[await _envoy_ejections(http, e.admin_url) for e in extra]]
+        for g in gens:
+            await g.stop()
+        print(f"\nmin volume at {t_volume - t0:.2f} s, ejected at {t_ejected - t0:.2f} s "
+              f"({t_ejected - t_volume:.2f} s later); Envoy outlier ejections per Envoy {envoy_ejections}; "
+              f"reason: {nodes['gpu-c']['reason']}")
+        assert t_volume is not None and t_ejected is not None
+        assert t_ejected - t_volume <= 2 * interval_s + 1.0  # within 2 LRS intervals (+ polling, 2-core CI)
+        assert envoy_ejections == [0, 0, 0]
+        reason = nodes["gpu-c"]["reason"]
+        assert re.match(r"real traffic: \d+ of \d+ requests failed in \d+ s across [1-3] Envoys? \(failure share",
+                        reason)
+        assert reason.endswith("; probes OK")
+        assert all(nodes[n]["state"] != "UNHEALTHY" for n in ("gpu-a", "gpu-b"))
+        for g in gens:
+            assert g.totals().failed == 0  # Envoy retried every 500 on another node
+    finally:
+        for e in extra:
+            e.stop()

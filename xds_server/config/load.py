@@ -1,18 +1,18 @@
-"""``lrs:`` section: the Load Reporting Service (real-traffic outcomes reported by every Envoy),
-fleet-wide passive ejection from them, and seed 002's queue thresholds.
+"""``lrs:`` section: the Load Reporting Service (real-traffic outcomes reported by every Envoy)
+and fleet-wide passive ejection from them. (Seed 002's queue thresholds are
+``health.queue_warning`` / ``health.queue_critical``.)
 
 Sources: Envoy's LRS protocol (envoy.service.load_stats.v3) as measured on Envoy 1.40
 (docs/xds_protocol.md section 6), Envoy's outlier-detection defaults for the success-rate
-comparison (docs/xds_protocol.md 2.8), and seed 002 (the regional-failover article) for the
-queue thresholds (docs/sources.md).
+comparison (docs/xds_protocol.md 2.8).
 """
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from xds_server.config.base import _Model
 
-__all__ = ["LrsConfig", "QueueThresholds", "TrafficEjectionConfig"]
+__all__ = ["LrsConfig", "TrafficEjectionConfig"]
 
 
 class TrafficEjectionConfig(_Model):
@@ -53,23 +53,6 @@ class TrafficEjectionConfig(_Model):
         "because LLM clusters are small")
 
 
-class QueueThresholds(_Model):
-    """Seed 002 (the regional-failover article): waiting requests per node."""
-
-    warning: int = Field(
-        50, ge=1, description="more waiting than this is a warning (event, metric, dashboard); seed 002")
-    critical: int = Field(
-        100, ge=1,
-        description="more waiting than this is critical: the node counts as saturated and takes no "
-        "new share; seed 002 (new requests are refused with 429 past it)")
-
-    @model_validator(mode="after")
-    def _order(self) -> QueueThresholds:
-        if self.critical < self.warning:
-            raise ValueError(f"critical ({self.critical}) must be >= warning ({self.warning})")
-        return self
-
-
 class LrsConfig(_Model):
     """The LRS server on the xDS port (``StreamLoadStats``) and what is done with its reports."""
 
@@ -106,4 +89,3 @@ class LrsConfig(_Model):
         description="a report arriving sooner than this x interval_s after the previous one on the "
         "same stream is a flood: counted and not applied (Envoy reports on its timer only)")
     traffic_ejection: TrafficEjectionConfig = TrafficEjectionConfig()
-    queue: QueueThresholds = QueueThresholds()

@@ -95,6 +95,7 @@ class EjectionCause(enum.StrEnum):
     PROBE = "probe"          # probe failures (or a stall counted as timeouts)
     ENGINE = "engine"        # engine fatal error or the agent reports the engine FAILED
     GPU = "gpu"              # a fatal GPU event (Xid, GPU lost)
+    TRAFFIC = "traffic"      # real traffic fails across Envoys (LRS) while probes may pass
 
 
 class EngineState(enum.StrEnum):
@@ -205,8 +206,17 @@ class DrainRequested:
     reason: str = "operator"
 
 
+@fast_init
+@dataclass(frozen=True, slots=True)
+class TrafficFailing:
+    """Real traffic summed over every Envoy fails far more than it should (LRS,
+    :mod:`xds_server.health.traffic`); ``detail`` names the evidence."""
+
+    detail: str
+
+
 Observation = (HeartbeatObserved | Tick | StreamClosed | PingObserved | ProbeObserved | DrainRequested
-               | FailStaticEnded)
+               | FailStaticEnded | TrafficFailing)
 
 
 # ---- per-node records ---------------------------------------------------------------------

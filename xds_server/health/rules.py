@@ -38,6 +38,7 @@ from xds_server.health.records import (
     ProbeResultKind,
     StreamClosed,
     Tick,
+    TrafficFailing,
 )
 from xds_server.health.table import Ctx, Fired, Signal, apply
 from xds_server.health.time_rules import TIME_RULES, failure
@@ -320,6 +321,10 @@ def _r_fail_static_end(nh: NodeHealth, obs: FailStaticEnded, c: _StepCtx) -> Seq
     return _NONE
 
 
+def _r_traffic(nh: NodeHealth, obs: TrafficFailing, c: _StepCtx) -> Sequence[Fired]:
+    return (Fired(Signal.TRAFFIC_FAILING, obs.detail),)
+
+
 _Observer = tuple[Record, tuple[Rule, ...]]
 
 
@@ -341,5 +346,6 @@ _OBSERVERS: dict[type[Observation], _Observer] = {
     ProbeObserved: _observer(ProbeObserved, _record_probe, (_r_probe, *_TIME)),
     DrainRequested: _observer(DrainRequested, _keep, (_r_drain,)),
     FailStaticEnded: _observer(FailStaticEnded, _record_fail_static_end, (_r_fail_static_end,)),
+    TrafficFailing: _observer(TrafficFailing, _keep, (_r_traffic,)),
 }
 """Observation type -> (recording, rules in order)."""

@@ -55,6 +55,7 @@ class Signal(enum.Enum):
     HEALTHY_RUN_MET = "long healthy run"
     FAIL_STATIC_FORGIVES = "fail-static forgives"
     FORGIVENESS_PENDING = "fail-static ended while silent"
+    TRAFFIC_FAILING = "real traffic failing"
     DRAIN = "drain"
     UNDRAIN = "undrain"
 

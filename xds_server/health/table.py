@@ -100,6 +100,9 @@ _SPEC: tuple[tuple[tuple[NodeState, ...], tuple[Signal, ...], Effect, NodeState 
     ((WARMING, UNHEALTHY), (G.STALL, G.STALL_CONFIRMED, G.ENGINE_FAILED, G.ENGINE_RESTARTING), fx.noop, _STAY),
     ((WARMING,), (G.GPU_FATAL,), fx.gpu_lost_while_warming, _STAY),   # a good probe cannot promote it
     ((UNHEALTHY,), (G.GPU_FATAL,), fx.noop, _STAY),
+    # real traffic across Envoys (LRS; health/traffic.py decides, under max_ejection_percent)
+    (ROUTED, (G.TRAFFIC_FAILING,), fx.eject(EjectionCause.TRAFFIC), UNHEALTHY),
+    ((COLD, WARMING, UNHEALTHY), (G.TRAFFIC_FAILING,), fx.noop, _STAY),
     # time: half-open, ramp, backoff
     ((UNHEALTHY,), (G.CLEAN_PERIOD_MET,), fx.clean_period_met, PROBATION),
     ((WARMING, *ROUTED), (G.CLEAN_PERIOD_MET,), fx.noop, _STAY),

@@ -31,6 +31,9 @@ from envoy.service.load_stats.v3 import lrs_pb2
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from xds_server.config import SentinelConfig, parse_hostport
+from xds_server.control.core import ControlCore
+from xds_server.control.traffic import TrafficEjector
+from xds_server.health.traffic import Evidence
 from xds_server.load.aggregate import LoadAggregator, Traffic
 from xds_server.load.report import ReportRefused, decode_report, decode_request
 from xds_server.process.refusals import Refusals
@@ -56,15 +59,21 @@ class LoadReportingService:
     ``config()``: the running config (node map, limits; re-read when it changes); ``authorize``:
     the ADS authorizer (``names, node_id -> None | reason``); ``monotonic``: the clock (s);
     ``on_report``: called after each applied report (the control plane evaluates traffic
-    ejection there); ``refusals``: where refused identities are counted and logged.
+    ejection there); ``refusals``: where refused identities are counted and logged; ``core``:
+    the control core whose nodes are judged on their real traffic after each report
+    (fleet-wide passive ejection, :class:`~xds_server.control.traffic.TrafficEjector`).
     ``streams``: open stream id -> Envoy node id.
     """
 
     def __init__(self, config: Callable[[], SentinelConfig], *,
                  authorize: Callable[[Sequence[str], str], str | None] | None = None,
                  monotonic: Callable[[], float] = time.monotonic,
-                 on_report: Callable[[], None] | None = None, refusals: Refusals | None = None) -> None:
+                 on_report: Callable[[], None] | None = None, refusals: Refusals | None = None,
+                 core: ControlCore | None = None) -> None:
         self._config = config
+        self.core = core
+        self.ejector = TrafficEjector(core) if core is not None else None
+        self._judged: dict[str, float] = {}  # cluster -> when it was last judged (monotonic s)
         self.authorize = authorize
         self.refusals = refusals
         self.monotonic = monotonic
@@ -138,12 +147,35 @@ class LoadReportingService:
                 except ReportRefused as e:
                     self._problem(e.reason)
                     continue
-                self.aggregator.ingest(report, self.monotonic())
-                if report.clusters and self.on_report is not None:
-                    self.on_report()
+                now = self.monotonic()
+                self.aggregator.ingest(report, now)
+                if report.clusters:
+                    self._judge(cfg, {c.cluster for c in report.clusters}, now)
+                    if self.on_report is not None:
+                        self.on_report()
         finally:
             if self.streams.pop(sid, None) is not None:
                 self.aggregator.forget_stream(reporter, sid)
+
+    def _judge(self, cfg: SentinelConfig, clusters: set[str], now: float) -> None:
+        """Fleet-wide passive ejection: judge each reported cluster on the evidence of every Envoy,
+        at most 10 times per reporting interval (after each report of each of 1,000 Envoys would
+        be too often; 1/10 of an interval adds at most that to the time to eject)."""
+        te = cfg.lrs.traffic_ejection
+        if self.ejector is None or self.core is None or not te.enabled:
+            return
+        health = self.core.health
+        for c in cfg.clusters:
+            if c.name not in clusters or now - self._judged.get(c.name, -1e18) < cfg.lrs.interval_s / 10:
+                continue
+            self._judged[c.name] = now
+            evidence = {}
+            for n in c.nodes:
+                nh = health.get(n.id)
+                w = te.window_s if nh is None else max(0.0, min(te.window_s, now - nh.since_s))
+                t = self.aggregator.node(c.name, n.id, now, w)
+                evidence[n.id] = Evidence(t.succeeded, t.errored, t.reporters, w)
+            self.ejector.apply(c.name, evidence, now)
 
     def _refused(self, context: grpc.aio.ServicerContext[bytes, bytes], node_id: str) -> str | None:
         if self.authorize is None:
@@ -175,7 +207,8 @@ class LoadReportingService:
         t = self.aggregator.totals.get((cluster, node_id))
         return {**self.node_traffic(cluster, node_id).to_json(),
                 "since_start": {"issued": t.issued if t else 0, "succeeded": t.succeeded if t else 0,
-                                "errored": t.errored if t else 0}}
+                                "errored": t.errored if t else 0},
+                "held_back": self.ejector.held.get(node_id) if self.ejector is not None else None}
 
     def cluster_view(self, cluster: str) -> dict[str, object]:
         """JSON for ``/clusters``: the cluster's window figures, drops per category, localities."""

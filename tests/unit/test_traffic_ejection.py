@@ -1,0 +1,102 @@
+"""Fleet-wide passive ejection (xds_server.health.traffic, pure) and its path through the health
+model (signal TRAFFIC_FAILING -> UNHEALTHY, then the usual half-open probation); the simulator's
+``user_error`` fault that drives it."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from node_probe.sim.faults import Faults
+from xds_server.config import HealthConfig, TrafficEjectionConfig
+from xds_server.health import model as hm
+from xds_server.health.traffic import Evidence, traffic_verdicts
+
+CFG = TrafficEjectionConfig()
+
+
+def healthy(nid: str) -> hm.NodeHealth:
+    return replace(hm.initial(nid, 0.0), state=hm.NodeState.HEALTHY)
+
+
+def test_a_node_failing_real_traffic_is_ejected_with_the_evidence_named():
+    nodes = [("a", healthy("a"), Evidence(40, 0, 3, 10.0)), ("b", healthy("b"), Evidence(39, 1, 3, 10.0)),
+             ("c", healthy("c"), Evidence(3, 18, 3, 10.0))]
+    v = traffic_verdicts(nodes, CFG, 50.0)
+    assert list(v.eject) == ["c"] and not v.held
+    assert v.eject["c"].startswith("real traffic: 18 of 21 requests failed in 10 s across 3 Envoys")
+    assert v.eject["c"].endswith("; probes OK")
+
+
+def test_below_minimum_volume_nothing_is_decided():
+    nodes = [("a", healthy("a"), Evidence(10, 0, 3, 10.0)), ("c", healthy("c"), Evidence(0, 19, 3, 10.0))]
+    assert not traffic_verdicts(nodes, CFG, 50.0).eject  # 19 < min_requests 20
+
+
+def test_success_rate_rule_leave_one_out_and_floor():
+    # 80 % against peers at ~100 %: below mean - 1.9 sd and under the 95 % floor
+    nodes = [(n, healthy(n), Evidence(500, 0, 3, 10.0)) for n in "abcd"]
+    nodes.append(("e", healthy("e"), Evidence(400, 100, 3, 10.0)))
+    v = traffic_verdicts(nodes, CFG, 50.0)
+    assert list(v.eject) == ["e"] and "success 80.0 %" in v.eject["e"]
+
+
+@given(st.integers(1000, 100_000), st.integers(2, 8), st.floats(0.0, 0.05))
+def test_a_99_percent_node_at_high_volume_is_never_ejected(volume, peers, peer_noise):
+    nodes = [(f"p{i}", healthy(f"p{i}"), Evidence(volume - int(volume * peer_noise * i / peers),
+                                                 int(volume * peer_noise * i / peers), 3, 10.0))
+             for i in range(peers)]
+    nodes = [(n, h, e) for n, h, e in nodes if e.errored / e.completed < 0.001]  # peers near-perfect
+    nodes.append(("x", healthy("x"), Evidence(volume - volume // 100, volume // 100, 3, 10.0)))
+    assert "x" not in traffic_verdicts(nodes, CFG, 50.0).eject
+
+
+@given(st.integers(2, 12), st.integers(0, 12), st.floats(0, 100))
+def test_the_cap_holds(n, bad, pct):
+    bad = min(bad, n)
+    nodes = [(f"n{i}", healthy(f"n{i}"), Evidence(0 if i < bad else 50, 50 if i < bad else 0, 3, 10.0))
+             for i in range(n)]
+    v = traffic_verdicts(nodes, CFG, pct)
+    cap = int(n * pct / 100 + 1e-9)
+    assert len(v.eject) == min(bad, cap)
+    assert len(v.eject) + len(v.held) == bad
+    # nodes already out count against the cap
+    out = [(nid, replace(h, state=hm.NodeState.UNHEALTHY), e) for nid, h, e in nodes[:1]] + nodes[1:]
+    assert len(traffic_verdicts(out, CFG, pct).eject) <= max(0, cap - 1)
+
+
+def test_off_decides_nothing():
+    nodes = [("c", healthy("c"), Evidence(0, 100, 3, 10.0)), ("a", healthy("a"), Evidence(100, 0, 3, 10.0))]
+    assert not traffic_verdicts(nodes, TrafficEjectionConfig(enabled=False), 50.0).eject
+
+
+def test_traffic_failing_goes_through_the_model_and_its_half_open_probation():
+    cfg = HealthConfig(probation_clean_s=2.0)
+    nh = healthy("c")
+    nh, events = hm.step(nh, hm.TrafficFailing("real traffic: 18 of 21 requests failed"), 5.0, cfg)
+    assert nh.state is hm.NodeState.UNHEALTHY and nh.ejection.cause is hm.EjectionCause.TRAFFIC
+    assert events[0].reason.startswith("real traffic: 18 of 21")
+    # not routed states ignore it
+    for s in (hm.NodeState.COLD, hm.NodeState.WARMING, hm.NodeState.UNHEALTHY):
+        again, ev = hm.step(replace(nh, state=s), hm.TrafficFailing("x"), 6.0, cfg)
+        assert again.state is s and not ev
+
+
+def test_sim_user_error_fails_matching_user_requests_only():
+    f = Faults()
+    f.set("user_error", rate=0.5, min_prompt_tokens=10)
+    assert f.state()["rate"] == 0.5
+    assert not f.fails_request(True, 1000)    # a probe passes
+    assert not f.fails_request(False, 5)      # a short prompt passes
+    got = [f.fails_request(False, 20) for _ in range(10)]
+    assert sum(got) == 5 and got[:2] == [False, True]
+    f.set("user_error")
+    assert all(f.fails_request(False, 1) for _ in range(5))
+    for bad in (1.5, -0.1, float("nan"), True):
+        try:
+            f.set("user_error", rate=bad)
+        except ValueError as e:
+            assert "rate" in str(e)
+        else:
+            raise AssertionError(f"rate {bad!r} accepted")
