@@ -177,6 +177,7 @@ def render_bootstrap(
     groups: Sequence[ControlPlaneGroup] = (),
     route_header: str = ROUTE_HEADER,
     lrs: bool = True,
+    shed_retry_after_s: int | None = None,
     template: Path | Traversable = BOOTSTRAP_TEMPLATE,
 ) -> dict[str, Any]:
     """The bootstrap from ``template`` with ports, routed cluster, node id and timeouts replaced.
@@ -203,7 +204,8 @@ def render_bootstrap(
     ``retry_after_max_s`` bounds how long a retry honours a ``Retry-After`` header
     (``rate_limited_retry_back_off.max_interval``, s; the template's 3 s when None).
     ``lrs``: keep ``cluster_manager.load_stats_config`` (load reports to the control plane, to
-    the first group's replicas when split); False removes it.
+    the first group's replicas when split); False removes it. ``shed_retry_after_s``: the
+    Retry-After (whole s) of the 429 a request dropped for overload gets (the template's 3 s).
 
     Returns the YAML document as a dict (write it with ``yaml.safe_dump``). Raises OSError when
     the template cannot be read and ValueError for an unknown ``api_type``, a bad address (named),
@@ -232,6 +234,13 @@ def render_bootstrap(
     listener = sr["listeners"][0]
     listener["address"]["socket_address"]["port_value"] = listener_port
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    if shed_retry_after_s is not None:
+        if isinstance(shed_retry_after_s, bool) or not isinstance(shed_retry_after_s, int) or shed_retry_after_s < 0:
+            raise ValueError(f"shed_retry_after_s must be a whole number of seconds >= 0, got {shed_retry_after_s!r}")
+        for m in hcm.get("local_reply_config", {}).get("mappers", ()):
+            for h in m.get("headers_to_add", ()):
+                if h["header"]["key"] == "retry-after":
+                    h["header"]["value"] = str(shed_retry_after_s)
     for vh in hcm["route_config"]["virtual_hosts"]:
         routes = []
         for r in vh["routes"]:

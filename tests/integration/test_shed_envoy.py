@@ -1,0 +1,43 @@
+"""What a shed client sees, with the real Envoy: a request dropped by the published
+``policy.drop_overloads`` gets 429 with Retry-After (the bootstrap's local_reply_config), while
+"no healthy upstream" stays a distinct 503 without it."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+pytestmark = pytest.mark.envoy
+
+FAST = {"probation_clean_s": 60.0, "ramp_step_percent": 25, "ramp_step_s": 0.25}
+
+
+async def _statuses(http, url: str, n: int) -> tuple[collections.Counter, dict[int, dict]]:
+    seen: collections.Counter = collections.Counter()
+    sample: dict[int, dict] = {}
+    body = {"model": "sim-model", "prompt": "hi", "max_tokens": 1}
+    for _ in range(n):
+        async with http.post(f"{url}/v1/completions", json=body) as r:
+            seen[r.status] += 1
+            sample.setdefault(r.status, {"headers": dict(r.headers), "body": await r.text()})
+    return seen, sample
+
+
+async def test_dropped_requests_get_429_with_retry_after_and_no_upstream_stays_503(make_fleet, http):
+    fleet = make_fleet(n_nodes=2, health=FAST, cluster_options={
+        "drop_overloads": [{"drop_percent": 50, "below_routable_capacity_ratio": 0.6}]})
+    await fleet.wait_all_routed(http)
+    await fleet.set_fault(http, "gpu-b", "error")  # probes fail: ejected, half the capacity left
+    await fleet.wait_ejected(http, "gpu-b", timeout_s=15)
+    seen, sample = await _statuses(http, fleet.url, 60)
+    print(f"\nhalf the capacity: {dict(seen)}")
+    assert seen[429] >= 10 and seen[200] >= 10 and set(seen) <= {200, 429}
+    shed = sample[429]
+    assert shed["headers"]["Retry-After"] == "3"
+    assert shed["headers"]["x-envoy-drop-overload"] == "true" and shed["body"] == "drop overload"
+    await fleet.set_fault(http, "gpu-a", "error")  # nothing routable: not shedding, unavailable
+    await fleet.wait_ejected(http, "gpu-a", timeout_s=15)
+    seen, sample = await _statuses(http, fleet.url, 40)
+    print(f"nothing routable: {dict(seen)}")
+    assert seen[503] >= 5
+    assert "Retry-After" not in sample[503]["headers"] and "no healthy upstream" in sample[503]["body"]
