@@ -356,7 +356,7 @@ class ControlPlane:
     def _write(self, p: ClusterPublish) -> None:
         c = next(c for c in self.config.clusters if c.name == p.cluster)
         try:
-            self.cache.set_resource(CLA_TYPE_URL, c.name, build_cla(c, dict(p.routing)))
+            self.cache.set_resource(CLA_TYPE_URL, c.name, build_cla(c, dict(p.routing), **self.load.cla_args(c.name)))
         except InvalidResource as e:  # held back: Envoy would NACK it (checklist 1.9 item 17)
             log.error("not publishing %s: %s", c.name, e)
         else:

@@ -3,9 +3,12 @@
 "no healthy upstream" stays a distinct 503 without it."""
 from __future__ import annotations
 
+import asyncio
 import collections
 
 import pytest
+
+from xds_server.testing import LoadGenerator, wait_for
 
 pytestmark = pytest.mark.envoy
 
@@ -41,3 +44,46 @@ async def test_dropped_requests_get_429_with_retry_after_and_no_upstream_stays_5
     print(f"nothing routable: {dict(seen)}")
     assert seen[503] >= 5
     assert "Retry-After" not in sample[503]["headers"] and "no healthy upstream" in sample[503]["body"]
+
+
+async def test_queues_over_warning_shed_the_excess_and_lift_with_hysteresis(make_fleet, http):
+    # both nodes report 70 waiting (> queue_warning 50): shedding starts at the next load report,
+    # the headroom kept free (10 %, at least one 5 % step), then held; it is lifted once the queues stay
+    # low for lift_after_s. Envoy drops the commanded share (429 + Retry-After).
+    fleet = make_fleet(n_nodes=2, health=FAST, config_options={"lrs": {"shed": {
+        "enabled": True, "lift_after_s": 1.0, "window_s": 2.0}}})
+    await fleet.wait_all_routed(http)
+    load = LoadGenerator(fleet.url, concurrency=2, max_tokens=1)
+    await load.start()
+    try:
+        await asyncio.sleep(2.0)
+        for n in ("gpu-a", "gpu-b"):
+            await fleet.set_fault(http, n, "queue", waiting=70)
+
+        async def shedding() -> float | None:
+            async with http.get(f"http://127.0.0.1:{fleet.admin_port}/clusters") as r:
+                p = (await r.json())["clusters"][0]["traffic"]["shed_percent"]
+            return p or None
+
+        percent = await wait_for(shedding, 10, what="shedding started")
+        await asyncio.sleep(1.0)  # Envoy has the assignment
+        shed = load.phase("shedding")
+        await asyncio.sleep(3.0)
+        for n in ("gpu-a", "gpu-b"):
+            await fleet.set_fault(http, n, "none")
+        await wait_for(lambda: _not(shedding), 10, what="shedding lifted")
+        await asyncio.sleep(1.0)
+        after = load.phase("lifted")
+        await asyncio.sleep(2.0)
+    finally:
+        await load.stop()
+    total = shed.ok + shed.failed
+    share = 100.0 * shed.failures["HTTP 429"] / total
+    print(f"\ncommanded {percent:g} %, shed {share:.1f} % of {total}; after lifting {dict(after.failures)}")
+    assert set(shed.failures) <= {"HTTP 429"}
+    assert abs(share - percent) <= 5  # within 5 points of what was commanded
+    assert after.failed == 0 and after.ok > 20
+
+
+async def _not(pred) -> bool:
+    return not await pred()

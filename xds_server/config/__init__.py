@@ -26,7 +26,7 @@ from xds_server.config.cluster import (
 from xds_server.config.discovery import DiscoveryConfig, FileDiscoveryConfig, KubernetesDiscoveryConfig
 from xds_server.config.feed import FeedConfig, check_feed
 from xds_server.config.health import HealthConfig
-from xds_server.config.load import LrsConfig, TrafficEjectionConfig
+from xds_server.config.load import LrsConfig, ShedConfig, TrafficEjectionConfig
 from xds_server.config.ops import ReloadConfig, StateConfig
 from xds_server.config.probe import ProbeConfig
 from xds_server.config.tls import AgentTlsConfig, NodeAllowRule, TlsConfig, check_plaintext
@@ -51,6 +51,7 @@ __all__ = [
     "ProbeConfig",
     "ReloadConfig",
     "SentinelConfig",
+    "ShedConfig",
     "StateConfig",
     "TlsConfig",
     "TrafficEjectionConfig",

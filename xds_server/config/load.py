@@ -12,7 +12,7 @@ from pydantic import Field
 
 from xds_server.config.base import _Model
 
-__all__ = ["LrsConfig", "TrafficEjectionConfig"]
+__all__ = ["LrsConfig", "ShedConfig", "TrafficEjectionConfig"]
 
 
 class TrafficEjectionConfig(_Model):
@@ -53,6 +53,38 @@ class TrafficEjectionConfig(_Model):
         "because LLM clusters are small")
 
 
+class ShedConfig(_Model):
+    """Overload protection (``lrs.shed``): when the routable nodes' queues say they are over
+    their safe load, publish ``ClusterLoadAssignment.policy.drop_overloads`` (one category,
+    ``overload``) with the excess share, so Envoy answers that share at once (429 + Retry-After,
+    the bootstrap's local_reply_config) instead of queueing it everywhere. Thresholds: seed 002
+    (``health.queue_warning`` 50, ``health.queue_critical`` 100 waiting)."""
+
+    enabled: bool = Field(
+        False, description="shed load; off (the default): weights are lowered, nothing is refused")
+    window_s: float = Field(
+        3.0, gt=0, le=60, description="window of the LRS demand (issued + dropped) and completion rates, s")
+    headroom_ratio: float = Field(
+        0.1, ge=0, lt=1,
+        description="share of the measured completion rate kept free while shedding, so queues drain "
+        "(0..1); the drop is 1 - completed x (1 - headroom) / offered. Ours")
+    off_ratio: float = Field(
+        0.5, gt=0, le=1,
+        description="hysteresis: shedding starts when the routable nodes' mean waiting exceeds "
+        "health.queue_warning and stops once it stays at or below off_ratio x queue_warning for "
+        "lift_after_s. Ours")
+    lift_after_s: float = Field(3.0, ge=0, description="how long queues must stay low before the drop is lifted, s")
+    step_percent: float = Field(
+        5.0, gt=0, le=50, description="drop changes in steps of this many percent (no EDS churn on noise)")
+    max_percent: float = Field(
+        90.0, gt=0, le=100, description="never drop more than this share, % (Envoy's drop_overload_limit "
+        "runtime key caps it too)")
+    stale_after_s: float = Field(
+        2.0, gt=0,
+        description="fail open: a routable node whose last heartbeat (queue telemetry) is older than "
+        "this, or no Envoy reporting load, lifts any drop, s (stale data never sheds)")
+
+
 class LrsConfig(_Model):
     """The LRS server on the xDS port (``StreamLoadStats``) and what is done with its reports."""
 
@@ -89,3 +121,4 @@ class LrsConfig(_Model):
         description="a report arriving sooner than this x interval_s after the previous one on the "
         "same stream is a flood: counted and not applied (Envoy reports on its timer only)")
     traffic_ejection: TrafficEjectionConfig = TrafficEjectionConfig()
+    shed: ShedConfig = ShedConfig()

@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from xds_server.config import SentinelConfig, parse_hostport
 from xds_server.control.core import ControlCore
 from xds_server.control.traffic import TrafficEjector
+from xds_server.health.shed import ShedInputs, ShedState, shed_step
 from xds_server.health.traffic import Evidence
 from xds_server.load.aggregate import LoadAggregator, Traffic
 from xds_server.load.report import ReportRefused, decode_report, decode_request
@@ -74,6 +75,7 @@ class LoadReportingService:
         self.core = core
         self.ejector = TrafficEjector(core) if core is not None else None
         self._judged: dict[str, float] = {}  # cluster -> when it was last judged (monotonic s)
+        self.shed: dict[str, ShedState] = {}  # cluster -> overload shedding (lrs.shed)
         self.authorize = authorize
         self.refusals = refusals
         self.monotonic = monotonic
@@ -162,13 +164,16 @@ class LoadReportingService:
         at most 10 times per reporting interval (after each report of each of 1,000 Envoys would
         be too often; 1/10 of an interval adds at most that to the time to eject)."""
         te = cfg.lrs.traffic_ejection
-        if self.ejector is None or self.core is None or not te.enabled:
+        if self.ejector is None or self.core is None:
             return
         health = self.core.health
         for c in cfg.clusters:
             if c.name not in clusters or now - self._judged.get(c.name, -1e18) < cfg.lrs.interval_s / 10:
                 continue
             self._judged[c.name] = now
+            self._shed(cfg, c.name, [n.id for n in c.nodes], now)
+            if not te.enabled:
+                continue
             evidence = {}
             for n in c.nodes:
                 nh = health.get(n.id)
@@ -176,6 +181,29 @@ class LoadReportingService:
                 t = self.aggregator.node(c.name, n.id, now, w)
                 evidence[n.id] = Evidence(t.succeeded, t.errored, t.reporters, w)
             self.ejector.apply(c.name, evidence, now)
+
+    def _shed(self, cfg: SentinelConfig, cluster: str, node_ids: list[str], now: float) -> None:
+        """Overload shedding (:mod:`xds_server.health.shed`) from the routable nodes' queues and the
+        cluster's LRS demand; a changed drop marks the cluster for a new assignment."""
+        assert self.core is not None
+        sc, hc = cfg.lrs.shed, cfg.health
+        routable = [i for i in node_ids if (r := self.core.routing.get(i)) is not None and r.health_status == "HEALTHY"]
+        health = self.core.health
+        ages = [None if (at := health[i].heartbeat.last_s) is None else now - at for i in routable]
+        t = self.aggregator.cluster(cluster, now, sc.window_s)
+        inp = ShedInputs([health[i].engine.requests_waiting for i in routable], ages,
+                         (t.issued + t.dropped) / sc.window_s, t.completed / sc.window_s, t.reporters)
+        before = self.shed.get(cluster, ShedState())
+        after = shed_step(before, inp, sc, hc.queue_warning, hc.queue_critical, now)
+        self.shed[cluster] = after
+        if after.percent != before.percent:
+            log.warning("cluster %s: %s", cluster, after.reason or "not shedding")
+            self.core.mark_dirty(cluster)
+
+    def cla_args(self, cluster: str) -> dict[str, Any]:
+        """``build_cla`` keyword arguments of the cluster's overload drop (``shed_percent``, ``shed_flip``)."""
+        st = self.shed.get(cluster)
+        return {} if st is None else {"shed_percent": st.percent, "shed_flip": st.flip}
 
     def _refused(self, context: grpc.aio.ServicerContext[bytes, bytes], node_id: str) -> str | None:
         if self.authorize is None:
@@ -217,6 +245,7 @@ class LoadReportingService:
                 "dropped_by_category": {k or "total": v for k, v in agg.drops(cluster, now, w).items()},
                 "measured_interval_s": agg.measured_interval_s(cluster),
                 "envoys_reporting_cluster": agg.listing(cluster, now),
+                "shed_percent": (st := self.shed.get(cluster, ShedState())).percent, "shed_reason": st.reason or None,
                 "localities": [{"locality": {"region": r, "zone": z, "sub_zone": s},
                                 **agg.locality(cluster, (r, z, s), now, w).to_json()}
                                for r, z, s in agg.localities(cluster)]}

@@ -163,7 +163,7 @@ def routable_capacity_ratio(c: ClusterConfig, routing: Mapping[str, Routing]) ->
 
 
 def build_cla(
-    c: ClusterConfig, routing: Mapping[str, Routing]
+    c: ClusterConfig, routing: Mapping[str, Routing], shed_percent: float = 0.0, shed_flip: bool = False
 ) -> endpoint_pb2.ClusterLoadAssignment:
     """The EDS resource for one cluster.
 
@@ -172,7 +172,9 @@ def build_cla(
     zone, sub_zone) and endpoints by node id, so the same input always encodes to the same bytes.
     ``policy.overprovisioning_factor`` comes from ``c.overprovisioning_factor``; the configured
     drop (at most one category) is added while :func:`routable_capacity_ratio` is below its
-    threshold.
+    threshold. ``shed_percent`` (0..100, overload shedding: :mod:`xds_server.health.shed`) is
+    published as the one ``overload`` category when it exceeds the configured drop; ``shed_flip``
+    adds 1 to ``overprovisioning_factor`` so Envoy 1.40 applies a changed drop (docs/xds_protocol.md 2.5).
     """
     groups: dict[tuple[int, str, str, str], list[NodeConfig]] = {}
     for n in c.nodes:
@@ -193,18 +195,20 @@ def build_cla(
             e = lle.lb_endpoints.add(health_status=_HEALTH[r.health_status])
             e.endpoint.CopyFrom(_endpoint(n.address, n.id))
             e.load_balancing_weight.value = w
-    cla.policy.overprovisioning_factor.value = c.overprovisioning_factor
+    cla.policy.overprovisioning_factor.value = c.overprovisioning_factor + (1 if shed_flip else 0)
+    drop: tuple[str, float] | None = None
     if c.drop_overloads:
         ratio = routable_capacity_ratio(c, routing)
         for d in c.drop_overloads[:1]:
             if ratio < d.below_routable_capacity_ratio:
-                cla.policy.drop_overloads.add(
-                    category=d.category,
-                    drop_percentage=percent_pb2.FractionalPercent(
-                        numerator=round(d.drop_percent * 10_000),
-                        denominator=percent_pb2.FractionalPercent.MILLION,
-                    ),
-                )
+                drop = (d.category, d.drop_percent)
+    if shed_percent > 0 and (drop is None or shed_percent > drop[1]):
+        drop = ("overload", min(100.0, shed_percent))
+    if drop is not None:
+        cla.policy.drop_overloads.add(
+            category=drop[0],
+            drop_percentage=percent_pb2.FractionalPercent(
+                numerator=round(drop[1] * 10_000), denominator=percent_pb2.FractionalPercent.MILLION))
     return cla
 
 
