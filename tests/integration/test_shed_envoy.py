@@ -66,6 +66,14 @@ async def test_queues_over_warning_shed_the_excess_and_lift_with_hysteresis(make
             return p or None
 
         percent = await wait_for(shedding, 10, what="shedding started")
+        # seed 002's warning level: an event and a metric per node
+        async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events") as r:
+            kinds = {(e["node"], e["kind"]) for e in (await r.json())["events"]}
+        assert {("gpu-a", "queue_warning"), ("gpu-b", "queue_warning")} <= kinds
+        async with http.get(f"http://127.0.0.1:{fleet.admin_port}/metrics") as r:
+            text = await r.text()
+        assert 'sentinel_node_queue_level{cluster="llm",level="warning",node="gpu-a"} 1.0' in text
+        assert 'sentinel_node_requests_waiting{cluster="llm",node="gpu-a"} 70.0' in text
         await asyncio.sleep(1.0)  # Envoy has the assignment
         shed = load.phase("shedding")
         await asyncio.sleep(3.0)

@@ -50,3 +50,11 @@ def test_stale_or_missing_telemetry_never_sheds(waiting, ages, offered, complete
     if not fresh:
         assert s.percent == 0.0 and s.reason.startswith("fail open")
     assert 0.0 <= s.percent <= CFG.max_percent
+
+
+def test_seed_002_queue_levels():
+    from xds_server.config import HealthConfig
+    from xds_server.control.queue import queue_level
+    cfg = HealthConfig()
+    assert [queue_level(w, cfg) for w in (None, 0, 50, 51, 100, 101)] == \
+        ["ok", "ok", "ok", "warning", "warning", "critical"]

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 
 from xds_server.admin.display import DISPLAY_STATES
 from xds_server.admin.views import ControlPlaneView
+from xds_server.control.queue import queue_level
 from xds_server.health.model import NodeState
 
 __all__ = ["ControlPlaneCollector", "EventLoopCollector", "build_info_family", "package_version"]
@@ -107,6 +108,7 @@ class ControlPlaneCollector:
             if nid in by_node:
                 ejections.add_metric([by_node[nid], nid, cause], v)
         yield from (state, weight, routed, rtt, ttft, ttft_ewma, hbs, bad, ramp, probes, ejections)
+        yield from _queues(view)
         shown = GaugeMetricFamily("sentinel_node_display_state", "1 for the state an operator is shown "
                                   "(health state, or DRAINING, FAIL_STATIC, UNREACHABLE, HELD_BACK; see "
                                   "xds_server/admin/display.py)", labels=["cluster", "node", "state"])
@@ -191,6 +193,25 @@ class ControlPlaneCollector:
                 errs.add_metric([cluster, s["source"]], s["errors"])
                 found.add_metric([cluster, s["source"]], len(s["nodes"]))
         yield from (errs, found)
+
+
+def _queues(view: ControlPlaneView):
+    """Seed 002's queue levels per node: waiting requests and ok / warning (> health.queue_warning)
+    / critical (> health.queue_critical, saturated)."""
+    cfg = view.config.health
+    waiting = GaugeMetricFamily("sentinel_node_requests_waiting", "requests waiting in the engine's queue "
+                                "(agent telemetry)", labels=["cluster", "node"])
+    level = GaugeMetricFamily("sentinel_node_queue_level", "1 for the node's queue level: ok, warning (> "
+                              "health.queue_warning, 50), critical (> health.queue_critical, 100; saturated)",
+                              labels=["cluster", "node", "level"])
+    for row in view.node_rows():
+        w = row.health.engine.requests_waiting
+        if w is not None:
+            waiting.add_metric([row.cluster, row.node_id], w)
+        now = queue_level(w, cfg)
+        for name in ("ok", "warning", "critical"):
+            level.add_metric([row.cluster, row.node_id, name], 1.0 if name == now else 0.0)
+    yield from (waiting, level)
 
 
 class EventLoopCollector:

@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from xds_server.config import SentinelConfig, parse_hostport
 from xds_server.control.core import ControlCore
+from xds_server.control.queue import QueueWatch
 from xds_server.control.traffic import TrafficEjector
 from xds_server.health.shed import ShedInputs, ShedState, shed_step
 from xds_server.health.traffic import Evidence
@@ -76,6 +77,7 @@ class LoadReportingService:
         self.ejector = TrafficEjector(core) if core is not None else None
         self._judged: dict[str, float] = {}  # cluster -> when it was last judged (monotonic s)
         self.shed: dict[str, ShedState] = {}  # cluster -> overload shedding (lrs.shed)
+        self.queues = QueueWatch()  # seed 002's queue levels as events, checked at each report
         self.authorize = authorize
         self.refusals = refusals
         self.monotonic = monotonic
@@ -172,6 +174,7 @@ class LoadReportingService:
                 continue
             self._judged[c.name] = now
             self._shed(cfg, c.name, [n.id for n in c.nodes], now)
+            self.queues.check(self.core, c.name, [n.id for n in c.nodes])
             if not te.enabled:
                 continue
             evidence = {}
