@@ -119,7 +119,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         self._schedule = ProbeScheduler(cfg.schedule_settings())
         self._hub = StreamHub(node_id=cfg.node_id, heartbeat_interval_ms=cfg.heartbeat_interval_ms,
                               queue_max=cfg.stream_queue_max, telemetry=self.telemetry,
-                              on_probe_now=self.request_probe)
+                              on_probe_now=self.request_probe, transport_liveness=cfg.transport_liveness)
         self._probe_seq = 0
         self._last_failure: probe_pb2.FailureKind | None = None
         self._load_reading: EngineLoadReading | None = None
@@ -219,7 +219,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
                 ("grpc.keepalive_time_ms", cfg.grpc_keepalive_time_ms),
                 ("grpc.keepalive_timeout_ms", 5_000),
                 ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", cfg.min_ping_interval_ms),
                 ("grpc.http2.max_pings_without_data", 0),
                 ("grpc.so_reuseport", 0),
             ]

@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="node id reported in heartbeats (default: host name)")
     p.add_argument("--heartbeat-interval-ms", type=_positive_int, default=100,
                    help="heartbeat period per stream, ms (default %(default)s)")
+    p.add_argument("--no-transport-liveness", dest="transport_liveness", action="store_false",
+                   help="send heartbeats every interval even when the control plane asks for "
+                   "liveness by HTTP/2 PINGs (as agents before it did; default: take the request)")
+    p.add_argument("--min-ping-interval-ms", type=_positive_int, default=50,
+                   help="least gap between the control plane's HTTP/2 PINGs accepted, ms (agents "
+                   "before transport liveness: 1000; default %(default)s)")
     p.add_argument("--engine-kind", default="auto", choices=list(ENGINE_KINDS),
                    help="engine family (adapter); auto detects it (default %(default)s)")
     p.add_argument("--metrics-url", type=_url, default=None,
@@ -273,7 +279,8 @@ def _run(args: argparse.Namespace) -> int:
             listen=args.listen,
             metrics_listen=args.metrics_listen,
             node_id=args.node_id or socket.gethostname(),
-            heartbeat_interval_ms=args.heartbeat_interval_ms,
+            heartbeat_interval_ms=args.heartbeat_interval_ms, transport_liveness=args.transport_liveness,
+            min_ping_interval_ms=args.min_ping_interval_ms,
             metrics_interval_ms=args.metrics_interval_ms,
             probe_interval_s=args.probe_interval_s,
             probe_idle_interval_s=args.probe_idle_interval_s,

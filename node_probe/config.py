@@ -67,6 +67,13 @@ class AgentConfig:
             stream are dropped (and counted) rather than growing memory for a stuck client.
         grpc_keepalive_time_ms: server-side HTTP/2 keepalive ping period (detects dead
             control planes on silent networks).
+        transport_liveness: take a control plane's request (``Hello.liveness``) for liveness by
+            HTTP/2 PINGs, heartbeats then sent on change only (False: heartbeats every interval
+            whatever is asked, as agents before it did; issue 24).
+        min_ping_interval_ms: the least gap (ms) between the control plane's keepalive PINGs
+            this server accepts without data (gRPC's grpc.http2.min_ping_interval_without_data_ms;
+            ours 50: half the control plane's 100 ms transport keepalive; gRPC's default 5 min
+            would answer a transport-liveness control plane with GOAWAY too_many_pings).
         tls_cert_file, tls_key_file: the agent's server certificate and key (PEM; both or
             neither): the gRPC port serves TLS, the files re-read when they change.
         tls_client_ca_file: with a certificate: the control plane must present a client
@@ -113,6 +120,8 @@ class AgentConfig:
     stream_queue_max: int = 1024
     metrics_listen: str | None = None
     grpc_keepalive_time_ms: int = 10_000
+    transport_liveness: bool = True
+    min_ping_interval_ms: int = 50
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
@@ -138,6 +147,8 @@ class AgentConfig:
             raise ValueError("metrics_interval_ms and metrics_timeout_ms must be >= 1")
         if self.stall_window_ms < 1:
             raise ValueError("stall_window_ms must be >= 1")
+        if not 1 <= self.min_ping_interval_ms <= 3_600_000:
+            raise ValueError(f"min_ping_interval_ms must be 1..3600000 ms: {self.min_ping_interval_ms!r}")
         if self.probe_interval_s <= 0:
             raise ValueError("probe_interval_s must be > 0")
         if self.probe_idle_interval_s is not None and self.probe_idle_interval_s <= 0:

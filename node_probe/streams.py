@@ -2,6 +2,12 @@
 fixed-rate heartbeat loop and a reader of the control plane's messages; probe results are
 fanned out to every open stream.
 
+Liveness per stream (the control plane's ``Hello.liveness``): heartbeat (the default, and what a
+control plane that does not ask gets) sends a heartbeat every interval; transport (when this agent
+takes it, ``transport_liveness``) leaves liveness to HTTP/2 PINGs and sends a heartbeat only when
+what the control plane judges by changes (:func:`change_key`: engine state, stall flag, GPU
+faults) or ``telemetry_refresh_ms`` passed since the last one; each says ``liveness`` TRANSPORT.
+
 A heartbeat or pong is queued as a placeholder and turned into its message only when the stream
 writes it, so a heartbeat carries the telemetry of the moment it leaves (never waits on a scrape,
 a probe or NVML) and a pong's ``processing_us`` covers the time it waited in the queue.
@@ -20,7 +26,7 @@ from typing import Any
 from node_probe.proto import probe_pb2
 from node_probe.ticks import sleep_until_tick
 
-__all__ = ["StreamHub"]
+__all__ = ["StreamHub", "change_key"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,18 @@ class _PendingPong:
 
 
 _CLOSE = object()
+_LIVENESS = {False: probe_pb2.LIVENESS_UNSPECIFIED, True: probe_pb2.LIVENESS_TRANSPORT}
+_DEFAULT_REFRESH_MS = 1000
+"""A transport-liveness refresh when the Hello names none (ms; the control plane's default)."""
+
+
+def change_key(tel: probe_pb2.Telemetry) -> tuple[Any, ...]:
+    """What a transport-liveness heartbeat is sent at once for when it changes: the engine state,
+    the stall flag, and the GPU faults (NVML state, per GPU its Xid events and uncorrected ECC
+    count). Load, progress and GPU memory ride on the next refresh."""
+    g = tel.gpu
+    return (tel.engine_state, tel.stalled, g.state,
+            tuple((r.index, tuple(r.xid_events), r.ecc_uncorrected) for r in g.gpus))
 
 
 @dataclass(eq=False)
@@ -45,6 +63,8 @@ class _Stream:
     peer: str
     queue: asyncio.Queue[Any]
     control_plane_id: str = ""
+    transport: bool = False  # liveness by HTTP/2 PINGs: heartbeats on change and refresh only
+    refresh_s: float = _DEFAULT_REFRESH_MS / 1000.0
     hb_seq: int = 0
     dropped: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -60,11 +80,14 @@ class StreamHub:
             are dropped (and counted) rather than growing memory for a stuck client.
         telemetry: returns the telemetry a heartbeat sent now carries (must not block).
         on_probe_now: called with the reason of each ``ProbeNow`` received.
+        transport_liveness: take a control plane's request for transport liveness (False: behave
+            as an agent before it, heartbeats every interval whatever the Hello asks).
     """
 
     def __init__(self, *, node_id: str, heartbeat_interval_ms: int, queue_max: int,
                  telemetry: Callable[[], probe_pb2.Telemetry],
-                 on_probe_now: Callable[[str], None]) -> None:
+                 on_probe_now: Callable[[str], None], transport_liveness: bool = True) -> None:
+        self._transport_ok = transport_liveness
         self._node_id = node_id
         self._interval_ms = heartbeat_interval_ms
         self._queue_max = queue_max
@@ -100,7 +123,7 @@ class StreamHub:
                 item = await st.queue.get()
                 if item is _CLOSE:
                     return
-                yield self._materialize(item)
+                yield self._materialize(item, st)
         finally:
             await self._close_stream(st)
 
@@ -134,9 +157,19 @@ class StreamHub:
         loop = asyncio.get_running_loop()
         period = self._interval_ms / 1000.0
         next_t = loop.time()  # first heartbeat as soon as the stream opens
+        sent_key: tuple[Any, ...] | None = None
+        sent_at = next_t
         while True:
-            st.hb_seq += 1
-            self._enqueue(st, _HeartbeatTick(st.hb_seq))
+            if st.transport:  # a heartbeat only on change or refresh, the change seen within a period
+                key = change_key(self._telemetry())
+                if key != sent_key or loop.time() - sent_at >= st.refresh_s - period / 2:
+                    sent_key, sent_at = key, loop.time()
+                    st.hb_seq += 1
+                    self._enqueue(st, _HeartbeatTick(st.hb_seq))
+            else:
+                sent_key = None  # the first heartbeat in transport mode is sent at once
+                st.hb_seq += 1
+                self._enqueue(st, _HeartbeatTick(st.hb_seq))
             next_t = await sleep_until_tick(loop, next_t + period, period)
 
     async def _read_loop(self, st: _Stream, requests: AsyncIterator[probe_pb2.ControlMessage]) -> None:
@@ -149,19 +182,21 @@ class StreamHub:
                     self._on_probe_now(msg.probe_now.reason or f"stream {st.id}")
                 elif kind == "hello":
                     st.control_plane_id = msg.hello.control_plane_id
-                    log.info("stream %d: hello from control plane %r (%s)",
-                             st.id, st.control_plane_id, st.peer)
+                    st.transport = self._transport_ok and msg.hello.liveness == probe_pb2.LIVENESS_TRANSPORT
+                    st.refresh_s = (msg.hello.telemetry_refresh_ms or _DEFAULT_REFRESH_MS) / 1000.0
+                    log.info("stream %d: hello from control plane %r (%s), liveness %s",
+                             st.id, st.control_plane_id, st.peer, "transport" if st.transport else "heartbeat")
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the client went away; the writer ends too
             log.debug("stream %d: read side ended: %r", st.id, exc)
         # Half-closed by the client: keep sending heartbeats until it cancels.
 
-    def _materialize(self, item: Any) -> probe_pb2.AgentMessage:
+    def _materialize(self, item: Any, st: _Stream) -> probe_pb2.AgentMessage:
         if isinstance(item, _HeartbeatTick):
             return probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(
                 seq=item.seq, interval_ms=self._interval_ms, node_id=self._node_id,
-                telemetry=self._telemetry()))
+                telemetry=self._telemetry(), liveness=_LIVENESS[st.transport]))
         if isinstance(item, _PendingPong):
             processing_us = (time.perf_counter_ns() - item.received_ns) // 1000
             return probe_pb2.AgentMessage(pong=probe_pb2.Pong(seq=item.seq, processing_us=processing_us))

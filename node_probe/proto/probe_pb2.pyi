@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Liveness(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LIVENESS_UNSPECIFIED: _ClassVar[Liveness]
+    LIVENESS_HEARTBEAT: _ClassVar[Liveness]
+    LIVENESS_TRANSPORT: _ClassVar[Liveness]
+
 class EngineState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ENGINE_STATE_UNSPECIFIED: _ClassVar[EngineState]
@@ -30,6 +36,9 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_KIND_HTTP_STATUS: _ClassVar[FailureKind]
     FAILURE_KIND_ENGINE_FATAL: _ClassVar[FailureKind]
     FAILURE_KIND_BAD_OUTPUT: _ClassVar[FailureKind]
+LIVENESS_UNSPECIFIED: Liveness
+LIVENESS_HEARTBEAT: Liveness
+LIVENESS_TRANSPORT: Liveness
 ENGINE_STATE_UNSPECIFIED: EngineState
 ENGINE_STATE_COLD: EngineState
 ENGINE_STATE_WARMING: EngineState
@@ -57,10 +66,14 @@ class ControlMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., probe_now: _Optional[_Union[ProbeNow, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("control_plane_id",)
+    __slots__ = ("control_plane_id", "liveness", "telemetry_refresh_ms")
     CONTROL_PLANE_ID_FIELD_NUMBER: _ClassVar[int]
+    LIVENESS_FIELD_NUMBER: _ClassVar[int]
+    TELEMETRY_REFRESH_MS_FIELD_NUMBER: _ClassVar[int]
     control_plane_id: str
-    def __init__(self, control_plane_id: _Optional[str] = ...) -> None: ...
+    liveness: Liveness
+    telemetry_refresh_ms: int
+    def __init__(self, control_plane_id: _Optional[str] = ..., liveness: _Optional[_Union[Liveness, str]] = ..., telemetry_refresh_ms: _Optional[int] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ("seq",)
@@ -85,16 +98,18 @@ class AgentMessage(_message.Message):
     def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., inference_result: _Optional[_Union[InferenceResult, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "interval_ms", "node_id", "telemetry")
+    __slots__ = ("seq", "interval_ms", "node_id", "telemetry", "liveness")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TELEMETRY_FIELD_NUMBER: _ClassVar[int]
+    LIVENESS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     interval_ms: int
     node_id: str
     telemetry: Telemetry
-    def __init__(self, seq: _Optional[int] = ..., interval_ms: _Optional[int] = ..., node_id: _Optional[str] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ...) -> None: ...
+    liveness: Liveness
+    def __init__(self, seq: _Optional[int] = ..., interval_ms: _Optional[int] = ..., node_id: _Optional[str] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., liveness: _Optional[_Union[Liveness, str]] = ...) -> None: ...
 
 class Pong(_message.Message):
     __slots__ = ("seq", "processing_us")

@@ -25,6 +25,35 @@ class ProbeConfig(_Model):
         "pause) the ping sent before it would cut every probe stream as we wake (the fault matrix's "
         "control-plane SIGSTOP then ejected a node); a silent stream is closed by "
         "silent_stream_redial_ms instead, which knows about our stalls")
+    liveness: Literal["heartbeat", "transport"] = Field(
+        "heartbeat",
+        description="how a node's liveness is judged (issue 24; docs/xds_protocol.md 'Liveness modes'): "
+        "'heartbeat' = the agent's 100 ms heartbeats (arrival gaps: phi accrual, misses); 'transport' = "
+        "HTTP/2 keepalive PINGs every transport_keepalive_time_ms answered within "
+        "transport_ping_timeout_ms (inside gRPC's C core), the agent sending telemetry only on change "
+        "and every telemetry_refresh_ms. Asked per stream in Hello; an agent that does not echo it "
+        "(an older one) is judged by heartbeats. Default heartbeat: benchmarks/RESULTS.md 'Liveness "
+        "by transport' says why",
+    )
+    telemetry_refresh_ms: int = Field(
+        1000, ge=100, le=60_000,
+        description="transport liveness: unchanged telemetry is re-sent by the agent at most this "
+        "often (ms; ours, the issue's 1 s: GPU readings are polled each 1 s). Changes (stall flag, "
+        "GPU fault, engine state) and probe results are sent at once",
+    )
+    transport_keepalive_time_ms: int = Field(
+        100, ge=10, le=60_000,
+        description="transport liveness: HTTP/2 PING interval on the probe channel (ms; ours: with "
+        "transport_ping_timeout_ms 100, a SIGSTOPped peer failed the stream ~200 ms after its freeze, "
+        "as 100 ms heartbeats convict by phi; docs/xds_protocol.md)",
+    )
+    transport_ping_timeout_ms: int = Field(
+        100, ge=10, le=60_000,
+        description="transport liveness: a PING not answered within this (ms) fails the connection "
+        "(set as grpc.keepalive_timeout_ms and grpc.http2.ping_timeout_ms, which gRPC 1.85 needs to "
+        "enforce it). A stall of our own that outlasts it cuts every stream as we wake: the "
+        "stall hold (stall_hold_ms) keeps that from being a verdict; docs/xds_protocol.md",
+    )
     channel_initial_backoff_ms: int = Field(
         100, ge=1,
         description="gRPC channel's own first reconnect backoff (gRPC's default is 1 s: too slow "
@@ -111,10 +140,17 @@ class ProbeConfig(_Model):
 
     def channel_options(self, max_backoff_ms: float) -> list[tuple[str, int]]:
         """The gRPC channel options of a probe stream: keepalive, and reconnect backoff from
-        ``channel_initial_backoff_ms`` up to ``max_backoff_ms`` (``health.reconnect_backoff_max_ms``)."""
+        ``channel_initial_backoff_ms`` up to ``max_backoff_ms`` (``health.reconnect_backoff_max_ms``).
+        With ``liveness`` transport the keepalive is the transport's PINGs, their deadline enforced."""
+        if self.liveness == "transport":
+            keepalive = [("grpc.keepalive_time_ms", self.transport_keepalive_time_ms),
+                         ("grpc.keepalive_timeout_ms", self.transport_ping_timeout_ms),
+                         ("grpc.http2.ping_timeout_ms", self.transport_ping_timeout_ms)]
+        else:
+            keepalive = [("grpc.keepalive_time_ms", self.keepalive_time_ms),
+                         ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms)]
         return [
-            ("grpc.keepalive_time_ms", self.keepalive_time_ms),
-            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+            *keepalive,
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.initial_reconnect_backoff_ms", self.channel_initial_backoff_ms),

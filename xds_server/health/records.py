@@ -158,9 +158,12 @@ class Tick:
 @fast_init
 @dataclass(frozen=True, slots=True)
 class StreamClosed:
-    """The probe stream to the agent ended or could not be opened (counts as one miss at once)."""
+    """The probe stream to the agent ended or could not be opened (counts as one miss at once).
+    ``liveness_lost``: it failed because the transport's liveness check did (an HTTP/2 PING of
+    ``probe.liveness`` transport unanswered in time): the whole miss threshold at once."""
 
     detail: str = ""
+    liveness_lost: bool = False
 
 
 @fast_init

@@ -182,6 +182,8 @@ def _record_silence(nh: NodeHealth, obs: Tick | StreamClosed, c: _StepCtx) -> No
     closed = h.stream_closed or isinstance(obs, StreamClosed)
     # A closed stream counts as one miss at once, on top of the heartbeats not arrived.
     misses = max(misses_at(h.last_s, c.now_s, c.cfg) + (1 if closed else 0), h.consecutive_misses)
+    if isinstance(obs, StreamClosed) and obs.liveness_lost:  # the transport's own liveness failed
+        misses = max(misses, c.cfg.consecutive_misses)
     return replace(nh, heartbeat=replace(h, consecutive_misses=misses, stream_closed=closed))
 
 

@@ -36,6 +36,7 @@ from xds_server.health.counters import Counters
 from xds_server.health.outcome import is_refusal
 from xds_server.health.records import Observation, PingObserved, ProbeObserved, ProbeResultKind, StreamClosed, Tick
 from xds_server.probing.edge import AgentEdge, BadField, CheckedHeartbeat, CheckedPong, CheckedResult, TelemetrySummary
+from xds_server.probing.liveness import StreamState, hello, liveness_lost, reasserted, silent_after_s
 from xds_server.probing.silence import SilenceGate, SilentStream
 from xds_server.probing.sources import ObservationSink, ProbeSource, ProbeSourceContext
 from xds_server.probing.timers import TickTimer
@@ -45,22 +46,6 @@ from xds_server.process.untrusted import RateLimitedLog, clip, for_log
 __all__ = ["ProbeSession", "SilentStream", "grpc_probe_source"]
 
 log = logging.getLogger("xds_server.probing")  # the stage's name, as before the package
-
-class _Stream:
-    """What one open Watch stream knows: the pings in flight (seq -> sent at, ``time.monotonic``
-    s: uvloop's loop clock counts whole milliseconds, too coarse for a LAN's RTT), the last
-    Ping.seq sent, whether a heartbeat came yet, and the last heartbeat's arrival (loop s; the
-    stream's opening until the first)."""
-
-    __slots__ = ("got_any", "had_hb", "last_hb", "ping_seq", "pings")
-
-    def __init__(self, opened_s: float) -> None:
-        self.pings: dict[int, float] = {}
-        self.ping_seq = 0
-        self.got_any = False
-        self.had_hb = False
-        self.last_hb = opened_s
-
 
 class ProbeSession:
     """Watches one node through its agent. ``sink(node_id, observation, now_s)`` gets every observation.
@@ -112,8 +97,8 @@ class ProbeSession:
         self._rl = RateLimitedLog(log, self.probe_cfg.malformed_log_interval_s, max_keys=256)
         self._unreachable_rl = RateLimitedLog(log, self.probe_cfg.unreachable_log_interval_s, max_keys=1)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stream: _Stream | None = None
-        self._latest: _Stream | None = None  # the open stream, or the one that ended last
+        self._stream: StreamState | None = None
+        self._latest: StreamState | None = None  # the open stream, or the one that ended last
         self._gap_limit = miss_after_s(cfg)
         self.silence_gate = SilenceGate(cfg, self.probe_cfg)
 
@@ -171,9 +156,13 @@ class ProbeSession:
         self._timer.arm(at_s)
 
     def _tick(self) -> None:
-        self._judge(self.silence_gate.due(self._now(), self._heard_s()))
+        verdict: float | Observation = self.silence_gate.due(self._now(), self._heard_s())
+        st = self._stream
+        if type(verdict) is Tick and st is not None and st.transport and st.obs is not None:
+            verdict = reasserted(st.obs, st.obs_s, self._now())  # transport liveness: still answering
+        self._judge(verdict)
 
-    def _judge(self, verdict: float | Tick | StreamClosed) -> None:
+    def _judge(self, verdict: float | Observation) -> None:
         """Emit a verdict on the node's silence, or (a loop time) re-arm at the end of a hold."""
         if isinstance(verdict, float):
             self._arm(verdict)
@@ -202,7 +191,7 @@ class ProbeSession:
         pc = self.probe_cfg
         options = pc.channel_options(self.cfg.reconnect_backoff_max_ms)
         while True:
-            got_any = False
+            got_any = lost = False
             try:
                 channel = dial(self.node.probe_address, options=options, tls=self.tls)
                 try:
@@ -211,6 +200,7 @@ class ProbeSession:
                 except grpc.aio.AioRpcError as e:
                     got_any = self.connected
                     detail = f"{e.code().name}: {clip(e.details() or '', pc.max_text_chars)}"
+                    lost = self._latest is not None and self._latest.transport and liveness_lost(e)
                 except SilentStream as e:
                     got_any = False  # back off: an agent that holds streams open silently is not well
                     detail = str(e)
@@ -225,7 +215,9 @@ class ProbeSession:
                 self._rl.log(logging.ERROR, self._now(), "session", "probe session %s failed: %s",
                              for_log(self.node.id), for_log(detail, 256))
             try:
-                self._judge(self.silence_gate.closed(self._now(), detail, self._heard_s()))
+                closed = self.silence_gate.closed(self._now(), detail, self._heard_s())
+                lost = lost and type(closed) is StreamClosed  # (not a close kept during a hold)
+                self._judge(StreamClosed(detail, liveness_lost=True) if lost else closed)
             except Exception:
                 self._handler_failed("stream_closed")
             extra = {"node": self.node.id, "reason": detail}
@@ -257,10 +249,10 @@ class ProbeSession:
         outq: asyncio.Queue[probe_pb2.ControlMessage] = asyncio.Queue()
         self._outq = outq
         loop = asyncio.get_running_loop()
-        self._stream = self._latest = st = _Stream(loop.time())
+        self._stream = self._latest = st = StreamState(loop.time())
         self.edge.stream_started()
         pings = st.pings
-        silent_s = self.probe_cfg.silent_stream_redial_ms / 1000.0
+        silent_s = silent_after_s(self.probe_cfg)
 
         async def writer() -> None:
             # The only writer of this stream: grpc.aio allows one write in flight at a time.
@@ -268,8 +260,7 @@ class ProbeSession:
                 await call.write(await outq.get())
 
         async def pinger() -> None:
-            outq.put_nowait(probe_pb2.ControlMessage(
-                hello=probe_pb2.Hello(control_plane_id=self.control_plane_id)))
+            outq.put_nowait(hello(self.control_plane_id, self.probe_cfg))
             # A (re)connected control plane has no probe result yet: ask for one now rather than
             # waiting up to the agent's busy cadence (3-5 s); keeps the warm-up gate short.
             outq.put_nowait(probe_pb2.ControlMessage(probe_now=probe_pb2.ProbeNow(reason="connected")))
@@ -337,13 +328,16 @@ class ProbeSession:
                     st.got_any = True
                     self.connected = True
                     self.connects += 1
-                if st.had_hb and now - st.last_hb > self._gap_limit:
+                if st.had_hb and now - st.last_hb > self._gap_limit and not st.transport:
                     # Pings outstanding across a heartbeat gap would measure the silence (a
                     # frozen host), which the heartbeat rules already judged, not the network.
                     self.rtt_samples_dropped += len(st.pings)
                     st.pings.clear()
-                st.last_hb = now
+                st.last_hb = st.obs_s = now
                 st.had_hb = True
+                st.obs = checked.observation
+                if msg.heartbeat.liveness == probe_pb2.LIVENESS_TRANSPORT and self.probe_cfg.liveness == "transport":
+                    st.transport = True
                 tel = checked.telemetry
                 self.last_telemetry = tel
                 if tel.stalled and not self._stalled:

@@ -79,6 +79,7 @@ class Fleet:
     # Envoy's xds_cluster transport_socket (envoy.bootstrap.xds_tls_transport_socket); None: plaintext.
     envoy_xds_tls: dict[str, Any] | None = None
     engine_args: list[str] = field(default_factory=list)  # more `sim-engine` arguments ("--byte-token-rate", ...)
+    agent_args: list[list[str]] = field(default_factory=list)  # more agent arguments, by node index
     nodes: list[NodeProcs] = field(default_factory=list)
     procs: list[ManagedProcess] = field(default_factory=list)
 
@@ -119,14 +120,15 @@ class Fleet:
                              "--replica-id", n.node_id, "--token-interval-ms", str(self.token_interval_ms),
                              *self.engine_args),
                     wd / f"engine-{n.node_id}.log", ready_pattern="listening"))
-            for n in self.nodes:
+            for i, n in enumerate(self.nodes):
                 n.agent = self._spawn(ManagedProcess(
                     f"agent-{n.node_id}",
                     self._py("-m", "node_probe.cli", "--engine-url", n.engine_url,
                              "--listen", f"127.0.0.1:{n.agent_port}", "--node-id", n.node_id,
                              "--heartbeat-interval-ms", str(self.heartbeat_interval_ms),
                              "--probe-interval-s", str(self.probe_interval_s),
-                             "--probe-timeout-ms", str(self.probe_timeout_ms)),
+                             "--probe-timeout-ms", str(self.probe_timeout_ms),
+                             *(self.agent_args[i] if i < len(self.agent_args) else [])),
                     wd / f"agent-{n.node_id}.log", ready_pattern="listening"))
             self.xds_port, self.admin_port = free_port(), free_port()
             cfg = self.config_dict()

@@ -1,0 +1,156 @@
+"""Issue 24: the two liveness modes at their edges: the agent's StreamHub sends heartbeats on
+change and refresh only when a Hello asks for transport liveness (and it takes it), the probe
+channel's keepalive enforces its deadline only in transport liveness, and the helpers of
+``xds_server.probing.liveness``."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from node_probe.proto import probe_pb2
+from node_probe.streams import StreamHub, change_key
+from xds_server.config import ProbeConfig
+from xds_server.health.records import HeartbeatObserved
+from xds_server.probing.liveness import hello, liveness_lost, reasserted, silent_after_s
+
+
+async def _requests(first: probe_pb2.ControlMessage | None):
+    if first is not None:
+        yield first
+    await asyncio.Event().wait()  # the control plane keeps its side open
+
+
+async def _heartbeats(hub: StreamHub, first: probe_pb2.ControlMessage | None, seconds: float,
+                      at=None) -> list[probe_pb2.Heartbeat]:
+    got: list[probe_pb2.Heartbeat] = []
+
+    async def read() -> None:
+        async for m in hub.serve(_requests(first), "test"):
+            if m.WhichOneof("msg") == "heartbeat":
+                got.append(m.heartbeat)
+
+    task = asyncio.create_task(read())
+    if at is not None:
+        await asyncio.sleep(seconds / 2)
+        at()
+        await asyncio.sleep(seconds / 2)
+    else:
+        await asyncio.sleep(seconds)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await hub.close()
+    return got
+
+
+def _hub(tel: list[probe_pb2.Telemetry], transport_ok: bool = True) -> StreamHub:
+    return StreamHub(node_id="n", heartbeat_interval_ms=20, queue_max=64, telemetry=lambda: tel[0],
+                     on_probe_now=lambda _r: None, transport_liveness=transport_ok)
+
+
+def _hello(liveness: int, refresh_ms: int = 400) -> probe_pb2.ControlMessage:
+    return probe_pb2.ControlMessage(hello=probe_pb2.Hello(control_plane_id="cp", liveness=liveness,
+                                                          telemetry_refresh_ms=refresh_ms))
+
+
+async def test_transport_hello_sends_heartbeats_on_change_and_refresh_only():
+    tel = [probe_pb2.Telemetry(engine_state=probe_pb2.ENGINE_STATE_READY)]
+
+    def stall() -> None:
+        tel[0] = probe_pb2.Telemetry(engine_state=probe_pb2.ENGINE_STATE_READY, stalled=True)
+
+    got = await _heartbeats(_hub(tel), _hello(probe_pb2.LIVENESS_TRANSPORT), 1.2, at=stall)
+    transport = [h for h in got if h.liveness == probe_pb2.LIVENESS_TRANSPORT]
+    # at 20 ms that would be ~60 heartbeats; on change and a 400 ms refresh: the first (before
+    # the Hello was read), the first in transport, ~2 refreshes, the stall at once
+    assert 3 <= len(transport) <= 7, [(h.seq, h.telemetry.stalled) for h in got]
+    assert len(got) - len(transport) <= 2
+    assert any(h.telemetry.stalled for h in transport)
+
+
+async def test_heartbeat_hello_an_old_control_plane_or_a_declining_agent_get_every_heartbeat():
+    tel = [probe_pb2.Telemetry(engine_state=probe_pb2.ENGINE_STATE_READY)]
+    for hub, first in ((_hub(tel), _hello(probe_pb2.LIVENESS_HEARTBEAT)),
+                       (_hub(tel), probe_pb2.ControlMessage(hello=probe_pb2.Hello(control_plane_id="old"))),
+                       (_hub(tel, transport_ok=False), _hello(probe_pb2.LIVENESS_TRANSPORT))):
+        got = await _heartbeats(hub, first, 0.6)
+        assert len(got) >= 15, len(got)  # every 20 ms (a loaded host may lose some)
+        assert all(h.liveness == probe_pb2.LIVENESS_UNSPECIFIED for h in got)
+
+
+def test_change_key_sees_engine_state_stall_and_gpu_faults_not_load():
+    base = probe_pb2.Telemetry(engine_state=probe_pb2.ENGINE_STATE_READY)
+    base.gpu.gpus.add(index=0)
+    k = change_key(base)
+    load = probe_pb2.Telemetry()
+    load.CopyFrom(base)
+    load.engine_load.requests_running = 7.0
+    load.gpu.gpus[0].memory_used_bytes = 123
+    assert change_key(load) == k
+    for edit in (lambda t: setattr(t, "engine_state", probe_pb2.ENGINE_STATE_FAILED),
+                 lambda t: setattr(t, "stalled", True),
+                 lambda t: t.gpu.gpus[0].xid_events.append(79),
+                 lambda t: setattr(t.gpu.gpus[0], "ecc_uncorrected", 1),
+                 lambda t: setattr(t.gpu, "state", probe_pb2.NVML_STATE_ERROR)):
+        t = probe_pb2.Telemetry()
+        t.CopyFrom(base)
+        edit(t)
+        assert change_key(t) != k
+
+
+def test_channel_keepalive_enforced_only_in_transport_liveness():
+    hb = dict(ProbeConfig().channel_options(5000))
+    assert "grpc.http2.ping_timeout_ms" not in hb and hb["grpc.keepalive_time_ms"] == 1000
+    tr = dict(ProbeConfig(liveness="transport", transport_keepalive_time_ms=200,
+                          transport_ping_timeout_ms=150).channel_options(5000))
+    assert tr["grpc.keepalive_time_ms"] == 200
+    assert tr["grpc.keepalive_timeout_ms"] == tr["grpc.http2.ping_timeout_ms"] == 150
+
+
+def test_probe_liveness_config_is_checked():
+    assert ProbeConfig().liveness == "heartbeat"
+    for bad in ({"liveness": "pings"}, {"telemetry_refresh_ms": 50}, {"transport_ping_timeout_ms": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ProbeConfig(**bad)
+
+
+def test_hello_and_silent_stream_limit_follow_the_mode():
+    assert hello("cp", ProbeConfig()).hello.liveness == probe_pb2.LIVENESS_HEARTBEAT
+    t = hello("cp", ProbeConfig(liveness="transport", telemetry_refresh_ms=1500)).hello
+    assert (t.liveness, t.telemetry_refresh_ms, t.control_plane_id) == (probe_pb2.LIVENESS_TRANSPORT, 1500, "cp")
+    assert silent_after_s(ProbeConfig()) == 2.0
+    assert silent_after_s(ProbeConfig(liveness="transport", telemetry_refresh_ms=1500)) == 4.5
+
+
+def test_reasserted_keeps_the_object_or_ages_the_progress_evidence():
+    quiet = HeartbeatObserved()
+    assert reasserted(quiet, 10.0, 10.5) is quiet
+    busy = HeartbeatObserved(progress_age_ms=100.0, progress_detail="moved")
+    again = reasserted(busy, 10.0, 10.5)
+    assert again.progress_age_ms == pytest.approx(600.0) and again.progress_detail == "moved"
+
+
+class _Err(grpc.aio.AioRpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def test_liveness_lost_is_an_unanswered_ping_only():
+    assert liveness_lost(_Err(grpc.StatusCode.UNAVAILABLE, "Stream removed (ping timeout)"))
+    assert not liveness_lost(_Err(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)"))
+    assert not liveness_lost(_Err(grpc.StatusCode.CANCELLED, "ping timeout"))
+
+
+def test_a_stream_failed_by_an_unanswered_ping_ejects_at_once_a_plain_close_counts_one_miss():
+    from xds_server.config import HealthConfig
+    from xds_server.health.model import NodeState, StreamClosed
+    from xds_server.health.sim import NodeSim
+
+    for lost, misses, state in ((True, 3, NodeState.UNHEALTHY), (False, 1, NodeState.HEALTHY)):
+        sim = NodeSim(cfg=HealthConfig(ramp_step_percent=50, ramp_step_s=1.0))
+        sim.run_until(4.0)
+        assert sim.nh.state is NodeState.HEALTHY
+        last = sim.nh.heartbeat.last_s
+        sim.apply(StreamClosed("UNAVAILABLE: Stream removed (ping timeout)", liveness_lost=lost), last + 0.01)
+        assert (sim.nh.heartbeat.consecutive_misses, sim.nh.state) == (misses, state)
