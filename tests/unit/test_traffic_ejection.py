@@ -30,8 +30,8 @@ def test_a_node_failing_real_traffic_is_ejected_with_the_evidence_named():
 
 
 def test_below_minimum_volume_nothing_is_decided():
-    nodes = [("a", healthy("a"), Evidence(10, 0, 3, 10.0)), ("c", healthy("c"), Evidence(0, 19, 3, 10.0))]
-    assert not traffic_verdicts(nodes, CFG, 50.0).eject  # 19 < min_requests 20
+    nodes = [("a", healthy("a"), Evidence(10, 0, 3, 10.0)), ("c", healthy("c"), Evidence(0, 9, 3, 10.0))]
+    assert not traffic_verdicts(nodes, CFG, 50.0).eject  # 9 < min_requests 10
 
 
 def test_success_rate_rule_leave_one_out_and_floor():
