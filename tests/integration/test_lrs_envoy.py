@@ -13,7 +13,14 @@ from envoy.service.load_stats.v3 import lrs_pb2
 
 from xds_server.config import parse_config
 from xds_server.server import ControlPlane
-from xds_server.testing import InMemoryProbes, LoadGenerator, StandaloneEnvoy, free_port, wait_for
+from xds_server.testing import (
+    InMemoryProbes,
+    LoadGenerator,
+    StandaloneEnvoy,
+    free_port,
+    restart_control_plane,
+    wait_for,
+)
 
 pytestmark = pytest.mark.envoy
 
@@ -229,3 +236,42 @@ async def test_real_traffic_failures_eject_fleet_wide_before_any_envoy_could(mak
     finally:
         for e in extra:
             e.stop()
+
+
+async def test_counts_stay_exact_across_a_control_plane_restart(make_fleet, http):
+    # Envoy keeps counting while its LRS stream is down and reports the lot to the new process:
+    # old process's totals + new process's totals == what was sent, per node
+    fleet = make_fleet(n_nodes=2)
+    await fleet.wait_all_routed(http)
+
+    async def listed() -> bool:
+        async with http.get(f"http://127.0.0.1:{fleet.admin_port}/clusters") as r:
+            return (await r.json())["clusters"][0]["traffic"]["envoys_reporting_cluster"] == 1
+
+    async def totals() -> dict[str, int]:
+        return {nid: v["traffic"]["since_start"]["succeeded"] for nid, v in (await fleet.cp_nodes(http)).items()}
+
+    await wait_for(listed, 10, what="Envoy reports cluster llm")
+    load = LoadGenerator(fleet.url, concurrency=2, max_tokens=1)
+    await load.start()
+    await asyncio.sleep(1.5)
+    first = await totals()  # kill right after a report lands, so none arrives between read and kill
+    old = await wait_for(lambda: _changed(totals, first), 5, step_s=0.01, what="a report landed")
+    await restart_control_plane(fleet, down_s=0.5, kill=True)
+    await asyncio.sleep(1.5)
+    await load.stop()
+    sent = dict(load.totals().ok_by_node)
+    assert load.totals().failed == 0
+    got = await wait_for(lambda: _summed(totals, old, sent), 10, what=f"old + new totals equal {sent}")
+    print(f"\nsent {sent}; old process {old}; old + new {got}")
+
+
+async def _changed(totals, first):
+    now = await totals()
+    return now if now != first else None
+
+
+async def _summed(totals, old, sent):
+    new = await totals()
+    got = {n: old.get(n, 0) + new.get(n, 0) for n in sent}
+    return got if got == sent else None
