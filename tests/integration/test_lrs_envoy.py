@@ -47,7 +47,7 @@ async def test_three_envoys_reports_sum_exactly_per_node(make_fleet, http):
                 for u in (fleet.url, *(e.url for e in extra))]
         for g in gens:
             await g.start()
-        await asyncio.sleep(2.5)
+        await asyncio.sleep(1.5)
         for g in gens:
             await g.stop()
         sent: dict[str, int] = {}

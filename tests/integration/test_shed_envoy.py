@@ -56,7 +56,7 @@ async def test_queues_over_warning_shed_the_excess_and_lift_with_hysteresis(make
     load = LoadGenerator(fleet.url, concurrency=2, max_tokens=1)
     await load.start()
     try:
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(1.0)
         for n in ("gpu-a", "gpu-b"):
             await fleet.set_fault(http, n, "queue", waiting=70)
 
@@ -76,13 +76,13 @@ async def test_queues_over_warning_shed_the_excess_and_lift_with_hysteresis(make
         assert 'sentinel_node_requests_waiting{cluster="llm",node="gpu-a"} 70.0' in text
         await asyncio.sleep(1.0)  # Envoy has the assignment
         shed = load.phase("shedding")
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(2.0)
         for n in ("gpu-a", "gpu-b"):
             await fleet.set_fault(http, n, "none")
         await wait_for(lambda: _not(shedding), 10, what="shedding lifted")
         await asyncio.sleep(1.0)
         after = load.phase("lifted")
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(1.0)
     finally:
         await load.stop()
     total = shed.ok + shed.failed
