@@ -195,6 +195,14 @@ function drainButton(n) {
   return b;
 }
 
+// real traffic summed over every Envoy (LRS, issue 22) beside the probe's view; null without any
+function trafficLine(n) {
+  const t = n.traffic;
+  if (!t || !t.issued) return null;
+  const ok = t.success_ratio === null ? "-" : `${(t.success_ratio * 100).toFixed(1)} % ok`;
+  return el("div", {class: "muted traffic", text: `real ${t.rps.toFixed(1)} rps, ${ok} (${t.reporting_envoys} Envoys)`});
+}
+
 function nodeRow(n, now, sp) {
   const h = remember(n, now);
   const shown = n.display_state || n.state;
@@ -208,7 +216,8 @@ function nodeRow(n, now, sp) {
     el("td", {}, el("span", {class: `eds ${n.eds_health_status}`, text: n.eds_health_status}),
       el("div", {class: "muted", text: n.probe_stream_connected ? "agent connected" : "agent not connected"})),
     el("td", {}, spark(h.t, h.rtt, sp), el("div", {class: "muted", text: `RTT ${fmtMs(n.ewma_rtt_ms)}`})),
-    el("td", {}, spark(h.t, h.ttft, sp), el("div", {class: "muted", text: `TTFT ${fmtMs(n.last_ttft_ms)}`})),
+    el("td", {}, spark(h.t, h.ttft, sp), el("div", {class: "muted", text: `TTFT ${fmtMs(n.last_ttft_ms)}`}),
+      trafficLine(n)),
     whyCell(n),
     probationCell(n),
     el("td", {}, drainButton(n)));
