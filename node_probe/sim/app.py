@@ -197,7 +197,7 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
 
     ex = _Exchange(job, cfg)
     loop = asyncio.get_running_loop()
-    interval_s = cfg.token_interval_ms / 1000.0
+    interval_s = cfg.token_interval_ms / 1000.0 * engine.faults.load_factor(engine.in_flight)  # load_slow
     first_delay_s = engine.faults.ttft_ms / 1000.0 if engine.mode == "slow" else interval_s
     finished = "abort"
     resp: web.StreamResponse | None = None
@@ -343,7 +343,7 @@ async def _set_fault(request: web.Request) -> web.Response:
         state = engine.set_fault(mode, ttft_ms=ttft, waiting=body.get("waiting"),
                                  after_tokens=body.get("after_tokens"), times=body.get("times"),
                                  prefill_ms=body.get("prefill_ms"), rate=body.get("rate"),
-                                 min_prompt_tokens=body.get("min_prompt_tokens"))
+                                 min_prompt_tokens=body.get("min_prompt_tokens"), knee=body.get("knee"))
     except ValueError as exc:
         return _fault_error(str(exc))
     return web.json_response(state)

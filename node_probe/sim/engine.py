@@ -116,7 +116,7 @@ class SimEngine:
     def set_fault(self, mode: str, *, ttft_ms: float | None = None, waiting: int | None = None,
                   after_tokens: int | None = None, times: int | None = None,
                   prefill_ms: float | None = None, rate: float | None = None,
-                  min_prompt_tokens: int | None = None) -> dict[str, Any]:
+                  min_prompt_tokens: int | None = None, knee: int | None = None) -> dict[str, Any]:
         """Switch the fault mode and return the new state; parked requests resume unless the
         new mode is ``hang`` or ``prefill`` (whose end is a timer on the running loop).
 
@@ -131,7 +131,8 @@ class SimEngine:
             except RuntimeError:
                 raise ValueError("prefill needs a running event loop") from None
         self.faults.set(mode, ttft_ms=ttft_ms, waiting=waiting, after_tokens=after_tokens,
-                        times=times, prefill_ms=prefill_ms, rate=rate, min_prompt_tokens=min_prompt_tokens)
+                        times=times, prefill_ms=prefill_ms, rate=rate, min_prompt_tokens=min_prompt_tokens,
+                        knee=knee)
         if self._prefill_end is not None:
             self._prefill_end.cancel()
             self._prefill_end = None

@@ -43,6 +43,10 @@ says. Modes (``POST /sim/fault`` body ``{"mode": ..., params}``):
                     ``min_prompt_tokens`` tokens (default 0: every prompt) are answered HTTP
                     500 (the ``error`` body) at ``rate`` (0..1, default 1; deterministic: the
                     k-th such request fails when floor(k x rate) grows). Probes always pass.
+``load_slow``       a node that slows down under load (KV cache thrashing when survivors take
+                    2x their share, seed 002): each token of a new request takes the engine's
+                    interval x (1 + requests in flight / ``knee``) (``knee`` default 4: 4 in
+                    flight double it). Probes are slowed alike (they share the batch).
 ``hang_after_headers`` new user requests (the next ``times``) send their headers (streams: 200
                     SSE headers; non-streaming: nothing) and then never a token; the rest of
                     the engine works. ``none`` (or any other mode) releases them.
@@ -76,7 +80,7 @@ __all__ = [
 MIDSTREAM_MODES = ("freeze_after", "reset_after", "fail_after", "error_after", "garble_after")
 #: Fault modes accepted by ``POST /sim/fault``.
 FAULT_MODES = ("none", "hang", "slow", "error", "queue", *MIDSTREAM_MODES, "hang_after_headers", "prefill",
-               "user_error")
+               "user_error", "load_slow")
 _COUNTED = (*MIDSTREAM_MODES, "hang_after_headers")
 
 #: Default first-token delay for ``slow`` when the fault request gives no ``ttft_ms`` (ms).
@@ -92,7 +96,7 @@ PREFILL_KV_RISE = 0.078
 GARBLED_EVENT = b'data: {"id":"cmpl-garbled","object":"text_completion","choices":[{"index":0,"te\n\n'
 #: Accepted keys of a fault request.
 FAULT_FIELDS = frozenset({"mode", "ttft_ms", "waiting", "after_tokens", "times", "prefill_ms", "rate",
-                          "min_prompt_tokens"})
+                          "min_prompt_tokens", "knee"})
 
 
 class Faults:
@@ -108,6 +112,7 @@ class Faults:
         self.rate = 1.0  # ``user_error``: share of matching user requests failed (0..1)
         self.min_prompt_tokens = 0  # ``user_error``: shortest prompt (tokens) that fails
         self._matched = 0  # ``user_error``: matching user requests seen
+        self.knee = 4  # ``load_slow``: requests in flight that double the token interval
 
     def state(self) -> dict[str, Any]:
         """JSON view: ``mode``, ``ttft_ms``, ``waiting``; plus ``after_tokens`` and ``times``
@@ -118,6 +123,8 @@ class Faults:
             out["prefill_ms"] = self.prefill_ms
         if self.mode == "user_error":
             out.update(rate=self.rate, min_prompt_tokens=self.min_prompt_tokens)
+        if self.mode == "load_slow":
+            out["knee"] = self.knee
         if self.mode in _COUNTED:
             out["times"] = self.times
             if self.mode in MIDSTREAM_MODES:
@@ -127,7 +134,7 @@ class Faults:
     def set(self, mode: str, *, ttft_ms: float | None = None, waiting: int | None = None,
             after_tokens: int | None = None, times: int | None = None,
             prefill_ms: float | None = None, rate: float | None = None,
-            min_prompt_tokens: int | None = None) -> None:
+            min_prompt_tokens: int | None = None, knee: int | None = None) -> None:
         """Switch mode (all-or-nothing: on error nothing changes).
 
         Raises:
@@ -144,10 +151,12 @@ class Faults:
                                  or not (math.isfinite(rate) and 0 <= rate <= 1)):
             raise ValueError("rate must be a number in 0..1")
         for name, value in (("waiting", waiting), ("after_tokens", after_tokens),
-                            ("times", times), ("min_prompt_tokens", min_prompt_tokens)):
+                            ("times", times), ("min_prompt_tokens", min_prompt_tokens), ("knee", knee)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 0):
                 raise ValueError(f"{name} must be an integer >= 0")
+        if knee is not None and knee < 1:
+            raise ValueError("knee must be an integer >= 1")
         self.mode = mode
         self.ttft_ms = float(DEFAULT_SLOW_TTFT_MS if ttft_ms is None else ttft_ms) \
             if mode == "slow" else 0.0
@@ -160,6 +169,11 @@ class Faults:
         self.rate = 1.0 if rate is None else float(rate)
         self.min_prompt_tokens = 0 if min_prompt_tokens is None else min_prompt_tokens
         self._matched = 0
+        self.knee = 4 if knee is None else knee
+
+    def load_factor(self, in_flight: int) -> float:
+        """``load_slow``: how many times the token interval a new request gets (1.0 otherwise)."""
+        return 1.0 + max(0, in_flight) / self.knee if self.mode == "load_slow" else 1.0
 
     def fails_request(self, probe: bool, prompt_tokens: int) -> bool:
         """``user_error``: True when this user request (``prompt_tokens`` long) must get a 500."""

@@ -100,3 +100,33 @@ def test_sim_user_error_fails_matching_user_requests_only():
             assert "rate" in str(e)
         else:
             raise AssertionError(f"rate {bad!r} accepted")
+
+
+def test_sim_load_slow_stretches_the_token_interval_with_load():
+    f = Faults()
+    assert f.load_factor(8) == 1.0
+    f.set("load_slow", knee=2)
+    assert f.state()["knee"] == 2
+    assert [f.load_factor(n) for n in (0, 1, 2, 4)] == [1.0, 1.5, 2.0, 3.0]
+    try:
+        f.set("load_slow", knee=0)
+    except ValueError as e:
+        assert "knee" in str(e) and f.knee == 2 and f.mode == "load_slow"  # nothing changed
+    else:
+        raise AssertionError("knee 0 accepted")
+
+
+async def test_sim_fault_endpoint_takes_the_new_fields():
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from node_probe.sim import SimConfig, build_app
+    async with TestClient(TestServer(build_app(SimConfig(port=0)))) as c:
+        r = await c.post("/sim/fault", json={"mode": "user_error", "rate": 1, "min_prompt_tokens": 0})
+        assert (await r.json())["mode"] == "user_error"
+        body = {"model": "sim-model", "prompt": "hello", "max_tokens": 1}
+        assert (await c.post("/v1/completions", json=body)).status == 500
+        probe = await c.post("/v1/completions", json=body, headers={"x-sentinel-probe": "1"})
+        assert probe.status == 200
+        r = await c.post("/sim/fault", json={"mode": "load_slow", "knee": 3})
+        assert (await r.json())["knee"] == 3
+        assert (await c.post("/sim/fault", json={"mode": "load_slow", "knee": 0})).status == 400
