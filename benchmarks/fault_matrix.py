@@ -74,11 +74,13 @@ if __name__ == "__main__":
     ap.add_argument("--churn", type=int, default=5000)
     ap.add_argument("--only", nargs="+", default=None, metavar="FAULT",
                     help="run only these: cp_kill cp_sigstop agent_kill engine_kill envoy_restart slow_reader churn")
+    ap.add_argument("--liveness", choices=("heartbeat", "transport"), default="heartbeat",
+                    help="probe.liveness of the control plane (issue 24)")
     ap.add_argument("--json", default=None, help="also write the rows and details here")
     ap.add_argument("--api-type", choices=("GRPC", "DELTA_GRPC"), default="GRPC",
                     help="Envoy's ADS flavour: GRPC (state of the world, default) or DELTA_GRPC")
     args = ap.parse_args()
-    rig = FaultRig(api_type=args.api_type).start()
+    rig = FaultRig(api_type=args.api_type, config_options={"probe": {"liveness": args.liveness}}).start()
     try:
         rows, infos = asyncio.run(main(args, rig))
     finally:

@@ -448,7 +448,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         if refused := check_client(self.cfg.tls_allow_clients, context, "--tls-allow-client", self.refusals,
                                    "agent", "allow_client"):  # typed identities; counted, logged per identity
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
-        async for msg in self._hub.serve(request_iterator, context.peer() or "?"):
+        async for msg in self._hub.serve(request_iterator, context.peer() or "?", context.invocation_metadata()):
             yield msg
 
 

@@ -19,14 +19,14 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from node_probe.proto import probe_pb2
 from node_probe.ticks import sleep_until_tick
 
-__all__ = ["StreamHub", "change_key"]
+__all__ = ["LIVENESS_KEY", "REFRESH_KEY", "StreamHub", "change_key"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,10 @@ class _PendingPong:
 _CLOSE = object()
 _LIVENESS = {False: probe_pb2.LIVENESS_UNSPECIFIED, True: probe_pb2.LIVENESS_TRANSPORT}
 _DEFAULT_REFRESH_MS = 1000
+LIVENESS_KEY = "x-sentinel-liveness"
+"""Call metadata a control plane asks for a liveness mode with ("transport"; else heartbeat)."""
+REFRESH_KEY = "x-sentinel-telemetry-refresh-ms"
+"""Call metadata: the transport-liveness refresh (ms, decimal)."""
 """A transport-liveness refresh when the Hello names none (ms; the control plane's default)."""
 
 
@@ -106,12 +110,21 @@ class StreamHub:
         for st in list(self._streams):
             self._enqueue(st, msg)
 
-    async def serve(self, requests: AsyncIterator[probe_pb2.ControlMessage],
-                    peer: str) -> AsyncIterator[probe_pb2.AgentMessage]:
+    async def serve(self, requests: AsyncIterator[probe_pb2.ControlMessage], peer: str,
+                    metadata: Iterable[tuple[str, Any]] | None = None) -> AsyncIterator[probe_pb2.AgentMessage]:
         """The outbound messages of one stream, until the client cancels or :meth:`close`;
-        its tasks and queue are cleaned up either way. Yields nothing after :meth:`close`."""
+        its tasks and queue are cleaned up either way. Yields nothing after :meth:`close`.
+        ``metadata``: the call's invocation metadata; ``x-sentinel-liveness: transport`` (and
+        ``x-sentinel-telemetry-refresh-ms``) asks for transport liveness before the first
+        heartbeat, as the Hello does once read."""
         loop = asyncio.get_running_loop()
         st = _Stream(id=next(self._ids), peer=peer, queue=asyncio.Queue(maxsize=self._queue_max))
+        md = dict(metadata or ())
+        if self._transport_ok and md.get(LIVENESS_KEY) == "transport":
+            st.transport = True
+            refresh = str(md.get(REFRESH_KEY, ""))
+            st.refresh_s = (int(refresh) if refresh.isdigit() and 0 < int(refresh) <= 3_600_000
+                            else _DEFAULT_REFRESH_MS) / 1000.0
         if self._closed:
             return
         self._streams.add(st)
@@ -182,8 +195,10 @@ class StreamHub:
                     self._on_probe_now(msg.probe_now.reason or f"stream {st.id}")
                 elif kind == "hello":
                     st.control_plane_id = msg.hello.control_plane_id
-                    st.transport = self._transport_ok and msg.hello.liveness == probe_pb2.LIVENESS_TRANSPORT
-                    st.refresh_s = (msg.hello.telemetry_refresh_ms or _DEFAULT_REFRESH_MS) / 1000.0
+                    if msg.hello.liveness != probe_pb2.LIVENESS_UNSPECIFIED:  # (else: as the metadata said)
+                        st.transport = self._transport_ok and msg.hello.liveness == probe_pb2.LIVENESS_TRANSPORT
+                    if msg.hello.telemetry_refresh_ms:
+                        st.refresh_s = msg.hello.telemetry_refresh_ms / 1000.0
                     log.info("stream %d: hello from control plane %r (%s), liveness %s",
                              st.id, st.control_plane_id, st.peer, "transport" if st.transport else "heartbeat")
         except asyncio.CancelledError:

@@ -13,7 +13,7 @@ from node_probe.proto import probe_pb2
 from node_probe.streams import StreamHub, change_key
 from xds_server.config import ProbeConfig
 from xds_server.health.records import HeartbeatObserved
-from xds_server.probing.liveness import hello, liveness_lost, reasserted, silent_after_s
+from xds_server.probing.liveness import call_metadata, hello, liveness_lost, reasserted, silent_after_s
 
 
 async def _requests(first: probe_pb2.ControlMessage | None):
@@ -67,6 +67,27 @@ async def test_transport_hello_sends_heartbeats_on_change_and_refresh_only():
     assert 3 <= len(transport) <= 7, [(h.seq, h.telemetry.stalled) for h in got]
     assert len(got) - len(transport) <= 2
     assert any(h.telemetry.stalled for h in transport)
+
+
+async def test_transport_asked_in_the_call_metadata_has_no_heartbeat_phase():
+    tel = [probe_pb2.Telemetry(engine_state=probe_pb2.ENGINE_STATE_READY)]
+    hub = _hub(tel)
+    got: list[probe_pb2.Heartbeat] = []
+
+    async def read() -> None:
+        md = (("x-sentinel-liveness", "transport"), ("x-sentinel-telemetry-refresh-ms", "400"))
+        async for m in hub.serve(_requests(None), "test", md):
+            got.append(m.heartbeat)
+
+    task = asyncio.create_task(read())
+    await asyncio.sleep(1.0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await hub.close()
+    assert 2 <= len(got) <= 4 and all(h.liveness == probe_pb2.LIVENESS_TRANSPORT for h in got), got
+    assert call_metadata(ProbeConfig()) == ()
+    assert dict(call_metadata(ProbeConfig(liveness="transport", telemetry_refresh_ms=400))) == {
+        "x-sentinel-liveness": "transport", "x-sentinel-telemetry-refresh-ms": "400"}
 
 
 async def test_heartbeat_hello_an_old_control_plane_or_a_declining_agent_get_every_heartbeat():

@@ -27,13 +27,14 @@ class ProbeConfig(_Model):
         "silent_stream_redial_ms instead, which knows about our stalls")
     liveness: Literal["heartbeat", "transport"] = Field(
         "heartbeat",
-        description="how a node's liveness is judged (issue 24; docs/xds_protocol.md 'Liveness modes'): "
+        description="how a node's liveness is judged (issue 24; docs/DESIGN.md section 3): "
         "'heartbeat' = the agent's 100 ms heartbeats (arrival gaps: phi accrual, misses); 'transport' = "
         "HTTP/2 keepalive PINGs every transport_keepalive_time_ms answered within "
         "transport_ping_timeout_ms (inside gRPC's C core), the agent sending telemetry only on change "
         "and every telemetry_refresh_ms. Asked per stream in Hello; an agent that does not echo it "
-        "(an older one) is judged by heartbeats. Default heartbeat: benchmarks/RESULTS.md 'Liveness "
-        "by transport' says why",
+        "(an older one) is judged by heartbeats. Default heartbeat: transport halves the control "
+        "plane's CPU per node but detects a freeze only within ~1.1 s (p99), against <= 240 ms; "
+        "benchmarks/RESULTS.md 'Liveness by transport'",
     )
     telemetry_refresh_ms: int = Field(
         1000, ge=100, le=60_000,
@@ -43,16 +44,17 @@ class ProbeConfig(_Model):
     )
     transport_keepalive_time_ms: int = Field(
         100, ge=10, le=60_000,
-        description="transport liveness: HTTP/2 PING interval on the probe channel (ms; ours: with "
-        "transport_ping_timeout_ms 100, a SIGSTOPped peer failed the stream ~200 ms after its freeze, "
-        "as 100 ms heartbeats convict by phi; docs/xds_protocol.md)",
+        description="transport liveness: HTTP/2 keepalive PING interval asked of the probe channel (ms; "
+        "the issue's 100). gRPC 1.85's client sends at most one PING per second on a connection with "
+        "streams whatever this says (chttp2 NextAllowedPingInterval), so a frozen peer fails its "
+        "stream 0.1-1.1 s after the freeze (docs/DESIGN.md section 3, benchmarks/transport_liveness.py)",
     )
     transport_ping_timeout_ms: int = Field(
         100, ge=10, le=60_000,
         description="transport liveness: a PING not answered within this (ms) fails the connection "
         "(set as grpc.keepalive_timeout_ms and grpc.http2.ping_timeout_ms, which gRPC 1.85 needs to "
         "enforce it). A stall of our own that outlasts it cuts every stream as we wake: the "
-        "stall hold (stall_hold_ms) keeps that from being a verdict; docs/xds_protocol.md",
+        "stall hold (stall_hold_ms) keeps that from being a verdict; docs/DESIGN.md section 3",
     )
     channel_initial_backoff_ms: int = Field(
         100, ge=1,

@@ -20,7 +20,7 @@ from node_probe.proto import probe_pb2
 from xds_server.config import ProbeConfig
 from xds_server.health.records import HeartbeatObserved
 
-__all__ = ["StreamState", "hello", "liveness_lost", "reasserted", "silent_after_s"]
+__all__ = ["StreamState", "call_metadata", "hello", "liveness_lost", "reasserted", "silent_after_s"]
 
 
 class StreamState:
@@ -50,6 +50,14 @@ def hello(control_plane_id: str, probe: ProbeConfig) -> probe_pb2.ControlMessage
         control_plane_id=control_plane_id,
         liveness=probe_pb2.LIVENESS_TRANSPORT if transport else probe_pb2.LIVENESS_HEARTBEAT,
         telemetry_refresh_ms=probe.telemetry_refresh_ms if transport else 0))
+
+
+def call_metadata(probe: ProbeConfig) -> tuple[tuple[str, str], ...]:
+    """The Watch call's metadata: transport liveness asked before the agent's first heartbeat (the
+    Hello says it again once read; an agent that knows neither ignores both)."""
+    if probe.liveness != "transport":
+        return ()
+    return (("x-sentinel-liveness", "transport"), ("x-sentinel-telemetry-refresh-ms", str(probe.telemetry_refresh_ms)))
 
 
 def silent_after_s(probe: ProbeConfig) -> float:

@@ -36,7 +36,7 @@ from xds_server.health.counters import Counters
 from xds_server.health.outcome import is_refusal
 from xds_server.health.records import Observation, PingObserved, ProbeObserved, ProbeResultKind, StreamClosed, Tick
 from xds_server.probing.edge import AgentEdge, BadField, CheckedHeartbeat, CheckedPong, CheckedResult, TelemetrySummary
-from xds_server.probing.liveness import StreamState, hello, liveness_lost, reasserted, silent_after_s
+from xds_server.probing.liveness import StreamState, call_metadata, hello, liveness_lost, reasserted, silent_after_s
 from xds_server.probing.silence import SilenceGate, SilentStream
 from xds_server.probing.sources import ObservationSink, ProbeSource, ProbeSourceContext
 from xds_server.probing.timers import TickTimer
@@ -245,7 +245,7 @@ class ProbeSession:
 
     async def _watch(self, channel: grpc.aio.Channel) -> bool:
         stub = probe_pb2_grpc.NodeProbeStub(channel)
-        call = stub.Watch()
+        call = stub.Watch(metadata=call_metadata(self.probe_cfg))
         outq: asyncio.Queue[probe_pb2.ControlMessage] = asyncio.Queue()
         self._outq = outq
         loop = asyncio.get_running_loop()

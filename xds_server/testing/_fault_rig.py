@@ -78,6 +78,7 @@ class FaultRig:
     n_nodes: int = 3
     token_interval_ms: float = 10.0
     api_type: str = "GRPC"  # Envoy's ADS: GRPC (SotW) or DELTA_GRPC
+    config_options: dict[str, Any] = field(default_factory=dict)  # more config sections ({"probe": {...}})
     fleet: Fleet | None = None
     relay: ManagedProcess | None = None
     relay_port: int = 0
@@ -93,7 +94,8 @@ class FaultRig:
             api_type=self.api_type,
             health=FAST_HEALTH, per_try_timeout_s=None, per_try_idle_timeout_s=2.0,
             admin_options={"token": TOKEN}, cluster_options=OUTLIER,
-            config_options={"state": {"path": str(wd / "state.json"), "write_interval_s": 0.2}})
+            config_options={"state": {"path": str(wd / "state.json"), "write_interval_s": 0.2},
+                            **self.config_options})
         try:
             self.fleet.start()
             asyncio.run(self._routed())
