@@ -12,7 +12,8 @@ queued per client; a write may take at most ``live_write_timeout_s``; the kernel
 before a write waits. A client that falls behind
 (queue full) or does not take a write in time (it stopped reading) is disconnected: its socket is
 aborted at once, which frees its buffers and ends its handler; the dashboard retries (1 s doubling
-to 30 s, jittered, never sooner than a 503's Retry-After) and starts again from a fresh snapshot. ``/metrics``: ``sentinel_admin_live_clients``,
+to 30 s, jittered, never sooner than a 503's Retry-After) and starts again from a fresh snapshot.
+``/metrics``: ``sentinel_admin_live_clients``,
 ``sentinel_admin_live_dropped_total{reason}`` (slow, deadline, shutdown),
 ``sentinel_admin_live_refused_total``.
 
