@@ -130,3 +130,21 @@ async def test_sim_fault_endpoint_takes_the_new_fields():
         r = await c.post("/sim/fault", json={"mode": "load_slow", "knee": 3})
         assert (await r.json())["knee"] == 3
         assert (await c.post("/sim/fault", json={"mode": "load_slow", "knee": 0})).status == 400
+
+
+def test_a_busy_node_is_held_not_ejected_whatever_its_real_traffic_errors():
+    """A long prefill: the node is DEGRADED by load (its probe timed out with progress moving) and
+    Envoy's per-try timeouts of the requests queued behind it arrive as LRS errors. Load is not
+    failure (CI caught 8 of 13 'failed' requests ejecting such a node); a node DEGRADED by a
+    failure, REFUSING aside, is ejected as any other."""
+    busy = replace(hm.initial("c", 0.0), state=hm.NodeState.DEGRADED)
+    pending = replace(healthy("d"), probe=replace(healthy("d").probe, busy_timeout_s=1.0))
+    refusing = replace(hm.initial("e", 0.0), state=hm.NodeState.REFUSING)
+    failed = replace(busy, node_id="f", probe=replace(busy.probe, degraded_not_busy=True))
+    nodes = [("a", healthy("a"), Evidence(40, 0, 1, 10.0)), ("c", busy, Evidence(5, 8, 1, 10.0)),
+             ("d", pending, Evidence(0, 13, 1, 10.0)), ("e", refusing, Evidence(0, 13, 1, 10.0)),
+             ("f", failed, Evidence(5, 8, 1, 10.0))]
+    v = traffic_verdicts(nodes, CFG, 100.0)
+    assert list(v.eject) == ["f"]
+    assert sorted(v.held) == ["c", "d", "e"]
+    assert all(v.held[n].endswith("not ejected: busy (its own evidence shows load)") for n in "cde")

@@ -19,6 +19,11 @@ ejection goes through the health model (signal ``real traffic failing``,
 probation and ramp as every other cause once its probes have been clean for the clean period.
 Evidence counts only from when the node entered its current state, so the errors that ejected it
 do not eject it again as soon as it is back in PROBATION.
+
+A node whose own evidence says it is busy (DEGRADED by load rather than by a failure, REFUSING, or
+a probe timeout with progress not judged yet) is held, not ejected: its errors are Envoy's per-try
+timeouts of requests queued behind a long prefill, load that weights and shedding answer, and a
+busy node is never taken for a dead one. Once it is HEALTHY again its evidence counts from then.
 """
 from __future__ import annotations
 
@@ -67,6 +72,12 @@ def _reason(ev: Evidence, nh: NodeHealth, rule: str) -> str:
             f"{envoys} ({rule}); {probes}")
 
 
+def _busy(nh: NodeHealth) -> bool:
+    """The node's own evidence says load, not failure (see module docstring)."""
+    return ((nh.state is NodeState.DEGRADED and not nh.probe.degraded_not_busy) or nh.state is NodeState.REFUSING
+            or nh.probe.busy_timeout_s is not None)
+
+
 def traffic_verdicts(nodes: Sequence[tuple[str, NodeHealth, Evidence]], cfg: TrafficEjectionConfig,
                      max_ejection_percent: float) -> TrafficVerdicts:
     """Verdicts for one cluster (see module docstring). ``nodes``: (node id, health, evidence)
@@ -91,8 +102,12 @@ def traffic_verdicts(nodes: Sequence[tuple[str, NodeHealth, Evidence]], cfg: Tra
         if ev.success_ratio < threshold:
             candidates[nid] = (f"success {ev.success_ratio * 100:.1f} % < peers' {mean * 100:.1f} % - "
                                f"{cfg.stdev_factor:g} sd ({threshold * 100:.1f} %)")
+    busy = {nid: f"{_reason(volume[nid], health[nid], why)}; not ejected: busy (its own evidence shows load)"
+            for nid, why in candidates.items() if _busy(health[nid])}
+    for nid in busy:
+        del candidates[nid]
     if not candidates:
-        return TrafficVerdicts({}, {})
+        return TrafficVerdicts({}, busy)
     cap = math.floor(len(nodes) * max_ejection_percent / 100.0 + 1e-9)
     out = sum(1 for _, nh, _ in nodes if nh.state is NodeState.UNHEALTHY)
     room = max(0, cap - out)
@@ -101,4 +116,4 @@ def traffic_verdicts(nodes: Sequence[tuple[str, NodeHealth, Evidence]], cfg: Tra
     held = {nid: (f"{_reason(volume[nid], health[nid], candidates[nid])}; not ejected: {out + len(eject)} of "
                   f"{len(nodes)} already out (max_ejection_percent {max_ejection_percent:g})")
             for nid in order[room:]}
-    return TrafficVerdicts(eject, held)
+    return TrafficVerdicts(eject, {**held, **busy})
