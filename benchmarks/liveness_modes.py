@@ -215,6 +215,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, gpus: int, cp_
             "false_ejections": sum(1 for _, i in window if i not in frozen),
             "ejections_in_settle": e0, "ejected_in_settle": sorted({i for _, i in ejected[:e0]})[:5],
             "settle_reasons": sorted({r[:90] for r in reasons[:e0]})[:4],
+            "window_reasons": sorted({r[:120] for r, (_, i) in zip(reasons[e0:], window, strict=True)
+                                      if i not in frozen})[:3],
             "frozen": freeze, "detected": len(detect), "load_avg": os.getloadavg()[0]}
         missed = {i: states_at_freeze.get(i) for i in frozen if i not in first}
         if missed:  # frozen nodes with no move to UNHEALTHY: their state when frozen
