@@ -135,7 +135,8 @@ def envoy_validate(bootstrap: str, tmp_path: Path) -> subprocess.CompletedProces
 
 def template_parts(cluster: str) -> dict[str, Any]:
     """What every deploy bootstrap keeps of xds_server/envoy/envoy.yaml (rendered for ``cluster``): the ADS
-    settings, xds_cluster's protocol options and connect timeout, the LLM listener's filters."""
+    settings, the load reporting (LRS) settings, xds_cluster's protocol options and connect timeout, the LLM
+    listener's filters."""
     doc = render_bootstrap(xds_port=18000, listener_port=10000, admin_port=9901, cluster=cluster)
     return bootstrap_parts(doc)
 
@@ -147,6 +148,7 @@ def bootstrap_parts(doc: dict[str, Any]) -> dict[str, Any]:
     llm = next(ln for ln in sr["listeners"] if ln["name"] == "llm_ingress")
     return {
         "dynamic_resources": doc["dynamic_resources"],
+        "cluster_manager": doc.get("cluster_manager"),
         "xds_cluster": {k: xds[k] for k in ("connect_timeout", "typed_extension_protocol_options")},
         "llm_port": llm["address"]["socket_address"]["port_value"],
         "llm_filter_chains": llm["filter_chains"],
