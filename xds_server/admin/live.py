@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import socket
 import time
@@ -142,6 +144,9 @@ class LiveFeed:
     def unsubscribe(self, sub: Subscriber[bytes]) -> None:
         self.book.leave(sub)
         self._conns.pop(sub.sid, None)
+        if not self._conns and sub.closed in ("slow", "deadline"):
+            _give_memory_back()
+
 
     def drop(self, sub: Subscriber[bytes], reason: str) -> None:
         """Give up on ``sub``: close its socket now (its pending write fails, its handler ends)."""
@@ -283,3 +288,25 @@ class LiveFeed:
 
 def _sse(kind: str, data: str) -> bytes:
     return f"event: {kind}\ndata: {data}\n\n".encode()
+
+
+def _libc_malloc_trim() -> Callable[[], object] | None:
+    """glibc's ``malloc_trim(0)``, or None where there is none (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+    return None if fn is None else (lambda: fn(0))
+
+
+_MALLOC_TRIM = _libc_malloc_trim()
+
+
+def _give_memory_back() -> None:
+    """Return the heap pages the last dropped readers' buffers left free to the OS: glibc keeps
+    freed memory in its arenas, so without this ~16-21 MB of a wave of 500 stuck readers stayed
+    in RSS after they were gone (issue 27). Cheap (~1 ms) and rare: only when the last live client
+    left after a drop."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM()
