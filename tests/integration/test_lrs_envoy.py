@@ -11,7 +11,7 @@ import grpc
 import pytest
 from envoy.service.load_stats.v3 import lrs_pb2
 
-from xds_server.config import parse_config
+from xds_server.config import NodeAllowRule, parse_config
 from xds_server.server import ControlPlane
 from xds_server.testing import (
     InMemoryProbes,
@@ -108,8 +108,7 @@ async def _first(call) -> lrs_pb2.LoadStatsResponse:
 async def test_lrs_edges_refused_per_protocol_and_counted():
     cfg = _cfg(max_streams=2)
     cfg = cfg.model_copy(update={"tls": cfg.tls.model_copy(update={"node_allow": [
-        __import__("xds_server.config", fromlist=["NodeAllowRule"]).NodeAllowRule(
-            identity="dns:envoy.example", node_ids=["envoy-*"])]})})
+        NodeAllowRule(identity="dns:envoy.example", node_ids=["envoy-*"])]})})
     cp = ControlPlane(cfg, probe_sources=InMemoryProbes())
     await cp.start()
     try:

