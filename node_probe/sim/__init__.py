@@ -14,6 +14,8 @@ uninterrupted one token for token. Run one with ``node-probe sim-engine --port 8
   ``error``, ``queue``, and the mid-stream ``freeze_after``, ``reset_after``, ``fail_after``,
   ``error_after``, ``hang_after_headers``.
 - :mod:`node_probe.sim.engine`: per-engine state and vLLM-named Prometheus metrics.
+- :mod:`node_probe.sim.capacity`: the batch (``--max-num-seqs``, default unlimited): at most N
+  requests decode at once, the rest (probes too) wait in arrival order and count as waiting.
 
 Every response carries ``x-served-by: <replica_id>``; a request carrying a non-empty
 ``x-sentinel-probe`` header (:data:`PROBE_HEADER`) is counted as a probe in ``GET /sim/stats``

@@ -197,11 +197,10 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
 
     ex = _Exchange(job, cfg)
     loop = asyncio.get_running_loop()
-    interval_s = cfg.token_interval_ms / 1000.0 * engine.faults.load_factor(engine.in_flight)  # load_slow
-    first_delay_s = engine.faults.ttft_ms / 1000.0 if engine.mode == "slow" else interval_s
     finished = "abort"
     resp: web.StreamResponse | None = None
     engine.in_flight += 1
+    slot = False  # a slot in the batch is held (max_num_seqs)
     try:
         hang_here = engine.faults.on_headers(probe)
         if job.stream:
@@ -212,6 +211,11 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
             await resp.prepare(request)  # headers go out at once, like vLLM
         if hang_here and not await engine.park(request):
             raise _Cut
+        slot = await engine.admit(request)  # waits FIFO while max_num_seqs decode: TTFT includes it
+        if not slot:
+            raise _Cut
+        interval_s = cfg.token_interval_ms / 1000.0 * engine.faults.load_factor(engine.decoding - 1)  # load_slow
+        first_delay_s = engine.faults.ttft_ms / 1000.0 if engine.mode == "slow" else interval_s
         pending = ex.opening()
         deadline = loop.time() + first_delay_s
         while not all(d.finished for d in ex.decoders):
@@ -259,6 +263,8 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         return resp if resp is not None else web.Response(status=499)
     finally:
         engine.in_flight -= 1
+        if slot:
+            engine.leave()
         engine.c_success[finished].inc()
 
 

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from node_probe.sim.app import build_app
 from node_probe.sim.engine import SimConfig
+from node_probe.sim.model import use_model_seed
 from xds_server.process.commandline import add_common_options, bind_failure, run_main
 from xds_server.process.logs import configure_logging
 
@@ -47,6 +48,13 @@ def _parse_args(argv: list[str] | None) -> tuple[SimConfig, argparse.Namespace]:
                              "BPE has (default 0: words only)")
     parser.add_argument("--max-model-len", type=int, default=4096,
                         help="context length in tokens (default 4096)")
+    parser.add_argument("--max-num-seqs", type=int, default=0,
+                        help="most requests decoding at once, as vLLM's; the rest wait in arrival "
+                             "order (probes too) and count in vllm:num_requests_waiting "
+                             "(default 0: unlimited)")
+    parser.add_argument("--model-seed", type=int, default=0,
+                        help="serve another deterministic model: greedy answers differ from the "
+                             "default one's from the first token (default 0: the built-in model)")
     add_common_options(parser, "sim-engine")
     args = parser.parse_args(argv)
     if args.token_interval_ms < 0 or not math.isfinite(args.token_interval_ms):
@@ -57,12 +65,16 @@ def _parse_args(argv: list[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         parser.error("--byte-token-rate must be a ratio in 0..1")
     if args.max_model_len < 2:
         parser.error("--max-model-len must be an integer >= 2")
+    if args.max_num_seqs < 0:
+        parser.error("--max-num-seqs must be an integer >= 0")
     if not 0 <= args.port <= 65535:
         parser.error("--port must be in 0..65535")
+    if args.model_seed < 0:
+        parser.error("--model-seed must be an integer >= 0")
     return SimConfig(host=args.host, port=args.port, replica_id=args.replica_id,
                      model=args.model, token_interval_ms=args.token_interval_ms,
                      eos_rate=args.eos_rate, max_model_len=args.max_model_len,
-                     byte_token_rate=args.byte_token_rate), args
+                     byte_token_rate=args.byte_token_rate, max_num_seqs=args.max_num_seqs), args
 
 
 SIGHUP_IGNORED = "SIGHUP: nothing to reload, still running (faults are set with POST /sim/fault)"
@@ -113,12 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     Args:
         argv: command-line arguments without the program name (``--host --port --replica-id
             --model --token-interval-ms --eos-rate
-            --max-model-len``); ``None`` reads ``sys.argv[1:]``.
+            --max-model-len --max-num-seqs``); ``None`` reads ``sys.argv[1:]``.
 
     Returns:
         0 after a clean shutdown; 1 when the port cannot be bound.
     """
     cfg, args = _parse_args(argv)
+    use_model_seed(args.model_seed)
     configure_logging(args.log_level, args.log_format)
 
     def run() -> int:

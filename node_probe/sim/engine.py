@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from node_probe.sim.capacity import Admission
 from node_probe.sim.faults import PREFILL_KV_RISE, PREFILL_PROMPT_TOKENS, Faults
 
 __all__ = ["FINISHED_REASONS", "SimConfig", "SimEngine"]
@@ -38,6 +39,9 @@ class SimConfig:
         byte_token_rate: chance (ratio 0..1) that the greedy next token is a lone byte (a
             byte-level BPE's: text held back, U+FFFD; see :mod:`node_probe.sim.model`); 0
             (default): words only, as before it existed.
+        max_num_seqs: most requests decoding at once (vLLM's ``--max-num-seqs``); the rest wait
+            in arrival order, probes too, and ``vllm:num_requests_waiting`` counts them; their
+            first token comes after the wait. 0 (default): unlimited, nothing waits.
     """
 
     host: str = "127.0.0.1"
@@ -50,6 +54,7 @@ class SimConfig:
     max_model_len: int = 4096
     eos_rate: float = 0.0
     byte_token_rate: float = 0.0
+    max_num_seqs: int = 0
 
     def __post_init__(self) -> None:
         if not self.replica_id:
@@ -58,6 +63,7 @@ class SimConfig:
             raise ValueError("eos_rate must be a ratio in 0..1")
         if not (math.isfinite(self.byte_token_rate) and 0.0 <= self.byte_token_rate <= 1.0):
             raise ValueError("byte_token_rate must be a ratio in 0..1")
+        Admission(self.max_num_seqs)  # raises ValueError naming max_num_seqs
 
 
 class SimEngine:
@@ -78,6 +84,10 @@ class SimEngine:
         self.in_flight = 0
         # Parked requests (engine hung, or hang_after_headers): future -> request.
         self._stuck: dict[asyncio.Future[bool], web.BaseRequest] = {}
+        # The batch (``max_num_seqs``): requests waiting for a slot, ticket -> (future, request).
+        self.admission = Admission(cfg.max_num_seqs)
+        self._waiters: dict[int, tuple[asyncio.Future[bool], web.BaseRequest]] = {}
+        self._tickets = 0
         self._reaper: asyncio.Task[None] | None = None
         self._prefill_t0 = 0.0  # monotonic s when the current ``prefill`` started
         self._prefill_end: asyncio.TimerHandle | None = None
@@ -157,6 +167,8 @@ class SimEngine:
             self._prefill_end.cancel()
             self._prefill_end = None
         self._release_stuck(False)
+        for ticket, (fut, _) in list(self._waiters.items()):
+            self._refuse(ticket, fut)
 
     def _release_stuck(self, proceed: bool) -> None:
         for fut in list(self._stuck):
@@ -175,14 +187,56 @@ class SimEngine:
             return True
         return await self.park(request)
 
+    @property
+    def decoding(self) -> int:
+        """Requests in the batch now: holding a slot (``max_num_seqs`` set), else all in flight."""
+        return self.admission.running if self.cfg.max_num_seqs else self.in_flight
+
+    async def admit(self, request: web.BaseRequest) -> bool:
+        """Wait for a slot in the batch (FIFO; at once when ``max_num_seqs`` is 0 or a slot is
+        free). True: the slot is held, and :meth:`leave` must be called once; False: no slot (the
+        client went away while waiting, or the app is shutting down). A cancelled wait gives its
+        slot back."""
+        if self.closing:
+            return False
+        self._tickets += 1
+        ticket = self._tickets
+        if self.admission.arrive(ticket):
+            return True
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket] = (fut, request)
+        self._ensure_reaper()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if not self.admission.withdraw(ticket) and fut.done() and not fut.cancelled() and fut.result():
+                self.leave()  # admitted just before the cancel: pass the slot on
+            raise
+        finally:
+            self._waiters.pop(ticket, None)
+
+    def leave(self) -> None:
+        """A request that held a slot ended: the next waiting ones run."""
+        for ticket in self.admission.finish():
+            entry = self._waiters.get(ticket)
+            if entry is not None and not entry[0].done():
+                entry[0].set_result(True)
+
+    def _refuse(self, ticket: int, fut: asyncio.Future[bool]) -> None:
+        if self.admission.withdraw(ticket) and not fut.done():
+            fut.set_result(False)
+
+    def _ensure_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.create_task(self._reap())
+
     async def park(self, request: web.BaseRequest) -> bool:
         """Park a request until the fault mode is changed; same result as :meth:`wait_runnable`."""
         if self.closing:
             return False
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._stuck[fut] = request
-        if self._reaper is None or self._reaper.done():
-            self._reaper = asyncio.create_task(self._reap())
+        self._ensure_reaper()
         try:
             return await fut
         finally:
@@ -190,13 +244,16 @@ class SimEngine:
 
     async def _reap(self) -> None:
         # aiohttp does not cancel handlers on disconnect by default, so parked requests whose
-        # client is gone are found here (one task for all of them) and released.
-        while self._stuck:
+        # client is gone are found here (one task for all of them) and released; so are
+        # requests waiting for a slot in the batch.
+        while self._stuck or self._waiters:
             await asyncio.sleep(_REAP_INTERVAL_S)
             for fut, req in list(self._stuck.items()):
-                transport = req.transport
-                if (transport is None or transport.is_closing()) and not fut.done():
+                if _gone(req) and not fut.done():
                     fut.set_result(False)
+            for ticket, (wfut, req) in list(self._waiters.items()):
+                if _gone(req):
+                    self._refuse(ticket, wfut)
 
     # ----------------------------------------------------------------------------- metrics
     def render_metrics(self) -> bytes:
@@ -205,25 +262,30 @@ class SimEngine:
             # the long prompt runs; requests that arrived meanwhile wait behind it
             frac = min(1.0, (time.monotonic() - self._prefill_t0) / (self.faults.prefill_ms / 1000.0))
             self._g_kv.set(self.cfg.kv_cache_usage + PREFILL_KV_RISE * frac)
-            self._g_running.set(1 + max(0, self.in_flight - len(self._stuck)))
-            self._g_waiting.set(len(self._stuck))
+            queued = self.admission.waiting
+            self._g_running.set(1 + max(0, self.in_flight - len(self._stuck) - queued))
+            self._g_waiting.set(len(self._stuck) + queued)
             return generate_latest(self.registry)
-        self._g_running.set(self.in_flight)
-        self._g_waiting.set(self.faults.waiting if self.faults.mode == "queue" else 0)
+        self._g_running.set(self.decoding)
+        self._g_waiting.set(self.admission.waiting + (self.faults.waiting if self.faults.mode == "queue" else 0))
         return generate_latest(self.registry)
 
     def stats(self) -> dict[str, Any]:
         """Traffic counters as JSON.
 
         ``requests_total`` and ``requests_by_kind`` count inference requests at arrival (bad ones
-        too), ``in_flight`` those being served now, ``responses_by_status`` inference responses
-        by HTTP status once their headers went out.
+        too), ``in_flight`` those being served now (waiting for a slot included), ``running``
+        and ``waiting`` the batch (``max_num_seqs``), ``responses_by_status`` inference
+        responses by HTTP status once their headers went out.
         """
         return {
             "replica_id": self.cfg.replica_id,
             "requests_total": self.requests_total,
             "requests_by_kind": dict(self.requests_by_kind),
             "in_flight": self.in_flight,
+            "running": self.decoding,
+            "waiting": self.admission.waiting,
+            "max_num_seqs": self.cfg.max_num_seqs,
             "responses_by_status": dict(self.responses_by_status),
             "fault": self.faults.mode,
         }
@@ -231,3 +293,8 @@ class SimEngine:
     def count_status(self, status: int) -> None:
         key = str(status)
         self.responses_by_status[key] = self.responses_by_status.get(key, 0) + 1
+
+
+def _gone(request: web.BaseRequest) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
