@@ -183,7 +183,7 @@ class ControlPlane:
             loops.append((lambda: self.config.state.write_interval_s, self._write_state_async, "writing state"))
         if self.config_path and rc.watch_interval_s > 0:
             loops.append((lambda: self.config.reload.watch_interval_s or 1.0, self._check_file, "config watch"))
-        self._tasks = [asyncio.create_task(self._every(*loop)) for loop in loops]
+        self._tasks = [asyncio.create_task(self._every(*loop)) for loop in loops] + self.load.peers.start()  # lrs.peers
         await self.discovery.start()
 
     async def stop(self) -> None:

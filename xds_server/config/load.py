@@ -8,9 +8,11 @@ comparison (docs/xds_protocol.md 2.8).
 """
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
-from xds_server.config.base import _Model
+from xds_server.config.base import _Model, parse_hostport
+from xds_server.config.tls import AgentTlsConfig
+from xds_server.process.dialing import is_loopback
 
 __all__ = ["LrsConfig", "ShedConfig", "TrafficEjectionConfig"]
 
@@ -123,3 +125,49 @@ class LrsConfig(_Model):
         "same stream is a flood: counted and not applied (Envoy reports on its timer only)")
     traffic_ejection: TrafficEjectionConfig = TrafficEjectionConfig()
     shed: ShedConfig = ShedConfig()
+    peers: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="HOST:PORT of the other replicas' xDS ports (xds.listen): each report an Envoy "
+        "sends here is forwarded to every peer (marked, never forwarded again), so every replica "
+        "sums every Envoy once. Empty (the default): one replica, nothing forwarded, and forwarded "
+        "streams from others are refused. Read at start (a change needs a restart)")
+    peer_tls: AgentTlsConfig = Field(
+        AgentTlsConfig(), description="how this replica dials its peers (mode plaintext | tls | mtls, "
+        "ca_file that signed the peers' server certificates, cert_file/key_file the client "
+        "certificate a peer's tls.node_allow checks, server_name; '{node_id}' is the peer's HOST). "
+        "Unset mode: plaintext, allowed only when every peer is loopback")
+    peer_queue: int = Field(
+        1024, ge=1, le=1_000_000,
+        description="reports waiting per peer while its stream is slow or down; more are dropped "
+        "and counted (sentinel_lrs_peer_dropped_total), never blocking an Envoy's stream. Ours: "
+        "~17 s of 60 Envoys at 1 report/s")
+    peer_backoff_max_s: float = Field(
+        2.0, gt=0, le=300,
+        description="redial backoff towards a peer doubles from 0.1 s up to this (jittered), s. "
+        "Ours: the bootstrap's xDS retry backoff caps at 1 s; a peer back within 2 s misses little")
+    peer_keepalive_s: float = Field(
+        1.0, ge=0.5, le=300,
+        description="HTTP/2 PING interval (and ack timeout) on a peer stream, s, so a frozen peer is "
+        "found (as the bootstrap's xds_cluster keepalive: 1 s / 1 s; the server allows 0.5 s, "
+        "xds.min_client_ping_interval_ms)")
+
+    @field_validator("peers")
+    @classmethod
+    def _peers(cls, v: list[str]) -> list[str]:
+        for i, p in enumerate(v):
+            try:
+                parse_hostport(p)
+            except ValueError as e:
+                raise ValueError(f"peers.{i}: {e}") from None
+        if len(set(v)) != len(v):
+            raise ValueError("peers: an address is listed twice (its reports would be sent twice)")
+        return v
+
+    @model_validator(mode="after")
+    def _peer_plaintext(self) -> LrsConfig:
+        if self.peer_tls.mode is None:
+            for i, p in enumerate(self.peers):
+                if not is_loopback(parse_hostport(p)[0]):
+                    raise ValueError(f"peers.{i} {p} is not a loopback address: set peer_tls.mode to mtls "
+                                     "or tls (or to plaintext to forward load reports unauthenticated)")
+        return self

@@ -184,15 +184,16 @@ class LoadAggregator:
         """A stream ended: its flood bookkeeping goes (its counts stay until they age out)."""
         self._last_report.pop((reporter, stream), None)
 
-    def ingest(self, report: Report, now_s: float) -> list[str]:
+    def ingest(self, report: Report, now_s: float, *, flood_check: bool = True) -> list[str]:
         """Apply one report received at ``now_s`` (monotonic s). Returns the problems found (also
-        counted in ``problems``): ``flood`` (nothing applied), and per cluster entry
+        counted in ``problems``): ``flood`` (nothing applied; not checked with ``flood_check``
+        False: a report forwarded by a peer replica, which checked it), and per cluster entry
         ``unknown_cluster``, ``absurd_count``, ``bad_interval`` (refused), ``unknown_endpoint``
         (that endpoint skipped)."""
         found: list[str] = []
         key = (report.reporter, report.stream)
         last = self._last_report.get(key)
-        if report.clusters and last is not None and now_s - last < self.min_gap_s:
+        if flood_check and report.clusters and last is not None and now_s - last < self.min_gap_s:
             found.append("flood")
         else:
             if report.clusters:

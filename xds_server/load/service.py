@@ -16,6 +16,13 @@ never applies: an undecodable request ends the stream INVALID_ARGUMENT; a report
 flood, unknown clusters, absurd counts are counted and skipped with the stream kept (Envoy has no
 NACK for load reports). Streams beyond ``lrs.max_streams`` get RESOURCE_EXHAUSTED; each stream's
 reading is paced by the xDS request budget (``xds.request_bytes_per_s``), as ADS is.
+
+Replicas (``lrs.peers``, :mod:`xds_server.load.peers`): each report from an Envoy is applied and
+forwarded to every peer; a stream whose first request carries the forwarded marker is a peer's
+(its node id, the peer's ``xds.replica_id``, is checked against ``tls.node_allow`` as an Envoy's
+is), and its reports, each naming the Envoy that sent it, are applied without the flood check
+(the sender applied it) and never forwarded again. A replica without ``lrs.peers``, or a stream
+naming this replica's own id, is refused PERMISSION_DENIED (``peer_refused``).
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ from xds_server.control.traffic import TrafficEjector
 from xds_server.health.shed import ShedInputs, ShedState, shed_step
 from xds_server.health.traffic import Evidence
 from xds_server.load.aggregate import LoadAggregator, Traffic
+from xds_server.load.peers import PeerSet, forwarded_by, peer_refused
 from xds_server.load.report import ReportRefused, decode_report, decode_request
 from xds_server.process.refusals import Refusals
 from xds_server.process.tls import peer_identities
@@ -89,6 +97,8 @@ class LoadReportingService:
                                          stale_after_s=lrs.stale_after_s, max_count=lrs.max_requests_per_interval,
                                          min_gap_s=lrs.interval_s * lrs.min_report_gap_ratio)
         self.streams: dict[int, str] = {}
+        self.peer_streams: dict[int, str] = {}  # stream id -> the forwarding replica's id
+        self.peers = PeerSet(cfg)  # lrs.peers; started by the control plane (peers.start())
         self.streams_opened = 0
         self._ids = itertools.count(1)
 
@@ -114,12 +124,14 @@ class LoadReportingService:
         cfg = self._refresh()
         if not cfg.lrs.enabled:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "load reporting is off (lrs.enabled)")
-        if len(self.streams) >= cfg.lrs.max_streams:
+        if len(self.streams) + len(self.peer_streams) >= cfg.lrs.max_streams:
             self._problem("too_many_streams")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{len(self.streams)} load-report streams open (lrs.max_streams)")
         sid = next(self._ids)
         reporter = ""
+        peer: str | None = None  # on a replica-to-replica stream: the forwarding replica's id
+        peer_reporters: set[str] = set()
         xc = cfg.xds
         budget = RequestBudget(xc.request_bytes_per_s, xc.request_burst_bytes, xc.request_cost_min_bytes,
                                self.monotonic())
@@ -134,32 +146,61 @@ class LoadReportingService:
                 except ReportRefused as e:
                     self._problem(e.reason)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                if sid not in self.streams:  # the first request: who is this?
+                if sid not in self.streams and sid not in self.peer_streams:  # the first request: who is this?
                     reporter = clip(req.node.id, xc.client_text_max_chars) if req.HasField("node") else ""
                     refused = self._refused(context, reporter)
                     if refused is not None:
                         self._problem("not_allowed")
                         await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
-                    self.streams[sid] = reporter
-                    self.streams_opened += 1
-                    log.info("Envoy %s opened a load-report stream (%d)", for_log(reporter or "?"), sid)
+                    peer = forwarded_by(req)
+                    if peer is not None:
+                        refused = peer_refused(cfg, peer)
+                        if refused is not None:
+                            self._problem("peer_refused")
+                            log.warning("forwarded load reports from %s refused: %s", context.peer(), refused)
+                            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
+                        self.peer_streams[sid] = peer
+                    else:
+                        self.streams[sid] = reporter
+                        self.streams_opened += 1
+                    log.info("%s %s opened a load-report stream (%d)", "Envoy" if peer is None else "replica",
+                             for_log(reporter or "?"), sid)
                     await context.write(self._response(cfg).SerializeToString())
                 cfg = self._refresh()
+                source = reporter
+                if peer is not None:  # a forwarded report names the Envoy that sent it
+                    if not req.cluster_stats:
+                        continue
+                    source = clip(req.node.id, xc.client_text_max_chars)
+                    if forwarded_by(req) is None or not source:
+                        self._problem("peer_unmarked")
+                        continue
+                    if source not in peer_reporters and len(peer_reporters) >= cfg.lrs.max_streams:
+                        self._problem("peer_too_many_reporters")  # more Envoys than one replica admits
+                        continue
+                    peer_reporters.add(source)
                 try:
-                    report = decode_report(req, reporter, sid, max_clusters=cfg.lrs.max_clusters_per_report,
+                    report = decode_report(req, source, sid, max_clusters=cfg.lrs.max_clusters_per_report,
                                            max_endpoints=cfg.lrs.max_endpoints_per_report)
                 except ReportRefused as e:
                     self._problem(e.reason)
                     continue
                 now = self.monotonic()
-                self.aggregator.ingest(report, now)
+                found = self.aggregator.ingest(report, now, flood_check=peer is None)
                 if report.clusters:
+                    if peer is not None:
+                        self.peers.count_received(peer)
+                    elif "flood" not in found:
+                        self.peers.forward(reporter, req)
                     self._judge(cfg, {c.cluster for c in report.clusters}, now)
                     if self.on_report is not None:
                         self.on_report()
         finally:
             if self.streams.pop(sid, None) is not None:
                 self.aggregator.forget_stream(reporter, sid)
+            if self.peer_streams.pop(sid, None) is not None:
+                for r in peer_reporters:
+                    self.aggregator.forget_stream(r, sid)
 
     def _judge(self, cfg: SentinelConfig, clusters: set[str], now: float) -> None:
         """Fleet-wide passive ejection: judge each reported cluster on the evidence of every Envoy,
@@ -265,7 +306,8 @@ class LoadReportingService:
         reports.add_metric([], agg.reports)
         problems = CounterMetricFamily("sentinel_lrs_problems", "load reports or parts of them refused, by "
                                        "reason (not_allowed, undecodable, too_large, flood, unknown_cluster, "
-                                       "unknown_endpoint, absurd_count, bad_interval, too_many_streams)",
+                                       "unknown_endpoint, absurd_count, bad_interval, too_many_streams, "
+                                       "peer_refused, peer_unmarked, peer_too_many_reporters)",
                                        labels=["reason"])
         for reason, count in sorted(agg.problems.items()):
             problems.add_metric([reason], count)
@@ -297,3 +339,4 @@ class LoadReportingService:
             for cat, v in agg.drops(c.name, now, w).items():
                 dropped.add_metric([c.name, cat or "total"], v)
         yield from (streams, reporting, reports, problems, slots, total, ratio, rps, dropped)
+        yield from self.peers.metric_families()
