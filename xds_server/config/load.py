@@ -125,6 +125,12 @@ class LrsConfig(_Model):
         "same stream is a flood: counted and not applied (Envoy reports on its timer only)")
     traffic_ejection: TrafficEjectionConfig = TrafficEjectionConfig()
     shed: ShedConfig = ShedConfig()
+    max_localities_per_cluster: int = Field(
+        256, ge=1, le=100_000,
+        description="localities kept per cluster; a report naming more new ones is counted "
+        "(too_many_localities) and those are not shown as localities, their endpoints still count for "
+        "their nodes (bounds memory against a client inventing names). Ours: regions x zones x "
+        "sub-zones of a real fleet are far fewer")
     peers: list[str] = Field(
         default_factory=list, max_length=64,
         description="HOST:PORT of the other replicas' xDS ports (xds.listen): each report an Envoy "

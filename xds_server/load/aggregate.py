@@ -27,91 +27,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from xds_server.load.records import (  # the records this module sums, re-exported
+    ClusterReport,
+    Counts,
+    EndpointReport,
+    LocalityKey,
+    LocalityReport,
+    Report,
+    Traffic,
+)
+
 __all__ = ["ClusterReport", "Counts", "EndpointReport", "LoadAggregator", "LocalityReport", "Report",
            "Traffic"]
-
-LocalityKey = tuple[str, str, str]
-"""(region, zone, sub_zone) as Envoy reports it."""
-
-
-@dataclass(frozen=True)
-class Counts:
-    """One interval's counts (requests): issued, succeeded, errored; in_progress (a gauge)."""
-
-    issued: int = 0
-    succeeded: int = 0
-    errored: int = 0
-    in_progress: int = 0
-
-
-@dataclass(frozen=True)
-class EndpointReport:
-    """One endpoint (``host``, ``port``) of a locality in one report."""
-
-    host: str
-    port: int
-    counts: Counts
-
-
-@dataclass(frozen=True)
-class LocalityReport:
-    locality: LocalityKey
-    priority: int
-    counts: Counts
-    endpoints: tuple[EndpointReport, ...] = ()
-
-
-@dataclass(frozen=True)
-class ClusterReport:
-    """One ``ClusterStats``: ``interval_s`` the measured ``load_report_interval`` (None: absent)."""
-
-    cluster: str
-    interval_s: float | None
-    localities: tuple[LocalityReport, ...] = ()
-    dropped_total: int = 0
-    dropped: tuple[tuple[str, int], ...] = ()
-
-
-@dataclass(frozen=True)
-class Report:
-    """One ``LoadStatsRequest`` from the Envoy ``reporter`` (its node id) on stream ``stream``."""
-
-    reporter: str
-    stream: int
-    clusters: tuple[ClusterReport, ...] = ()
-
-
-@dataclass(frozen=True)
-class Traffic:
-    """Real-traffic figures over a window (requests; ``rps`` per s over the measured span;
-    ``success_ratio`` 0..1 of completed, None when none completed)."""
-
-    issued: int
-    succeeded: int
-    errored: int
-    in_progress: int
-    reporters: int
-    window_s: float
-    dropped: int = 0
-
-    @property
-    def completed(self) -> int:
-        return self.succeeded + self.errored
-
-    @property
-    def success_ratio(self) -> float | None:
-        return self.succeeded / self.completed if self.completed else None
-
-    @property
-    def rps(self) -> float:
-        return self.issued / self.window_s if self.window_s > 0 else 0.0
-
-    def to_json(self) -> dict[str, object]:
-        ratio = self.success_ratio
-        return {"issued": self.issued, "succeeded": self.succeeded, "errored": self.errored,
-                "in_progress": self.in_progress, "dropped": self.dropped, "reporting_envoys": self.reporters,
-                "window_s": round(self.window_s, 3), "rps": round(self.rps, 3),
-                "success_ratio": None if ratio is None else round(ratio, 6)}
 
 
 @dataclass
@@ -137,19 +64,22 @@ class LoadAggregator:
     dropped (s); ``stale_after_s``: a reporter silent this long no longer counts (s);
     ``max_count``: a count above it in one report is absurd (the cluster entry is refused);
     ``min_gap_s``: a stream's report sooner than this after its previous one is a flood;
-    ``max_categories``: drop categories kept per cluster (more are counted in the total only).
+    ``max_categories``: drop categories kept per cluster (more are counted in the total only);
+    ``max_localities``: localities kept per cluster (more: not shown as localities, counted
+    ``too_many_localities``; their endpoints still count for their nodes).
     ``problems`` counts what was refused, by reason; ``totals`` the cumulative counts per node.
     """
 
     def __init__(self, nodes: Mapping[str, Mapping[tuple[str, int], str]], *, interval_s: float = 1.0,
                  retain_s: float = 60.0, stale_after_s: float = 3.0, max_count: int = 10_000_000,
-                 min_gap_s: float = 0.5, max_categories: int = 16) -> None:
+                 min_gap_s: float = 0.5, max_categories: int = 16, max_localities: int = 256) -> None:
         self.interval_s = interval_s
         self.retain_s = retain_s
         self.stale_after_s = stale_after_s
         self.max_count = max_count
         self.min_gap_s = min_gap_s
         self.max_categories = max_categories
+        self.max_localities = max_localities
         self.problems: Counter[str] = Counter()
         self.reports = 0
         self.ignored_clusters = 0  # entries of the bootstrap's own control-plane clusters
@@ -236,8 +166,13 @@ class LoadAggregator:
                 found.append("too_many_categories")  # counted in the total only
                 continue
             _add(self._drops, (cr.cluster, category), slot, reporter, Counts(), n)
+        n_locs = sum(1 for k in self._by_locality if k[0] == cr.cluster)
         for loc in cr.localities:
-            _add(self._by_locality, (cr.cluster, loc.locality), slot, reporter, loc.counts)
+            if (cr.cluster, loc.locality) in self._by_locality or n_locs < self.max_localities:
+                n_locs += (cr.cluster, loc.locality) not in self._by_locality
+                _add(self._by_locality, (cr.cluster, loc.locality), slot, reporter, loc.counts)
+            elif "too_many_localities" not in found:
+                found.append("too_many_localities")  # its endpoints still count below
             for ep in loc.endpoints:
                 node = nodes.get((ep.host, ep.port))
                 if node is None:

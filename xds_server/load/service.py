@@ -95,7 +95,8 @@ class LoadReportingService:
         lrs = cfg.lrs
         self.aggregator = LoadAggregator(node_map(cfg), interval_s=lrs.interval_s, retain_s=lrs.retain_s,
                                          stale_after_s=lrs.stale_after_s, max_count=lrs.max_requests_per_interval,
-                                         min_gap_s=lrs.interval_s * lrs.min_report_gap_ratio)
+                                         min_gap_s=lrs.interval_s * lrs.min_report_gap_ratio,
+                                         max_localities=lrs.max_localities_per_cluster)
         self.streams: dict[int, str] = {}
         self.peer_streams: dict[int, str] = {}  # stream id -> the forwarding replica's id
         self.peers = PeerSet(cfg)  # lrs.peers; started by the control plane (peers.start())
