@@ -1,36 +1,32 @@
 """The node_probe agent: a gRPC ``NodeProbe`` server that runs beside one inference engine.
 
-One agent per inference node. Control planes dial it and open ``Watch`` streams
-(the protocol: ``protos/node_probe/``):
+One agent per inference node. Control planes dial it and open ``Watch`` streams (the protocol: ``protos/node_probe/``):
 
-* every stream gets an unprompted ``Heartbeat`` every ``heartbeat_interval_ms`` (fixed-rate on
-  ``loop.time()``, no drift) carrying the latest *cached* telemetry: a heartbeat never waits on
-  a scrape, a probe or NVML;
+* every stream gets an unprompted ``Heartbeat`` every ``heartbeat_interval_ms`` (fixed-rate on ``loop.time()``,
+  no drift) carrying the latest *cached* telemetry: a heartbeat never waits on a scrape, a probe or NVML;
 * each ``Ping{seq}`` is answered at once with ``Pong{seq, processing_us}``;
 * ``ProbeNow`` asks for an immediate micro-probe (rate-limited, see :class:`AgentConfig`);
-* every micro-probe result (``InferenceResult``) is pushed to *every* connected stream, so
-  several control planes never multiply the probe load on the GPU.
+* every micro-probe result (``InferenceResult``) is pushed to *every* connected stream, so several control
+  planes never multiply the probe load on the GPU.
 
-Background work runs once per agent, not per stream: a ``/metrics`` scrape loop (every
-heartbeat interval by default) that also runs stall detection, a GPU collection loop (NVML in a
-worker thread) and the micro-probe loop on the agent's own jittered schedule.
+Background work runs once per agent, not per stream: a ``/metrics`` scrape loop (every heartbeat interval by
+default) that also runs stall detection, a GPU collection loop (NVML in a worker thread) and the micro-probe
+loop on the agent's own jittered schedule.
 
-The engine is reached through an adapter (:mod:`node_probe.engines`) chosen by ``engine_kind``
-or detected. Cadence follows load: while the engine is idle (nothing running or waiting) it is
-probed often (``probe_idle_interval_s``, default 0.5 s: an idle engine that freezes shows
-nothing in ``/health`` or ``/metrics``); while it is busy and its progress counter can prove
-progress, at the slow cadence (``probe_interval_s``, 3-5 s with the default jitter) and stall
-detection covers the gap: running > 0 with a frozen counter for ``stall_window_ms`` sets
-``Telemetry.stalled`` and starts an immediate (rate-limited) probe.
+The engine is reached through an adapter (:mod:`node_probe.engines`) chosen by ``engine_kind`` or detected.
+Cadence follows load: while the engine is idle (nothing running or waiting) it is probed often
+(``probe_idle_interval_s``, default 0.5 s: an idle engine that freezes shows nothing in ``/health`` or
+``/metrics``); while it is busy and its progress counter can prove progress, at the slow cadence
+(``probe_interval_s``, 3-5 s with the default jitter) and stall detection covers the gap: running > 0 with a
+frozen counter for ``stall_window_ms`` sets ``Telemetry.stalled`` and starts an immediate (rate-limited) probe.
 
-Engine lifecycle reported in telemetry (see :class:`EngineLifecycle`): COLD until the engine
-first answers HTTP, WARMING until the first successful probe, READY after; FAILED on a fatal
-engine error, on a refused connection after having been up, or on a lost GPU / fatal Xid.
+Engine lifecycle reported in telemetry (see :class:`EngineLifecycle`): COLD until the engine first answers HTTP,
+WARMING until the first successful probe, READY after; FAILED on a fatal engine error, on a refused connection
+after having been up, or on a lost GPU / fatal Xid.
 
-Modules by job: :mod:`node_probe.config` (settings), :mod:`node_probe.lifecycle` (engine
-state), :mod:`node_probe.schedule` (the pure probe schedule), :mod:`node_probe.prober` (one probe
-through the adapter), :mod:`node_probe.streams` (the ``Watch`` streams); this module wires them
-to the gRPC server and runs the loops.
+Modules by job: :mod:`node_probe.config` (settings), :mod:`node_probe.lifecycle` (engine state),
+:mod:`node_probe.schedule` (the pure probe schedule), :mod:`node_probe.prober` (one probe through the adapter),
+:mod:`node_probe.streams` (the ``Watch`` streams); this module wires them to the gRPC server and runs the loops.
 
 Usage from code/tests::
 
@@ -58,6 +54,7 @@ from node_probe.lifecycle import STATE_NAMES, EngineLifecycle
 from node_probe.metrics import AgentMetrics
 from node_probe.prober import Prober
 from node_probe.proto import probe_pb2, probe_pb2_grpc
+from node_probe.replay import Replayer
 from node_probe.schedule import ProbeScheduler, Trigger, load_is_busy
 from node_probe.stall import StallDetector
 from node_probe.streams import StreamHub
@@ -117,9 +114,12 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         self.refusals = Refusals(log, prefix="node_probe", ports=("agent",), labels={"node": cfg.node_id})
         self._prober = Prober(cfg)
         self._schedule = ProbeScheduler(cfg.schedule_settings())
+        self.replayer = Replayer(cfg.engine_url, cfg.replay, cfg.node_id, lambda: self._session,
+                                 self._prober.replay_model, lambda: self._load_reading)
         self._hub = StreamHub(node_id=cfg.node_id, heartbeat_interval_ms=cfg.heartbeat_interval_ms,
                               queue_max=cfg.stream_queue_max, telemetry=self.telemetry,
-                              on_probe_now=self.request_probe, transport_liveness=cfg.transport_liveness)
+                              on_probe_now=self.request_probe, transport_liveness=cfg.transport_liveness,
+                              replayer=self.replayer if cfg.replay.max_prompts else None)
         self._probe_seq = 0
         self._last_failure: probe_pb2.FailureKind | None = None
         self._load_reading: EngineLoadReading | None = None

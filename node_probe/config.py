@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass, field
 
 from node_probe.engines import ENGINE_KINDS
+from node_probe.replay import ReplayLimits
 from node_probe.schedule import ScheduleSettings
 from node_probe.telemetry import FATAL_XIDS
 from xds_server.process.identity import check_pattern
@@ -89,6 +90,8 @@ class AgentConfig:
             ``tls.expiry_warning_days``, a week covers a weekend and a renewal's retries).
         plaintext: serve plaintext on a non-loopback ``listen`` (must be said; without a
             certificate a non-loopback listen is refused).
+        replay: bounds of the switch-back replay (:class:`~node_probe.replay.ReplayLimits`;
+            ``max_prompts`` 0: no replay, advertised as such; issue 23).
 
     Raises:
         ValueError: (on construction) a value is out of range.
@@ -128,6 +131,7 @@ class AgentConfig:
     tls_allow_clients: tuple[str, ...] = ()
     tls_expiry_warning_days: float = 7.0
     plaintext: bool = False
+    replay: ReplayLimits = field(default_factory=ReplayLimits)
 
     def __post_init__(self) -> None:
         if not self.engine_url.startswith(("http://", "https://")):

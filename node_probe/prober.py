@@ -95,6 +95,12 @@ class Prober:
         log.info("probing model %s (discovered)", model)
         return model
 
+    async def replay_model(self, session: aiohttp.ClientSession) -> str | None:
+        """The model a switch-back replay asks for (the probe's; raises
+        :class:`EngineRequestError` when detection or discovery fails)."""
+        adapter = await self.adapter(session)
+        return await self._resolve_model(session, adapter, self.cfg.probe_timeout_ms / 1000.0)
+
     async def probe(self, session: aiohttp.ClientSession, deep: bool) -> ProbeOutcome:
         """One probe: a regular 1-token probe within ``probe_timeout_ms``, or (``deep``) the deep
         check within ``deep_check_timeout_ms``, whose answer must contain ``deep_check_expect``

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from node_probe.proto import probe_pb2
+from node_probe.replay import Replayer
 from node_probe.ticks import sleep_until_tick
 
 __all__ = ["LIVENESS_KEY", "REFRESH_KEY", "StreamHub", "change_key"]
@@ -86,12 +87,18 @@ class StreamHub:
         on_probe_now: called with the reason of each ``ProbeNow`` received.
         transport_liveness: take a control plane's request for transport liveness (False: behave
             as an agent before it, heartbeats every interval whatever the Hello asks).
+        replayer: runs each ``ReplayRequest`` (:class:`~node_probe.replay.Replayer`; its result goes
+            back on the stream that asked); None: requests are ignored, as an agent without replay
+            does, and heartbeats say ``replay_max_prompts`` 0.
     """
 
     def __init__(self, *, node_id: str, heartbeat_interval_ms: int, queue_max: int,
                  telemetry: Callable[[], probe_pb2.Telemetry],
-                 on_probe_now: Callable[[str], None], transport_liveness: bool = True) -> None:
+                 on_probe_now: Callable[[str], None], transport_liveness: bool = True,
+                 replayer: Replayer | None = None) -> None:
         self._transport_ok = transport_liveness
+        self._replayer = replayer
+        self._replay_max = replayer.advertised if replayer is not None else 0
         self._node_id = node_id
         self._interval_ms = heartbeat_interval_ms
         self._queue_max = queue_max
@@ -193,6 +200,9 @@ class StreamHub:
                     self._enqueue(st, _PendingPong(msg.ping.seq, time.perf_counter_ns()))
                 elif kind == "probe_now":
                     self._on_probe_now(msg.probe_now.reason or f"stream {st.id}")
+                elif kind == "replay" and self._replayer is not None:
+                    st.tasks.append(asyncio.get_running_loop().create_task(
+                        self._replay(st, msg.replay), name=f"np-stream-{st.id}-replay"))
                 elif kind == "hello":
                     st.control_plane_id = msg.hello.control_plane_id
                     if msg.hello.liveness != probe_pb2.LIVENESS_UNSPECIFIED:  # (else: as the metadata said)
@@ -207,11 +217,17 @@ class StreamHub:
             log.debug("stream %d: read side ended: %r", st.id, exc)
         # Half-closed by the client: keep sending heartbeats until it cancels.
 
+    async def _replay(self, st: _Stream, req: probe_pb2.ReplayRequest) -> None:
+        assert self._replayer is not None
+        result = await self._replayer.run(req)
+        self._enqueue(st, probe_pb2.AgentMessage(replay_result=result))
+
     def _materialize(self, item: Any, st: _Stream) -> probe_pb2.AgentMessage:
         if isinstance(item, _HeartbeatTick):
             return probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(
                 seq=item.seq, interval_ms=self._interval_ms, node_id=self._node_id,
-                telemetry=self._telemetry(), liveness=_LIVENESS[st.transport]))
+                telemetry=self._telemetry(), liveness=_LIVENESS[st.transport],
+                replay_max_prompts=self._replay_max))
         if isinstance(item, _PendingPong):
             processing_us = (time.perf_counter_ns() - item.received_ns) // 1000
             return probe_pb2.AgentMessage(pong=probe_pb2.Pong(seq=item.seq, processing_us=processing_us))

@@ -44,6 +44,7 @@ from xds_server.health.counters import Counters
 from xds_server.load.service import LoadReportingService
 from xds_server.probing.session import grpc_probe_source
 from xds_server.probing.sources import ProbeSource, ProbeSourceContext, ProbeSourceFactory
+from xds_server.probing.switchback import attach as attach_switchback
 from xds_server.probing.workers import WorkerPool
 from xds_server.process.clock import Clock, LoopClock
 from xds_server.process.refusals import Refusals
@@ -133,9 +134,7 @@ class ControlPlane:
         self.core.begin()
         self.core.restored, self.core.restored_until_s = load_kept_state(  # also for nodes found later
             self.config.state, None, self.clock.now(), self.clock.wall())
-        self.cache.set_resources(
-            CLUSTER_TYPE_URL, {c.name: build_cluster(c) for c in self.config.clusters}
-        )
+        self.cache.set_resources(CLUSTER_TYPE_URL, {c.name: build_cluster(c) for c in self.config.clusters})
         ctx = ProbeSourceContext(self.config.health, self.config.probe, self.observe, self.clock,
                                  self.counters, self.config.xds.replica_id, self.config.tls.agents)
         for node_id, n in self.core.node_cfg.items():
@@ -178,7 +177,8 @@ class ControlPlane:
         self._file_sig = file_signature(self.config_path)
         rc = self.config.reload
         loops: list[tuple[Callable[[], float], Callable[[], Awaitable[object]], str]] = [
-            (lambda: self.config.reload.drain_check_interval_s, self.reap_drained, "dropping drained nodes")]
+            (lambda: self.config.reload.drain_check_interval_s, self.reap_drained, "dropping drained nodes"),
+            attach_switchback(self)]  # issue 23: switch-back validation (replay) before PROBATION ends
         if self.config.state.path:
             loops.append((lambda: self.config.state.write_interval_s, self._write_state_async, "writing state"))
         if self.config_path and rc.watch_interval_s > 0:

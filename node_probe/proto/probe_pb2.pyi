@@ -56,14 +56,16 @@ FAILURE_KIND_ENGINE_FATAL: FailureKind
 FAILURE_KIND_BAD_OUTPUT: FailureKind
 
 class ControlMessage(_message.Message):
-    __slots__ = ("hello", "ping", "probe_now")
+    __slots__ = ("hello", "ping", "probe_now", "replay")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     PROBE_NOW_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     ping: Ping
     probe_now: ProbeNow
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., probe_now: _Optional[_Union[ProbeNow, _Mapping]] = ...) -> None: ...
+    replay: ReplayRequest
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., probe_now: _Optional[_Union[ProbeNow, _Mapping]] = ..., replay: _Optional[_Union[ReplayRequest, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("control_plane_id", "liveness", "telemetry_refresh_ms")
@@ -87,29 +89,45 @@ class ProbeNow(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class ReplayRequest(_message.Message):
+    __slots__ = ("request_id", "prompts", "max_tokens", "timeout_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompts: _containers.RepeatedScalarFieldContainer[str]
+    max_tokens: int
+    timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
 class AgentMessage(_message.Message):
-    __slots__ = ("heartbeat", "pong", "inference_result")
+    __slots__ = ("heartbeat", "pong", "inference_result", "replay_result")
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_RESULT_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_RESULT_FIELD_NUMBER: _ClassVar[int]
     heartbeat: Heartbeat
     pong: Pong
     inference_result: InferenceResult
-    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., inference_result: _Optional[_Union[InferenceResult, _Mapping]] = ...) -> None: ...
+    replay_result: ReplayResult
+    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., inference_result: _Optional[_Union[InferenceResult, _Mapping]] = ..., replay_result: _Optional[_Union[ReplayResult, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "interval_ms", "node_id", "telemetry", "liveness")
+    __slots__ = ("seq", "interval_ms", "node_id", "telemetry", "liveness", "replay_max_prompts")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TELEMETRY_FIELD_NUMBER: _ClassVar[int]
     LIVENESS_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_MAX_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     interval_ms: int
     node_id: str
     telemetry: Telemetry
     liveness: Liveness
-    def __init__(self, seq: _Optional[int] = ..., interval_ms: _Optional[int] = ..., node_id: _Optional[str] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., liveness: _Optional[_Union[Liveness, str]] = ...) -> None: ...
+    replay_max_prompts: int
+    def __init__(self, seq: _Optional[int] = ..., interval_ms: _Optional[int] = ..., node_id: _Optional[str] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., liveness: _Optional[_Union[Liveness, str]] = ..., replay_max_prompts: _Optional[int] = ...) -> None: ...
 
 class Pong(_message.Message):
     __slots__ = ("seq", "processing_us")
@@ -220,3 +238,31 @@ class InferenceResult(_message.Message):
     headers_ms: float
     trigger: str
     def __init__(self, seq: _Optional[int] = ..., ok: _Optional[bool] = ..., ttft_ms: _Optional[float] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., http_status: _Optional[int] = ..., detail: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., headers_ms: _Optional[float] = ..., trigger: _Optional[str] = ...) -> None: ...
+
+class ReplayResult(_message.Message):
+    __slots__ = ("request_id", "node_id", "answers", "error", "model")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    node_id: str
+    answers: _containers.RepeatedCompositeFieldContainer[ReplayAnswer]
+    error: str
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., answers: _Optional[_Iterable[_Union[ReplayAnswer, _Mapping]]] = ..., error: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class ReplayAnswer(_message.Message):
+    __slots__ = ("token_ids", "text", "finish_reason", "error", "elapsed_ms")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: str
+    error: str
+    elapsed_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...

@@ -55,6 +55,7 @@ __all__ = [
     "token_bytes",
     "token_text",
     "tokenize",
+    "use_model_seed",
 ]
 
 #: Special tokens (ids 0..7); their text is empty in generated output (skip_special_tokens).
@@ -90,7 +91,8 @@ PIECE_RE = re.compile(r"\s*\w+|\s*[^\s\w]|\s+")
 
 _WORD_IDS = {w: FIRST_WORD_ID + i for i, w in enumerate(WORDS)}
 _MASK = (1 << 64) - 1
-_SEED = 0x5EED_CAFE_F00D_D00D
+_BASE_SEED = 0x5EED_CAFE_F00D_D00D
+_SEED = _BASE_SEED  # the model this process serves (:func:`use_model_seed`)
 _MUL = 0x100000001B3  # FNV-1a 64-bit prime, used as the rolling-hash multiplier
 
 
@@ -167,6 +169,17 @@ def _mix(x: int) -> int:
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
     x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK
     return x ^ (x >> 31)
+
+
+def use_model_seed(seed: int) -> None:
+    """Serve another model in this process: every context hashes from a state derived from
+    ``seed`` (0, the default: the built-in model), so greedy answers differ from token 0 on.
+    What ``sim-engine --model-seed`` sets (an engine restarted with wrong weights, issue 23).
+    Raises ValueError for a negative seed."""
+    global _SEED
+    if seed < 0:
+        raise ValueError(f"model seed must be >= 0, got {seed}")
+    _SEED = _BASE_SEED if seed == 0 else _mix(_BASE_SEED ^ (seed * _MUL & _MASK)) | 1
 
 
 def advance(state: int, tid: int) -> int:

@@ -29,6 +29,7 @@ from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL
 if TYPE_CHECKING:
     from xds_server.feed.service import RoutingFeed
     from xds_server.load.service import LoadReportingService
+    from xds_server.probing.switchback import SwitchbackValidator
     from xds_server.probing.workers import WorkerPool
     from xds_server.process.certwatch import CertWatch
     from xds_server.process.refusals import Refusals
@@ -66,6 +67,7 @@ class ControlPlaneView:
         # set by the control plane, read by admin/metrics.py; None: not there (no probe workers,
         # the routing feed not served yet, a plaintext ADS port)
         self.probe_pool: WorkerPool | None = None
+        self.switchback: SwitchbackValidator | None = None  # switch-back validation (issue 23)
         self.routing_feed: RoutingFeed | None = None
         self.tls_files: ServerCertFiles | None = None
         self.refusals: Refusals | None = None  # refused identities and tokens (issue 28)
@@ -188,6 +190,7 @@ class ControlPlaneView:
             "full_weight": hm.full_weight(n.capacity),
             "eds_health_status": r.health_status,
             "probation": self._probation_view(nh, now),
+            "validation": self.switchback.node_view(node_id, nh, now) if self.switchback else None,
             "drain": self._drain_view(nh, now),
             "fail_static": core.fail_static.active,
             "published": cluster in core.planner.gate_open,

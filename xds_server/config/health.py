@@ -7,6 +7,7 @@ from pydantic import Field, field_validator, model_validator
 
 from node_probe.xids import FATAL_XIDS
 from xds_server.config.base import _Model
+from xds_server.config.validation import ValidationConfig
 
 __all__ = ["HealthConfig"]
 
@@ -208,6 +209,8 @@ class HealthConfig(_Model):
         "if its heartbeats resume within this many heartbeat intervals (ours: 1 s at 100 ms)",
     )
     drain_timeout_s: float = Field(600.0, gt=0, description="a drain is complete when in-flight is 0 or after this")
+    validation: ValidationConfig = Field(default_factory=ValidationConfig,
+                                         description="switch-back validation by replay (issue 23; off by default)")
 
     @field_validator("saturated_http_statuses", "busy_http_statuses")
     @classmethod

@@ -102,7 +102,7 @@ def _recorded(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: HealthConf
                    hb.requests_waiting, hb.gpu_free_ratio, hb.gpu_fatal, progress_at, progress_detail, gap)
     # else: the engine record is unchanged (a steady node): the same immutable value is kept
     return NodeHealth(nh.node_id, nh.state, nh.reason, nh.since_s, Heartbeats(now, 0, False, arrivals, clears),
-                      nh.rtt, nh.probe, e, ej, nh.ramp, nh.drain)
+                      nh.rtt, nh.probe, e, ej, nh.ramp, nh.drain, nh.validation)
 
 
 def quiet_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: HealthConfig) -> NodeHealth | None:
@@ -216,4 +216,4 @@ class BeatRun:
         return NodeHealth(nh.node_id, nh.state, nh.reason, nh.since_s,
                           Heartbeats(self.last_s, 0, False,
                                      phimod.ArrivalStats(self.mean_ms, self.var_ms2, self.samples), ()),
-                          nh.rtt, nh.probe, nh.engine, nh.ejection, nh.ramp, nh.drain)
+                          nh.rtt, nh.probe, nh.engine, nh.ejection, nh.ramp, nh.drain, nh.validation)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from xds_server.health import phi as phimod
 from xds_server.health.frozen import fast_init
+from xds_server.health.gate import Validation, ValidationObserved
 
 __all__ = [
     "MACHINE_STATES",
@@ -96,6 +97,7 @@ class EjectionCause(enum.StrEnum):
     ENGINE = "engine"        # engine fatal error or the agent reports the engine FAILED
     GPU = "gpu"              # a fatal GPU event (Xid, GPU lost)
     TRAFFIC = "traffic"      # real traffic fails across Envoys (LRS) while probes may pass
+    VALIDATION = "validation"  # switch-back replay: answers unlike its healthy peers (issue 23)
 
 
 class EngineState(enum.StrEnum):
@@ -219,7 +221,7 @@ class TrafficFailing:
 
 
 Observation = (HeartbeatObserved | Tick | StreamClosed | PingObserved | ProbeObserved | DrainRequested
-               | FailStaticEnded | TrafficFailing)
+               | FailStaticEnded | TrafficFailing | ValidationObserved)
 
 
 # ---- per-node records ---------------------------------------------------------------------
@@ -337,6 +339,7 @@ class NodeHealth:
     ejection: Ejection = field(default_factory=Ejection)
     ramp: Ramp = field(default_factory=Ramp)
     drain: Drain = field(default_factory=Drain)
+    validation: Validation = field(default_factory=Validation)  # switch-back gate (health/gate.py)
 
     @property
     def effective_state(self) -> NodeState:

@@ -21,6 +21,7 @@ from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
 from xds_server.health.beats import quiet_heartbeat, record_heartbeat
 from xds_server.health.clocks import EPS_S, misses_at, phi_delay_s
+from xds_server.health.gate import ValidationObserved
 from xds_server.health.outcome import answered_failure, classify_probe, is_refusal, judge_busy_timeout, refusal_evidence
 from xds_server.health.records import (
     ROUTED_STATES,
@@ -40,6 +41,7 @@ from xds_server.health.records import (
     Tick,
     TrafficFailing,
 )
+from xds_server.health.switchback import verdict_signals
 from xds_server.health.table import Ctx, Fired, Signal, apply
 from xds_server.health.time_rules import TIME_RULES, failure
 
@@ -349,5 +351,6 @@ _OBSERVERS: dict[type[Observation], _Observer] = {
     DrainRequested: _observer(DrainRequested, _keep, (_r_drain,)),
     FailStaticEnded: _observer(FailStaticEnded, _record_fail_static_end, (_r_fail_static_end,)),
     TrafficFailing: _observer(TrafficFailing, _keep, (_r_traffic,)),
+    ValidationObserved: _observer(ValidationObserved, _keep, (lambda nh, obs, c: verdict_signals(nh, obs), *_TIME)),
 }
 """Observation type -> (recording, rules in order)."""

@@ -56,6 +56,9 @@ class Signal(enum.Enum):
     FAIL_STATIC_FORGIVES = "fail-static forgives"
     FORGIVENESS_PENDING = "fail-static ended while silent"
     TRAFFIC_FAILING = "real traffic failing"
+    VALIDATION_PENDING = "validation pending"
+    VALIDATION_PASSED = "validation passed"
+    VALIDATION_FAILED = "validation failed"
     DRAIN = "drain"
     UNDRAIN = "undrain"
 

@@ -15,6 +15,8 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from xds_server.health import effects as fx
+from xds_server.health import switchback as sb
+from xds_server.health.gate import Validation
 from xds_server.health.records import MACHINE_STATES, ROUTED_STATES, EjectionCause, Event, NodeHealth, NodeState, Ramp
 from xds_server.health.signals import PREVIOUS, Ctx, Effect, Fired, InvalidTransition, Previous, Signal, Transition
 
@@ -108,7 +110,13 @@ _SPEC: tuple[tuple[tuple[NodeState, ...], tuple[Signal, ...], Effect, NodeState 
     ((WARMING, *ROUTED), (G.CLEAN_PERIOD_MET,), fx.noop, _STAY),
     ((PROBATION,), (G.RAMP_STEP,), fx.ramp_step, _STAY),
     ((PROBATION,), (G.RAMP_HELD,), fx.ramp_held, _STAY),
-    ((PROBATION,), (G.RAMP_COMPLETE,), fx.ramp_complete, HEALTHY),
+    ((PROBATION,), (G.RAMP_COMPLETE,), sb.ramp_complete, HEALTHY),
+    # switch-back validation (issue 23; health/switchback.py): the ramp's end waits for a verdict
+    ((PROBATION,), (G.VALIDATION_PENDING,), sb.pending, _STAY),
+    ((PROBATION,), (G.VALIDATION_PASSED,), sb.passed, _STAY),
+    ((PROBATION,), (G.VALIDATION_FAILED,), sb.failed, UNHEALTHY),
+    ((COLD, WARMING, HEALTHY, DEGRADED, REFUSING, UNHEALTHY), (G.VALIDATION_PASSED, G.VALIDATION_FAILED), fx.noop,
+     _STAY),
     ((HEALTHY,), (G.HEALTHY_RUN_MET,), fx.forget_backoff, _STAY),
     # operator
     (MACHINE_STATES, (G.DRAIN,), fx.drain(True), _STAY),
@@ -167,15 +175,16 @@ def _enter(nh: NodeHealth, state: NodeState, reason: str, ctx: Ctx) -> NodeHealt
         ej = replace(ej, healthy_since_s=now)
     elif nh.state is NodeState.HEALTHY:
         ej = replace(ej, healthy_since_s=None)
-    ramp = nh.ramp
-    if state is NodeState.PROBATION:  # every probation starts its ramp afresh
-        ramp = Ramp(ctx.cfg.ramp_start_percent, now)
+    ramp, validation = nh.ramp, nh.validation
+    if state is NodeState.PROBATION:  # every probation starts its ramp (and its validation) afresh
+        ramp, validation = Ramp(ctx.cfg.ramp_start_percent, now), Validation()
     elif ramp.step_at_s is not None:
         ramp = replace(ramp, step_at_s=None)
     probe = replace(nh.probe, consecutive_good=0) if nh.probe.consecutive_good else nh.probe
     if probe.warm_reported and not (nh.state is NodeState.COLD and state is NodeState.WARMING):
         probe = replace(probe, warm_reported=False)  # "cannot warm" is reported once per COLD/WARMING episode
-    return replace(nh, state=state, reason=reason, since_s=now, ejection=ej, ramp=ramp, probe=probe)
+    return replace(nh, state=state, reason=reason, since_s=now, ejection=ej, ramp=ramp, probe=probe,
+                   validation=validation)
 
 
 def render_diagram(width: int = 92) -> str:

@@ -10,13 +10,13 @@ from xds_server.config import HealthConfig
 from xds_server.health.clocks import EPS_S, required_clean_s, stall_confirm_at_s
 from xds_server.health.records import EjectionCause, EngineState, NodeHealth, Observation, ProbeResultKind
 from xds_server.health.signals import Ctx, Fired, Signal
+from xds_server.health.switchback import ramp_gate
 
 __all__ = ["TIME_RULES", "failure"]
 
 _NONE: tuple[Fired, ...] = ()
 _CLEAN_PERIOD_MET = (Fired(Signal.CLEAN_PERIOD_MET),)
 _RAMP_HELD = (Fired(Signal.RAMP_HELD),)
-_RAMP_COMPLETE = (Fired(Signal.RAMP_COMPLETE),)
 _HEALTHY_RUN_MET = (Fired(Signal.HEALTHY_RUN_MET),)
 
 
@@ -73,7 +73,7 @@ def r_ramp(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:
         return _RAMP_HELD
     steps = int((c.now_s - r.step_at_s + EPS_S) // cfg.ramp_step_s)
     if r.percent + steps * cfg.ramp_step_percent >= 100.0:
-        return _RAMP_COMPLETE
+        return ramp_gate(nh, cfg)  # RAMP_COMPLETE, or VALIDATION_PENDING (switch-back validation)
     return (Fired(Signal.RAMP_STEP, arg=steps),)
 
 

@@ -1,0 +1,64 @@
+"""``health.validation:`` section: switch-back validation by replay against two peers (issue 23)."""
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from xds_server.config.base import _Model
+
+__all__ = ["DEFAULT_PROMPTS", "ValidationConfig"]
+
+DEFAULT_PROMPTS: tuple[str, ...] = (
+    "The three primary colours of light are",
+    "Write the numbers from one to ten in words:",
+    "A short definition of a load balancer:",
+    "Translate 'good morning' into French, German and Spanish:",
+    "def fibonacci(n):",
+    "The capital of Japan is",
+    "List four planets of the solar system:",
+    "Water boils at sea level at a temperature of",
+)
+"""Built-in prompts (ours): short, factual or formulaic, so that a healthy model's greedy answer
+is stable across replicas; code, arithmetic, translation and lists touch different weights."""
+
+
+class ValidationConfig(_Model):
+    """Before a node leaves half-open PROBATION for HEALTHY, its agent and two HEALTHY peers' agents
+    (same cluster) run the same prompts greedily at the same moment; the node passes when its
+    disagreement with each peer is within the peers' disagreement with each other plus a margin
+    (Diffy's primary/secondary noise floor). Off by default."""
+
+    enabled: bool = Field(False, description="off by default: PROBATION ends on its ramp alone, as before")
+    prompts_file: str | None = Field(
+        None, description="JSONL, one object per line with a 'prompt' string; None: the built-in set "
+        "(DEFAULT_PROMPTS, 8 prompts). Read when the control plane starts and at each reload")
+    sample: int = Field(8, ge=1, le=64, description="prompts per validation (ours: 8 give a verdict per prompt "
+                        "and still finish in well under a second on a simulator, a few seconds on a GPU)")
+    max_tokens: int = Field(32, ge=1, le=256, description="tokens per prompt (issue 23: 'a few dozen')")
+    timeout_s: float = Field(20.0, gt=0, le=300, description="the whole replay on all three agents (ours)")
+    token_margin: float = Field(
+        0.25, ge=0, le=1,
+        description="allowed extra disagreement in the first diverging token, as a ratio of max_tokens "
+        "(ours: greedy decoding across batch sizes drifts late in a generation, vLLM issue 48271; a "
+        "different model or broken kernel diverges at once)")
+    similarity_margin: float = Field(
+        0.2, ge=0, le=1, description="allowed extra text dissimilarity (1 - difflib ratio, 0..1; ours)")
+    min_prompt_ratio: float = Field(
+        0.75, gt=0, le=1,
+        description="ratio of prompts on which the candidate must be within the noise (ours: one odd "
+        "prompt does not fail a node, Flagger's single-bad-sample complaint)")
+    embeddings_url: str | None = Field(
+        None, description="optional OpenAI-compatible /v1/embeddings URL the operator names; None: off. "
+        "With it, each answer pair is also compared by embedding cosine")
+    embeddings_model: str = Field("", description="model field sent to embeddings_url ('' : none sent)")
+    cosine_min: float = Field(0.85, ge=-1, le=1, description="seed 002: embedding cosine > 0.85 with a known-good "
+                              "answer; applied to the candidate only when peers themselves reach it")
+    check_interval_s: float = Field(0.5, gt=0, le=60, description="how often the control plane looks for "
+                                    "nodes waiting for validation (ours; the gate holds them meanwhile)")
+    retry_s: float = Field(5.0, gt=0, description="a validation that could not run (an agent refused: busy, "
+                           "timeout) is tried again after this (ours)")
+
+    @model_validator(mode="after")
+    def _check(self) -> ValidationConfig:
+        if self.embeddings_url is not None and not self.embeddings_url.startswith(("http://", "https://")):
+            raise ValueError("embeddings_url must start with http:// or https://")
+        return self

@@ -1,0 +1,91 @@
+"""The switch-back validation gate as rules and effects of the transition table (issue 23).
+
+A node in PROBATION whose ramp would complete waits for a verdict while
+``health.validation.enabled``: the ramp rule fires VALIDATION_PENDING instead of RAMP_COMPLETE
+(:func:`ramp_gate`), every ramp step, which keeps the node at its last ramp percent with the
+reason "switch-back validation pending". A :class:`~xds_server.health.gate.ValidationObserved`
+for this PROBATION then fires VALIDATION_PASSED (PASSED or PROBES_ONLY: the ramp completes in
+the same step, its reason naming the verdict) or VALIDATION_FAILED (UNHEALTHY, cause
+``validation``, the evidence in the reason, the next clean period doubled as for any failure in
+PROBATION). Pure: records, config and the step's time.
+
+Table rows (``xds_server.health.table``)::
+
+    PROBATION  VALIDATION_PENDING  pending   PROBATION
+    PROBATION  VALIDATION_PASSED   passed    PROBATION   (then RAMP_COMPLETE -> HEALTHY)
+    PROBATION  VALIDATION_FAILED   failed    UNHEALTHY
+    others     VALIDATION_PASSED / VALIDATION_FAILED   no-op (a late verdict)
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from xds_server.config import HealthConfig
+from xds_server.health import effects as fx
+from xds_server.health.gate import Validation, ValidationObserved, ValidationVerdict
+from xds_server.health.records import EjectionCause, NodeHealth, NodeState
+from xds_server.health.signals import Ctx, Fired, Signal
+
+__all__ = ["failed", "passed", "pending", "ramp_complete", "ramp_gate", "verdict_signals"]
+
+V = ValidationVerdict
+_RAMP_COMPLETE = (Fired(Signal.RAMP_COMPLETE),)
+_PENDING = (Fired(Signal.VALIDATION_PENDING),)
+_NONE: tuple[Fired, ...] = ()
+_OK = (V.PASSED, V.PROBES_ONLY)
+
+
+def ramp_gate(nh: NodeHealth, cfg: HealthConfig) -> Sequence[Fired]:
+    """What a ramp that reached 100 % fires: RAMP_COMPLETE, or VALIDATION_PENDING while a
+    validation is required (``cfg.validation.enabled``) and no passing verdict is recorded."""
+    if not cfg.validation.enabled or nh.validation.verdict in _OK:
+        return _RAMP_COMPLETE
+    return _PENDING
+
+
+def verdict_signals(nh: NodeHealth, obs: ValidationObserved) -> Sequence[Fired]:
+    """A verdict's signal: only for the PROBATION it was asked for (``probation_since_s`` equal
+    to ``nh.since_s``) while that node waits (PENDING); anything else fires nothing."""
+    if (nh.state is not NodeState.PROBATION or obs.probation_since_s != nh.since_s
+            or nh.validation.verdict is not V.PENDING):
+        return _NONE
+    if obs.verdict is V.FAILED:
+        return (Fired(Signal.VALIDATION_FAILED, obs.detail),)
+    if obs.verdict in _OK:
+        return (Fired(Signal.VALIDATION_PASSED, obs.detail, 1.0 if obs.verdict is V.PROBES_ONLY else 0.0),)
+    return _NONE
+
+
+def pending(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    """Hold the ramp one more step; the first time, record PENDING and say why."""
+    held = replace(nh, ramp=replace(nh.ramp, step_at_s=c.now_s))
+    if nh.validation.verdict is V.PENDING:
+        return held, None
+    return (replace(held, validation=Validation(V.PENDING, "", c.now_s)),
+            f"ramp at {nh.ramp.percent:g} %: switch-back validation pending (replay against two healthy peers)")
+
+
+def passed(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    """Record the verdict and make the ramp due now (it completes in this step)."""
+    verdict = V.PROBES_ONLY if f.arg else V.PASSED
+    due = c.now_s - c.cfg.ramp_step_s
+    return replace(nh, validation=Validation(verdict, f.detail, c.now_s), ramp=replace(nh.ramp, step_at_s=due)), None
+
+
+_eject = fx.eject(EjectionCause.VALIDATION)
+
+
+def failed(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    """Record FAILED and eject (cause ``validation``; the evidence is the reason)."""
+    return _eject(replace(nh, validation=Validation(V.FAILED, f.detail, c.now_s)), f, c)
+
+
+def ramp_complete(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
+    """The ramp's end; with validation on, the reason names the verdict that let it end."""
+    out, reason = fx.ramp_complete(nh, f, c)
+    v = nh.validation
+    if c.cfg.validation.enabled and v.verdict in _OK:
+        word = "validated" if v.verdict is V.PASSED else "validated by probes alone"
+        reason = f"{reason}; switch-back {word}: {v.detail}" if v.detail else f"{reason}; switch-back {word}"
+    return out, reason
