@@ -198,7 +198,7 @@ def _drain(args: argparse.Namespace) -> int:
 def _envoy_bootstrap(args: argparse.Namespace) -> int:
     import yaml
 
-    from xds_server.config import ConfigError
+    from xds_server.config import ConfigError, ShedClassesConfig, load_config
     from xds_server.envoy.bootstrap import ControlPlaneGroup, render_bootstrap
 
     try:
@@ -206,12 +206,15 @@ def _envoy_bootstrap(args: argparse.Namespace) -> int:
         for spec in args.group or ():
             path, _, addrs = spec.partition("=")
             groups.append(ControlPlaneGroup.from_config(path, [a for a in addrs.split(",") if a]))
+        classes = None if args.classes is None else (
+            load_config(args.classes).lrs.shed.classes if args.classes else ShedClassesConfig())
         doc = render_bootstrap(xds_port=args.xds_port, listener_port=args.listener_port,
                                admin_port=args.admin_port, cluster=args.cluster, node_id=args.node_id,
                                api_type=args.api, per_try_timeout_s=args.per_try_timeout_s,
-                               xds_replicas=args.xds or (), groups=groups, route_header=args.route_header)
+                               xds_replicas=args.xds or (), groups=groups, route_header=args.route_header,
+                               classes=None if classes is None else classes.model_copy(update={"enabled": True}))
     except ConfigError as e:
-        print(f"xds-server: --group: {e}", file=sys.stderr)
+        print(f"xds-server: --group/--classes: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
         print(f"xds-server: {e}", file=sys.stderr)
@@ -350,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "file and its replicas' ADS addresses (default its xds.listen); repeat per group")
     eb.add_argument("--route-header", default="x-sentinel-cluster",
                     help="with --group: the request header naming the cluster (default x-sentinel-cluster)")
+    eb.add_argument("--classes", nargs="?", const="", default=None, metavar="CONFIG",
+                    help="route request classes (lrs.shed.classes: header and names from the xds-server CONFIG "
+                    "given, else the defaults x-sentinel-priority: sheddable | standard | critical)")
     eb.add_argument("-o", "--output", default=None, help="file to write (default stdout)")
     d = cmd("demo", "local demo: real Envoy, simulated engines, injected faults", _demo)
     d.add_argument("--keep-running", action="store_true",

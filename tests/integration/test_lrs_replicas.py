@@ -2,7 +2,8 @@
 LRS stream lands on one replica, which forwards every report to the other, so both sum every
 Envoy's reports exactly once. With real Envoys: one on each replica and one whose bootstrap
 lists both; and in-process, the peer edges (refused without lrs.peers or under this replica's
-own id, a forwarded report never forwarded back, a full queue counted, never blocking)."""
+own id, a forwarded report never forwarded back, a full queue counted, never blocking; over
+mtls, a peer allowed or refused by its client certificate as an Envoy is)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,12 +19,14 @@ from envoy.service.load_stats.v3 import lrs_pb2
 from xds_server.config import parse_config
 from xds_server.envoy.bootstrap import find_envoy, render_bootstrap, write_bootstrap
 from xds_server.load.peers import MARKER
+from xds_server.process.tls import ClientTls, dial
 from xds_server.server import ControlPlane
 from xds_server.testing import (
     InMemoryProbes,
     LoadGenerator,
     ManagedProcess,
     StandaloneEnvoy,
+    TestCA,
     free_port,
     wait_for,
 )
@@ -134,7 +137,7 @@ async def test_two_replicas_each_sum_every_envoy_exactly_once(make_fleet, http):
 def _cfg(xds: int, rid: str, peers: list[str]):
     return parse_config({
         "xds": {"listen": f"127.0.0.1:{xds}", "replica_id": rid}, "admin": {"listen": f"127.0.0.1:{free_port()}"},
-        "lrs": {"peers": peers, "peer_queue": 2},
+        "lrs": {"peers": peers, "peer_queue": 2, "peer_max_delay_s": 60, "peer_backoff_max_s": 0.5},
         "clusters": [{"name": "llm", "nodes": [{"id": "gpu-a", "address": "127.0.0.1:9001",
                                                  "probe_address": "127.0.0.1:9101"}]}]})
 
@@ -202,3 +205,50 @@ async def test_peer_edges_refused_counted_and_never_forwarded_twice():
         for cp in (b, lone, a):
             if cp is not None:
                 await cp.stop()
+
+
+async def test_peers_over_mtls_are_allowed_by_their_client_certificate(tmp_path):
+    # mtls on both xDS ports; each replica dials its peer with its own client certificate, which
+    # the peer's tls.node_allow must allow for its replica id, as an Envoy's for its node id
+    ca = TestCA(tmp_path)
+    server = ca.issue("xds", dns=["localhost"], ips=["127.0.0.1"])
+    cert = {r: ca.issue(r, dns=[f"{r}.replicas.internal"], client=True) for r in ("cp-1", "cp-2", "cp-3")}
+    envoy = ca.issue("envoy", dns=["envoy.internal"], client=True)
+    allow = [{"identity": "dns:envoy.internal", "node_ids": ["envoy-*"]},
+             {"identity": "dns:cp-1.replicas.internal", "node_ids": ["cp-1"]},
+             {"identity": "dns:cp-2.replicas.internal", "node_ids": ["cp-2"]}]
+    p1, p2, p3 = free_port(), free_port(), free_port()
+
+    def cfg(port: int, rid: str, peer: int):
+        return parse_config({
+            "xds": {"listen": f"127.0.0.1:{port}", "replica_id": rid}, "admin": {"listen": f"127.0.0.1:{free_port()}"},
+            "tls": {"mode": "mtls", "cert_file": server.cert, "key_file": server.key, "client_ca_file": ca.cert,
+                    "node_allow": allow},
+            "lrs": {"peers": [f"127.0.0.1:{peer}"], "peer_tls": {
+                "mode": "mtls", "ca_file": ca.cert, "cert_file": cert[rid].cert, "key_file": cert[rid].key}},
+            "clusters": [{"name": "llm", "nodes": [{"id": "gpu-a", "address": "127.0.0.1:9001",
+                                                     "probe_address": "127.0.0.1:9101"}]}]})
+
+    cps = [ControlPlane(cfg(p1, "cp-1", p2), probe_sources=InMemoryProbes()),
+           ControlPlane(cfg(p2, "cp-2", p1), probe_sources=InMemoryProbes()),
+           ControlPlane(cfg(p3, "cp-3", p2), probe_sources=InMemoryProbes())]  # not on cp-2's allow-list
+    for cp in cps:
+        await cp.start()
+    try:
+        a, b, c = cps
+        await wait_for(lambda: a.load.peers.links[0].up and b.load.peers.links[0].up, 10, what="cp-1 <-> cp-2 up")
+        await wait_for(lambda: "PERMISSION_DENIED" in c.load.peers.links[0].last_error, 10,
+                       what="cp-3 refused by cp-2's tls.node_allow")
+        assert not c.load.peers.links[0].up and b.load.aggregator.problems["not_allowed"] >= 1
+        async with dial(f"127.0.0.1:{p1}", tls=ClientTls(ca.cert, envoy.cert, envoy.key)) as ch:
+            call = ch.stream_stream(LRS_METHOD)()
+            await call.write(_report(0, "envoy-1"))
+            await call.read()
+            await call.write(_report(5))
+            await wait_for(lambda: ("llm", "gpu-a") in b.load.aggregator.totals, 5, what="cp-2 got the report")
+            assert b.load.aggregator.totals[("llm", "gpu-a")] == a.load.aggregator.totals[("llm", "gpu-a")]
+            assert a.load.aggregator.totals[("llm", "gpu-a")].issued == 5
+            call.cancel()
+    finally:
+        for cp in reversed(cps):
+            await cp.stop()

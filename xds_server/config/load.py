@@ -147,6 +147,11 @@ class LrsConfig(_Model):
         description="reports waiting per peer while its stream is slow or down; more are dropped "
         "and counted (sentinel_lrs_peer_dropped_total), never blocking an Envoy's stream. Ours: "
         "~17 s of 60 Envoys at 1 report/s")
+    peer_max_delay_s: float = Field(
+        3.0, gt=0, le=3600,
+        description="a report that waited longer than this for its peer (stream down or slow) is "
+        "dropped and counted (stale), s: applied late it would count in the wrong window. Ours: "
+        "lrs.stale_after_s's default; a peer back within it gets every report, exactly")
     peer_backoff_max_s: float = Field(
         2.0, gt=0, le=300,
         description="redial backoff towards a peer doubles from 0.1 s up to this (jittered), s. "

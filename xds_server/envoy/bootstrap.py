@@ -30,7 +30,8 @@ from typing import Any
 import yaml
 from google.protobuf import json_format
 
-from xds_server.config import ClusterConfig, load_config, parse_hostport
+from xds_server.config import ClusterConfig, ShedClassesConfig, load_config, parse_hostport
+from xds_server.envoy.classes import class_routes
 from xds_server.xds.resources import build_cluster
 
 __all__ = ["BOOTSTRAP_TEMPLATE", "ROUTE_HEADER", "ControlPlaneGroup", "EnvoyNotFound", "add_xds_tls", "eds_cluster",
@@ -178,6 +179,7 @@ def render_bootstrap(
     route_header: str = ROUTE_HEADER,
     lrs: bool = True,
     shed_retry_after_s: int | None = None,
+    classes: ShedClassesConfig | None = None,
     template: Path | Traversable = BOOTSTRAP_TEMPLATE,
 ) -> dict[str, Any]:
     """The bootstrap from ``template`` with ports, routed cluster, node id and timeouts replaced.
@@ -206,6 +208,7 @@ def render_bootstrap(
     ``lrs``: keep ``cluster_manager.load_stats_config`` (load reports to the control plane, to
     the first group's replicas when split); False removes it. ``shed_retry_after_s``: the
     Retry-After (whole s) of the 429 a request dropped for overload gets (the template's 3 s).
+    ``classes`` (enabled): request-class routes first (:mod:`xds_server.envoy.classes`; one control plane only).
 
     Returns the YAML document as a dict (write it with ``yaml.safe_dump``). Raises OSError when
     the template cannot be read and ValueError for an unknown ``api_type``, a bad address (named),
@@ -222,6 +225,8 @@ def render_bootstrap(
         if xds_replicas or cluster is not None:
             raise ValueError("with groups, each group names its replicas and clusters "
                              "(--group CONFIG=HOST:PORT,...): xds replicas and cluster are not used")
+        if classes is not None and classes.enabled:
+            raise ValueError("request classes (lrs.shed.classes) are rendered for one control plane, not with groups")
         routed = _split(doc, proto, groups, api_type)
         _lrs_cluster(doc, groups[0].xds_cluster)
     else:
@@ -251,7 +256,7 @@ def render_bootstrap(
                 rp["per_try_idle_timeout"] = f"{per_try_idle_timeout_s:g}s"
             if retry_after_max_s is not None and "rate_limited_retry_back_off" in rp:
                 rp["rate_limited_retry_back_off"]["max_interval"] = f"{retry_after_max_s:g}s"
-            routes.extend(_routes_for(r, routed, route_header))
+            routes.extend(class_routes(r, routed[0], classes) + _routes_for(r, routed, route_header))
         vh["routes"] = routes
     return doc
 

@@ -9,7 +9,10 @@ short and tells the shed clients to come back (429 + Retry-After).
 
 - **fail open**: no routable node, a routable node's queue telemetry missing or older than
   ``stale_after_s``, or no Envoy reporting load -> no drop (stale data never sheds);
-- **start** when the routable nodes' mean waiting exceeds ``queue_warning``; **stay** while it
+- **start** when the routable nodes' mean waiting exceeds ``queue_warning``, a node whose KV-cache
+  usage is above ``kv_saturated_ratio`` counting as ``queue_warning + 1`` waiting (saturated like a
+  queue over the warning; a node without KV telemetry adds nothing: the KV input fails open too);
+  **stay** while it
   is above ``off_ratio`` x ``queue_warning``; **lift** once it stayed at or below that for
   ``lift_after_s`` (hysteresis: no flapping around one threshold);
 - on entry the drop is the excess of the offered load (issued + already dropped, per s) over what
@@ -49,13 +52,15 @@ class ShedState:
 class ShedInputs:
     """``waiting``: each routable node's waiting requests (None: unknown); ``telemetry_age_s``:
     the age of each one's last heartbeat (s; None: never); ``offered_rps`` and ``completed_rps``:
-    the cluster's real traffic over the window (LRS); ``reporters``: Envoys reporting."""
+    the cluster's real traffic over the window (LRS); ``reporters``: Envoys reporting;
+    ``kv_usage``: each routable node's KV-cache usage (0..1; None or absent: unknown)."""
 
     waiting: Sequence[float | None]
     telemetry_age_s: Sequence[float | None]
     offered_rps: float
     completed_rps: float
     reporters: int
+    kv_usage: Sequence[float | None] = ()
 
 
 def _set(state: ShedState, percent: float, reason: str, low_since_s: float | None = None) -> ShedState:
@@ -77,7 +82,10 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
     if inp.reporters <= 0:
         return _set(state, 0.0, "fail open: no Envoy reports load")
     known = [w for w in inp.waiting if w is not None]
-    mean = sum(known) / len(known)
+    kv = list(inp.kv_usage)[:len(known)]
+    full = {i for i, u in enumerate(kv) if u is not None and u > cfg.kv_saturated_ratio}  # NaN: not full
+    mean = sum(max(w, queue_warning + 1) if i in full else w for i, w in enumerate(known)) / len(known)
+    kv_note = f" ({len(full)} node(s) with KV usage > {cfg.kv_saturated_ratio:g})" if full else ""
     low = queue_warning * cfg.off_ratio
     if state.percent <= 0 and mean <= queue_warning:
         return _set(state, 0.0, "")
@@ -85,6 +93,8 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
         since = state.low_since_s if state.low_since_s is not None else now_s
         if now_s - since >= cfg.lift_after_s:
             return _set(state, 0.0, f"lifted: mean waiting {mean:.0f} <= {low:g} for {cfg.lift_after_s:g} s")
+        if state.percent > cfg.max_percent:  # a reload lowered max_percent
+            return _set(state, cfg.max_percent, state.reason, since)
         return replace(state, low_since_s=since)
     step = cfg.step_percent
     if state.percent <= 0:  # entry: the measured excess (completions are capacity when saturated)
@@ -97,5 +107,5 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
     else:  # queues between off_ratio x warning and critical: hold (completions now track what is let in)
         target = state.percent
     target = min(cfg.max_percent, target)
-    return _set(state, target, f"shedding {target:g} %: mean waiting {mean:.0f} > {queue_warning:g}; offered "
-                               f"{inp.offered_rps:.1f} rps, completed {inp.completed_rps:.1f} rps")
+    return _set(state, target, f"shedding {target:g} %: mean waiting {mean:.0f}{kv_note} > {queue_warning:g}; "
+                               f"offered {inp.offered_rps:.1f} rps, completed {inp.completed_rps:.1f} rps")

@@ -92,13 +92,21 @@ class LoadAggregator:
         self._last_report: dict[tuple[str, int], float] = {}
         self._measured: dict[str, float] = {}  # cluster -> last measured load_report_interval, s
         self._listing: dict[str, dict[str, float]] = {}  # cluster -> reporter -> last report naming it
+        self._parent: dict[str, str] = {}  # request-class cluster -> the cluster it serves (lrs.shed.classes)
+        self._by_reported: dict[str, deque[_Slot]] = {}  # each class cluster's own demand (issued, dropped)
         self.set_nodes(nodes)
 
     # -- input -------------------------------------------------------------------------------
 
-    def set_nodes(self, nodes: Mapping[str, Mapping[tuple[str, int], str]]) -> None:
-        """The clusters and nodes reports may name; figures of nodes no longer listed are dropped."""
+    def set_nodes(self, nodes: Mapping[str, Mapping[tuple[str, int], str]],
+                  aliases: Mapping[str, str] | None = None) -> None:
+        """The clusters and nodes reports may name; figures of nodes no longer listed are dropped.
+        ``aliases``: request-class cluster -> the cluster it serves: its reports count as that
+        cluster's (nodes, localities, drops), and its own demand is kept apart (:meth:`demand`)."""
         self._nodes = {c: dict(m) for c, m in nodes.items()}
+        self._parent = {a: p for a, p in (aliases or {}).items() if p in self._nodes}
+        for rk in [k for k in self._by_reported if self._parent.get(k, k) not in self._nodes]:
+            del self._by_reported[rk]
         known = {(c, n) for c, m in self._nodes.items() for n in m.values()}
         for d in (self._by_node, self._in_progress, self.totals):
             for k in [k for k in d if k not in known]:
@@ -136,7 +144,8 @@ class LoadAggregator:
         return found
 
     def _cluster(self, reporter: str, cr: ClusterReport, now_s: float) -> list[str]:
-        nodes = self._nodes.get(cr.cluster)
+        parent = self._parent.get(cr.cluster, cr.cluster)
+        nodes = self._nodes.get(parent)
         if nodes is None:
             # send_all_clusters also reports the bootstrap's own static clusters (xds_cluster,
             # xds_<group>): expected, counted apart from bad input
@@ -155,22 +164,25 @@ class LoadAggregator:
         if any(c < 0 or c > self.max_count for c in counts):
             return ["absurd_count"]
         if cr.interval_s is not None:
-            self._measured[cr.cluster] = cr.interval_s
-        self._listing.setdefault(cr.cluster, {})[reporter] = now_s
+            self._measured[parent] = cr.interval_s
+        self._listing.setdefault(parent, {})[reporter] = now_s
         slot = int(now_s // self.interval_s)
         found: list[str] = []
+        if parent in self._parent.values():
+            _add(self._by_reported, cr.cluster, slot, reporter,
+                 Counts(sum(loc.counts.issued for loc in cr.localities)), cr.dropped_total)
         if cr.dropped_total:
-            _add(self._drops, (cr.cluster, ""), slot, reporter, Counts(), cr.dropped_total)
+            _add(self._drops, (parent, ""), slot, reporter, Counts(), cr.dropped_total)
         for category, n in cr.dropped:
-            if (cr.cluster, category) not in self._drops and self._categories(cr.cluster) >= self.max_categories:
+            if (parent, category) not in self._drops and self._categories(parent) >= self.max_categories:
                 found.append("too_many_categories")  # counted in the total only
                 continue
-            _add(self._drops, (cr.cluster, category), slot, reporter, Counts(), n)
-        n_locs = sum(1 for k in self._by_locality if k[0] == cr.cluster)
+            _add(self._drops, (parent, category), slot, reporter, Counts(), n)
+        n_locs = sum(1 for k in self._by_locality if k[0] == parent)
         for loc in cr.localities:
-            if (cr.cluster, loc.locality) in self._by_locality or n_locs < self.max_localities:
-                n_locs += (cr.cluster, loc.locality) not in self._by_locality
-                _add(self._by_locality, (cr.cluster, loc.locality), slot, reporter, loc.counts)
+            if (parent, loc.locality) in self._by_locality or n_locs < self.max_localities:
+                n_locs += (parent, loc.locality) not in self._by_locality
+                _add(self._by_locality, (parent, loc.locality), slot, reporter, loc.counts)
             elif "too_many_localities" not in found:
                 found.append("too_many_localities")  # its endpoints still count below
             for ep in loc.endpoints:
@@ -178,7 +190,7 @@ class LoadAggregator:
                 if node is None:
                     found.append("unknown_endpoint")
                     continue
-                nk = (cr.cluster, node)
+                nk = (parent, node)
                 _add(self._by_node, nk, slot, reporter, ep.counts)
                 self._in_progress.setdefault(nk, {})[reporter] = (now_s, ep.counts.in_progress)
                 t = self.totals.get(nk, Counts())
@@ -186,7 +198,7 @@ class LoadAggregator:
                                          t.errored + ep.counts.errored)
         # a node this Envoy did not report had no request open from it at the end of the interval
         for node in nodes.values():
-            gauges = self._in_progress.get((cr.cluster, node))
+            gauges = self._in_progress.get((parent, node))
             if gauges is not None and reporter in gauges and gauges[reporter][0] != now_s:
                 gauges[reporter] = (now_s, 0)
         return found
@@ -200,6 +212,7 @@ class LoadAggregator:
         _prune(self._by_node, oldest)
         _prune(self._by_locality, oldest)
         _prune(self._drops, oldest)
+        _prune(self._by_reported, oldest)
         for gk, gauges in list(self._in_progress.items()):
             for r in [r for r, (at, _) in gauges.items() if now_s - at > self.retain_s]:
                 del gauges[r]
@@ -236,6 +249,16 @@ class LoadAggregator:
                        sum(p.errored for p in parts), sum(p.in_progress for p in parts), len(reporters),
                        window_s, drops.dropped)
 
+    def parent_of(self, name: str) -> str:
+        """The cluster whose figures a report of Envoy cluster ``name`` counts in (itself, or the
+        cluster a request-class cluster serves)."""
+        return self._parent.get(name, name)
+
+    def demand(self, name: str, now_s: float, window_s: float) -> Traffic:
+        """One Envoy cluster's own issued and dropped requests over the window: a request-class
+        cluster or a cluster that has classes (zeros for any other)."""
+        return self._window(self._by_reported.get(name), now_s, window_s, 0)
+
     def drops(self, cluster: str, now_s: float, window_s: float) -> dict[str, int]:
         """Dropped requests per category over the window ("" = Envoy's total)."""
         return {cat: self._window(q, now_s, window_s, 0).dropped
@@ -256,7 +279,8 @@ class LoadAggregator:
 
     def slot_count(self) -> int:
         """Slots held (all stores): what memory is bounded by."""
-        return sum(len(q) for s in (self._by_node, self._by_locality, self._drops) for q in s.values())
+        return sum(len(q) for s in (self._by_node, self._by_locality, self._drops, self._by_reported)
+                   for q in s.values())
 
     def _gauge(self, key: _NodeKey, now_s: float) -> int:
         return sum(n for at, n in self._in_progress.get(key, {}).values() if now_s - at <= self.stale_after_s)

@@ -18,8 +18,10 @@ again (:func:`forwarded_by` tells the two kinds apart), and an Envoy reports eac
 to the one replica its stream is on, so an Envoy that moves to another replica is still counted
 once per report on every replica. Delivery is at most once: a report in flight when a peer stream
 breaks, or offered while the queue is full, is dropped and counted (``queue_full``,
-``send_failed``), never resent (a resend could count twice). Offering never blocks the Envoy's
-stream. The redial backoff doubles from 0.1 s to ``lrs.peer_backoff_max_s`` with jitter.
+``send_failed``), never resent (a resend could count twice); one that waited longer than
+``lrs.peer_max_delay_s`` (a peer down a while) is dropped too (``stale``: applied now it would
+land in the wrong window). Offering never blocks the Envoy's stream. The redial backoff doubles
+from 0.1 s to ``lrs.peer_backoff_max_s`` with jitter.
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 from envoy.service.load_stats.v3 import lrs_pb2
@@ -81,19 +84,23 @@ def _marked(replica_id: str, node_id: str) -> lrs_pb2.LoadStatsRequest:
 class PeerLink:
     """One peer replica at ``target`` (``HOST:PORT``): a bounded queue of encoded requests and the
     task that streams them (:meth:`run`). ``forwarded``: reports written to the stream;
-    ``dropped``: reports lost by reason (``queue_full``, ``send_failed``); ``up``: the stream is
-    open and the peer answered its first request; ``connects``: streams opened; ``last_error``."""
+    ``dropped``: reports lost by reason (``queue_full``, ``send_failed``, ``stale``); ``up``: the
+    stream is open and the peer answered its first request; ``connects``: streams opened;
+    ``last_error``. ``max_delay_s``: a report queued longer is dropped (s); ``monotonic``: clock (s)."""
 
     def __init__(self, target: str, replica_id: str, *, queue_max: int, tls: ClientTls | None = None,
-                 backoff_max_s: float = 2.0, keepalive_s: float = 1.0) -> None:
+                 backoff_max_s: float = 2.0, keepalive_s: float = 1.0, max_delay_s: float = 3.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.target = target
         self.replica_id = replica_id
         self.tls = tls
         self.backoff_max_s = backoff_max_s
+        self.max_delay_s = max_delay_s
+        self.monotonic = monotonic
         self.options = [("grpc.keepalive_time_ms", round(keepalive_s * 1000)),
                         ("grpc.keepalive_timeout_ms", round(keepalive_s * 1000)),
                         ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
-        self.queue: asyncio.Queue[bytes] = asyncio.Queue(queue_max)
+        self.queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(queue_max)
         self.forwarded = 0
         self.dropped: Counter[str] = Counter()
         self.up = False
@@ -103,7 +110,7 @@ class PeerLink:
     def offer(self, raw: bytes) -> bool:
         """Queue one encoded request for the peer; False (counted ``queue_full``) when full."""
         try:
-            self.queue.put_nowait(raw)
+            self.queue.put_nowait((self.monotonic(), raw))
         except asyncio.QueueFull:
             self.dropped["queue_full"] += 1
             return False
@@ -111,7 +118,7 @@ class PeerLink:
 
     async def run(self) -> None:
         """Stream to the peer until cancelled, redialling with backoff after each failure."""
-        backoff = _BACKOFF_MIN_S
+        backoff, logged = _BACKOFF_MIN_S, ""
         while True:
             try:
                 await self._stream()
@@ -119,10 +126,13 @@ class PeerLink:
             except asyncio.CancelledError:
                 self.up = False
                 raise
-            except Exception as e:  # any failure of one stream: redial (logged when it was up)
-                self.last_error = f"{type(e).__name__}: {e}"[:300]
+            except Exception as e:  # any failure of one stream: redial
+                self.last_error = _describe(e)
+            if self.up or self.last_error != logged:  # once per change, not at every redial
+                log.warning("load reports to peer %s: stream %s (%s)", self.target,
+                            "down" if self.up else "not up", self.last_error)
+                logged = self.last_error
             if self.up:
-                log.warning("load reports to peer %s: stream down (%s)", self.target, self.last_error)
                 backoff = _BACKOFF_MIN_S
             self.up = False
             await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
@@ -132,7 +142,9 @@ class PeerLink:
         async with dial(self.target, options=self.options, tls=self.tls) as ch:
             call = ch.stream_stream(_METHOD, None, None)(None)  # bytes in, bytes out
             await call.write(_marked(self.replica_id, self.replica_id).SerializeToString())
-            await call.read()  # the peer's LoadStatsResponse: it accepted us (an error ends the RPC)
+            if await call.read() is grpc.aio.EOF:  # type: ignore[attr-defined]  # grpc-stubs 1.53 lacks it
+                raise ConnectionError("the peer closed the stream before answering")
+            # its LoadStatsResponse: it accepted us (a refusal raises AioRpcError above)
             self.up, self.connects = True, self.connects + 1
             log.info("load reports to peer %s: stream up", self.target)
             ended = asyncio.ensure_future(_drain(call))
@@ -147,8 +159,14 @@ class PeerLink:
                     if ended.done():
                         if get.done() and not get.cancelled():
                             self.dropped["send_failed"] += 1
+                        exc = None if ended.cancelled() else ended.exception()
+                        if exc is not None:
+                            raise exc
                         return
-                    raw = get.result()
+                    queued_at, raw = get.result()
+                    if self.monotonic() - queued_at > self.max_delay_s:
+                        self.dropped["stale"] += 1
+                        continue
                     try:
                         await call.write(raw)
                     except BaseException:
@@ -158,6 +176,12 @@ class PeerLink:
             finally:
                 ended.cancel()
                 call.cancel()
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"[:300]
+    return f"{type(e).__name__}: {e}"[:300]
 
 
 async def _drain(call: grpc.aio.StreamStreamCall) -> None:
@@ -174,7 +198,8 @@ class PeerSet:
         lrs, self.replica_id = config.lrs, config.xds.replica_id
         self.links = [PeerLink(p, self.replica_id, queue_max=lrs.peer_queue,
                                tls=lrs.peer_tls.client(parse_hostport(p)[0]), backoff_max_s=lrs.peer_backoff_max_s,
-                               keepalive_s=lrs.peer_keepalive_s) for p in lrs.peers]
+                               keepalive_s=lrs.peer_keepalive_s, max_delay_s=lrs.peer_max_delay_s)
+                      for p in lrs.peers]
         self.received: Counter[str] = Counter()
 
     def start(self) -> list[asyncio.Task[None]]:
@@ -200,13 +225,14 @@ class PeerSet:
                                   "(lrs.peers)", labels=["peer"])
         dropped = CounterMetricFamily("sentinel_lrs_peer_dropped", "load reports not forwarded to a peer, by "
                                       "reason (queue_full: lrs.peer_queue full; send_failed: in flight when the "
-                                      "stream broke)", labels=["peer", "reason"])
+                                      "stream broke; stale: queued past lrs.peer_max_delay_s)",
+                                      labels=["peer", "reason"])
         up = GaugeMetricFamily("sentinel_lrs_peer_up", "1 while the stream to the peer is open and accepted",
                                labels=["peer"])
         queued = GaugeMetricFamily("sentinel_lrs_peer_queue", "load reports waiting for the peer", labels=["peer"])
         for link in self.links:
             fwd.add_metric([link.target], link.forwarded)
-            for reason in ("queue_full", "send_failed"):
+            for reason in ("queue_full", "send_failed", "stale"):
                 dropped.add_metric([link.target, reason], link.dropped[reason])
             up.add_metric([link.target], 1.0 if link.up else 0.0)
             queued.add_metric([link.target], link.queue.qsize())

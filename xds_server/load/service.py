@@ -41,11 +41,11 @@ from xds_server.config import SentinelConfig, parse_hostport
 from xds_server.control.core import ControlCore
 from xds_server.control.queue import QueueWatch
 from xds_server.control.traffic import TrafficEjector
-from xds_server.health.shed import ShedInputs, ShedState, shed_step
 from xds_server.health.traffic import Evidence
 from xds_server.load.aggregate import LoadAggregator, Traffic
 from xds_server.load.peers import PeerSet, forwarded_by, peer_refused
 from xds_server.load.report import ReportRefused, decode_report, decode_request
+from xds_server.load.shedding import Shedder, class_aliases
 from xds_server.process.refusals import Refusals
 from xds_server.process.tls import peer_identities
 from xds_server.process.untrusted import clip, for_log
@@ -84,7 +84,8 @@ class LoadReportingService:
         self.core = core
         self.ejector = TrafficEjector(core) if core is not None else None
         self._judged: dict[str, float] = {}  # cluster -> when it was last judged (monotonic s)
-        self.shed: dict[str, ShedState] = {}  # cluster -> overload shedding (lrs.shed)
+        self.shedder = Shedder()  # overload shedding (lrs.shed), per request class with lrs.shed.classes
+        self.shed = self.shedder.shed  # cluster -> its drop
         self.queues = QueueWatch()  # seed 002's queue levels as events, checked at each report
         self.authorize = authorize
         self.refusals = refusals
@@ -97,6 +98,7 @@ class LoadReportingService:
                                          stale_after_s=lrs.stale_after_s, max_count=lrs.max_requests_per_interval,
                                          min_gap_s=lrs.interval_s * lrs.min_report_gap_ratio,
                                          max_localities=lrs.max_localities_per_cluster)
+        self.aggregator.set_nodes(node_map(cfg), class_aliases(cfg))
         self.streams: dict[int, str] = {}
         self.peer_streams: dict[int, str] = {}  # stream id -> the forwarding replica's id
         self.peers = PeerSet(cfg)  # lrs.peers; started by the control plane (peers.start())
@@ -113,7 +115,7 @@ class LoadReportingService:
         cfg = self._config()
         if cfg is not self._seen:
             self._seen = cfg
-            self.aggregator.set_nodes(node_map(cfg))
+            self.aggregator.set_nodes(node_map(cfg), class_aliases(cfg))
         return cfg
 
     def _problem(self, reason: str) -> None:
@@ -193,7 +195,7 @@ class LoadReportingService:
                         self.peers.count_received(peer)
                     elif "flood" not in found:
                         self.peers.forward(reporter, req)
-                    self._judge(cfg, {c.cluster for c in report.clusters}, now)
+                    self._judge(cfg, {self.aggregator.parent_of(c.cluster) for c in report.clusters}, now)
                     if self.on_report is not None:
                         self.on_report()
         finally:
@@ -228,27 +230,13 @@ class LoadReportingService:
             self.ejector.apply(c.name, evidence, now)
 
     def _shed(self, cfg: SentinelConfig, cluster: str, node_ids: list[str], now: float) -> None:
-        """Overload shedding (:mod:`xds_server.health.shed`) from the routable nodes' queues and the
-        cluster's LRS demand; a changed drop marks the cluster for a new assignment."""
+        """Overload shedding (:mod:`xds_server.load.shedding`); a changed drop marks the cluster dirty."""
         assert self.core is not None
-        sc, hc = cfg.lrs.shed, cfg.health
-        routable = [i for i in node_ids if (r := self.core.routing.get(i)) is not None and r.health_status == "HEALTHY"]
-        health = self.core.health
-        ages = [None if (at := health[i].heartbeat.last_s) is None else now - at for i in routable]
-        t = self.aggregator.cluster(cluster, now, sc.window_s)
-        inp = ShedInputs([health[i].engine.requests_waiting for i in routable], ages,
-                         (t.issued + t.dropped) / sc.window_s, t.completed / sc.window_s, t.reporters)
-        before = self.shed.get(cluster, ShedState())
-        after = shed_step(before, inp, sc, hc.queue_warning, hc.queue_critical, now)
-        self.shed[cluster] = after
-        if after.percent != before.percent:
-            log.warning("cluster %s: %s", cluster, after.reason or "not shedding")
-            self.core.mark_dirty(cluster)
+        self.shedder.step(cfg, self.core, self.aggregator, cluster, node_ids, now)
 
     def cla_args(self, cluster: str) -> dict[str, Any]:
-        """``build_cla`` keyword arguments of the cluster's overload drop (``shed_percent``, ``shed_flip``)."""
-        st = self.shed.get(cluster)
-        return {} if st is None else {"shed_percent": st.percent, "shed_flip": st.flip}
+        """``build_cla`` keyword arguments of an Envoy cluster's overload drop (``shed_percent``, ``shed_flip``)."""
+        return self.shedder.cla_args(cluster)
 
     def _refused(self, context: grpc.aio.ServicerContext[bytes, bytes], node_id: str) -> str | None:
         if self.authorize is None:
@@ -290,7 +278,7 @@ class LoadReportingService:
                 "dropped_by_category": {k or "total": v for k, v in agg.drops(cluster, now, w).items()},
                 "measured_interval_s": agg.measured_interval_s(cluster),
                 "envoys_reporting_cluster": agg.listing(cluster, now),
-                "shed_percent": (st := self.shed.get(cluster, ShedState())).percent, "shed_reason": st.reason or None,
+                **self.shedder.view(self._config(), cluster),
                 "localities": [{"locality": {"region": r, "zone": z, "sub_zone": s},
                                 **agg.locality(cluster, (r, z, s), now, w).to_json()}
                                for r, z, s in agg.localities(cluster)]}

@@ -1,0 +1,102 @@
+"""Overload shedding at each load report: the cluster's drop (:func:`~xds_server.health.shed.shed_step`)
+from its routable nodes' queues and KV-cache usage and its LRS demand, and with request classes
+(``lrs.shed.classes``) that drop spread over the class clusters, lowest class first
+(:func:`~xds_server.health.classes.class_percents`, each class's demand = its own Envoy
+cluster's issued + dropped requests over ``lrs.shed.window_s``).
+
+Every changed drop marks the cluster for a new assignment; the parent cluster's publish writes
+its class clusters' assignments too (:func:`~xds_server.xds.resources.build_cla` with
+:meth:`Shedder.cla_args` of each name).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from xds_server.config import SentinelConfig
+from xds_server.control.core import ControlCore
+from xds_server.health.classes import class_percents
+from xds_server.health.shed import ShedInputs, ShedState, shed_step
+from xds_server.load.aggregate import LoadAggregator
+
+__all__ = ["Shedder", "class_aliases", "kv_from_sessions"]
+
+log = logging.getLogger(__name__)
+
+
+def class_aliases(config: SentinelConfig) -> dict[str, str]:
+    """Request-class Envoy cluster -> the configured cluster it serves (empty with classes off)."""
+    cc = config.lrs.shed.classes
+    if not cc.enabled:
+        return {}
+    return {name: c.name for c in config.clusters for _, name, _ in cc.lower_first(c.name) if name != c.name}
+
+
+class Shedder:
+    """Drop state per cluster (``shed``) and per class cluster (``classes``: Envoy cluster name ->
+    its drop; the standard class is the cluster's own name). ``kv_usage(node id)``: the node's last
+    reported KV-cache usage (0..1, None: unknown), set by the control plane."""
+
+    def __init__(self) -> None:
+        self.shed: dict[str, ShedState] = {}
+        self.classes: dict[str, ShedState] = {}
+        self.kv_usage: Callable[[str], float | None] = lambda _node_id: None
+
+    def step(self, cfg: SentinelConfig, core: ControlCore, agg: LoadAggregator, cluster: str,
+             node_ids: list[str], now: float) -> None:
+        """One evaluation of ``cluster`` at ``now`` (monotonic s); marks it dirty when a drop changed."""
+        sc, hc = cfg.lrs.shed, cfg.health
+        routable = [i for i in node_ids if (r := core.routing.get(i)) is not None and r.health_status == "HEALTHY"]
+        health = core.health
+        ages = [None if (at := health[i].heartbeat.last_s) is None else now - at for i in routable]
+        t = agg.cluster(cluster, now, sc.window_s)
+        inp = ShedInputs([health[i].engine.requests_waiting for i in routable], ages,
+                         (t.issued + t.dropped) / sc.window_s, t.completed / sc.window_s, t.reporters,
+                         [self.kv_usage(i) for i in routable])
+        before = self.shed.get(cluster, ShedState())
+        after = shed_step(before, inp, sc, hc.queue_warning, hc.queue_critical, now)
+        self.shed[cluster] = after
+        changed = after.percent != before.percent
+        if changed:
+            log.warning("cluster %s: %s", cluster, after.reason or "not shedding")
+        order = sc.classes.lower_first(cluster)
+        if not sc.classes.enabled:
+            for _, name, _ in order:
+                self.classes.pop(name, None)
+        else:
+            demands = [float((t := agg.demand(name, now, sc.window_s)).issued + t.dropped) for _, name, _ in order]
+            percents = class_percents(after.percent, demands, [m for _, _, m in order], sc.step_percent)
+            for (klass, name, _), p, d in zip(order, percents, demands, strict=True):
+                was = self.classes.get(name, ShedState())
+                if p != was.percent or name not in self.classes:
+                    flip = was.flip if p == was.percent else not was.flip  # Envoy 1.40 applies a change so
+                    self.classes[name] = ShedState(p, flip, None, f"class {klass}: {p:g} % of its {d:g} requests")
+                    changed = changed or p != was.percent
+        if changed:
+            core.mark_dirty(cluster)
+
+    def cla_args(self, name: str) -> dict[str, Any]:
+        """``build_cla`` keyword arguments (``shed_percent``, ``shed_flip``) of the Envoy cluster
+        ``name`` (a configured cluster or a class cluster)."""
+        st = self.classes.get(name) or self.shed.get(name)
+        return {} if st is None else {"shed_percent": st.percent, "shed_flip": st.flip}
+
+    def view(self, cfg: SentinelConfig, cluster: str) -> dict[str, object]:
+        """JSON for ``/clusters``: the cluster's drop, why, and with classes each class's drop (%)."""
+        st = self.shed.get(cluster, ShedState())
+        out: dict[str, object] = {"shed_percent": st.percent, "shed_reason": st.reason or None}
+        if cfg.lrs.shed.classes.enabled:
+            out["shed_classes"] = {klass: {"cluster": name, "shed_percent": self.classes.get(name, ShedState()).percent}
+                                   for klass, name, _ in cfg.lrs.shed.classes.lower_first(cluster)}
+        return out
+
+
+def kv_from_sessions(sessions: Mapping[str, Any]) -> Callable[[str], float | None]:
+    """``kv_usage`` read from each node's probe source: the KV-cache usage of its last checked
+    heartbeat (``last_telemetry.load.kv_cache_usage_ratio``), None when it has none."""
+    def kv(node_id: str) -> float | None:
+        load = getattr(getattr(sessions.get(node_id), "last_telemetry", None), "load", None)
+        v = getattr(load, "kv_cache_usage_ratio", None)
+        return v if isinstance(v, float) else None
+    return kv
