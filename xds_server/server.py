@@ -42,22 +42,17 @@ from xds_server.feed.events import RoutingChange, RoutingListener, RoutingNotifi
 from xds_server.health import model as hm
 from xds_server.health.counters import Counters
 from xds_server.load.service import LoadReportingService
+from xds_server.load.shedding import kv_from_sessions
 from xds_server.probing.session import grpc_probe_source
 from xds_server.probing.sources import ProbeSource, ProbeSourceContext, ProbeSourceFactory
-from xds_server.probing.switchback import attach as attach_switchback
 from xds_server.probing.workers import WorkerPool
 from xds_server.process.clock import Clock, LoopClock
 from xds_server.process.refusals import Refusals
 from xds_server.process.tls import add_port, listener_credentials, node_allow_authorizer
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import InvalidResource, SnapshotCache
-from xds_server.xds.resources import (
-    CLA_TYPE_URL,
-    CLUSTER_TYPE_URL,
-    RESOURCE_TYPES,
-    build_cla,
-    build_cluster,
-)
+from xds_server.xds.classes import class_cds, class_clas
+from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL, RESOURCE_TYPES, build_cla, build_cluster
 
 __all__ = ["ControlPlane", "EventRecord"]
 
@@ -105,6 +100,7 @@ class ControlPlane:
         self.load = self.view.load_reports = LoadReportingService(  # LRS, ADS's allow-list (xds_server/load)
             lambda: self._config, monotonic=self.clock.now, authorize=self.ads.authorize, refusals=self.refusals,
             core=self.core)
+        self.load.shedder.kv_usage = kv_from_sessions(self.sessions)  # lrs.shed.kv_saturated_ratio
         self.view.reload_status, self.view.discovery_status = (lambda: self.reload_status), self.discovery.status
         self.view.probe_pool = self.probe_pool  # None without workers; read by admin/metrics.py
         self._grpc: grpc.aio.Server | None = None
@@ -134,7 +130,7 @@ class ControlPlane:
         self.core.begin()
         self.core.restored, self.core.restored_until_s = load_kept_state(  # also for nodes found later
             self.config.state, None, self.clock.now(), self.clock.wall())
-        self.cache.set_resources(CLUSTER_TYPE_URL, {c.name: build_cluster(c) for c in self.config.clusters})
+        self.cache.set_resources(CLUSTER_TYPE_URL, class_cds(self.config, build_cluster))  # + request classes
         ctx = ProbeSourceContext(self.config.health, self.config.probe, self.observe, self.clock,
                                  self.counters, self.config.xds.replica_id, self.config.tls.agents)
         for node_id, n in self.core.node_cfg.items():
@@ -177,8 +173,7 @@ class ControlPlane:
         self._file_sig = file_signature(self.config_path)
         rc = self.config.reload
         loops: list[tuple[Callable[[], float], Callable[[], Awaitable[object]], str]] = [
-            (lambda: self.config.reload.drain_check_interval_s, self.reap_drained, "dropping drained nodes"),
-            attach_switchback(self)]  # issue 23: switch-back validation (replay) before PROBATION ends
+            (lambda: self.config.reload.drain_check_interval_s, self.reap_drained, "dropping drained nodes")]
         if self.config.state.path:
             loops.append((lambda: self.config.state.write_interval_s, self._write_state_async, "writing state"))
         if self.config_path and rc.watch_interval_s > 0:
@@ -280,8 +275,8 @@ class ControlPlane:
         """Make ``serving`` the running config: core, CDS, one probe source per node."""
         added, dropped = self.core.reconfigure(serving)
         self._config = serving
-        self.cache.set_resources(CLUSTER_TYPE_URL, {c.name: build_cluster(c) for c in serving.clusters})
-        for name in [n for n in self.cache.resources(CLA_TYPE_URL) if n not in {c.name for c in serving.clusters}]:
+        self.cache.set_resources(CLUSTER_TYPE_URL, cds := class_cds(serving, build_cluster))  # + request classes
+        for name in [n for n in self.cache.resources(CLA_TYPE_URL) if n not in cds]:
             self.cache.remove_resource(CLA_TYPE_URL, name)
         for node_id in dropped:
             self._notifier.forget(node_id)
@@ -357,6 +352,9 @@ class ControlPlane:
         c = next(c for c in self.config.clusters if c.name == p.cluster)
         try:
             self.cache.set_resource(CLA_TYPE_URL, c.name, build_cla(c, dict(p.routing), **self.load.cla_args(c.name)))
+            for name, cla in class_clas(c, self.config, lambda cc: build_cla(
+                    cc, dict(p.routing), **self.load.cla_args(cc.name))).items():  # request classes
+                self.cache.set_resource(CLA_TYPE_URL, name, cla)
         except InvalidResource as e:  # held back: Envoy would NACK it (checklist 1.9 item 17)
             log.error("not publishing %s: %s", c.name, e)
         else:

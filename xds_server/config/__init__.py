@@ -26,7 +26,7 @@ from xds_server.config.cluster import (
 from xds_server.config.discovery import DiscoveryConfig, FileDiscoveryConfig, KubernetesDiscoveryConfig
 from xds_server.config.feed import FeedConfig, check_feed
 from xds_server.config.health import HealthConfig
-from xds_server.config.load import LrsConfig, ShedConfig, TrafficEjectionConfig
+from xds_server.config.load import LrsConfig, ShedClassesConfig, ShedConfig, TrafficEjectionConfig, class_clusters
 from xds_server.config.ops import ReloadConfig, StateConfig
 from xds_server.config.probe import ProbeConfig
 from xds_server.config.tls import AgentTlsConfig, NodeAllowRule, TlsConfig, check_plaintext
@@ -51,11 +51,13 @@ __all__ = [
     "ProbeConfig",
     "ReloadConfig",
     "SentinelConfig",
+    "ShedClassesConfig",
     "ShedConfig",
     "StateConfig",
     "TlsConfig",
     "TrafficEjectionConfig",
     "XdsConfig",
+    "class_clusters",
     "load_config",
     "parse_config",
     "parse_hostport",
@@ -97,8 +99,6 @@ class SentinelConfig(_Model):
                         [(f"clusters.{ci}.nodes.{ni}.probe_address", n.probe_address)
                          for ci, c in enumerate(self.clusters) for ni, n in enumerate(c.nodes)])
         check_feed(self.feed, self.tls.mode)
-        if self.health.validation.enabled and self.probe.workers != 0:
-            raise ValueError("health.validation.enabled needs probe.workers: 0 (switch-back validation runs in-process)")
         return self
 
     def nodes(self) -> list[tuple[str, NodeConfig]]:
