@@ -45,6 +45,7 @@ from xds_server.load.service import LoadReportingService
 from xds_server.load.shedding import kv_from_sessions
 from xds_server.probing.session import grpc_probe_source
 from xds_server.probing.sources import ProbeSource, ProbeSourceContext, ProbeSourceFactory
+from xds_server.probing.switchback import attach as attach_switchback
 from xds_server.probing.workers import WorkerPool
 from xds_server.process.clock import Clock, LoopClock
 from xds_server.process.refusals import Refusals
@@ -173,7 +174,8 @@ class ControlPlane:
         self._file_sig = file_signature(self.config_path)
         rc = self.config.reload
         loops: list[tuple[Callable[[], float], Callable[[], Awaitable[object]], str]] = [
-            (lambda: self.config.reload.drain_check_interval_s, self.reap_drained, "dropping drained nodes")]
+            (lambda: self.config.reload.drain_check_interval_s, self.reap_drained, "dropping drained nodes"),
+            attach_switchback(self)]  # issue 23: switch-back validation (replay) before PROBATION ends
         if self.config.state.path:
             loops.append((lambda: self.config.state.write_interval_s, self._write_state_async, "writing state"))
         if self.config_path and rc.watch_interval_s > 0:

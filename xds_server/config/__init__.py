@@ -99,6 +99,8 @@ class SentinelConfig(_Model):
                         [(f"clusters.{ci}.nodes.{ni}.probe_address", n.probe_address)
                          for ci, c in enumerate(self.clusters) for ni, n in enumerate(c.nodes)])
         check_feed(self.feed, self.tls.mode)
+        if self.health.validation.enabled and self.probe.workers != 0:
+            raise ValueError("health.validation.enabled needs probe.workers: 0 (it runs in-process)")
         return self
 
     def nodes(self) -> list[tuple[str, NodeConfig]]:
