@@ -8,13 +8,22 @@ comparison (docs/xds_protocol.md 2.8).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pydantic import Field, field_validator, model_validator
 
 from xds_server.config.base import _Model, parse_hostport
+from xds_server.config.cluster import ClusterConfig
 from xds_server.config.tls import AgentTlsConfig
 from xds_server.process.dialing import is_loopback
 
-__all__ = ["LrsConfig", "ShedConfig", "TrafficEjectionConfig"]
+__all__ = ["CLASS_SEPARATOR", "LrsConfig", "ShedClassesConfig", "ShedConfig", "TrafficEjectionConfig",
+           "class_clusters"]
+
+CLASS_SEPARATOR = "~"
+"""A class cluster is named ``<cluster>~<class>`` (``llm~sheddable``): a configured cluster name
+is ``[A-Za-z0-9_.-]`` only, so no configured cluster can have that name."""
+_CLASS = r"^[a-z0-9_-]{1,32}$"
 
 
 class TrafficEjectionConfig(_Model):
@@ -56,6 +65,58 @@ class TrafficEjectionConfig(_Model):
         "because LLM clusters are small")
 
 
+class ShedClassesConfig(_Model):
+    """Request classes (``lrs.shed.classes``): the request header ``header`` names the class of a
+    request; the bootstrap (``xds-server envoy-bootstrap --classes``) routes ``sheddable`` to the
+    cluster ``<cluster>~<sheddable>``, ``critical`` to ``<cluster>~<critical>`` and every other
+    request (``standard``, no header, an unknown value) to the cluster itself. The control plane
+    publishes the class clusters (CDS + EDS) with the parent's endpoints, weights and health,
+    each with its own drop, and sheds the lower classes first (:mod:`xds_server.health.classes`).
+    Off by default: nothing extra is published."""
+
+    enabled: bool = Field(False, description="publish the class clusters and shed per class; off: one "
+                          "drop per cluster for every request")
+    header: str = Field("x-sentinel-priority", pattern=r"^[a-z0-9][a-z0-9-]{0,63}$",
+                        description="request header naming the class (lower case)")
+    sheddable: str = Field("sheddable", pattern=_CLASS, description="header value of batch traffic, shed first")
+    standard: str = Field("standard", pattern=_CLASS, description="header value of ordinary traffic (also "
+                          "no header, an unknown value): shed once sheddable demand is all shed")
+    critical: str = Field("critical", pattern=_CLASS, description="header value shed last, only when the "
+                          "other classes cannot cover the excess")
+    sheddable_max_percent: float = Field(100.0, ge=0, le=100, description="most of the sheddable class "
+                                         "dropped, % (100: Envoy answers UDO)")
+    standard_max_percent: float = Field(100.0, ge=0, le=100, description="most of the standard class dropped, %")
+    critical_max_percent: float = Field(100.0, ge=0, le=100, description="most of the critical class dropped, "
+                                        "% (the cluster's total stays under lrs.shed.max_percent)")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> ShedClassesConfig:
+        names = [self.sheddable, self.standard, self.critical]
+        if len(set(names)) != 3:
+            raise ValueError(f"sheddable, standard and critical must differ, got {names}")
+        return self
+
+    def lower_first(self, cluster: str) -> list[tuple[str, str, float]]:
+        """``(class, Envoy cluster, max percent)`` from the class shed first to the one shed last;
+        the standard class is ``cluster`` itself."""
+        sep = CLASS_SEPARATOR
+        return [(self.sheddable, f"{cluster}{sep}{self.sheddable}", self.sheddable_max_percent),
+                (self.standard, cluster, self.standard_max_percent),
+                (self.critical, f"{cluster}{sep}{self.critical}", self.critical_max_percent)]
+
+
+def class_clusters(clusters: Sequence[ClusterConfig], classes: ShedClassesConfig) -> dict[str, ClusterConfig]:
+    """Envoy cluster name -> the configured cluster it serves: each cluster by its own name and,
+    with ``classes.enabled``, its sheddable and critical class clusters (a copy renamed)."""
+    out = {c.name: c for c in clusters}
+    if classes.enabled:
+        for c in clusters:
+            for _, name, _ in classes.lower_first(c.name):
+                if name != c.name:
+                    out[name] = c.model_copy(update={"name": name})
+    return out
+
+
 class ShedConfig(_Model):
     """Overload protection (``lrs.shed``): when the routable nodes' queues say they are over
     their safe load, publish ``ClusterLoadAssignment.policy.drop_overloads`` (one category,
@@ -86,6 +147,14 @@ class ShedConfig(_Model):
         2.0, gt=0,
         description="fail open: a routable node whose last heartbeat (queue telemetry) is older than "
         "this, or no Envoy reporting load, lifts any drop, s (stale data never sheds)")
+    kv_saturated_ratio: float = Field(
+        0.95, gt=0, le=1,
+        description="a routable node whose engine reports KV-cache usage (0..1) above this counts as a "
+        "queue of health.queue_warning + 1 in the mean: saturated like a queue over the warning. vLLM "
+        "preempts running requests when its KV cache is full (vllm:kv_cache_usage_perc 1.0, "
+        "vllm:num_preemptions grows); 0.95 leaves a step of headroom before that. The Gateway API "
+        "Inference Extension's saturation detector uses 0.8. A node without KV telemetry adds nothing")
+    classes: ShedClassesConfig = ShedClassesConfig()
 
 
 class LrsConfig(_Model):
