@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # The gRPC C core's own stderr lines (GOAWAY notes and the like) are noise in test output: off
 # unless the environment asks for them. Set before any test module imports grpc.
@@ -13,6 +14,24 @@ import pytest
 from aiohttp import web
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+#: Packages whose tests are pure or start no fleet: under pytest-xdist each of their modules is
+#: a group of its own and the groups spread over the workers.
+_PARALLEL_PACKAGES = frozenset({"unit", "property"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's ``--dist loadgroup`` (the README's test command runs ``-n 2``):
+    every test that starts real Envoys, control planes or engines and times them (each package
+    but ``unit/`` and ``property/``) is in one group, ``fleets``, so one worker runs them in
+    order, one fleet at a time, as a serial run does; each unit or property module is a group
+    of its own (its module fixtures built once) and runs on the other worker meanwhile. Without
+    ``-n`` the marks change nothing."""
+    tests_dir = Path(__file__).parent
+    for item in items:
+        rel = item.path.relative_to(tests_dir)
+        group = str(rel) if rel.parts[0] in _PARALLEL_PACKAGES else "fleets"
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture

@@ -161,7 +161,7 @@ def test_a_numbered_gpu_part_is_checked_once_per_poll_seq_and_again_on_a_new_str
     assert unnumbered.gpu_fatal == "GPU 0 Xid 79"
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.lists(agent_messages(), min_size=1, max_size=6), st.lists(st.booleans(), min_size=6, max_size=6))
 def test_honestly_numbered_gpu_parts_give_what_a_fresh_check_gives(msgs, repeat):
     """An agent that gives every new GPU part a new poll_seq (and repeats a part with its number):
