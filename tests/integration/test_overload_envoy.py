@@ -1,0 +1,89 @@
+"""Half of a cluster frozen under an open-loop load the other half cannot carry, with overload
+protection on (issue 22, "done when" item 3), on the real Envoy.
+
+Four simulated engines, each decoding at most 2 requests at once (``--max-num-seqs 2``; the rest
+wait FIFO and count in ``vllm:num_requests_waiting``, probes too), Poisson arrivals of streamed
+completions at about 1.5x what two engines complete. Two engines freeze (sim ``hang``): they are
+ejected, the survivors' queues grow, the control plane sheds. Asserted while it sheds: the
+survivors' waiting stays below ``health.queue_critical``, the shed share is within 5 points of
+the commanded drop, every shed client got 429 with Retry-After, and the survivors, whose probes
+now wait in their queues, are busy, never ejected. TTFT is the benchmark's
+(benchmarks/overload_shed.py, benchmarks/RESULTS.md), not asserted here.
+
+The queue thresholds are scaled to these small engines (2 decoding: 10 waiting is about a second
+of wait), and ``lrs.shed`` enters with a larger share than its defaults: LRS counts a stream as
+completed when its response headers come back, which an engine sends before the request waits
+in its queue, so the completion rate cannot show the excess and the entry drop is the headroom
+(RESULTS.md, "Half the capacity frozen").
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+from overload_rig import OpenLoop, Watch, summary
+
+from xds_server.testing import wait_for
+
+pytestmark = pytest.mark.envoy
+
+HEALTH = {"probation_clean_s": 60.0, "ramp_step_percent": 25, "ramp_step_s": 0.25,
+          "queue_warning": 10, "queue_critical": 20}
+SHED = {"enabled": True, "headroom_ratio": 0.5, "step_percent": 10, "window_s": 2.0}
+RATE_RPS = 27.0  # two engines complete ~18 rps (2 x 2 slots / ~0.22 s); four ~36
+
+
+async def test_half_frozen_under_open_loop_load_survivors_stay_under_critical_and_shed_get_429(make_fleet, http):
+    fleet = make_fleet(n_nodes=4, token_interval_ms=25.0, per_try_timeout_s=None, health=HEALTH,
+                       engine_args=["--max-num-seqs", "2"], config_options={"lrs": {"shed": SHED}})
+    await fleet.wait_all_routed(http)
+    frozen, survivors = ["gpu-a", "gpu-b"], ["gpu-c", "gpu-d"]
+    watch = Watch({n.node_id: n.engine_url for n in fleet.nodes}, f"http://127.0.0.1:{fleet.admin_port}")
+    load = OpenLoop(fleet.url, RATE_RPS, max_tokens=8, timeout_s=8.0, watch=watch)
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(watch.run(http, stop)), asyncio.create_task(load.run(http, stop))]
+    states: set[tuple[str, str]] = set()
+    try:
+        await asyncio.sleep(1.5)
+        for nid in frozen:
+            await fleet.set_fault(http, nid, "hang")
+
+        async def shedding() -> bool:
+            return watch.commanded > 0
+
+        await wait_for(shedding, 12, what="shedding started after half the cluster froze")
+        # The queues built before the first drop take a moment to drain (the shed starts on the
+        # survivors' mean waiting over queue_warning, and one survivor may hold twice the other's:
+        # its peak is printed, RESULTS.md has it); asserted from 2 s after the first drop on.
+        t_first = time.monotonic()
+        await asyncio.sleep(2.0)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5.0:
+            states |= {(nid, v["state"]) for nid, v in (await fleet.cp_nodes(http)).items() if nid in survivors}
+            await asyncio.sleep(0.3)
+        t1 = time.monotonic()
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+        for nid in frozen:
+            await fleet.set_fault(http, nid, "none")
+    s = summary(load.between(t0, t1))
+    waits = watch.waiting_between(t0, t1, survivors)
+    peak = max(watch.waiting_between(t_first - 2.0, t0, survivors), default=0.0)
+    print(f"\nwhile shedding: {s}; survivors' waiting max {max(waits)} of {len(waits)} samples "
+          f"(peak {peak} before); "
+          f"states {sorted(states)}; reasons {[w for _, w in watch.reasons][-3:]}")
+    assert waits and max(waits) < HEALTH["queue_critical"]
+    assert s["status"]["429+RA"] >= 10 and s["status"]["429"] == 0  # every shed client told when to come back
+    # Envoy drops each request at random: over these ~150 requests the share itself scatters
+    # by sqrt(p (1 - p) / n) (~4 points at 40 %), so the 5 points hold up to 3 of those here (the
+    # benchmark's 30 s phase has the sample for the 5 points themselves)
+    p = s["commanded"] / 100.0
+    assert abs(s["shed_share"] - s["commanded"]) <= max(5.0, 300.0 * math.sqrt(p * (1 - p) / s["n"]))
+    assert s["status"]["200"] >= 40
+    shed = [x for x in load.between(t0, t1) if x.status == 429]
+    assert {x.retry_after for x in shed} == {"3"}
+    # a survivor's probe waits in its queue like any request: busy, never ejected
+    assert not any(state == "UNHEALTHY" for _, state in states), states
