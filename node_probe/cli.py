@@ -123,9 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-replay", dest="replay", action="store_false",
                    help="do not run switch-back replays (advertised in heartbeats: the control plane "
                    "validates this node by probes alone, as an agent before replay; default: replay)")
-    p.add_argument("--replay-busy-max", type=int, default=4,
-                   help="refuse a replay while the engine runs or queues more requests than this "
-                   "(default %(default)s)")
+    p.add_argument("--replay-busy-max-waiting", type=int, default=0,
+                   help="refuse a replay while the engine queues more requests than this (running "
+                   "ones do not count; default %(default)s: any queue)")
     p.add_argument("--min-ping-interval-ms", type=_positive_int, default=50,
                    help="least gap between the control plane's HTTP/2 PINGs accepted, ms (agents "
                    "before transport liveness: 1000; default %(default)s)")
@@ -302,7 +302,8 @@ def _run(args: argparse.Namespace) -> int:
             tls_allow_clients=tuple(args.tls_allow_clients),
             tls_expiry_warning_days=args.tls_expiry_warning_days,
             plaintext=args.plaintext,
-            replay=ReplayLimits(max_prompts=16 if args.replay else 0, busy_max=args.replay_busy_max),
+            replay=ReplayLimits(max_prompts=16 if args.replay else 0,
+                                busy_max_waiting=args.replay_busy_max_waiting),
         )
     except ValueError as exc:
         build_parser().error(str(exc))  # exits 2

@@ -10,8 +10,10 @@ text, finish reason), or ``error`` for the replay as a whole.
 Bounds (:class:`ReplayLimits`): at most ``max_prompts`` prompts of ``max_prompt_chars``
 characters, ``max_tokens`` tokens each, ``timeout_ms`` for the whole replay, ``concurrency``
 prompts in flight, one replay at a time per agent (a second one is refused, not queued), and
-none while the engine is busy serving (``requests_running + requests_waiting`` above
-``busy_max``, from the latest ``/metrics`` scrape; unknown load is not busy). Answers are
+none while the engine is saturated: it queues more than ``busy_max_waiting`` requests (its
+``requests_waiting`` from the latest ``/metrics`` scrape, default 0: any queue; unknown load is not
+busy). Running requests alone do not block a replay: it adds a few short greedy sequences to the
+batch, which a continuous-batching engine absorbs; a queue means users would wait behind it. Answers are
 clipped to ``max_answer_chars`` characters and ``max_tokens`` ids. Prompt text and answers are
 never logged: only counts, sizes and timings.
 """
@@ -46,7 +48,7 @@ class ReplayLimits:
         max_tokens: tokens generated per prompt (a request asking more gets this many).
         timeout_ms: deadline of the whole replay when the request gives none; also the cap.
         concurrency: prompts in flight at once.
-        busy_max: refuse while the engine runs or queues more than this many requests.
+        busy_max_waiting: refuse while the engine queues more than this many requests.
         max_answer_chars: characters of answer text kept per prompt.
 
     Raises:
@@ -58,7 +60,7 @@ class ReplayLimits:
     max_tokens: int = 64
     timeout_ms: int = 20_000
     concurrency: int = 2
-    busy_max: int = 4
+    busy_max_waiting: int = 0
     max_answer_chars: int = 2000
 
     def __post_init__(self) -> None:
@@ -67,8 +69,8 @@ class ReplayLimits:
         for name in ("max_prompt_chars", "max_tokens", "timeout_ms", "concurrency", "max_answer_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"replay {name} must be >= 1: {getattr(self, name)!r}")
-        if self.busy_max < 0:
-            raise ValueError(f"replay busy_max must be >= 0: {self.busy_max!r}")
+        if self.busy_max_waiting < 0:
+            raise ValueError(f"replay busy_max_waiting must be >= 0: {self.busy_max_waiting!r}")
 
 
 def _refusal(req: probe_pb2.ReplayRequest, limits: ReplayLimits) -> str:
@@ -109,8 +111,8 @@ class Replayer:
         node_id: put in every result.
         session: returns the agent's HTTP session (None before the agent started).
         model: returns the model id to ask for (awaitable; may raise, the replay then fails).
-        load: returns the latest ``/metrics`` reading (``requests_running``, ``requests_waiting``;
-            None or unset values: unknown, not busy).
+        load: returns the latest ``/metrics`` reading (its ``requests_waiting``; None or unset:
+            unknown, not busy).
     """
 
     def __init__(self, engine_url: str, limits: ReplayLimits, node_id: str,
@@ -133,13 +135,9 @@ class Replayer:
         return self.limits.max_prompts
 
     def _busy(self) -> str:
-        reading = self._load()
-        running, waiting = getattr(reading, "requests_running", None), getattr(reading, "requests_waiting", None)
-        if running is None and waiting is None:
-            return ""
-        n = (running or 0.0) + (waiting or 0.0)
-        if n > self.limits.busy_max:
-            return f"busy: engine has {n:g} requests running or waiting (> {self.limits.busy_max})"
+        waiting = getattr(self._load(), "requests_waiting", None)
+        if waiting is not None and waiting > self.limits.busy_max_waiting:
+            return f"busy: engine queues {waiting:g} requests (> {self.limits.busy_max_waiting})"
         return ""
 
     async def run(self, req: probe_pb2.ReplayRequest) -> probe_pb2.ReplayResult:

@@ -27,7 +27,7 @@ _SESSION = object()  # stands for the agent's HTTP session (never used: every ca
 def _replayer(load=None, session=_SESSION) -> Replayer:
     async def model(_s):
         return "m"
-    return Replayer("http://127.0.0.1:9", ReplayLimits(max_prompts=4, busy_max=2), "n1", lambda: session,
+    return Replayer("http://127.0.0.1:9", ReplayLimits(max_prompts=4, busy_max_waiting=2), "n1", lambda: session,
                     model, lambda: load)
 
 
@@ -36,7 +36,7 @@ def _replayer(load=None, session=_SESSION) -> Replayer:
     (probe_pb2.ReplayRequest(request_id="", prompts=["a"]), None, "request_id must be 1..128 characters"),
     (probe_pb2.ReplayRequest(request_id="r", prompts=["a", ""]), None, "prompt 1 is empty"),
     (probe_pb2.ReplayRequest(request_id="r", prompts=["a"]),
-     SimpleNamespace(requests_running=2.0, requests_waiting=1.0), "busy: engine has 3 requests running or waiting"),
+     SimpleNamespace(requests_running=9.0, requests_waiting=3.0), "busy: engine queues 3 requests (> 2)"),
 ])
 async def test_the_agent_refuses_a_replay_out_of_its_bounds(req, load, why):
     r = _replayer(load)

@@ -56,6 +56,11 @@ class ValidationConfig(_Model):
                                     "nodes waiting for validation (ours; the gate holds them meanwhile)")
     retry_s: float = Field(5.0, gt=0, description="a validation that could not run (an agent refused: busy, "
                            "timeout) is tried again after this (ours)")
+    give_up_s: float = Field(
+        120.0, gt=0,
+        description="a validation that could not run for this long (agents busy or unreachable) is decided by "
+        "probes alone, said in the reason and event (ours: holding a recovered node at its last ramp step for "
+        "ever is worse than the probe verdict it had before validation existed)")
 
     @model_validator(mode="after")
     def _check(self) -> ValidationConfig:

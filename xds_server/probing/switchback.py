@@ -16,7 +16,9 @@ looks for nodes the health model holds in PROBATION with a PENDING validation
    operator's ``embeddings_url``) gives the verdict, fed to the model as
    :class:`~xds_server.health.gate.ValidationObserved` for that PROBATION. FAILED: UNHEALTHY
    with the evidence as the reason. A replay that could not run (an agent busy, unreachable, a
-   timeout, an inconclusive judgement) is retried after ``retry_s``; the node stays held.
+   timeout, an inconclusive judgement) is retried after ``retry_s``; the node stays held, for at
+   most ``give_up_s``, then probes alone decide (said). Peers are tried least queued first (an
+   agent refuses a replay while its engine queues requests).
 
 Each verdict is an event (kind ``switchback_validation``) and, with the peers' noise, the
 node's ``validation`` in ``/nodes`` (:meth:`SwitchbackValidator.node_view`). Prompt text is
@@ -107,6 +109,7 @@ class SwitchbackValidator:
         self._tls = tls
         self._cp_id = control_plane_id
         self._retry_at: dict[tuple[str, float], float] = {}
+        self._first_try: dict[tuple[str, float], float] = {}  # (node, probation since) -> first attempt, s
         self._prompts: tuple[str, ...] | None = None
         self._prompts_key: str | None = None
         self._rng = random.Random()
@@ -152,8 +155,14 @@ class SwitchbackValidator:
 
     def _retry(self, nid: str, since_s: float, why: str) -> None:
         cfg = self._config().health.validation
+        now = self._core.clock.now()
+        first = self._first_try.get((nid, since_s), now)
+        if now - first >= cfg.give_up_s:
+            self._verdict(nid, since_s, V.PROBES_ONLY, f"no replay for {now - first:.0f} s (last: {why}): "
+                          "validated by probes alone", {})
+            return
         self._retry_at = {k: t for k, t in self._retry_at.items() if k[0] != nid}
-        self._retry_at[(nid, since_s)] = self._core.clock.now() + cfg.retry_s
+        self._retry_at[(nid, since_s)] = now + cfg.retry_s
         self.last[nid] = {"verdict": "not run", "detail": why, "retry_in_s": cfg.retry_s}
         self._event(nid, f"switch-back validation could not run, retry in {cfg.retry_s:g} s: {why}")
 
@@ -177,10 +186,13 @@ class SwitchbackValidator:
         config = self._config()
         cfg = config.health.validation
         core = self._core
+        key = (nid, since_s)
+        self._first_try = {k: t for k, t in self._first_try.items() if k[0] != nid or k == key}
+        self._first_try.setdefault(key, core.clock.now())
         cluster = core.node_cluster[nid]
-        peers = sorted(p for p, c in core.node_cluster.items() if c == cluster and p != nid
-                       and (h := core.health.get(p)) is not None and h.state is hm.NodeState.HEALTHY
-                       and not h.drain.active)
+        peers = [p for p, c in core.node_cluster.items() if c == cluster and p != nid
+                 and (h := core.health.get(p)) is not None and h.state is hm.NodeState.HEALTHY and not h.drain.active]
+        peers.sort(key=lambda p: (_queued(core.health[p]), p))  # the least queued first: they take a replay
         pool = self._pool(cfg)
         prompts = self._rng.sample(pool, min(cfg.sample, len(pool)))
         ids = [nid, *peers]
@@ -268,6 +280,10 @@ def attach(cp: Any) -> tuple[Callable[[], float], Callable[[], Awaitable[None]],
     v = cp.switchback = cp.view.switchback = SwitchbackValidator(
         lambda: cp.config, cp.core, cp.observe, lambda n: cp.config.tls.agents.client(n), cp.config.xds.replica_id)
     return (lambda: cp.config.health.validation.check_interval_s), v.check, "switch-back validation"
+
+
+def _queued(nh: hm.NodeHealth) -> float:
+    return nh.engine.requests_waiting or 0.0
 
 
 def _cos(x: Sequence[float], y: Sequence[float]) -> float:
