@@ -1,16 +1,14 @@
 """The control-plane process: wires probe sources -> core -> snapshot cache -> ADS, plus admin.
 
 Data flows one way (docs/DESIGN.md section 1): probe sources feed observations into the
-:class:`~xds_server.control.core.ControlCore` (health, events, fail-static, publish scheduling);
-each assignment it decides is built into a ClusterLoadAssignment in the
-:class:`~xds_server.xds.cache.SnapshotCache`, which ADS (SotW and delta, on ``xds.listen``)
-streams to Envoy; routing listeners hear each published change; the admin app (on
-``admin.listen``) reads a :class:`~xds_server.admin.views.ControlPlaneView`.
+:class:`~xds_server.control.core.ControlCore` (health, events, fail-static, publish scheduling); each assignment it
+decides is built into a ClusterLoadAssignment (placed by a running shift: :mod:`xds_server.admin.shift_service`) in
+the :class:`~xds_server.xds.cache.SnapshotCache`, which ADS (SotW and delta, on ``xds.listen``) streams to Envoy;
+routing listeners hear each published change; the admin app (on ``admin.listen``) reads a ``ControlPlaneView``.
 
-A reload (:meth:`ControlPlane.reload_file`: SIGHUP, ``POST /reload``, a changed file) serves a new
-config without closing ADS streams (rules in :mod:`xds_server.control.reload`); with
-``state.path`` the routing state is written there and resumed after a restart
-(:mod:`xds_server.control.state_file`, :mod:`xds_server.control.state`).
+A reload (:meth:`ControlPlane.reload_file`: SIGHUP, ``POST /reload``, a changed file) serves a new config without
+closing ADS streams (rules in :mod:`xds_server.control.reload`); with ``state.path`` the routing state is written
+there and resumed after a restart (:mod:`xds_server.control.state_file`, :mod:`xds_server.control.state`).
 
 :class:`ControlPlane` does the I/O: binding ports, starting probe sources, writing the cache. The
 clock and the probe-source factory are injectable, so tests can drive it without sockets::
@@ -30,6 +28,7 @@ from aiohttp import web
 from xds_server.admin.access import start_admin_site, watch_certificates
 from xds_server.admin.app import HttpErrorLog, build_admin_app
 from xds_server.admin.reload import add_reload_route
+from xds_server.admin.shift_service import ShiftService
 from xds_server.admin.views import ControlPlaneView
 from xds_server.config import ClusterConfig, ConfigError, NodeConfig, SentinelConfig, load_config, parse_hostport
 from xds_server.control.core import ControlCore
@@ -53,7 +52,7 @@ from xds_server.process.tls import add_port, listener_credentials, node_allow_au
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import InvalidResource, SnapshotCache
 from xds_server.xds.classes import class_cds, class_clas
-from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL, RESOURCE_TYPES, build_cla, build_cluster
+from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL, RESOURCE_TYPES, build_cla
 
 __all__ = ["ControlPlane", "EventRecord"]
 
@@ -101,6 +100,7 @@ class ControlPlane:
         self.load = self.view.load_reports = LoadReportingService(  # LRS, ADS's allow-list (xds_server/load)
             lambda: self._config, monotonic=self.clock.now, authorize=self.ads.authorize, refusals=self.refusals,
             core=self.core)
+        self.shifts = self.view.shifts = ShiftService(lambda: self._config, self.core, self.cache, self.load)
         self.load.shedder.kv_usage = kv_from_sessions(self.sessions)  # lrs.shed.kv_saturated_ratio
         self.view.reload_status, self.view.discovery_status = (lambda: self.reload_status), self.discovery.status
         self.view.probe_pool = self.probe_pool  # None without workers; read by admin/metrics.py
@@ -131,7 +131,7 @@ class ControlPlane:
         self.core.begin()
         self.core.restored, self.core.restored_until_s = load_kept_state(  # also for nodes found later
             self.config.state, None, self.clock.now(), self.clock.wall())
-        self.cache.set_resources(CLUSTER_TYPE_URL, class_cds(self.config, build_cluster))  # + request classes
+        self.cache.set_resources(CLUSTER_TYPE_URL, class_cds(self.config, self.shifts.cluster))  # + request classes
         ctx = ProbeSourceContext(self.config.health, self.config.probe, self.observe, self.clock,
                                  self.counters, self.config.xds.replica_id, self.config.tls.agents)
         for node_id, n in self.core.node_cfg.items():
@@ -277,7 +277,7 @@ class ControlPlane:
         """Make ``serving`` the running config: core, CDS, one probe source per node."""
         added, dropped = self.core.reconfigure(serving)
         self._config = serving
-        self.cache.set_resources(CLUSTER_TYPE_URL, cds := class_cds(serving, build_cluster))  # + request classes
+        self.cache.set_resources(CLUSTER_TYPE_URL, cds := class_cds(serving, self.shifts.cluster))  # + request classes
         for name in [n for n in self.cache.resources(CLA_TYPE_URL) if n not in cds]:
             self.cache.remove_resource(CLA_TYPE_URL, name)
         for node_id in dropped:
@@ -353,7 +353,7 @@ class ControlPlane:
     def _write(self, p: ClusterPublish) -> None:
         c = next(c for c in self.config.clusters if c.name == p.cluster)
         try:
-            self.cache.set_resource(CLA_TYPE_URL, c.name, build_cla(c, dict(p.routing), **self.load.cla_args(c.name)))
+            self.cache.set_resource(CLA_TYPE_URL, c.name, self.shifts.eds(c, p.routing, self.load.cla_args(c.name)))
             for name, cla in class_clas(c, self.config, lambda cc: build_cla(
                     cc, dict(p.routing), **self.load.cla_args(cc.name))).items():  # request classes
                 self.cache.set_resource(CLA_TYPE_URL, name, cla)

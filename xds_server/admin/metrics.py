@@ -143,8 +143,9 @@ class ControlPlaneCollector:
         load = getattr(self.view, "load_reports", None)  # LRS (xds_server/load), if served
         if load is not None:
             yield from load.metric_families()
-        for part in (getattr(self.view, "refusals", None), getattr(self.view, "cert_watch", None)):
-            if part is not None:  # refused identities and tokens; certificate expiry (issue 28)
+        for part in (getattr(self.view, "refusals", None), getattr(self.view, "cert_watch", None),
+                     getattr(self.view, "shifts", None)):
+            if part is not None:  # refused identities and tokens; certificate expiry (issue 28); shifts
                 yield from part.metric_families()
 
     def _health(self):

@@ -73,6 +73,7 @@ class ControlPlaneView:
         self.refusals: Refusals | None = None  # refused identities and tokens (issue 28)
         self.cert_watch: CertWatch | None = None  # certificate expiry (issue 28)
         self.load_reports: LoadReportingService | None = None  # LRS (issue 22); None: not served
+        self.shifts: Any = None  # gated shifts (admin/shift_service.py, issue 23); None: not served
 
     @property
     def config(self) -> SentinelConfig:
@@ -281,6 +282,7 @@ class ControlPlaneView:
                 "published": bool(self.cla_version(c.name)),
                 "fail_static_held": c.name in self._core.planner.fail_static_held,
                 **({"traffic": self.load_reports.cluster_view(c.name)} if self.load_reports is not None else {}),
+                **({"shift": self.shifts.view(c.name)} if self.shifts is not None else {}),
             })
         return out
 

@@ -29,6 +29,7 @@ from xds_server.config.health import HealthConfig
 from xds_server.config.load import LrsConfig, ShedClassesConfig, ShedConfig, TrafficEjectionConfig, class_clusters
 from xds_server.config.ops import ReloadConfig, StateConfig
 from xds_server.config.probe import ProbeConfig
+from xds_server.config.shift import ShiftConfig
 from xds_server.config.tls import AgentTlsConfig, NodeAllowRule, TlsConfig, check_plaintext
 from xds_server.config.xds import XdsConfig
 
@@ -53,6 +54,7 @@ __all__ = [
     "SentinelConfig",
     "ShedClassesConfig",
     "ShedConfig",
+    "ShiftConfig",
     "StateConfig",
     "TlsConfig",
     "TrafficEjectionConfig",
@@ -77,6 +79,7 @@ class SentinelConfig(_Model):
     tls: TlsConfig = TlsConfig()
     feed: FeedConfig = FeedConfig()
     lrs: LrsConfig = LrsConfig()
+    shift: ShiftConfig = ShiftConfig()
     clusters: list[ClusterConfig] = Field(..., min_length=1)
 
     @model_validator(mode="after")

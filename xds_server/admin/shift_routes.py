@@ -1,0 +1,101 @@
+"""Admin routes of gated shifts (issue 23), registered by :meth:`ShiftService.add_routes`.
+
+- ``POST /clusters/{name}/shift`` (bearer token, ``admin.token``), JSON body::
+
+      {"to": "eu-west" | 1, "to_kind": "region" | "priority" (default: a number is a priority),
+       "step_percent": 10, "every_s": 300 (or "every": "5m"), "hard": false,
+       "start_at": <wall s, optional: the same on every replica>}
+
+  200 with the shift's view; 400 naming the field (``{"error", "field"}``), 404 unknown cluster,
+  409 a shift already running on the cluster; 403 no token configured; 401 missing or wrong token.
+- ``GET /clusters/{name}/shift``: the view (404 when the cluster has none); ``GET /shifts``: all.
+- ``POST /clusters/{name}/shift/pause``, ``/resume``, ``/cancel`` (token): 200 with the view,
+  404 no shift, 409 not possible in its phase (a finished shift cannot be paused).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from xds_server.admin.access import refused_token
+from xds_server.admin.app import json_dumps
+
+__all__ = ["MAX_BODY_BYTES", "ShiftRequestError", "add_shift_routes"]
+
+MAX_BODY_BYTES = 4096
+
+
+class ShiftRequestError(Exception):
+    """A refused shift request: HTTP ``status``, the ``field`` at fault, and a sentence."""
+
+    def __init__(self, status: int, field: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.field, self.message = status, field, message
+
+
+def _answer(body: Any, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status, dumps=json_dumps)
+
+
+def add_shift_routes(app: web.Application, svc: Any) -> None:
+    """Register the routes above and the tick loop (``svc.run``) for the app's lifetime; ``svc``
+    is the :class:`~xds_server.admin.shift_service.ShiftService` (which imports this module)."""
+
+    def refused(request: web.Request) -> web.Response | None:
+        token = svc.admin_token()
+        if token is None:
+            return _answer({"error": "shifts are disabled: set admin.token in the config"}, status=403)
+        if refused_token(request, token):
+            return _answer({"error": "missing or wrong bearer token"}, status=401)
+        return None
+
+    async def post_shift(request: web.Request) -> web.Response:
+        if (no := refused(request)) is not None:
+            return no
+        raw = await request.content.read(MAX_BODY_BYTES + 1)
+        if len(raw) > MAX_BODY_BYTES:
+            return _answer({"error": f"body: larger than {MAX_BODY_BYTES} bytes", "field": "body"}, status=400)
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            return _answer({"error": "body: not JSON", "field": "body"}, status=400)
+        try:
+            return _answer(svc.begin(request.match_info["name"], body))
+        except ShiftRequestError as e:
+            return _answer({"error": e.message, "field": e.field}, status=e.status)
+
+    async def get_shift(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        v = svc.view(name)
+        if v is None:
+            return _answer({"error": f"cluster: {name[:128]!r} has no shift", "field": "cluster"}, status=404)
+        return _answer(v)
+
+    async def all_shifts(_: web.Request) -> web.Response:
+        return _answer({"shifts": [svc.view(n) for n in sorted(svc.shifts)]})
+
+    async def command(request: web.Request) -> web.Response:
+        if (no := refused(request)) is not None:
+            return no
+        try:
+            return _answer(svc.command(request.match_info["name"], request.match_info["what"]))
+        except ShiftRequestError as e:
+            return _answer({"error": e.message, "field": e.field}, status=e.status)
+
+    async def ticking(_app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(svc.run())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.router.add_post("/clusters/{name}/shift", post_shift)
+    app.router.add_get("/clusters/{name}/shift", get_shift)
+    app.router.add_get("/shifts", all_shifts)
+    app.router.add_post("/clusters/{name}/shift/{what:pause|resume|cancel}", command)
+    app.cleanup_ctx.append(ticking)

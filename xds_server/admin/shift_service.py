@@ -1,0 +1,344 @@
+"""Gated shifts at the edge: requests checked, gates read, decisions applied, layouts published,
+state kept in a file (issue 23). The decisions themselves are pure (:mod:`xds_server.health.shift`),
+the node placement too (:mod:`xds_server.health.shift_layout`).
+
+Shape::
+
+    svc = ShiftService(config_getter, core, cache, load)   # reads the shift state file if any
+    svc.cluster(c) / svc.cla(c, built_cla)                 # the server's CDS / EDS hooks
+    svc.begin("llm", {"to": "1", "step_percent": 10, "every_s": 300})   # ShiftRequestError (status, field)
+    svc.command("llm", "pause" | "resume" | "cancel")
+    svc.tick()                                             # every ``TICK_S`` while the admin app runs
+
+Gate readings per window: the target nodes' completed and errored real requests are the growth
+of LRS's per-node totals since the window began (a restart begins a fresh window: totals restart
+at zero); latency is the mean probe TTFT (EWMA, ms) of the target's nodes against the source's
+(the agents do not carry the engines' request histograms to the control plane).
+
+Two replicas: a shift sent to both with the same ``start_at`` (the CLI sends one to every
+``--admin`` it is given) decides at the same wall-clock instants, ``start_at + k x every_s``; the
+weights of a step are a function of (layout, step), so both publish the same bytes when their gates
+agree. They disagree for the clock skew between them plus one publish (coalescing window), and
+for a whole window when their gate verdicts differ (each sees the Envoys that report to it).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from google.protobuf.message import Message
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from xds_server.admin.shift_routes import ShiftRequestError, add_shift_routes
+from xds_server.config import ClusterConfig, SentinelConfig
+from xds_server.control.core import ControlCore
+from xds_server.control.state_file import read_json, write_json_atomic
+from xds_server.health import shift as hs
+from xds_server.health.shift_doc import from_doc, to_doc
+from xds_server.health.shift_layout import Layout, NodeSpot, check_shiftable, layout, target_nodes
+from xds_server.load.service import LoadReportingService
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.resources import CLUSTER_TYPE_URL, build_cla, build_cluster
+from xds_server.xds.shift_cla import shift_cla, shift_cluster
+
+__all__ = ["ShiftRequestError", "ShiftService", "parse_duration_s"]
+
+log = logging.getLogger("xds_server.shift")
+TICK_S = 0.2
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+
+
+def parse_duration_s(v: Any, field: str = "every") -> float:
+    """Seconds from a number (s) or a string "300", "5m", "2s", "500ms", "1h". ShiftRequestError (400)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        s = float(v)
+    elif isinstance(v, str) and (m := _DURATION.match(v)):
+        s = float(m[1]) * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[m[2] or "s"]
+    else:
+        raise ShiftRequestError(400, field, f"{field}: {str(v)[:40]!r} is not a duration (e.g. 300, 5m, 2s)")
+    if not (math.isfinite(s) and 0 < s <= 86_400):
+        raise ShiftRequestError(400, field, f"{field}: {s:g} s is not within (0, 86400]")
+    return s
+
+
+class ShiftService:
+    """The running shifts of a control plane (see module docstring)."""
+
+    def __init__(self, config: Callable[[], SentinelConfig], core: ControlCore, cache: SnapshotCache,
+                 load: LoadReportingService) -> None:
+        self._config, self.core, self.cache, self.load = config, core, cache, load
+        self.shifts: dict[str, hs.ShiftState] = {}
+        self.base: dict[str, dict[str, int]] = {}  # cluster -> node id -> priority a finished shift left
+        self._window: dict[str, tuple[int, int]] = {}  # cluster -> target (completed, errored) at window start
+        self._weighted: dict[str, bool] = {}  # cluster -> locality weighting published in CDS
+        self._load_file()
+
+    def admin_token(self) -> str | None:
+        """The bearer token shift requests need (None: shifts are refused)."""
+        return self._config().admin.token
+
+    # -- the state file -------------------------------------------------------------------------
+
+    def path(self) -> str | None:
+        cfg = self._config()
+        return cfg.shift.state_path or (f"{cfg.state.path}.shifts.json" if cfg.state.path else None)
+
+    def _load_file(self) -> None:
+        p = self.path()
+        if not p:
+            return
+        try:
+            self.shifts, self.base = from_doc(read_json(p))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            log.warning("shift state file %s not used: %s", p, e)
+            return
+        log.info("shift state file %s: %d shift(s) resumed", p, len(self.shifts))
+
+    def _save(self) -> None:
+        p = self.path()
+        if p:
+            try:
+                write_json_atomic(p, to_doc(self.shifts, self.base, self.core.clock.wall()))
+            except (OSError, ValueError) as e:
+                log.warning("cannot write shift state file %s: %s", p, e)
+
+    # -- layouts --------------------------------------------------------------------------------
+
+    def _cfg(self, name: str) -> ClusterConfig:
+        for c in self._config().clusters:
+            if c.name == name:
+                return c
+        raise ShiftRequestError(404, "cluster", f"cluster: unknown cluster {name[:128]!r}")
+
+    def _spots(self, c: ClusterConfig) -> list[NodeSpot]:
+        base = self.base.get(c.name, {})
+        return [NodeSpot(n.id, base.get(n.id, n.priority), (n.locality.region, n.locality.zone, n.locality.sub_zone),
+                         n.capacity) for n in c.nodes]
+
+    def _target(self, c: ClusterConfig, spec: hs.ShiftSpec) -> set[str]:
+        return target_nodes(self._spots(c), spec.to_kind, spec.to, {n.id: n.priority for n in c.nodes})
+
+    def layout(self, c: ClusterConfig) -> Layout | None:
+        """The cluster's placement now; None when it is the config's own (no shift, no base)."""
+        st = self.shifts.get(c.name)
+        spots = self._spots(c)
+        if st is not None and st.phase not in hs.TERMINAL and c.nodes:
+            try:
+                return layout(spots, self._target(c, st.spec), st.share_percent)
+            except ValueError:  # the target left the config (a reload): the base layout
+                pass
+        return layout(spots, set(), 0.0) if c.name in self.base and c.nodes else None
+
+    def cluster(self, c: ClusterConfig) -> cluster_pb2.Cluster:
+        """CDS hook: the cluster, with locality weighting while a shift is between 0 and 100 %."""
+        lay = self.layout(c)
+        on = lay is not None and lay.locality_weights is not None
+        self._weighted[c.name] = on
+        return shift_cluster(build_cluster(c), on)
+
+    def cla(self, c: ClusterConfig, cla: endpoint_pb2.ClusterLoadAssignment) -> endpoint_pb2.ClusterLoadAssignment:
+        """EDS hook: ``cla`` placed by the layout. A change of locality weighting republishes the
+        Cluster first (in the same turn: Envoy warms the updated cluster on this assignment)."""
+        lay = self.layout(c)
+        on = lay is not None and lay.locality_weights is not None
+        if self._weighted.get(c.name, False) != on:
+            self.cache.set_resource(CLUSTER_TYPE_URL, c.name, self.cluster(c))
+        return cla if lay is None else shift_cla(cla, lay)
+
+    def eds(self, c: ClusterConfig, routing: Mapping[str, Any], shed: Mapping[str, Any]) -> Message:
+        """EDS hook: ``build_cla(c, routing, **shed)`` placed by the layout (:meth:`cla`)."""
+        return self.cla(c, build_cla(c, dict(routing), **shed))
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def begin(self, name: str, body: Any) -> dict[str, Any]:
+        """Start a shift of cluster ``name`` from a request body (see :mod:`xds_server.admin.shift_routes`).
+        ShiftRequestError naming the field; nothing running changes then."""
+        c = self._cfg(name)
+        if not isinstance(body, dict):
+            raise ShiftRequestError(400, "body", "body: expected a JSON object")
+        cur = self.shifts.get(name)
+        if cur is not None and cur.phase not in hs.TERMINAL:
+            raise ShiftRequestError(409, "cluster", f"cluster: {name} already has a shift ({cur.phase.value} at "
+                                                    f"{cur.share_percent:g} %); cancel it first")
+        cfg = self._config().shift
+        raw_to = body.get("to")
+        if isinstance(raw_to, bool) or not isinstance(raw_to, (str, int)) or str(raw_to) == "":
+            raise ShiftRequestError(400, "to", "to: expected a region name or a priority number")
+        to = str(raw_to)
+        kind = body.get("to_kind") or ("region" if to.startswith("region:") or not to.lstrip("-").isdigit()
+                                       else "priority")
+        to = to.removeprefix("region:")
+        if kind not in ("region", "priority"):
+            raise ShiftRequestError(400, "to_kind", f"to_kind: {str(kind)[:20]!r} is not region or priority")
+        step = body.get("step_percent", cfg.default_step_percent)
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not (math.isfinite(step)
+                                                                                 and 0 < step <= 100):
+            raise ShiftRequestError(400, "step_percent", f"step_percent: {str(step)[:20]} is not within (0, 100]")
+        every = parse_duration_s(body.get("every_s", body.get("every", cfg.default_every_s)), "every_s")
+        hard = body.get("hard", False)
+        if not isinstance(hard, bool):
+            raise ShiftRequestError(400, "hard", "hard: expected true or false")
+        now = self.core.clock.wall()
+        anchor = body.get("start_at", now)
+        if isinstance(anchor, bool) or not isinstance(anchor, (int, float)) or not abs(anchor - now) <= 3600:
+            raise ShiftRequestError(400, "start_at", "start_at: expected wall-clock seconds within an hour of now")
+        spec = hs.ShiftSpec(name, kind, to, float(step), every, hard)
+        try:
+            target = self._target(c, spec)
+            check_shiftable(self._spots(c), target)
+        except ValueError as e:
+            raise ShiftRequestError(400, "to", str(e)) from None
+        st, events = hs.start(spec, now, float(anchor))
+        self._set(c, st, events)
+        return self.view(name) or {}
+
+    def command(self, name: str, what: str) -> dict[str, Any]:
+        """pause / resume / cancel. ShiftRequestError: 404 (no cluster or shift), 409 (not in this phase)."""
+        c = self._cfg(name)
+        st = self.shifts.get(name)
+        if st is None:
+            raise ShiftRequestError(404, "cluster", f"cluster: {name} has no shift")
+        try:
+            new, events = hs.command(st, what, self.core.clock.wall())
+        except ValueError as e:
+            raise ShiftRequestError(409, "phase", str(e)) from None
+        self._set(c, new, events)
+        return self.view(name) or {}
+
+    def _set(self, c: ClusterConfig, st: hs.ShiftState, events: list[hs.ShiftEvent]) -> None:
+        before = self.shifts.get(c.name)
+        if st.phase is hs.Phase.DONE:  # the finished layout is the cluster's base from now on
+            lay = layout(self._spots(c), self._target(c, st.spec), 100.0)
+            self.base[c.name] = dict(lay.priority)
+        self.shifts[c.name] = st
+        if before is None or before.window_start_s != st.window_start_s or before.steps != st.steps:
+            self._window[c.name] = self._totals(c, st)
+        wall = self.core.clock.wall()
+        for ev in events:
+            self.core.events.record(wall, c.name, "", f"shift_{ev.kind}", ev.detail)
+        self._save()
+        self.core.mark_dirty(c.name)
+
+    # -- gates ----------------------------------------------------------------------------------
+
+    def _totals(self, c: ClusterConfig, st: hs.ShiftState) -> tuple[int, int]:
+        try:
+            target = self._target(c, st.spec)
+        except ValueError:
+            return 0, 0
+        done = err = 0
+        for nid in target:
+            t = self.load.aggregator.totals.get((c.name, nid))
+            if t is not None:
+                done, err = done + t.succeeded + t.errored, err + t.errored
+        return done, err
+
+    def reading(self, c: ClusterConfig, st: hs.ShiftState) -> hs.GateReading:
+        """The current window's evidence so far (see module docstring)."""
+        done, err = self._totals(c, st)
+        d0, e0 = self._window.get(c.name, (0, 0))
+        try:
+            target = self._target(c, st.spec)
+        except ValueError:
+            target = set()
+
+        def ttft(ids: list[str]) -> float | None:
+            vals = [v for i in ids if (h := self.core.health.get(i)) is not None
+                    and (v := h.probe.ewma_ttft_ms) is not None]
+            return sum(vals) / len(vals) if vals else None
+
+        return hs.GateReading(max(0, done - d0), max(0, err - e0), ttft(sorted(target)),
+                              ttft([n.id for n in c.nodes if n.id not in target]))
+
+    def tick(self) -> None:
+        """Decide every shift whose decision is due."""
+        now = self.core.clock.wall()
+        cfg = self._config()
+        for name, st in list(self.shifts.items()):
+            nxt = st.next_decision_s
+            if nxt is None or now < nxt:
+                continue
+            try:
+                c = self._cfg(name)
+            except ShiftRequestError:
+                continue  # the cluster left the config: kept, shown, not decided
+            new, events = hs.decide(st, hs.judge(self.reading(c, st), cfg.shift), now, cfg.shift)
+            self._set(c, new, events)
+
+    async def run(self) -> None:
+        """Tick every ``TICK_S`` until cancelled (failures logged)."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                self.tick()
+            except Exception:  # keep going
+                log.exception("shift tick failed")
+
+    def add_routes(self, app: Any) -> None:
+        """Register the shift routes and the tick loop on the admin app (before it starts)."""
+        add_shift_routes(app, self)
+
+    # -- views ----------------------------------------------------------------------------------
+
+    def view(self, name: str) -> dict[str, Any] | None:
+        """JSON of a cluster's shift (None: none): phase, share, schedule, gates (the last
+        decision's and the current window's so far), layout."""
+        st = self.shifts.get(name)
+        if st is None:
+            return None
+        now = self.core.clock.wall()
+        cfg = self._config().shift
+        c = next((c for c in self._config().clusters if c.name == name), None)
+        live = hs.judge(self.reading(c, st), cfg).to_json() if c is not None and st.phase in hs.ACTIVE else None
+        nxt = st.next_decision_s
+        lay = self.layout(c) if c is not None else None
+        s = st.spec
+        return {"cluster": name, "to": {"kind": s.to_kind, "value": s.to}, "phase": st.phase.value,
+                "share_percent": st.share_percent, "step_percent": s.step_percent, "every_s": s.every_s,
+                "hard": s.hard, "steps": st.steps, "anchor_wall_s": st.anchor_s,
+                "window_start_wall_s": st.window_start_s, "next_decision_wall_s": nxt,
+                "next_decision_in_s": None if nxt is None else round(max(0.0, nxt - now), 3),
+                "consecutive_failures": st.failures, "fail_windows": cfg.fail_windows, "rollbacks": st.rollbacks,
+                "reason": st.reason or None, "last_gate": st.last_gate.to_json() if st.last_gate else None,
+                "window_so_far": live,
+                "layout": None if lay is None else {
+                    "priority": dict(sorted(lay.priority.items())),
+                    "locality_weights": None if lay.locality_weights is None else [
+                        {"priority": p, "locality": {"region": r, "zone": z, "sub_zone": sz}, "weight": w}
+                        for (p, (r, z, sz)), w in sorted(lay.locality_weights.items())]}}
+
+    def metric_families(self) -> Iterator[Metric]:
+        """``sentinel_shift_*`` gauges per cluster with a shift."""
+        share = GaugeMetricFamily("sentinel_shift_share_percent", "share of the cluster's traffic commanded "
+                                  "to the shift's target, %", labels=["cluster"])
+        phase = GaugeMetricFamily("sentinel_shift_phase", "1 for the shift's phase", labels=["cluster", "phase"])
+        nxt = GaugeMetricFamily("sentinel_shift_next_decision_seconds", "seconds until the next gate decision "
+                                "(absent: none due)", labels=["cluster"])
+        err = GaugeMetricFamily("sentinel_shift_gate_error_ratio", "target error ratio of the last decided "
+                                "window, 0..1", labels=["cluster"])
+        lat = GaugeMetricFamily("sentinel_shift_gate_latency_increase", "target probe TTFT over the source's "
+                                "minus 1, last decided window", labels=["cluster"])
+        rb = GaugeMetricFamily("sentinel_shift_rollbacks", "steps rolled back by this shift", labels=["cluster"])
+        now = self.core.clock.wall()
+        for name, st in sorted(self.shifts.items()):
+            share.add_metric([name], st.share_percent)
+            phase.add_metric([name, st.phase.value], 1.0)
+            rb.add_metric([name], st.rollbacks)
+            if (t := st.next_decision_s) is not None:
+                nxt.add_metric([name], max(0.0, t - now))
+            g = st.last_gate
+            if g is not None and g.error_ratio is not None:
+                err.add_metric([name], g.error_ratio)
+            if g is not None and g.latency_increase is not None:
+                lat.add_metric([name], g.latency_increase)
+        yield from (share, phase, nxt, err, lat, rb)
