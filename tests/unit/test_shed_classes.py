@@ -150,3 +150,39 @@ def test_bootstrap_routes_each_class_to_its_cluster(tmp_path):
     with pytest.raises(ValueError, match="not with groups"):
         render_bootstrap(listener_port=1, admin_port=2, groups=[ControlPlaneGroup("g", ("127.0.0.1:1",), (c,))],
                          classes=ShedClassesConfig(enabled=True))
+
+
+def test_shedder_spreads_the_drop_over_the_classes_and_flips_each_changed_assignment():
+    from types import SimpleNamespace
+
+    from xds_server.load.shedding import Shedder
+    cfg = _config(enabled=True)
+    cfg = cfg.model_copy(update={"lrs": cfg.lrs.model_copy(update={"shed": cfg.lrs.shed.model_copy(
+        update={"window_s": 2.0})})})
+    node = SimpleNamespace(heartbeat=SimpleNamespace(last_s=9.9), engine=SimpleNamespace(requests_waiting=70.0))
+    dirty: list[str] = []
+    core = SimpleNamespace(routing={"gpu-a": SimpleNamespace(health_status="HEALTHY")}, health={"gpu-a": node},
+                           mark_dirty=dirty.append)
+    agg = LoadAggregator({"llm": {("127.0.0.1", 9001): "gpu-a"}}, interval_s=1.0, min_gap_s=0.0)
+    agg.set_nodes({"llm": {("127.0.0.1", 9001): "gpu-a"}}, class_aliases(cfg))
+
+    def cr(name: str, issued: int) -> ClusterReport:
+        c = Counts(issued, issued, 0, 0)
+        return ClusterReport(name, 1.0, (LocalityReport(("", "", ""), 0, c, (EndpointReport("127.0.0.1", 9001, c),)),))
+
+    agg.ingest(Report("envoy-1", 1, (cr("llm", 20), cr("llm~sheddable", 60), cr("llm~critical", 20))), 9.5)
+    s = Shedder()
+    s.step(cfg, core, agg, "llm", ["gpu-a"], 10.0)  # mean 70 > 50: the 10 % headroom of 100 -> 10 from sheddable
+    assert s.shed["llm"].percent == 10.0 and dirty == ["llm"]
+    assert s.cla_args("llm~sheddable") == {"shed_percent": 15.0, "shed_flip": True}  # 10 of 60, to 5 % steps
+    assert s.cla_args("llm") == {"shed_percent": 0.0, "shed_flip": False}
+    assert s.cla_args("llm~critical")["shed_percent"] == 0.0
+    view = s.view(cfg, "llm")
+    assert view["shed_classes"] == {"sheddable": {"cluster": "llm~sheddable", "shed_percent": 15.0},
+                                    "standard": {"cluster": "llm", "shed_percent": 0.0},
+                                    "critical": {"cluster": "llm~critical", "shed_percent": 0.0}}
+    s.step(cfg, core, agg, "llm", ["gpu-a"], 10.2)  # nothing changed: no new assignment
+    assert dirty == ["llm"] and s.cla_args("llm~sheddable")["shed_flip"] is True
+    node.heartbeat.last_s = 0.0  # stale telemetry: fail open, every class lifted at once
+    s.step(cfg, core, agg, "llm", ["gpu-a"], 10.4)
+    assert dirty == ["llm", "llm"] and s.cla_args("llm~sheddable") == {"shed_percent": 0.0, "shed_flip": False}
