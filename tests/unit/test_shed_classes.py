@@ -186,3 +186,28 @@ def test_shedder_spreads_the_drop_over_the_classes_and_flips_each_changed_assign
     node.heartbeat.last_s = 0.0  # stale telemetry: fail open, every class lifted at once
     s.step(cfg, core, agg, "llm", ["gpu-a"], 10.4)
     assert dirty == ["llm", "llm"] and s.cla_args("llm~sheddable") == {"shed_percent": 0.0, "shed_flip": False}
+
+
+def test_envoy_bootstrap_command_routes_the_classes_of_a_config(tmp_path):
+    import sys
+
+    import yaml
+    cfg = tmp_path / "xds.yaml"
+    cfg.write_text(yaml.safe_dump({"clusters": [{"name": "llm", "nodes": [
+        {"id": "gpu-a", "address": "127.0.0.1:9001", "probe_address": "127.0.0.1:9101"}]}],
+        "lrs": {"shed": {"classes": {"header": "x-prio", "critical": "gold"}}}}))
+
+    def routes(*args: str) -> list[tuple[str | None, str]]:
+        r = subprocess.run([sys.executable, "-m", "xds_server.cli", "envoy-bootstrap", *args], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        hcm = yaml.safe_load(r.stdout)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        return [(m["headers"][0]["string_match"]["exact"] if "headers" in (m := x["match"]) else None,
+                 x["route"]["cluster"]) for x in hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]]
+
+    assert routes("--classes", str(cfg)) == [("sheddable", "llm~sheddable"), ("gold", "llm~gold"), (None, "llm")]
+    assert routes("--classes") == [("sheddable", "llm~sheddable"), ("critical", "llm~critical"), (None, "llm")]
+    assert routes() == [(None, "llm")]
+    bad = subprocess.run([sys.executable, "-m", "xds_server.cli", "envoy-bootstrap", "--classes", str(tmp_path / "no")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--classes" in bad.stderr
