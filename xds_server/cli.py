@@ -1,6 +1,6 @@
 """``xds-server`` command line.
 
-Commands: serve | check-config | status | drain | undrain | reload | envoy-bootstrap | demo.
+Commands: serve | check-config | status | drain | undrain | reload | shift | envoy-bootstrap | demo.
 Global options (``--log-level``, ``--log-format``) are accepted before or after the command.
 
 Exit codes (also in ``--help`` and README.md):
@@ -22,6 +22,7 @@ import sys
 import urllib.parse
 
 from xds_server.admin.client import AdminError, admin_base_url, drain_line, get_json, post_json
+from xds_server.admin.shift_client import add_shift_parser
 from xds_server.admin.status_text import format_status
 from xds_server.process import event_loop
 from xds_server.process.commandline import add_common_options, run_main, version
@@ -325,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     rl = cmd("reload", "re-read the running server's config file", _reload)
     rl.add_argument("--admin", default="http://127.0.0.1:19000", help=admin_help)
     rl.add_argument("--token", default=None, help=f"admin token (default: ${TOKEN_ENV})")
+    add_shift_parser(cmd, admin_help, TOKEN_ENV)  # gated shifts (issue 23): xds_server/admin/shift_client.py
     eb = cmd("envoy-bootstrap", "render an Envoy bootstrap (envoy.yaml) for this control plane",
              _envoy_bootstrap)
     eb.add_argument("--xds-port", type=_port, default=18000, help="xds-server's ADS port (default 18000)")
