@@ -73,9 +73,10 @@ async def test_two_replicas_each_sum_every_envoy_exactly_once(make_fleet, http):
         node_id="envoy-3"))
     envoy3 = envoy_process(find_envoy(), boot3, wd3, concurrency=1)
     try:
-        await asyncio.to_thread(cp2.start, 30.0)
-        await envoy2.start()
+        started = asyncio.ensure_future(asyncio.to_thread(cp2.start, 30.0))  # the Envoys meanwhile:
+        await envoy2.start()  # they dial until cp-2 answers
         envoy3.start()
+        await started
         await fleet.wait_all_routed(http)
 
         async def listed() -> bool:  # Envoy counts a cluster's traffic from the first report naming it
