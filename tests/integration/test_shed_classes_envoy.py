@@ -135,6 +135,8 @@ async def test_sheddable_class_is_shed_first_while_standard_and_critical_pass(ma
             await asyncio.sleep(0.5)
             seen.append(await classes())
         shed = load.phase()
+        async with http.get(f"{cp}/metrics") as r:
+            metrics = await r.text()
         span = time.monotonic() - t0
     finally:
         await load.stop()
@@ -147,6 +149,9 @@ async def test_sheddable_class_is_shed_first_while_standard_and_critical_pass(ma
     assert shed["standard"][200] > 20 and shed["critical"][200] > 20
     assert set(shed["sheddable"]) <= {200, 429} and shed["sheddable"][429] > 20
     assert load.retry_after == {"3"}
+    line = next(x for x in metrics.splitlines() if x.startswith('sentinel_cluster_shed_ratio{class="sheddable"'))
+    assert 0 < float(line.split()[-1]) <= 1
+    assert 'sentinel_cluster_shed_ratio{class="critical",cluster="llm"} 0.0' in metrics
     share = 100.0 * shed["sheddable"][429] / sum(shed["sheddable"].values())
     low, high = min(c["sheddable"] for c in seen), max(c["sheddable"] for c in seen)
     assert low - 10 <= share <= high + 10, (share, seen)  # Envoy drops the class's commanded share

@@ -181,6 +181,9 @@ def test_shedder_spreads_the_drop_over_the_classes_and_flips_each_changed_assign
     assert view["shed_classes"] == {"sheddable": {"cluster": "llm~sheddable", "shed_percent": 15.0},
                                     "standard": {"cluster": "llm", "shed_percent": 0.0},
                                     "critical": {"cluster": "llm~critical", "shed_percent": 0.0}}
+    metric = next(iter(s.metric_families(cfg)))
+    assert {tuple(x.labels.values()): x.value for x in metric.samples} == {
+        ("llm", "total"): 0.1, ("llm", "sheddable"): 0.15, ("llm", "standard"): 0.0, ("llm", "critical"): 0.0}
     s.step(cfg, core, agg, "llm", ["gpu-a"], 10.2)  # nothing changed: no new assignment
     assert dirty == ["llm"] and s.cla_args("llm~sheddable")["shed_flip"] is True
     node.heartbeat.last_s = 0.0  # stale telemetry: fail open, every class lifted at once

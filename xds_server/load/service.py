@@ -328,4 +328,5 @@ class LoadReportingService:
             for cat, v in agg.drops(c.name, now, w).items():
                 dropped.add_metric([c.name, cat or "total"], v)
         yield from (streams, reporting, reports, problems, slots, total, ratio, rps, dropped)
+        yield from self.shedder.metric_families(self._config())
         yield from self.peers.metric_families()

@@ -11,8 +11,10 @@ its class clusters' assignments too (:func:`~xds_server.xds.resources.build_cla`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from xds_server.config import SentinelConfig
 from xds_server.control.core import ControlCore
@@ -90,6 +92,19 @@ class Shedder:
             out["shed_classes"] = {klass: {"cluster": name, "shed_percent": self.classes.get(name, ShedState()).percent}
                                    for klass, name, _ in cfg.lrs.shed.classes.lower_first(cluster)}
         return out
+
+    def metric_families(self, cfg: SentinelConfig) -> Iterator[Metric]:
+        """``sentinel_cluster_shed_ratio{cluster, class}``: the drop published (0..1), ``total`` for
+        the cluster's share of all its requests and, with request classes, one per class."""
+        g = GaugeMetricFamily("sentinel_cluster_shed_ratio", "share of requests Envoy is told to drop for "
+                              "overload (0..1; class 'total': of the cluster's demand, else of that class's)",
+                              labels=["cluster", "class"])
+        for c in cfg.clusters:
+            g.add_metric([c.name, "total"], self.shed.get(c.name, ShedState()).percent / 100.0)
+            if cfg.lrs.shed.classes.enabled:
+                for klass, name, _ in cfg.lrs.shed.classes.lower_first(c.name):
+                    g.add_metric([c.name, klass], self.classes.get(name, ShedState()).percent / 100.0)
+        yield g
 
 
 def kv_from_sessions(sessions: Mapping[str, Any]) -> Callable[[str], float | None]:
