@@ -1,7 +1,7 @@
 """``health.validation:`` section: switch-back validation by replay against two peers (issue 23)."""
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator
 
 from xds_server.config.base import _Model
 
@@ -62,8 +62,9 @@ class ValidationConfig(_Model):
         "probes alone, said in the reason and event (ours: holding a recovered node at its last ramp step for "
         "ever is worse than the probe verdict it had before validation existed)")
 
-    @model_validator(mode="after")
-    def _check(self) -> ValidationConfig:
-        if self.embeddings_url is not None and not self.embeddings_url.startswith(("http://", "https://")):
-            raise ValueError("embeddings_url must start with http:// or https://")
-        return self
+    @field_validator("embeddings_url")
+    @classmethod
+    def _v_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v

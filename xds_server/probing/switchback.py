@@ -193,7 +193,11 @@ class SwitchbackValidator:
         peers = [p for p, c in core.node_cluster.items() if c == cluster and p != nid
                  and (h := core.health.get(p)) is not None and h.state is hm.NodeState.HEALTHY and not h.drain.active]
         peers.sort(key=lambda p: (_queued(core.health[p]), p))  # the least queued first: they take a replay
-        pool = self._pool(cfg)
+        try:
+            pool = self._pool(cfg)
+        except (OSError, ValueError) as e:  # the operator's file: named in the event, retried after a fix
+            self._retry(nid, since_s, f"health.validation.prompts_file: {e}")
+            return
         prompts = self._rng.sample(pool, min(cfg.sample, len(pool)))
         ids = [nid, *peers]
         ex = {i: ReplayExchange(i, core.node_cfg[i].probe_address, tls=self._tls(i), counters=core.counters,
