@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
+import time
 from pathlib import Path
 
 import grpc
@@ -202,6 +203,17 @@ async def test_peer_edges_refused_counted_and_never_forwarded_twice():
             assert a.load.aggregator.totals[("llm", "gpu-a")].issued == 10
             assert b.load.peers.links[0].forwarded == 0 and dict(b.load.peers.received) == {"cp-1": 3}
             assert bt.reporters(b.clock.now()) == 1  # the Envoy, not the forwarding replica
+            # cp-2 goes away; a report that waits past lrs.peer_max_delay_s is dropped as stale
+            # when the stream is back (applied then it would land in the wrong window)
+            await b.stop()
+            await wait_for(lambda: not link.up, 5, what="cp-1 saw cp-2 go")
+            await envoy.write(_report(5))
+            await wait_for(lambda: link.queue.qsize() == 1, 5, what="the report queued")
+            link.monotonic = lambda: time.monotonic() + 61.0  # 61 s later, for the link's clock
+            b = ControlPlane(_cfg(p2, "cp-2", [f"127.0.0.1:{p1}"]), probe_sources=InMemoryProbes())
+            await b.start()
+            await wait_for(lambda: link.dropped["stale"] == 1, 10, what="the late report dropped as stale")
+            assert link.forwarded == 3 and ("llm", "gpu-a") not in b.load.aggregator.totals
             envoy.cancel()
     finally:
         for cp in (b, lone, a):
