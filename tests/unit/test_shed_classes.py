@@ -52,6 +52,17 @@ def test_allocation_examples_and_bad_input():
     assert class_percents(70, [100, 50, 50], [97, 100, 100], 5) == [97, 85, 0]
 
 
+@given(ratio, st.lists(st.integers(0, 1000), min_size=3, max_size=3), st.lists(st.sampled_from([0.0, 5.0, 35.0, 40.0,
+       100.0]), min_size=3, max_size=3))
+def test_class_shares_stay_within_a_step_of_the_exact_ones_and_keep_what_is_published_near_it(excess, demands, held):
+    exact = [100 * r for r in allocate(excess, demands, [1, 1, 1])]
+    out = class_percents(100 * excess, demands, [100, 100, 100], 5, held)
+    for e, o, h in zip(exact, out, held, strict=True):
+        assert abs(o - e) < 5 + 1e-9 and (e > 0 or o == 0) and (e < 100 - 1e-9 or o == 100)
+        if 0 < e < 100 - 1e-9 and 0 < h and abs(e - h) < 5:
+            assert o == h  # held: no new assignment for noise
+
+
 def _inp(waiting, kv, age=0.5):
     return ShedInputs(list(waiting), [age] * len(waiting), 100.0, 100.0, 2, kv)
 

@@ -41,15 +41,22 @@ def allocate(excess_ratio: float, demands: Sequence[float], max_ratios: Sequence
 
 
 def class_percents(excess_percent: float, demands: Sequence[float], max_percents: Sequence[float],
-                   step_percent: float) -> list[float]:
+                   step_percent: float, held: Sequence[float] = ()) -> list[float]:
     """:func:`allocate` in percent (0..100), each class's share rounded to the nearest
-    ``step_percent`` (so noise in the demand mix does not rewrite the assignments) and never above
-    its maximum; a class at its maximum keeps the maximum exactly."""
+    ``step_percent`` and never above its maximum; a class at its maximum keeps the maximum
+    exactly, one with nothing to drop is 0. ``held``: the shares published now; a class keeps its
+    held share while the new one is less than a step away from it (hysteresis: noise in the
+    demand mix does not rewrite the assignments), so each share is within a step of the exact one."""
     ratios = allocate(excess_percent / 100.0, demands, [p / 100.0 for p in max_percents])
     step = step_percent if math.isfinite(step_percent) and step_percent > 0 else 1.0
     out = []
-    for r, mx in zip(ratios, max_percents, strict=False):
+    for k, (r, mx) in enumerate(zip(ratios, max_percents, strict=False)):
         p = r * 100.0
         cap = min(100.0, _clean(mx))
-        out.append(cap if p >= cap - 1e-9 else min(cap, round(p / step) * step))
+        if p >= cap - 1e-9 or p <= 0:
+            out.append(cap if p > 0 else 0.0)
+        elif k < len(held) and 0 < held[k] <= cap and abs(p - held[k]) < step:
+            out.append(held[k])
+        else:
+            out.append(min(cap, round(p / step) * step))
     return out

@@ -68,7 +68,8 @@ class Shedder:
                 self.classes.pop(name, None)
         else:
             demands = [float((t := agg.demand(name, now, sc.window_s)).issued + t.dropped) for _, name, _ in order]
-            percents = class_percents(after.percent, demands, [m for _, _, m in order], sc.step_percent)
+            percents = class_percents(after.percent, demands, [m for _, _, m in order], sc.step_percent,
+                                      [self.classes.get(name, ShedState()).percent for _, name, _ in order])
             for (klass, name, _), p, d in zip(order, percents, demands, strict=True):
                 was = self.classes.get(name, ShedState())
                 if p != was.percent or name not in self.classes:
