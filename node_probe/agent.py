@@ -115,7 +115,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         self._prober = Prober(cfg)
         self._schedule = ProbeScheduler(cfg.schedule_settings())
         self.replayer = Replayer(cfg.engine_url, cfg.replay, cfg.node_id, lambda: self._session,
-                                 self._prober.replay_model, lambda: self._load_reading)
+                                 self._prober, lambda: self._load_reading)
         self._hub = StreamHub(node_id=cfg.node_id, heartbeat_interval_ms=cfg.heartbeat_interval_ms,
                               queue_max=cfg.stream_queue_max, telemetry=self.telemetry,
                               on_probe_now=self.request_probe, transport_liveness=cfg.transport_liveness,

@@ -23,7 +23,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,8 @@ import aiohttp
 from node_probe.proto import probe_pb2
 
 __all__ = ["ReplayLimits", "Replayer"]
+
+_NO_COMPLETIONS = frozenset({"tgi", "triton"})  # engine families without an OpenAI /v1/completions
 
 log = logging.getLogger(__name__)
 
@@ -110,29 +112,31 @@ class Replayer:
         limits: the bounds.
         node_id: put in every result.
         session: returns the agent's HTTP session (None before the agent started).
-        model: returns the model id to ask for (awaitable; may raise, the replay then fails).
+        prober: the agent's :class:`~node_probe.prober.Prober`: ``replay_model(session)`` gives the
+            model id to ask for (may raise: the replay then fails), ``adapter_kind`` the engine
+            family (TGI and Triton have no ``/v1/completions``: replay is not advertised for them).
         load: returns the latest ``/metrics`` reading (its ``requests_waiting``; None or unset:
             unknown, not busy).
     """
 
     def __init__(self, engine_url: str, limits: ReplayLimits, node_id: str,
                  session: Callable[[], aiohttp.ClientSession | None],
-                 model: Callable[[aiohttp.ClientSession], Awaitable[str | None]],
-                 load: Callable[[], Any]) -> None:
+                 prober: Any, load: Callable[[], Any]) -> None:
         self._url = engine_url.rstrip("/") + "/v1/completions"
         self.limits = limits
         self._node_id = node_id
         self._session = session
-        self._model = model
+        self._prober = prober
         self._load = load
         self._running = False
+        self._ids = True  # ask for token ids (vLLM, the simulator) until the engine refuses the field
         self.served = 0
         self.refused = 0
 
     @property
     def advertised(self) -> int:
-        """``Heartbeat.replay_max_prompts``: 0 when replay is off."""
-        return self.limits.max_prompts
+        """``Heartbeat.replay_max_prompts``: 0 when replay is off or the engine has no completions API."""
+        return 0 if self._prober.adapter_kind in _NO_COMPLETIONS else self.limits.max_prompts
 
     def _busy(self) -> str:
         waiting = getattr(self._load(), "requests_waiting", None)
@@ -159,7 +163,7 @@ class Replayer:
             deadline_s = min(req.timeout_ms or self.limits.timeout_ms, self.limits.timeout_ms) / 1000.0
             max_tokens = min(req.max_tokens or self.limits.max_tokens, self.limits.max_tokens)
             try:
-                model = await asyncio.wait_for(self._model(session), deadline_s)
+                model = await asyncio.wait_for(self._prober.replay_model(session), deadline_s)
             except Exception as exc:  # discovery failed: the replay cannot run
                 out.error = f"model discovery failed: {type(exc).__name__}: {exc}"[:300]
                 return out
@@ -181,8 +185,9 @@ class Replayer:
 
     async def _complete(self, session: aiohttp.ClientSession, model: str | None, prompt: str,
                         max_tokens: int, deadline: float) -> probe_pb2.ReplayAnswer:
-        body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": False,
-                                "return_token_ids": True}
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": False}
+        if self._ids:
+            body["return_token_ids"] = True
         if model:
             body["model"] = model
         t0 = time.monotonic()
@@ -193,9 +198,14 @@ class Replayer:
             async with session.post(self._url, json=body, headers={"x-sentinel-probe": "replay"},
                                     timeout=aiohttp.ClientTimeout(total=left)) as resp:
                 raw = await resp.content.read(1 << 20)
-                if resp.status != 200:
-                    return probe_pb2.ReplayAnswer(error=f"HTTP {resp.status}",
-                                                  elapsed_ms=(time.monotonic() - t0) * 1000.0)
+                status = resp.status
+            if status == 400 and "return_token_ids" in body:  # an engine that refuses the field: text only
+                if self._ids:
+                    log.info("engine refused return_token_ids (HTTP 400): replay answers carry text only")
+                self._ids = False
+                return await self._complete(session, model, prompt, max_tokens, deadline)
+            if status != 200:
+                return probe_pb2.ReplayAnswer(error=f"HTTP {status}", elapsed_ms=(time.monotonic() - t0) * 1000.0)
             doc = json.loads(raw)
         except TimeoutError:
             return probe_pb2.ReplayAnswer(error="timeout", elapsed_ms=(time.monotonic() - t0) * 1000.0)

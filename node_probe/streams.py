@@ -98,7 +98,6 @@ class StreamHub:
                  replayer: Replayer | None = None) -> None:
         self._transport_ok = transport_liveness
         self._replayer = replayer
-        self._replay_max = replayer.advertised if replayer is not None else 0
         self._node_id = node_id
         self._interval_ms = heartbeat_interval_ms
         self._queue_max = queue_max
@@ -227,7 +226,7 @@ class StreamHub:
             return probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(
                 seq=item.seq, interval_ms=self._interval_ms, node_id=self._node_id,
                 telemetry=self._telemetry(), liveness=_LIVENESS[st.transport],
-                replay_max_prompts=self._replay_max))
+                replay_max_prompts=self._replayer.advertised if self._replayer is not None else 0))
         if isinstance(item, _PendingPong):
             processing_us = (time.perf_counter_ns() - item.received_ns) // 1000
             return probe_pb2.AgentMessage(pong=probe_pb2.Pong(seq=item.seq, processing_us=processing_us))

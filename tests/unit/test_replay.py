@@ -27,8 +27,9 @@ _SESSION = object()  # stands for the agent's HTTP session (never used: every ca
 def _replayer(load=None, session=_SESSION) -> Replayer:
     async def model(_s):
         return "m"
+    prober = SimpleNamespace(replay_model=model, adapter_kind="vllm")
     return Replayer("http://127.0.0.1:9", ReplayLimits(max_prompts=4, busy_max_waiting=2), "n1", lambda: session,
-                    model, lambda: load)
+                    prober, lambda: load)
 
 
 @pytest.mark.parametrize(("req", "load", "why"), [
@@ -135,3 +136,42 @@ def test_an_older_agent_ignores_a_replay_request():
     assert out.returncode == 0, out.stderr
     which, kept, hkind, seq, node = out.stdout.split()
     assert which == "None" and kept == "True" and hkind == "heartbeat" and seq == "7" and node == "n"
+
+
+async def test_an_engine_that_refuses_token_ids_is_replayed_by_text_and_tgi_is_not_advertised():
+    from aiohttp import ClientSession, web
+
+    from xds_server.testing import free_port
+
+    bodies: list[dict] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        bodies.append(body)
+        if "return_token_ids" in body:
+            return web.json_response({"error": "extra fields not permitted"}, status=400)
+        return web.json_response({"choices": [{"text": " an answer", "finish_reason": "length"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    async def model(_s):
+        return None
+    prober = SimpleNamespace(replay_model=model, adapter_kind="sglang")
+    try:
+        async with ClientSession() as session:
+            r = Replayer(f"http://127.0.0.1:{port}", ReplayLimits(), "n1", lambda: session, prober, lambda: None)
+            assert r.advertised == 16
+            res = await r.run(probe_pb2.ReplayRequest(request_id="r", prompts=["a", "b"], max_tokens=4))
+    finally:
+        await runner.cleanup()
+    assert not res.error and [a.text for a in res.answers] == [" an answer"] * 2
+    assert all(not a.token_ids and a.finish_reason == "length" for a in res.answers)
+    assert bodies[0]["temperature"] == 0 and bodies[0]["max_tokens"] == 4 and "model" not in bodies[0]
+    assert 1 <= sum("return_token_ids" in b for b in bodies) <= 2  # (2 in flight) then text only
+    prober.adapter_kind = "tgi"
+    assert r.advertised == 0
