@@ -142,11 +142,24 @@ async def test_no_traffic_holds_restart_resumes_and_hard_switch(make_fleet, http
         share, n = await _share(load, "resumed", 1.5)
         assert abs(share - 30) <= 3.0, (share, n)
         await _shift(fleet, http, "/cancel")
+        await asyncio.sleep(0.5)
+        # hard switch while a long generation runs on the source: it is not cut, and its response
+        # closes the client's connection; new requests go to the target at once
+        body = {"model": "sim-model", "prompt": "long", "max_tokens": 50, "temperature": 0, "stream": False}
+        slow = asyncio.create_task(http.post(f"{fleet.url}/v1/completions", json=body))
+        await asyncio.sleep(0.15)  # the generation (~0.5 s; the fleet's per-try timeout is 1 s) runs on the source
         v = await _shift(fleet, http, body={"to": 1, "hard": True})
         assert v["phase"] == "done" and v["share_percent"] == 100
+        async with await slow as r:
+            await r.read()
+            assert r.status == 200 and r.headers["x-served-by"] in ("gpu-a", "gpu-b"), r.headers
+            assert r.headers.get("x-sentinel-connection") == "close" and r.headers.get("connection") == "close"
         await asyncio.sleep(0.5)
         share, n = await _share(load, "hard", 1.0)
         assert share == 100.0, (share, n)
+        async with http.post(f"{fleet.url}/v1/completions", json={**body, "max_tokens": 1}) as r:
+            assert r.headers["x-served-by"] in TARGET and "x-sentinel-connection" not in r.headers
+            assert r.headers.get("connection", "").lower() != "close"
         assert load.totals().failed == 0, load.totals().failures
     finally:
         await load.stop()

@@ -153,8 +153,12 @@ def test_hard_switch_and_region_shift_back(tmp_path):
     assert v["phase"] == "done" and v["share_percent"] == 100
     assert _split(cp) == {0: {"n2,n3": 0}, 1: {"n0,n1": 0}}  # eu primary now, us its failover
     assert not _cluster(cp).common_lb_config.HasField("locality_weighted_lb_config")
+    closing = {e.endpoint.hostname: dict(e.metadata.filter_metadata["sentinel"]) for lle in _cla(cp).endpoints
+               for e in lle.lb_endpoints if "sentinel" in e.metadata.filter_metadata}
+    assert closing == {"n0": {"connection": "close"}, "n1": {"connection": "close"}}  # the old path closes
     # the gated shift back to us starts from the layout the hard switch left
     v = cp.shifts.begin("llm", {"to": "us", "step_percent": 10, "every_s": 5})
     clock.advance(0.0)
     assert v["share_percent"] == 10 and _split(cp) == {0: {"n2,n3": 9000, "n0,n1": 1000}}
+    assert not any("sentinel" in e.metadata.filter_metadata for lle in _cla(cp).endpoints for e in lle.lb_endpoints)
     cp.core.end()

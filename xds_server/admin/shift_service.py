@@ -152,7 +152,18 @@ class ShiftService:
         on = lay is not None and lay.locality_weights is not None
         if self._weighted.get(c.name, False) != on:
             self.cache.set_resource(CLUSTER_TYPE_URL, c.name, self.cluster(c))
-        return cla if lay is None else shift_cla(cla, lay)
+        return cla if lay is None else shift_cla(cla, lay, self.closing(c))
+
+    def closing(self, c: ClusterConfig) -> set[str]:
+        """Node ids whose responses close the client's connection: the source of a finished hard switch."""
+        st = self.shifts.get(c.name)
+        if st is None or not st.spec.hard or st.phase is not hs.Phase.DONE:
+            return set()
+        try:
+            target = self._target(c, st.spec)
+        except ValueError:
+            return set()
+        return {n.id for n in c.nodes if n.id not in target}
 
     def eds(self, c: ClusterConfig, routing: Mapping[str, Any], shed: Mapping[str, Any]) -> Message:
         """EDS hook: ``build_cla(c, routing, **shed)`` placed by the layout (:meth:`cla`)."""
