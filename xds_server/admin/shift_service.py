@@ -287,9 +287,12 @@ class ShiftService:
             self._set(c, new, events)
 
     async def run(self) -> None:
-        """Tick every ``TICK_S`` until cancelled (failures logged)."""
+        """Tick at each shift's decision instant (at most ``TICK_S`` apart) until cancelled
+        (failures logged): replicas given the same start decide within their clock skew."""
         while True:
-            await asyncio.sleep(TICK_S)
+            due = [t for st in self.shifts.values() if (t := st.next_decision_s) is not None]
+            wait = min([TICK_S, *(t - self.core.clock.wall() for t in due)])
+            await asyncio.sleep(max(0.001, wait))
             try:
                 self.tick()
             except Exception:  # keep going
