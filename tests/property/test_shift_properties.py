@@ -179,3 +179,14 @@ def test_state_document_round_trip(spec, readings):
     b = back["llm"]
     assert (b.phase, b.steps, b.share_percent, b.next_decision_s, b.failures, b.rollbacks) == \
         (s.phase, s.steps, s.share_percent, s.next_decision_s, s.failures, s.rollbacks)
+
+
+def test_two_percent_errors_roll_back_one_step_with_the_seed_defaults():
+    cfg = ShiftConfig()  # seed 002: < 0.5 % errors, +15 % latency; 2 consecutive failed windows
+    two_percent = hs.GateReading(1000, 20, 100.0, 105.0)
+    states = _run(hs.ShiftSpec("llm", "region", "eu", 10, 300), [hs.GateReading(1000, 0, 100.0, 105.0),
+                                                                 two_percent, two_percent], cfg)
+    assert [s.share_percent for s in states] == [10, 20, 20, 10]
+    assert [s.phase for s in states] == [hs.Phase.STEPPING, hs.Phase.STEPPING, hs.Phase.STEPPING,
+                                         hs.Phase.ROLLED_BACK]
+    assert states[2].failures == 1 and states[3].rollbacks == 1 and states[3].last_gate.error is hs.Verdict.FAIL

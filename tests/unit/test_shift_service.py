@@ -162,3 +162,23 @@ def test_hard_switch_and_region_shift_back(tmp_path):
     assert v["share_percent"] == 10 and _split(cp) == {0: {"n2,n3": 9000, "n0,n1": 1000}}
     assert not any("sentinel" in e.metadata.filter_metadata for lle in _cla(cp).endpoints for e in lle.lb_endpoints)
     cp.core.end()
+
+
+def test_request_class_clusters_follow_the_locality_weighting(tmp_path):
+    cfg = _cfg(tmp_path)
+    cfg["lrs"] = {"shed": {"classes": {"enabled": True}}}
+    cp, clock = _up(cfg)
+    names = sorted(n for n in cp.cache.resources(CLUSTER_TYPE_URL) if n.startswith("llm"))
+    assert len(names) == 3, names  # llm and its two class clusters
+
+    def weighted() -> dict[str, bool]:
+        return {n: cluster_pb2.Cluster.FromString(cp.cache.resources(CLUSTER_TYPE_URL)[n].any.value)
+                .common_lb_config.HasField("locality_weighted_lb_config") for n in names}
+
+    cp.shifts.begin("llm", {"to": 1, "step_percent": 25, "every_s": 10})
+    clock.advance(0.0)
+    assert weighted() == dict.fromkeys(names, True)
+    cp.shifts.command("llm", "cancel")
+    clock.advance(0.0)
+    assert weighted() == dict.fromkeys(names, False)
+    cp.core.end()

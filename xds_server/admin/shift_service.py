@@ -37,7 +37,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from xds_server.admin.shift_routes import ShiftRequestError, add_shift_routes
-from xds_server.config import ClusterConfig, SentinelConfig
+from xds_server.config import ClusterConfig, SentinelConfig, class_clusters
 from xds_server.control.core import ControlCore
 from xds_server.control.state_file import read_json, write_json_atomic
 from xds_server.health import shift as hs
@@ -150,8 +150,14 @@ class ShiftService:
         Cluster first (in the same turn: Envoy warms the updated cluster on this assignment)."""
         lay = self.layout(c)
         on = lay is not None and lay.locality_weights is not None
-        if self._weighted.get(c.name, False) != on:
-            self.cache.set_resource(CLUSTER_TYPE_URL, c.name, self.cluster(c))
+        if self._weighted.get(c.name, False) != on:  # the Cluster and its request-class copies (lrs.shed.classes)
+            msg = self.cluster(c)
+            for name in class_clusters([c], self._config().lrs.shed.classes):
+                copy = msg if name == c.name else cluster_pb2.Cluster()
+                if copy is not msg:
+                    copy.CopyFrom(msg)
+                    copy.name = name
+                self.cache.set_resource(CLUSTER_TYPE_URL, name, copy)
         return cla if lay is None else shift_cla(cla, lay, self.closing(c))
 
     def closing(self, c: ClusterConfig) -> set[str]:
