@@ -156,6 +156,21 @@ function clusterBanner(c, fs) {
   return null;
 }
 
+// A gated shift (issue 23): phase, commanded share, next decision, the last window's gates.
+function shiftLine(c) {
+  const v = c.shift;
+  if (!v || v.phase === "cancelled") return null;
+  const g = v.last_gate, w = v.window_so_far;
+  const parts = [`SHIFT to ${v.to.kind} ${v.to.value}: ${v.phase} at ${v.share_percent} %`];
+  if (!v.hard) parts.push(`+${v.step_percent} % every ${fmtS(v.every_s)}`);
+  if (v.next_decision_in_s != null) parts.push(`next decision in ${fmtS(v.next_decision_in_s)}`);
+  if (w) parts.push(`this window: ${w.completed} requests, ${w.errored} errors`);
+  if (g) parts.push(`last window: ${g.verdict} (errors ${g.errored}/${g.completed}` +
+    (g.latency_increase != null ? `, latency ${g.latency_increase >= 0 ? "+" : ""}${(g.latency_increase * 100).toFixed(1)} %` : "") + ")");
+  if (v.reason) parts.push(v.reason);
+  return el("div", {class: `cbanner shift ${v.phase}`, "data-banner": "shift", text: parts.join(" · ")});
+}
+
 // "why not routed and until when": the reason and the next moment something can change.
 function whyCell(n) {
   const td = el("td", {class: "why"});
@@ -241,6 +256,7 @@ function render(s) {
       el("h2", {}, c.name, el("span", {class: "muted",
         text: `${c.routable}/${c.nodes} routable · EDS ${c.published ? "version " + c.xds_version.slice(0, 12) : "not published yet"}`})),
       clusterBanner(c, s.fail_static_view),
+      shiftLine(c),
       timeline(nodes, sp),
       el("table", {},
         el("thead", {}, el("tr", {}, ...["node", "state", "weight", "EDS", "RTT", "TTFT", "why not routed / until",
