@@ -51,7 +51,7 @@ async def _phase(fleet: Fleet, http: aiohttp.ClientSession, rate: float, seconds
                  watch: Watch | None = None, seed: int = 1) -> OpenLoop:
     load = OpenLoop(fleet.url, rate, max_tokens=a.max_tokens, timeout_s=a.timeout, seed=seed, watch=watch)
     stop = asyncio.Event()
-    task = asyncio.create_task(load.run(http, stop))
+    task = asyncio.create_task(load.run(stop))
     await asyncio.sleep(seconds)
     stop.set()
     await task
@@ -92,7 +92,7 @@ async def one(a: argparse.Namespace, shed: bool) -> dict:
             wtask = asyncio.create_task(watch.run(http, stop_watch))
             load = OpenLoop(fleet.url, a.rate, max_tokens=a.max_tokens, timeout_s=a.timeout, watch=watch)
             stop = asyncio.Event()
-            ltask = asyncio.create_task(load.run(http, stop))
+            ltask = asyncio.create_task(load.run(stop))
             t_start = time.monotonic()
             await asyncio.sleep(a.warm)
             t_freeze = time.monotonic()

@@ -110,9 +110,14 @@ class OpenLoop:
     watch: Watch | None = None  # stamps each shot with the drop commanded when it was sent
     shots: list[Shot] = field(default_factory=list)
 
-    async def run(self, http: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event) -> None:
         """Send until ``stop`` is set, then wait for the requests in flight (each bounded by
-        ``timeout_s``)."""
+        ``timeout_s``). Its own session, with no connection limit: aiohttp's default of 100
+        would queue requests in the client and turn the open loop into a closed one."""
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            await self._send(http, stop)
+
+    async def _send(self, http: aiohttp.ClientSession, stop: asyncio.Event) -> None:
         rng = random.Random(self.seed)
         tasks: set[asyncio.Task[None]] = set()
         nxt = time.monotonic()
