@@ -102,7 +102,8 @@ async def one(mode: str, nodes: int, duration_s: float, pause_s: float) -> dict:
                 streams[r] = next((int(float(line.split()[-1])) for line in text.splitlines()
                                    if line.startswith("sentinel_lrs_streams ")), 0)
         rel = {r: None if t is None else round(t - t0, 2) for r, t in at.items()}
-        gap = None if None in at.values() else round(abs(at["cp-1"] - at["cp-2"]), 3)  # type: ignore[operator]
+        t1, t2 = at["cp-1"], at["cp-2"]
+        gap = None if t1 is None or t2 is None else round(abs(t1 - t2), 3)
         return {"mode": mode, **{f"{r}_ejected_s": v for r, v in rel.items()}, "gap_s": gap, "lrs_streams": streams}
     finally:
         envoy3.stop()

@@ -50,7 +50,7 @@ from xds_server.process.clock import Clock, LoopClock
 from xds_server.process.refusals import Refusals
 from xds_server.process.tls import add_port, listener_credentials, node_allow_authorizer
 from xds_server.xds.ads import AdsServicer
-from xds_server.xds.cache import InvalidResource, SnapshotCache
+from xds_server.xds.cache import InvalidResource, SnapshotCache, set_cla
 from xds_server.xds.classes import class_cds, class_clas
 from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL, RESOURCE_TYPES, build_cla
 
@@ -100,8 +100,8 @@ class ControlPlane:
         self.load = self.view.load_reports = LoadReportingService(  # LRS, ADS's allow-list (xds_server/load)
             lambda: self._config, monotonic=self.clock.now, authorize=self.ads.authorize, refusals=self.refusals,
             core=self.core)
-        self.shifts = self.view.shifts = ShiftService(lambda: self._config, self.core, self.cache, self.load)
         self.load.shedder.kv_usage = kv_from_sessions(self.sessions)  # lrs.shed.kv_saturated_ratio
+        self.shifts = self.view.shifts = ShiftService(lambda: self._config, self.core, self.cache, self.load)
         self.view.reload_status, self.view.discovery_status = (lambda: self.reload_status), self.discovery.status
         self.view.probe_pool = self.probe_pool  # None without workers; read by admin/metrics.py
         self._grpc: grpc.aio.Server | None = None
@@ -353,10 +353,10 @@ class ControlPlane:
     def _write(self, p: ClusterPublish) -> None:
         c = next(c for c in self.config.clusters if c.name == p.cluster)
         try:
-            self.cache.set_resource(CLA_TYPE_URL, c.name, self.shifts.eds(c, p.routing, self.load.cla_args(c.name)))
-            for name, cla in class_clas(c, self.config, lambda cc: build_cla(
-                    cc, dict(p.routing), **self.load.cla_args(cc.name))).items():  # request classes
-                self.cache.set_resource(CLA_TYPE_URL, name, cla)
+            set_cla(self.cache, c.name, self.shifts.eds(c, p.routing, self.load.cla_args(c.name)))  # drop changes apply
+            for name, cla in class_clas(c, self.config, lambda cc: self.shifts.cla(
+                    c, build_cla(cc, dict(p.routing), **self.load.cla_args(cc.name)))).items():  # request classes
+                set_cla(self.cache, name, cla)
         except InvalidResource as e:  # held back: Envoy would NACK it (checklist 1.9 item 17)
             log.error("not publishing %s: %s", c.name, e)
         else:

@@ -339,8 +339,8 @@ class ShiftService:
 
     def metric_families(self) -> Iterator[Metric]:
         """``sentinel_shift_*`` gauges per cluster with a shift."""
-        share = GaugeMetricFamily("sentinel_shift_share_percent", "share of the cluster's traffic commanded "
-                                  "to the shift's target, %", labels=["cluster"])
+        share = GaugeMetricFamily("sentinel_shift_share_ratio", "share of the cluster's traffic commanded "
+                                  "to the shift's target, 0..1", labels=["cluster"])
         phase = GaugeMetricFamily("sentinel_shift_phase", "1 for the shift's phase", labels=["cluster", "phase"])
         nxt = GaugeMetricFamily("sentinel_shift_next_decision_seconds", "seconds until the next gate decision "
                                 "(absent: none due)", labels=["cluster"])
@@ -351,7 +351,7 @@ class ShiftService:
         rb = GaugeMetricFamily("sentinel_shift_rollbacks", "steps rolled back by this shift", labels=["cluster"])
         now = self.core.clock.wall()
         for name, st in sorted(self.shifts.items()):
-            share.add_metric([name], st.share_percent)
+            share.add_metric([name], st.share_percent / 100.0)
             phase.add_metric([name, st.phase.value], 1.0)
             rb.add_metric([name], st.rollbacks)
             if (t := st.next_decision_s) is not None:

@@ -38,7 +38,7 @@ from google.protobuf.message import Message
 
 from xds_server.config import XdsConfig
 from xds_server.xds.memo import BoundedMemo, size_of_names
-from xds_server.xds.resources import RESOURCE_TYPES, type_label
+from xds_server.xds.resources import CLA_TYPE_URL, RESOURCE_TYPES, carry_drop_change, type_label
 
 __all__ = ["EMPTY_VERSION", "CachedResource", "InvalidResource", "SnapshotCache", "Validator", "content_version",
            "version_of"]
@@ -295,3 +295,11 @@ class SnapshotCache:
     def watcher_count(self) -> int:
         """Callbacks registered with :meth:`watch` (one per open ADS stream)."""
         return len(self._watchers)
+
+
+def set_cla(cache: SnapshotCache, name: str, cla: Message) -> bool:
+    """Put ``cla`` in ``cache`` under ``name`` through :func:`carry_drop_change` against the one
+    published before, so a drop change alone is applied. True when the cache changed;
+    InvalidResource as :meth:`SnapshotCache.set_resource`."""
+    prev = cache.resources(CLA_TYPE_URL).get(name)
+    return cache.set_resource(CLA_TYPE_URL, name, carry_drop_change(prev.any if prev else None, cla))
