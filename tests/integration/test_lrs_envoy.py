@@ -10,6 +10,7 @@ import re
 import grpc
 import pytest
 from envoy.service.load_stats.v3 import lrs_pb2
+from lrs_support import send_counted
 
 from xds_server.config import NodeAllowRule, parse_config
 from xds_server.server import ControlPlane
@@ -43,19 +44,7 @@ async def test_three_envoys_reports_sum_exactly_per_node(make_fleet, http):
             async with http.get(f"http://127.0.0.1:{fleet.admin_port}/clusters") as r:
                 return (await r.json())["clusters"][0]["traffic"]["envoys_reporting_cluster"] == 3
         await wait_for(listed, 10, what="every Envoy reports cluster llm")
-        gens = [LoadGenerator(u, concurrency=2, max_tokens=2)
-                for u in (fleet.url, *(e.url for e in extra))]
-        for g in gens:
-            await g.start()
-        await asyncio.sleep(1.5)
-        for g in gens:
-            await g.stop()
-        sent: dict[str, int] = {}
-        for g in gens:
-            t = g.totals()
-            assert t.failed == 0, dict(t.failures)
-            for node, n in t.ok_by_node.items():
-                sent[node] = sent.get(node, 0) + n
+        sent = await send_counted((fleet.url, *(e.url for e in extra)))
 
         async def reported() -> dict[str, int] | None:
             nodes = await fleet.cp_nodes(http)

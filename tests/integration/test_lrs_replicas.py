@@ -16,6 +16,7 @@ import grpc
 import pytest
 import yaml
 from envoy.service.load_stats.v3 import lrs_pb2
+from lrs_support import send_counted
 
 from xds_server.config import parse_config
 from xds_server.envoy.bootstrap import find_envoy, render_bootstrap, write_bootstrap
@@ -24,7 +25,6 @@ from xds_server.process.tls import ClientTls, dial
 from xds_server.server import ControlPlane
 from xds_server.testing import (
     InMemoryProbes,
-    LoadGenerator,
     ManagedProcess,
     StandaloneEnvoy,
     TestCA,
@@ -93,20 +93,7 @@ async def test_two_replicas_each_sum_every_envoy_exactly_once(make_fleet, http):
         await wait_for(listed, 20, what="both replicas hear all 3 Envoys report cluster llm")
         streams = {r: prometheus_value(await _metrics(http, a), "sentinel_lrs_streams") for r, a in admins.items()}
         assert streams["cp-1"] >= 1 and streams["cp-2"] >= 1 and sum(streams.values()) == 3, streams
-        gens = [LoadGenerator(u, concurrency=2, max_tokens=2)
-                for u in (fleet.url, envoy2.url, f"http://127.0.0.1:{port3}")]
-        for g in gens:
-            await g.start()
-        await asyncio.sleep(1.5)
-        for g in gens:
-            await g.stop()
-        sent: dict[str, int] = {}
-        for g in gens:
-            t = g.totals()
-            assert t.failed == 0, dict(t.failures)
-            assert t.ok > 0
-            for node, n in t.ok_by_node.items():
-                sent[node] = sent.get(node, 0) + n
+        sent = await send_counted((fleet.url, envoy2.url, f"http://127.0.0.1:{port3}"))
 
         async def reported(admin: str) -> dict[str, dict] | None:
             nodes = {v["id"]: v["traffic"] for v in (await _json(http, f"{admin}/nodes"))["nodes"]}
