@@ -211,7 +211,7 @@ def test_two_replicas_forwarding_hold_the_same_sums_each_report_once(reports):
         assert aggs[on].ingest(rep, now) == []
         peers[on].forward(envoy, req)
         link = peers[on].links[0]
-        fwd = decode_request(link.queue.get_nowait())
+        fwd = decode_request(link.queue.get_nowait()[1])  # (queued at, bytes)
         assert forwarded_by(fwd) == f"cp-{on + 1}" and fwd.node.id == envoy
         assert list(fwd.cluster_stats) == list(req.cluster_stats)
         other = 1 - on
