@@ -11,11 +11,11 @@ now wait in their queues, are busy, never ejected. TTFT is the benchmark's
 (benchmarks/overload_shed.py, benchmarks/RESULTS.md), not asserted here.
 
 The queue thresholds are scaled to these small engines (2 decoding: 10 waiting is about a second
-of wait), and ``lrs.shed`` enters with a larger share than its defaults: LRS counts a stream as
-completed when its response headers come back, which an engine sends before the request waits
-in its queue, so the completion rate cannot show the excess and the entry drop is the headroom
-(RESULTS.md, "Half the capacity frozen"). ``lift_after_s`` 10 keeps the drop from lifting within
-the measured 5 s, so the share is compared with one commanded value.
+of wait) and ``lrs.shed`` keeps half the measured completion rate free (``headroom_ratio`` 0.5,
+10 % steps); the relative trigger (``queue_wait_budget_s``, 0.5 s) is on as by default, so the
+drop starts from the longest expected wait and follows the completions measured where the queue
+is (LRS issued minus the growth of the engines' in-flight requests). ``lift_after_s`` 10 keeps the
+drop from easing within the measured 5 s, so the share is compared with one commanded value.
 """
 from __future__ import annotations
 

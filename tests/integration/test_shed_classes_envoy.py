@@ -96,6 +96,7 @@ def class_envoy(tmp_path):
 async def test_sheddable_class_is_shed_first_while_standard_and_critical_pass(make_fleet, http, class_envoy):
     fleet = make_fleet(n_nodes=2, health=FAST, config_options={"lrs": {"shed": {
         "enabled": True, "window_s": 2.0, "headroom_ratio": 0.2, "lift_after_s": 30.0,
+        "queue_wait_budget_s": None,  # the seed's thresholds: the sim's fake queue never shortens
         "classes": {"enabled": True}}}})
     await fleet.wait_all_routed(http)
     url = class_envoy(fleet.xds_port)

@@ -49,9 +49,10 @@ async def test_dropped_requests_get_429_with_retry_after_and_no_upstream_stays_5
 async def test_queues_over_warning_shed_the_excess_and_lift_with_hysteresis(make_fleet, http):
     # both nodes report 70 waiting (> queue_warning 50): shedding starts at the next load report,
     # the headroom kept free (10 %, at least one 5 % step), then held; it is lifted once the queues stay
-    # low for lift_after_s. Envoy drops the commanded share (429 + Retry-After).
+    # low for lift_after_s. Envoy drops the commanded share (429 + Retry-After). The seed's thresholds
+    # alone (queue_wait_budget_s null): the 70 are the sim's fake queue, which no drop shortens.
     fleet = make_fleet(n_nodes=2, health=FAST, config_options={"lrs": {"shed": {
-        "enabled": True, "lift_after_s": 1.0, "window_s": 2.0}}})
+        "enabled": True, "lift_after_s": 1.0, "window_s": 2.0, "queue_wait_budget_s": None}}})
     await fleet.wait_all_routed(http)
     load = LoadGenerator(fleet.url, concurrency=2, max_tokens=1)
     await load.start()

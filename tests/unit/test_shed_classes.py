@@ -170,7 +170,8 @@ def test_shedder_spreads_the_drop_over_the_classes_and_flips_each_changed_assign
     cfg = _config(enabled=True)
     cfg = cfg.model_copy(update={"lrs": cfg.lrs.model_copy(update={"shed": cfg.lrs.shed.model_copy(
         update={"window_s": 2.0})})})
-    node = SimpleNamespace(heartbeat=SimpleNamespace(last_s=9.9), engine=SimpleNamespace(requests_waiting=70.0))
+    node = SimpleNamespace(heartbeat=SimpleNamespace(last_s=9.9), engine=SimpleNamespace(requests_waiting=70.0,
+                                                                                requests_running=None))
     dirty: list[str] = []
     core = SimpleNamespace(routing={"gpu-a": SimpleNamespace(health_status="HEALTHY")}, health={"gpu-a": node},
                            mark_dirty=dirty.append)
@@ -225,3 +226,40 @@ def test_envoy_bootstrap_command_routes_the_classes_of_a_config(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "xds_server.cli", "envoy-bootstrap", "--classes", str(tmp_path / "no")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--classes" in bad.stderr
+
+
+def test_shedder_measures_completions_where_the_queue_is_not_at_envoys_headers():
+    # LRS says every request completed (headers came back); the engines' own in-flight count grows
+    # by 4 per s, so they complete 20 - 4 = 16 of the 20 rps sent: the entry drop follows 16, not 20
+    from types import SimpleNamespace
+
+    from xds_server.load.shedding import Shedder
+    cfg = _config(enabled=True)
+    cfg = cfg.model_copy(update={"lrs": cfg.lrs.model_copy(update={"shed": cfg.lrs.shed.model_copy(
+        update={"window_s": 2.0})})})
+    engines = {n: SimpleNamespace(requests_waiting=0.0, requests_running=2.0) for n in ("gpu-a", "gpu-b")}
+    core = SimpleNamespace(routing={n: SimpleNamespace(health_status="HEALTHY") for n in engines},
+                           health={n: SimpleNamespace(heartbeat=SimpleNamespace(last_s=0.0), engine=e)
+                                   for n, e in engines.items()}, mark_dirty=lambda _c: None)
+    addrs = {("127.0.0.1", 9001): "gpu-a", ("127.0.0.1", 9002): "gpu-b"}
+    agg = LoadAggregator({"llm": addrs}, interval_s=1.0, min_gap_s=0.0)
+    s = Shedder()
+    for k in range(8):  # 10 rps to each node; from k=2 on both complete 8: each queue grows by 2 per s
+        now = 10.5 + k  # evaluated at each report, as the service does
+        c = Counts(10, 10, 0, 0)
+        loc = LocalityReport(("", "", ""), 0, Counts(20, 20, 0, 0),
+                             (EndpointReport("127.0.0.1", 9001, c), EndpointReport("127.0.0.1", 9002, c)))
+        agg.ingest(Report("envoy-1", 1, (ClusterReport("llm", 1.0, (loc,)),)), now)
+        for n, e in engines.items():
+            e.requests_waiting = 2.0 * max(0, k - 2)
+            core.health[n].heartbeat.last_s = now - 0.1
+        s.step(cfg, core, agg, "llm", list(engines), now)
+        if s.shed["llm"].percent > 0:
+            break
+    st_ = s.shed["llm"]
+    # k=4: 4 waiting at 8 rps each = 0.5 s (not over the budget), k=5: 6 / 8 = 0.75 s
+    assert k == 5 and st_.percent == 30.0, st_.reason  # 1 - 16 x 0.9 / 20 = 28 % -> 30
+    assert "completed 16.0 rps" in st_.reason and "queue waits ~0.75 s (6 waiting)" in st_.reason
+    engines["gpu-b"].requests_running = None  # unknown in-flight: back to LRS's completions for the rate
+    s.step(cfg, core, agg, "llm", list(engines), now + 0.1)
+    assert "completed 20.0 rps" in s.shed["llm"].reason

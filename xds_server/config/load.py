@@ -154,6 +154,16 @@ class ShedConfig(_Model):
         "preempts running requests when its KV cache is full (vllm:kv_cache_usage_perc 1.0, "
         "vllm:num_preemptions grows); 0.95 leaves a step of headroom before that. The Gateway API "
         "Inference Extension's saturation detector uses 0.8. A node without KV telemetry adds nothing")
+    queue_wait_budget_s: float | None = Field(
+        0.5, gt=0, le=60,
+        description="the relative trigger: shed when a routable node's expected queue wait (its waiting "
+        "over its share of the cluster's measured completion rate, s) exceeds this, with at least "
+        "min_waiting waiting; while over it and the queues do not shrink, the drop follows the measured "
+        "excess. null: only the seed's absolute thresholds (health.queue_warning, queue_critical). Ours: "
+        "0.5 s of wait keeps the admitted TTFT near the unloaded one (benchmarks/RESULTS.md, issue 22)")
+    min_waiting: float = Field(
+        2.0, ge=0, description="the relative trigger needs at least this many waiting on the node (noise of one "
+        "request arriving just before a slot frees is no overload)")
     classes: ShedClassesConfig = ShedClassesConfig()
 
 

@@ -9,18 +9,29 @@ short and tells the shed clients to come back (429 + Retry-After).
 
 - **fail open**: no routable node, a routable node's queue telemetry missing or older than
   ``stale_after_s``, or no Envoy reporting load -> no drop (stale data never sheds);
-- **start** when the routable nodes' mean waiting exceeds ``queue_warning``, a node whose KV-cache
-  usage is above ``kv_saturated_ratio`` counting as ``queue_warning + 1`` waiting (saturated like a
-  queue over the warning; a node without KV telemetry adds nothing: the KV input fails open too);
-  **stay** while it
-  is above ``off_ratio`` x ``queue_warning``; **lift** once it stayed at or below that for
-  ``lift_after_s`` (hysteresis: no flapping around one threshold);
-- on entry the drop is the excess of the offered load (issued + already dropped, per s) over what
-  the routable nodes complete (per s), keeping ``headroom_ratio`` of it free so queues drain:
-  ``1 - completed x (1 - headroom) / offered``, at least one step; then one more step per
-  evaluation while the mean waiting is above ``queue_critical``, held otherwise (once shedding,
-  completions track what is let in, so the formula would only ratchet up); ``step_percent``
-  steps, at most ``max_percent``.
+- the completion rate ``C`` of the routable nodes (per s) is measured where the queue is: what
+  Envoy sent them (LRS issued, ``admitted_rps``) minus the growth of their in-flight requests
+  (waiting + running from the agents, ``growth_rps``), so a stream counts when it leaves the
+  engine, not when its headers come back (LRS alone counts it then: ``completed_rps`` is the
+  fallback when either input is missing, and the measure with ``queue_wait_budget_s`` null);
+- **start** on either trigger: the seed's, the routable nodes' mean waiting over
+  ``queue_warning`` (a node whose KV-cache usage is above ``kv_saturated_ratio`` counting as
+  ``queue_warning + 1`` waiting; a node without KV telemetry adds nothing: the KV input fails
+  open too); or the relative one, some node's expected queue wait, its waiting over its share of
+  ``C`` (``C / n``), above ``queue_wait_budget_s`` with at least ``min_waiting`` waiting (the
+  node with the longest queue decides, not the mean);
+- the drop is the excess of the offered load (issued + already dropped, per s) over ``C``,
+  keeping ``headroom_ratio`` of it free so queues drain: ``1 - C x (1 - headroom) / offered``, at
+  least one step. It is taken on entry, and again (at least one step more) while the pressure
+  stays (a wait over the budget, or a mean over ``queue_critical``) and the in-flight requests
+  still grow; under pressure with queues shrinking, and between the low and the high marks, it
+  is held (once shedding, a static queue means the completions track what is let in, so the
+  formula alone would only ratchet up);
+- **ease** once every queue stayed low (mean at or below ``off_ratio`` x ``queue_warning`` and
+  every wait at or below ``off_ratio`` x the budget) for ``lift_after_s``: one step down per
+  evaluation while they stay low, **lifted** at 0 (hysteresis: no flapping around a threshold,
+  and an over-estimated drop gives capacity back step by step); ``step_percent`` steps, at most
+  ``max_percent``.
 
 ``flip`` changes with every change of the drop: Envoy 1.40 applies a drop change only with a
 host-set rebuild (docs/xds_protocol.md 2.5), so the assignment carries it as a one-point change
@@ -36,16 +47,22 @@ from xds_server.config import ShedConfig
 
 __all__ = ["ShedInputs", "ShedState", "shed_step"]
 
+# Easing is held while the eased drop would let in more than the measured capacity, for at most
+# this many lift_after_s (then eased anyway: a capacity measured long ago may be stale). Ours.
+_TRUST_CAPACITY_LIFTS = 4
+
 
 @dataclass(frozen=True, slots=True)
 class ShedState:
     """``percent``: the drop published (0..100); ``low_since_s``: since when queues are low
-    while shedding (s); ``reason``: why, for the views."""
+    while shedding (s); ``reason``: why, for the views; ``capacity_rps``: completions per s per
+    routable node, last measured while their queues stood above the low mark (None: not yet)."""
 
     percent: float = 0.0
     flip: bool = False
     low_since_s: float | None = None
     reason: str = ""
+    capacity_rps: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +70,10 @@ class ShedInputs:
     """``waiting``: each routable node's waiting requests (None: unknown); ``telemetry_age_s``:
     the age of each one's last heartbeat (s; None: never); ``offered_rps`` and ``completed_rps``:
     the cluster's real traffic over the window (LRS); ``reporters``: Envoys reporting;
-    ``kv_usage``: each routable node's KV-cache usage (0..1; None or absent: unknown)."""
+    ``kv_usage``: each routable node's KV-cache usage (0..1; None or absent: unknown);
+    ``admitted_rps``: LRS issued to the routable nodes over the window (per s) and ``growth_rps``:
+    the growth of their in-flight requests over it (per s; None: unknown); ``node_ids``: their
+    names, for the reason."""
 
     waiting: Sequence[float | None]
     telemetry_age_s: Sequence[float | None]
@@ -61,11 +81,36 @@ class ShedInputs:
     completed_rps: float
     reporters: int
     kv_usage: Sequence[float | None] = ()
+    admitted_rps: float | None = None
+    growth_rps: float | None = None
+    node_ids: Sequence[str] = ()
 
 
-def _set(state: ShedState, percent: float, reason: str, low_since_s: float | None = None) -> ShedState:
+def _set(state: ShedState, percent: float, reason: str, low_since_s: float | None = None,
+         capacity_rps: float | None = None) -> ShedState:
     flip = state.flip if percent == state.percent else not state.flip
-    return ShedState(percent, flip, low_since_s, reason)
+    return ShedState(percent, flip, low_since_s, reason, capacity_rps if percent > 0 else None)
+
+
+def _completions(inp: ShedInputs, cfg: ShedConfig) -> float:
+    """The routable nodes' completion rate (per s, see the module docstring; with the relative
+    trigger off, LRS's alone: the seed's thresholds as they were first built)."""
+    if inp.admitted_rps is not None and inp.growth_rps is not None and cfg.queue_wait_budget_s is not None:
+        return max(0.0, inp.admitted_rps - inp.growth_rps)
+    return inp.completed_rps
+
+
+def _longest_wait(known: list[float], completions: float, cfg: ShedConfig) -> tuple[int, float] | None:
+    """(index, expected wait in s) of the node whose queue waits longest among those with at least
+    ``min_waiting`` waiting; None when none has (inf: nothing completes)."""
+    share = completions / len(known)
+    best: tuple[int, float] | None = None
+    for i, w in enumerate(known):
+        if w >= max(cfg.min_waiting, 1e-9):
+            wait = w / share if share > 0 else math.inf
+            if best is None or wait > best[1]:
+                best = (i, wait)
+    return best
 
 
 def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning: float, queue_critical: float,
@@ -86,26 +131,58 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
     full = {i for i, u in enumerate(kv) if u is not None and u > cfg.kv_saturated_ratio}  # NaN: not full
     mean = sum(max(w, queue_warning + 1) if i in full else w for i, w in enumerate(known)) / len(known)
     kv_note = f" ({len(full)} node(s) with KV usage > {cfg.kv_saturated_ratio:g})" if full else ""
-    low = queue_warning * cfg.off_ratio
-    if state.percent <= 0 and mean <= queue_warning:
+    completions = _completions(inp, cfg)
+    budget = cfg.queue_wait_budget_s
+    longest = None if budget is None else _longest_wait(known, completions, cfg)
+    wait = 0.0 if longest is None else longest[1]
+    over_budget = budget is not None and wait > budget
+    queued = budget is not None and wait > budget * cfg.off_ratio  # above the low mark
+    if state.percent <= 0 and mean <= queue_warning and not over_budget:
         return _set(state, 0.0, "")
-    if mean <= low:
+    cap = state.capacity_rps
+    if over_budget and completions > 0:  # saturated over the window: completions are what they can do
+        cap = completions / len(known)
+    step = cfg.step_percent
+    keep = 1.0 - cfg.headroom_ratio
+    if mean <= queue_warning * cfg.off_ratio and not queued:
         since = state.low_since_s if state.low_since_s is not None else now_s
         if now_s - since >= cfg.lift_after_s:
-            return _set(state, 0.0, f"lifted: mean waiting {mean:.0f} <= {low:g} for {cfg.lift_after_s:g} s")
+            eased = max(0.0, min(state.percent, cfg.max_percent) - step)
+            let_in = inp.offered_rps * (1.0 - eased / 100.0)
+            if (cap is not None and let_in > cap * len(known) * keep
+                    and now_s - since < cfg.lift_after_s * _TRUST_CAPACITY_LIFTS):
+                return _set(state, state.percent, f"holding {state.percent:g} %: {eased:g} % would let in "
+                            f"{let_in:.1f} rps, over the {cap * len(known) * keep:.1f} rps the routable nodes "
+                            f"were measured to complete (less headroom)", since, cap)
+            if eased <= 0:
+                return _set(state, 0.0, f"lifted: queues low (mean waiting {mean:.0f}) for {cfg.lift_after_s:g} s")
+            return _set(state, eased, f"easing to {eased:g} %: queues low (mean waiting {mean:.0f}, longest "
+                                      f"wait {wait:.2f} s) for {now_s - since:.1f} s", since, cap)
         if state.percent > cfg.max_percent:  # a reload lowered max_percent
-            return _set(state, cfg.max_percent, state.reason, since)
-        return replace(state, low_since_s=since)
-    step = cfg.step_percent
-    if state.percent <= 0:  # entry: the measured excess (completions are capacity when saturated)
-        excess = 0.0
-        if inp.offered_rps > 0:
-            excess = max(0.0, 1.0 - inp.completed_rps * (1.0 - cfg.headroom_ratio) / inp.offered_rps) * 100.0
-        target = max(step, math.ceil(excess / step - 1e-9) * step)
-    elif mean > queue_critical:  # still too much reaches the nodes: one more step
-        target = state.percent + step
-    else:  # queues between off_ratio x warning and critical: hold (completions now track what is let in)
-        target = state.percent
+            return _set(state, cfg.max_percent, state.reason, since, cap)
+        return replace(state, low_since_s=since, capacity_rps=cap)
+    excess = 0.0
+    if inp.offered_rps > 0:
+        excess = max(0.0, 1.0 - completions * keep / inp.offered_rps) * 100.0
+    measured = math.ceil(excess / step - 1e-9) * step
+    growing = (inp.growth_rps or 0.0) > 0
+    if state.percent <= 0:  # entry: the measured excess
+        target, verb = max(step, measured), "shedding"
+    elif mean > queue_critical or (over_budget and growing):
+        target, verb = max(state.percent + step, measured), "shedding"  # still too much reaches the nodes
+    elif queued and growing:  # a queue building under the budget: one step, the rate is not capacity yet
+        target, verb = state.percent + step, "shedding"
+    else:  # shrinking, or between the marks: hold
+        target, verb = state.percent, "holding"
     target = min(cfg.max_percent, target)
-    return _set(state, target, f"shedding {target:g} %: mean waiting {mean:.0f}{kv_note} > {queue_warning:g}; "
-                               f"offered {inp.offered_rps:.1f} rps, completed {inp.completed_rps:.1f} rps")
+    if queued and longest is not None:
+        i = longest[0]
+        who = inp.node_ids[i] if i < len(inp.node_ids) else f"node {i}"
+        mark = budget if over_budget else (budget or 0.0) * cfg.off_ratio
+        why = (f"{who}'s queue waits ~{wait:.2f} s ({known[i]:.0f} waiting) > {mark:g} s"
+               f"{', growing' if growing else ''}; mean waiting {mean:.0f}{kv_note}")
+    else:
+        rel = ">" if mean > queue_warning else "<="
+        why = f"mean waiting {mean:.0f}{kv_note} {rel} {queue_warning:g}"
+    return _set(state, target, f"{verb} {target:g} %: {why}; offered {inp.offered_rps:.1f} rps, "
+                               f"completed {completions:.1f} rps", None, cap)

@@ -11,6 +11,7 @@ its class clusters' assignments too (:func:`~xds_server.xds.resources.build_cla`
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -44,6 +45,20 @@ class Shedder:
         self.shed: dict[str, ShedState] = {}
         self.classes: dict[str, ShedState] = {}
         self.kv_usage: Callable[[str], float | None] = lambda _node_id: None
+        self._inflight: dict[str, deque[tuple[float, float]]] = {}  # node -> (s, waiting + running) samples
+
+    def _growth(self, node_id: str, inflight: float | None, now: float, window_s: float) -> float | None:
+        """How fast the node's in-flight count grew over the last ``window_s`` (per s, from its
+        samples at each evaluation; None: unknown or under a quarter of the window seen)."""
+        q = self._inflight.setdefault(node_id, deque())
+        if inflight is None:
+            q.clear()
+            return None
+        q.append((now, inflight))
+        while len(q) > 1 and q[1][0] <= now - window_s:
+            q.popleft()
+        t0, v0 = q[0]
+        return None if now - t0 < window_s / 4 else (inflight - v0) / (now - t0)
 
     def step(self, cfg: SentinelConfig, core: ControlCore, agg: LoadAggregator, cluster: str,
              node_ids: list[str], now: float) -> None:
@@ -53,9 +68,22 @@ class Shedder:
         health = core.health
         ages = [None if (at := health[i].heartbeat.last_s) is None else now - at for i in routable]
         t = agg.cluster(cluster, now, sc.window_s)
+        grown: list[float | None] = []
+        admitted = 0
+        for i in routable:
+            e = health[i].engine
+            known = e.requests_waiting is not None and e.requests_running is not None
+            grown.append(self._growth(i, (e.requests_waiting or 0.0) + (e.requests_running or 0.0) if known else None,
+                                      now, sc.window_s))
+            admitted += agg.node(cluster, i, now, sc.window_s).issued
+        for i in set(node_ids) - set(routable):  # back in: its history starts afresh
+            self._inflight.pop(i, None)
+        for i in [i for i, q in self._inflight.items() if q and now - q[-1][0] > 10 * sc.window_s]:
+            del self._inflight[i]  # a node no longer configured
+        growth = None if any(g is None for g in grown) else sum(g for g in grown if g is not None)
         inp = ShedInputs([health[i].engine.requests_waiting for i in routable], ages,
                          (t.issued + t.dropped) / sc.window_s, t.completed / sc.window_s, t.reporters,
-                         [self.kv_usage(i) for i in routable])
+                         [self.kv_usage(i) for i in routable], admitted / sc.window_s, growth, routable)
         before = self.shed.get(cluster, ShedState())
         after = shed_step(before, inp, sc, hc.queue_warning, hc.queue_critical, now)
         self.shed[cluster] = after
