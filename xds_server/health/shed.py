@@ -56,7 +56,8 @@ _TRUST_CAPACITY_LIFTS = 4
 class ShedState:
     """``percent``: the drop published (0..100); ``low_since_s``: since when queues are low
     while shedding (s); ``reason``: why, for the views; ``capacity_rps``: completions per s per
-    routable node, last measured while their queues stood above the low mark (None: not yet)."""
+    routable node, the most measured while a queue stood over the budget since shedding began
+    (None: not yet; a window saturated only in part reads low, so the most is kept)."""
 
     percent: float = 0.0
     flip: bool = False
@@ -140,8 +141,8 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
     if state.percent <= 0 and mean <= queue_warning and not over_budget:
         return _set(state, 0.0, "")
     cap = state.capacity_rps
-    if over_budget and completions > 0:  # saturated over the window: completions are what they can do
-        cap = completions / len(known)
+    if over_budget and completions > 0:  # saturated: completions are what they can do, at least
+        cap = max(cap or 0.0, completions / len(known))
     step = cfg.step_percent
     keep = 1.0 - cfg.headroom_ratio
     if mean <= queue_warning * cfg.off_ratio and not queued:
@@ -163,7 +164,8 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
         return replace(state, low_since_s=since, capacity_rps=cap)
     excess = 0.0
     if inp.offered_rps > 0:
-        excess = max(0.0, 1.0 - completions * keep / inp.offered_rps) * 100.0
+        able = max(completions, (cap or 0.0) * len(known))  # a window saturated only in part reads low
+        excess = max(0.0, 1.0 - able * keep / inp.offered_rps) * 100.0
     measured = math.ceil(excess / step - 1e-9) * step
     growing = (inp.growth_rps or 0.0) > 0
     if state.percent <= 0:  # entry: the measured excess
