@@ -11,8 +11,7 @@ now wait in their queues, are busy, never ejected. TTFT is the benchmark's
 (benchmarks/overload_shed.py, benchmarks/RESULTS.md), not asserted here.
 
 The queue thresholds are scaled to these small engines (2 decoding: 10 waiting is about a second
-of wait) and ``lrs.shed`` keeps half the measured completion rate free (``headroom_ratio`` 0.5,
-10 % steps); the relative trigger (``queue_wait_budget_s``, 0.5 s) is on as by default, so the
+of wait) and ``lrs.shed`` moves in 10 % steps (the default headroom, 10 %); the relative trigger (``queue_wait_budget_s``, 0.5 s) is on as by default, so the
 drop starts from the longest expected wait and follows the completions measured where the queue
 is (LRS issued minus the growth of the engines' in-flight requests). ``lift_after_s`` 10 keeps the
 drop from easing within the measured 5 s, so the share is compared with one commanded value.
@@ -32,7 +31,7 @@ pytestmark = pytest.mark.envoy
 
 HEALTH = {"probation_clean_s": 60.0, "ramp_step_percent": 25, "ramp_step_s": 0.25,
           "queue_warning": 10, "queue_critical": 20}
-SHED = {"enabled": True, "headroom_ratio": 0.5, "step_percent": 10, "window_s": 2.0, "lift_after_s": 10.0}
+SHED = {"enabled": True, "step_percent": 10, "window_s": 2.0, "lift_after_s": 10.0}
 RATE_RPS = 27.0  # two engines complete ~18 rps (2 x 2 slots / ~0.22 s); four ~36
 
 
@@ -55,9 +54,9 @@ async def test_half_frozen_under_open_loop_load_survivors_stay_under_critical_an
             return watch.commanded > 0
 
         await wait_for(shedding, 12, what="shedding started after half the cluster froze")
-        # The queues built before the first drop take a moment to drain (the shed starts on the
-        # survivors' mean waiting over queue_warning, and one survivor may hold twice the other's:
-        # its peak is printed, RESULTS.md has it); asserted from 2 s after the first drop on.
+        # The queues built before the first drop take a moment to drain (the drop starts on the
+        # longest expected wait, and grows while queues grow: the peak before is printed, RESULTS.md
+        # has it); asserted from 2 s after the first drop on.
         t_first = time.monotonic()
         await asyncio.sleep(2.0)
         t0 = time.monotonic()
@@ -83,7 +82,9 @@ async def test_half_frozen_under_open_loop_load_survivors_stay_under_critical_an
     # benchmark's 30 s phase has the sample for the 5 points themselves)
     p = s["commanded"] / 100.0
     assert abs(s["shed_share"] - s["commanded"]) <= max(5.0, 300.0 * math.sqrt(p * (1 - p) / s["n"]))
-    assert s["status"]["200"] >= 40
+    # admitted while shedding: the drop stayed under its 90 % maximum (in this 5 s window it is 40-75 %:
+    # the queues built before the first drop are drained first; the benchmark's 40 s show the level)
+    assert s["status"]["200"] >= 20
     shed = [x for x in load.between(t0, t1) if x.status == 429]
     assert {x.retry_after for x in shed} == {"3"}
     # a survivor's probe waits in its queue like any request: busy, never ejected

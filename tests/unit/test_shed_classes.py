@@ -171,7 +171,7 @@ def test_shedder_spreads_the_drop_over_the_classes_and_flips_each_changed_assign
     cfg = cfg.model_copy(update={"lrs": cfg.lrs.model_copy(update={"shed": cfg.lrs.shed.model_copy(
         update={"window_s": 2.0})})})
     node = SimpleNamespace(heartbeat=SimpleNamespace(last_s=9.9), engine=SimpleNamespace(requests_waiting=70.0,
-                                                                                requests_running=None))
+                                                                                requests_running=None, stalled=False))
     dirty: list[str] = []
     core = SimpleNamespace(routing={"gpu-a": SimpleNamespace(health_status="HEALTHY")}, health={"gpu-a": node},
                            mark_dirty=dirty.append)
@@ -237,7 +237,8 @@ def test_shedder_measures_completions_where_the_queue_is_not_at_envoys_headers()
     cfg = _config(enabled=True)
     cfg = cfg.model_copy(update={"lrs": cfg.lrs.model_copy(update={"shed": cfg.lrs.shed.model_copy(
         update={"window_s": 2.0})})})
-    engines = {n: SimpleNamespace(requests_waiting=0.0, requests_running=2.0) for n in ("gpu-a", "gpu-b")}
+    engines = {n: SimpleNamespace(requests_waiting=0.0, requests_running=2.0, stalled=False)
+               for n in ("gpu-a", "gpu-b")}
     core = SimpleNamespace(routing={n: SimpleNamespace(health_status="HEALTHY") for n in engines},
                            health={n: SimpleNamespace(heartbeat=SimpleNamespace(last_s=0.0), engine=e)
                                    for n, e in engines.items()}, mark_dirty=lambda _c: None)
@@ -263,3 +264,7 @@ def test_shedder_measures_completions_where_the_queue_is_not_at_envoys_headers()
     engines["gpu-b"].requests_running = None  # unknown in-flight: back to LRS's completions for the rate
     s.step(cfg, core, agg, "llm", list(engines), now + 0.1)
     assert "completed 20.0 rps" in s.shed["llm"].reason
+    engines["gpu-b"].requests_running = 2.0
+    engines["gpu-a"].stalled, engines["gpu-a"].requests_waiting = True, 500.0  # being ejected: no overload
+    s.step(cfg, core, agg, "llm", list(engines), now + 0.2)
+    assert "gpu-a" not in s.shed["llm"].reason and "mean waiting 6;" in s.shed["llm"].reason  # gpu-b alone

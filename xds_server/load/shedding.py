@@ -64,8 +64,10 @@ class Shedder:
              node_ids: list[str], now: float) -> None:
         """One evaluation of ``cluster`` at ``now`` (monotonic s); marks it dirty when a drop changed."""
         sc, hc = cfg.lrs.shed, cfg.health
-        routable = [i for i in node_ids if (r := core.routing.get(i)) is not None and r.health_status == "HEALTHY"]
         health = core.health
+        # a node whose engine stalled (running, no progress) is being ejected: its queue is no overload
+        routable = [i for i in node_ids if (r := core.routing.get(i)) is not None and r.health_status == "HEALTHY"
+                    and not health[i].engine.stalled]
         ages = [None if (at := health[i].heartbeat.last_s) is None else now - at for i in routable]
         t = agg.cluster(cluster, now, sc.window_s)
         grown: list[float | None] = []
