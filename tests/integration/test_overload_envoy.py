@@ -11,10 +11,11 @@ now wait in their queues, are busy, never ejected. TTFT is the benchmark's
 (benchmarks/overload_shed.py, benchmarks/RESULTS.md), not asserted here.
 
 The queue thresholds are scaled to these small engines (2 decoding: 10 waiting is about a second
-of wait) and ``lrs.shed`` moves in 10 % steps (the default headroom, 10 %); the relative trigger (``queue_wait_budget_s``, 0.5 s) is on as by default, so the
-drop starts from the longest expected wait and follows the completions measured where the queue
-is (LRS issued minus the growth of the engines' in-flight requests). ``lift_after_s`` 10 keeps the
-drop from easing within the measured 5 s, so the share is compared with one commanded value.
+of wait) and ``lrs.shed`` moves in 10 % steps with the default headroom (10 %); the relative
+trigger (``queue_wait_budget_s``, 0.5 s) is on as by default, so the drop starts from the longest
+expected wait and follows the completions measured where the queue is (LRS issued minus the
+growth of the engines' in-flight requests). ``lift_after_s`` 10 keeps the drop from easing within
+the measured 5 s, so the share is compared with one commanded value.
 """
 from __future__ import annotations
 
