@@ -187,11 +187,11 @@ class ControlPlane:
         """Stop probe sources, timers, the ADS server and the admin server."""
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):  # stopping anyway
-                pass
+        done, stuck = await asyncio.wait(self._tasks, timeout=5.0) if self._tasks else (set(), set())
+        for t in done:  # stopping anyway: their errors are read so none is reported as never retrieved
+            _ = t.cancelled() or t.exception()
+        for t in stuck:
+            log.error("stopping: task %s did not end within 5 s of its cancel", t.get_name())
         self._tasks.clear()
         await self.discovery.stop()
         if self._opened:

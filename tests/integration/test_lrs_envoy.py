@@ -90,7 +90,7 @@ def _cfg(**lrs):
 
 
 async def _first(call) -> lrs_pb2.LoadStatsResponse:
-    raw = await call.read()
+    raw = await asyncio.wait_for(call.read(), 10)
     return lrs_pb2.LoadStatsResponse.FromString(raw)
 
 
@@ -109,7 +109,7 @@ async def test_lrs_edges_refused_per_protocol_and_counted():
             call = method()
             await call.write(hello.SerializeToString())
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await call.read()
+                await asyncio.wait_for(call.read(), 10)
             assert e.value.code() is grpc.StatusCode.PERMISSION_DENIED
         assert cp.load.aggregator.problems["not_allowed"] == 1
         assert cp.refusals.counts[("xds", "node_allow")] == 1
@@ -134,7 +134,7 @@ async def test_lrs_edges_refused_per_protocol_and_counted():
             c = method()  # beyond lrs.max_streams
             await c.write(hello.SerializeToString())
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await c.read()
+                await asyncio.wait_for(c.read(), 10)
             assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
             # a report for an unknown cluster and an absurd one: counted, stream kept, nothing applied
             bad = lrs_pb2.LoadStatsRequest()
@@ -151,7 +151,7 @@ async def test_lrs_edges_refused_per_protocol_and_counted():
             assert cp.load.aggregator.totals == {}
             await a.write(b"\xff\xff\xff")  # undecodable: the stream ends INVALID_ARGUMENT
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await a.read()
+                await asyncio.wait_for(a.read(), 10)
             assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             await wait_for(lambda: len(cp.load.streams) == 1, 5, what="the ended stream freed its slot")
             b.cancel()

@@ -151,7 +151,7 @@ async def _refused(port: int, hello: bytes) -> grpc.StatusCode:
         call = ch.stream_stream(LRS_METHOD)()
         await call.write(hello)
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await call.read()
+            await asyncio.wait_for(call.read(), 10)
         return e.value.code()
 
 
@@ -170,11 +170,12 @@ async def test_peer_edges_refused_counted_and_never_forwarded_twice():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{p1}") as ch:
             envoy = ch.stream_stream(LRS_METHOD)()
             await envoy.write(_report(0, "envoy-1"))
-            await envoy.read()
+            await asyncio.wait_for(envoy.read(), 10)
             # cp-2 is down: reports wait in the bounded queue (2), the rest are dropped and counted
             for n in (1, 2, 3):
                 await envoy.write(_report(n))
-            await wait_for(lambda: a.load.aggregator.totals[("llm", "gpu-a")].issued == 6, 5, what="cp-1 applied 6")
+            await wait_for(lambda: getattr(a.load.aggregator.totals.get(("llm", "gpu-a")), "issued", 0) == 6, 5,
+                           what="cp-1 applied 6")
             link = a.load.peers.links[0]
             assert link.dropped["queue_full"] == 1 and link.queue.qsize() == 2 and not link.up
             b = ControlPlane(_cfg(p2, "cp-2", [f"127.0.0.1:{p1}"]), probe_sources=InMemoryProbes())
@@ -244,7 +245,7 @@ async def test_peers_over_mtls_are_allowed_by_their_client_certificate(tmp_path)
         async with dial(f"127.0.0.1:{p1}", tls=ClientTls(ca.cert, envoy.cert, envoy.key)) as ch:
             call = ch.stream_stream(LRS_METHOD)()
             await call.write(_report(0, "envoy-1"))
-            await call.read()
+            await asyncio.wait_for(call.read(), 10)
             await call.write(_report(5))
             await wait_for(lambda: ("llm", "gpu-a") in b.load.aggregator.totals, 5, what="cp-2 got the report")
             assert b.load.aggregator.totals[("llm", "gpu-a")] == a.load.aggregator.totals[("llm", "gpu-a")]

@@ -26,7 +26,6 @@ from 0.1 s to ``lrs.peer_backoff_max_s`` with jitter.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -152,10 +151,8 @@ class PeerLink:
                 while True:
                     get = asyncio.ensure_future(self.queue.get())
                     await asyncio.wait({get, ended}, return_when=asyncio.FIRST_COMPLETED)
-                    if not get.done():
+                    if not get.done():  # not awaited: a stop's cancel arriving there would be swallowed
                         get.cancel()
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await get
                     if ended.done():
                         if get.done() and not get.cancelled():
                             self.dropped["send_failed"] += 1
