@@ -10,22 +10,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from xds_server.testing import free_port
+
 REAL_VLLM = Path(__file__).resolve().parents[2] / "scripts" / "real_vllm"
 WORK = Path(os.environ.get("SENTINEL_REAL_VLLM_DIR", "/tmp/sentinel-real-vllm"))
 RESULTS = os.environ.get("SENTINEL_REAL_VLLM_RESULTS")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def record(name: str, **values: Any) -> None:

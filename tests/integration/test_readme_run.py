@@ -41,18 +41,23 @@ def test_readme_run_block_runs_as_written(tmp_path):
         script = re.sub(rf"\b{port}\b", str(free_port()), script)
     script = script.replace('export PATH="$PWD/.venv/bin:$PATH"', f'export PATH="{Path(sys.executable).parent}:$PATH"')
     (tmp_path / "run.sh").write_text("set -e\n" + script + "\nwait\n")
-    p = subprocess.Popen(["bash", "run.sh"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        out, _ = p.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        out = b"(timed out)"
-    finally:
+    # Output goes to a file, not a pipe: background processes left by a failed step would hold a
+    # pipe open, and a wait for its end would hide the step's own exit status and message.
+    log = tmp_path / "run.log"
+    with log.open("wb") as out_file:
+        p = subprocess.Popen(["bash", "-x", "run.sh"], cwd=tmp_path, stdout=out_file, stderr=subprocess.STDOUT,
+                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            p.wait(timeout=120)
+        except subprocess.TimeoutExpired:
             pass
-        p.wait()
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    out = log.read_bytes()
     text = out.decode("utf-8", "replace")
     assert p.returncode == 0, text[-4000:]
     assert "xds.yaml: OK (1 cluster(s), 1 node(s))" in text

@@ -9,6 +9,7 @@ import atexit
 import collections
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -31,11 +32,32 @@ def _kill_all_at_exit() -> None:
 atexit.register(_kill_all_at_exit)
 
 
+_PORT_LOW, _PORT_HIGH = 21000, 32000
+_GIVEN: set[int] = set()
+_PORT_RNG = random.Random(os.getpid() ^ time.monotonic_ns())
+
+
 def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that was free on 127.0.0.1 a moment ago and that this process has not handed out.
+
+    Ports come from 21000-32000, below Linux's ephemeral range (32768-60999 by default): a port
+    the kernel hands out for port 0 is also what it picks for the next outgoing connection, so
+    one chosen there can be taken by any client between this call and the server's bind (a
+    README run once lost its control plane's port that way and answered 503 for 30 s). Raises
+    RuntimeError if no port in the range binds.
+    """
+    for _ in range(2000):
+        port = _PORT_RNG.randrange(_PORT_LOW, _PORT_HIGH)
+        if port in _GIVEN:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in {_PORT_LOW}-{_PORT_HIGH} on 127.0.0.1")
 
 
 class ManagedProcess:
