@@ -202,6 +202,10 @@ def _envoy_bootstrap(args: argparse.Namespace) -> int:
     from xds_server.config import ConfigError, ShedClassesConfig, load_config
     from xds_server.envoy.bootstrap import ControlPlaneGroup, render_bootstrap
 
+    if args.group and args.classes is not None:
+        print("xds-server: --classes is for one control plane: with --group, each group's config says whether "
+              "its clusters route request classes (lrs.shed.classes.enabled)", file=sys.stderr)
+        return 2
     try:
         groups = []
         for spec in args.group or ():
@@ -357,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --group: the request header naming the cluster (default x-sentinel-cluster)")
     eb.add_argument("--classes", nargs="?", const="", default=None, metavar="CONFIG",
                     help="route request classes (lrs.shed.classes: header and names from the xds-server CONFIG "
-                    "given, else the defaults x-sentinel-priority: sheddable | standard | critical)")
+                    "given, else the defaults x-sentinel-priority: sheddable | standard | critical); with "
+                    "--group each group's config says it (default: none)")
     eb.add_argument("-o", "--output", default=None, help="file to write (default stdout)")
     d = cmd("demo", "local demo: real Envoy, simulated engines, injected faults", _demo)
     d.add_argument("--keep-running", action="store_true",

@@ -38,7 +38,8 @@ async def _listening(envoy: StandaloneEnvoy) -> bool:
 
 async def _acked(ads, version_of) -> bool:
     s = [s for s in ads.servicer.streams.values() if s.node_id == "envoy-llm-gw-1"]
-    return bool(s) and s[0].types[EDS].acked_version == version_of()
+    t = s[0].types.get(EDS) if s else None  # None until Envoy's first EDS request on the stream
+    return t is not None and t.acked_version == version_of()
 
 
 async def test_drop_change_applied_with_the_flip_and_two_categories_nacked():

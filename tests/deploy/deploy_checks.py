@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from xds_server.config import ShedClassesConfig
 from xds_server.envoy.bootstrap import find_envoy, render_bootstrap
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,11 +134,12 @@ def envoy_validate(bootstrap: str, tmp_path: Path) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=60)
 
 
-def template_parts(cluster: str) -> dict[str, Any]:
-    """What every deploy bootstrap keeps of xds_server/envoy/envoy.yaml (rendered for ``cluster``): the ADS
-    settings, the load reporting (LRS) settings, xds_cluster's protocol options and connect timeout, the LLM
-    listener's filters."""
-    doc = render_bootstrap(xds_port=18000, listener_port=10000, admin_port=9901, cluster=cluster)
+def template_parts(cluster: str, classes: ShedClassesConfig | None = None) -> dict[str, Any]:
+    """What every deploy bootstrap keeps of xds_server/envoy/envoy.yaml (rendered for ``cluster``, with the
+    request-class routes of ``classes``, its xds-server config's ``lrs.shed.classes``): the ADS settings, the
+    load reporting (LRS) settings, xds_cluster's protocol options and connect timeout, the LLM listener's
+    filters and routes."""
+    doc = render_bootstrap(xds_port=18000, listener_port=10000, admin_port=9901, cluster=cluster, classes=classes)
     return bootstrap_parts(doc)
 
 

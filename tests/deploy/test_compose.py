@@ -22,6 +22,8 @@ from deploy_checks import (
     xds_hosts,
 )
 
+from xds_server.config import parse_config
+
 COMPOSE = ROOT / "compose.yaml"
 
 
@@ -127,7 +129,9 @@ def test_envoy_bootstrap_lists_both_replicas_and_keeps_the_template(compose, tmp
     replicas = sorted(n for n, s in compose["services"].items() if s.get("build", {}).get("target") == "xds-server")
     assert replicas == ["xds-server-1", "xds-server-2"]
     assert sorted(xds_hosts(doc)) == [(r, ads_port) for r in replicas]
-    assert bootstrap_parts(doc) == template_parts(cluster=cfg["clusters"][0]["name"])
+    classes = parse_config(cfg).lrs.shed.classes
+    assert classes.enabled  # the example sheds, batch first: its routes are the template's with classes
+    assert bootstrap_parts(doc) == template_parts(cluster=cfg["clusters"][0]["name"], classes=classes)
     published = {p.rsplit(":", 1)[1] for p in envoy["ports"]}
     assert str(bootstrap_parts(doc)["llm_port"]) in published
     out = envoy_validate(text, tmp_path)

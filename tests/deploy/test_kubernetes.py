@@ -202,7 +202,8 @@ def test_envoy_bootstrap_validates_and_lists_the_replicas(objs, tmp_path):
     assert xds_hosts(doc) == [(f"xds-server-ads.{NS}.svc.cluster.local", ads_port)]
     assert ads_port == parse_hostport(cfg.xds.listen)[1]
     assert next(c for c in doc["static_resources"]["clusters"] if c["name"] == "xds_cluster")["type"] == "STRICT_DNS"
-    assert bootstrap_parts(doc) == template_parts(cluster=cfg.clusters[0].name)
+    assert cfg.lrs.shed.classes.enabled  # the example sheds, batch first: its routes are the template's with classes
+    assert bootstrap_parts(doc) == template_parts(cluster=cfg.clusters[0].name, classes=cfg.lrs.shed.classes)
     envoy = _container(objs, "envoy", "envoy")
     assert envoy["image"] == f"envoyproxy/envoy:v{envoy_wheel_version()}"
     assert _port(envoy, "http") == bootstrap_parts(doc)["llm_port"]

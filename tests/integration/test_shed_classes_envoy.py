@@ -1,7 +1,8 @@
 """Request classes with the real Envoy: with ``lrs.shed.classes`` on, the bootstrap routes
 ``x-sentinel-priority: sheddable`` and ``critical`` to their own class clusters over the same nodes;
 under a commanded excess the control plane drops the sheddable class first: its clients get 429 +
-Retry-After while every standard and critical request passes."""
+Retry-After while every standard and critical request passes. The same with the bootstrap of several
+control planes (``--group``), where the class clusters are static EDS clusters of the group's stream."""
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,8 @@ import time
 import aiohttp
 import pytest
 
-from xds_server.config import ShedClassesConfig
-from xds_server.envoy.bootstrap import find_envoy, render_bootstrap, write_bootstrap
+from xds_server.config import ShedClassesConfig, parse_config
+from xds_server.envoy.bootstrap import ControlPlaneGroup, find_envoy, render_bootstrap, write_bootstrap
 from xds_server.testing import ManagedProcess, free_port, wait_for
 
 pytestmark = pytest.mark.envoy
@@ -68,16 +69,25 @@ class ClassLoad:
             await self._http.close()
 
 
-@pytest.fixture
-def class_envoy(tmp_path):
-    """Start an Envoy routing request classes against ``xds_port`` (a function taking the port)."""
+@pytest.fixture(params=["ads", "group"])
+def class_envoy(request, tmp_path):
+    """Start an Envoy routing request classes of a fleet (a function taking the fleet): over ADS
+    (``--classes``), or as one of several control planes (``--group``: static EDS clusters, the
+    class clusters and routes from the group's config)."""
     procs: list[ManagedProcess] = []
 
-    def start(xds_port: int) -> str:
+    def start(fleet) -> str:
         port, admin = free_port(), free_port()
-        doc = render_bootstrap(xds_port=xds_port, listener_port=port, admin_port=admin, per_try_timeout_s=1.0,
-                               per_try_idle_timeout_s=2.0, node_id="envoy-classes",
-                               classes=ShedClassesConfig(enabled=True))
+        common = {"listener_port": port, "admin_port": admin, "per_try_timeout_s": 1.0,
+                  "per_try_idle_timeout_s": 2.0, "node_id": "envoy-classes"}
+        if request.param == "group":
+            cfg = parse_config(fleet.config_dict())
+            group = ControlPlaneGroup("pool", (f"127.0.0.1:{fleet.xds_port}",), tuple(cfg.clusters),
+                                      cfg.lrs.shed.classes)
+            doc = render_bootstrap(groups=[group], **common)
+            assert "dynamic_resources" not in doc  # no ADS, no CDS: the class clusters are static EDS
+        else:
+            doc = render_bootstrap(xds_port=fleet.xds_port, classes=ShedClassesConfig(enabled=True), **common)
         boot = write_bootstrap(tmp_path / "envoy-classes.yaml", doc)
         p = ManagedProcess("envoy-classes", [find_envoy(), "-c", str(boot), "--disable-hot-restart",
                                              "--concurrency", "2", "-l", "warning"],
@@ -99,7 +109,7 @@ async def test_sheddable_class_is_shed_first_while_standard_and_critical_pass(ma
         "queue_wait_budget_s": None,  # the seed's thresholds: the sim's fake queue never shortens
         "classes": {"enabled": True}}}})
     await fleet.wait_all_routed(http)
-    url = class_envoy(fleet.xds_port)
+    url = class_envoy(fleet)
 
     async def every_class_routed() -> bool:
         for klass in CLASSES:

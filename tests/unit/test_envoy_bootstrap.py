@@ -136,3 +136,55 @@ def test_cli_groups_from_config_files(tmp_path: Path):
     assert r.returncode == 2 and "missing.yaml" in r.stderr
     r = _cli("envoy-bootstrap", "--group", f"{tmp_path / 'pool-a.yaml'}=10.0.0.1")
     assert r.returncode == 2 and "replica '10.0.0.1'" in r.stderr
+
+
+def _class_routes(doc: dict) -> list[tuple[dict[str, str], str]]:
+    """(header name -> exact value, cluster) per route, in order."""
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return [({h["name"]: h["string_match"]["exact"] for h in r["match"].get("headers", ())}, r["route"]["cluster"])
+            for vh in hcm["route_config"]["virtual_hosts"] for r in vh["routes"]]
+
+
+def test_groups_route_request_classes_of_each_group_whose_config_enables_them(tmp_path: Path):
+    on = parse_config({**_cfg("0.0.0.0:18000", "llama-70b", "llama-8b"),
+                       "lrs": {"shed": {"enabled": True, "classes": {"enabled": True, "header": "x-prio"}}}})
+    a = ControlPlaneGroup("llama", ("10.1.0.1:18000",), tuple(on.clusters), on.lrs.shed.classes)
+    b = ControlPlaneGroup("qwen", ("10.2.0.1:18000",), tuple(parse_config(_cfg("0.0.0.0:18000", "qwen-32b")).clusters))
+    doc = render_bootstrap(listener_port=10000, admin_port=9901, groups=[a, b])
+    _validate(write_bootstrap(tmp_path / "envoy.yaml", doc))
+    clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
+    # group A's class clusters beside their parents, from group A's stream; group B (classes off) has none
+    assert set(clusters) == {"xds_llama", "xds_qwen", "llama-70b", "llama-70b~sheddable", "llama-70b~critical",
+                             "llama-8b", "llama-8b~sheddable", "llama-8b~critical", "qwen-32b"}
+    for name in ("llama-70b~sheddable", "llama-8b~critical"):
+        src = clusters[name]["eds_cluster_config"]["eds_config"]["api_config_source"]
+        assert src["grpc_services"][0]["envoy_grpc"]["cluster_name"] == "xds_llama"
+        parent = dict(clusters[name.split("~")[0]], name=name)
+        assert clusters[name] == parent  # the parent's settings, renamed, as the group's CDS publishes
+    h = ROUTE_HEADER
+    assert _class_routes(doc) == [
+        ({h: "llama-70b", "x-prio": "sheddable"}, "llama-70b~sheddable"),
+        ({h: "llama-70b", "x-prio": "critical"}, "llama-70b~critical"),
+        ({h: "llama-70b"}, "llama-70b"),
+        ({h: "llama-8b", "x-prio": "sheddable"}, "llama-8b~sheddable"),
+        ({h: "llama-8b", "x-prio": "critical"}, "llama-8b~critical"),
+        ({h: "llama-8b"}, "llama-8b"),
+        ({h: "qwen-32b"}, "qwen-32b"),
+        ({"x-prio": "sheddable"}, "llama-70b~sheddable"),  # no cluster header: the first cluster's classes
+        ({"x-prio": "critical"}, "llama-70b~critical"),
+        ({}, "llama-70b"),
+    ]
+    with pytest.raises(ValueError, match="each group's config says"):
+        render_bootstrap(listener_port=1, admin_port=2, groups=[a], classes=on.lrs.shed.classes)
+
+
+def test_cli_groups_take_classes_from_each_config_and_refuse_the_flag(tmp_path: Path):
+    cfg = {**_cfg("127.0.0.1:18001", "pool-a"), "lrs": {"shed": {"enabled": True, "classes": {"enabled": True}}}}
+    (tmp_path / "pool-a.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "envoy.yaml"
+    r = _cli("envoy-bootstrap", "--group", str(tmp_path / "pool-a.yaml"), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    names = {c["name"] for c in yaml.safe_load(out.read_text())["static_resources"]["clusters"]}
+    assert {"pool-a", "pool-a~sheddable", "pool-a~critical"} <= names
+    r = _cli("envoy-bootstrap", "--group", str(tmp_path / "pool-a.yaml"), "--classes")
+    assert r.returncode == 2 and "--classes is for one control plane" in r.stderr

@@ -158,7 +158,7 @@ def test_bootstrap_routes_each_class_to_its_cluster(tmp_path):
     plain = render_bootstrap(xds_port=18001, listener_port=10001, admin_port=9902, classes=ShedClassesConfig())
     assert plain == render_bootstrap(xds_port=18001, listener_port=10001, admin_port=9902)  # off: unchanged
     c = ClusterConfig(name="a", nodes=[NodeConfig(id="n1", address="127.0.0.1:9001", probe_address="127.0.0.1:9101")])
-    with pytest.raises(ValueError, match="not with groups"):
+    with pytest.raises(ValueError, match="config says whether it routes request classes"):
         render_bootstrap(listener_port=1, admin_port=2, groups=[ControlPlaneGroup("g", ("127.0.0.1:1",), (c,))],
                          classes=ShedClassesConfig(enabled=True))
 

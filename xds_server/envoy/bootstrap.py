@@ -21,7 +21,7 @@ import importlib.resources
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 from google.protobuf import json_format
 
-from xds_server.config import ClusterConfig, ShedClassesConfig, load_config, parse_hostport
+from xds_server.config import ClusterConfig, ShedClassesConfig, class_clusters, load_config, parse_hostport
 from xds_server.envoy.classes import class_routes
 from xds_server.xds.resources import build_cluster
 
@@ -81,13 +81,17 @@ class ControlPlaneGroup:
     ``name``: the group's name (its xDS cluster in the bootstrap is ``xds_<name>``);
     ``replicas``: ``HOST:PORT`` of each replica's ADS port (``xds.listen``), one or more;
     ``clusters``: the clusters it serves, as in its config (their Envoy settings are built from
-    it by the same builder as its CDS, :func:`~xds_server.xds.resources.build_cluster`).
+    it by the same builder as its CDS, :func:`~xds_server.xds.resources.build_cluster`);
+    ``classes``: its config's ``lrs.shed.classes``: when enabled, each cluster's class clusters
+    (``<cluster>~sheddable``, ``<cluster>~critical``) are rendered beside it and routed by the
+    class header, as that control plane publishes them (None or off: none).
     Raises ValueError naming the field for an empty or malformed value.
     """
 
     name: str
     replicas: tuple[str, ...]
     clusters: tuple[ClusterConfig, ...]
+    classes: ShedClassesConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not all(ch.isalnum() or ch in "_-" for ch in self.name):
@@ -115,7 +119,7 @@ class ControlPlaneGroup:
         ConfigError for an invalid file, ValueError for a bad replica address."""
         cfg = load_config(path)
         return cls(name or _group_name(Path(path).stem), tuple(replicas) or (cfg.xds.listen,),
-                   tuple(cfg.clusters))
+                   tuple(cfg.clusters), cfg.lrs.shed.classes)
 
 
 def _group_name(stem: str) -> str:
@@ -208,11 +212,13 @@ def render_bootstrap(
     ``lrs``: keep ``cluster_manager.load_stats_config`` (load reports to the control plane, to
     the first group's replicas when split); False removes it. ``shed_retry_after_s``: the
     Retry-After (whole s) of the 429 a request dropped for overload gets (the template's 3 s).
-    ``classes`` (enabled): request-class routes first (:mod:`xds_server.envoy.classes`; one control plane only).
+    ``classes`` (enabled): request-class routes first (:mod:`xds_server.envoy.classes`), for one
+    control plane; with ``groups`` each group's own ``classes`` say it (ValueError if given).
 
     Returns the YAML document as a dict (write it with ``yaml.safe_dump``). Raises OSError when
     the template cannot be read and ValueError for an unknown ``api_type``, a bad address (named),
-    a cluster name owned by two groups, or ``xds_replicas`` / ``cluster`` given with ``groups``.
+    a cluster name owned by two groups, or ``xds_replicas`` / ``cluster`` / ``classes`` given with
+    ``groups``.
     """
     if api_type not in ("GRPC", "DELTA_GRPC"):
         raise ValueError(f"api_type must be GRPC or DELTA_GRPC, got {api_type!r}")
@@ -225,15 +231,18 @@ def render_bootstrap(
         if xds_replicas or cluster is not None:
             raise ValueError("with groups, each group names its replicas and clusters "
                              "(--group CONFIG=HOST:PORT,...): xds replicas and cluster are not used")
-        if classes is not None and classes.enabled:
-            raise ValueError("request classes (lrs.shed.classes) are rendered for one control plane, not with groups")
+        if classes is not None:
+            raise ValueError("with groups, each group's config says whether it routes request classes "
+                             "(lrs.shed.classes.enabled): classes are not given apart")
         routed = _split(doc, proto, groups, api_type)
+        classes_of = {c.name: g.classes for g in groups for c in g.clusters}
         _lrs_cluster(doc, groups[0].xds_cluster)
     else:
         doc["dynamic_resources"]["ads_config"]["api_type"] = api_type
         sr["clusters"] = [xds_cluster("xds_cluster", tuple(xds_replicas) or (f"127.0.0.1:{xds_port}",), proto)
                           if c is proto else c for c in sr["clusters"]]
         routed = [cluster or "llm"]
+        classes_of = {routed[0]: classes}
     if not lrs:
         doc.get("cluster_manager", {}).pop("load_stats_config", None)
     listener = sr["listeners"][0]
@@ -256,7 +265,7 @@ def render_bootstrap(
                 rp["per_try_idle_timeout"] = f"{per_try_idle_timeout_s:g}s"
             if retry_after_max_s is not None and "rate_limited_retry_back_off" in rp:
                 rp["rate_limited_retry_back_off"]["max_interval"] = f"{retry_after_max_s:g}s"
-            routes.extend(class_routes(r, routed[0], classes) + _routes_for(r, routed, route_header))
+            routes.extend(_routes_for(r, routed, route_header, classes_of))
         vh["routes"] = routes
     return doc
 
@@ -277,6 +286,10 @@ def _split(doc: dict[str, Any], proto: dict[str, Any], groups: Sequence[ControlP
                 raise ValueError(f"cluster {c.name!r} is owned by groups {owner[c.name]!r} and {g.name!r}")
             owner[c.name] = g.name
             clusters.append(eds_cluster(c, g.xds_cluster, api_type, ads_grpc))
+            if g.classes is not None:
+                for name, cc in class_clusters([c], g.classes).items():
+                    if name != c.name:
+                        clusters.append(eds_cluster(cc, g.xds_cluster, api_type, ads_grpc))
     sr = doc["static_resources"]
     sr["clusters"] = [c for c in sr["clusters"] if c is not proto] + clusters
     doc.pop("dynamic_resources", None)
@@ -288,19 +301,22 @@ def _lrs_cluster(doc: dict[str, Any], name: str) -> None:
         svc["envoy_grpc"]["cluster_name"] = name
 
 
-def _routes_for(route: dict[str, Any], clusters: Sequence[str], header: str) -> list[dict[str, Any]]:
+def _routes_for(route: dict[str, Any], clusters: Sequence[str], header: str,
+                classes_of: Mapping[str, ShedClassesConfig | None]) -> list[dict[str, Any]]:
     """``route`` for each cluster: with several, one copy per cluster matching ``header: name``
-    first, then the unmatched route to the first cluster."""
+    first, then the unmatched route to the first cluster. Each copy is preceded by its cluster's
+    request-class routes (``classes_of[name]``, :func:`~xds_server.envoy.classes.class_routes`:
+    the same match plus the class header), so the more specific match comes first."""
     out = []
     if len(clusters) > 1:
         for name in clusters:
             r = copy.deepcopy(route)
             r["match"] = {**r["match"], "headers": [{"name": header, "string_match": {"exact": name}}]}
             r["route"]["cluster"] = name
-            out.append(r)
+            out.extend([*class_routes(r, name, classes_of.get(name)), r])
     r = copy.deepcopy(route)
     r["route"]["cluster"] = clusters[0]
-    out.append(r)
+    out.extend([*class_routes(r, clusters[0], classes_of.get(clusters[0])), r])
     return out
 
 
