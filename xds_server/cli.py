@@ -261,7 +261,7 @@ def _bootstrap_tls(args: argparse.Namespace, doc: dict) -> None:
     SDS file). Raises ValueError for a lone cert or key, OSError when the SDS file cannot be written."""
     import yaml
 
-    from xds_server.envoy.bootstrap import add_xds_tls, xds_tls_sds_secrets, xds_tls_transport_socket
+    from xds_server.envoy.tls import add_xds_tls, xds_tls_sds_secrets, xds_tls_transport_socket
 
     def absolute(v: str | None) -> str | None:
         return os.path.abspath(v) if v else None

@@ -31,7 +31,7 @@ from node_probe.proto import probe_pb2, probe_pb2_grpc
 from node_probe.sim import SimConfig, build_app
 from sentinel_relay.feed import FeedClient
 from xds_server.config import parse_config
-from xds_server.envoy.bootstrap import xds_tls_sds_secrets, xds_tls_transport_socket
+from xds_server.envoy.tls import xds_tls_sds_secrets, xds_tls_transport_socket
 from xds_server.process.tls import ClientTls, dial
 from xds_server.server import ControlPlane
 from xds_server.testing import StandaloneEnvoy, TestCA, free_port, wait_for

@@ -24,7 +24,7 @@ import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 
-from xds_server.envoy.bootstrap import SDS_CERT_FILE, xds_tls_sds_secrets, xds_tls_transport_socket
+from xds_server.envoy.tls import SDS_CERT_FILE, xds_tls_sds_secrets, xds_tls_transport_socket
 from xds_server.testing import LoadGenerator, TestCA, parse_envoy_stats, wait_for
 
 pytestmark = pytest.mark.envoy

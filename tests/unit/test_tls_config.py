@@ -18,7 +18,7 @@ from node_probe.agent import AgentConfig
 from sentinel_relay.config import RelayConfigError, load_relay_config
 from xds_server.cli import main as xds_main
 from xds_server.config import ConfigError, XdsConfig, parse_config
-from xds_server.envoy.bootstrap import xds_tls_sds_secrets, xds_tls_transport_socket
+from xds_server.envoy.tls import xds_tls_sds_secrets, xds_tls_transport_socket
 from xds_server.process.identity import check_pattern, identity_matches
 from xds_server.process.tls import (
     ClientTls,

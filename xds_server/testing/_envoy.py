@@ -12,7 +12,8 @@ from typing import Any
 
 import aiohttp
 
-from xds_server.envoy.bootstrap import add_xds_tls, find_envoy, render_bootstrap, write_bootstrap
+from xds_server.envoy.bootstrap import find_envoy, render_bootstrap, write_bootstrap
+from xds_server.envoy.tls import add_xds_tls
 from xds_server.testing._process import ManagedProcess, free_port
 
 __all__ = ["EnvoyHost", "StandaloneEnvoy", "envoy_process", "fetch_envoy_hosts", "parse_envoy_clusters",
@@ -103,7 +104,7 @@ class StandaloneEnvoy:
     ``xds_port``: where the test's ADS server listens; ``api_type``: "GRPC" or "DELTA_GRPC";
     ``retry_after_max_s``: bound on honouring ``Retry-After`` (s; the bootstrap's when None).
     ``xds_tls``: the xds_cluster's ``transport_socket``
-    (:func:`~xds_server.envoy.bootstrap.xds_tls_transport_socket`; None: plaintext).
+    (:func:`~xds_server.envoy.tls.xds_tls_transport_socket`; None: plaintext).
     ``await start()`` waits until Envoy's admin answers (RuntimeError with its output if it
     exits); :meth:`stop` always reaps it. Admin helpers return parsed JSON or stats as a dict.
     """

@@ -16,7 +16,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from xds_server.envoy.bootstrap import add_xds_tls, find_envoy, render_bootstrap, write_bootstrap
+from xds_server.envoy.bootstrap import find_envoy, render_bootstrap, write_bootstrap
+from xds_server.envoy.tls import add_xds_tls
 from xds_server.testing._envoy import envoy_process, fetch_envoy_hosts
 from xds_server.testing._process import ManagedProcess, free_port
 from xds_server.testing._wait import wait_for
@@ -76,7 +77,7 @@ class Fleet:
     config_options: dict[str, Any] = field(default_factory=dict)
     admin_options: dict[str, Any] = field(default_factory=dict)  # merged into the admin section
     serve_args: list[str] = field(default_factory=list)  # more `xds-server serve` arguments ("--loop", ...)
-    # Envoy's xds_cluster transport_socket (envoy.bootstrap.xds_tls_transport_socket); None: plaintext.
+    # Envoy's xds_cluster transport_socket (envoy.tls.xds_tls_transport_socket); None: plaintext.
     envoy_xds_tls: dict[str, Any] | None = None
     engine_args: list[str] = field(default_factory=list)  # more `sim-engine` arguments ("--byte-token-rate", ...)
     agent_args: list[list[str]] = field(default_factory=list)  # more agent arguments, by node index
