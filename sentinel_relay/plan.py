@@ -35,6 +35,7 @@ __all__ = [
     "plan_request",
     "static_refusal",
     "stop_holdback",
+    "stop_lookback",
 ]
 
 # OpenAI's and vLLM's default for /v1/completions when max_tokens is absent (chat has none).
@@ -207,7 +208,20 @@ def stop_holdback(body: dict[str, Any]) -> int:
     return max((len(s) - 1 for s in stop if isinstance(s, str) and s), default=0)
 
 
-def _resume_point(rx: Received, holdback: int) -> tuple[int, int]:
+def stop_lookback(body: dict[str, Any]) -> int:
+    """Characters a continuation must regenerate before the delivered end so that a stop string
+    spanning the cut is still matched: the longest stop string's length - 1, whether or not the
+    engine holds that text back (with ``include_stop_str_in_output`` it releases it at once, but
+    its stop check still spans tokens)."""
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list):
+        return 0
+    return max((len(s) - 1 for s in stop if isinstance(s, str) and s), default=0)
+
+
+def _resume_point(rx: Received, holdback: int, lookback: int) -> tuple[int, int]:
     """``(ids, chars)``: the longest prefix of the generated ids to continue from, and the
     characters of text those ids decode to.
 
@@ -215,9 +229,10 @@ def _resume_point(rx: Received, holdback: int) -> tuple[int, int]:
     releases all but the hold-back; text is released only when the last token completed a
     character, so no partial UTF-8 sequence is pending there). A continuation from that prefix
     sees every stop string that can still end after the text delivered if it starts no later
-    than ``delivered - holdback``; the engine's release then meets the delivered text exactly at
-    the last delivered token. Falls back to ``(0, 0)``: the whole generation is regenerated."""
-    limit = rx.chars - holdback
+    than ``delivered - lookback`` (:func:`stop_lookback`); the engine's release then meets the
+    delivered text exactly at the last delivered token. Falls back to ``(0, 0)``: the whole
+    generation is regenerated."""
+    limit = rx.chars - lookback
     for ids, chars in reversed(rx.marks):
         if chars + holdback <= limit and ids <= len(rx.token_ids):
             return ids, chars + holdback
@@ -265,7 +280,7 @@ def continuation_body(kind: str, body: dict[str, Any], rx: Received,
         by_ids = context_len is not None
     if by_ids:
         assert pids is not None
-        kept, at = _resume_point(rx, stop_holdback(body))
+        kept, at = _resume_point(rx, stop_holdback(body), stop_lookback(body))
         if kept > max_resume_tokens:
             raise Refused(f"resume_too_long ({kept} > {max_resume_tokens} tokens)")
         out = {k: v for k, v in new.items() if k not in CHAT_ONLY_FIELDS} if kind == "chat" else new

@@ -114,14 +114,16 @@ def test_stop_string_beginning_in_the_last_delivered_token_is_found_after_the_cu
         texts = [probe.step().text for _ in range(40)]
         m = next(i for i in range(4, 38) if len(texts[i].strip()) >= 3 and len(texts[i + 1].strip()) >= 3)
         stop = texts[m][-2:] + texts[m + 1][:2]
-        for usage in (False, True):
-            body = body_for(kind, "The fox", 40, [stop, "zz"], usage, False, False)
+        # include_stop_str_in_output: the engine holds nothing back, but its stop check still spans
+        # the tokens, so the continuation must regenerate from before the stop's start all the same
+        for usage, include_stop in ((False, False), (True, False), (False, True), (True, True)):
+            body = body_for(kind, "The fox", 40, [stop, "zz"], usage, False, include_stop)
             direct = sim_sse(kind, body, CFG_WORDS)
             assert b'"finish_reason":"stop"' in direct
             n = len(SSESplitter().feed(direct))
             for cut in range(n):
                 got, book, _ = through_relay(kind, body, [cut], CFG_WORDS)
-                assert_same(got, direct, book, kind, stop, cut)
+                assert_same(got, direct, book, kind, stop, cut, include_stop)
 
 
 def test_window_around_held_back_token_every_cut_twice():
