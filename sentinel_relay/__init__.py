@@ -4,7 +4,8 @@ in flight on a failing node by continuing them on a healthy one (Envoy still rou
 Pure core (no I/O): :mod:`.sse` (event framing), :mod:`.plan` (refusals, continuation request),
 :mod:`.stream` (what the client has received, what it must receive next). I/O shell:
 :mod:`.server` (the HTTP relay), :mod:`.feed` (the control plane's routing feed),
-:mod:`.metrics`, :mod:`.config`, :mod:`.cli`.
+:mod:`.prompts` (opt-in live prompt sampling for switch-back validation; pure part
+:mod:`.sampling`), :mod:`.metrics`, :mod:`.config`, :mod:`.cli`.
 """
 from .plan import Plan, Received, Refused, continuation_body, plan_request
 from .sse import SSESplitter, event_data

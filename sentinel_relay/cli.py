@@ -30,6 +30,9 @@ __all__ = ["config_fields", "main", "run_worker"]
 
 log = logging.getLogger("sentinel_relay")
 
+#: ``--sample-prompts`` without a value: seed 002's 5 %.
+DEFAULT_SAMPLE_RATIO = 0.05
+
 SIGHUP_IGNORED = "SIGHUP: nothing to reload, still running (the config is read at start: restart to change it)"
 
 
@@ -84,6 +87,8 @@ async def _serve(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int |
                           on_connected=lambda up: relay.metrics.feed_connected.set(1 if up else 0),
                           tls=cfg.feed_tls())
         feed.start()
+        if relay.sampler is not None:  # --sample-prompts: sent over the feed's connection
+            relay.sampler.start(lambda: feed.channel if feed is not None else None, feed.subscriber_id)
     if ready_fd is not None:
         os.write(ready_fd, f"r{relay.port}\n".encode())
         os.close(ready_fd)
@@ -95,6 +100,8 @@ async def _serve(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int |
     try:
         await stop.wait()
     finally:
+        if relay.sampler is not None:
+            await relay.sampler.stop()
         if feed:
             await feed.stop()
         await relay.stop()
@@ -159,6 +166,10 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"silence before an attempt's first chunk, s (default {_default('first_chunk_timeout_s')})")
     p.add_argument("--ping-interval-s", type=float,
                    help=f"': ping' lines while a rescue prefills, s (default {_default('ping_interval_s')})")
+    p.add_argument("--sample-prompts", type=float, nargs="?", const=DEFAULT_SAMPLE_RATIO, metavar="RATIO",
+                   help="send this ratio (0..1) of forwarded requests' prompts to the control plane for "
+                   f"switch-back validation, over --routing-feed; without RATIO {DEFAULT_SAMPLE_RATIO:g} (5 %%); "
+                   "never logged (default 0: off)")
     p.add_argument("--loop", choices=event_loop.LOOPS, default="auto",
                    help="event loop (auto: uvloop when installed; default auto)")
     add_common_options(p, "sentinel-relay")

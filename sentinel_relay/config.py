@@ -86,6 +86,19 @@ class RelayConfig(BaseModel):
     - ``listen_backlog``: connections the kernel queues before the relay accepts them (1024,
       capped by net.core.somaxconn; aiohttp's 128 made a burst of 2,000 connections wait for SYN
       retries, 11 s in all, where 1,024 took 0.4 s).
+    - ``sample_prompts``: ratio (0..1) of forwarded requests whose prompt is sampled for the
+      control plane's switch-back validation (``RoutingFeed/SubmitPrompts``; the control plane
+      takes them with ``health.validation.live_prompts.enabled``). 0 (default): off, nothing is
+      parsed or kept; ``--sample-prompts`` without a value: 0.05 (seed 002: 5 %). Needs
+      ``routing_feed`` (sent over its connection, its TLS). A prompt is a ``/v1/completions``
+      string ``prompt`` or a chat request's last ``user`` message (text only), of a request
+      answered 200; it is never logged.
+    - ``sample_max_chars``: a longer prompt is not sampled (2,000 characters: the control
+      plane's default ``max_chars``; counted as dropped, reason too_long).
+    - ``sample_buffer``: sampled prompts waiting to be sent; one more drops the oldest (32, at
+      most 64: one SubmitPrompts call carries at most 64).
+    - ``sample_interval_s``: how often the waiting prompts are sent, in one call (5.0 s; a
+      call fails after the same time, its prompts dropped: counted, never retried).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -114,6 +127,10 @@ class RelayConfig(BaseModel):
     keepalive_timeout_s: float = Field(60.0, gt=0, le=86_400)
     max_connections: int | None = Field(None, ge=1, le=10_000_000)
     listen_backlog: int = Field(1024, ge=16, le=65_535)
+    sample_prompts: float = Field(0.0, ge=0, le=1)
+    sample_max_chars: int = Field(2000, ge=1, le=100_000)
+    sample_buffer: int = Field(32, ge=1, le=64)
+    sample_interval_s: float = Field(5.0, gt=0, le=3600)
 
     @model_validator(mode="after")
     def _feed_tls(self) -> RelayConfig:
@@ -128,6 +145,8 @@ class RelayConfig(BaseModel):
                 if not is_loopback(target.rpartition(":")[0]):
                     raise ValueError(f"routing_feed {target} is not a loopback address: set feed_tls_ca_file "
                                      "(--feed-tls-ca) or feed_plaintext (--feed-plaintext)")
+        if self.sample_prompts > 0 and not self.routing_feed:
+            raise ValueError("sample_prompts needs routing_feed (--routing-feed): sampled prompts are sent over it")
         return self
 
     def connection_cap(self) -> int:

@@ -7,8 +7,10 @@ control plane's replicas; each reconnect dials the next, round robin), reconnect
 ``on_node(node, snapshot)`` for every ``NodeRouting`` it receives (each reconnect starts with a
 full snapshot). It keeps the latest routing per node in ``nodes`` (node id -> NodeRouting).
 ``on_node`` must not block. ``tls``: dial over TLS (:class:`~xds_server.process.tls.ClientTls`, files
-re-read at each reconnect); None: plaintext. ``target``: the one dialled last. Raises ValueError
-when no target is given.
+re-read at each reconnect); None: plaintext. ``target``: the one dialled last. ``channel``: the
+connection to it while one is open (None between connections), for unary calls to the same
+control plane with the same TLS (the relay's sampled prompts, :mod:`sentinel_relay.prompts`).
+Raises ValueError when no target is given.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class FeedClient:
         self.on_connected = on_connected or (lambda up: None)
         self.nodes: dict[str, routing_pb2.NodeRouting] = {}
         self.updates = 0
+        self.channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -69,6 +72,7 @@ class FeedClient:
             self._next = (self._next + 1) % len(self.targets)
             try:
                 async with dial(self.target, options=self.channel_options, tls=self.tls) as ch:
+                    self.channel = ch
                     stub = routing_pb2_grpc.RoutingFeedStub(ch)
                     call = stub.Watch(routing_pb2.WatchRequest(subscriber_id=self.subscriber_id))
                     async for upd in call:
@@ -90,6 +94,8 @@ class FeedClient:
                             "reconnecting in %.1f s", self.target, e.code().name, _why(e.details() or ""), backoff)
             except Exception as e:  # any failure: reconnect
                 log.warning("routing feed %s: %r; reconnecting in %.1f s", self.target, e, backoff)
+            finally:
+                self.channel = None
             self.on_connected(False)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.reconnect_max_s)

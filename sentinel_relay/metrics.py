@@ -9,6 +9,9 @@
 - ``sentinel_relay_in_flight{node}``: requests streaming from each node (host:port).
 - ``sentinel_relay_wasted_tokens_total{kind}``: prefill = context re-sent to a rescue attempt.
 - ``sentinel_relay_feed_connected``: 1 while the routing feed stream is up.
+- ``sentinel_relay_prompts_sampled_total``, ``sentinel_relay_prompts_sent_total{answer}``,
+  ``sentinel_relay_prompts_dropped_total{reason}``, ``sentinel_relay_prompt_submit_failures_total{code}``:
+  live prompt sampling (``--sample-prompts``; :mod:`sentinel_relay.prompts` names the labels).
 """
 from __future__ import annotations
 
@@ -36,3 +39,11 @@ class RelayMetrics:
                               registry=r)
         self.feed_connected = Gauge("sentinel_relay_feed_connected",
                                     "1 while the routing feed stream is up", registry=r)
+        self.prompts_sampled = Counter("sentinel_relay_prompts_sampled",
+                                       "Prompts sampled for switch-back validation (--sample-prompts)", registry=r)
+        self.prompts_sent = Counter("sentinel_relay_prompts_sent", "Sampled prompts sent, by the control "
+                                    "plane's answer (accepted, refused)", ["answer"], registry=r)
+        self.prompts_dropped = Counter("sentinel_relay_prompts_dropped", "Prompts drawn but not sent, by reason",
+                                       ["reason"], registry=r)
+        self.prompt_submit_failures = Counter("sentinel_relay_prompt_submit_failures",
+                                              "SubmitPrompts calls that failed, by gRPC status", ["code"], registry=r)

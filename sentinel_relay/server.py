@@ -12,6 +12,8 @@ fails it is continued on whatever node Envoy routes the continuation to. Trigger
 - stall: no byte for ``stall_gap_s`` (``first_chunk_timeout_s`` before an attempt's first chunk).
 
 Non-streaming requests and pass-through (refused requests, other paths): :mod:`.unary`.
+With ``sample_prompts`` > 0 a drawn completion or chat request answered 200 hands its parsed
+body to :mod:`.prompts` (off: ``Relay.sampler`` is None and nothing more is done per request).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from .flight import LOW_WATER, StreamCtx
 from .http1 import build_request
 from .metrics import RelayMetrics
 from .plan import PATHS, Plan, Refused, choose_pin, plan_request
+from .prompts import PromptSampler
 from .sse import SSESplitter
 from .stream import PING, St, StreamBook
 from .unary import HOP_HEADERS, PIN_HEADER, RELAY_HEADER, UnaryRequests, pin_value
@@ -57,6 +60,9 @@ class Relay:
         self._tasks: list[asyncio.Task] = []
         self._node_state: dict[str, str] = {}  # node id -> last state heard on the routing feed
         self.routes: dict[str, tuple[bool, int]] = {}  # address -> (routable, weight) from the feed
+        self.clusters: dict[str, str] = {}  # address -> cluster from the feed (sampled prompts' cluster)
+        # --sample-prompts (off: None, one test per request, nothing parsed beyond plan_request)
+        self.sampler = PromptSampler(cfg, self.metrics) if cfg.sample_prompts > 0 else None
         self.port: int | None = None
         u = urlsplit(cfg.upstream)
         if u.scheme != "http" or not u.hostname:
@@ -104,6 +110,7 @@ class Relay:
         self._node_state[node.node_id] = node.state
         self.routes[node.address] = (bool(getattr(node, "routable", node.state not in ("UNHEALTHY", "DRAINING"))),
                                      int(getattr(node, "weight", 1) or 1))
+        self.clusters[node.address] = str(getattr(node, "cluster", "") or "")
         if node.state != "UNHEALTHY":
             return 0
         n = 0
@@ -161,6 +168,16 @@ class Relay:
         plan = plan_request(request.path, raw) if request.method == "POST" else \
             Plan("other", None, False, "method", raw)
         self.metrics.requests.labels("passthrough" if plan.refusal else "rescue").inc()
+        sampler = self.sampler
+        if sampler is None or plan.body is None or plan.kind == "other" or not sampler.draw():
+            return await self._forward(request, plan, raw)
+        resp = await self._forward(request, plan, raw)
+        if resp.status == 200:  # a prompt the engine took; its node's cluster when the feed names it
+            node = resp.headers.get(self.cfg.upstream_host_header, "")
+            sampler.offer(plan.kind, plan.body, self.clusters.get(node, ""))
+        return resp
+
+    async def _forward(self, request: web.BaseRequest, plan: Plan, raw: bytes) -> web.StreamResponse:
         if plan.refusal is not None:
             return await self.unary.passthrough(request, raw, f"passthrough; reason={plan.refusal}")
         headers = self._upstream_headers(request, armed=True)

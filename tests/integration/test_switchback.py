@@ -22,6 +22,8 @@ import pytest
 from node_probe.agent import AgentConfig, ProbeAgent
 from node_probe.replay import ReplayLimits
 from xds_server.config import parse_config
+from xds_server.process.tls import dial
+from xds_server.proto import routing_pb2, routing_pb2_grpc
 from xds_server.server import ControlPlane
 from xds_server.testing import ManagedProcess, free_port, wait_for
 
@@ -61,7 +63,7 @@ async def rig():
             "health": {"ping_interval_ms": 200, "ramp_step_percent": 50, "ramp_step_s": 0.2, "probation_clean_s": 1.0,
                        "probation_min_probes": 2, "ttft_healthy_ms": 1000, "ttft_timeout_ms": 3000,  # (CI load)
                        "validation": {"enabled": True, "max_tokens": MAX_TOKENS, "check_interval_s": 0.1,
-                                      "retry_s": 0.5, "timeout_s": 5.0}},
+                                      "retry_s": 0.5, "timeout_s": 5.0, "live_prompts": {"enabled": True}}},
             "clusters": [{"name": "llm", "nodes": nodes}]}))
         await cp.start()
         http = aiohttp.ClientSession(base_url=f"http://127.0.0.1:{cp.admin_port}")
@@ -109,6 +111,14 @@ async def test_switchback_keeps_out_a_node_that_answers_unlike_its_peers(rig):
     assert n4["validation"]["verdict"] == "probes only"
     assert "its agent does not replay (replay_max_prompts 0" in n4["reason"]
 
+    # A relay submits live prompts (health.validation.live_prompts): half of the next replay's
+    # 8 prompts are drawn from them; only their count is shown, never their text.
+    async with dial(f"127.0.0.1:{cp.xds_port}") as ch:
+        ack = await routing_pb2_grpc.RoutingFeedStub(ch).SubmitPrompts(routing_pb2.PromptSample(
+            subscriber_id="relay", prompts=[routing_pb2.SampledPrompt(cluster="llm", prompt=f"live-secret {i}:")
+                                            for i in range(4)]))
+    assert (ack.accepted, ack.refused) == (4, 0)
+
     # n3's engine restarts serving another model: probes still succeed, the replay diverges.
     await asyncio.to_thread(engines["n3"].stop)
     engines["n3"] = await asyncio.to_thread(_engine(workdir, "n3", ports["n3"], 7).start)
@@ -121,6 +131,8 @@ async def test_switchback_keeps_out_a_node_that_answers_unlike_its_peers(rig):
     n3 = await wait_for(kept_out, 20, what="n3 failed switch-back validation")
     assert n3["reason"].startswith(f"switch-back: diverges from peers at token 0 of {MAX_TOKENS} on 8 of 8 prompts")
     assert f"peers agree to token {MAX_TOKENS} of {MAX_TOKENS}, similarity 1.00" in n3["reason"]
+    assert "similarity 1.00; 4 of 8 prompts sampled live; failed in PROBATION" in n3["reason"]
+    assert n3["validation"]["last"]["live_prompts"] == 4
     assert n3["last_probe"] == "OK" and n3["engine_state"] == "READY"  # probes succeed; the answers differ
     last = n3["validation"]["last"]
     assert last["within"] == 0 and last["candidate_vs_peers"]["agreement_tokens"] == 0
@@ -132,6 +144,8 @@ async def test_switchback_keeps_out_a_node_that_answers_unlike_its_peers(rig):
     verdicts = [e["reason"].split(":")[0] for e in events if e["kind"] == "switchback_validation"
                 and e["node"] == "n3" and not e["reason"].startswith("switch-back validation could not run")]
     assert verdicts[-2:] == ["passed", "failed"]
+    async with http.get("/nodes") as r:
+        assert "live-secret" not in await r.text() and "live-secret" not in str(events)
     # the peers were never disturbed
     assert (await _node(http, "n1"))["health_state"] == "HEALTHY"
     assert (await _node(http, "n2"))["health_state"] == "HEALTHY"

@@ -1,11 +1,11 @@
 """``health.validation:`` section: switch-back validation by replay against two peers (issue 23)."""
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from xds_server.config.base import _Model
 
-__all__ = ["DEFAULT_PROMPTS", "ValidationConfig"]
+__all__ = ["DEFAULT_PROMPTS", "LivePromptsConfig", "ValidationConfig"]
 
 DEFAULT_PROMPTS: tuple[str, ...] = (
     "The three primary colours of light are",
@@ -19,6 +19,25 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
 )
 """Built-in prompts (ours): short, factual or formulaic, so that a healthy model's greedy answer
 is stable across replicas; code, arithmetic, translation and lists touch different weights."""
+
+
+class LivePromptsConfig(_Model):
+    """``health.validation.live_prompts``: prompts a relay sampled from live traffic
+    (``sentinel-relay --sample-prompts``, sent with ``RoutingFeed/SubmitPrompts``) join the
+    replays. Kept in memory only (a bounded ring per cluster, one shared ring for prompts of no
+    known cluster): never logged, never written to the state file, never shown (counts only)."""
+
+    enabled: bool = Field(False, description="off by default (seed 002: live sampling is opt-in): every "
+                          "submitted prompt is refused and counted; needs health.validation.enabled")
+    max_prompts: int = Field(64, ge=1, le=10_000, description="prompts kept per cluster (and in the shared "
+                             "pool), the oldest replaced first (ours: 64 = 8 validations' worth of sample 8, "
+                             "at most ~128 KB per cluster at max_chars)")
+    max_chars: int = Field(2000, ge=1, le=4000, description="longest prompt accepted, in characters (ours: "
+                           "2,000, the relay's default; at most 4,000, the agent's replay max_prompt_chars)")
+    share: float = Field(0.5, ge=0, le=1, description="ratio of a validation's prompts drawn from the live pool "
+                         "(round(share x sample), taken only when the pool holds that many; the rest from "
+                         "prompts_file or the built-in set; ours: 0.5 keeps the fixed prompts' known-stable "
+                         "half)")
 
 
 class ValidationConfig(_Model):
@@ -61,6 +80,16 @@ class ValidationConfig(_Model):
         description="a validation that could not run for this long (agents busy or unreachable) is decided by "
         "probes alone, said in the reason and event (ours: holding a recovered node at its last ramp step for "
         "ever is worse than the probe verdict it had before validation existed)")
+
+    live_prompts: LivePromptsConfig = Field(
+        default_factory=LivePromptsConfig,
+        description="prompts sampled live by relays (ours; seed 002's option; off by default)")
+
+    @model_validator(mode="after")
+    def _v_live(self) -> ValidationConfig:
+        if self.live_prompts.enabled and not self.enabled:
+            raise ValueError("live_prompts.enabled needs health.validation.enabled")
+        return self
 
     @field_validator("embeddings_url")
     @classmethod

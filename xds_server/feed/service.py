@@ -22,6 +22,13 @@ reading) drops it the same way. Unknown cluster names are ``INVALID_ARGUMENT`` n
 Access: plaintext off loopback must be said (``feed.plaintext``), and with mTLS
 ``feed.allow_identities`` lists who may subscribe (PERMISSION_DENIED otherwise, one call site:
 :meth:`RoutingFeed.refusal`).
+
+``RoutingFeed/SubmitPrompts`` (unary, the same access rule): prompts a relay sampled from live
+traffic go into switch-back validation's live pool (:mod:`xds_server.probing.live_prompts`,
+``health.validation.live_prompts``). Answered with a ``PromptAck`` (accepted, refused); with
+``live_prompts`` off every prompt is refused. At most ``MAX_PROMPTS_PER_CALL`` (64) per call are
+looked at, the rest refused. Counted in ``sentinel_live_prompts_submitted_total{outcome}``;
+prompt text is never logged.
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from xds_server.config.feed import FeedConfig, feed_plaintext_refusal
 from xds_server.feed.events import RoutingChange
+from xds_server.probing.live_prompts import MAX_PROMPTS_PER_CALL, REFUSALS
 from xds_server.process.fanout import CLOSE_REASONS, FanOut, Subscriber
 from xds_server.process.tls import peer_identities, refused_client
 from xds_server.process.untrusted import RateLimitedLog
@@ -93,6 +101,7 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
         self._watches: dict[int, _Watch] = {}
         self.updates_sent_total = 0
         self.permission_denied_total = 0
+        self.prompts: dict[str, int] = dict.fromkeys(("accepted", *REFUSALS), 0)  # SubmitPrompts, by outcome
         self._rl = RateLimitedLog(log, 10.0, max_keys=16)
         cp.routing_listeners.append(self._on_change)
 
@@ -224,6 +233,30 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
             self._watches.pop(sub.sid, None)
             log.info("routing feed: subscriber %r left (%d open)", w.name, len(self.book.subs))
 
+    async def SubmitPrompts(self, request: routing_pb2.PromptSample,
+                            context: grpc.aio.ServicerContext) -> routing_pb2.PromptAck:
+        """Keep the valid prompts of ``request`` in switch-back validation's live pool (see the
+        module docstring); PERMISSION_DENIED as :meth:`Watch`. Never logs prompt text."""
+        n = len(request.prompts)
+        why = self.refusal(context)
+        if why is not None:
+            self.permission_denied_total += 1  # logged once, by refusal()
+            self.prompts["denied"] += n
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        cfg = self._cp.config.health.validation.live_prompts
+        pool = getattr(getattr(self._cp, "switchback", None), "live", None)  # switchback.SwitchbackValidator
+        if not cfg.enabled or pool is None:
+            self.prompts["off"] += n
+            return routing_pb2.PromptAck(accepted=0, refused=n)
+        known = {c.name for c in self._cp.config.clusters}
+        accepted = 0
+        for sp in request.prompts[:MAX_PROMPTS_PER_CALL]:
+            reason = pool.offer(sp.cluster, sp.prompt, cfg, known)
+            self.prompts[reason or "accepted"] += 1
+            accepted += reason is None
+        self.prompts["over_call_limit"] += max(0, n - MAX_PROMPTS_PER_CALL)
+        return routing_pb2.PromptAck(accepted=accepted, refused=n - accepted)
+
     async def _send(self, sub: Subscriber[RoutingChange], w: _Watch, context: grpc.aio.ServicerContext,
                     update: routing_pb2.RoutingUpdate) -> None:
         """Write ``update``; past ``feed.send_timeout_s`` drop the subscriber (aborts the call).
@@ -282,6 +315,20 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
         for reason in CLOSE_REASONS:
             d.add_metric([reason], self.book.dropped[reason])
         yield d
+        p = CounterMetricFamily("sentinel_live_prompts_submitted", "prompts relays submitted for switch-back "
+                                "validation (SubmitPrompts) by outcome: accepted, or why refused (off: "
+                                "health.validation.live_prompts off; denied; over_call_limit; empty; too_long; "
+                                "invalid_utf8; unknown_cluster)", labels=["outcome"])
+        for outcome, v in self.prompts.items():
+            p.add_metric([outcome], v)
+        yield p
+        pool = getattr(getattr(self._cp, "switchback", None), "live", None)
+        if pool is not None:
+            g = GaugeMetricFamily("sentinel_live_prompts", "live prompts held for switch-back validation by "
+                                  "cluster (\"\": the shared pool of prompts without one)", labels=["cluster"])
+            for cluster, v in pool.counts().items():
+                g.add_metric([cluster], v)
+            yield g
 
 
 def _retrieved(write: asyncio.Future[Any]) -> None:

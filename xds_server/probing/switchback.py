@@ -11,7 +11,9 @@ looks for nodes the health model holds in PROBATION with a PENDING validation
    peers that replay: said, and probes alone decide (documented choice: refusing would keep a
    recovered node out of a small cluster forever);
 3. the same ``ReplayRequest`` (``sample`` prompts from the configured JSONL file or the built-in
-   set, ``max_tokens`` each, greedy) goes to all three at once;
+   set, with ``live_prompts`` some sampled from live traffic by relays (:mod:`.live_prompts`,
+   :attr:`SwitchbackValidator.live`; only their count is shown), ``max_tokens`` each, greedy)
+   goes to all three at once;
 4. :func:`~xds_server.health.replay_judge.judge` (optionally with embedding cosines from the
    operator's ``embeddings_url``) gives the verdict, fed to the model as
    :class:`~xds_server.health.gate.ValidationObserved` for that PROBATION. FAILED: UNHEALTHY
@@ -42,6 +44,7 @@ from xds_server.config import SentinelConfig
 from xds_server.config.validation import DEFAULT_PROMPTS, ValidationConfig
 from xds_server.health import model as hm
 from xds_server.health.replay_judge import Answer, Judgement, PromptAnswers, judge
+from xds_server.probing.live_prompts import LivePromptPool, draw_prompts
 from xds_server.probing.replay import ReplayExchange
 
 __all__ = ["SwitchbackValidator", "attach", "load_prompts"]
@@ -114,15 +117,19 @@ class SwitchbackValidator:
         self._prompts_key: str | None = None
         self._rng = random.Random()
         self.last: dict[str, dict[str, Any]] = {}
+        self.live = LivePromptPool()  # filled by RoutingFeed/SubmitPrompts (health.validation.live_prompts)
 
     # -- scanning ------------------------------------------------------------------------------
 
     async def check(self) -> None:
         """Validate every node waiting for it, all at once; returns when they are done (so a
         cancelled check cancels them, and their streams close)."""
-        cfg = self._config().health.validation
+        config = self._config()
+        cfg = config.health.validation
         if not cfg.enabled:
             return
+        if cfg.live_prompts.enabled:
+            self.live.forget({c.name for c in config.clusters})  # a cluster reloaded away
         now = self._core.clock.now()
         due = [(nid, nh.since_s) for nid, nh in list(self._core.health.items())
                if nh.state is hm.NodeState.PROBATION and nh.validation.verdict is V.PENDING
@@ -198,7 +205,9 @@ class SwitchbackValidator:
         except (OSError, ValueError) as e:  # the operator's file: named in the event, retried after a fix
             self._retry(nid, since_s, f"health.validation.prompts_file: {e}")
             return
-        prompts = self._rng.sample(pool, min(cfg.sample, len(pool)))
+        lp = cfg.live_prompts
+        prompts, n_live = draw_prompts(pool, self.live.prompts(cluster) if lp.enabled else (), cfg.sample,
+                                       lp.share, self._rng)
         ids = [nid, *peers]
         ex = {i: ReplayExchange(i, core.node_cfg[i].probe_address, tls=self._tls(i), counters=core.counters,
                                 control_plane_id=self._cp_id) for i in ids}
@@ -239,12 +248,13 @@ class SwitchbackValidator:
         j = judge(answers, max_tokens=cfg.max_tokens, token_margin=cfg.token_margin,
                   similarity_margin=cfg.similarity_margin, min_prompt_ratio=cfg.min_prompt_ratio,
                   cosine_min=cfg.cosine_min)
-        numbers = self._numbers(j, able, res[0].model)
+        numbers = {**self._numbers(j, able, res[0].model), "live_prompts": n_live}
+        detail = f"{j.detail}; {n_live} of {len(prompts)} prompts sampled live" if n_live else j.detail
         if j.verdict == "inconclusive":
-            self._retry(nid, since_s, j.detail)
+            self._retry(nid, since_s, detail)
             self.last[nid].update(numbers)
             return
-        self._verdict(nid, since_s, V.PASSED if j.verdict == "passed" else V.FAILED, j.detail, numbers)
+        self._verdict(nid, since_s, V.PASSED if j.verdict == "passed" else V.FAILED, detail, numbers)
 
     @staticmethod
     def _numbers(j: Judgement, peers: Sequence[str], model: str) -> dict[str, Any]:

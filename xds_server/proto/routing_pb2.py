@@ -24,19 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1exds_server/proto/routing.proto\x12\x13sentinel.routing.v1\"7\n\x0cWatchRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\x12\x10\n\x08\x63lusters\x18\x02 \x03(\t\"R\n\rRoutingUpdate\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12/\n\x05nodes\x18\x02 \x03(\x0b\x32 .sentinel.routing.v1.NodeRouting\"\xcb\x01\n\x0bNodeRouting\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08routable\x18\x04 \x01(\x08\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x13\n\x0b\x65\x64s_version\x18\x07 \x01(\t\x12\x0e\n\x06weight\x18\x08 \x01(\r\x12\x19\n\x11\x65\x64s_health_status\x18\t \x01(\t\x12\x18\n\x10published_unix_s\x18\n \x01(\x01\x32_\n\x0bRoutingFeed\x12P\n\x05Watch\x12!.sentinel.routing.v1.WatchRequest\x1a\".sentinel.routing.v1.RoutingUpdate0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1exds_server/proto/routing.proto\x12\x13sentinel.routing.v1\"Z\n\x0cPromptSample\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\x12\x33\n\x07prompts\x18\x02 \x03(\x0b\x32\".sentinel.routing.v1.SampledPrompt\"0\n\rSampledPrompt\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\".\n\tPromptAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0f\n\x07refused\x18\x02 \x01(\r\"7\n\x0cWatchRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\x12\x10\n\x08\x63lusters\x18\x02 \x03(\t\"R\n\rRoutingUpdate\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12/\n\x05nodes\x18\x02 \x03(\x0b\x32 .sentinel.routing.v1.NodeRouting\"\xcb\x01\n\x0bNodeRouting\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08routable\x18\x04 \x01(\x08\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x13\n\x0b\x65\x64s_version\x18\x07 \x01(\t\x12\x0e\n\x06weight\x18\x08 \x01(\r\x12\x19\n\x11\x65\x64s_health_status\x18\t \x01(\t\x12\x18\n\x10published_unix_s\x18\n \x01(\x01\x32\xb3\x01\n\x0bRoutingFeed\x12P\n\x05Watch\x12!.sentinel.routing.v1.WatchRequest\x1a\".sentinel.routing.v1.RoutingUpdate0\x01\x12R\n\rSubmitPrompts\x12!.sentinel.routing.v1.PromptSample\x1a\x1e.sentinel.routing.v1.PromptAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'xds_server.proto.routing_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WATCHREQUEST']._serialized_start=55
-  _globals['_WATCHREQUEST']._serialized_end=110
-  _globals['_ROUTINGUPDATE']._serialized_start=112
-  _globals['_ROUTINGUPDATE']._serialized_end=194
-  _globals['_NODEROUTING']._serialized_start=197
-  _globals['_NODEROUTING']._serialized_end=400
-  _globals['_ROUTINGFEED']._serialized_start=402
-  _globals['_ROUTINGFEED']._serialized_end=497
+  _globals['_PROMPTSAMPLE']._serialized_start=55
+  _globals['_PROMPTSAMPLE']._serialized_end=145
+  _globals['_SAMPLEDPROMPT']._serialized_start=147
+  _globals['_SAMPLEDPROMPT']._serialized_end=195
+  _globals['_PROMPTACK']._serialized_start=197
+  _globals['_PROMPTACK']._serialized_end=243
+  _globals['_WATCHREQUEST']._serialized_start=245
+  _globals['_WATCHREQUEST']._serialized_end=300
+  _globals['_ROUTINGUPDATE']._serialized_start=302
+  _globals['_ROUTINGUPDATE']._serialized_end=384
+  _globals['_NODEROUTING']._serialized_start=387
+  _globals['_NODEROUTING']._serialized_end=590
+  _globals['_ROUTINGFEED']._serialized_start=593
+  _globals['_ROUTINGFEED']._serialized_end=772
 # @@protoc_insertion_point(module_scope)

@@ -6,6 +6,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PromptSample(_message.Message):
+    __slots__ = ("subscriber_id", "prompts")
+    SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    subscriber_id: str
+    prompts: _containers.RepeatedCompositeFieldContainer[SampledPrompt]
+    def __init__(self, subscriber_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[SampledPrompt, _Mapping]]] = ...) -> None: ...
+
+class SampledPrompt(_message.Message):
+    __slots__ = ("cluster", "prompt")
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    cluster: str
+    prompt: str
+    def __init__(self, cluster: _Optional[str] = ..., prompt: _Optional[str] = ...) -> None: ...
+
+class PromptAck(_message.Message):
+    __slots__ = ("accepted", "refused")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    refused: int
+    def __init__(self, accepted: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
+
 class WatchRequest(_message.Message):
     __slots__ = ("subscriber_id", "clusters")
     SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class RoutingFeedStub:
                 request_serializer=xds__server_dot_proto_dot_routing__pb2.WatchRequest.SerializeToString,
                 response_deserializer=xds__server_dot_proto_dot_routing__pb2.RoutingUpdate.FromString,
                 _registered_method=True)
+        self.SubmitPrompts = channel.unary_unary(
+                '/sentinel.routing.v1.RoutingFeed/SubmitPrompts',
+                request_serializer=xds__server_dot_proto_dot_routing__pb2.PromptSample.SerializeToString,
+                response_deserializer=xds__server_dot_proto_dot_routing__pb2.PromptAck.FromString,
+                _registered_method=True)
 
 
 class RoutingFeedServicer:
@@ -50,6 +55,15 @@ class RoutingFeedServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitPrompts(self, request, context):
+        """Unary; the same access rules as Watch (PERMISSION_DENIED otherwise). Always answered with a
+        PromptAck when allowed: with health.validation.live_prompts off every prompt is refused.
+        An older control plane answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RoutingFeedServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +71,11 @@ def add_RoutingFeedServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=xds__server_dot_proto_dot_routing__pb2.WatchRequest.FromString,
                     response_serializer=xds__server_dot_proto_dot_routing__pb2.RoutingUpdate.SerializeToString,
+            ),
+            'SubmitPrompts': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitPrompts,
+                    request_deserializer=xds__server_dot_proto_dot_routing__pb2.PromptSample.FromString,
+                    response_serializer=xds__server_dot_proto_dot_routing__pb2.PromptAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +105,33 @@ class RoutingFeed:
             '/sentinel.routing.v1.RoutingFeed/Watch',
             xds__server_dot_proto_dot_routing__pb2.WatchRequest.SerializeToString,
             xds__server_dot_proto_dot_routing__pb2.RoutingUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitPrompts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sentinel.routing.v1.RoutingFeed/SubmitPrompts',
+            xds__server_dot_proto_dot_routing__pb2.PromptSample.SerializeToString,
+            xds__server_dot_proto_dot_routing__pb2.PromptAck.FromString,
             options,
             channel_credentials,
             insecure,
