@@ -116,3 +116,23 @@ def parse_client(raw: bytes) -> dict:
                 finishes.append(ch["finish_reason"])
     return {"text": "".join(text), "finishes": finishes, "usage": usage, "dones": dones,
             "ids": ids_, "models": models, "errors": errors, "pings": pings, "token_ids": ids_tok}
+
+
+def engine_handler(host_of):
+    """An aiohttp handler answering completions and chat as :func:`generate` does (SSE when
+    ``stream``, else one JSON answer), with ``x-sentinel-upstream-host: host_of(request)``."""
+    from aiohttp import web
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        host = host_of(request)
+        kind = "chat" if request.path.endswith("chat/completions") else "completions"
+        sse, _ = generate(kind, body, rid="r")
+        if not body.get("stream"):
+            return web.json_response({"id": "r", "choices": [{"text": "x"}]},
+                                     headers={"x-sentinel-upstream-host": host})
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "x-sentinel-upstream-host": host})
+        await resp.prepare(request)
+        await resp.write(sse)
+        return resp
+    return handle

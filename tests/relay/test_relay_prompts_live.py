@@ -10,8 +10,7 @@ from pathlib import Path
 
 import aiohttp
 import yaml
-from aiohttp import web
-from relay_fake_engine import generate
+from relay_fake_engine import engine_handler
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from bounded_support import prometheus_value
@@ -31,17 +30,7 @@ async def _metric(http: aiohttp.ClientSession, url: str, name: str, **labels: st
 
 
 async def test_relay_samples_prompts_into_the_control_planes_live_pool(serve, tmp_path):
-    async def engine(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        kind = "chat" if request.path.endswith("chat/completions") else "completions"
-        sse, _ = generate(kind, body, rid="r")
-        if not body.get("stream"):
-            return web.json_response({"id": "r", "choices": [{"text": "w9 "}]},
-                                     headers={"x-sentinel-upstream-host": NODE})
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "x-sentinel-upstream-host": NODE})
-        await resp.prepare(request)
-        await resp.write(sse)
-        return resp
+    engine = engine_handler(lambda _request: NODE)
     upstream = await serve({("POST", "/v1/completions"): engine, ("POST", "/v1/chat/completions"): engine})
 
     xds_port, admin_port, relay_port, relay_admin = free_port(), free_port(), free_port(), free_port()

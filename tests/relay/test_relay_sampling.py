@@ -14,7 +14,7 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
-from relay_fake_engine import generate
+from relay_fake_engine import engine_handler
 
 from sentinel_relay.cli import _parser, config_fields
 from sentinel_relay.config import RelayConfig, RelayConfigError, load_relay_config
@@ -110,20 +110,12 @@ def test_the_config_and_flag():
 
 
 async def test_the_relay_samples_answered_requests_with_the_feeds_cluster(serve):
+    answer = engine_handler(lambda r: {"ok": "10.0.0.1:8000"}.get(r.headers.get("x-case", ""), "10.9.9.9:1"))
+
     async def handle(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        host = {"ok": "10.0.0.1:8000", "err": ""}.get(request.headers.get("x-case", ""), "10.9.9.9:1")
         if request.headers.get("x-case") == "err":
             return web.json_response({"error": {"message": "bad"}}, status=400)
-        kind = "chat" if request.path.endswith("chat/completions") else "completions"
-        sse, _ = generate(kind, body, rid="r")
-        if not body.get("stream"):
-            return web.json_response({"id": "r", "choices": [{"text": "x"}]},
-                                     headers={"x-sentinel-upstream-host": host})
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "x-sentinel-upstream-host": host})
-        await resp.prepare(request)
-        await resp.write(sse)
-        return resp
+        return await answer(request)
     base = await serve({("POST", "/v1/completions"): handle, ("POST", "/v1/chat/completions"): handle,
                         ("POST", "/v1/embeddings"): handle})
     relay = await Relay(RelayConfig(listen="127.0.0.1:0", upstream=base, routing_feed=FEED, sample_prompts=1.0,
