@@ -70,6 +70,8 @@ async def main(args: argparse.Namespace) -> None:
     print("| run | prompts x tokens | token interval | replay wall (ms) | judge CPU (us) | peers agree to token |"
           " peers' similarity | candidate agrees to token | verdict |\n|---:|---|---:|---:|---:|---:|---:|---:|---|")
     walls, cpus = [], []
+    if args.engine_url:
+        await asyncio.sleep(3.0)  # the agents have found their engines (kind, model) before the first replay
     try:
         for run in range(1, args.runs + 1):
             req = probe_pb2.ReplayRequest(request_id=f"bench-{run}", prompts=list(DEFAULT_PROMPTS),
@@ -96,6 +98,9 @@ async def main(args: argparse.Namespace) -> None:
                 j = judge(pas, max_tokens=args.max_tokens, token_margin=0.25, similarity_margin=0.2,
                           min_prompt_ratio=0.75)
             cpu = (time.process_time() - c0) / 200 * 1e6
+            if j.noise["agreement_tokens"] is None:  # no prompt both peers answered: say why
+                errs = {a.error for r in res if not isinstance(r, str) for a in r.answers if a.error}
+                raise SystemExit(f"run {run}: {j.detail}; answer errors: {sorted(errs)[:3]}")
             walls.append(wall)
             cpus.append(cpu)
             print(f"| {run} | {len(DEFAULT_PROMPTS)} x {args.max_tokens} | {args.token_interval_ms:g} ms | {wall:.0f} |"
