@@ -10,6 +10,7 @@ import collections
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -57,12 +58,17 @@ class TrafficLoad:
     seconds and counted in ``refused``, not as a failure. ``in_flight`` maps the serving engine
     (Envoy's ``x-sentinel-upstream-host``; "?" when absent) to the streams running on it now.
     Every connection is closed after its request (no keep-alive), so a restarted Envoy is never
-    sent a request on a connection it already closed.
+    sent a request on a connection it already closed. ``resets_as_refused``: a connection reset
+    or closed before any response byte also counts as refused and is retried: for a listener that
+    closes (an Envoy restart), where a connect the kernel's backlog completed but Envoy never
+    accepted is reset when the listening socket closes; nothing reached Envoy's HTTP layer.
     """
 
     def __init__(self, url: str, requests: int = 2, streams: int = 2, request_tokens: int = 4,
-                 stream_tokens: int = 40, timeout_s: float = 20.0, refused_retry_s: float = 0.05) -> None:
+                 stream_tokens: int = 40, timeout_s: float = 20.0, refused_retry_s: float = 0.05,
+                 resets_as_refused: bool = False) -> None:
         self.base = url.rstrip("/")
+        self.resets_as_refused = resets_as_refused
         self.n_requests, self.n_streams = requests, streams
         self.request_tokens, self.stream_tokens = request_tokens, stream_tokens
         self.timeout_s, self.refused_retry_s = timeout_s, refused_retry_s
@@ -119,20 +125,26 @@ class TrafficLoad:
         while not self._stop.is_set():
             try:
                 await (self._stream(body) if stream else self._request(body))
-            except aiohttp.ClientConnectorError:
+            except (aiohttp.ClientConnectorError, _Unaccepted):
                 self.phases[self.current].refused += 1
                 await asyncio.sleep(self.refused_retry_s)
+
+    def _post(self, body: dict) -> _Posting:
+        """The POST's context manager; entering it raises :class:`_Unaccepted` for a reset before
+        any response byte when ``resets_as_refused``."""
+        assert self._session is not None
+        return _Posting(self._session.post(self.base + "/v1/completions", json=body), self.resets_as_refused)
 
     async def _request(self, body: dict) -> None:
         assert self._session is not None
         try:
-            async with self._session.post(self.base + "/v1/completions", json=body) as r:
+            async with self._post(body) as r:
                 await r.read()
                 if r.status == 200:
                     self.phases[self.current].requests_ok += 1
                 else:
                     self.phases[self.current].requests_failed[f"HTTP {r.status}"] += 1
-        except aiohttp.ClientConnectorError:
+        except (aiohttp.ClientConnectorError, _Unaccepted):
             raise
         except (TimeoutError, aiohttp.ClientError) as e:
             self.phases[self.current].requests_failed[type(e).__name__] += 1
@@ -141,7 +153,7 @@ class TrafficLoad:
         assert self._session is not None
         node, done, error = None, False, False
         try:
-            async with self._session.post(self.base + "/v1/completions", json=body) as r:
+            async with self._post(body) as r:
                 if r.status != 200:
                     await r.read()
                     self.phases[self.current].streams_cut[f"HTTP {r.status}"] += 1
@@ -158,7 +170,7 @@ class TrafficLoad:
                                 done = True
                             elif line.startswith(b"data: ") and b'"error"' in line and "error" in json.loads(line[6:]):
                                 error = True
-        except aiohttp.ClientConnectorError:
+        except (aiohttp.ClientConnectorError, _Unaccepted):
             raise
         except (TimeoutError, aiohttp.ClientError) as e:
             self.phases[self.current].streams_cut[type(e).__name__] += 1
@@ -172,3 +184,25 @@ class TrafficLoad:
             self.phases[self.current].streams_cut["no [DONE]"] += 1
         else:
             self.phases[self.current].streams_ok += 1
+
+
+class _Unaccepted(Exception):
+    """A connection reset or closed before any response byte (see ``resets_as_refused``)."""
+
+
+class _Posting:
+    """``session.post(...)`` whose entry turns a reset before the response into :class:`_Unaccepted`."""
+
+    def __init__(self, cm: Any, resets_as_refused: bool) -> None:
+        self._cm, self._on = cm, resets_as_refused
+
+    async def __aenter__(self) -> aiohttp.ClientResponse:
+        try:
+            return await self._cm.__aenter__()
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            if self._on and not isinstance(e, aiohttp.ClientConnectorError):
+                raise _Unaccepted(str(e)) from e
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._cm.__aexit__(*exc)
