@@ -88,7 +88,7 @@ async def _serve(cfg: RelayConfig, index: int, reuse_port: bool, ready_fd: int |
                           tls=cfg.feed_tls())
         feed.start()
         if relay.sampler is not None:  # --sample-prompts: sent over the feed's connection
-            relay.sampler.start(lambda: feed.channel if feed is not None else None, feed.subscriber_id)
+            relay.sampler.start(lambda: feed.channel, feed.subscriber_id)
     if ready_fd is not None:
         os.write(ready_fd, f"r{relay.port}\n".encode())
         os.close(ready_fd)

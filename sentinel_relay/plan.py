@@ -200,12 +200,7 @@ class Continuation:
 def stop_holdback(body: dict[str, Any]) -> int:
     """Characters the engine holds back while a stop string may still match (vLLM's stop
     buffer: the longest stop string's length - 1; 0 with ``include_stop_str_in_output``)."""
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or body.get("include_stop_str_in_output") is True:
-        return 0
-    return max((len(s) - 1 for s in stop if isinstance(s, str) and s), default=0)
+    return 0 if body.get("include_stop_str_in_output") is True else stop_lookback(body)
 
 
 def stop_lookback(body: dict[str, Any]) -> int:

@@ -233,6 +233,11 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
             self._watches.pop(sub.sid, None)
             log.info("routing feed: subscriber %r left (%d open)", w.name, len(self.book.subs))
 
+    def _live_pool(self) -> Any:
+        """Switch-back validation's live pool (``SwitchbackValidator.live``); None when the
+        control plane runs no validator."""
+        return getattr(getattr(self._cp, "switchback", None), "live", None)
+
     async def SubmitPrompts(self, request: routing_pb2.PromptSample,
                             context: grpc.aio.ServicerContext) -> routing_pb2.PromptAck:
         """Keep the valid prompts of ``request`` in switch-back validation's live pool (see the
@@ -244,7 +249,7 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
             self.prompts["denied"] += n
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         cfg = self._cp.config.health.validation.live_prompts
-        pool = getattr(getattr(self._cp, "switchback", None), "live", None)  # switchback.SwitchbackValidator
+        pool = self._live_pool()
         if not cfg.enabled or pool is None:
             self.prompts["off"] += n
             return routing_pb2.PromptAck(accepted=0, refused=n)
@@ -322,7 +327,7 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
         for outcome, v in self.prompts.items():
             p.add_metric([outcome], v)
         yield p
-        pool = getattr(getattr(self._cp, "switchback", None), "live", None)
+        pool = self._live_pool()
         if pool is not None:
             g = GaugeMetricFamily("sentinel_live_prompts", "live prompts held for switch-back validation by "
                                   "cluster (\"\": the shared pool of prompts without one)", labels=["cluster"])
