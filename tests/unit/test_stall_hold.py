@@ -1,6 +1,7 @@
 """Our own event-loop stalls hold verdicts on a node's silence (xds_server.probing.stall_hold, pure):
 the compact history answers like one that keeps every stall, and a hold ends at the node's first
-heartbeat after we woke or ``hold_s`` after waking."""
+heartbeat after we woke or ``hold_s`` after waking. A ping's round trip spans a stall exactly when
+one that the full record holds woke inside it."""
 from __future__ import annotations
 
 from itertools import pairwise
@@ -8,7 +9,7 @@ from itertools import pairwise
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xds_server.probing.stall_hold import Stall, StallHistory, held_until, ran, stalls_at
+from xds_server.probing.stall_hold import Stall, StallHistory, held_until, ran, stalled_between, stalls_at
 
 U = 1 / 1024  # times are whole multiples of this (s), so sums are exact in binary floating point
 PERIOD, MIN_GAP, KEEP = 64 * U, 64 * U, 60.0
@@ -89,3 +90,30 @@ def test_a_shorter_stall_after_a_long_one_keeps_both_and_a_longer_one_replaces_t
     h = ran(h, h.alive_s + PERIOD + 6.0, PERIOD, MIN_GAP, KEEP)
     assert [s.gap_s for s in h.stalls] == [6.0]
     assert ran(h, h.alive_s + KEEP + 1.0, PERIOD, MIN_GAP, KEEP).stalls[:-1] == ()  # old ones forgotten
+
+
+@settings(max_examples=400, deadline=None)
+@given(_runs, st.integers(0, 3000), st.integers(0, 12000))
+def test_a_round_trip_spans_a_stall_exactly_when_one_of_every_recorded_stall_woke_inside_it(runs, later_u, rtt_u):
+    h, every, last = _replay(runs)
+    now = last + later_u * U
+    since = now - rtt_u * U
+    cands = [s for s in every if s.woke_s >= last - KEEP]
+    if now - h.alive_s - PERIOD >= PERIOD:  # the stall we are waking from, not sampled yet
+        cands.append(Stall(now, now - h.alive_s - PERIOD))
+    assert stalled_between(h, since, now, PERIOD) == any(s.woke_s > since for s in cands)
+
+
+def test_the_five_second_sigstop_pong_is_dropped_and_a_round_trip_after_it_is_kept():
+    h = StallHistory(alive_s=10.0)
+    sent = 10.01
+    woke = 10.0 + PERIOD + 5.0
+    # waking, the sampler not run yet: the pong read now spans the stall
+    assert stalled_between(h, sent, woke + 0.001, PERIOD)
+    h = ran(h, woke, PERIOD, MIN_GAP, KEEP)
+    assert stalled_between(h, sent, woke + 0.001, PERIOD)
+    # a ping sent after waking measures the network again
+    assert not stalled_between(h, woke + 0.01, woke + 0.012, PERIOD)
+    # a late run shorter than the sampler's period is no stall
+    h2 = ran(StallHistory(alive_s=0.0), PERIOD + PERIOD / 2, PERIOD, MIN_GAP, KEEP)
+    assert not stalled_between(h2, 0.0, h2.alive_s + 0.001, PERIOD)

@@ -6,7 +6,9 @@ arrives into health-model observations, timed on the control plane's own monoton
 
 - each Heartbeat -> :class:`HeartbeatObserved`; a timer armed at last arrival + interval + grace
   (and every interval after) delivers :class:`Tick`, so missed heartbeats are counted unpolled;
-- Ping{seq} every ``ping_interval_ms``; the matching Pong gives the RTT -> :class:`PingObserved`;
+- Ping{seq} every ``ping_interval_ms``; the matching Pong gives the RTT -> :class:`PingObserved`,
+  except a round trip across a heartbeat gap or across a stall of our own loop (dropped, counted in
+  ``rtt_samples_dropped``);
 - each InferenceResult -> :class:`ProbeObserved`;
 - the stream ending, failing to open, or bringing no heartbeat for ``probe.silent_stream_redial_ms``
   -> :class:`StreamClosed`, then redial with exponential backoff
@@ -353,7 +355,13 @@ class ProbeSession:
                     # else: an answer to a ping dropped after a heartbeat gap, or beyond
                     # max_unanswered_pings: no sample, not the agent's fault
                     return
-                self._arm(self.sink(self.node.id, PingObserved(rtt_ms=(monotonic() - sent) * 1000.0), now))
+                rtt_s = monotonic() - sent
+                if self.silence_gate.stalled_since(now - rtt_s, now):
+                    # the round trip spans our own stall (a pong that waited unread while we were
+                    # stopped): it measured us, not the network
+                    self.rtt_samples_dropped += 1
+                    return
+                self._arm(self.sink(self.node.id, PingObserved(rtt_ms=rtt_s * 1000.0), now))
             elif isinstance(checked, CheckedResult):
                 obs = checked.observation
                 self._note_probe(obs)

@@ -16,6 +16,7 @@ Shape::
     gate.until(now_s, heard_s)          # None: judge now; else the loop time (s) to judge at
     gate.due(now_s, heard_s)            # the detection timer is due: a hold's end, or Tick / StreamClosed
     gate.closed(now_s, detail, heard_s)  # the stream ended: a hold's end (kept), or StreamClosed
+    gate.stalled_since(sent_s, now_s)   # a ping's round trip spans our own stall: no RTT sample
     await gate.silent_for(loop, silent_s, ...)    # returns once the open stream is silent
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import ClassVar
 from xds_server.config import HealthConfig, ProbeConfig
 from xds_server.health.clocks import miss_after_s
 from xds_server.health.records import StreamClosed, Tick
-from xds_server.probing.stall_hold import StallHistory, held_until, ran
+from xds_server.probing.stall_hold import StallHistory, held_until, ran, stalled_between
 from xds_server.probing.timers import recheck_after_s
 
 __all__ = ["LoopStallWatch", "SilenceGate", "SilentStream"]
@@ -126,6 +127,13 @@ class SilenceGate:
             return None
         self.held += 1
         return at
+
+    def stalled_since(self, since_s: float, now_s: float) -> bool:
+        """Whether our own loop stalled between ``since_s`` and ``now_s`` (loop times, s): a
+        ping's round trip over that span measured us, not the network
+        (:func:`~xds_server.probing.stall_hold.stalled_between`)."""
+        w = self._watch
+        return w is not None and stalled_between(w.history, since_s, now_s, w.period_s)
 
     def due(self, now_s: float, heard_s: float | None) -> float | Tick | StreamClosed:
         """The session's detection timer is due at ``now_s``: the end of a running hold (a loop

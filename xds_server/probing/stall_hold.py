@@ -25,12 +25,18 @@ Shape::
     h = StallHistory(alive_s=now_s)
     h = ran(h, now_s, period_s=0.05, min_gap_s=0.05, keep_s=60.0)   # each sampler run
     held_until(h, now_s, period_s=0.05, stall_s=0.18, hold_s=1.0, heard_s=last_hb_s)  # s or None
+    stalled_between(h, sent_s, now_s, period_s=0.05)   # a ping's RTT spans our own stall: drop it
+
+A ping's round trip measured across our own stall measures the stall, not the network: a pong
+that waited unread while we were stopped for 5 s read as a 5,000 ms RTT, which lifted a healthy
+node's EWMA RTT to ~1 s and had it ejected as an RTT outlier. :func:`stalled_between` says which
+round trips to drop.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Stall", "StallHistory", "held_until", "ran", "stalls_at"]
+__all__ = ["Stall", "StallHistory", "held_until", "ran", "stalled_between", "stalls_at"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,3 +90,12 @@ def held_until(h: StallHistory, now_s: float, period_s: float, stall_s: float, h
             if at > now_s and (end is None or at > end):
                 end = at
     return end
+
+
+def stalled_between(h: StallHistory, since_s: float, now_s: float, period_s: float) -> bool:
+    """Whether our loop stalled at least ``period_s`` (the sampler's own period, what it records)
+    between ``since_s`` and ``now_s`` (s): a stall that woke after ``since_s``, recorded or the
+    one we are waking from at ``now_s``. The latest recorded stall is always kept (a later stall
+    drops only the earlier ones no longer than it), so a stall in the span is never forgotten
+    while it is younger than the history's ``keep_s``."""
+    return any(s.woke_s > since_s and s.gap_s >= period_s for s in stalls_at(h, now_s, period_s))

@@ -1,0 +1,78 @@
+"""A ping's round trip across our own stall is no RTT sample (the fault matrix's SIGSTOP finding).
+
+The control plane, stopped 5 s, woke to a pong that had waited unread in its socket and measured
+a 5,000 ms RTT; the EWMA (alpha 0.2) read ~1,011 ms against a cluster median of 10 ms and a healthy
+node was ejected as an RTT outlier for 30 s. Real gRPC: the control plane's probe session against a
+scripted agent that runs on its own thread and event loop, so it answers while the control
+plane's loop is blocked (here: ``time.sleep`` on the loop, what a SIGSTOP looks like to it)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from scripted_agent import ScriptedAgent
+
+from xds_server.config import parse_config
+from xds_server.server import ControlPlane
+from xds_server.testing import wait_for
+
+
+class AgentThread:
+    """A ScriptedAgent served by its own event loop on a thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.agent: ScriptedAgent = asyncio.run_coroutine_threadsafe(ScriptedAgent.start(), self.loop).result(10)
+
+    def pings(self) -> int:
+        return sum(1 for m in list(self.agent.received) if m.HasField("ping"))
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.agent.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def agent_thread() -> Iterator[AgentThread]:
+    a = AgentThread()
+    try:
+        yield a
+    finally:
+        a.close()
+
+
+async def test_a_pong_that_waited_through_our_stall_gives_no_rtt_sample(agent_thread):
+    agent = agent_thread.agent
+    cp = ControlPlane(parse_config({
+        "xds": {"listen": "127.0.0.1:0"}, "admin": {"listen": "127.0.0.1:0"},
+        "health": {"ping_interval_ms": 200}, "probe": {"workers": 0},
+        "clusters": [{"name": "llm", "nodes": [
+            {"id": "a", "address": "127.0.0.1:8001", "probe_address": f"127.0.0.1:{agent.port}"}]}],
+    }))
+    await cp.start()
+    try:
+        await wait_for(lambda: cp.health["a"].rtt.last_ms is not None, timeout_s=10, what="a first RTT sample")
+        # No heartbeat may come between the ping and its pong, so the pong is the first message
+        # read after we wake (a heartbeat after a gap already drops the pings outstanding).
+        agent.heartbeats = False
+        n = agent_thread.pings()
+        await wait_for(lambda: agent_thread.pings() > n, timeout_s=5, step_s=0.001, what="a ping")
+        time.sleep(1.5)  # our loop runs nothing: the agent's pong waits unread
+        await asyncio.sleep(0.2)  # read it
+        rtt = cp.health["a"].rtt
+        # one 1,500 ms sample would lift the EWMA (alpha 0.2) by ~300 ms; LAN round trips are ~1 ms
+        assert rtt.ewma_ms is not None and rtt.ewma_ms < 50, rtt
+        assert getattr(cp.sessions["a"], "rtt_samples_dropped", 0) >= 1
+        # and a round trip with no stall in it is still a sample
+        before = rtt.last_ms
+        agent.heartbeats = True
+        await wait_for(lambda: cp.health["a"].rtt.last_ms != before, timeout_s=5, what="a new RTT sample")
+    finally:
+        await cp.stop()
