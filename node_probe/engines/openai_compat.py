@@ -38,6 +38,7 @@ OPENAI_METRICS = MetricSpec(
     ),
     prefix_gauges=(sel("vllm:gpu_prefix_cache_hit_rate"), sel("sglang:cache_hit_rate")),
     generation_tokens=(sel("vllm:generation_tokens_total"),),
+    finished=(sel("vllm:request_success_total"),),
     progress=((sel("vllm:generation_tokens_total"), sel("vllm:prompt_tokens_total")),),
     group_label="engine",
 )

@@ -49,6 +49,8 @@ class EngineLoadReading:
         prefix_cache_hit_ratio: prefix-cache hits / queries since engine start, 0..1; ``None``
             while there were no queries or the engine does not expose them.
         generation_tokens_total: cumulative generated tokens (counter).
+        requests_finished_total: requests finished since the engine started (counter, summed
+            over every series: finish reasons, instances).
         kv_cache_metric: name of the metric the KV value came from, ``""`` if none.
         groups: per-instance running/waiting/progress, keyed by the group label's value.
         progress_metric: name(s) of the metric(s) ``GroupLoad.progress`` comes from, ``""``
@@ -60,6 +62,7 @@ class EngineLoadReading:
     kv_cache_usage_ratio: float | None = None
     prefix_cache_hit_ratio: float | None = None
     generation_tokens_total: float | None = None
+    requests_finished_total: float | None = None
     kv_cache_metric: str = ""
     groups: Mapping[str, GroupLoad] = field(default_factory=dict, compare=False)
     progress_metric: str = field(default="", compare=False)
@@ -109,6 +112,7 @@ class MetricSpec:
         prefix_pairs: ``(queries, hits)`` counter pairs (summed) giving the hit ratio.
         prefix_gauges: hit-ratio gauges 0..1, used when no counter pair exists.
         generation_tokens: generated-token counters (summed).
+        finished: finished-request counters (summed over every series).
         progress: alternatives for the per-step progress counter; each alternative is a tuple of
             selectors whose samples are all summed (e.g. generated + prompt tokens).
         group_label: label whose values identify engine instances (``None``: one instance).
@@ -121,13 +125,14 @@ class MetricSpec:
     prefix_pairs: tuple[tuple[Sel, Sel], ...] = ()
     prefix_gauges: tuple[Sel, ...] = ()
     generation_tokens: tuple[Sel, ...] = ()
+    finished: tuple[Sel, ...] = ()
     progress: tuple[tuple[Sel, ...], ...] = ()
     group_label: str | None = None
 
     def names(self) -> frozenset[str]:
         """Every metric name the spec selects (the only lines parsed from a page)."""
         sels: list[Sel] = [*self.running, *self.waiting, *self.kv_usage, *self.prefix_gauges,
-                           *self.generation_tokens]
+                           *self.generation_tokens, *self.finished]
         for pair in (*self.kv_used_total, *self.prefix_pairs):
             sels.extend(pair)
         for alt in self.progress:
@@ -302,12 +307,14 @@ def parse_with_spec(text: str, spec: MetricSpec) -> EngineLoadReading:
             prefix_ratio = min(1.0, max(0.0, sum(vals) / len(vals)))
 
     gen = _first(samples, spec.generation_tokens)
+    fin = _first(samples, spec.finished)
     return EngineLoadReading(
         requests_waiting=None if waiting is None else float(sum(waiting.values())),
         requests_running=None if running is None else float(sum(running.values())),
         kv_cache_usage_ratio=kv_ratio,
         prefix_cache_hit_ratio=prefix_ratio,
         generation_tokens_total=None if gen is None else float(sum(s.value for s in gen[1])),
+        requests_finished_total=None if fin is None else float(sum(s.value for s in fin[1])),
         kv_cache_metric=kv_name,
         groups=groups,
         progress_metric=progress_metric,

@@ -34,6 +34,7 @@ class TgiAdapter(EngineAdapter):
         running=(sel("tgi_batch_current_size"),),
         waiting=(sel("tgi_queue_size"),),
         generation_tokens=(sel("tgi_request_generated_tokens_sum"),),
+        finished=(sel("tgi_request_duration_count"),),  # a histogram: its count is requests finished
         progress=((sel("tgi_batch_inference_success"),),),
         group_label=None,
     )

@@ -156,7 +156,7 @@ class Telemetry(_message.Message):
     def __init__(self, engine_state: _Optional[_Union[EngineState, str]] = ..., engine_load: _Optional[_Union[EngineLoad, _Mapping]] = ..., gpu: _Optional[_Union[GpuTelemetry, _Mapping]] = ..., stalled: _Optional[bool] = ..., stall_detail: _Optional[str] = ..., progress_age_ms: _Optional[int] = ..., progress_detail: _Optional[str] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("metrics_ok", "metrics_error", "age_ms", "requests_waiting", "requests_running", "kv_cache_usage_ratio", "prefix_cache_hit_ratio", "generation_tokens_total", "kv_cache_metric")
+    __slots__ = ("metrics_ok", "metrics_error", "age_ms", "requests_waiting", "requests_running", "kv_cache_usage_ratio", "prefix_cache_hit_ratio", "generation_tokens_total", "kv_cache_metric", "requests_finished_total")
     METRICS_OK_FIELD_NUMBER: _ClassVar[int]
     METRICS_ERROR_FIELD_NUMBER: _ClassVar[int]
     AGE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class EngineLoad(_message.Message):
     PREFIX_CACHE_HIT_RATIO_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_METRIC_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FINISHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     metrics_ok: bool
     metrics_error: str
     age_ms: int
@@ -175,7 +176,8 @@ class EngineLoad(_message.Message):
     prefix_cache_hit_ratio: float
     generation_tokens_total: float
     kv_cache_metric: str
-    def __init__(self, metrics_ok: _Optional[bool] = ..., metrics_error: _Optional[str] = ..., age_ms: _Optional[int] = ..., requests_waiting: _Optional[float] = ..., requests_running: _Optional[float] = ..., kv_cache_usage_ratio: _Optional[float] = ..., prefix_cache_hit_ratio: _Optional[float] = ..., generation_tokens_total: _Optional[float] = ..., kv_cache_metric: _Optional[str] = ...) -> None: ...
+    requests_finished_total: float
+    def __init__(self, metrics_ok: _Optional[bool] = ..., metrics_error: _Optional[str] = ..., age_ms: _Optional[int] = ..., requests_waiting: _Optional[float] = ..., requests_running: _Optional[float] = ..., kv_cache_usage_ratio: _Optional[float] = ..., prefix_cache_hit_ratio: _Optional[float] = ..., generation_tokens_total: _Optional[float] = ..., kv_cache_metric: _Optional[str] = ..., requests_finished_total: _Optional[float] = ...) -> None: ...
 
 class GpuTelemetry(_message.Message):
     __slots__ = ("state", "error", "gpus", "poll_seq")

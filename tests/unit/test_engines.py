@@ -392,3 +392,14 @@ def test_probe_header_has_one_meaning_for_the_probe_and_the_simulated_engine():
 
     assert (PROBE_HEADER, PROBE_HEADER_VALUE) == ("x-sentinel-probe", "1")
     assert sim.PROBE_HEADER == PROBE_HEADER
+
+
+def test_finished_requests_counter_sums_every_finish_reason():
+    # real vLLM after 9 requests: vllm:request_success_total{finished_reason="length"} 9, the other
+    # reasons 0; the agent sends the sum (shedding reads capacity from its rate)
+    r = VLLM.parse_metrics(vllm_body("03b_metrics_after_requests.raw").decode())
+    assert r.requests_finished_total == 9.0
+    assert _load_message(r, "").requests_finished_total == 9.0
+    assert VLLM.parse_metrics(vllm_body("13_metrics_during_load.raw").decode()).requests_finished_total == 0.0
+    assert TGI.parse_metrics((FIX / "tgi" / "metrics.txt").read_text()).requests_finished_total == 1811.0
+    assert not _load_message(TGI.parse_metrics(""), "").HasField("requests_finished_total")  # unknown: unset

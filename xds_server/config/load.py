@@ -9,6 +9,7 @@ comparison (docs/xds_protocol.md 2.8).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -164,6 +165,17 @@ class ShedConfig(_Model):
     min_waiting: float = Field(
         2.0, ge=0, description="the relative trigger needs at least this many waiting on the node (noise of one "
         "request arriving just before a slot frees is no overload)")
+    capacity_source: Literal["lrs", "engines"] = Field(
+        "lrs",
+        description="where what the routable nodes can complete comes from. lrs: completions "
+        "measured from LRS (issued to the routable nodes minus the growth of their in-flight "
+        "requests), the most seen while a queue stood over queue_wait_budget_s. engines: each "
+        "engine's own finished-request counter (vllm:request_success_total, TGI's "
+        "tgi_request_duration_count) through Little's law, its slots over the time a request "
+        "runs, known at any load; the drop then follows the offered load, easing keeps a Poisson "
+        "margin and the headroom grows by 0.05 per evaluation over the budget (at most 0.5). "
+        "Measured: better on engines with 16 slots, worse on 2 slots (benchmarks/RESULTS.md, "
+        "issue 22); nodes whose engines do not count fall back to lrs")
     classes: ShedClassesConfig = ShedClassesConfig()
 
 

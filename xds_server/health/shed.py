@@ -50,20 +50,28 @@ __all__ = ["ShedInputs", "ShedState", "shed_step"]
 # Easing is held while the eased drop would let in more than the measured capacity, for at most
 # this many lift_after_s (then eased anyway: a capacity measured long ago may be stale). Ours.
 _TRUST_CAPACITY_LIFTS = 4
+_HEADROOM_STEP = 0.05
+_MAX_HEADROOM = 0.5
 
 
 @dataclass(frozen=True, slots=True)
 class ShedState:
     """``percent``: the drop published (0..100); ``low_since_s``: since when queues are low
     while shedding (s); ``reason``: why, for the views; ``capacity_rps``: completions per s per
-    routable node, the most measured while a queue stood over the budget since shedding began
-    (None: not yet; a window saturated only in part reads low, so the most is kept)."""
+    routable node since shedding began (None: not yet). ``capacity_exact``: it came from the
+    engines' own counters (slots over the time a request runs, measured at any load: easing
+    never lets in more than it, less the headroom); else it is the most LRS-derived completions
+    measured while a queue stood over the budget (a window saturated only in part reads low, so
+    the most is kept, and trusted for ``4 x lift_after_s`` of low queues). ``headroom``: the
+    share of that capacity kept free now (None: ``headroom_ratio``; see :func:`shed_step`)."""
 
     percent: float = 0.0
     flip: bool = False
     low_since_s: float | None = None
     reason: str = ""
     capacity_rps: float | None = None
+    capacity_exact: bool = False
+    headroom: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +82,9 @@ class ShedInputs:
     ``kv_usage``: each routable node's KV-cache usage (0..1; None or absent: unknown);
     ``admitted_rps``: LRS issued to the routable nodes over the window (per s) and ``growth_rps``:
     the growth of their in-flight requests over it (per s; None: unknown); ``node_ids``: their
-    names, for the reason."""
+    names, for the reason; ``finished_rps``: what each one's engine finished over the window by
+    its own counter (per s; None: unknown) and ``capable_rps``: what it could finish (per s,
+    its slots over the time a request runs; None: unknown)."""
 
     waiting: Sequence[float | None]
     telemetry_age_s: Sequence[float | None]
@@ -85,20 +95,62 @@ class ShedInputs:
     admitted_rps: float | None = None
     growth_rps: float | None = None
     node_ids: Sequence[str] = ()
+    finished_rps: Sequence[float | None] = ()
+    capable_rps: Sequence[float | None] = ()
 
 
 def _set(state: ShedState, percent: float, reason: str, low_since_s: float | None = None,
-         capacity_rps: float | None = None) -> ShedState:
+         capacity_rps: float | None = None, exact: bool = False, headroom: float | None = None) -> ShedState:
     flip = state.flip if percent == state.percent else not state.flip
-    return ShedState(percent, flip, low_since_s, reason, capacity_rps if percent > 0 else None)
+    shedding = percent > 0
+    room = (headroom if headroom is not None else state.headroom) if shedding else None
+    return ShedState(percent, flip, low_since_s, reason, capacity_rps if shedding else None, exact and shedding,
+                     room)
+
+
+def _offered_high(inp: ShedInputs, cfg: ShedConfig) -> float:
+    """The offered load (per s) plus two standard errors of a Poisson count over the window: an
+    easing step is taken only if it would let in no more than the capacity at this load, so a
+    window that happened to count few arrivals does not open the door (ours)."""
+    return inp.offered_rps + 2.0 * math.sqrt(max(inp.offered_rps, 0.0) / cfg.window_s)
+
+
+def _engine_counts(inp: ShedInputs, cfg: ShedConfig) -> list[float] | None:
+    """Each routable node's finished rate by its engine's counter, when every one has it and
+    ``capacity_source`` is ``engines``."""
+    if cfg.capacity_source != "engines" or cfg.queue_wait_budget_s is None:
+        return None
+    f = inp.finished_rps
+    if len(f) != len(inp.waiting) or any(v is None for v in f):
+        return None
+    return [v for v in f if v is not None]
 
 
 def _completions(inp: ShedInputs, cfg: ShedConfig) -> float:
     """The routable nodes' completion rate (per s, see the module docstring; with the relative
     trigger off, LRS's alone: the seed's thresholds as they were first built)."""
-    if inp.admitted_rps is not None and inp.growth_rps is not None and cfg.queue_wait_budget_s is not None:
+    if cfg.queue_wait_budget_s is None:
+        return inp.completed_rps
+    counted = _engine_counts(inp, cfg)
+    if counted is not None:
+        return sum(counted)
+    if inp.admitted_rps is not None and inp.growth_rps is not None:
         return max(0.0, inp.admitted_rps - inp.growth_rps)
     return inp.completed_rps
+
+
+def _capacity(state: ShedState, inp: ShedInputs, completions: float, n: int, over_budget: bool,
+              cfg: ShedConfig) -> tuple[float | None, bool]:
+    """(completions per s per routable node the nodes can do, exact): the mean of what the
+    engines' counters say each could finish (``capable_rps``) when any says it; else the most
+    completions measured while over the budget (see :class:`ShedState`)."""
+    able = [c for c in inp.capable_rps if c is not None] if _engine_counts(inp, cfg) is not None else []
+    if able:
+        return sum(able) / len(able), True
+    cap = None if state.capacity_exact else state.capacity_rps  # an engine-counted one was of other nodes
+    if over_budget and completions > 0:  # saturated: completions are what they can do, at least
+        cap = max(cap or 0.0, completions / n)
+    return cap, False
 
 
 def _longest_wait(known: list[float], completions: float, cfg: ShedConfig) -> tuple[int, float] | None:
@@ -140,28 +192,50 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
     queued = budget is not None and wait > budget * cfg.off_ratio  # above the low mark
     if state.percent <= 0 and mean <= queue_warning and not over_budget:
         return _set(state, 0.0, "")
-    cap = state.capacity_rps
-    if over_budget and completions > 0:  # saturated: completions are what they can do, at least
-        cap = max(cap or 0.0, completions / len(known))
+    cap, exact = _capacity(state, inp, completions, len(known), over_budget, cfg)
     step = cfg.step_percent
-    keep = 1.0 - cfg.headroom_ratio
+    # With a capacity the engines counted, the headroom adapts: each evaluation with a queue over
+    # the budget while shedding adds 0.05 (at most 0.5); 4 x lift_after_s of low queues give 0.05
+    # back, down to headroom_ratio. Ours:
+    # the tail of the queue wait, not its mean, sets the admitted TTFT p99, and that tail at a
+    # given load depends on the engines' slots (benchmarks/RESULTS.md, issue 22).
+    room = state.headroom if state.headroom is not None else cfg.headroom_ratio
+    room = max(room, cfg.headroom_ratio)
+    if exact and over_budget and state.percent > 0:
+        room = min(_MAX_HEADROOM, room + _HEADROOM_STEP)
+    keep = 1.0 - room
+    # with a capacity the engines counted, the drop follows the offered load: never less than
+    # what lets in at most that capacity (less headroom), before a queue shows the excess
+    need = 0.0
+    if exact and cap is not None and inp.offered_rps > 0:
+        need = math.ceil(max(0.0, 1.0 - cap * len(known) * keep / inp.offered_rps) * 100.0 / step - 1e-9) * step
+        need = min(cfg.max_percent, need)
     if mean <= queue_warning * cfg.off_ratio and not queued:
         since = state.low_since_s if state.low_since_s is not None else now_s
+        if need > state.percent:
+            return _set(state, need, f"tracking {need:g} %: offered {inp.offered_rps:.1f} rps, over the "
+                        f"{cap * len(known) * keep:.1f} rps the routable nodes can complete (less headroom)",
+                        since, cap, exact, room) if cap is not None else state
+        if exact and room > cfg.headroom_ratio and now_s - since >= cfg.lift_after_s * _TRUST_CAPACITY_LIFTS:
+            room = max(cfg.headroom_ratio, room - _HEADROOM_STEP)
+            return _set(state, state.percent, f"holding {state.percent:g} %: queues low for "
+                        f"{now_s - since:.0f} s, headroom back to {room:.2f}", now_s, cap, exact, room)
         if now_s - since >= cfg.lift_after_s:
             eased = max(0.0, min(state.percent, cfg.max_percent) - step)
-            let_in = inp.offered_rps * (1.0 - eased / 100.0)
-            if (cap is not None and let_in > cap * len(known) * keep
-                    and now_s - since < cfg.lift_after_s * _TRUST_CAPACITY_LIFTS):
+            let_in = (_offered_high(inp, cfg) if exact else inp.offered_rps) * (1.0 - eased / 100.0)
+            able = None if cap is None else cap * len(known) * keep
+            over_cap = able is not None and let_in > able
+            if able is not None and over_cap and (exact or now_s - since < cfg.lift_after_s * _TRUST_CAPACITY_LIFTS):
                 return _set(state, state.percent, f"holding {state.percent:g} %: {eased:g} % would let in "
-                            f"{let_in:.1f} rps, over the {cap * len(known) * keep:.1f} rps the routable nodes "
-                            f"were measured to complete (less headroom)", since, cap)
+                            f"{let_in:.1f} rps, over the {able:.1f} rps the routable nodes "
+                            f"were measured to complete (less headroom)", since, cap, exact, room)
             if eased <= 0:
                 return _set(state, 0.0, f"lifted: queues low (mean waiting {mean:.0f}) for {cfg.lift_after_s:g} s")
             return _set(state, eased, f"easing to {eased:g} %: queues low (mean waiting {mean:.0f}, longest "
-                                      f"wait {wait:.2f} s) for {now_s - since:.1f} s", since, cap)
+                                      f"wait {wait:.2f} s) for {now_s - since:.1f} s", since, cap, exact, room)
         if state.percent > cfg.max_percent:  # a reload lowered max_percent
-            return _set(state, cfg.max_percent, state.reason, since, cap)
-        return replace(state, low_since_s=since, capacity_rps=cap)
+            return _set(state, cfg.max_percent, state.reason, since, cap, exact, room)
+        return replace(state, low_since_s=since, capacity_rps=cap, capacity_exact=exact, headroom=room)
     excess = 0.0
     if inp.offered_rps > 0:
         able = max(completions, (cap or 0.0) * len(known))  # a window saturated only in part reads low
@@ -174,8 +248,8 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
         target, verb = max(state.percent + step, measured), "shedding"  # still too much reaches the nodes
     elif queued and growing:  # a queue building under the budget: one step, the rate is not capacity yet
         target, verb = state.percent + step, "shedding"
-    else:  # shrinking, or between the marks: hold
-        target, verb = state.percent, "holding"
+    else:  # shrinking, or between the marks: hold (or follow the offered load, see need)
+        target, verb = (need, "tracking") if need > state.percent else (state.percent, "holding")
     target = min(cfg.max_percent, target)
     if queued and longest is not None:
         i = longest[0]
@@ -186,5 +260,6 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
     else:
         rel = ">" if mean > queue_warning else "<="
         why = f"mean waiting {mean:.0f}{kv_note} {rel} {queue_warning:g}"
+    counted = " (engines' counters)" if _engine_counts(inp, cfg) is not None else ""
     return _set(state, target, f"{verb} {target:g} %: {why}; offered {inp.offered_rps:.1f} rps, "
-                               f"completed {completions:.1f} rps", None, cap)
+                               f"completed {completions:.1f} rps{counted}", None, cap, exact, room)

@@ -23,9 +23,13 @@ from xds_server.health.classes import class_percents
 from xds_server.health.shed import ShedInputs, ShedState, shed_step
 from xds_server.load.aggregate import LoadAggregator
 
-__all__ = ["Shedder", "class_aliases", "kv_from_sessions"]
+__all__ = ["Shedder", "class_aliases", "finished_from_sessions", "kv_from_sessions"]
 
 log = logging.getLogger(__name__)
+
+_LITTLE_WINDOW_S = 10.0
+"""The window (s) over which a node's mean running count and finished rate give the time a
+request runs (Little's law): ~10 samples at one evaluation per LRS report. Ours."""
 
 
 def class_aliases(config: SentinelConfig) -> dict[str, str]:
@@ -45,7 +49,11 @@ class Shedder:
         self.shed: dict[str, ShedState] = {}
         self.classes: dict[str, ShedState] = {}
         self.kv_usage: Callable[[str], float | None] = lambda _node_id: None
+        self.finished: Callable[[str], tuple[float, float] | None] = lambda _node_id: None
         self._inflight: dict[str, deque[tuple[float, float]]] = {}  # node -> (s, waiting + running) samples
+        # node -> (heartbeat arrival s, finished count, running at the evaluation) samples
+        self._finished: dict[str, deque[tuple[float, float, float]]] = {}
+        self._slots: dict[str, float] = {}  # node -> the most running seen with a request waiting
 
     def _growth(self, node_id: str, inflight: float | None, now: float, window_s: float) -> float | None:
         """How fast the node's in-flight count grew over the last ``window_s`` (per s, from its
@@ -60,6 +68,46 @@ class Shedder:
         t0, v0 = q[0]
         return None if now - t0 < window_s / 4 else (inflight - v0) / (now - t0)
 
+    def _finishing(self, node_id: str, waiting: float | None, running: float | None, now: float,
+                   window_s: float) -> tuple[float | None, float | None]:
+        """(requests per s the node's engine finished over the last ``window_s`` by its own
+        counter, what it could finish: None when unknown or under a quarter of the window seen).
+
+        What it could finish comes from Little's law on the running set: over the window, its
+        mean running count over its finished rate is the time a request runs (s); its slots (the
+        most running at an evaluation with a request waiting: every slot busy, or the KV cache
+        full) over that time is its capacity. It holds at any load, so the capacity is known
+        before the node saturates again and follows a change in request lengths. A counter that
+        went back (an engine restart) starts the history and the slots afresh."""
+        q = self._finished.setdefault(node_id, deque())
+        got = self.finished(node_id)
+        if got is None or waiting is None or running is None:
+            q.clear()
+            return None, None
+        at, count = got
+        if q and (count < q[-1][1] or at < q[-1][0]):
+            q.clear()
+            self._slots.pop(node_id, None)
+        if waiting >= 1 and running > self._slots.get(node_id, 0.0):
+            self._slots[node_id] = running
+        if not q or at > q[-1][0]:
+            q.append((at, count, running))
+        while len(q) > 1 and q[1][0] <= at - max(window_s, _LITTLE_WINDOW_S):
+            q.popleft()
+        # the window's start: its last sample at or before at - window_s (else the oldest)
+        t0, c0, _ = next((x for x in reversed(q) if x[0] <= at - window_s), q[0])
+        if at - t0 < window_s / 4:
+            return None, None
+        rate = (count - c0) / (at - t0)
+        # the time a request runs, over the longer window: its samples are once per evaluation
+        lt0, lc0, _ = q[0]
+        long_rate = (count - lc0) / (at - lt0)
+        mean_running = sum(r for _, _, r in q) / len(q)
+        slots = self._slots.get(node_id)
+        if slots is None or long_rate <= 0 or mean_running <= 0:
+            return rate, None
+        return rate, slots * long_rate / mean_running
+
     def step(self, cfg: SentinelConfig, core: ControlCore, agg: LoadAggregator, cluster: str,
              node_ids: list[str], now: float) -> None:
         """One evaluation of ``cluster`` at ``now`` (monotonic s); marks it dirty when a drop changed."""
@@ -71,21 +119,32 @@ class Shedder:
         ages = [None if (at := health[i].heartbeat.last_s) is None else now - at for i in routable]
         t = agg.cluster(cluster, now, sc.window_s)
         grown: list[float | None] = []
+        finished: list[float | None] = []
+        capable: list[float | None] = []
         admitted = 0
         for i in routable:
             e = health[i].engine
             known = e.requests_waiting is not None and e.requests_running is not None
             grown.append(self._growth(i, (e.requests_waiting or 0.0) + (e.requests_running or 0.0) if known else None,
                                       now, sc.window_s))
+            rate, able = self._finishing(i, e.requests_waiting, e.requests_running, now, sc.window_s)
+            finished.append(rate)
+            capable.append(able)
             admitted += agg.node(cluster, i, now, sc.window_s).issued
         for i in set(node_ids) - set(routable):  # back in: its history starts afresh
             self._inflight.pop(i, None)
+            self._finished.pop(i, None)
         for i in [i for i, q in self._inflight.items() if q and now - q[-1][0] > 10 * sc.window_s]:
             del self._inflight[i]  # a node no longer configured
+        for i in [i for i, q in self._finished.items() if not q or now - q[-1][0] > 10 * sc.window_s]:
+            del self._finished[i]
+        for i in [i for i in self._slots if i not in self._finished and i not in node_ids]:
+            del self._slots[i]  # a node no longer configured
         growth = None if any(g is None for g in grown) else sum(g for g in grown if g is not None)
         inp = ShedInputs([health[i].engine.requests_waiting for i in routable], ages,
                          (t.issued + t.dropped) / sc.window_s, t.completed / sc.window_s, t.reporters,
-                         [self.kv_usage(i) for i in routable], admitted / sc.window_s, growth, routable)
+                         [self.kv_usage(i) for i in routable], admitted / sc.window_s, growth, routable,
+                         finished, capable)
         before = self.shed.get(cluster, ShedState())
         after = shed_step(before, inp, sc, hc.queue_warning, hc.queue_critical, now)
         self.shed[cluster] = after
@@ -146,3 +205,12 @@ def kv_from_sessions(sessions: Mapping[str, Any]) -> Callable[[str], float | Non
         v = getattr(load, "kv_cache_usage_ratio", None)
         return v if isinstance(v, float) else None
     return kv
+
+
+def finished_from_sessions(sessions: Mapping[str, Any]) -> Callable[[str], tuple[float, float] | None]:
+    """``finished`` read from each node's probe source: (arrival, monotonic s; count) of its
+    engine's finished-request counter at the last heartbeat, None when it had none."""
+    def finished(node_id: str) -> tuple[float, float] | None:
+        v = getattr(sessions.get(node_id), "finished", None)
+        return v if isinstance(v, tuple) else None
+    return finished

@@ -81,6 +81,9 @@ class ProbeSession:
         self.on_malformed = on_malformed
         self.edge = AgentEdge(cfg, self.probe_cfg)
         self.last_telemetry: TelemetrySummary | None = None
+        # the engine's finished-request counter at the last heartbeat: (arrival, loop s; count),
+        # None when that heartbeat had none (for shedding: xds_server.load.shedding)
+        self.finished: tuple[float, float] | None = None
         self.connected = False
         self.connects = 0
         # The link to the agent, for /nodes: dials in a row that got no message from the agent,
@@ -342,6 +345,8 @@ class ProbeSession:
                     st.transport = True
                 tel = checked.telemetry
                 self.last_telemetry = tel
+                fin = self.edge.load.finished
+                self.finished = None if fin is None else (now, fin)
                 if tel.stalled and not self._stalled:
                     self._probe_now(f"engine stalled: {tel.stall_detail}")
                 self._stalled = tel.stalled

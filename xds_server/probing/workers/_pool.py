@@ -88,6 +88,7 @@ class RemoteSource:
         self.last_probe_failure = ""
         self.lag_deferrals = 0
         self.last_telemetry: Any = None
+        self.finished: tuple[float, float] | None = None  # (the worker's loop s, count), as ProbeSession's
         # the last report that counted heartbeats (clock time, s): /nodes' heartbeat age for a
         # node whose heartbeats flow (the core keeps last_s only for silent ones)
         self.last_heartbeat_s: float | None = None
@@ -275,7 +276,7 @@ class WorkerPool:
             s = h.nodes.get(node_id)
             if s is not None:
                 (s.connected, s.failed_dials, s.last_error, s.last_probe_failure, s.lag_deferrals,
-                 s.last_telemetry) = link
+                 s.last_telemetry, s.finished) = link
         for r in nodes:
             if r.node_id in h.nodes:
                 self.core.adopt(r.node_id, r.health, list(r.events), now)

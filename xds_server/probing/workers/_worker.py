@@ -127,7 +127,7 @@ class Worker:
 
     def _link(self, s: ProbeSession) -> tuple:
         return (s.connected, s.failed_dials, s.last_error, s.last_probe_failure, s.lag_deferrals,
-                s.last_telemetry)
+                s.last_telemetry, s.finished)
 
     def flush(self, full: bool) -> None:
         """Send one report frame: urgent nodes (``full``: every changed node, the counts, the
