@@ -83,8 +83,7 @@ def _load_message(reading: EngineLoadReading | None, error: str) -> probe_pb2.En
             "requests_running",
             "kv_cache_usage_ratio",
             "prefix_cache_hit_ratio",
-            "generation_tokens_total",
-            "requests_finished_total",
+            "generation_tokens_total", "requests_finished_total",
         ):
             value = getattr(reading, name)
             if value is not None:

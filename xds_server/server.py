@@ -41,7 +41,6 @@ from xds_server.feed.events import RoutingChange, RoutingListener, RoutingNotifi
 from xds_server.health import model as hm
 from xds_server.health.counters import Counters
 from xds_server.load.service import LoadReportingService
-from xds_server.load.shedding import finished_from_sessions, kv_from_sessions
 from xds_server.probing.session import grpc_probe_source
 from xds_server.probing.sources import ProbeSource, ProbeSourceContext, ProbeSourceFactory
 from xds_server.probing.switchback import attach as attach_switchback
@@ -100,8 +99,7 @@ class ControlPlane:
         self.load = self.view.load_reports = LoadReportingService(  # LRS, ADS's allow-list (xds_server/load)
             lambda: self._config, monotonic=self.clock.now, authorize=self.ads.authorize, refusals=self.refusals,
             core=self.core)
-        self.load.shedder.kv_usage = kv_from_sessions(self.sessions)  # lrs.shed.kv_saturated_ratio
-        self.load.shedder.finished = finished_from_sessions(self.sessions)  # completions, capacity
+        self.load.shedder.read_sessions(self.sessions)  # KV usage and the engines' finished counts
         self.shifts = self.view.shifts = ShiftService(lambda: self._config, self.core, self.cache, self.load)
         self.view.reload_status, self.view.discovery_status = (lambda: self.reload_status), self.discovery.status
         self.view.probe_pool = self.probe_pool  # None without workers; read by admin/metrics.py

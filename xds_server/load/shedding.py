@@ -55,6 +55,11 @@ class Shedder:
         self._finished: dict[str, deque[tuple[float, float, float]]] = {}
         self._slots: dict[str, float] = {}  # node -> the most running seen with a request waiting
 
+    def read_sessions(self, sessions: Mapping[str, Any]) -> None:
+        """Read ``kv_usage`` (``lrs.shed.kv_saturated_ratio``) and ``finished``
+        (``lrs.shed.capacity_source``) from the probe sources (node id -> source)."""
+        self.kv_usage, self.finished = kv_from_sessions(sessions), finished_from_sessions(sessions)
+
     def _growth(self, node_id: str, inflight: float | None, now: float, window_s: float) -> float | None:
         """How fast the node's in-flight count grew over the last ``window_s`` (per s, from its
         samples at each evaluation; None: unknown or under a quarter of the window seen)."""

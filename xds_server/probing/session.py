@@ -6,9 +6,8 @@ arrives into health-model observations, timed on the control plane's own monoton
 
 - each Heartbeat -> :class:`HeartbeatObserved`; a timer armed at last arrival + interval + grace
   (and every interval after) delivers :class:`Tick`, so missed heartbeats are counted unpolled;
-- Ping{seq} every ``ping_interval_ms``; the matching Pong gives the RTT -> :class:`PingObserved`,
-  except a round trip across a heartbeat gap or across a stall of our own loop (dropped, counted in
-  ``rtt_samples_dropped``);
+- Ping{seq} every ``ping_interval_ms``; its Pong gives the RTT -> :class:`PingObserved` (none
+  across a heartbeat gap or a stall of our own loop: counted in ``rtt_samples_dropped``);
 - each InferenceResult -> :class:`ProbeObserved`;
 - the stream ending, failing to open, or bringing no heartbeat for ``probe.silent_stream_redial_ms``
   -> :class:`StreamClosed`, then redial with exponential backoff
@@ -81,9 +80,7 @@ class ProbeSession:
         self.on_malformed = on_malformed
         self.edge = AgentEdge(cfg, self.probe_cfg)
         self.last_telemetry: TelemetrySummary | None = None
-        # the engine's finished-request counter at the last heartbeat: (arrival, loop s; count),
-        # None when that heartbeat had none (for shedding: xds_server.load.shedding)
-        self.finished: tuple[float, float] | None = None
+        self.finished: tuple[float, float] | None = None  # last heartbeat's (arrival s, engine's finished count)
         self.connected = False
         self.connects = 0
         # The link to the agent, for /nodes: dials in a row that got no message from the agent,
@@ -96,8 +93,7 @@ class ProbeSession:
         self._task: asyncio.Task | None = None
         self._timer: TickTimer | None = None
         self._outq: asyncio.Queue[probe_pb2.ControlMessage] | None = None
-        self.probe_now_sent = 0
-        self.rtt_samples_dropped = 0
+        self.probe_now_sent = self.rtt_samples_dropped = 0
         self._stalled = False
         self._rl = RateLimitedLog(log, self.probe_cfg.malformed_log_interval_s, max_keys=256)
         self._unreachable_rl = RateLimitedLog(log, self.probe_cfg.unreachable_log_interval_s, max_keys=1)
@@ -345,8 +341,7 @@ class ProbeSession:
                     st.transport = True
                 tel = checked.telemetry
                 self.last_telemetry = tel
-                fin = self.edge.load.finished
-                self.finished = None if fin is None else (now, fin)
+                self.finished = None if (fin := self.edge.load.finished) is None else (now, fin)
                 if tel.stalled and not self._stalled:
                     self._probe_now(f"engine stalled: {tel.stall_detail}")
                 self._stalled = tel.stalled
@@ -361,9 +356,7 @@ class ProbeSession:
                     # max_unanswered_pings: no sample, not the agent's fault
                     return
                 rtt_s = monotonic() - sent
-                if self.silence_gate.stalled_since(now - rtt_s, now):
-                    # the round trip spans our own stall (a pong that waited unread while we were
-                    # stopped): it measured us, not the network
+                if self.silence_gate.stalled_since(now - rtt_s, now):  # it measured our own stall
                     self.rtt_samples_dropped += 1
                     return
                 self._arm(self.sink(self.node.id, PingObserved(rtt_ms=rtt_s * 1000.0), now))
