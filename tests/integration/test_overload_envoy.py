@@ -15,7 +15,9 @@ of wait) and ``lrs.shed`` moves in 10 % steps with the default headroom (10 %); 
 trigger (``queue_wait_budget_s``, 0.5 s) is on as by default, so the drop starts from the longest
 expected wait and follows the completions measured where the queue is (LRS issued minus the
 growth of the engines' in-flight requests). ``lift_after_s`` 10 keeps the drop from easing within
-the measured 5 s, so the share is compared with one commanded value.
+the measured 5 s, so the share is compared with one commanded value. The same run with
+``capacity_source: engines`` (the engines' finished counters and the queueing model) holds the
+same promises.
 """
 from __future__ import annotations
 
@@ -36,9 +38,12 @@ SHED = {"enabled": True, "step_percent": 10, "window_s": 2.0, "lift_after_s": 10
 RATE_RPS = 27.0  # two engines complete ~18 rps (2 x 2 slots / ~0.22 s); four ~36
 
 
-async def test_half_frozen_under_open_loop_load_survivors_stay_under_critical_and_shed_get_429(make_fleet, http):
+@pytest.mark.parametrize("source", ["lrs", "engines"])
+async def test_half_frozen_under_open_loop_load_survivors_stay_under_critical_and_shed_get_429(make_fleet, http,
+                                                                                              source):
     fleet = make_fleet(n_nodes=4, token_interval_ms=25.0, per_try_timeout_s=None, health=HEALTH,
-                       engine_args=["--max-num-seqs", "2"], config_options={"lrs": {"shed": SHED}})
+                       engine_args=["--max-num-seqs", "2"],
+                       config_options={"lrs": {"shed": {**SHED, "capacity_source": source}}})
     await fleet.wait_all_routed(http)
     frozen, survivors = ["gpu-a", "gpu-b"], ["gpu-c", "gpu-d"]
     watch = Watch({n.node_id: n.engine_url for n in fleet.nodes}, f"http://127.0.0.1:{fleet.admin_port}")
@@ -90,3 +95,5 @@ async def test_half_frozen_under_open_loop_load_survivors_stay_under_critical_an
     assert {x.retry_after for x in shed} == {"3"}
     # a survivor's probe waits in its queue like any request: busy, never ejected
     assert not any(state == "UNHEALTHY" for _, state in states), states
+    # the engines' counters reached the controller (the agents send vllm:request_success_total)
+    assert any("(engines' counters)" in why for _, why in watch.reasons) == (source == "engines")

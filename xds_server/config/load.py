@@ -167,16 +167,28 @@ class ShedConfig(_Model):
         "request arriving just before a slot frees is no overload)")
     capacity_source: Literal["lrs", "engines"] = Field(
         "lrs",
-        description="where what the routable nodes can complete comes from. lrs: completions "
+        description="where the load the routable nodes can take comes from. lrs: completions "
         "measured from LRS (issued to the routable nodes minus the growth of their in-flight "
-        "requests), the most seen while a queue stood over queue_wait_budget_s. engines: each "
-        "engine's own finished-request counter (vllm:request_success_total, TGI's "
-        "tgi_request_duration_count) through Little's law, its slots over the time a request "
-        "runs, known at any load; the drop then follows the offered load, easing keeps a Poisson "
-        "margin and the headroom grows by 0.05 per evaluation over the budget (at most 0.5). "
-        "Measured: better on engines with 16 slots, worse on 2 slots (benchmarks/RESULTS.md, "
-        "issue 22); nodes whose engines do not count fall back to lrs")
+        "requests), the most seen while a queue stood over queue_wait_budget_s, less "
+        "headroom_ratio. engines: each engine's finished-request counter "
+        "(vllm:request_success_total, TGI's tgi_request_duration_count) gives its slots (the most "
+        "running) and the time a request runs (Little's law), and the drop lets in the rate at "
+        "which the pool of those slots keeps the queue wait over queue_wait_budget_s to 1 % of "
+        "admitted requests (Erlang C, exponential service: conservative for LLM lengths), "
+        "following the offered load; easing keeps a margin of two Poisson standard errors, the "
+        "headroom starts at 0 and grows by 0.05 per report over the budget. Set the budget to "
+        "the queue wait the p99 may add (about the unloaded TTFT p99 for 2x it). Measured: admitted "
+        "TTFT p99 1.6-1.7x on 2- and 16-slot engines, more shed than the bare excess "
+        "(benchmarks/RESULTS.md, issue 22); a cluster with a routable node whose engine does not "
+        "count uses lrs meanwhile")
     classes: ShedClassesConfig = ShedClassesConfig()
+
+    @model_validator(mode="after")
+    def _engines_need_a_budget(self) -> ShedConfig:
+        if self.capacity_source == "engines" and self.queue_wait_budget_s is None:
+            raise ValueError("capacity_source: engines needs queue_wait_budget_s (the queue wait it keeps "
+                             "admitted requests under), not null")
+        return self
 
 
 class LrsConfig(_Model):

@@ -33,6 +33,14 @@ short and tells the shed clients to come back (429 + Retry-After).
   and an over-estimated drop gives capacity back step by step); ``step_percent`` steps, at most
   ``max_percent``.
 
+With ``capacity_source: engines`` and every routable node's engine counting its finished
+requests (``finished_rps``, ``slots``, ``service_s``): what the nodes take is the rate at which
+the pool of their slots keeps the queue wait over ``queue_wait_budget_s`` to 1 % of arrivals
+(:func:`~xds_server.health.queueing.max_rate`, Erlang C); the drop never lets in more than that
+(less an adaptive headroom from 0, +0.05 per evaluation over the budget, at most 0.5, 0.05 back
+per ``4 x lift_after_s`` of low queues) whatever the offered load does, and an easing step must
+fit under it with two Poisson standard errors of margin on the offered count.
+
 ``flip`` changes with every change of the drop: Envoy 1.40 applies a drop change only with a
 host-set rebuild (docs/xds_protocol.md 2.5), so the assignment carries it as a one-point change
 of ``overprovisioning_factor`` (:func:`~xds_server.xds.resources.build_cla`).
@@ -44,6 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from xds_server.config import ShedConfig
+from xds_server.health.queueing import max_rate
 
 __all__ = ["ShedInputs", "ShedState", "shed_step"]
 
@@ -51,6 +60,7 @@ __all__ = ["ShedInputs", "ShedState", "shed_step"]
 # this many lift_after_s (then eased anyway: a capacity measured long ago may be stale). Ours.
 _TRUST_CAPACITY_LIFTS = 4
 _HEADROOM_STEP = 0.05
+_TAIL = 0.01  # the share of admitted requests allowed to wait past the budget: the p99
 _MAX_HEADROOM = 0.5
 
 
@@ -59,11 +69,12 @@ class ShedState:
     """``percent``: the drop published (0..100); ``low_since_s``: since when queues are low
     while shedding (s); ``reason``: why, for the views; ``capacity_rps``: completions per s per
     routable node since shedding began (None: not yet). ``capacity_exact``: it came from the
-    engines' own counters (slots over the time a request runs, measured at any load: easing
-    never lets in more than it, less the headroom); else it is the most LRS-derived completions
-    measured while a queue stood over the budget (a window saturated only in part reads low, so
-    the most is kept, and trusted for ``4 x lift_after_s`` of low queues). ``headroom``: the
-    share of that capacity kept free now (None: ``headroom_ratio``; see :func:`shed_step`)."""
+    engines' own counters (the rate their pooled slots take with the queue wait over the budget
+    for 1 % of arrivals, known at any load: nothing lets in more, less the headroom); else it is
+    the most LRS-derived completions measured while a queue stood over the budget (a window
+    saturated only in part reads low, so the most is kept, and trusted for ``4 x lift_after_s``
+    of low queues). ``headroom``: the share of that rate kept free now (None: the default, 0 with
+    the engines' counts, else ``headroom_ratio``; see the module docstring)."""
 
     percent: float = 0.0
     flip: bool = False
@@ -83,8 +94,8 @@ class ShedInputs:
     ``admitted_rps``: LRS issued to the routable nodes over the window (per s) and ``growth_rps``:
     the growth of their in-flight requests over it (per s; None: unknown); ``node_ids``: their
     names, for the reason; ``finished_rps``: what each one's engine finished over the window by
-    its own counter (per s; None: unknown) and ``capable_rps``: what it could finish (per s,
-    its slots over the time a request runs; None: unknown)."""
+    its own counter (per s; None: unknown), its ``slots`` (the most requests seen running) and
+    ``service_s``: the time a request runs on it (s, Little's law; None: unknown)."""
 
     waiting: Sequence[float | None]
     telemetry_age_s: Sequence[float | None]
@@ -96,7 +107,8 @@ class ShedInputs:
     growth_rps: float | None = None
     node_ids: Sequence[str] = ()
     finished_rps: Sequence[float | None] = ()
-    capable_rps: Sequence[float | None] = ()
+    slots: Sequence[float | None] = ()
+    service_s: Sequence[float | None] = ()
 
 
 def _set(state: ShedState, percent: float, reason: str, low_since_s: float | None = None,
@@ -141,12 +153,18 @@ def _completions(inp: ShedInputs, cfg: ShedConfig) -> float:
 
 def _capacity(state: ShedState, inp: ShedInputs, completions: float, n: int, over_budget: bool,
               cfg: ShedConfig) -> tuple[float | None, bool]:
-    """(completions per s per routable node the nodes can do, exact): the mean of what the
-    engines' counters say each could finish (``capable_rps``) when any says it; else the most
+    """(arrivals per s per routable node the nodes take, exact). With the engines' counts: the
+    rate at which the pool of their slots (nodes whose slots are not known yet counted as the
+    mean of those known) keeps the queue wait over ``queue_wait_budget_s`` to 1 % of arrivals
+    (:func:`~xds_server.health.queueing.max_rate`: the p99, the issue's target). Else the most
     completions measured while over the budget (see :class:`ShedState`)."""
-    able = [c for c in inp.capable_rps if c is not None] if _engine_counts(inp, cfg) is not None else []
-    if able:
-        return sum(able) / len(able), True
+    budget = cfg.queue_wait_budget_s
+    if budget is not None and _engine_counts(inp, cfg) is not None:
+        known = [(k, r) for k, r in zip(inp.slots, inp.service_s, strict=False) if k and r and r > 0]
+        if known:
+            pool = sum(k for k, _ in known) * n / len(known)
+            mu = sum(k / r for k, r in known) / sum(k for k, _ in known)  # per slot, per s
+            return max_rate(max(1, round(pool)), mu, budget, _TAIL) / n, True
     cap = None if state.capacity_exact else state.capacity_rps  # an engine-counted one was of other nodes
     if over_budget and completions > 0:  # saturated: completions are what they can do, at least
         cap = max(cap or 0.0, completions / n)
@@ -199,8 +217,8 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
     # back, down to headroom_ratio. Ours:
     # the tail of the queue wait, not its mean, sets the admitted TTFT p99, and that tail at a
     # given load depends on the engines' slots (benchmarks/RESULTS.md, issue 22).
-    room = state.headroom if state.headroom is not None else cfg.headroom_ratio
-    room = max(room, cfg.headroom_ratio)
+    floor = 0.0 if exact else cfg.headroom_ratio  # the queueing model keeps its own margin
+    room = max(state.headroom if state.headroom is not None else floor, floor)
     if exact and over_budget and state.percent > 0:
         room = min(_MAX_HEADROOM, room + _HEADROOM_STEP)
     keep = 1.0 - room
@@ -216,8 +234,8 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
             return _set(state, need, f"tracking {need:g} %: offered {inp.offered_rps:.1f} rps, over the "
                         f"{cap * len(known) * keep:.1f} rps the routable nodes can complete (less headroom)",
                         since, cap, exact, room) if cap is not None else state
-        if exact and room > cfg.headroom_ratio and now_s - since >= cfg.lift_after_s * _TRUST_CAPACITY_LIFTS:
-            room = max(cfg.headroom_ratio, room - _HEADROOM_STEP)
+        if exact and room > floor and now_s - since >= cfg.lift_after_s * _TRUST_CAPACITY_LIFTS:
+            room = max(floor, room - _HEADROOM_STEP)
             return _set(state, state.percent, f"holding {state.percent:g} %: queues low for "
                         f"{now_s - since:.0f} s, headroom back to {room:.2f}", now_s, cap, exact, room)
         if now_s - since >= cfg.lift_after_s:
@@ -238,7 +256,8 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
         return replace(state, low_since_s=since, capacity_rps=cap, capacity_exact=exact, headroom=room)
     excess = 0.0
     if inp.offered_rps > 0:
-        able = max(completions, (cap or 0.0) * len(known))  # a window saturated only in part reads low
+        # the model's rate when the engines count; else a window saturated only in part reads low
+        able = (cap or 0.0) * len(known) if exact else max(completions, (cap or 0.0) * len(known))
         excess = max(0.0, 1.0 - able * keep / inp.offered_rps) * 100.0
     measured = math.ceil(excess / step - 1e-9) * step
     growing = (inp.growth_rps or 0.0) > 0

@@ -53,7 +53,7 @@ class Shedder:
         self._inflight: dict[str, deque[tuple[float, float]]] = {}  # node -> (s, waiting + running) samples
         # node -> (heartbeat arrival s, finished count, running at the evaluation) samples
         self._finished: dict[str, deque[tuple[float, float, float]]] = {}
-        self._slots: dict[str, float] = {}  # node -> the most running seen with a request waiting
+        self._slots: dict[str, float] = {}  # node -> the most requests seen running
 
     def read_sessions(self, sessions: Mapping[str, Any]) -> None:
         """Read ``kv_usage`` (``lrs.shed.kv_saturated_ratio``) and ``finished``
@@ -74,26 +74,26 @@ class Shedder:
         return None if now - t0 < window_s / 4 else (inflight - v0) / (now - t0)
 
     def _finishing(self, node_id: str, waiting: float | None, running: float | None, now: float,
-                   window_s: float) -> tuple[float | None, float | None]:
+                   window_s: float) -> tuple[float | None, float | None, float | None]:
         """(requests per s the node's engine finished over the last ``window_s`` by its own
-        counter, what it could finish: None when unknown or under a quarter of the window seen).
+        counter, its slots, the time a request runs on it in s): each None when unknown (the
+        rate also under a quarter of the window seen).
 
-        What it could finish comes from Little's law on the running set: over the window, its
-        mean running count over its finished rate is the time a request runs (s); its slots (the
-        most running at an evaluation with a request waiting: every slot busy, or the KV cache
-        full) over that time is its capacity. It holds at any load, so the capacity is known
-        before the node saturates again and follows a change in request lengths. A counter that
-        went back (an engine restart) starts the history and the slots afresh."""
+        Slots: the most requests seen running at an evaluation (a lower bound until the node is
+        full, which it is whenever a request waits). The time a request runs is Little's law on
+        the running set over :data:`_LITTLE_WINDOW_S`: its mean running count over its finished
+        rate, true at any load. A counter that went back (an engine restart) starts the history
+        and the slots afresh."""
         q = self._finished.setdefault(node_id, deque())
         got = self.finished(node_id)
         if got is None or waiting is None or running is None:
             q.clear()
-            return None, None
+            return None, None, None
         at, count = got
         if q and (count < q[-1][1] or at < q[-1][0]):
             q.clear()
             self._slots.pop(node_id, None)
-        if waiting >= 1 and running > self._slots.get(node_id, 0.0):
+        if running > self._slots.get(node_id, 0.0):
             self._slots[node_id] = running
         if not q or at > q[-1][0]:
             q.append((at, count, running))
@@ -102,16 +102,16 @@ class Shedder:
         # the window's start: its last sample at or before at - window_s (else the oldest)
         t0, c0, _ = next((x for x in reversed(q) if x[0] <= at - window_s), q[0])
         if at - t0 < window_s / 4:
-            return None, None
+            return None, None, None
         rate = (count - c0) / (at - t0)
-        # the time a request runs, over the longer window: its samples are once per evaluation
-        lt0, lc0, _ = q[0]
-        long_rate = (count - lc0) / (at - lt0)
-        mean_running = sum(r for _, _, r in q) / len(q)
+        # Little's law over the long window: the running count of each sample holds until the
+        # next one, whose finished count it produced (time-weighted, left end)
+        lc0 = q[0][1]
+        busy = sum(r * (q[k + 1][0] - t) for k, (t, _, r) in enumerate(list(q)[:-1]))
         slots = self._slots.get(node_id)
-        if slots is None or long_rate <= 0 or mean_running <= 0:
-            return rate, None
-        return rate, slots * long_rate / mean_running
+        if not slots or count <= lc0 or busy <= 0:
+            return rate, slots or None, None
+        return rate, slots, busy / (count - lc0)
 
     def step(self, cfg: SentinelConfig, core: ControlCore, agg: LoadAggregator, cluster: str,
              node_ids: list[str], now: float) -> None:
@@ -125,16 +125,18 @@ class Shedder:
         t = agg.cluster(cluster, now, sc.window_s)
         grown: list[float | None] = []
         finished: list[float | None] = []
-        capable: list[float | None] = []
+        slots: list[float | None] = []
+        service: list[float | None] = []
         admitted = 0
         for i in routable:
             e = health[i].engine
             known = e.requests_waiting is not None and e.requests_running is not None
             grown.append(self._growth(i, (e.requests_waiting or 0.0) + (e.requests_running or 0.0) if known else None,
                                       now, sc.window_s))
-            rate, able = self._finishing(i, e.requests_waiting, e.requests_running, now, sc.window_s)
+            rate, n_slots, run_s = self._finishing(i, e.requests_waiting, e.requests_running, now, sc.window_s)
             finished.append(rate)
-            capable.append(able)
+            slots.append(n_slots)
+            service.append(run_s)
             admitted += agg.node(cluster, i, now, sc.window_s).issued
         for i in set(node_ids) - set(routable):  # back in: its history starts afresh
             self._inflight.pop(i, None)
@@ -149,7 +151,7 @@ class Shedder:
         inp = ShedInputs([health[i].engine.requests_waiting for i in routable], ages,
                          (t.issued + t.dropped) / sc.window_s, t.completed / sc.window_s, t.reporters,
                          [self.kv_usage(i) for i in routable], admitted / sc.window_s, growth, routable,
-                         finished, capable)
+                         finished, slots, service)
         before = self.shed.get(cluster, ShedState())
         after = shed_step(before, inp, sc, hc.queue_warning, hc.queue_critical, now)
         self.shed[cluster] = after
