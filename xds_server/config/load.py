@@ -178,7 +178,7 @@ class ShedConfig(_Model):
         "following the offered load; easing keeps a margin of two Poisson standard errors, the "
         "headroom starts at 0 and grows by 0.05 per report over the budget. Set the budget to "
         "the queue wait the p99 may add (about the unloaded TTFT p99 for 2x it). Measured: admitted "
-        "TTFT p99 1.6-1.7x on 2- and 16-slot engines, more shed than the bare excess "
+        "TTFT p99 0.8-1.7x on 2-, 8- and 16-slot engines, 15-30 points more shed than the bare excess "
         "(benchmarks/RESULTS.md, issue 22); a cluster with a routable node whose engine does not "
         "count uses lrs meanwhile")
     classes: ShedClassesConfig = ShedClassesConfig()
