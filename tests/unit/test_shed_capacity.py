@@ -124,3 +124,49 @@ def test_engines_without_a_budget_is_refused_naming_the_field():
 
     with pytest.raises(ValueError, match="capacity_source: engines needs queue_wait_budget_s"):
         ShedConfig(capacity_source="engines", queue_wait_budget_s=None)
+
+
+def test_the_budget_is_learned_from_unloaded_probes_only():
+    from types import SimpleNamespace
+
+    from xds_server.config import parse_config
+    from xds_server.health.records import ProbeResultKind, Probes
+
+    one = [{"name": "llm", "nodes": [{"id": "a", "address": "127.0.0.1:1", "probe_address": "127.0.0.1:2"}]}]
+    cfg = parse_config({"xds": {"listen": "127.0.0.1:0"}, "clusters": one,
+                        "lrs": {"shed": {"capacity_source": "engines"}}})
+    node = SimpleNamespace(probe=Probes(), engine=SimpleNamespace(requests_waiting=0.0))
+    core = SimpleNamespace(health={"a": node})
+    sh = Shedder()
+
+    def probe(k: int, ttft: float, kind=ProbeResultKind.OK, waiting=0.0):
+        node.probe = Probes(seen=k, last_ttft_ms=ttft, last_kind=kind)
+        node.engine = SimpleNamespace(requests_waiting=waiting)
+        return sh._learn_ttft("llm", ["a"], core, cfg, float(k))
+
+    got = [probe(k, 100.0 + k) for k in range(1, 20)]
+    assert got == [None] * 19                                   # under 20 samples: not yet
+    assert probe(20, 300.0) == 0.3                              # the p99 of 20: the largest
+    assert probe(20, 900.0) == 0.3                              # the same probe seen again: no sample
+    assert probe(21, 5000.0, kind=ProbeResultKind.TIMEOUT) == 0.3  # a failed probe says nothing
+    assert probe(22, 5000.0, waiting=3.0) == 0.3                # a queue stood: not unloaded
+    sh.shed["llm"] = ShedState(20.0)
+    assert probe(23, 5000.0) == 0.3                             # shedding: not unloaded
+    del sh.shed["llm"]
+    sh2 = Shedder()
+    for k in range(1, 31):
+        node.probe = Probes(seen=k, last_ttft_ms=1.0, last_kind=ProbeResultKind.OK)
+        b = sh2._learn_ttft("llm", ["a"], core, cfg, float(k))
+    assert b == 0.05                                            # at least 50 ms
+    off = parse_config({"xds": {"listen": "127.0.0.1:0"}, "clusters": one,
+                        "lrs": {"shed": {"capacity_source": "engines", "ttft_budget_ratio": None}}})
+    assert sh2._learn_ttft("llm", ["a"], core, off, 40.0) is None
+
+
+def test_a_learned_budget_tighter_than_the_configured_one_admits_less():
+    s = ShedState(30.0, low_since_s=0.0, capacity_rps=TAKE / 2, capacity_exact=True)
+    loose = shed_step(s, exact([0, 0], 60.0), CFG, 50, 100, 1.0)
+    i = exact([0, 0], 60.0)
+    tight = shed_step(s, ShedInputs(**{**{f: getattr(i, f) for f in i.__slots__}, "ttft_budget_s": 0.1}),
+                      CFG, 50, 100, 1.0)
+    assert tight.percent > loose.percent

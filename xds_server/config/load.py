@@ -165,6 +165,13 @@ class ShedConfig(_Model):
     min_waiting: float = Field(
         2.0, ge=0, description="the relative trigger needs at least this many waiting on the node (noise of one "
         "request arriving just before a slot frees is no overload)")
+    ttft_budget_ratio: float | None = Field(
+        1.0, gt=0, le=100,
+        description="with capacity_source engines: the queue-wait budget is at most this many times "
+        "the cluster's unloaded TTFT p99 (its successful probes while not shedding and no node had "
+        "min_waiting waiting: the last 512 in 10 min, from 20 on; at least 50 ms), so admitted "
+        "requests keep their TTFT p99 within (1 + this) x the unloaded one, the issue's 2x at 1.0; "
+        "queue_wait_budget_s stays the cap. null: queue_wait_budget_s alone. Ours (issue 22)")
     capacity_source: Literal["lrs", "engines"] = Field(
         "lrs",
         description="where the load the routable nodes can take comes from. lrs: completions "

@@ -95,7 +95,9 @@ class ShedInputs:
     the growth of their in-flight requests over it (per s; None: unknown); ``node_ids``: their
     names, for the reason; ``finished_rps``: what each one's engine finished over the window by
     its own counter (per s; None: unknown), its ``slots`` (the most requests seen running) and
-    ``service_s``: the time a request runs on it (s, Little's law; None: unknown)."""
+    ``service_s``: the time a request runs on it (s, Little's law; None: unknown);
+    ``ttft_budget_s``: the budget learned from the cluster's unloaded TTFT (s; None: none yet or
+    off), which with the engines' counts replaces ``queue_wait_budget_s`` when smaller."""
 
     waiting: Sequence[float | None]
     telemetry_age_s: Sequence[float | None]
@@ -109,6 +111,7 @@ class ShedInputs:
     finished_rps: Sequence[float | None] = ()
     slots: Sequence[float | None] = ()
     service_s: Sequence[float | None] = ()
+    ttft_budget_s: float | None = None
 
 
 def _set(state: ShedState, percent: float, reason: str, low_since_s: float | None = None,
@@ -151,14 +154,22 @@ def _completions(inp: ShedInputs, cfg: ShedConfig) -> float:
     return inp.completed_rps
 
 
+def _budget(inp: ShedInputs, cfg: ShedConfig) -> float | None:
+    """The queue-wait budget (s): ``queue_wait_budget_s``, or with the engines' counts the
+    smaller of it and the one learned from the cluster's unloaded TTFT (``ttft_budget_s``)."""
+    b = cfg.queue_wait_budget_s
+    if b is not None and inp.ttft_budget_s is not None and _engine_counts(inp, cfg) is not None:
+        return min(b, inp.ttft_budget_s)
+    return b
+
+
 def _capacity(state: ShedState, inp: ShedInputs, completions: float, n: int, over_budget: bool,
-              cfg: ShedConfig) -> tuple[float | None, bool]:
+              cfg: ShedConfig, budget: float | None) -> tuple[float | None, bool]:
     """(arrivals per s per routable node the nodes take, exact). With the engines' counts: the
     rate at which the pool of their slots (nodes whose slots are not known yet counted as the
-    mean of those known) keeps the queue wait over ``queue_wait_budget_s`` to 1 % of arrivals
+    mean of those known) keeps the queue wait over ``budget`` (:func:`_budget`) to 1 % of arrivals
     (:func:`~xds_server.health.queueing.max_rate`: the p99, the issue's target). Else the most
     completions measured while over the budget (see :class:`ShedState`)."""
-    budget = cfg.queue_wait_budget_s
     if budget is not None and _engine_counts(inp, cfg) is not None:
         known = [(k, r) for k, r in zip(inp.slots, inp.service_s, strict=False) if k and r and r > 0]
         if known:
@@ -203,14 +214,14 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
     mean = sum(max(w, queue_warning + 1) if i in full else w for i, w in enumerate(known)) / len(known)
     kv_note = f" ({len(full)} node(s) with KV usage > {cfg.kv_saturated_ratio:g})" if full else ""
     completions = _completions(inp, cfg)
-    budget = cfg.queue_wait_budget_s
+    budget = _budget(inp, cfg)
     longest = None if budget is None else _longest_wait(known, completions, cfg)
     wait = 0.0 if longest is None else longest[1]
     over_budget = budget is not None and wait > budget
     queued = budget is not None and wait > budget * cfg.off_ratio  # above the low mark
     if state.percent <= 0 and mean <= queue_warning and not over_budget:
         return _set(state, 0.0, "")
-    cap, exact = _capacity(state, inp, completions, len(known), over_budget, cfg)
+    cap, exact = _capacity(state, inp, completions, len(known), over_budget, cfg, budget)
     step = cfg.step_percent
     # With a capacity the engines counted, the headroom adapts: each evaluation with a queue over
     # the budget while shedding adds 0.05 (at most 0.5); 4 x lift_after_s of low queues give 0.05

@@ -11,6 +11,7 @@ its class clusters' assignments too (:func:`~xds_server.xds.resources.build_cla`
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -20,12 +21,21 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from xds_server.config import SentinelConfig
 from xds_server.control.core import ControlCore
 from xds_server.health.classes import class_percents
+from xds_server.health.records import ProbeResultKind
 from xds_server.health.shed import ShedInputs, ShedState, shed_step
 from xds_server.load.aggregate import LoadAggregator
 
 __all__ = ["Shedder", "class_aliases", "finished_from_sessions", "kv_from_sessions"]
 
 log = logging.getLogger(__name__)
+
+_TTFT_SAMPLES = 512
+_TTFT_KEEP_S = 600.0
+_MIN_TTFT_SAMPLES = 20
+_MIN_BUDGET_S = 0.05
+"""The unloaded TTFT behind ``lrs.shed.ttft_budget_ratio``: the last 512 successful probes of
+the cluster's routable nodes in 10 min while it was unloaded, used from 20 on; a budget of at
+least 50 ms (a smaller one would shed to near idle for a wait no client notices). Ours."""
 
 _LITTLE_WINDOW_S = 10.0
 """The window (s) over which a node's mean running count and finished rate give the time a
@@ -54,6 +64,10 @@ class Shedder:
         # node -> (heartbeat arrival s, finished count, running at the evaluation) samples
         self._finished: dict[str, deque[tuple[float, float, float]]] = {}
         self._slots: dict[str, float] = {}  # node -> the most requests seen running
+        # cluster -> (s, ms) of successful probes' TTFT while it was not shedding and no queue
+        # stood (its unloaded TTFT, for lrs.shed.ttft_budget_ratio); node -> probes seen
+        self._ttft: dict[str, deque[tuple[float, float]]] = {}
+        self._probes_seen: dict[str, int] = {}
 
     def read_sessions(self, sessions: Mapping[str, Any]) -> None:
         """Read ``kv_usage`` (``lrs.shed.kv_saturated_ratio``) and ``finished``
@@ -113,6 +127,32 @@ class Shedder:
             return rate, slots or None, None
         return rate, slots, busy / (count - lc0)
 
+    def _learn_ttft(self, cluster: str, routable: list[str], core: ControlCore, cfg: SentinelConfig,
+                    now: float) -> float | None:
+        """Record the TTFT of each routable node's newest successful probe while the cluster is
+        unloaded (not shedding, no node with ``min_waiting`` waiting) and give the budget that
+        ``lrs.shed.ttft_budget_ratio`` sets from their p99 (s; None: off, or under
+        :data:`_MIN_TTFT_SAMPLES` in the last :data:`_TTFT_KEEP_S`)."""
+        sc = cfg.lrs.shed
+        if sc.capacity_source != "engines" or sc.ttft_budget_ratio is None:
+            return None
+        q = self._ttft.setdefault(cluster, deque(maxlen=_TTFT_SAMPLES))
+        quiet = self.shed.get(cluster, ShedState()).percent <= 0 and all(
+            (core.health[i].engine.requests_waiting or 0.0) < max(sc.min_waiting, 1.0) for i in routable)
+        for i in routable:
+            p = core.health[i].probe
+            new = p.seen != self._probes_seen.get(i)
+            self._probes_seen[i] = p.seen
+            if new and quiet and p.last_kind is ProbeResultKind.OK and p.last_ttft_ms is not None:
+                q.append((now, p.last_ttft_ms))
+        while q and q[0][0] < now - _TTFT_KEEP_S:
+            q.popleft()
+        if len(q) < _MIN_TTFT_SAMPLES:
+            return None
+        ms = sorted(v for _, v in q)
+        p99 = ms[min(len(ms) - 1, math.ceil(0.99 * len(ms)) - 1)]
+        return max(_MIN_BUDGET_S, sc.ttft_budget_ratio * p99 / 1000.0)
+
     def step(self, cfg: SentinelConfig, core: ControlCore, agg: LoadAggregator, cluster: str,
              node_ids: list[str], now: float) -> None:
         """One evaluation of ``cluster`` at ``now`` (monotonic s); marks it dirty when a drop changed."""
@@ -151,7 +191,7 @@ class Shedder:
         inp = ShedInputs([health[i].engine.requests_waiting for i in routable], ages,
                          (t.issued + t.dropped) / sc.window_s, t.completed / sc.window_s, t.reporters,
                          [self.kv_usage(i) for i in routable], admitted / sc.window_s, growth, routable,
-                         finished, slots, service)
+                         finished, slots, service, self._learn_ttft(cluster, routable, core, cfg, now))
         before = self.shed.get(cluster, ShedState())
         after = shed_step(before, inp, sc, hc.queue_warning, hc.queue_critical, now)
         self.shed[cluster] = after
