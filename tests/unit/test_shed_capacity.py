@@ -91,8 +91,11 @@ def test_easing_keeps_a_poisson_margin_over_the_offered_load():
 def test_the_headroom_grows_while_queues_pass_the_budget_and_comes_back_once_they_stay_low():
     s = ShedState(40.0, capacity_rps=TAKE / 2, capacity_exact=True)
     hot = [s]
-    for k in range(3):  # a queue over the budget (9 waiting / 15 per s = 0.6 s > 0.5 s), growing
-        hot.append(shed_step(hot[-1], exact([9, 1], 55.0, growth=2.0), CFG, 50, 100, float(k)))
+    # a queue over the budget, growing: 12 waiting drain at 16 slots / 0.8 s = 20 per s, 0.6 s > 0.5 s
+    # (9 would be 0.45 s: under it, though 9 / 15 finished per s reads 0.6 s)
+    assert shed_step(s, exact([9, 1], 55.0, growth=2.0), CFG, 50, 100, 0.0).headroom in (None, 0.0)
+    for k in range(3):
+        hot.append(shed_step(hot[-1], exact([12, 1], 55.0, growth=2.0), CFG, 50, 100, float(k)))
     assert [round(h.headroom or 0.0, 2) for h in hot[1:]] == [0.05, 0.1, 0.15]  # from 0: the model's margin
     assert all(b.percent >= a.percent for a, b in pairwise(hot))
     low = [hot[-1]]

@@ -182,14 +182,19 @@ def _capacity(state: ShedState, inp: ShedInputs, completions: float, n: int, ove
     return cap, False
 
 
-def _longest_wait(known: list[float], completions: float, cfg: ShedConfig) -> tuple[int, float] | None:
+def _longest_wait(known: list[float], completions: float, cfg: ShedConfig,
+                  drain: Sequence[float | None] = ()) -> tuple[int, float] | None:
     """(index, expected wait in s) of the node whose queue waits longest among those with at least
-    ``min_waiting`` waiting; None when none has (inf: nothing completes)."""
+    ``min_waiting`` waiting; None when none has (inf: nothing completes). A node's queue drains at
+    its ``drain`` rate when known (per s: its slots over the time a request runs, what a node with
+    a queue finishes), else at its share of ``completions`` (which on a node not full all the
+    window reads low)."""
     share = completions / len(known)
     best: tuple[int, float] | None = None
     for i, w in enumerate(known):
         if w >= max(cfg.min_waiting, 1e-9):
-            wait = w / share if share > 0 else math.inf
+            rate = drain[i] if i < len(drain) and drain[i] else share
+            wait = w / rate if rate and rate > 0 else math.inf
             if best is None or wait > best[1]:
                 best = (i, wait)
     return best
@@ -215,7 +220,11 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
     kv_note = f" ({len(full)} node(s) with KV usage > {cfg.kv_saturated_ratio:g})" if full else ""
     completions = _completions(inp, cfg)
     budget = _budget(inp, cfg)
-    longest = None if budget is None else _longest_wait(known, completions, cfg)
+    drain: list[float | None] = []
+    if _engine_counts(inp, cfg) is not None:
+        drain = [k / r if k and r and r > 0 else None
+                 for k, r in zip(inp.slots, inp.service_s, strict=False)]
+    longest = None if budget is None else _longest_wait(known, completions, cfg, drain)
     wait = 0.0 if longest is None else longest[1]
     over_budget = budget is not None and wait > budget
     queued = budget is not None and wait > budget * cfg.off_ratio  # above the low mark
