@@ -69,8 +69,9 @@ def test_the_drop_follows_the_offered_load_before_a_queue_forms():
     lrs = ShedState(30.0, low_since_s=0.0, capacity_rps=20.0)
     no_counts = ShedInputs([0, 0], [0.2, 0.2], 60.0, 60.0, 1, [None, None], admitted_rps=60.0, growth_rps=0.0)
     assert shed_step(lrs, no_counts, CFG, 50, 100, 1.0).percent == 30.0
-    # and the engines' counts are not read unless lrs.shed.capacity_source is engines
-    assert shed_step(s, exact([0, 0], 60.0), ShedConfig(enabled=True, lift_after_s=3.0), 50, 100, 1.0).percent == 30.0
+    # and the engines' counts are not read with lrs.shed.capacity_source lrs
+    lrs_cfg = ShedConfig(enabled=True, lift_after_s=3.0, capacity_source="lrs")
+    assert shed_step(s, exact([0, 0], 60.0), lrs_cfg, 50, 100, 1.0).percent == 30.0
     # a smaller budget takes less: more is shed at the same load
     tight = ShedConfig(enabled=True, lift_after_s=3.0, capacity_source="engines", queue_wait_budget_s=0.1)
     assert shed_step(s, exact([0, 0], 60.0), tight, 50, 100, 1.0).percent > t.percent
@@ -127,6 +128,8 @@ def test_engines_without_a_budget_is_refused_naming_the_field():
 
     with pytest.raises(ValueError, match="capacity_source: engines needs queue_wait_budget_s"):
         ShedConfig(capacity_source="engines", queue_wait_budget_s=None)
+    # the default (engines) with the budget null: the seed's thresholds alone, as null always meant
+    assert ShedConfig(queue_wait_budget_s=None).capacity_source == "engines"
 
 
 def test_the_budget_is_learned_from_unloaded_probes_only():

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from xds_server.config import ClusterConfig, NodeConfig, SentinelConfig, ShedClassesConfig, ShedConfig, class_clusters
 from xds_server.envoy.bootstrap import ControlPlaneGroup, find_envoy, render_bootstrap, write_bootstrap
 from xds_server.health.classes import allocate, class_percents
+from xds_server.health.records import Probes
 from xds_server.health.shed import ShedInputs, ShedState, shed_step
 from xds_server.load.aggregate import ClusterReport, Counts, EndpointReport, LoadAggregator, LocalityReport, Report
 from xds_server.load.shedding import class_aliases
@@ -171,7 +172,8 @@ def test_shedder_spreads_the_drop_over_the_classes_and_flips_each_changed_assign
     cfg = cfg.model_copy(update={"lrs": cfg.lrs.model_copy(update={"shed": cfg.lrs.shed.model_copy(
         update={"window_s": 2.0})})})
     node = SimpleNamespace(heartbeat=SimpleNamespace(last_s=9.9), engine=SimpleNamespace(requests_waiting=70.0,
-                                                                                requests_running=None, stalled=False))
+                                                                                requests_running=None, stalled=False),
+                           probe=Probes())
     dirty: list[str] = []
     core = SimpleNamespace(routing={"gpu-a": SimpleNamespace(health_status="HEALTHY")}, health={"gpu-a": node},
                            mark_dirty=dirty.append)
@@ -240,7 +242,7 @@ def test_shedder_measures_completions_where_the_queue_is_not_at_envoys_headers()
     engines = {n: SimpleNamespace(requests_waiting=0.0, requests_running=2.0, stalled=False)
                for n in ("gpu-a", "gpu-b")}
     core = SimpleNamespace(routing={n: SimpleNamespace(health_status="HEALTHY") for n in engines},
-                           health={n: SimpleNamespace(heartbeat=SimpleNamespace(last_s=0.0), engine=e)
+                           health={n: SimpleNamespace(heartbeat=SimpleNamespace(last_s=0.0), engine=e, probe=Probes())
                                    for n, e in engines.items()}, mark_dirty=lambda _c: None)
     addrs = {("127.0.0.1", 9001): "gpu-a", ("127.0.0.1", 9002): "gpu-b"}
     agg = LoadAggregator({"llm": addrs}, interval_s=1.0, min_gap_s=0.0)

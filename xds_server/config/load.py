@@ -173,28 +173,29 @@ class ShedConfig(_Model):
         "requests keep their TTFT p99 within (1 + this) x the unloaded one, the issue's 2x at 1.0; "
         "queue_wait_budget_s stays the cap. null: queue_wait_budget_s alone. Ours (issue 22)")
     capacity_source: Literal["lrs", "engines"] = Field(
-        "lrs",
-        description="where the load the routable nodes can take comes from. lrs: completions "
-        "measured from LRS (issued to the routable nodes minus the growth of their in-flight "
-        "requests), the most seen while a queue stood over queue_wait_budget_s, less "
-        "headroom_ratio. engines: each engine's finished-request counter "
-        "(vllm:request_success_total, TGI's tgi_request_duration_count) gives its slots (the most "
-        "running) and the time a request runs (Little's law), and the drop lets in the rate at "
-        "which the pool of those slots keeps the queue wait over queue_wait_budget_s to 1 % of "
-        "admitted requests (Erlang C, exponential service: conservative for LLM lengths), "
-        "following the offered load; easing keeps a margin of two Poisson standard errors, the "
-        "headroom starts at 0 and grows by 0.05 per report over the budget. Set the budget to "
-        "the queue wait the p99 may add (about the unloaded TTFT p99 for 2x it). Measured: admitted "
-        "TTFT p99 0.8-1.7x on 2-, 8- and 16-slot engines, 15-30 points more shed than the bare excess "
-        "(benchmarks/RESULTS.md, issue 22); a cluster with a routable node whose engine does not "
-        "count uses lrs meanwhile")
+        "engines",
+        description="where the load the routable nodes can take comes from. engines (the default): "
+        "each engine's finished-request counter (vllm:request_success_total, TGI's "
+        "tgi_request_duration_count) gives its slots (the most running) and the time a request runs "
+        "(Little's law); the drop lets in the rate at which the pool of those slots keeps the queue "
+        "wait over the budget (queue_wait_budget_s, or the smaller one ttft_budget_ratio learns) to "
+        "1 % of admitted requests (Erlang C, exponential service: conservative for LLM lengths), "
+        "following the offered load; a queue drains at slots over run time; easing keeps a margin "
+        "of two Poisson standard errors; the headroom starts at 0 and grows by 0.05 per report over "
+        "the budget. Measured: admitted TTFT p99 0.8-1.7x the unloaded one on 2-, 8- and 16-slot "
+        "engines, 15-30 points more shed than the bare excess (benchmarks/RESULTS.md, issue 22). A "
+        "cluster with a routable node whose engine does not count (SGLang, or no metrics) uses lrs "
+        "meanwhile. lrs: completions measured from LRS (issued to the routable nodes minus the "
+        "growth of their in-flight requests), the most seen while a queue stood over "
+        "queue_wait_budget_s, less headroom_ratio (5.7-7.0x on 16 slots)")
     classes: ShedClassesConfig = ShedClassesConfig()
 
     @model_validator(mode="after")
     def _engines_need_a_budget(self) -> ShedConfig:
-        if self.capacity_source == "engines" and self.queue_wait_budget_s is None:
+        if "capacity_source" in self.model_fields_set and self.capacity_source == "engines" and (
+                self.queue_wait_budget_s is None):
             raise ValueError("capacity_source: engines needs queue_wait_budget_s (the queue wait it keeps "
-                             "admitted requests under), not null")
+                             "admitted requests under), not null (null alone: the seed's thresholds)")
         return self
 
 
