@@ -182,7 +182,7 @@ class ShedConfig(_Model):
         "1 % of admitted requests (Erlang C, exponential service: conservative for LLM lengths), "
         "following the offered load; a queue drains at slots over run time; easing keeps a margin "
         "of two Poisson standard errors; the headroom starts at 0 and grows by 0.05 per report over "
-        "the budget. Measured: admitted TTFT p99 0.8-1.7x the unloaded one on 2-, 8- and 16-slot "
+        "the budget. Measured: admitted TTFT p99 0.8-2.0x the unloaded one on 2-, 8- and 16-slot "
         "engines, 15-30 points more shed than the bare excess (benchmarks/RESULTS.md, issue 22). A "
         "cluster with a routable node whose engine does not count (SGLang, or no metrics) uses lrs "
         "meanwhile. lrs: completions measured from LRS (issued to the routable nodes minus the "
