@@ -35,6 +35,7 @@ class ScriptedAgent(probe_pb2_grpc.NodeProbeServicer):
     def __init__(self) -> None:
         self.heartbeats = True
         self.answer_pings = True
+        self.pong_delay_s = 0.0  # each pong waits this long before it is sent
         self.interval_s = 0.1
         self.streams = 0
         self.received: list[probe_pb2.ControlMessage] = []
@@ -76,7 +77,11 @@ class ScriptedAgent(probe_pb2_grpc.NodeProbeServicer):
             async for m in request_iterator:
                 self.received.append(m)
                 if m.HasField("ping") and self.answer_pings:
-                    pongs.put_nowait(probe_pb2.AgentMessage(pong=probe_pb2.Pong(seq=m.ping.seq)))
+                    pong = probe_pb2.AgentMessage(pong=probe_pb2.Pong(seq=m.ping.seq))
+                    if self.pong_delay_s > 0:
+                        asyncio.get_running_loop().call_later(self.pong_delay_s, pongs.put_nowait, pong)
+                    else:
+                        pongs.put_nowait(pong)
 
         reader = asyncio.ensure_future(read())
         loop = asyncio.get_running_loop()

@@ -62,6 +62,9 @@ async def test_a_pong_that_waited_through_our_stall_gives_no_rtt_sample(agent_th
         # No heartbeat may come between the ping and its pong, so the pong is the first message
         # read after we wake (a heartbeat after a gap already drops the pings outstanding).
         agent.heartbeats = False
+        # The pong leaves 0.3 s after its ping reached the agent: we are stalled by then, however
+        # late this poll sees the ping (else a loaded machine reads the pong before the stall).
+        agent.pong_delay_s = 0.3
         n = agent_thread.pings()
         await wait_for(lambda: agent_thread.pings() > n, timeout_s=5, step_s=0.001, what="a ping")
         time.sleep(1.5)  # our loop runs nothing: the agent's pong waits unread
@@ -72,7 +75,7 @@ async def test_a_pong_that_waited_through_our_stall_gives_no_rtt_sample(agent_th
         assert getattr(cp.sessions["a"], "rtt_samples_dropped", 0) >= 1
         # and a round trip with no stall in it is still a sample
         before = rtt.last_ms
-        agent.heartbeats = True
+        agent.heartbeats, agent.pong_delay_s = True, 0.0
         await wait_for(lambda: cp.health["a"].rtt.last_ms != before, timeout_s=5, what="a new RTT sample")
     finally:
         await cp.stop()
