@@ -47,7 +47,7 @@ _WATCH = "/node_probe.v1.NodeProbe/Watch"
 
 def telemetry(seq: int, gpus: int) -> probe_pb2.Telemetry:
     """A READY engine's telemetry as a real agent sends it: engine load that moves every
-    heartbeat (the token counter), ``gpus`` GPU readings that move once per second (NVML is
+    heartbeat (the token and finished-request counters), ``gpus`` GPU readings that move once per second (NVML is
     polled every ``gpu_interval_s``, 1 s; ``poll_seq`` numbers each poll); ``gpus=0``: only the
     engine state (the original fake)."""
     tel = probe_pb2.Telemetry(engine_state=probe_pb2.ENGINE_STATE_READY)
@@ -59,6 +59,7 @@ def telemetry(seq: int, gpus: int) -> probe_pb2.Telemetry:
     tel.engine_load.kv_cache_usage_ratio = 0.25
     tel.engine_load.prefix_cache_hit_ratio = 0.5
     tel.engine_load.generation_tokens_total = 1000.0 + 40.0 * seq
+    tel.engine_load.requests_finished_total = 100.0 + seq // 2  # vllm:request_success_total: moves too
     tel.engine_load.kv_cache_metric = "vllm:gpu_cache_usage_perc"
     tel.gpu.state = probe_pb2.NVML_STATE_OK
     second = seq // 10
@@ -377,7 +378,8 @@ async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: b
     import pstats
 
     from xds_server.control.core import ControlCore
-    from xds_server.probing.session import ProbeSession, _Stream
+    from xds_server.probing.liveness import StreamState
+    from xds_server.probing.session import ProbeSession
     from xds_server.process.clock import LoopClock
 
     cfg = _hot_config(nodes, steady)
@@ -400,7 +402,7 @@ async def hot_path(nodes: int = 1000, beats: int = 20, gpus: int = 8, profile: b
     tick0 = cpu0 = t0_silent = 0.0
     for s in sessions:
         s._loop = loop
-        s._stream = _Stream(loop.time())
+        s._stream = s._latest = StreamState(loop.time())
     wire = [[probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(seq=k, interval_ms=100, node_id=s.node.id,
                                                                   telemetry=telemetry(k, gpus))).SerializeToString()
              for k in range(beats)] for s in sessions]

@@ -38,10 +38,8 @@ RATE_RPS = 27.0  # two engines complete ~18 rps (2 x 2 slots / ~0.22 s); four ~3
 
 
 async def test_half_frozen_under_open_loop_load_survivors_stay_under_critical_and_shed_get_429(make_fleet, http):
-    source = "engines"  # the default; lrs (for engines that do not count) keeps its unit tests (test_shed.py)
     fleet = make_fleet(n_nodes=4, token_interval_ms=25.0, per_try_timeout_s=None, health=HEALTH,
-                       engine_args=["--max-num-seqs", "2"],
-                       config_options={"lrs": {"shed": {**SHED, "capacity_source": source}}})
+                       engine_args=["--max-num-seqs", "2"], config_options={"lrs": {"shed": SHED}})
     await fleet.wait_all_routed(http)
     frozen, survivors = ["gpu-a", "gpu-b"], ["gpu-c", "gpu-d"]
     watch = Watch({n.node_id: n.engine_url for n in fleet.nodes}, f"http://127.0.0.1:{fleet.admin_port}")
@@ -93,7 +91,7 @@ async def test_half_frozen_under_open_loop_load_survivors_stay_under_critical_an
     assert {x.retry_after for x in shed} == {"3"}
     # a survivor's probe waits in its queue like any request: busy, never ejected
     assert not any(state == "UNHEALTHY" for _, state in states), states
-    # the engines' counters reached the controller (the agents send vllm:request_success_total):
-    # its reasons say so, and only it follows the offered load ("tracking")
-    counted = any("(engines' counters)" in why or why.startswith("tracking") for _, why in watch.reasons)
-    assert counted == (source == "engines"), watch.reasons
+    # the engines' counters reached the controller (the default capacity_source; the agents send
+    # vllm:request_success_total): its reasons say so, and only it follows the offered load
+    assert any("(engines' counters)" in why or why.startswith("tracking") for _, why in watch.reasons), \
+        watch.reasons

@@ -19,14 +19,14 @@ from xds_server.load.shedding import Shedder
 CFG = ShedConfig(enabled=True, lift_after_s=3.0, capacity_source="engines")
 
 
-def feed(sh: Shedder, node: str, clock: list[float], runs: list[tuple[float, float]], service_s: float = 0.8):
-    """Evaluate once a second: each (running, waiting) pair holds for one second; the engine
-    finishes running / service_s requests per second. Returns what _finishing said each time."""
+def feed(sh: Shedder, node: str, clock: list[float], runs: list[float], service_s: float = 0.8):
+    """Evaluate once a second: each running count holds for one second; the engine finishes
+    running / service_s requests per second. Returns what _finishing said each time."""
     count = [0.0]
     sh.finished = lambda _n: (clock[0], count[0])
     out = []
-    for running, waiting in runs:
-        out.append(sh._finishing(node, waiting, running, clock[0], 3.0))
+    for running in runs:
+        out.append(sh._finishing(node, running, 3.0))
         clock[0] += 1.0
         count[0] += running / service_s
     return out
@@ -34,9 +34,9 @@ def feed(sh: Shedder, node: str, clock: list[float], runs: list[tuple[float, flo
 
 def test_slots_and_the_time_a_request_runs_are_known_at_any_load():
     sh, clock = Shedder(), [100.0]
-    # 16 slots, 0.8 s a request. Half loaded (8 running) for 4 s, full once (16 running, 3
-    # waiting), then light again: the time a request runs reads 0.8 s throughout, not the load
-    out = feed(sh, "a", clock, [(8, 0)] * 4 + [(16, 3)] + [(6, 0)] * 6)
+    # 16 slots, 0.8 s a request. Half loaded (8 running) for 4 s, full once (16 running), then
+    # light again: the time a request runs reads 0.8 s throughout, not the load
+    out = feed(sh, "a", clock, [8.0] * 4 + [16.0] + [6.0] * 6)
     assert all(o[1] == 8.0 for o in out[1:4])            # slots: a lower bound until full
     assert all(o[1] == 16.0 for o in out[4:])
     runs = [o[2] for o in out[1:]]
@@ -45,7 +45,7 @@ def test_slots_and_the_time_a_request_runs_are_known_at_any_load():
     assert all(r is not None and abs(r - 6 / 0.8) < 0.01 for r in rates), rates  # 7.5 finished per s
     # an engine restart (the counter goes back) forgets its slots
     sh.finished = lambda _n: (clock[0], 0.0)
-    assert sh._finishing("a", 0.0, 4.0, clock[0], 3.0) == (None, None, None)
+    assert sh._finishing("a", 4.0, 3.0) == (None, None, None)
     assert sh._slots["a"] == 4.0
 
 
@@ -176,3 +176,34 @@ def test_a_learned_budget_tighter_than_the_configured_one_admits_less():
     tight = shed_step(s, ShedInputs(**{**{f: getattr(i, f) for f in i.__slots__}, "ttft_budget_s": 0.1}),
                       CFG, 50, 100, 1.0)
     assert tight.percent > loose.percent
+
+
+def test_a_nodes_slots_outlive_other_clusters_evaluations_and_go_after_10_min_unseen():
+    from types import SimpleNamespace
+
+    from xds_server.config import parse_config
+    from xds_server.health.records import Probes
+    from xds_server.load.aggregate import LoadAggregator
+
+    cfg = parse_config({"xds": {"listen": "127.0.0.1:0"}, "lrs": {"shed": {"enabled": True}}, "clusters": [
+        {"name": c, "nodes": [{"id": n, "address": f"127.0.0.1:{p}", "probe_address": f"127.0.0.1:{p + 1}"}]}
+        for c, n, p in (("a", "gpu-a", 9001), ("b", "gpu-b", 9003))]})
+    eng = SimpleNamespace(requests_waiting=1.0, requests_running=16.0, stalled=False)
+    core = SimpleNamespace(routing={n: SimpleNamespace(health_status="HEALTHY") for n in ("gpu-a", "gpu-b")},
+                           health={n: SimpleNamespace(heartbeat=SimpleNamespace(last_s=0.0), engine=eng,
+                                                      probe=Probes()) for n in ("gpu-a", "gpu-b")},
+                           mark_dirty=lambda _c: None)
+    agg = LoadAggregator({"a": {("127.0.0.1", 9001): "gpu-a"}, "b": {("127.0.0.1", 9003): "gpu-b"}},
+                         interval_s=1.0, min_gap_s=0.0)
+    sh = Shedder()
+    sh.finished = lambda _n: (0.0, 1.0)
+    sh.step(cfg, core, agg, "a", ["gpu-a"], 1.0)
+    assert sh._slots["gpu-a"] == 16.0
+    core.routing["gpu-a"].health_status = "UNHEALTHY"  # ejected: cluster a evaluates no node
+    for t in range(2, 300):
+        sh.step(cfg, core, agg, "a", ["gpu-a"], float(t))
+        sh.step(cfg, core, agg, "b", ["gpu-b"], float(t))
+    assert sh._slots["gpu-a"] == 16.0  # kept for when it comes back (b's evaluations used to drop it)
+    for t in range(300, 620, 10):
+        sh.step(cfg, core, agg, "b", ["gpu-b"], float(t))
+    assert "gpu-a" not in sh._slots and "gpu-b" in sh._slots  # unseen for 10 min: forgotten

@@ -141,12 +141,12 @@ def _engine_counts(inp: ShedInputs, cfg: ShedConfig) -> list[float] | None:
     return [v for v in f if v is not None]
 
 
-def _completions(inp: ShedInputs, cfg: ShedConfig) -> float:
+def _completions(inp: ShedInputs, cfg: ShedConfig, counted: list[float] | None) -> float:
     """The routable nodes' completion rate (per s, see the module docstring; with the relative
-    trigger off, LRS's alone: the seed's thresholds as they were first built)."""
+    trigger off, LRS's alone: the seed's thresholds as they were first built); ``counted``: the
+    engines' counts (:func:`_engine_counts`)."""
     if cfg.queue_wait_budget_s is None:
         return inp.completed_rps
-    counted = _engine_counts(inp, cfg)
     if counted is not None:
         return sum(counted)
     if inp.admitted_rps is not None and inp.growth_rps is not None:
@@ -154,23 +154,23 @@ def _completions(inp: ShedInputs, cfg: ShedConfig) -> float:
     return inp.completed_rps
 
 
-def _budget(inp: ShedInputs, cfg: ShedConfig) -> float | None:
+def _budget(inp: ShedInputs, cfg: ShedConfig, counted: list[float] | None) -> float | None:
     """The queue-wait budget (s): ``queue_wait_budget_s``, or with the engines' counts the
     smaller of it and the one learned from the cluster's unloaded TTFT (``ttft_budget_s``)."""
     b = cfg.queue_wait_budget_s
-    if b is not None and inp.ttft_budget_s is not None and _engine_counts(inp, cfg) is not None:
+    if b is not None and inp.ttft_budget_s is not None and counted is not None:
         return min(b, inp.ttft_budget_s)
     return b
 
 
 def _capacity(state: ShedState, inp: ShedInputs, completions: float, n: int, over_budget: bool,
-              cfg: ShedConfig, budget: float | None) -> tuple[float | None, bool]:
+              budget: float | None, counted: list[float] | None) -> tuple[float | None, bool]:
     """(arrivals per s per routable node the nodes take, exact). With the engines' counts: the
     rate at which the pool of their slots (nodes whose slots are not known yet counted as the
     mean of those known) keeps the queue wait over ``budget`` (:func:`_budget`) to 1 % of arrivals
     (:func:`~xds_server.health.queueing.max_rate`: the p99, the issue's target). Else the most
     completions measured while over the budget (see :class:`ShedState`)."""
-    if budget is not None and _engine_counts(inp, cfg) is not None:
+    if budget is not None and counted is not None:
         known = [(k, r) for k, r in zip(inp.slots, inp.service_s, strict=False) if k and r and r > 0]
         if known:
             pool = sum(k for k, _ in known) * n / len(known)
@@ -218,10 +218,11 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
     full = {i for i, u in enumerate(kv) if u is not None and u > cfg.kv_saturated_ratio}  # NaN: not full
     mean = sum(max(w, queue_warning + 1) if i in full else w for i, w in enumerate(known)) / len(known)
     kv_note = f" ({len(full)} node(s) with KV usage > {cfg.kv_saturated_ratio:g})" if full else ""
-    completions = _completions(inp, cfg)
-    budget = _budget(inp, cfg)
+    counted = _engine_counts(inp, cfg)
+    completions = _completions(inp, cfg, counted)
+    budget = _budget(inp, cfg, counted)
     drain: list[float | None] = []
-    if _engine_counts(inp, cfg) is not None:
+    if counted is not None:
         drain = [k / r if k and r and r > 0 else None
                  for k, r in zip(inp.slots, inp.service_s, strict=False)]
     longest = None if budget is None else _longest_wait(known, completions, cfg, drain)
@@ -230,14 +231,13 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
     queued = budget is not None and wait > budget * cfg.off_ratio  # above the low mark
     if state.percent <= 0 and mean <= queue_warning and not over_budget:
         return _set(state, 0.0, "")
-    cap, exact = _capacity(state, inp, completions, len(known), over_budget, cfg, budget)
+    cap, exact = _capacity(state, inp, completions, len(known), over_budget, budget, counted)
     step = cfg.step_percent
-    # With a capacity the engines counted, the headroom adapts: each evaluation with a queue over
-    # the budget while shedding adds 0.05 (at most 0.5); 4 x lift_after_s of low queues give 0.05
-    # back, down to headroom_ratio. Ours:
-    # the tail of the queue wait, not its mean, sets the admitted TTFT p99, and that tail at a
-    # given load depends on the engines' slots (benchmarks/RESULTS.md, issue 22).
-    floor = 0.0 if exact else cfg.headroom_ratio  # the queueing model keeps its own margin
+    # With a capacity the engines counted, the headroom adapts from 0 (the queueing model keeps
+    # the tail's margin): each evaluation with a queue over the budget while shedding adds 0.05
+    # (at most 0.5); 4 x lift_after_s of low queues give 0.05 back. Ours (benchmarks/RESULTS.md,
+    # issue 22). Else it is headroom_ratio.
+    floor = 0.0 if exact else cfg.headroom_ratio
     room = max(state.headroom if state.headroom is not None else floor, floor)
     if exact and over_budget and state.percent > 0:
         room = min(_MAX_HEADROOM, room + _HEADROOM_STEP)
@@ -250,10 +250,10 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
         need = min(cfg.max_percent, need)
     if mean <= queue_warning * cfg.off_ratio and not queued:
         since = state.low_since_s if state.low_since_s is not None else now_s
-        if need > state.percent:
+        if cap is not None and need > state.percent:  # need > 0 only with a capacity
             return _set(state, need, f"tracking {need:g} %: offered {inp.offered_rps:.1f} rps, over the "
                         f"{cap * len(known) * keep:.1f} rps the routable nodes can complete (less headroom)",
-                        since, cap, exact, room) if cap is not None else state
+                        since, cap, exact, room)
         if exact and room > floor and now_s - since >= cfg.lift_after_s * _TRUST_CAPACITY_LIFTS:
             room = max(floor, room - _HEADROOM_STEP)
             return _set(state, state.percent, f"holding {state.percent:g} %: queues low for "
@@ -299,6 +299,6 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
     else:
         rel = ">" if mean > queue_warning else "<="
         why = f"mean waiting {mean:.0f}{kv_note} {rel} {queue_warning:g}"
-    counted = " (engines' counters)" if _engine_counts(inp, cfg) is not None else ""
+    src = " (engines' counters)" if counted is not None else ""
     return _set(state, target, f"{verb} {target:g} %: {why}; offered {inp.offered_rps:.1f} rps, "
-                               f"completed {completions:.1f} rps{counted}", None, cap, exact, room)
+                               f"completed {completions:.1f} rps{src}", None, cap, exact, room)

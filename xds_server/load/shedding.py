@@ -64,6 +64,7 @@ class Shedder:
         # node -> (heartbeat arrival s, finished count, running at the evaluation) samples
         self._finished: dict[str, deque[tuple[float, float, float]]] = {}
         self._slots: dict[str, float] = {}  # node -> the most requests seen running
+        self._seen: dict[str, float] = {}  # node -> when it was last evaluated routable (s)
         # cluster -> (s, ms) of successful probes' TTFT while it was not shedding and no queue
         # stood (its unloaded TTFT, for lrs.shed.ttft_budget_ratio); node -> probes seen
         self._ttft: dict[str, deque[tuple[float, float]]] = {}
@@ -87,8 +88,8 @@ class Shedder:
         t0, v0 = q[0]
         return None if now - t0 < window_s / 4 else (inflight - v0) / (now - t0)
 
-    def _finishing(self, node_id: str, waiting: float | None, running: float | None, now: float,
-                   window_s: float) -> tuple[float | None, float | None, float | None]:
+    def _finishing(self, node_id: str, running: float | None, window_s: float
+                   ) -> tuple[float | None, float | None, float | None]:
         """(requests per s the node's engine finished over the last ``window_s`` by its own
         counter, its slots, the time a request runs on it in s): each None when unknown (the
         rate also under a quarter of the window seen).
@@ -100,7 +101,7 @@ class Shedder:
         and the slots afresh."""
         q = self._finished.setdefault(node_id, deque())
         got = self.finished(node_id)
-        if got is None or waiting is None or running is None:
+        if got is None or running is None:
             q.clear()
             return None, None, None
         at, count = got
@@ -173,7 +174,8 @@ class Shedder:
             known = e.requests_waiting is not None and e.requests_running is not None
             grown.append(self._growth(i, (e.requests_waiting or 0.0) + (e.requests_running or 0.0) if known else None,
                                       now, sc.window_s))
-            rate, n_slots, run_s = self._finishing(i, e.requests_waiting, e.requests_running, now, sc.window_s)
+            rate, n_slots, run_s = self._finishing(i, e.requests_running, sc.window_s)
+            self._seen[i] = now
             finished.append(rate)
             slots.append(n_slots)
             service.append(run_s)
@@ -185,8 +187,10 @@ class Shedder:
             del self._inflight[i]  # a node no longer configured
         for i in [i for i, q in self._finished.items() if not q or now - q[-1][0] > 10 * sc.window_s]:
             del self._finished[i]
-        for i in [i for i in self._slots if i not in self._finished and i not in node_ids]:
-            del self._slots[i]  # a node no longer configured
+        for i in [i for i, at in self._seen.items() if now - at > _TTFT_KEEP_S]:  # routable nowhere for 10 min
+            del self._seen[i]
+            self._slots.pop(i, None)
+            self._probes_seen.pop(i, None)
         growth = None if any(g is None for g in grown) else sum(g for g in grown if g is not None)
         inp = ShedInputs([health[i].engine.requests_waiting for i in routable], ages,
                          (t.issued + t.dropped) / sc.window_s, t.completed / sc.window_s, t.reporters,

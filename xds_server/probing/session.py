@@ -23,6 +23,7 @@ handling one message is counted and skipped: it never ends health checking.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import Callable
@@ -80,7 +81,6 @@ class ProbeSession:
         self.on_malformed = on_malformed
         self.edge = AgentEdge(cfg, self.probe_cfg)
         self.last_telemetry: TelemetrySummary | None = None
-        self.finished: tuple[float, float] | None = None  # last heartbeat's (arrival s, engine's finished count)
         self.connected = False
         self.connects = 0
         # The link to the agent, for /nodes: dials in a row that got no message from the agent,
@@ -111,8 +111,7 @@ class ProbeSession:
             self._task = asyncio.create_task(self._run(), name=f"probe-{self.node.id}")
 
     def check_at(self, at_s: float | None) -> None:
-        """Arm the detection timer at ``at_s`` (loop clock, s; after :meth:`start`): a Tick
-        then unless an observation re-arms it first (a probe worker's handed-over node)."""
+        """Arm the detection timer at ``at_s`` (loop s; a worker's handed-over node): a Tick unless re-armed."""
         self._arm(at_s)
 
     async def stop(self) -> None:
@@ -121,12 +120,16 @@ class ProbeSession:
             self._timer.cancel()
         if self._task:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
         self.silence_gate.stop()
+
+    @property
+    def finished(self) -> tuple[float, float] | None:
+        """(arrival, loop s; count): the engine's finished requests at the last heartbeat (None: none)."""
+        st, fin = self._latest, self.edge.load.finished
+        return None if st is None or not st.had_hb or fin is None else (st.last_hb, fin)
 
     @property
     def alive(self) -> bool:
@@ -339,9 +342,7 @@ class ProbeSession:
                 st.obs = checked.observation
                 if self.probe_cfg.liveness == "transport" and msg.heartbeat.liveness == probe_pb2.LIVENESS_TRANSPORT:
                     st.transport = True
-                tel = checked.telemetry
-                self.last_telemetry = tel
-                self.finished = None if (fin := self.edge.load.finished) is None else (now, fin)
+                self.last_telemetry = tel = checked.telemetry
                 if tel.stalled and not self._stalled:
                     self._probe_now(f"engine stalled: {tel.stall_detail}")
                 self._stalled = tel.stalled
@@ -352,8 +353,7 @@ class ProbeSession:
                     if not 0 < checked.seq <= st.ping_seq:  # never sent: the agent is wrong
                         self._bad_fields([BadField("pong.seq", "mismatch")], now)
                         self._malformed("pong for an unknown seq", now)
-                    # else: an answer to a ping dropped after a heartbeat gap, or beyond
-                    # max_unanswered_pings: no sample, not the agent's fault
+                    # else: a ping dropped after a heartbeat gap or past max_unanswered_pings: no fault
                     return
                 rtt_s = monotonic() - sent
                 if self.silence_gate.stalled_since(now - rtt_s, now):  # it measured our own stall

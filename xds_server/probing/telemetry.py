@@ -148,12 +148,13 @@ class LoadCheck:
         memo = self._memo
         if memo is not None:
             kept, tokens_kept, finished_kept, summary, kept_bad = memo
+            tokens = fin = 0.0
             if tokens_kept:
-                kept.generation_tokens_total = load.generation_tokens_total
+                tokens = kept.generation_tokens_total = load.generation_tokens_total
             if finished_kept:
-                kept.requests_finished_total = load.requests_finished_total
+                fin = kept.requests_finished_total = load.requests_finished_total
             if kept == load:
-                self._counters(load, tokens_kept, finished_kept, bad)
+                self._counters(tokens, fin, finished_kept, bad)
                 if kept_bad:
                     bad.extend(kept_bad)
                 return summary
@@ -165,20 +166,19 @@ class LoadCheck:
         finished_kept = load.HasField("requests_finished_total")
         self._memo = (kept, tokens_kept, finished_kept, summary, tuple(load_bad))
         bad.extend(load_bad)
-        self._counters(load, tokens_kept, finished_kept, bad)
+        self._counters(load.generation_tokens_total if tokens_kept else 0.0,
+                       load.requests_finished_total if finished_kept else 0.0, finished_kept, bad)
         return summary
 
-    def _counters(self, load: probe_pb2.EngineLoad, tokens: bool, finished: bool, bad: list[BadField]) -> None:
-        """Range-check the two counters (present ones) and keep the finished count."""
-        if tokens and not 0.0 <= load.generation_tokens_total < math.inf:
-            number(load.generation_tokens_total, _P_TOKENS, 0.0, math.inf, bad)
-        self.finished = None
-        if finished:
-            v = load.requests_finished_total
-            if 0.0 <= v < math.inf:
-                self.finished = v
-            else:
-                number(v, _P_FINISHED, 0.0, math.inf, bad)
+    def _counters(self, tokens: float, fin: float, has_fin: bool, bad: list[BadField]) -> None:
+        """Range-check the two counters (0.0 for one absent) and keep the finished count."""
+        if not 0.0 <= tokens < math.inf:
+            number(tokens, _P_TOKENS, 0.0, math.inf, bad)
+        if 0.0 <= fin < math.inf:
+            self.finished = fin if has_fin else None
+        else:
+            self.finished = None
+            number(fin, _P_FINISHED, 0.0, math.inf, bad)
 
     def _check(self, load: probe_pb2.EngineLoad, bad: list[BadField],
                last: EngineLoadSummary | None) -> EngineLoadSummary:
