@@ -8,7 +8,7 @@ default ``health.score_rtt_weight`` 0.7, puts a load on pool-a through Envoy and
 replicas' ``/nodes`` every 0.2 s (after 2 s of load): each node's weight, EWMA RTT and EWMA TTFT.
 
 Reports how often the replicas' weights differ, and, recomputing the score factor as
-``xds_server.health.policy.cluster_routing`` does (slack, min factor, step from the defaults; the
+``xds_server.policy.cluster_routing.cluster_routing`` does (slack, min factor, step from the defaults; the
 GPU term is equal on both and left out) from the sampled values, how often they would differ if
 the score used: the RTT each replica measured (the recomputation of what is published), that RTT
 in coarse buckets (bucket floor), those buckets with hysteresis (a replica keeps its bucket until

@@ -3,7 +3,7 @@
 Three simulated engines and three real agents in this process (the candidate and two peers); per
 run, the control plane's side opens a replay stream to each (``ReplayExchange``), sends the same
 request (the built-in 8 prompts, ``--max-tokens`` each, greedy) to all three at once and waits for
-the three results; then :func:`~xds_server.health.replay_judge.judge` judges them. Reported: the
+the three results; then :func:`~xds_server.policy.replay_judge.judge` judges them. Reported: the
 replay's wall time (open to last result), the judge's CPU time per validation, and the peers'
 noise (deterministic simulators: none; a real engine's batch-size drift is what the margins cover).
 
@@ -29,9 +29,9 @@ from node_probe.agent import AgentConfig, ProbeAgent
 from node_probe.proto import probe_pb2
 from node_probe.sim import SimConfig, build_app
 from xds_server.config.validation import DEFAULT_PROMPTS
-from xds_server.health.counters import Counters
-from xds_server.health.replay_judge import Answer, PromptAnswers, judge
+from xds_server.policy.replay_judge import Answer, PromptAnswers, judge
 from xds_server.probing.replay import ReplayExchange
+from xds_server.process.counters import Counters
 from xds_server.testing import free_port
 
 

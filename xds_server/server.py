@@ -39,18 +39,18 @@ from xds_server.control.state_file import file_signature, load_kept_state, save_
 from xds_server.discovery import Discovery, drop_readdressed
 from xds_server.feed.events import RoutingChange, RoutingListener, RoutingNotifier
 from xds_server.health import model as hm
-from xds_server.health.counters import Counters
 from xds_server.load.service import LoadReportingService
 from xds_server.probing.session import grpc_probe_source
 from xds_server.probing.sources import ProbeSource, ProbeSourceContext, ProbeSourceFactory
 from xds_server.probing.switchback import attach as attach_switchback
 from xds_server.probing.workers import WorkerPool
 from xds_server.process.clock import Clock, LoopClock
+from xds_server.process.counters import Counters
 from xds_server.process.refusals import Refusals
 from xds_server.process.tls import add_port, listener_credentials, node_allow_authorizer
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import InvalidResource, SnapshotCache, set_cla
-from xds_server.xds.classes import class_cds, class_clas
+from xds_server.xds.class_clusters import class_cds, class_clas
 from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL, RESOURCE_TYPES, build_cla
 
 __all__ = ["ControlPlane", "EventRecord"]
@@ -376,7 +376,7 @@ class ControlPlane:
 
     @property
     def health(self) -> Mapping[str, hm.NodeHealth]:
-        """Node id -> NodeHealth (the core's table, :mod:`xds_server.control.table`; read only)."""
+        """Node id -> NodeHealth (the core's table, :mod:`xds_server.control.node_table`; read only)."""
         return self.core.health
 
     @property

@@ -31,8 +31,8 @@ from xds_server.health.model import (
 from xds_server.health.model import (
     ProbeResultKind as K,
 )
-from xds_server.health.policy import cluster_routing
 from xds_server.health.sim import NodeSim
+from xds_server.policy.cluster_routing import cluster_routing
 
 CFG = HealthConfig(probation_clean_s=5.0, probation_clean_max_s=40.0, ramp_step_percent=10.0, ramp_step_s=0.5)
 

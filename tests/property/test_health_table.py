@@ -31,7 +31,7 @@ from xds_server.health.records import (
     Ramp,
     Rtt,
 )
-from xds_server.health.table import PREVIOUS, TABLE, Ctx, Fired, InvalidTransition, Signal, apply, render_diagram
+from xds_server.health.transitions import PREVIOUS, TABLE, Ctx, Fired, InvalidTransition, Signal, apply, render_diagram
 
 CFG = HealthConfig()
 NOW = 500.0
@@ -131,7 +131,7 @@ def test_every_signal_is_used_by_the_table_and_every_state_has_an_exit():
 
 def test_model_docstring_diagram_is_the_table():
     drawn = "\n".join("    " + line for line in render_diagram().splitlines())
-    assert drawn in (model.__doc__ or ""), "regenerate with: python -c 'from xds_server.health.table " \
+    assert drawn in (model.__doc__ or ""), "regenerate with: python -c 'from xds_server.health.transitions " \
                                           "import render_diagram; print(render_diagram())'"
 
 

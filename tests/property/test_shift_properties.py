@@ -1,4 +1,4 @@
-"""Gated shifts over generated inputs (xds_server.health.shift, shift_layout, shift_doc): no data
+"""Gated shifts over generated inputs (xds_server.policy.shift_machine, shift_layout, shift_doc): no data
 never rolls back, one bad window never rolls back when fail_windows > 1, the share stays within
 0..100 and moves by the step, the layout's locality weights carry the commanded share."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xds_server.config import ShiftConfig
-from xds_server.health import shift as hs
-from xds_server.health.shift_doc import from_doc, to_doc
-from xds_server.health.shift_layout import WEIGHT_TOTAL, NodeSpot, layout
+from xds_server.policy import shift_machine as hs
+from xds_server.policy.shift_document import from_doc, to_doc
+from xds_server.policy.shift_layout import WEIGHT_TOTAL, NodeSpot, layout
 
 CFG = ShiftConfig(min_requests=50, fail_windows=2, max_rollbacks=100)
 GOOD = hs.GateReading(2000, 0, 100.0, 100.0)

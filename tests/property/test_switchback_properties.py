@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from xds_server.config import HealthConfig
 from xds_server.health import model as hm
-from xds_server.health.replay_judge import Answer, PromptAnswers, agreement_tokens, judge, similarity
+from xds_server.policy.replay_judge import Answer, PromptAnswers, agreement_tokens, judge, similarity
 
 MAX = 16
 KW = {"max_tokens": MAX, "token_margin": 0.25, "similarity_margin": 0.2, "min_prompt_ratio": 0.75}

@@ -18,7 +18,7 @@ from xds_server.admin.metrics import ControlPlaneCollector
 from xds_server.config import parse_config
 from xds_server.control.publish import LastGoodHistory, PublishPlanner
 from xds_server.health import model as hm
-from xds_server.health.policy import counted_silent
+from xds_server.policy.cluster_routing import counted_silent
 from xds_server.probing.memory import InMemoryProbes
 from xds_server.process.clock import ManualClock
 from xds_server.server import ControlPlane
@@ -463,7 +463,7 @@ def test_the_steady_lane_takes_the_heartbeats_of_a_steady_fleet():
 def test_the_health_table_settles_a_folded_run_on_every_read_and_a_write_ends_it():
     """Readers never see a record older than the heartbeats folded in place: item, get, values,
     items and dict() all settle the run; a write or a delete ends it."""
-    from xds_server.control.table import HealthTable
+    from xds_server.control.node_table import HealthTable
     from xds_server.health.beats import BeatRun
 
     cfg = parse_config(config(1)).health

@@ -1,4 +1,4 @@
-"""fast_init (xds_server.health.frozen): the same instances as the dataclass's own __init__, still frozen."""
+"""fast_init (xds_server.process.frozen): the same instances as the dataclass's own __init__, still frozen."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xds_server.health import phi, records
-from xds_server.health.frozen import fast_init
 from xds_server.probing import edge as agent_edge
 from xds_server.probing import telemetry as agent_telemetry
+from xds_server.process.frozen import fast_init
 
 _FIELDS = [("a", float), ("b", str, dataclasses.field(default="x")),
            ("c", tuple, dataclasses.field(default_factory=tuple)), ("d", list, dataclasses.field(default_factory=list))]

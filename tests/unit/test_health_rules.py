@@ -33,8 +33,8 @@ from xds_server.health.model import (
 from xds_server.health.model import (
     ProbeResultKind as K,
 )
-from xds_server.health.policy import FailStaticState, cluster_routing, fail_static
 from xds_server.health.sim import NodeSim
+from xds_server.policy.cluster_routing import FailStaticState, cluster_routing, fail_static
 
 FAST_RAMP = HealthConfig(ramp_step_percent=50, ramp_step_s=1.0)
 

@@ -21,7 +21,8 @@ from xds_server.health.model import (
 from xds_server.health.model import (
     ProbeResultKind as K,
 )
-from xds_server.health.policy import (
+from xds_server.health.sim import NodeSim
+from xds_server.policy.cluster_routing import (
     FailStaticState,
     OutlierState,
     cluster_routing,
@@ -30,7 +31,6 @@ from xds_server.health.policy import (
     fail_static_may_change,
     score,
 )
-from xds_server.health.sim import NodeSim
 
 CFG = HealthConfig()
 

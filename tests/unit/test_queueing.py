@@ -1,4 +1,4 @@
-"""The queueing model behind shedding with the engines' counts (xds_server.health.queueing, pure):
+"""The queueing model behind shedding with the engines' counts (xds_server.policy.queueing, pure):
 Erlang C against its closed forms, the admitted rate keeps the wait tail at its bound, and more
 slots or a longer budget never admit less (hypothesis); checked against a simulated queue."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from xds_server.health.queueing import erlang_c, max_rate, wait_tail
+from xds_server.policy.queueing import erlang_c, max_rate, wait_tail
 
 
 def test_erlang_c_closed_forms():

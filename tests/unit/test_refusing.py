@@ -22,8 +22,8 @@ from xds_server.health.model import (
 from xds_server.health.model import (
     ProbeResultKind as K,
 )
-from xds_server.health.policy import PolicyEventKind, cluster_routing
 from xds_server.health.sim import NodeSim
+from xds_server.policy.cluster_routing import PolicyEventKind, cluster_routing
 
 R429 = ProbeObserved(K.HTTP_STATUS, http_status=429)
 

@@ -15,8 +15,8 @@ import pytest
 
 from node_probe.proto import probe_pb2, probe_pb2_grpc
 from node_probe.replay import Replayer, ReplayLimits
-from xds_server.health.counters import Counters
 from xds_server.probing.replay import ReplayExchange, check_result
+from xds_server.process.counters import Counters
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Overload shedding (xds_server.health.shed, pure): the seed's thresholds (entry from the measured
+"""Overload shedding (xds_server.policy.overload_drop, pure): the seed's thresholds (entry from the measured
 excess, hysteresis, steps while critical, easing down), the relative trigger (a node's expected
 queue wait against the budget, completions measured where the queue is), and fail open on stale
 or missing telemetry (hypothesis)."""
@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from xds_server.config import ShedConfig
-from xds_server.health.shed import ShedInputs, ShedState, shed_step
+from xds_server.policy.overload_drop import ShedInputs, ShedState, shed_step
 
 CFG = ShedConfig(enabled=True, lift_after_s=3.0)
 SEED = ShedConfig(enabled=True, lift_after_s=3.0, queue_wait_budget_s=None)  # the seed's thresholds alone
@@ -63,7 +63,7 @@ def test_stale_or_missing_telemetry_never_sheds(waiting, ages, offered, complete
 
 def test_seed_002_queue_levels():
     from xds_server.config import HealthConfig
-    from xds_server.control.queue import queue_level
+    from xds_server.control.queue_levels import queue_level
     cfg = HealthConfig()
     assert [queue_level(w, cfg) for w in (None, 0, 50, 51, 100, 101)] == \
         ["ok", "ok", "ok", "warning", "warning", "critical"]

@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from xds_server.config import ShedConfig
-from xds_server.health.queueing import max_rate
-from xds_server.health.shed import ShedInputs, ShedState, shed_step
-from xds_server.load.shedding import Shedder
+from xds_server.load.shedder import Shedder
+from xds_server.policy.overload_drop import ShedInputs, ShedState, shed_step
+from xds_server.policy.queueing import max_rate
 
 CFG = ShedConfig(enabled=True, lift_after_s=3.0, capacity_source="engines")
 

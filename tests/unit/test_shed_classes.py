@@ -1,5 +1,5 @@
 """Request classes (lrs.shed.classes) and KV usage in overload shedding: the pure allocation
-(xds_server.health.classes, hypothesis), KV-cache usage as a saturation input that fails open, the
+(xds_server.policy.request_classes, hypothesis), KV-cache usage as a saturation input that fails open, the
 class clusters' names, wire copies, LRS aggregation and bootstrap routes."""
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from pydantic import ValidationError
 
 from xds_server.config import ClusterConfig, NodeConfig, SentinelConfig, ShedClassesConfig, ShedConfig, class_clusters
 from xds_server.envoy.bootstrap import ControlPlaneGroup, find_envoy, render_bootstrap, write_bootstrap
-from xds_server.health.classes import allocate, class_percents
 from xds_server.health.records import Probes
-from xds_server.health.shed import ShedInputs, ShedState, shed_step
 from xds_server.load.aggregate import ClusterReport, Counts, EndpointReport, LoadAggregator, LocalityReport, Report
-from xds_server.load.shedding import class_aliases
-from xds_server.xds.classes import class_cds, class_clas
+from xds_server.load.shedder import class_aliases
+from xds_server.policy.overload_drop import ShedInputs, ShedState, shed_step
+from xds_server.policy.request_classes import allocate, class_percents
+from xds_server.xds.class_clusters import class_cds, class_clas
 
 ratio = st.floats(0, 1)
 demand = st.one_of(st.floats(0, 1e6), st.just(0.0))
@@ -167,7 +167,7 @@ def test_bootstrap_routes_each_class_to_its_cluster(tmp_path):
 def test_shedder_spreads_the_drop_over_the_classes_and_flips_each_changed_assignment():
     from types import SimpleNamespace
 
-    from xds_server.load.shedding import Shedder
+    from xds_server.load.shedder import Shedder
     cfg = _config(enabled=True)
     cfg = cfg.model_copy(update={"lrs": cfg.lrs.model_copy(update={"shed": cfg.lrs.shed.model_copy(
         update={"window_s": 2.0})})})
@@ -235,7 +235,7 @@ def test_shedder_measures_completions_where_the_queue_is_not_at_envoys_headers()
     # by 4 per s, so they complete 20 - 4 = 16 of the 20 rps sent: the entry drop follows 16, not 20
     from types import SimpleNamespace
 
-    from xds_server.load.shedding import Shedder
+    from xds_server.load.shedder import Shedder
     cfg = _config(enabled=True)
     cfg = cfg.model_copy(update={"lrs": cfg.lrs.model_copy(update={"shed": cfg.lrs.shed.model_copy(
         update={"window_s": 2.0})})})

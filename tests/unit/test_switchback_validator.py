@@ -10,7 +10,7 @@ from aiohttp import web
 
 from xds_server.config import ConfigError, parse_config
 from xds_server.config.validation import DEFAULT_PROMPTS, ValidationConfig
-from xds_server.health.replay_judge import Answer, PromptAnswers
+from xds_server.policy.replay_judge import Answer, PromptAnswers
 from xds_server.probing.switchback import SwitchbackValidator, load_prompts
 from xds_server.testing import free_port
 

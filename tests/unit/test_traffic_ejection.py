@@ -1,4 +1,4 @@
-"""Fleet-wide passive ejection (xds_server.health.traffic, pure) and its path through the health
+"""Fleet-wide passive ejection (xds_server.policy.traffic_ejection, pure) and its path through the health
 model (signal TRAFFIC_FAILING -> UNHEALTHY, then the usual half-open probation); the simulator's
 ``user_error`` fault that drives it."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from node_probe.sim.faults import Faults
 from xds_server.config import HealthConfig, TrafficEjectionConfig
 from xds_server.health import model as hm
-from xds_server.health.traffic import Evidence, traffic_verdicts
+from xds_server.policy.traffic_ejection import Evidence, traffic_verdicts
 
 CFG = TrafficEjectionConfig()
 

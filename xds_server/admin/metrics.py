@@ -1,6 +1,6 @@
 """Prometheus metrics of the control plane, read from :class:`ControlPlaneView` at scrape time
 (nothing is counted twice on the hot path). Every label set is bounded (see
-:mod:`xds_server.health.counters`).
+:mod:`xds_server.process.counters`).
 
 Units follow Prometheus conventions: seconds, bytes and ratios (0..1) in base units, named by
 suffix (``_seconds``, ``_bytes``, ``_ratio``); counters are exposed with ``_total`` (the
@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 
 from xds_server.admin.display import DISPLAY_STATES
 from xds_server.admin.views import ControlPlaneView
-from xds_server.control.queue import queue_level
+from xds_server.control.queue_levels import queue_level
 from xds_server.health.model import NodeState
 
 __all__ = ["ControlPlaneCollector", "EventLoopCollector", "build_info_family", "package_version"]

@@ -1,6 +1,6 @@
 """Gated shifts at the edge: requests checked, gates read, decisions applied, layouts published,
-state kept in a file (issue 23). The decisions themselves are pure (:mod:`xds_server.health.shift`),
-the node placement too (:mod:`xds_server.health.shift_layout`).
+state kept in a file (issue 23). The decisions themselves are pure (:mod:`xds_server.policy.shift_machine`),
+the node placement too (:mod:`xds_server.policy.shift_layout`).
 
 Shape::
 
@@ -40,10 +40,10 @@ from xds_server.admin.shift_routes import ShiftRequestError, add_shift_routes
 from xds_server.config import ClusterConfig, SentinelConfig, class_clusters
 from xds_server.control.core import ControlCore
 from xds_server.control.state_file import read_json, write_json_atomic
-from xds_server.health import shift as hs
-from xds_server.health.shift_doc import from_doc, to_doc
-from xds_server.health.shift_layout import Layout, NodeSpot, check_shiftable, layout, target_nodes
 from xds_server.load.service import LoadReportingService
+from xds_server.policy import shift_machine as hs
+from xds_server.policy.shift_document import from_doc, to_doc
+from xds_server.policy.shift_layout import Layout, NodeSpot, check_shiftable, layout, target_nodes
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.resources import CLUSTER_TYPE_URL, build_cla, build_cluster
 from xds_server.xds.shift_cla import shift_cla, shift_cluster

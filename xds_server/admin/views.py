@@ -20,8 +20,8 @@ from xds_server.config import ClusterConfig, SentinelConfig
 from xds_server.control.core import ControlCore
 from xds_server.control.events import EventRecord
 from xds_server.health import model as hm
-from xds_server.health.counters import Counters
 from xds_server.probing.sources import ProbeSource
+from xds_server.process.counters import Counters
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL

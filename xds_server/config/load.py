@@ -72,7 +72,7 @@ class ShedClassesConfig(_Model):
     cluster ``<cluster>~<sheddable>``, ``critical`` to ``<cluster>~<critical>`` and every other
     request (``standard``, no header, an unknown value) to the cluster itself. The control plane
     publishes the class clusters (CDS + EDS) with the parent's endpoints, weights and health,
-    each with its own drop, and sheds the lower classes first (:mod:`xds_server.health.classes`).
+    each with its own drop, and sheds the lower classes first (:mod:`xds_server.policy.request_classes`).
     Off by default: nothing extra is published."""
 
     enabled: bool = Field(False, description="publish the class clusters and shed per class; off: one "

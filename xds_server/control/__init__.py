@@ -2,7 +2,7 @@
 shell that wires it is :mod:`xds_server.server`).
 
 - :mod:`~xds_server.control.core`: observations -> health, events, fail-static, publish timing;
-- :mod:`~xds_server.control.table`: node health with folded heartbeats settled on read;
+- :mod:`~xds_server.control.node_table`: node health with folded heartbeats settled on read;
 - :mod:`~xds_server.control.publish`: what to publish and when (pure, time passed in);
 - :mod:`~xds_server.control.events`: the event ring; :mod:`~xds_server.control.reload`: what a
   new config changes;

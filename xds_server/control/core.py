@@ -23,14 +23,14 @@ from collections.abc import Callable, Collection
 
 from xds_server.config import NodeConfig, SentinelConfig
 from xds_server.control.events import EventLog
+from xds_server.control.node_table import HealthTable
 from xds_server.control.publish import ClusterPublish, PublishPlanner
-from xds_server.control.table import HealthTable
 from xds_server.health import model as hm
-from xds_server.health import policy as hp
 from xds_server.health.anchor import anchor_ramp
-from xds_server.health.counters import Counters
 from xds_server.health.keys import RoutingKey, probe_result_key, resume_kept, routing_key, same_routing_inputs
+from xds_server.policy import cluster_routing as hp
 from xds_server.process.clock import Clock, Timer
+from xds_server.process.counters import Counters
 
 __all__ = ["ControlCore"]
 
@@ -146,7 +146,7 @@ class ControlCore:
         """The steady lane of :meth:`observe`: a quiet heartbeat of a node heard last time (no
         counted miss, stream open) changes no state, ramp, miss count or stream record, so of
         :meth:`_settle` only the routing key is left; one that repeats the last observation of
-        such a node is folded into its run (:class:`~xds_server.control.table.HealthTable`).
+        such a node is folded into its run (:class:`~xds_server.control.node_table.HealthTable`).
         Returns the next Tick's deadline, or None: not steady, observe it in full."""
         health, cfg = self.health, self.config.health
         run = health.runs.get(node_id)
@@ -223,7 +223,7 @@ class ControlCore:
             self._check_fail_static(now_s)
 
     def _silent_by_time(self, nh: hm.NodeHealth, now_s: float) -> bool:
-        """Silent as :func:`~xds_server.health.policy.fail_static` counts it by time: the last
+        """Silent as :func:`~xds_server.policy.cluster_routing.fail_static` counts it by time: the last
         heartbeat at least interval + grace before ``now_s`` (s)."""
         last = nh.heartbeat.last_s
         return last is not None and now_s - last >= hm.miss_after_s(self.config.health)

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from xds_server.health.counters import Counters
+from xds_server.process.counters import Counters
 from xds_server.process.untrusted import clip, for_log
 
 __all__ = ["EventLog", "EventRecord"]

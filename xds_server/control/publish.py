@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from xds_server.config import SentinelConfig
 from xds_server.health import model as hm
-from xds_server.health import policy as hp
+from xds_server.policy import cluster_routing as hp
 
 __all__ = ["ClusterPublish", "LastGoodHistory", "PublishPlanner"]
 

@@ -1,5 +1,5 @@
 """Fleet-wide passive ejection applied: real-traffic evidence (LRS) -> verdicts
-(:func:`~xds_server.health.traffic.traffic_verdicts`, pure) -> the health model, through the
+(:func:`~xds_server.policy.traffic_ejection.traffic_verdicts`, pure) -> the health model, through the
 control core like every other observation (:class:`~xds_server.health.records.TrafficFailing`).
 
 A node held back by ``max_ejection_percent`` gets one ``traffic_held_back`` event per episode (as
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from xds_server.control.core import ControlCore
 from xds_server.health import model as hm
-from xds_server.health.traffic import Evidence, traffic_verdicts
+from xds_server.policy.traffic_ejection import Evidence, traffic_verdicts
 
 __all__ = ["TrafficEjector"]
 

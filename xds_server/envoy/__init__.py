@@ -1,7 +1,7 @@
 """Envoy's side of the deployment: :mod:`~xds_server.envoy.bootstrap` finds the ``envoy`` binary
 and renders the bootstrap template beside it (``envoy.yaml``, package data) with given ports and
 every control-plane replica; :mod:`~xds_server.envoy.tls` adds TLS to its control-plane clusters;
-:mod:`~xds_server.envoy.classes` renders the request-class routes.
+:mod:`~xds_server.envoy.class_routes` renders the request-class routes.
 """
 from xds_server.envoy.bootstrap import (
     BOOTSTRAP_TEMPLATE,

@@ -31,7 +31,7 @@ import yaml
 from google.protobuf import json_format
 
 from xds_server.config import ClusterConfig, ShedClassesConfig, class_clusters, load_config, parse_hostport
-from xds_server.envoy.classes import class_routes
+from xds_server.envoy.class_routes import class_routes
 from xds_server.xds.resources import build_cluster
 
 __all__ = ["BOOTSTRAP_TEMPLATE", "ROUTE_HEADER", "ControlPlaneGroup", "EnvoyNotFound", "eds_cluster", "find_envoy",
@@ -211,7 +211,7 @@ def render_bootstrap(
     ``lrs``: keep ``cluster_manager.load_stats_config`` (load reports to the control plane, to
     the first group's replicas when split); False removes it. ``shed_retry_after_s``: the
     Retry-After (whole s) of the 429 a request dropped for overload gets (the template's 3 s).
-    ``classes`` (enabled): request-class routes first (:mod:`xds_server.envoy.classes`), for one
+    ``classes`` (enabled): request-class routes first (:mod:`xds_server.envoy.class_routes`), for one
     control plane; with ``groups`` each group's own ``classes`` say it (ValueError if given).
 
     Returns the YAML document as a dict (write it with ``yaml.safe_dump``). Raises OSError when
@@ -304,7 +304,7 @@ def _routes_for(route: dict[str, Any], clusters: Sequence[str], header: str,
                 classes_of: Mapping[str, ShedClassesConfig | None]) -> list[dict[str, Any]]:
     """``route`` for each cluster: with several, one copy per cluster matching ``header: name``
     first, then the unmatched route to the first cluster. Each copy is preceded by its cluster's
-    request-class routes (``classes_of[name]``, :func:`~xds_server.envoy.classes.class_routes`:
+    request-class routes (``classes_of[name]``, :func:`~xds_server.envoy.class_routes.class_routes`:
     the same match plus the class header), so the more specific match comes first."""
     out = []
     if len(clusters) > 1:

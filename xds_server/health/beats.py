@@ -170,7 +170,7 @@ class BeatRun:
     :meth:`fold` gives the next Tick's deadline, :meth:`settled` the record ``step`` would have
     built after the same heartbeats. A property test keeps both equal to ``steady_heartbeat``
     step by step (tests/property/test_health_fast_path.py). The control plane keeps one per
-    steady node and settles it on any read of the node's health (xds_server.control.table).
+    steady node and settles it on any read of the node's health (xds_server.control.node_table).
 
     ``mean_ms``, ``var_ms2`` and ``samples`` are read as an ``ArrivalStats`` by the phi functions.
     """

@@ -1,7 +1,7 @@
 """Effects of the health transition table: what a signal does to a node's records.
 
 Each effect is ``effect(nh, fired, ctx) -> (nh, reason)``: it returns new records (the state is
-unchanged; :func:`xds_server.health.table.apply` enters the next state) and the reason line, or
+unchanged; :func:`xds_server.health.transitions.apply` enters the next state) and the reason line, or
 None to keep the current one when the state does not change.
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ from functools import lru_cache
 from statistics import NormalDist
 from typing import Protocol
 
-from xds_server.health.frozen import fast_init
+from xds_server.process.frozen import fast_init
 
 __all__ = ["ArrivalStats", "Arrivals", "fold", "phi", "suspicion_delay_ms", "update"]
 

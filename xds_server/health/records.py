@@ -9,8 +9,8 @@ import enum
 from dataclasses import dataclass, field
 
 from xds_server.health import phi as phimod
-from xds_server.health.frozen import fast_init
-from xds_server.health.gate import Validation, ValidationObserved
+from xds_server.health.switchback_records import Validation, ValidationObserved
+from xds_server.process.frozen import fast_init
 
 __all__ = [
     "MACHINE_STATES",
@@ -215,7 +215,7 @@ class DrainRequested:
 @dataclass(frozen=True, slots=True)
 class TrafficFailing:
     """Real traffic summed over every Envoy fails far more than it should (LRS,
-    :mod:`xds_server.health.traffic`); ``detail`` names the evidence."""
+    :mod:`xds_server.policy.traffic_ejection`); ``detail`` names the evidence."""
 
     detail: str
 
@@ -339,7 +339,7 @@ class NodeHealth:
     ejection: Ejection = field(default_factory=Ejection)
     ramp: Ramp = field(default_factory=Ramp)
     drain: Drain = field(default_factory=Drain)
-    validation: Validation = field(default_factory=Validation)  # switch-back gate (health/gate.py)
+    validation: Validation = field(default_factory=Validation)  # switch-back gate (health/switchback_records.py)
 
     @property
     def effective_state(self) -> NodeState:

@@ -3,7 +3,7 @@
 ``step(nh, obs, now_s, cfg) -> (nh, events)`` first records what the observation says in the
 node's records (bookkeeping that does not depend on the state), then runs the observation's rules
 in order. Each rule reads the node as it is after the signals before it, and gives zero or more
-signals; each signal goes through :func:`xds_server.health.table.apply`. Rules read records, not
+signals; each signal goes through :func:`xds_server.health.transitions.apply`. Rules read records, not
 the state: what a signal does in each state is the table's business alone. After heartbeats,
 silence, pings and probes the time rules run (stall confirmation, clean period, ramp, backoff;
 :mod:`xds_server.health.time_rules`).
@@ -21,7 +21,6 @@ from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
 from xds_server.health.beats import quiet_heartbeat, record_heartbeat
 from xds_server.health.clocks import EPS_S, misses_at, phi_delay_s
-from xds_server.health.gate import ValidationObserved
 from xds_server.health.outcome import answered_failure, classify_probe, is_refusal, judge_busy_timeout, refusal_evidence
 from xds_server.health.records import (
     ROUTED_STATES,
@@ -41,9 +40,10 @@ from xds_server.health.records import (
     Tick,
     TrafficFailing,
 )
-from xds_server.health.switchback import verdict_signals
-from xds_server.health.table import Ctx, Fired, Signal, apply
+from xds_server.health.switchback_records import ValidationObserved
+from xds_server.health.switchback_rules import verdict_signals
 from xds_server.health.time_rules import TIME_RULES, failure
+from xds_server.health.transitions import Ctx, Fired, Signal, apply
 
 __all__ = ["step"]
 
@@ -83,7 +83,7 @@ def step(nh: NodeHealth, obs: Observation, now_s: float, cfg: HealthConfig) -> t
     COLD/WARMING: not routed, failures counted but never ejecting ("cannot warm", issue 26).
 
     Raises TypeError for an unknown observation type and
-    :class:`~xds_server.health.table.InvalidTransition` for a (state, signal) pair the table
+    :class:`~xds_server.health.transitions.InvalidTransition` for a (state, signal) pair the table
     does not have (e.g. a NodeHealth whose ``state`` is DRAINING, which is an overlay only).
     """
     if type(obs) is HeartbeatObserved:

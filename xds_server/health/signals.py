@@ -1,6 +1,6 @@
 """The vocabulary of the health transition table: signals, their occurrences, transitions, errors.
 
-See :mod:`xds_server.health.table` for the table itself.
+See :mod:`xds_server.health.transitions` for the table itself.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from xds_server.config import HealthConfig
 from xds_server.health.clocks import EPS_S, required_clean_s, stall_confirm_at_s
 from xds_server.health.records import EjectionCause, EngineState, NodeHealth, Observation, ProbeResultKind
 from xds_server.health.signals import Ctx, Fired, Signal
-from xds_server.health.switchback import ramp_gate
+from xds_server.health.switchback_rules import ramp_gate
 
 __all__ = ["TIME_RULES", "failure"]
 

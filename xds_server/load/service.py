@@ -39,13 +39,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from xds_server.config import SentinelConfig, parse_hostport
 from xds_server.control.core import ControlCore
-from xds_server.control.queue import QueueWatch
+from xds_server.control.queue_levels import QueueWatch
 from xds_server.control.traffic import TrafficEjector
-from xds_server.health.traffic import Evidence
 from xds_server.load.aggregate import LoadAggregator, Traffic
 from xds_server.load.peers import PeerSet, forwarded_by, peer_refused
 from xds_server.load.report import ReportRefused, decode_report, decode_request
-from xds_server.load.shedding import Shedder, class_aliases
+from xds_server.load.shedder import Shedder, class_aliases
+from xds_server.policy.traffic_ejection import Evidence
 from xds_server.process.refusals import Refusals
 from xds_server.process.tls import peer_identities
 from xds_server.process.untrusted import clip, for_log
@@ -230,7 +230,7 @@ class LoadReportingService:
             self.ejector.apply(c.name, evidence, now)
 
     def _shed(self, cfg: SentinelConfig, cluster: str, node_ids: list[str], now: float) -> None:
-        """Overload shedding (:mod:`xds_server.load.shedding`); a changed drop marks the cluster dirty."""
+        """Overload shedding (:mod:`xds_server.load.shedder`); a changed drop marks the cluster dirty."""
         assert self.core is not None
         self.shedder.step(cfg, self.core, self.aggregator, cluster, node_ids, now)
 

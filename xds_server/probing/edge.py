@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 from node_probe.proto import probe_pb2
 from xds_server.config import HealthConfig, ProbeConfig
-from xds_server.health.frozen import fast_init
 from xds_server.health.model import EngineState, HeartbeatObserved, ProbeObserved, ProbeResultKind
 from xds_server.probing.telemetry import (
     BadField,
@@ -34,6 +33,7 @@ from xds_server.probing.telemetry import (
     number,
     text,
 )
+from xds_server.process.frozen import fast_init
 
 __all__ = [
     "REASONS",

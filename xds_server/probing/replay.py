@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from node_probe.proto import probe_pb2, probe_pb2_grpc
-from xds_server.health.counters import Counters
+from xds_server.process.counters import Counters
 from xds_server.process.tls import ClientTls, dial
 
 __all__ = ["ReplayExchange", "check_result"]

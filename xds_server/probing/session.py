@@ -34,7 +34,6 @@ import grpc
 from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
 from xds_server.health.clocks import miss_after_s
-from xds_server.health.counters import Counters
 from xds_server.health.outcome import is_refusal
 from xds_server.health.records import Observation, PingObserved, ProbeObserved, ProbeResultKind, StreamClosed, Tick
 from xds_server.probing.edge import AgentEdge, BadField, CheckedHeartbeat, CheckedPong, CheckedResult, TelemetrySummary
@@ -42,6 +41,7 @@ from xds_server.probing.liveness import StreamState, call_metadata, hello, liven
 from xds_server.probing.silence import SilenceGate, SilentStream
 from xds_server.probing.sources import ObservationSink, ProbeSource, ProbeSourceContext
 from xds_server.probing.timers import TickTimer
+from xds_server.process.counters import Counters
 from xds_server.process.tls import ClientTls, dial
 from xds_server.process.untrusted import RateLimitedLog, clip, for_log
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from xds_server.config import AgentTlsConfig, HealthConfig, NodeConfig, ProbeConfig
-from xds_server.health.counters import Counters
 from xds_server.health.model import Observation
 from xds_server.process.clock import Clock
+from xds_server.process.counters import Counters
 
 __all__ = ["ObservationSink", "ProbeSource", "ProbeSourceContext", "ProbeSourceFactory"]
 

@@ -2,7 +2,7 @@
 
 Every ``health.validation.check_interval_s`` (:meth:`SwitchbackValidator.check`) the validator
 looks for nodes the health model holds in PROBATION with a PENDING validation
-(:mod:`xds_server.health.switchback`) and validates each (all due nodes at once, each check waiting for them):
+(:mod:`xds_server.health.switchback_rules`) and validates each (all due nodes at once, each check waiting for them):
 
 1. peers: the HEALTHY, undrained nodes of the same cluster (same model), by id;
 2. it opens a replay stream to the candidate's agent and the peers' (:mod:`.replay`); an agent
@@ -14,9 +14,9 @@ looks for nodes the health model holds in PROBATION with a PENDING validation
    set, with ``live_prompts`` some sampled from live traffic by relays (:mod:`.live_prompts`,
    :attr:`SwitchbackValidator.live`; only their count is shown), ``max_tokens`` each, greedy)
    goes to all three at once;
-4. :func:`~xds_server.health.replay_judge.judge` (optionally with embedding cosines from the
+4. :func:`~xds_server.policy.replay_judge.judge` (optionally with embedding cosines from the
    operator's ``embeddings_url``) gives the verdict, fed to the model as
-   :class:`~xds_server.health.gate.ValidationObserved` for that PROBATION. FAILED: UNHEALTHY
+   :class:`~xds_server.health.switchback_records.ValidationObserved` for that PROBATION. FAILED: UNHEALTHY
    with the evidence as the reason. A replay that could not run (an agent busy, unreachable, a
    timeout, an inconclusive judgement) is retried after ``retry_s``; the node stays held, for at
    most ``give_up_s``, then probes alone decide (said). Peers are tried least queued first (an
@@ -43,7 +43,7 @@ from node_probe.proto import probe_pb2
 from xds_server.config import SentinelConfig
 from xds_server.config.validation import DEFAULT_PROMPTS, ValidationConfig
 from xds_server.health import model as hm
-from xds_server.health.replay_judge import Answer, Judgement, PromptAnswers, judge
+from xds_server.policy.replay_judge import Answer, Judgement, PromptAnswers, judge
 from xds_server.probing.live_prompts import LivePromptPool, draw_prompts
 from xds_server.probing.replay import ReplayExchange
 

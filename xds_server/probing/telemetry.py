@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from node_probe.proto import probe_pb2
 from xds_server.config import ProbeConfig
-from xds_server.health.frozen import fast_init
+from xds_server.process.frozen import fast_init
 from xds_server.process.untrusted import clip
 
 __all__ = [

@@ -173,7 +173,7 @@ def build_cla(
     zone, sub_zone) and endpoints by node id, so the same input always encodes to the same bytes.
     ``policy.overprovisioning_factor`` comes from ``c.overprovisioning_factor``; the configured
     drop (at most one category) is added while :func:`routable_capacity_ratio` is below its
-    threshold. ``shed_percent`` (0..100, overload shedding: :mod:`xds_server.health.shed`) is
+    threshold. ``shed_percent`` (0..100, overload shedding: :mod:`xds_server.policy.overload_drop`) is
     published as the one ``overload`` category when it exceeds the configured drop; ``shed_flip``
     adds 1 to ``overprovisioning_factor`` so Envoy 1.40 applies a changed drop (docs/xds_protocol.md 2.5).
     """

@@ -1,4 +1,4 @@
-"""A shift's layout (:mod:`xds_server.health.shift_layout`) applied to the built Envoy resources.
+"""A shift's layout (:mod:`xds_server.policy.shift_layout`) applied to the built Envoy resources.
 
 - :func:`shift_cla`: regroups the endpoints of a built ClusterLoadAssignment by the layout's
   priority and locality per node (an endpoint's ``hostname`` is its node id, as
@@ -22,7 +22,7 @@ from collections.abc import Collection
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 
-from xds_server.health.shift_layout import Layout
+from xds_server.policy.shift_layout import Layout
 
 __all__ = ["CLOSE_NAMESPACE", "shift_cla", "shift_cluster"]
 

@@ -98,7 +98,7 @@ def _material(nh: hm.NodeHealth) -> tuple:
 class Detector:
     """The health model of one worker's nodes. ``urgent``: a node has a change to report now.
     ``heartbeats`` / ``probe_results``: counts since the last full take (per node id; per
-    (node id, kind, outcome), as :class:`~xds_server.health.counters.Counters` keeps them)."""
+    (node id, kind, outcome), as :class:`~xds_server.process.counters.Counters` keeps them)."""
 
     def __init__(self, cfg: HealthConfig) -> None:
         self.cfg = cfg

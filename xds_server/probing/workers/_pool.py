@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from xds_server.config import NodeConfig, SentinelConfig
-from xds_server.health.counters import Counters
 from xds_server.health.model import Event, NodeHealth
 from xds_server.probing.sources import ProbeSourceContext
 from xds_server.probing.workers._assign import worker_for
 from xds_server.probing.workers._channel import encode, read_frame
 from xds_server.process.clock import Clock
+from xds_server.process.counters import Counters
 from xds_server.process.event_loop import running_loop_name
 
 __all__ = ["RemoteSource", "WorkerPool"]

@@ -24,11 +24,11 @@ import time
 
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
 from xds_server.health import model as hm
-from xds_server.health.counters import Counters
 from xds_server.probing.session import ProbeSession
 from xds_server.probing.workers._channel import encode, read_frame
 from xds_server.probing.workers._detector import Detector
 from xds_server.process import event_loop
+from xds_server.process.counters import Counters
 
 __all__ = ["Worker", "main"]
 

@@ -3,13 +3,13 @@
 A node in PROBATION whose ramp would complete waits for a verdict while
 ``health.validation.enabled``: the ramp rule fires VALIDATION_PENDING instead of RAMP_COMPLETE
 (:func:`ramp_gate`), every ramp step, which keeps the node at its last ramp percent with the
-reason "switch-back validation pending". A :class:`~xds_server.health.gate.ValidationObserved`
+reason "switch-back validation pending". A :class:`~xds_server.health.switchback_records.ValidationObserved`
 for this PROBATION then fires VALIDATION_PASSED (PASSED or PROBES_ONLY: the ramp completes in
 the same step, its reason naming the verdict) or VALIDATION_FAILED (UNHEALTHY, cause
 ``validation``, the evidence in the reason, the next clean period doubled as for any failure in
 PROBATION). Pure: records, config and the step's time.
 
-Table rows (``xds_server.health.table``)::
+Table rows (``xds_server.health.transitions``)::
 
     PROBATION  VALIDATION_PENDING  pending   PROBATION
     PROBATION  VALIDATION_PASSED   passed    PROBATION   (then RAMP_COMPLETE -> HEALTHY)
@@ -23,9 +23,9 @@ from dataclasses import replace
 
 from xds_server.config import HealthConfig
 from xds_server.health import effects as fx
-from xds_server.health.gate import Validation, ValidationObserved, ValidationVerdict
 from xds_server.health.records import EjectionCause, NodeHealth, NodeState
 from xds_server.health.signals import Ctx, Fired, Signal
+from xds_server.health.switchback_records import Validation, ValidationObserved, ValidationVerdict
 
 __all__ = ["failed", "passed", "pending", "ramp_complete", "ramp_gate", "verdict_signals"]
 

@@ -36,7 +36,7 @@ short and tells the shed clients to come back (429 + Retry-After).
 With ``capacity_source: engines`` and every routable node's engine counting its finished
 requests (``finished_rps``, ``slots``, ``service_s``): what the nodes take is the rate at which
 the pool of their slots keeps the queue wait over ``queue_wait_budget_s`` to 1 % of arrivals
-(:func:`~xds_server.health.queueing.max_rate`, Erlang C); the drop never lets in more than that
+(:func:`~xds_server.policy.queueing.max_rate`, Erlang C); the drop never lets in more than that
 (less an adaptive headroom from 0, +0.05 per evaluation over the budget, at most 0.5, 0.05 back
 per ``4 x lift_after_s`` of low queues) whatever the offered load does, and an easing step must
 fit under it with two Poisson standard errors of margin on the offered count.
@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from xds_server.config import ShedConfig
-from xds_server.health.queueing import max_rate
+from xds_server.policy.queueing import max_rate
 
 __all__ = ["ShedInputs", "ShedState", "shed_step"]
 
@@ -168,7 +168,7 @@ def _capacity(state: ShedState, inp: ShedInputs, completions: float, n: int, ove
     """(arrivals per s per routable node the nodes take, exact). With the engines' counts: the
     rate at which the pool of their slots (nodes whose slots are not known yet counted as the
     mean of those known) keeps the queue wait over ``budget`` (:func:`_budget`) to 1 % of arrivals
-    (:func:`~xds_server.health.queueing.max_rate`: the p99, the issue's target). Else the most
+    (:func:`~xds_server.policy.queueing.max_rate`: the p99, the issue's target). Else the most
     completions measured while over the budget (see :class:`ShedState`)."""
     if budget is not None and counted is not None:
         known = [(k, r) for k, r in zip(inp.slots, inp.service_s, strict=False) if k and r and r > 0]

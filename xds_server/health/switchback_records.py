@@ -1,6 +1,6 @@
 """The switch-back validation gate's records: what the health model knows of a node's replay
-validation (issue 23). Pure values; :mod:`xds_server.health.switchback` has the gate's rules and
-effects, :mod:`xds_server.health.replay_judge` the verdict.
+validation (issue 23). Pure values; :mod:`xds_server.health.switchback_rules` has the gate's rules and
+effects, :mod:`xds_server.policy.replay_judge` the verdict.
 
 Shape: ``NodeHealth.validation`` is a :class:`Validation`; the control plane's replay
 orchestration (``xds_server/probing/replay.py``) feeds a :class:`ValidationObserved` through
@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from xds_server.health.frozen import fast_init
+from xds_server.process.frozen import fast_init
 
 __all__ = ["Validation", "ValidationObserved", "ValidationVerdict"]
 

@@ -1,7 +1,7 @@
 """Which request classes to shed, lowest first. Pure.
 
 With request classes on (``lrs.shed.classes``) each class of a cluster is its own Envoy cluster
-over the same nodes, with its own ``drop_overloads``. :func:`~xds_server.health.shed.shed_step`
+over the same nodes, with its own ``drop_overloads``. :func:`~xds_server.policy.overload_drop.shed_step`
 decides how much of the cluster's total demand to drop (the excess); :func:`allocate` spreads it
 over the classes: the lowest class (sheddable) is dropped first, up to its maximum share, then the
 next (standard), then the highest (critical) only for what the lower ones cannot cover.

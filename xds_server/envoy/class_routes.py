@@ -4,7 +4,7 @@ A request whose header ``classes.header`` (``x-sentinel-priority``) is ``sheddab
 Envoy cluster ``<cluster>~sheddable``, one that says ``critical`` to ``<cluster>~critical``; every
 other request (``standard``, no header, any other value) stays on ``<cluster>``. The control
 plane publishes the class clusters over CDS and EDS with the parent's endpoints and health and
-its own drop each (:mod:`xds_server.xds.classes`), so a shed class gets 429 + Retry-After while
+its own drop each (:mod:`xds_server.xds.class_clusters`), so a shed class gets 429 + Retry-After while
 the others pass.
 """
 from __future__ import annotations

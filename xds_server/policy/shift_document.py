@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from xds_server.health.shift import Phase, ShiftSpec, ShiftState
+from xds_server.policy.shift_machine import Phase, ShiftSpec, ShiftState
 
 __all__ = ["VERSION", "from_doc", "to_doc"]
 

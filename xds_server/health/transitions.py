@@ -15,10 +15,10 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from xds_server.health import effects as fx
-from xds_server.health import switchback as sb
-from xds_server.health.gate import Validation
+from xds_server.health import switchback_rules as sb
 from xds_server.health.records import MACHINE_STATES, ROUTED_STATES, EjectionCause, Event, NodeHealth, NodeState, Ramp
 from xds_server.health.signals import PREVIOUS, Ctx, Effect, Fired, InvalidTransition, Previous, Signal, Transition
+from xds_server.health.switchback_records import Validation
 
 __all__ = [
     "PREVIOUS",
@@ -102,7 +102,7 @@ _SPEC: tuple[tuple[tuple[NodeState, ...], tuple[Signal, ...], Effect, NodeState 
     ((WARMING, UNHEALTHY), (G.STALL, G.STALL_CONFIRMED, G.ENGINE_FAILED, G.ENGINE_RESTARTING), fx.noop, _STAY),
     ((WARMING,), (G.GPU_FATAL,), fx.gpu_lost_while_warming, _STAY),   # a good probe cannot promote it
     ((UNHEALTHY,), (G.GPU_FATAL,), fx.noop, _STAY),
-    # real traffic across Envoys (LRS; health/traffic.py decides, under max_ejection_percent)
+    # real traffic across Envoys (LRS; policy/traffic_ejection.py decides, under max_ejection_percent)
     (ROUTED, (G.TRAFFIC_FAILING,), fx.eject(EjectionCause.TRAFFIC), UNHEALTHY),
     ((COLD, WARMING, UNHEALTHY), (G.TRAFFIC_FAILING,), fx.noop, _STAY),
     # time: half-open, ramp, backoff
@@ -111,7 +111,7 @@ _SPEC: tuple[tuple[tuple[NodeState, ...], tuple[Signal, ...], Effect, NodeState 
     ((PROBATION,), (G.RAMP_STEP,), fx.ramp_step, _STAY),
     ((PROBATION,), (G.RAMP_HELD,), fx.ramp_held, _STAY),
     ((PROBATION,), (G.RAMP_COMPLETE,), sb.ramp_complete, HEALTHY),
-    # switch-back validation (issue 23; health/switchback.py): the ramp's end waits for a verdict
+    # switch-back validation (health/switchback_rules.py): the ramp's end waits for a verdict
     ((PROBATION,), (G.VALIDATION_PENDING,), sb.pending, _STAY),
     ((PROBATION,), (G.VALIDATION_PASSED,), sb.passed, _STAY),
     ((PROBATION,), (G.VALIDATION_FAILED,), sb.failed, UNHEALTHY),

@@ -1,7 +1,7 @@
-"""Overload shedding at each load report: the cluster's drop (:func:`~xds_server.health.shed.shed_step`)
+"""Overload shedding at each load report: the cluster's drop (:func:`~xds_server.policy.overload_drop.shed_step`)
 from its routable nodes' queues and KV-cache usage and its LRS demand, and with request classes
 (``lrs.shed.classes``) that drop spread over the class clusters, lowest class first
-(:func:`~xds_server.health.classes.class_percents`, each class's demand = its own Envoy
+(:func:`~xds_server.policy.request_classes.class_percents`, each class's demand = its own Envoy
 cluster's issued + dropped requests over ``lrs.shed.window_s``).
 
 Every changed drop marks the cluster for a new assignment; the parent cluster's publish writes
@@ -20,10 +20,10 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from xds_server.config import SentinelConfig
 from xds_server.control.core import ControlCore
-from xds_server.health.classes import class_percents
 from xds_server.health.records import ProbeResultKind
-from xds_server.health.shed import ShedInputs, ShedState, shed_step
 from xds_server.load.aggregate import LoadAggregator
+from xds_server.policy.overload_drop import ShedInputs, ShedState, shed_step
+from xds_server.policy.request_classes import class_percents
 
 __all__ = ["Shedder", "class_aliases", "finished_from_sessions", "kv_from_sessions"]
 
