@@ -72,34 +72,41 @@ def _serve(args: argparse.Namespace) -> int:
 
     async def run() -> int:
         cp = ControlPlane(cfg, config_path=path)
+        stop = asyncio.Event()
+        started = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        got: list[str] = []  # the signal that asked to stop
+        reloads: set[asyncio.Task] = set()
+
+        def on_stop(name: str) -> None:
+            got.append(name)
+            stop.set()
+
+        async def reload_when_started() -> None:
+            await started.wait()  # a SIGHUP during start reloads once the servers are up
+            await cp.reload_file("SIGHUP")
+
+        def on_hup() -> None:  # reload the config file; a bad file is logged and changes nothing
+            t = loop.create_task(reload_when_started())
+            reloads.add(t)
+            t.add_done_callback(reloads.discard)
+
+        # Every handler is installed before the ready lines: a supervisor (or a test) that sends
+        # SIGHUP as soon as it reads "listening" must get a reload, not the default exit 129.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_stop, sig.name)
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
         try:
             await cp.start()
         except OSError as e:
             print(f"xds-server: {e}", file=sys.stderr)
             await cp.stop()
             return 1
+        started.set()
         print(f"xds-server ADS listening on {cfg.xds.listen.rpartition(':')[0]}:{cp.xds_port}", flush=True)
         print(f"xds-server admin listening on {'https' if cfg.admin.tls else 'http'}://{cfg.admin.listen.rpartition(':')[0]}:{cp.admin_port}",
               flush=True)
         logging.getLogger("xds_server.server").info("event loop: %s", event_loop.running_loop_name())
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        got: list[str] = []  # the signal that asked to stop
-
-        def on_stop(name: str) -> None:
-            got.append(name)
-            stop.set()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_stop, sig.name)
-        reloads: set[asyncio.Task] = set()
-
-        def on_hup() -> None:  # reload the config file; a bad file is logged and changes nothing
-            t = loop.create_task(cp.reload_file("SIGHUP"))
-            reloads.add(t)
-            t.add_done_callback(reloads.discard)
-
-        loop.add_signal_handler(signal.SIGHUP, on_hup)
         await stop.wait()
         log = logging.getLogger("xds_server.server")
         log.info("%s: stopping", got[0])
