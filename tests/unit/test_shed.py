@@ -63,7 +63,7 @@ def test_stale_or_missing_telemetry_never_sheds(waiting, ages, offered, complete
 
 def test_seed_002_queue_levels():
     from xds_server.config import HealthConfig
-    from xds_server.control.queue_levels import queue_level
+    from xds_server.health.queue_levels import queue_level
     cfg = HealthConfig()
     assert [queue_level(w, cfg) for w in (None, 0, 50, 51, 100, 101)] == \
         ["ok", "ok", "ok", "warning", "warning", "critical"]

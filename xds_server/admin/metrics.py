@@ -15,8 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 
 from xds_server.admin.display import DISPLAY_STATES
 from xds_server.admin.views import ControlPlaneView
-from xds_server.control.queue_levels import queue_level
 from xds_server.health.model import NodeState
+from xds_server.health.queue_levels import queue_level
 
 __all__ = ["ControlPlaneCollector", "EventLoopCollector", "build_info_family", "package_version"]
 

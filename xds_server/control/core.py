@@ -28,6 +28,7 @@ from xds_server.control.publish import ClusterPublish, PublishPlanner
 from xds_server.health import model as hm
 from xds_server.health.anchor import anchor_ramp
 from xds_server.health.keys import RoutingKey, probe_result_key, resume_kept, routing_key, same_routing_inputs
+from xds_server.health.queue_levels import QueueWatch
 from xds_server.policy import cluster_routing as hp
 from xds_server.process.clock import Clock, Timer
 from xds_server.process.counters import Counters
@@ -81,6 +82,7 @@ class ControlCore:
         self.forward_fail_static_end: Callable[[float], Collection[str]] | None = None
         self._steady_lane = True  # observe's steady-heartbeat lane (tests turn it off to compare)
         self.steady_beats = 0     # heartbeats that took it
+        self.queues = QueueWatch()  # seed 002's queue levels, judged on each node's own telemetry
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -162,6 +164,8 @@ class ControlCore:
             return None
         nh, due = steady
         health[node_id] = nh
+        if nh.engine is not prev.engine:
+            self._queue_level(node_id, nh)
         run = hm.BeatRun.start(nh, obs, cfg)
         if run is not None:
             health.runs[node_id] = run
@@ -199,6 +203,8 @@ class ControlCore:
         health this step started from (after a resume)."""
         self.health[node_id] = nh
         cluster = self.node_cluster[node_id]
+        if nh.engine is not prev.engine:
+            self._queue_level(node_id, nh)
         for ev in events:
             self._transition(cluster, ev)
             if ev.to_state is hm.NodeState.UNHEALTHY and nh.ejection.cause is not None:
@@ -221,6 +227,12 @@ class ControlCore:
             else:
                 self._counted_silent.discard(node_id)
             self._check_fail_static(now_s)
+
+    def _queue_level(self, node_id: str, nh: hm.NodeHealth) -> None:
+        """Record a ``queue_*`` event when the node's queue level changed with this record."""
+        change = self.queues.change(node_id, nh.engine.requests_waiting, self.config.health)
+        if change is not None:
+            self.events.record(self.clock.wall(), self.node_cluster[node_id], node_id, *change)
 
     def _silent_by_time(self, nh: hm.NodeHealth, now_s: float) -> bool:
         """Silent as :func:`~xds_server.policy.cluster_routing.fail_static` counts it by time: the last
@@ -266,6 +278,7 @@ class ControlCore:
         for node_id in dropped:
             for d in (self.health, self.routing, self.restored):
                 d.pop(node_id, None)
+            self.queues.forget(node_id)
         self._recount_silent()
         if now > self.restored_until_s:  # the state file is too old for a node that appears only now
             for node_id in added:

@@ -39,7 +39,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from xds_server.config import SentinelConfig, parse_hostport
 from xds_server.control.core import ControlCore
-from xds_server.control.queue_levels import QueueWatch
 from xds_server.control.traffic import TrafficEjector
 from xds_server.load.aggregate import LoadAggregator, Traffic
 from xds_server.load.peers import PeerSet, forwarded_by, peer_refused
@@ -86,7 +85,6 @@ class LoadReportingService:
         self._judged: dict[str, float] = {}  # cluster -> when it was last judged (monotonic s)
         self.shedder = Shedder()  # overload shedding (lrs.shed), per request class with lrs.shed.classes
         self.shed = self.shedder.shed  # cluster -> its drop
-        self.queues = QueueWatch()  # seed 002's queue levels as events, checked at each report
         self.authorize = authorize
         self.refusals = refusals
         self.monotonic = monotonic
@@ -218,7 +216,6 @@ class LoadReportingService:
                 continue
             self._judged[c.name] = now
             self._shed(cfg, c.name, [n.id for n in c.nodes], now)
-            self.queues.check(self.core, c.name, [n.id for n in c.nodes])
             if not te.enabled:
                 continue
             evidence = {}
