@@ -26,6 +26,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 #: Packages whose tests are pure or start no fleet: under pytest-xdist each of their modules is
 #: a group of its own and the groups spread over the workers.
 _PARALLEL_PACKAGES = frozenset({"unit", "property"})
+#: Pure modules (no process, no socket) that live beside the fleets of their package: grouped as
+#: the unit and property modules are, so they never wait on a fleet.
+_PARALLEL_MODULES = frozenset({"relay/test_relay_core.py", "relay/test_relay_fidelity_core.py",
+                               "conformance/test_conformance_property.py"})
 
 
 @pytest.hookimpl(trylast=True)
@@ -45,7 +49,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests_dir = Path(__file__).parent
     for item in items:
         rel = item.path.relative_to(tests_dir)
-        group = str(rel) if rel.parts[0] in _PARALLEL_PACKAGES else "fleets"
+        parallel = rel.parts[0] in _PARALLEL_PACKAGES or rel.as_posix() in _PARALLEL_MODULES
+        group = str(rel) if parallel else "fleets"
         if not item.nodeid.endswith("@" + group):
             _set_nodeid(item, f"{item.nodeid}@{group}")
 

@@ -3,6 +3,8 @@ judged on each node's own heartbeats: with no Envoy reporting load (LRS off or s
 150 still raises ``queue_critical``, once per change of level, never once per heartbeat."""
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -20,7 +22,7 @@ def test_one_event_per_change_of_level_and_none_while_it_holds(waits):
     watch = QueueWatch()
     events = [watch.change("n0", w, CFG) for w in waits]
     levels = ["ok", *(queue_level(w, CFG) for w in waits)]
-    expected = [f"queue_{b}" if a != b else None for a, b in zip(levels, levels[1:], strict=False)]
+    expected = [f"queue_{b}" if a != b else None for a, b in itertools.pairwise(levels)]
     assert [e and e[0] for e in events] == expected
     assert watch.levels.get("n0", "ok") == levels[-1]
 
