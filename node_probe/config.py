@@ -49,7 +49,7 @@ class AgentConfig:
         probe_timeout_ms: deadline for the first token of one probe (also for model discovery).
         probe_recheck_ms: a probe that timed out, or got its token this late or later, is
             followed by the next one at the idle cadence even while busy, so a node that was
-            only busy is seen back within ~0.5 s of its load easing (issue 11). Default 200 ms:
+            only busy is seen back within ~0.5 s of its load easing. Default 200 ms:
             seed 001's good/slow TTFT boundary (the control plane's ``health.ttft_healthy_ms``).
         model: model id to probe; ``None`` discovers it (``/v1/models``; Triton: repository
             index), re-discovered after a 404.
@@ -70,7 +70,7 @@ class AgentConfig:
             control planes on silent networks).
         transport_liveness: take a control plane's request (``Hello.liveness``) for liveness by
             HTTP/2 PINGs, heartbeats then sent on change only (False: heartbeats every interval
-            whatever is asked, as agents before it did; issue 24).
+            whatever is asked, as agents before it did).
         min_ping_interval_ms: the least gap (ms) between the control plane's keepalive PINGs
             this server accepts without data (gRPC's grpc.http2.min_ping_interval_without_data_ms;
             ours 50: half the control plane's 100 ms transport keepalive; gRPC's default 5 min
@@ -91,7 +91,7 @@ class AgentConfig:
         plaintext: serve plaintext on a non-loopback ``listen`` (must be said; without a
             certificate a non-loopback listen is refused).
         replay: bounds of the switch-back replay (:class:`~node_probe.replay.ReplayLimits`;
-            ``max_prompts`` 0: no replay, advertised as such; issue 23).
+            ``max_prompts`` 0: no replay, advertised as such).
 
     Raises:
         ValueError: (on construction) a value is out of range.

@@ -87,10 +87,10 @@ class _StateCollector:
         streams.add_metric(n, a.subscriber_count)
         yield streams
         yield from self.counts.families(self.node)
-        refusals = getattr(a, "refusals", None)  # node_probe_access_refused_total{port="agent"} (issue 28)
+        refusals = getattr(a, "refusals", None)  # node_probe_access_refused_total{port="agent"}
         if refusals is not None:
             yield from refusals.metric_families()
-        watch = self.counts.cert_watch()  # node_probe_tls_certificate_expiry_* (issue 28)
+        watch = self.counts.cert_watch()  # node_probe_tls_certificate_expiry_*
         if watch is not None:
             watch.reasons()  # the warning line, at most hourly
             yield from watch.metric_families()

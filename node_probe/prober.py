@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 def _not_an_engine(path: str, status: int, model: str | None = None) -> str:
     """The hint in front of a failure's detail when ``path`` answered a status no inference engine
     gives for its own API (404 Not Found, 405 Method Not Allowed): the URL is most likely
-    something else (issue 26: the most common slip), or for a configured ``model`` one it does
+    something else (the most common slip), or for a configured ``model`` one it does
     not serve; "" for any other status."""
     if status not in (404, 405):
         return ""

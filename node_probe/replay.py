@@ -1,6 +1,6 @@
 """Switch-back replay on the agent: run a control plane's prompts greedily through the engine.
 
-A ``ReplayRequest`` (``protos/node_probe/``, issue 23) asks the agent to run a few prompts through
+A ``ReplayRequest`` (``protos/node_probe/``) asks the agent to run a few prompts through
 its engine's OpenAI-compatible ``POST /v1/completions`` with ``temperature: 0`` (greedy), a few
 dozen tokens each, ``return_token_ids: true`` (vLLM and the simulator answer the generated ids;
 an engine that ignores it answers text only) and the header ``x-sentinel-probe: replay``. The
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ReplayLimits:
-    """What one agent accepts from a ``ReplayRequest`` (ours, issue 23: a validation needs ~8
+    """What one agent accepts from a ``ReplayRequest`` (ours: a validation needs ~8
     short prompts; the bounds keep a replay from ever becoming load).
 
     Attributes:

@@ -10,7 +10,7 @@ Rules (the agent's loop asks :meth:`ProbeScheduler.decide` and sleeps for the an
   that timed out or answered slowly (the agent's ``probe_recheck_ms``) the next one comes at
   ``idle_interval_s`` even while busy (an HTTP status such as 429 is an answer: the busy
   cadence holds), so a node that was only busy is seen back within ~0.5 s of its load easing
-  (issue 11: soft states recover in seconds, not at the 3-5 s busy cadence); the jitter
+  (soft states recover in seconds, not at the 3-5 s busy cadence); the jitter
   factor is drawn uniform in ``[1 - jitter_ratio, 1 + jitter_ratio]`` once per probe, so a load
   change re-plans the wait with the same factor;
 * a requested probe (``ProbeNow`` or stall detection, :meth:`request`) starts at once, but

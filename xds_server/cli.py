@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     rl = cmd("reload", "re-read the running server's config file", _reload)
     rl.add_argument("--admin", default="http://127.0.0.1:19000", help=admin_help)
     rl.add_argument("--token", default=None, help=f"admin token (default: ${TOKEN_ENV})")
-    add_shift_parser(cmd, admin_help, TOKEN_ENV)  # gated shifts (issue 23): xds_server/admin/shift_client.py
+    add_shift_parser(cmd, admin_help, TOKEN_ENV)  # gated shifts: xds_server/admin/shift_client.py
     eb = cmd("envoy-bootstrap", "render an Envoy bootstrap (envoy.yaml) for this control plane",
              _envoy_bootstrap)
     eb.add_argument("--xds-port", type=_port, default=18000, help="xds-server's ADS port (default 18000)")

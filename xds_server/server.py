@@ -1,20 +1,14 @@
 """The control-plane process: wires probe sources -> core -> snapshot cache -> ADS, plus admin.
 
 Data flows one way (docs/DESIGN.md section 1): probe sources feed observations into the
-:class:`~xds_server.control.core.ControlCore` (health, events, fail-static, publish scheduling); each assignment it
-decides is built into a ClusterLoadAssignment (placed by a running shift: :mod:`xds_server.admin.shift_service`) in
-the :class:`~xds_server.xds.cache.SnapshotCache`, which ADS (SotW and delta, on ``xds.listen``) streams to Envoy;
-routing listeners hear each published change; the admin app (on ``admin.listen``) reads a ``ControlPlaneView``.
+:class:`~xds_server.control.core.ControlCore`; each assignment it decides is built into a ClusterLoadAssignment
+(placed by a running shift) in the :class:`~xds_server.xds.cache.SnapshotCache`, which ADS streams to Envoy;
+routing listeners hear each published change; the admin app reads a ``ControlPlaneView``. A reload
+(:meth:`ControlPlane.reload_file`) keeps ADS streams open (:mod:`xds_server.control.reload`); with ``state.path``
+the routing state is kept across restarts (:mod:`xds_server.control.state_file`).
 
-A reload (:meth:`ControlPlane.reload_file`: SIGHUP, ``POST /reload``, a changed file) serves a new config without
-closing ADS streams (rules in :mod:`xds_server.control.reload`); with ``state.path`` the routing state is written
-there and resumed after a restart (:mod:`xds_server.control.state_file`, :mod:`xds_server.control.state`).
-
-:class:`ControlPlane` does the I/O: binding ports, starting probe sources, writing the cache. The
-clock and the probe-source factory are injectable, so tests can drive it without sockets::
-
-    cp = ControlPlane(config, clock=ManualClock(), probe_sources=InMemoryProbes())
-    cp.open()       # as start() without the ports
+Only the I/O is here. The clock and the probe-source factory are injectable, so tests drive it
+without sockets: ``cp = ControlPlane(config, clock=ManualClock(), probe_sources=InMemoryProbes()); cp.open()``.
 """
 from __future__ import annotations
 
@@ -29,20 +23,21 @@ from xds_server.admin.access import start_admin_site, watch_certificates
 from xds_server.admin.app import HttpErrorLog, build_admin_app
 from xds_server.admin.reload import add_reload_route
 from xds_server.admin.shift_service import ShiftService
-from xds_server.admin.views import ControlPlaneView
+from xds_server.admin.views import ControlPlaneView, ServedTls
 from xds_server.config import ClusterConfig, ConfigError, NodeConfig, SentinelConfig, load_config, parse_hostport
 from xds_server.control.core import ControlCore
 from xds_server.control.events import EventLog, EventRecord
 from xds_server.control.publish import ClusterPublish
 from xds_server.control.reload import drained, plan_reload, serving_config
-from xds_server.control.state_file import file_signature, load_kept_state, save_state
+from xds_server.control.state_file import file_signature, load_kept_state, save_core_state
 from xds_server.discovery import Discovery, drop_readdressed
 from xds_server.feed.events import RoutingChange, RoutingListener, RoutingNotifier
+from xds_server.feed.service import RoutingFeed
 from xds_server.health import model as hm
 from xds_server.load.service import LoadReportingService
 from xds_server.probing.session import grpc_probe_source
 from xds_server.probing.sources import ProbeSource, ProbeSourceContext, ProbeSourceFactory
-from xds_server.probing.switchback import attach as attach_switchback
+from xds_server.probing.switchback import SwitchbackValidator
 from xds_server.probing.workers import WorkerPool
 from xds_server.process.clock import Clock, LoopClock
 from xds_server.process.counters import Counters
@@ -92,17 +87,24 @@ class ControlPlane:
         self.probe_pool = WorkerPool.attach(self.core, self.clock, self.counters) if probe_sources is None else None
         self._probe_factory = probe_sources or (self.probe_pool.source if self.probe_pool else grpc_probe_source)
         self.sessions: dict[str, ProbeSource] = {}
-        self.ads = AdsServicer(self.cache, config=config.xds,
+        self.refusals = Refusals(logging.getLogger("xds_server.access"))  # refused identities and tokens
+        self.ads = AdsServicer(self.cache, config=config.xds, refusals=self.refusals,
                                authorize=node_allow_authorizer(lambda: self._config.tls.node_allow))
-        self.view = ControlPlaneView(self.core, self.cache, self.ads, self.sessions, lambda: self._config)
-        self.refusals = self.ads.refusals = self.view.refusals = Refusals(logging.getLogger("xds_server.access"))
-        self.load = self.view.load_reports = LoadReportingService(  # LRS, ADS's allow-list (xds_server/load)
+        self.load = LoadReportingService(  # LRS, ADS's allow-list (xds_server/load)
             lambda: self._config, monotonic=self.clock.now, authorize=self.ads.authorize, refusals=self.refusals,
             core=self.core)
         self.load.shedder.read_sessions(self.sessions)  # KV usage and the engines' finished counts
-        self.shifts = self.view.shifts = ShiftService(lambda: self._config, self.core, self.cache, self.load)
-        self.view.reload_status, self.view.discovery_status = (lambda: self.reload_status), self.discovery.status
-        self.view.probe_pool = self.probe_pool  # None without workers; read by admin/metrics.py
+        self.shifts = ShiftService(lambda: self._config, self.core, self.cache, self.load)
+        # switch-back validation (replay) before a node's PROBATION ends
+        self.switchback = SwitchbackValidator(lambda: self._config, self.core, self.observe,
+                                              lambda n: self._config.tls.agents.client(n), config.xds.replica_id)
+        self.routing_feed = RoutingFeed(self, live_prompts=self.switchback.live)  # the relay's feed, on the xDS port
+        self._served_tls = ServedTls()  # the xDS port's certificates, once start() serves it
+        self.view = ControlPlaneView(
+            self.core, self.cache, self.ads, self.sessions, lambda: self._config, refusals=self.refusals,
+            load_reports=self.load, shifts=self.shifts, switchback=self.switchback, probe_pool=self.probe_pool,
+            routing_feed=self.routing_feed, reload_status=lambda: self.reload_status,
+            discovery_status=self.discovery.status, served_tls=lambda: self._served_tls)
         self._grpc: grpc.aio.Server | None = None
         self._admin_runner: web.AppRunner | None = None
         self._opened = False
@@ -131,8 +133,7 @@ class ControlPlane:
         self.core.restored, self.core.restored_until_s = load_kept_state(  # also for nodes found later
             self.config.state, None, self.clock.now(), self.clock.wall())
         self.cache.set_resources(CLUSTER_TYPE_URL, class_cds(self.config, self.shifts.cluster))  # + request classes
-        ctx = ProbeSourceContext(self.config.health, self.config.probe, self.observe, self.clock,
-                                 self.counters, self.config.xds.replica_id, self.config.tls.agents)
+        ctx = self._probe_context(self.config)
         for node_id, n in self.core.node_cfg.items():
             s = self._probe_factory(n, ctx)
             self.sessions[node_id] = s
@@ -146,13 +147,12 @@ class ControlPlane:
         self.open()
         self._grpc = grpc.aio.server(options=self.config.xds.grpc_server_options())
         self.ads.add_to_server(self._grpc)  # ADS (SotW + delta), responses encoded once per content
-        from xds_server.feed.service import RoutingFeed  # routing feed for the relay, same port
-        self.routing_feed = RoutingFeed(self).add_to_server(self._grpc)
-        self.view.routing_feed = self.routing_feed  # read by admin/metrics.py
+        self.routing_feed.add_to_server(self._grpc)  # the routing feed for the relay, same port
         self.load.add_to_server(self._grpc)  # LRS StreamLoadStats (lrs.enabled), same port
         host, port = parse_hostport(self.config.xds.listen)
-        creds, self.view.tls_files = listener_credentials(**self.config.tls.listener())  # None: plaintext
-        self.view.cert_watch = watch_certificates(self.config)  # expiry metrics, warnings, /readyz
+        creds, tls_files = listener_credentials(**self.config.tls.listener())  # None: plaintext
+        # expiry metrics, warnings, /readyz
+        self._served_tls = ServedTls(tls_files, watch_certificates(self.config))
         try:
             self.xds_port = add_port(self._grpc, f"{host}:{port}", creds)
         except RuntimeError as exc:  # grpc raises RuntimeError when the bind fails
@@ -174,7 +174,8 @@ class ControlPlane:
         rc = self.config.reload
         loops: list[tuple[Callable[[], float], Callable[[], Awaitable[object]], str]] = [
             (lambda: self.config.reload.drain_check_interval_s, self.reap_drained, "dropping drained nodes"),
-            attach_switchback(self)]  # issue 23: switch-back validation (replay) before PROBATION ends
+            (lambda: self.config.health.validation.check_interval_s, self.switchback.check,
+             "switch-back validation")]
         if self.config.state.path:
             loops.append((lambda: self.config.state.write_interval_s, self._write_state_async, "writing state"))
         if self.config_path and rc.watch_interval_s > 0:
@@ -207,20 +208,20 @@ class ControlPlane:
         if self._admin_runner:
             await self._admin_runner.cleanup()
 
-    # -- state kept across restarts (issue 13 item 3; format in xds_server.control.state) ------
+    # -- state kept across restarts (format in xds_server.control.state) ------------------------
 
     def write_state(self) -> bool:
         """Write the routing state to ``state.path`` atomically; False (logged) when it cannot."""
-        now = self.clock.now()
-        # kept states not claimed yet are written again only while they may still be claimed
-        # (state.max_age_s from the file's time), so a node that never comes back ages out
-        unclaimed = self.core.restored if now <= self.core.restored_until_s else None
-        return save_state(self.config.state.path, self.core.health, now, self.clock.wall(), unclaimed)
+        return save_core_state(self.config.state.path, self.core)
 
     async def _write_state_async(self) -> None:
         self.write_state()
 
-    # -- reload (issue 13 item 2; rules in xds_server.control.reload) ---------------------------
+    def _probe_context(self, cfg: SentinelConfig) -> ProbeSourceContext:
+        return ProbeSourceContext(cfg.health, cfg.probe, self.observe, self.clock, self.counters,
+                                  cfg.xds.replica_id, cfg.tls.agents)
+
+    # -- reload (rules in xds_server.control.reload) ---------------------------------------------
 
     async def reload(self, new: SentinelConfig, source: str = "api") -> dict:
         """Serve ``new`` + discovered nodes from now on; ADS streams stay open. Nodes added start COLD,
@@ -284,8 +285,7 @@ class ControlPlane:
             s = self.sessions.pop(node_id, None)
             if s is not None:
                 await s.stop()
-        ctx = ProbeSourceContext(serving.health, serving.probe, self.observe, self.clock,
-                                 self.counters, serving.xds.replica_id, serving.tls.agents)
+        ctx = self._probe_context(serving)
         for node_id in [*added, *(i for i in restart if i in self.sessions)]:
             old = self.sessions.pop(node_id, None)
             if old is not None:

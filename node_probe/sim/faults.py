@@ -88,7 +88,7 @@ DEFAULT_SLOW_TTFT_MS = 1000.0
 #: Default waiting count for ``queue`` when the fault request gives no ``waiting``.
 DEFAULT_QUEUE_WAITING = 120
 #: Default length of a ``prefill`` (ms), its prompt (tokens) and KV-usage rise (ratio): measured
-#: on vLLM 0.32 (CPU build, hidden 1024, 8 layers, --max-num-batched-tokens 256), issue 11.
+#: on vLLM 0.32 (CPU build, hidden 1024, 8 layers, --max-num-batched-tokens 256).
 DEFAULT_PREFILL_MS = 5500.0
 PREFILL_PROMPT_TOKENS = 3000
 PREFILL_KV_RISE = 0.078

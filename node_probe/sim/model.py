@@ -174,7 +174,7 @@ def _mix(x: int) -> int:
 def use_model_seed(seed: int) -> None:
     """Serve another model in this process: every context hashes from a state derived from
     ``seed`` (0, the default: the built-in model), so greedy answers differ from token 0 on.
-    What ``sim-engine --model-seed`` sets (an engine restarted with wrong weights, issue 23).
+    What ``sim-engine --model-seed`` sets (an engine restarted with wrong weights).
     Raises ValueError for a negative seed."""
     global _SEED
     if seed < 0:

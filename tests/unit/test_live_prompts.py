@@ -121,8 +121,8 @@ class _Context:
 
 def _feed(cfg: dict) -> tuple[RoutingFeed, LivePromptPool]:
     pool = LivePromptPool()
-    cp = SimpleNamespace(routing_listeners=[], config=parse_config(cfg), switchback=SimpleNamespace(live=pool))
-    return RoutingFeed(cp), pool
+    cp = SimpleNamespace(routing_listeners=[], config=parse_config(cfg))
+    return RoutingFeed(cp, live_prompts=pool), pool
 
 
 def _sample(*prompts: tuple[str, str]) -> routing_pb2.PromptSample:

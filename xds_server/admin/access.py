@@ -64,7 +64,7 @@ async def start_admin_site(runner: web.AppRunner, admin: AdminConfig) -> tuple[s
     site = web.TCPSite(runner, host, port, ssl_context=admin_ssl_context(admin))
     try:
         await site.start()
-    except OSError as exc:  # one line naming the field, as for xds.listen (issue 26)
+    except OSError as exc:  # a bind failure is one line naming the field, as for xds.listen
         raise OSError(bind_failure(admin.listen, "admin.listen", exc)) from exc
     return host, runner.addresses[0][1], "https" if admin.tls else "http"
 

@@ -1,5 +1,5 @@
 """What an operator is shown for one node: one state word and one reason that agree with what
-Envoy was told (issue 11). Pure: inputs in, a :class:`NodeDisplay` out; no I/O, no clock reads.
+Envoy was told. Pure: inputs in, a :class:`NodeDisplay` out; no I/O, no clock reads.
 
 The health state (``NodeState``) says what the model concluded; the shown state also says what
 was *published*, which can differ:

@@ -306,7 +306,7 @@ _MALLOC_TRIM = _libc_malloc_trim()
 def _give_memory_back() -> None:
     """Return the heap pages the last dropped readers' buffers left free to the OS: glibc keeps
     freed memory in its arenas, so without this ~16-21 MB of a wave of 500 stuck readers stayed
-    in RSS after they were gone (issue 27). Cheap (~1 ms) and rare: only when the last live client
+    in RSS after they were gone. Cheap (~1 ms) and rare: only when the last live client
     left after a drop."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM()

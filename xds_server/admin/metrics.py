@@ -145,7 +145,7 @@ class ControlPlaneCollector:
             yield from load.metric_families()
         for part in (getattr(self.view, "refusals", None), getattr(self.view, "cert_watch", None),
                      getattr(self.view, "shifts", None)):
-            if part is not None:  # refused identities and tokens; certificate expiry (issue 28); shifts
+            if part is not None:  # refused identities and tokens; certificate expiry; shifts
                 yield from part.metric_families()
 
     def _health(self):

@@ -1,4 +1,4 @@
-"""Admin routes of gated shifts (issue 23), registered by :meth:`ShiftService.add_routes`.
+"""Admin routes of gated shifts, registered by :meth:`ShiftService.add_routes`.
 
 - ``POST /clusters/{name}/shift`` (bearer token, ``admin.token``), JSON body::
 

@@ -1,5 +1,5 @@
 """Gated shifts at the edge: requests checked, gates read, decisions applied, layouts published,
-state kept in a file (issue 23). The decisions themselves are pure (:mod:`xds_server.policy.shift_machine`),
+state kept in a file. The decisions themselves are pure (:mod:`xds_server.policy.shift_machine`),
 the node placement too (:mod:`xds_server.policy.shift_layout`).
 
 Shape::

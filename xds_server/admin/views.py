@@ -10,7 +10,8 @@ Units: times in seconds, RTT/TTFT in ms, ratios 0..1.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from google.protobuf import json_format
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from xds_server.process.refusals import Refusals
     from xds_server.process.tls import ServerCertFiles
 
-__all__ = ["ControlPlaneView", "NodeRow"]
+__all__ = ["ControlPlaneView", "NodeRow", "ServedTls", "ShiftViews"]
 
 
 class NodeRow:
@@ -51,29 +52,66 @@ class NodeRow:
         self.routing = routing
 
 
+class ShiftViews(Protocol):
+    """What ``/clusters`` reads of the gated shifts (:class:`~xds_server.admin.shift_service.ShiftService`,
+    whose HTTP routes import the admin app, so it is named structurally here)."""
+
+    def view(self, cluster: str) -> dict[str, Any] | None: ...
+
+
+@dataclass(frozen=True)
+class ServedTls:
+    """The xDS port's TLS as served: its certificate files (reloaded on change) and the expiry
+    watch over every certificate the config names; both None before the port is served or with
+    plaintext."""
+
+    files: ServerCertFiles | None = None
+    cert_watch: CertWatch | None = None
+
+
 class ControlPlaneView:
-    """Read-only views (see module docstring). ``config`` follows the control plane's config."""
+    """Read-only views (see module docstring). ``config`` follows the control plane's config.
+
+    Every part is given here; a part left None is not served (no probe workers, LRS off,
+    switch-back validation off, the routing feed absent). ``served_tls`` answers what the xDS
+    port serves now (:class:`ServedTls`; empty before ``start``)."""
 
     def __init__(self, core: ControlCore, cache: SnapshotCache, ads: AdsServicer,
-                 sources: Mapping[str, ProbeSource], config: Callable[[], SentinelConfig]) -> None:
+                 sources: Mapping[str, ProbeSource], config: Callable[[], SentinelConfig], *,
+                 refusals: Refusals | None = None,
+                 load_reports: LoadReportingService | None = None,
+                 shifts: ShiftViews | None = None,
+                 switchback: SwitchbackValidator | None = None,
+                 probe_pool: WorkerPool | None = None,
+                 routing_feed: RoutingFeed | None = None,
+                 reload_status: Callable[[], dict] | None = None,
+                 discovery_status: Callable[[], dict] | None = None,
+                 served_tls: Callable[[], ServedTls] = ServedTls) -> None:
         self._core = core
         self._cache = cache
         self._ads = ads
         self._sources = sources
         self._config = config
-        self.reload_status: Callable[[], dict] = lambda: {"ok": True, "source": None, "at": None,
-                                                          "errors": [], "changes": None}
-        self.discovery_status: Callable[[], dict] = lambda: {"problems": [], "clusters": {}}
-        # set by the control plane, read by admin/metrics.py; None: not there (no probe workers,
-        # the routing feed not served yet, a plaintext ADS port)
-        self.probe_pool: WorkerPool | None = None
-        self.switchback: SwitchbackValidator | None = None  # switch-back validation (issue 23)
-        self.routing_feed: RoutingFeed | None = None
-        self.tls_files: ServerCertFiles | None = None
-        self.refusals: Refusals | None = None  # refused identities and tokens (issue 28)
-        self.cert_watch: CertWatch | None = None  # certificate expiry (issue 28)
-        self.load_reports: LoadReportingService | None = None  # LRS (issue 22); None: not served
-        self.shifts: Any = None  # gated shifts (admin/shift_service.py, issue 23); None: not served
+        self.reload_status: Callable[[], dict] = reload_status or (
+            lambda: {"ok": True, "source": None, "at": None, "errors": [], "changes": None})
+        self.discovery_status: Callable[[], dict] = discovery_status or (lambda: {"problems": [], "clusters": {}})
+        self.probe_pool = probe_pool
+        self.switchback = switchback  # switch-back validation by replay
+        self.routing_feed = routing_feed
+        self.refusals = refusals  # refused identities and tokens
+        self.load_reports = load_reports  # Envoys' load reports (LRS)
+        self.shifts = shifts  # gated shifts (admin/shift_service.py)
+        self._served_tls = served_tls
+
+    @property
+    def tls_files(self) -> ServerCertFiles | None:
+        """The xDS port's certificate files; None before ``start`` or with plaintext."""
+        return self._served_tls().files
+
+    @property
+    def cert_watch(self) -> CertWatch | None:
+        """Certificate expiry over every file the config names; None before ``start``."""
+        return self._served_tls().cert_watch
 
     @property
     def config(self) -> SentinelConfig:

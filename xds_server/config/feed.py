@@ -59,7 +59,7 @@ class FeedConfig(_Model):
     @field_validator("allow_identities")
     @classmethod
     def _typed(cls, v: list[str]) -> list[str]:
-        return check_patterns(v, "allow_identities")  # the one typed matcher's syntax (issue 28)
+        return check_patterns(v, "allow_identities")  # the one typed matcher's syntax
 
 
 def check_feed(feed: FeedConfig, tls_mode: str | None) -> None:

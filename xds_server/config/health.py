@@ -89,7 +89,7 @@ class HealthConfig(_Model):
         "(ttft_timeout_ms for a timeout, the TTFT of a slow answer), so a reason never says "
         "'progressing' about progress from before the probe was sent; an HTTP status (answered at "
         "once) uses this window alone and gives the age. Ours: the agent's stall window (1 s), so a "
-        "hang's last progress stops counting as evidence when the stall is declared (issue 11)",
+        "hang's last progress stops counting as evidence when the stall is declared",
     )
     busy_confirm_min_ms: float = Field(
         300.0, gt=0,
@@ -97,13 +97,13 @@ class HealthConfig(_Model):
         "a progress signal moves *after* it, and a failure when none has moved this long (ms) after it, "
         "or busy_confirm_gaps x the engine's own progress cadence if longer, at most "
         "busy_progress_window_ms (unknown cadence: the window): a hang that began during the probe's "
-        "wait never reads as busy (issue 25 item 8). Ours: the agent's 100 ms scrape plus a 100 ms "
+        "wait never reads as busy. Ours: the agent's 100 ms scrape plus a 100 ms "
         "heartbeat plus 100 ms slack, the longest a progressing engine takes to show a move",
     )
     busy_confirm_gaps: float = Field(
         2.0, ge=1,
         description="... or this many of the engine's recent gaps between progress moves (a chunked "
-        "prefill moves its KV usage every ~0.46 s on vLLM 0.32 with 256-token chunks, issue 11), "
+        "prefill moves its KV usage every ~0.46 s on vLLM 0.32 with 256-token chunks), "
         "so an engine whose signals move slowly is not called hung between two moves. Ours",
     )
     busy_refusal_block_s: float = Field(
@@ -111,7 +111,7 @@ class HealthConfig(_Model):
         description="seconds (s) a node may answer every probe with a busy_http_statuses status (429) "
         "and no good probe before it is soft-blocked (REFUSING: not routed, counted against "
         "max_ejection_percent, back at its busy or full weight on its first answered probe, no "
-        "probation). Ours (issue 11): long enough that a load burst an engine works off in seconds "
+        "probation). Ours: long enough that a load burst an engine works off in seconds "
         "(its queue draining; 3-30 probes at the agent's 3-5 s busy or 0.5 s idle cadence) keeps "
         "its DEGRADED share, short against what the share costs: every request Envoy sends to a node that refuses "
         "everything is a 429 to retry elsewhere. 15 s is half Envoy's default outlier "
@@ -123,14 +123,14 @@ class HealthConfig(_Model):
         "shown as 'cannot warm' (reason with the last probe result, one event); it is never routed "
         "before a good probe either way. Probe failures from an engine that answers (an HTTP status "
         "other than 503, bad output, a fatal error) say so sooner, at probe_failures_to_eject in a "
-        "row (issue 26: a wrong --engine-url). Ours: above fc08's 270 s weight load, so an engine "
+        "row (e.g. a wrong --engine-url). Ours: above fc08's 270 s weight load, so an engine "
         "still loading is not called stuck",
     )
     busy_good_probes_to_recover: int = Field(
         1, ge=1,
         description="good probes that return a node DEGRADED only for being busy (slow probes, "
         "429, busy timeouts; no counted failure) to HEALTHY at full weight: no probation or ramp, "
-        "those are for nodes that failed (ours, issue 11; good_probes_to_recover after a failure)",
+        "those are for nodes that failed (ours; good_probes_to_recover after a failure)",
     )
     stall_confirm_ms: float = Field(
         300.0, ge=0,
@@ -200,7 +200,7 @@ class HealthConfig(_Model):
         1000.0, gt=0,
         description="a node ejected for consecutive_misses gets its silence Ticks at growing gaps "
         "(1, 1, 2, 4, 8 ... intervals) up to this (ms); heartbeat_interval_ms or less: a Tick every "
-        "interval. Ours (issue 12 item 1): bounds the health steps of a silent fleet",
+        "interval. Ours: bounds the health steps of a silent fleet",
     )
     fail_static_min_nodes: int = Field(3, ge=2, description="fleets smaller than this never go fail-static")
     fail_static_forgive_intervals: int = Field(
@@ -210,7 +210,7 @@ class HealthConfig(_Model):
     )
     drain_timeout_s: float = Field(600.0, gt=0, description="a drain is complete when in-flight is 0 or after this")
     validation: ValidationConfig = Field(default_factory=ValidationConfig,
-                                         description="switch-back validation by replay (issue 23; off by default)")
+                                         description="switch-back validation by replay (off by default)")
 
     @field_validator("saturated_http_statuses", "busy_http_statuses")
     @classmethod

@@ -161,7 +161,7 @@ class ShedConfig(_Model):
         "over its share of the cluster's measured completion rate, s) exceeds this, with at least "
         "min_waiting waiting; while over it and the queues do not shrink, the drop follows the measured "
         "excess. null: only the seed's absolute thresholds (health.queue_warning, queue_critical). Ours: "
-        "0.5 s of wait keeps the admitted TTFT near the unloaded one (benchmarks/RESULTS.md, issue 22)")
+        "0.5 s of wait keeps the admitted TTFT near the unloaded one (benchmarks/RESULTS.md)")
     min_waiting: float = Field(
         2.0, ge=0, description="the relative trigger needs at least this many waiting on the node (noise of one "
         "request arriving just before a slot frees is no overload)")
@@ -170,8 +170,8 @@ class ShedConfig(_Model):
         description="with capacity_source engines: the queue-wait budget is at most this many times "
         "the cluster's unloaded TTFT p99 (its successful probes while not shedding and no node had "
         "min_waiting waiting: the last 512 in 10 min, from 20 on; at least 50 ms), so admitted "
-        "requests keep their TTFT p99 within (1 + this) x the unloaded one, the issue's 2x at 1.0; "
-        "queue_wait_budget_s stays the cap. null: queue_wait_budget_s alone. Ours (issue 22)")
+        "requests keep their TTFT p99 within (1 + this) x the unloaded one, 2x at 1.0; "
+        "queue_wait_budget_s stays the cap. null: queue_wait_budget_s alone. Ours")
     capacity_source: Literal["lrs", "engines"] = Field(
         "engines",
         description="where the load the routable nodes can take comes from. engines (the default): "
@@ -183,7 +183,7 @@ class ShedConfig(_Model):
         "following the offered load; a queue drains at slots over run time; easing keeps a margin "
         "of two Poisson standard errors; the headroom starts at 0 and grows by 0.05 per report over "
         "the budget. Measured: admitted TTFT p99 0.8-2.0x the unloaded one on 2-, 8- and 16-slot "
-        "engines, 15-30 points more shed than the bare excess (benchmarks/RESULTS.md, issue 22). A "
+        "engines, 15-30 points more shed than the bare excess (benchmarks/RESULTS.md). A "
         "cluster with a routable node whose engine does not count (SGLang, or no metrics) uses lrs "
         "meanwhile. lrs: completions measured from LRS (issued to the routable nodes minus the "
         "growth of their in-flight requests), the most seen while a queue stood over "

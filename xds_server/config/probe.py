@@ -27,7 +27,7 @@ class ProbeConfig(_Model):
         "silent_stream_redial_ms instead, which knows about our stalls")
     liveness: Literal["heartbeat", "transport"] = Field(
         "heartbeat",
-        description="how a node's liveness is judged (issue 24; docs/DESIGN.md section 3): "
+        description="how a node's liveness is judged (docs/DESIGN.md section 3): "
         "'heartbeat' = the agent's 100 ms heartbeats (arrival gaps: phi accrual, misses); 'transport' = "
         "HTTP/2 keepalive PINGs every transport_keepalive_time_ms answered within "
         "transport_ping_timeout_ms (inside gRPC's C core), the agent sending telemetry only on change "
@@ -39,13 +39,13 @@ class ProbeConfig(_Model):
     telemetry_refresh_ms: int = Field(
         1000, ge=100, le=60_000,
         description="transport liveness: unchanged telemetry is re-sent by the agent at most this "
-        "often (ms; ours, the issue's 1 s: GPU readings are polled each 1 s). Changes (stall flag, "
+        "often (ms; ours, 1 s: GPU readings are polled each 1 s). Changes (stall flag, "
         "GPU fault, engine state) and probe results are sent at once",
     )
     transport_keepalive_time_ms: int = Field(
         100, ge=10, le=60_000,
         description="transport liveness: HTTP/2 keepalive PING interval asked of the probe channel (ms; "
-        "the issue's 100). gRPC 1.85's client sends at most one PING per second on a connection with "
+        "ours, 100). gRPC 1.85's client sends at most one PING per second on a connection with "
         "streams whatever this says (chttp2 NextAllowedPingInterval), so a frozen peer fails its "
         "stream 0.1-1.1 s after the freeze (docs/DESIGN.md section 3, benchmarks/transport_liveness.py)",
     )
@@ -121,7 +121,7 @@ class ProbeConfig(_Model):
     workers: Literal["auto"] | Annotated[int, Field(ge=0, le=1024)] = Field(
         0,
         description="probe worker processes that hold the agents' streams and run the per-node "
-        "detector (issue 12 calls it probing.workers; docs/DESIGN.md section 12): 0 = in this "
+        "detector (docs/DESIGN.md section 12): 0 = in this "
         "process (ours: today's path); N >= 1 = N worker processes, nodes assigned by a hash of "
         "their id; auto = CPU count - 1, at least 1 (one core left to health, policy and xDS). "
         "A change needs a restart",

@@ -1,4 +1,4 @@
-"""``shift:`` section: gated traffic shifts between priorities or regions (issue 23).
+"""``shift:`` section: gated traffic shifts between priorities or regions.
 
 Defaults come from seed 002, the regional-failover article: a soft shift sends 10 % to the standby
 region, advances 10 % every 5 minutes while the target's error rate stays below 0.5 % and its

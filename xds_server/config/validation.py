@@ -1,4 +1,4 @@
-"""``health.validation:`` section: switch-back validation by replay against two peers (issue 23)."""
+"""``health.validation:`` section: switch-back validation by replay against two peers."""
 from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
@@ -52,12 +52,13 @@ class ValidationConfig(_Model):
         "(DEFAULT_PROMPTS, 8 prompts). Read when the control plane starts and at each reload")
     sample: int = Field(8, ge=1, le=64, description="prompts per validation (ours: 8 give a verdict per prompt "
                         "and still finish in well under a second on a simulator, a few seconds on a GPU)")
-    max_tokens: int = Field(32, ge=1, le=256, description="tokens per prompt (issue 23: 'a few dozen')")
+    max_tokens: int = Field(32, ge=1, le=256, description="tokens per prompt (a few dozen: "
+                            "a different model diverges within them, the replay stays short)")
     timeout_s: float = Field(20.0, gt=0, le=300, description="the whole replay on all three agents (ours)")
     token_margin: float = Field(
         0.25, ge=0, le=1,
         description="allowed extra disagreement in the first diverging token, as a ratio of max_tokens "
-        "(ours: greedy decoding across batch sizes drifts late in a generation, vLLM issue 48271; a "
+        "(ours: greedy decoding across batch sizes drifts late in a generation, vllm-project/vllm#48271; a "
         "different model or broken kernel diverges at once)")
     similarity_margin: float = Field(
         0.2, ge=0, le=1, description="allowed extra text dissimilarity (1 - difflib ratio, 0..1; ours)")

@@ -68,7 +68,7 @@ class XdsConfig(_Model):
         "build time) when that is longer than coalesce_window_ms, so publishing a large cluster "
         "takes at most 1/(1 + ratio) of the event loop (3: 25 %). A 1,000-endpoint cluster takes "
         "~15-25 ms to build: at the 5 ms window a fleet starting up rebuilt it back to back and "
-        "starved the heartbeats (benchmarks/RESULTS.md, issue 12 item 1). An isolated change after "
+        "starved the heartbeats (benchmarks/RESULTS.md). An isolated change after "
         "a quiet gap is still published at once. 0 = the window alone",
     )
     keepalive_time_ms: int = Field(
@@ -131,7 +131,7 @@ class XdsConfig(_Model):
         256, ge=16,
         description="node id, node cluster, user agent, type_url and versions kept from a client "
         "are clipped to this many characters (type_urls longer are INVALID_ARGUMENT); Envoy's are "
-        "far shorter. Ours (issue 9: 64 KB node ids grew /metrics and /xds/clients to 19.7 MB)",
+        "far shorter. Ours (unclipped, 64 KB node ids grew /metrics and /xds/clients to 19.7 MB)",
     )
     nack_message_max_chars: int = Field(
         1024, ge=16,
@@ -141,7 +141,7 @@ class XdsConfig(_Model):
     absent_names_max_per_stream: int = Field(
         1000, ge=0,
         description="SotW EDS names that exist nowhere answered with an empty assignment, per stream "
-        "and type (issue 11: Envoy would otherwise wait on them); names beyond get no answer, so a "
+        "and type (Envoy would otherwise wait on them); names beyond get no answer, so a "
         "request naming 150,000 unknown clusters cannot make a 20 MB response (ours)",
     )
     clients_view_max_names: int = Field(
@@ -159,14 +159,14 @@ class XdsConfig(_Model):
         4 * 1024 * 1024, ge=64 * 1024,
         description="bytes (estimated) in each memo of the snapshot cache, least recently used "
         "out first; an entry over a quarter of it is not memoized. Bounds what closed streams "
-        "leave behind (issue 9: an unbounded memo held 529 MB after 200 closed streams)",
+        "leave behind (an unbounded memo held 529 MB after 200 closed streams)",
     )
     request_bytes_per_s: int = Field(
         1024 * 1024, ge=1024,
         description="per-stream request budget, sustained: bytes of requests per second a stream "
         "may send before the server stops reading it for a while (HTTP/2 flow control then holds "
         "the client back). An Envoy sends a few small ACKs per update; ours: one stream flooding "
-        "1.7 MB requests slowed every other stream's EDS delivery 60x (issue 9)",
+        "1.7 MB requests slowed every other stream's EDS delivery 60x",
     )
     request_burst_bytes: int = Field(
         16 * 1024 * 1024, ge=4 * 1024,

@@ -96,7 +96,7 @@ class ControlCore:
         self._gate_timer = self.clock.call_at(now + self.config.xds.warmup_timeout_ms / 1000.0,
                                               self._open_all_gates)
         # A cluster without nodes is warm at once (no node can leave COLD to mark it): publish it
-        # now, not at the warm-up timeout (issue 25 item 6).
+        # now, not at the warm-up timeout.
         for name, ids in self._cluster_nodes.items():
             if not ids:
                 self.mark_dirty(name)
@@ -164,8 +164,7 @@ class ControlCore:
             return None
         nh, due = steady
         health[node_id] = nh
-        if nh.engine is not prev.engine:
-            self._queue_level(node_id, nh)
+        self._queue_level(node_id, prev, nh)
         run = hm.BeatRun.start(nh, obs, cfg)
         if run is not None:
             health.runs[node_id] = run
@@ -203,8 +202,7 @@ class ControlCore:
         health this step started from (after a resume)."""
         self.health[node_id] = nh
         cluster = self.node_cluster[node_id]
-        if nh.engine is not prev.engine:
-            self._queue_level(node_id, nh)
+        self._queue_level(node_id, prev, nh)
         for ev in events:
             self._transition(cluster, ev)
             if ev.to_state is hm.NodeState.UNHEALTHY and nh.ejection.cause is not None:
@@ -228,10 +226,10 @@ class ControlCore:
                 self._counted_silent.discard(node_id)
             self._check_fail_static(now_s)
 
-    def _queue_level(self, node_id: str, nh: hm.NodeHealth) -> None:
-        """Record a ``queue_*`` event when the node's queue level changed with this record."""
-        change = self.queues.change(node_id, nh.engine.requests_waiting, self.config.health)
-        if change is not None:
+    def _queue_level(self, node_id: str, prev: hm.NodeHealth, nh: hm.NodeHealth) -> None:
+        """Record a ``queue_*`` event when new engine telemetry changed the node's queue level."""
+        if nh.engine is not prev.engine and (
+                change := self.queues.change(node_id, nh.engine.requests_waiting, self.config.health)):
             self.events.record(self.clock.wall(), self.node_cluster[node_id], node_id, *change)
 
     def _silent_by_time(self, nh: hm.NodeHealth, now_s: float) -> bool:

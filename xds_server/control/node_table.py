@@ -1,7 +1,7 @@
 """The control plane's node health table: node id -> NodeHealth, steady heartbeats folded in place.
 
 A steady node's quiet heartbeats are folded into a :class:`~xds_server.health.beats.BeatRun`
-(``runs``) instead of building its record at every heartbeat (issue 12 item 1: three records per
+(``runs``) instead of building its record at every heartbeat (three records per
 heartbeat were a third of the control plane's share). Every read of a node's health through the
 mapping settles its run first, so a reader (views, fail-static, the state file, metrics, tests)
 sees exactly the record the health step would have built; writing a node's health ends its run.

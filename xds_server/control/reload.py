@@ -9,7 +9,7 @@ Shape::
     serving = serving_config(new, leaving)  # new + removed nodes still draining, in their clusters
     done = drained(nh, now_s, cfg.health.drain_timeout_s)
 
-Rules (issue 13 item 2): nodes added start COLD (WARMING once their agent answers; neither is
+Rules: nodes added start COLD (WARMING once their agent answers; neither is
 routed nor counted as failing); removed nodes are drained (published DRAINING) and dropped once
 drained; changed thresholds apply at once; listen addresses, ``xds.replica_id`` and the ADS port's
 TLS mode and file paths need a restart (reported in ``restart_needed``, the running values stay;

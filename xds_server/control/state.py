@@ -1,6 +1,6 @@
 """Routing state kept across a restart: NodeHealth <-> a JSON document (pure, no I/O).
 
-What is kept per node (issue 13 item 3): the state and reason, the ejection record (cause, the
+What is kept per node: the state and reason, the ejection record (cause, the
 state before it, the required clean period - the doubled back-off - and the start of the
 HEALTHY run), the PROBATION ramp, the operator drain and the RTT baseline. Liveness, probe runs
 and engine telemetry are not kept: they are re-observed within one heartbeat.

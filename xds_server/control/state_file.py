@@ -17,10 +17,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from xds_server.config import StateConfig
+from xds_server.control.core import ControlCore
 from xds_server.control.state import restore, snapshot, usable_until_s, with_unclaimed
 from xds_server.health import model as hm
 
-__all__ = ["file_signature", "load_kept_state", "read_json", "save_state", "write_json_atomic"]
+__all__ = ["file_signature", "load_kept_state", "read_json", "save_core_state", "save_state", "write_json_atomic"]
 
 log = logging.getLogger("xds_server.server")
 
@@ -95,3 +96,12 @@ def file_signature(path: str | None) -> tuple[float, str] | None:
             return st.st_mtime, hashlib.sha256(f.read()).hexdigest()
     except OSError:
         return None
+
+
+def save_core_state(path: str | None, core: ControlCore) -> bool:
+    """:func:`save_state` of the core's node health at its clock's time. Kept states not claimed
+    yet are written again only while they may still be claimed (``state.max_age_s`` from the
+    file's time), so a node that never comes back ages out."""
+    now = core.clock.now()
+    unclaimed = core.restored if now <= core.restored_until_s else None
+    return save_state(path, core.health, now, core.clock.wall(), unclaimed)

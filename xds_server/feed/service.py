@@ -36,23 +36,37 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
 
 import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from xds_server.config import SentinelConfig
 from xds_server.config.feed import FeedConfig, feed_plaintext_refusal
-from xds_server.feed.events import RoutingChange
-from xds_server.probing.live_prompts import MAX_PROMPTS_PER_CALL, REFUSALS
+from xds_server.feed.events import RoutingChange, RoutingListener
+from xds_server.health.model import NodeHealth, Routing
+from xds_server.probing.live_prompts import MAX_PROMPTS_PER_CALL, REFUSALS, LivePromptPool
 from xds_server.process.fanout import CLOSE_REASONS, FanOut, Subscriber
 from xds_server.process.tls import peer_identities, refused_client
 from xds_server.process.untrusted import RateLimitedLog
 from xds_server.proto import routing_pb2, routing_pb2_grpc
 
-# The control plane is typed structurally (ControlPlane-like: routing_listeners, config,
-# routing, health, cla_version) so this module never imports xds_server.server (no cycle).
-ControlPlane = Any
+
+class RoutingSource(Protocol):
+    """What the feed reads of the control plane (:class:`xds_server.server.ControlPlane`, which
+    sits above this layer): its config, the routing as last published and each node's health,
+    the CLA version of a cluster, and the listeners called at each published change."""
+
+    @property
+    def config(self) -> SentinelConfig: ...
+    @property
+    def routing(self) -> Mapping[str, Routing]: ...
+    @property
+    def health(self) -> Mapping[str, NodeHealth]: ...
+    @property
+    def routing_listeners(self) -> list[RoutingListener]: ...
+    def cla_version(self, cluster: str) -> str: ...
 
 __all__ = ["DEFAULT_QUEUE_LIMIT", "RoutingFeed", "to_proto"]
 
@@ -87,13 +101,16 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
     Counters (for ``/metrics``): ``subscribers`` (open streams), ``subscriptions_total``,
     ``dropped_total`` (subscribers dropped: too far behind or past the send deadline),
     ``updates_sent_total``; :attr:`book` holds the rest (refused, by reason). ``queue_limit``
-    overrides ``feed.queue_limit`` (tests).
+    overrides ``feed.queue_limit`` (tests). ``live_prompts``: switch-back validation's pool of
+    live prompts that ``SubmitPrompts`` fills; None: every submitted prompt is refused as off.
     """
 
-    def __init__(self, cp: ControlPlane, *, queue_limit: int | None = None) -> None:
+    def __init__(self, cp: RoutingSource, *, queue_limit: int | None = None,
+                 live_prompts: LivePromptPool | None = None) -> None:
         if queue_limit is not None and queue_limit < 1:
             raise ValueError("queue_limit must be >= 1")
         self._cp = cp
+        self._live = live_prompts
         self._queue_limit = queue_limit
         self._last: dict[str, RoutingChange] = {}  # node id -> as last published
         f = self._cfg()
@@ -181,7 +198,7 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
             why = refused_client(self._cfg().allow_identities, context.auth_context(), "feed.allow_identities")
             if why is not None:
                 why = f"routing feed refused: {why}"
-                record = getattr(self._cp, "refusals", None)  # counted and logged per identity (issue 28)
+                record = getattr(self._cp, "refusals", None)  # counted and logged per identity
                 if record is not None:  # the one line: with the peer's address and identity
                     record.refuse("xds", "feed_allow", context.peer() or "?",
                                   ", ".join(peer_identities(context.auth_context())[:3]) or "-", why)
@@ -233,11 +250,6 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
             self._watches.pop(sub.sid, None)
             log.info("routing feed: subscriber %r left (%d open)", w.name, len(self.book.subs))
 
-    def _live_pool(self) -> Any:
-        """Switch-back validation's live pool (``SwitchbackValidator.live``); None when the
-        control plane runs no validator."""
-        return getattr(getattr(self._cp, "switchback", None), "live", None)
-
     async def SubmitPrompts(self, request: routing_pb2.PromptSample,
                             context: grpc.aio.ServicerContext) -> routing_pb2.PromptAck:
         """Keep the valid prompts of ``request`` in switch-back validation's live pool (see the
@@ -249,7 +261,7 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
             self.prompts["denied"] += n
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         cfg = self._cp.config.health.validation.live_prompts
-        pool = self._live_pool()
+        pool = self._live
         if not cfg.enabled or pool is None:
             self.prompts["off"] += n
             return routing_pb2.PromptAck(accepted=0, refused=n)
@@ -327,7 +339,7 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
         for outcome, v in self.prompts.items():
             p.add_metric([outcome], v)
         yield p
-        pool = self._live_pool()
+        pool = self._live
         if pool is not None:
             g = GaugeMetricFamily("sentinel_live_prompts", "live prompts held for switch-back validation by "
                                   "cluster (\"\": the shared pool of prompts without one)", labels=["cluster"])

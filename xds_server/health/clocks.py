@@ -89,7 +89,7 @@ def stall_confirm_at_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
     moment the engine's last progress (``Engine.progress_at_s``, the agent's evidence) is
     ``busy_progress_window_ms`` + ``stall_confirm_ms`` old (1.3 s: the agent's 1 s stall window
     plus the confirmation, measured from the freeze itself rather than from when the report
-    reached us, which adds up to a scrape and a heartbeat interval; issue 11). Progress already
+    reached us, which adds up to a scrape and a heartbeat interval). Progress already
     that old at the first report (the engine was idle before the stuck request: the agent's
     window started with the request) is not used; the report's time decides then."""
     e = nh.engine
@@ -156,7 +156,7 @@ def tick_due_s(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> float | None:
     back-off (e.g. a fatal probe changes its ejection's cause) gets its next Tick at the next miss
     boundary, as with a Tick every interval. ``now_s``: the caller's clock (s), the time of the
     observation just stepped. At 1,000 silent nodes this is ~1,000 health steps/s instead of
-    ~10,000 (issue 12 item 1, benchmarks/RESULTS.md). Routing decisions are those of a Tick every
+    ~10,000 (benchmarks/RESULTS.md). Routing decisions are those of a Tick every
     interval (tests/property/test_tick_backoff.py)."""
     misses = nh.heartbeat.consecutive_misses
     if misses < cfg.consecutive_misses:  # a heartbeat's path: no back-off, the count is exact

@@ -160,7 +160,7 @@ def warming_probe(count: bool) -> Effect:
     reason gives the last probe's result. It reads "cannot warm: ..." once ``warm_limit_s`` has
     passed since the node entered its state without a good probe, or after
     ``probe_failures_to_eject`` failures in a row from an engine that answers (something that is
-    not a loading engine is there: a wrong ``--engine-url``, issue 26); the first such reason of
+    not a loading engine is there: e.g. a wrong ``--engine-url``); the first such reason of
     the episode is also an event (``from_state`` = ``to_state``)."""
 
     def effect(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:

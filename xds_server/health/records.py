@@ -97,7 +97,7 @@ class EjectionCause(enum.StrEnum):
     ENGINE = "engine"        # engine fatal error or the agent reports the engine FAILED
     GPU = "gpu"              # a fatal GPU event (Xid, GPU lost)
     TRAFFIC = "traffic"      # real traffic fails across Envoys (LRS) while probes may pass
-    VALIDATION = "validation"  # switch-back replay: answers unlike its healthy peers (issue 23)
+    VALIDATION = "validation"  # switch-back replay: answers unlike its healthy peers
 
 
 class EngineState(enum.StrEnum):

@@ -80,7 +80,7 @@ def step(nh: NodeHealth, obs: Observation, now_s: float, cfg: HealthConfig) -> t
     ``saturated_http_statuses`` while the engine is busy and its token counter advances is
     saturation, not death (DEGRADED only, field case fc07). A STALLED engine counts as one probe
     timeout, and as a second one if still stalled after ``stall_confirm_ms`` (fc06).
-    COLD/WARMING: not routed, failures counted but never ejecting ("cannot warm", issue 26).
+    COLD/WARMING: not routed, failures counted but never ejecting ("cannot warm").
 
     Raises TypeError for an unknown observation type and
     :class:`~xds_server.health.transitions.InvalidTransition` for a (state, signal) pair the table

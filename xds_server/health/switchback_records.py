@@ -1,5 +1,5 @@
 """The switch-back validation gate's records: what the health model knows of a node's replay
-validation (issue 23). Pure values; :mod:`xds_server.health.switchback_rules` has the gate's rules and
+validation. Pure values; :mod:`xds_server.health.switchback_rules` has the gate's rules and
 effects, :mod:`xds_server.policy.replay_judge` the verdict.
 
 Shape: ``NodeHealth.validation`` is a :class:`Validation`; the control plane's replay

@@ -1,4 +1,4 @@
-"""The switch-back validation gate as rules and effects of the transition table (issue 23).
+"""The switch-back validation gate as rules and effects of the transition table.
 
 A node in PROBATION whose ramp would complete waits for a verdict while
 ``health.validation.enabled``: the ramp rule fires VALIDATION_PENDING instead of RAMP_COMPLETE

@@ -117,7 +117,7 @@ def cluster_routing(
 
     ``held_before``: the nodes the previous decision held back (``ClusterDecision.held_back``);
     a HELD_BACK event is given once per episode, when a node starts being held back, not at
-    every recompute while it stays held (issue 11: 4 events a second for one node).
+    every recompute while it stays held (that was 4 events a second for one node).
     """
     views = {nid: node_routing(nh, cfg) for nid, _, nh in nodes}
     health = {nid: nh for nid, _, nh in nodes}

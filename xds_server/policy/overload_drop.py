@@ -168,7 +168,7 @@ def _capacity(state: ShedState, inp: ShedInputs, completions: float, n: int, ove
     """(arrivals per s per routable node the nodes take, exact). With the engines' counts: the
     rate at which the pool of their slots (nodes whose slots are not known yet counted as the
     mean of those known) keeps the queue wait over ``budget`` (:func:`_budget`) to 1 % of arrivals
-    (:func:`~xds_server.policy.queueing.max_rate`: the p99, the issue's target). Else the most
+    (:func:`~xds_server.policy.queueing.max_rate`: the p99 is the target). Else the most
     completions measured while over the budget (see :class:`ShedState`)."""
     if budget is not None and counted is not None:
         known = [(k, r) for k, r in zip(inp.slots, inp.service_s, strict=False) if k and r and r > 0]
@@ -235,8 +235,8 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
     step = cfg.step_percent
     # With a capacity the engines counted, the headroom adapts from 0 (the queueing model keeps
     # the tail's margin): each evaluation with a queue over the budget while shedding adds 0.05
-    # (at most 0.5); 4 x lift_after_s of low queues give 0.05 back. Ours (benchmarks/RESULTS.md,
-    # issue 22). Else it is headroom_ratio.
+    # (at most 0.5); 4 x lift_after_s of low queues give 0.05 back. Ours (benchmarks/RESULTS.md).
+    # Else it is headroom_ratio.
     floor = 0.0 if exact else cfg.headroom_ratio
     room = max(state.headroom if state.headroom is not None else floor, floor)
     if exact and over_budget and state.percent > 0:

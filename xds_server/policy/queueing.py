@@ -7,7 +7,7 @@ request in ``1 / mu`` s on average, Poisson arrivals at ``lam`` per s wait longe
 with probability ``C(c, lam / mu) x exp(-(c x mu - lam) x t)`` (Erlang C, M/M/c). Exponential
 service is the conservative choice for LLM requests, whose lengths vary widely; deterministic
 service (the simulator's) waits about half as long, so the rate found here admits a few points
-less than such engines could take (benchmarks/RESULTS.md, issue 22).
+less than such engines could take (benchmarks/RESULTS.md).
 
 Shape::
 

@@ -1,6 +1,6 @@
 """The switch-back verdict: is a candidate's replay within the noise between two healthy peers?
 
-Pure (issue 23; Diffy's candidate / primary / secondary). Each prompt was answered greedily by
+Pure (the roles of Diffy's candidate / primary / secondary). Each prompt was answered greedily by
 the candidate and by peers A and B at the same moment. Per answer pair two measures, each a
 ratio 0..1 where 1 is "the same":
 

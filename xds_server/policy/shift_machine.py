@@ -1,4 +1,4 @@
-"""Gated traffic shifts (issue 23): the gates and the step scheduler, as a table-driven state machine.
+"""Gated traffic shifts: the gates and the step scheduler, as a table-driven state machine.
 
 Pure: no clock reads, no I/O. Times are wall-clock seconds passed in by the caller (wall time, so
 a schedule survives a restart and two replicas given the same ``anchor_s`` decide at the same

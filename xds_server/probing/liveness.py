@@ -1,4 +1,4 @@
-"""What one open probe stream knows, and the two liveness modes (``probe.liveness``; issue 24).
+"""What one open probe stream knows, and the two liveness modes (``probe.liveness``).
 
 Heartbeat liveness (the default): the agent's heartbeat every interval is the node's liveness;
 its arrival gaps feed the misses and phi accrual. Transport liveness, asked for in the Hello

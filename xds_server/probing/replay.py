@@ -1,4 +1,4 @@
-"""One switch-back replay exchange with one agent, on a stream of its own (issue 23).
+"""One switch-back replay exchange with one agent, on a stream of its own.
 
 The control plane opens a separate, short-lived ``NodeProbe.Watch`` stream to each agent of a
 validation (the candidate and two peers), so the probe sessions' streams and their per-node

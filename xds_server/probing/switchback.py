@@ -33,21 +33,23 @@ import json
 import logging
 import random
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
 
 from node_probe.proto import probe_pb2
-from xds_server.config import SentinelConfig
+from xds_server.config import NodeConfig, SentinelConfig
 from xds_server.config.validation import DEFAULT_PROMPTS, ValidationConfig
 from xds_server.health import model as hm
 from xds_server.policy.replay_judge import Answer, Judgement, PromptAnswers, judge
 from xds_server.probing.live_prompts import LivePromptPool, draw_prompts
 from xds_server.probing.replay import ReplayExchange
+from xds_server.process.clock import Clock
+from xds_server.process.counters import Counters
 
-__all__ = ["SwitchbackValidator", "attach", "load_prompts"]
+__all__ = ["SwitchbackValidator", "load_prompts"]
 
 log = logging.getLogger("xds_server.probing")
 V = hm.ValidationVerdict
@@ -75,19 +77,24 @@ def load_prompts(cfg: ValidationConfig) -> tuple[str, ...]:
     return tuple(out)
 
 
+class _Events(Protocol):  # what the validator writes of xds_server.control.events.EventLog
+    def record(self, wall_s: float, cluster: str, node_id: str, kind: str, reason: str,
+               from_state: str | None = None, to_state: str | None = None) -> object: ...
+
+
 class _Core(Protocol):  # what the validator reads of xds_server.control.core.ControlCore
     @property
-    def health(self) -> Any: ...  # node id -> NodeHealth (items(), get())
+    def health(self) -> Mapping[str, hm.NodeHealth]: ...
     @property
-    def node_cfg(self) -> Mapping[str, Any]: ...
+    def node_cfg(self) -> Mapping[str, NodeConfig]: ...
     @property
     def node_cluster(self) -> Mapping[str, str]: ...
     @property
-    def events(self) -> Any: ...
+    def events(self) -> _Events: ...
     @property
-    def counters(self) -> Any: ...
+    def counters(self) -> Counters: ...
     @property
-    def clock(self) -> Any: ...
+    def clock(self) -> Clock: ...
 
 
 def _answer(a: probe_pb2.ReplayAnswer) -> Answer:
@@ -285,15 +292,6 @@ class SwitchbackValidator:
             c, a, b = vecs[3 * k:3 * k + 3]
             out.append(PromptAnswers(pa.candidate, pa.peer_a, pa.peer_b, (_cos(c, a), _cos(c, b), _cos(a, b))))
         return out
-
-
-def attach(cp: Any) -> tuple[Callable[[], float], Callable[[], Awaitable[None]], str]:
-    """Give a control plane (:class:`xds_server.server.ControlPlane`) its validator
-    (``cp.switchback``, also ``cp.view.switchback`` for ``/nodes``); returns the periodic loop
-    ``(interval_s, step, what)`` that runs :meth:`SwitchbackValidator.check`."""
-    v = cp.switchback = cp.view.switchback = SwitchbackValidator(
-        lambda: cp.config, cp.core, cp.observe, lambda n: cp.config.tls.agents.client(n), cp.config.xds.replica_id)
-    return (lambda: cp.config.health.validation.check_interval_s), v.check, "switch-back validation"
 
 
 def _queued(nh: hm.NodeHealth) -> float:

@@ -1,4 +1,4 @@
-"""The fault matrix (issue 14 item 6) over a :class:`~xds_server.testing._fault_rig.FaultRig`
+"""The fault matrix over a :class:`~xds_server.testing._fault_rig.FaultRig`
 under mixed traffic: each fault a coroutine that strikes, waits for recovery by polling (no
 fixed sleeps beyond the fault's own duration) and returns
 :class:`~xds_server.testing._fault_rig.FaultRow` values plus a dict of details.

@@ -94,10 +94,11 @@ class AdsServicer:
 
     def __init__(self, cache: SnapshotCache, *, config: XdsConfig | None = None,
                  clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
-                 nonce_prefix: str | None = None, authorize: Authorizer | None = None) -> None:
+                 nonce_prefix: str | None = None, authorize: Authorizer | None = None,
+                 refusals: Refusals | None = None) -> None:
         self.cache = cache
         self.authorize = authorize
-        self.refusals: Refusals | None = None  # set by the control plane: refused identities on record
+        self.refusals = refusals  # refused identities on record (None: refusals only logged)
         self.config = config or XdsConfig()
         self.limits = StreamLimits.from_config(self.config)
         self.stats = XdsStats()

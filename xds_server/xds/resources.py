@@ -324,7 +324,7 @@ class ResourceType:
     - ``absent(name) -> message``: what a SotW request for a name that exists nowhere (not in
       this type nor in its parent) is answered with, or None to answer without it. SotW has no
       "does not exist" answer (xds_protocol.md 1.4), so without it Envoy waits out its
-      initial_fetch_timeout on the name; EDS answers an empty assignment (issue 11).
+      initial_fetch_timeout on the name; EDS answers an empty assignment.
     """
 
     type_url: str

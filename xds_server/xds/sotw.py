@@ -6,7 +6,7 @@ Protocol rules (docs/xds_protocol.md section 1; checklist 1.9 numbers in bracket
 - CDS is full state and (legacy) wildcard [10]; EDS is named: only requested names are sent [11];
   a name added to ``resource_names`` is sent even if sent before [7, 12]; a requested EDS name
   that exists nowhere (no assignment, no cluster) is answered with an empty assignment, since
-  SotW has no "does not exist" answer and Envoy would wait on it (issue 11);
+  SotW has no "does not exist" answer and Envoy would wait on it;
 - on a new stream everything requested is sent in full whatever ``version_info`` says [14];
 - a NACK is recorded with nonce, version and message; the rejected content is not sent again,
   only newer content is [4, 5, 29]; a type we do not serve gets one empty response [18].
@@ -186,7 +186,7 @@ class SotwStream(StreamBase[TypeState]):
     def _absent(ts: TypeState, cache: SnapshotCache, res: Mapping[str, CachedResource],
                 limit: int) -> list[CachedResource]:
         """Stand-ins for subscribed names that exist nowhere and were not answered yet
-        (EDS: an empty assignment, so Envoy does not wait on the name; issue 11), at most
+        (EDS: an empty assignment, so Envoy does not wait on the name), at most
         ``limit`` names per type held at once (the rest get no answer, as before)."""
         out: list[CachedResource] = []
         if len(ts.absent) >= limit:

@@ -156,7 +156,7 @@ function clusterBanner(c, fs) {
   return null;
 }
 
-// A gated shift (issue 23): phase, commanded share, next decision, the last window's gates.
+// A gated shift: phase, commanded share, next decision, the last window's gates.
 function shiftLine(c) {
   const v = c.shift;
   if (!v || v.phase === "cancelled") return null;
@@ -210,7 +210,7 @@ function drainButton(n) {
   return b;
 }
 
-// real traffic summed over every Envoy (LRS, issue 22) beside the probe's view; null without any
+// real traffic summed over every Envoy (LRS) beside the probe's view; null without any
 function trafficLine(n) {
   const t = n.traffic;
   if (!t || !t.issued) return null;

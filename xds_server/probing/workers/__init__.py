@@ -1,4 +1,4 @@
-"""Probe sessions across cores (issue 12 item 2; docs/DESIGN.md section 12).
+"""Probe sessions across cores (docs/DESIGN.md section 12).
 
 With ``probe.workers`` >= 1 the agents' probe streams and the per-node health model run in
 worker processes, each owning the nodes ``worker_for(node_id, n)`` gives it; the main process
