@@ -50,7 +50,7 @@ from xds_server.xds.shift_cla import shift_cla, shift_cluster
 
 __all__ = ["ShiftRequestError", "ShiftService", "parse_duration_s"]
 
-log = logging.getLogger("xds_server.shift")
+log = logging.getLogger(__name__)
 TICK_S = 0.2
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 

@@ -35,7 +35,7 @@ from xds_server.process.counters import Counters
 
 __all__ = ["ControlCore"]
 
-log = logging.getLogger("xds_server.server")
+log = logging.getLogger(__name__)
 
 _NOT_WARM = (hm.NodeState.COLD, hm.NodeState.WARMING)
 

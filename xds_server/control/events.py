@@ -15,7 +15,7 @@ from xds_server.process.untrusted import clip, for_log
 
 __all__ = ["EventLog", "EventRecord"]
 
-log = logging.getLogger("xds_server.server")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from xds_server.health import model as hm
 
 __all__ = ["file_signature", "load_kept_state", "read_json", "save_core_state", "save_state", "write_json_atomic"]
 
-log = logging.getLogger("xds_server.server")
+log = logging.getLogger(__name__)
 
 
 def load_kept_state(sc: StateConfig, node_ids: Iterable[str] | None, now_s: float,
