@@ -26,8 +26,14 @@ from xds_server.control.events import EventLog
 from xds_server.control.node_table import HealthTable
 from xds_server.control.publish import ClusterPublish, PublishPlanner
 from xds_server.health import model as hm
-from xds_server.health.anchor import anchor_ramp
-from xds_server.health.keys import RoutingKey, probe_result_key, resume_kept, routing_key, same_routing_inputs
+from xds_server.health.pipeline import (
+    Advanced,
+    RoutingKey,
+    advance,
+    probe_result_key,
+    routing_key,
+    same_routing_inputs,
+)
 from xds_server.health.queue_levels import QueueWatch
 from xds_server.policy import cluster_routing as hp
 from xds_server.process.clock import Clock, Timer
@@ -115,67 +121,55 @@ class ControlCore:
     # -- observations -> health ----------------------------------------------------------------
 
     def observe(self, node_id: str, obs: hm.Observation, now_s: float) -> float | None:
-        """Feed one observation for a node (from probe sources and the admin API).
+        """Feed one observation for a node (from probe sources and the admin API), through the
+        per-node pipeline the probe workers run too (:func:`~xds_server.health.pipeline.advance`).
 
         Returns when the node's next :class:`~xds_server.health.model.Tick` is due (the clock's
         monotonic time, s), or None. KeyError for a node id not in the config.
         """
         cfg = self.config.health
-        if (type(obs) is hm.HeartbeatObserved and self._steady_lane and not self.fail_static.active
-                and node_id not in self.restored):
-            due = self._steady(node_id, obs, now_s)
-            if due is not None:
-                return due
-        prev = self.health[node_id]
-        if isinstance(obs, hm.HeartbeatObserved):
-            self.counters.heartbeats[node_id] += 1
-        elif isinstance(obs, hm.ProbeObserved):
-            self.counters.probe_results[(node_id, *probe_result_key(prev, obs, cfg, now_s))] += 1
-        before = prev  # what this node's routing key was last computed from
-        if node_id in self.restored and isinstance(obs, hm.HeartbeatObserved):
-            prev = self._resume(node_id, prev, now_s)
-        nh, events = hm.step(prev, obs, now_s, cfg)
-        if (nh.state is hm.NodeState.PROBATION and (nh.ramp is not before.ramp or before.state is not nh.state)
-                and self.config.xds.ramp_anchor == "wall_clock"):
-            # ramp steps on Unix-time multiples of ramp_step_s: replicas step together. Anchored when
-            # the node enters PROBATION or its ramp record is new (a kept state resumed counts as new):
-            # a ramp kept as it was in PROBATION is on the grid already, so no clock reads per heartbeat
-            nh = anchor_ramp(nh, cfg.ramp_step_s, round(self.clock.wall() - self.clock.now(), 3))
-        self._settle(node_id, before, prev, nh, events, now_s)
-        return hm.tick_due_s(nh, cfg, now_s)
-
-    def _steady(self, node_id: str, obs: hm.HeartbeatObserved, now_s: float) -> float | None:
-        """The steady lane of :meth:`observe`: a quiet heartbeat of a node heard last time (no
-        counted miss, stream open) changes no state, ramp, miss count or stream record, so of
-        :meth:`_settle` only the routing key is left; one that repeats the last observation of
-        such a node is folded into its run (:class:`~xds_server.control.node_table.HealthTable`).
-        Returns the next Tick's deadline, or None: not steady, observe it in full."""
-        health, cfg = self.health, self.config.health
-        run = health.runs.get(node_id)
-        if run is not None:
-            due = run.fold(obs, now_s, cfg)
-            if due is not None:
+        beat = type(obs) is hm.HeartbeatObserved
+        steady_lane = self._steady_lane and not self.fail_static.active
+        if beat and steady_lane and (run := self.health.runs.get(node_id)) is not None:
+            due = run.fold(obs, now_s, cfg)  # type: ignore[arg-type]  # beat: obs is a heartbeat
+            if due is not None:  # a steady node's repeated heartbeat: folded into its run
                 self.counters.heartbeats[node_id] += 1
                 self.steady_beats += 1
                 return due
-        prev = health[node_id]
-        steady = hm.steady_heartbeat(prev, obs, now_s, cfg)
-        if steady is None:
-            return None
-        nh, due = steady
-        health[node_id] = nh
-        self._queue_level(node_id, prev, nh)
-        run = hm.BeatRun.start(nh, obs, cfg)
-        if run is not None:
-            health.runs[node_id] = run
-        self.counters.heartbeats[node_id] += 1
+        prev = self.health[node_id]
+        if beat:
+            self.counters.heartbeats[node_id] += 1
+        elif isinstance(obs, hm.ProbeObserved):
+            self.counters.probe_results[(node_id, *probe_result_key(prev, obs, cfg, now_s))] += 1
+        kept = self.restored.pop(node_id, None) if beat else None
+        wall_offset = (round(self.clock.wall() - self.clock.now(), 3)
+                       if self.config.xds.ramp_anchor == "wall_clock" else None)
+        adv = advance(prev, obs, now_s, cfg, kept=kept, steady_lane=steady_lane and kept is None,
+                      wall_offset_s=wall_offset)
+        if adv.steady:
+            self._steady(node_id, prev, adv)
+        else:
+            for ev in adv.resumed:
+                self._transition(self.node_cluster[node_id], ev)
+            self._settle(node_id, prev, adv.nh, list(adv.events), now_s)
+        return adv.due_s
+
+    def _steady(self, node_id: str, prev: hm.NodeHealth, adv: Advanced) -> None:
+        """Store a quiet heartbeat's record (:attr:`Advanced.steady`): it changed no state, ramp,
+        miss count or stream record, so of :meth:`_settle` only the routing key and the queue
+        level are left; its run folds the node's next repeated heartbeats
+        (:class:`~xds_server.control.node_table.HealthTable`)."""
+        nh = adv.nh
+        self.health[node_id] = nh
+        if adv.run is not None:
+            self.health.runs[node_id] = adv.run
         self.steady_beats += 1
+        self._queue_level(node_id, prev, nh)
         if not (node_id in self._keys and same_routing_inputs(prev, nh)):
             key = self._routing_key(nh)
             if key != self._keys.get(node_id):
                 self._keys[node_id] = key
                 self.mark_dirty(self.node_cluster[node_id])
-        return due
 
     def adopt(self, node_id: str, nh: hm.NodeHealth, events: list[hm.Event], now_s: float) -> None:
         """Take a node's health as a probe worker's model decided it (with the transitions since
@@ -193,13 +187,13 @@ class ControlCore:
         nh = dataclasses.replace(nh, heartbeat=hb, drain=prev.drain)
         if nh.state is not hm.NodeState.COLD:
             self.restored.pop(node_id, None)
-        self._settle(node_id, prev, prev, nh, events, now_s)
+        self._settle(node_id, prev, nh, events, now_s)
 
-    def _settle(self, node_id: str, before: hm.NodeHealth, prev: hm.NodeHealth, nh: hm.NodeHealth,
+    def _settle(self, node_id: str, prev: hm.NodeHealth, nh: hm.NodeHealth,
                 events: list[hm.Event], now_s: float) -> None:
         """Store a node's new health: events, ejection counts, dirty cluster, fail-static.
-        ``before``: the health the node's routing key was last computed from; ``prev``: the
-        health this step started from (after a resume)."""
+        ``prev``: the health this step started from (what the node's routing key was last
+        computed from)."""
         self.health[node_id] = nh
         cluster = self.node_cluster[node_id]
         self._queue_level(node_id, prev, nh)
@@ -207,7 +201,7 @@ class ControlCore:
             self._transition(cluster, ev)
             if ev.to_state is hm.NodeState.UNHEALTHY and nh.ejection.cause is not None:
                 self.counters.ejections[(node_id, nh.ejection.cause.value)] += 1
-        if not (node_id in self._keys and same_routing_inputs(before, nh)):
+        if not (node_id in self._keys and same_routing_inputs(prev, nh)):
             key = self._routing_key(nh)
             if key != self._keys.get(node_id):
                 self._keys[node_id] = key
@@ -237,13 +231,6 @@ class ControlCore:
         heartbeat at least interval + grace before ``now_s`` (s)."""
         last = nh.heartbeat.last_s
         return last is not None and now_s - last >= hm.miss_after_s(self.config.health)
-
-    def _resume(self, node_id: str, prev: hm.NodeHealth, now_s: float) -> hm.NodeHealth:
-        """The kept state of a node at its first heartbeat after a restart (:func:`resume_kept`)."""
-        nh, events = resume_kept(self.restored.pop(node_id), prev, now_s)
-        for ev in events:
-            self._transition(self.node_cluster[node_id], ev)
-        return nh
 
     def drain(self, node_id: str, drain: bool, reason: str) -> None:
         """Operator drain/undrain (enters the model as an observation), published at once.

@@ -15,7 +15,7 @@ repeated heartbeat is folded in place (:class:`~xds_server.health.beats.BeatRun`
 main process's core. A step is *urgent*
 when it made transitions, changed the reason, flipped a fail-static input (a miss counted or cleared, the stream
 closed or reopened), changed the ejection record or changed the node's routing key
-(:func:`~xds_server.health.keys.routing_key`); urgent nodes are reported at the next
+(:func:`~xds_server.health.pipeline.routing_key`); urgent nodes are reported at the next
 :meth:`take`. Other changes (load, RTT inside its bucket, GPU memory, heartbeat counts) wait for
 a full take.
 
@@ -24,7 +24,7 @@ virtual last heartbeat ``grace_s`` in the future (no miss is counted before then
 replaced worker's nodes are not ejected while it re-dials) and its first real heartbeat is not
 an inter-arrival sample (the phi estimate keeps the history the main process last got: the
 estimate itself is never urgent, it travels with the node's next material report). ``kept`` is the state-file state
-resumed at the first heartbeat (:func:`~xds_server.health.keys.resume_kept`).
+resumed at the first heartbeat (:func:`~xds_server.health.pipeline.resume_kept`).
 """
 from __future__ import annotations
 
@@ -34,8 +34,7 @@ from dataclasses import dataclass
 
 from xds_server.config import HealthConfig
 from xds_server.health import model as hm
-from xds_server.health.anchor import anchor_ramp
-from xds_server.health.keys import probe_result_key, resume_kept, routing_key
+from xds_server.health.pipeline import advance, probe_result_key, routing_key
 
 __all__ = ["Detector", "NodeReport"]
 
@@ -143,29 +142,20 @@ class Detector:
                 self._touched.add(node_id)
                 return due
         prev = nh = n.nh
-        events: list[hm.Event] = []
-        step_events: list[hm.Event]
-        if isinstance(obs, hm.HeartbeatObserved):
+        kept = None
+        if hb is not None:
             self.heartbeats[node_id] += 1
             if n.handover:
                 n.handover = False
                 nh = dataclasses.replace(nh, heartbeat=dataclasses.replace(nh.heartbeat, last_s=None))
-            if n.kept is not None:
-                nh, events = resume_kept(n.kept, nh, now_s)
-                n.kept = None
+            kept, n.kept = n.kept, None
         elif isinstance(obs, hm.ProbeObserved):
             self.probe_results[(node_id, *probe_result_key(nh, obs, self.cfg, now_s))] += 1
-        steady = hm.steady_heartbeat(nh, hb, now_s, self.cfg) if hb is not None and not events else None
-        if steady is not None:  # the step's record, and the Tick deadline it gives
-            nh, step_events = steady[0], []
-        else:
-            nh, step_events = hm.step(nh, obs, now_s, self.cfg)
-        if self.wall_offset_s is not None and (nh.ramp is not prev.ramp or nh.state is not prev.state):
-            # a ramp kept as it was in the same state is anchored already (a resumed one is new)
-            nh = anchor_ramp(nh, self.cfg.ramp_step_s, self.wall_offset_s)
+        adv = advance(nh, obs, now_s, self.cfg, kept=kept, wall_offset_s=self.wall_offset_s)
+        nh, events, step_events = adv.nh, adv.resumed, adv.events
         n.nh = nh
-        if steady is not None:
-            n.run = hm.BeatRun.start(nh, obs, self.cfg)  # type: ignore[arg-type]  # steady: obs is a heartbeat
+        if adv.steady:
+            n.run = adv.run
         self._touched.add(node_id)
         if events or step_events:
             n.events.extend(events)
@@ -178,7 +168,7 @@ class Detector:
               or nh.engine.gpu_free_ratio != prev.engine.gpu_free_ratio):
             if routing_key(nh, self.cfg) != n.key:
                 self._mark(node_id)
-        return steady[1] if steady is not None else hm.tick_due_s(nh, self.cfg, now_s)
+        return adv.due_s
 
     def fail_static_ended(self, burst_start_s: float, now_s: float) -> None:
         """Fleet-wide fail-static ended (decided by the main process): step every node."""
