@@ -15,8 +15,6 @@ LIMIT = 400
 STATED = {
     "node_probe/telemetry.py": (450, "one job: NVML readings into the heartbeat's GPU telemetry, call by call"),
     "node_probe/agent.py": (480, "the agent's overview docstring is ~60 lines; the code only wires the parts"),
-    "xds_server/control/core.py": (415, "the per-node pipeline is still written here and in the probe workers' "
-                                        "detector; it shrinks when the two become one"),
 }
 
 
