@@ -96,7 +96,8 @@ async def test_envoy_empty_assignment_drains_every_endpoint(envoy_and_ads, api_t
     await wait_for(lambda: _active_with_hosts(envoy, "llm", 2), timeout_s=2.0, step_s=0.02)
 
 
-async def test_fc01_real_envoy_acks_every_push_with_extreme_weights(envoy_and_ads, api_type):
+async def test_real_envoy_acks_every_push_with_extreme_weights(envoy_and_ads, api_type):
+    """Field case fc01."""
     ads, envoy = envoy_and_ads
     await wait_for(lambda: acked_all(ads), timeout_s=5.0, step_s=0.02)
     # 150 healthy nodes sharing a budget, one scoring 0 (queue 500, KV cache 100 %)

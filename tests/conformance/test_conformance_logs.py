@@ -1,4 +1,4 @@
-"""Issue 13 item 5: per-Envoy connect / ACK / NACK / disconnect log lines, with structured fields,
+"""Per-Envoy connect / ACK / NACK / disconnect log lines, with structured fields,
 client text escaped."""
 from __future__ import annotations
 

@@ -297,7 +297,7 @@ def test_prop_shared_encoding_is_byte_equivalent_to_the_message(names, removed, 
 
 
 def test_property_check_catches_a_server_that_sends_stale_bytes():
-    # The same walks pass against ours and fail against the mutation (the blind spot of issue 10:
+    # The same walks pass against ours and fail against the mutation (a past blind spot:
     # a check of versions alone passes both).
     sotw_walk([("subscribe", {"c0"}), ("set_cla", "c0", 2)], serve)
     delta_walk([("subscribe", {"c0"}), ("set_cla", "c0", 2)], serve)

@@ -1,5 +1,5 @@
 """What we put in resources before any stream sees them (checklist 1.9 item 17 and the
-localities/priorities part of issue 4): LocalityLbEndpoints per (priority, locality) from config,
+localities/priorities part): LocalityLbEndpoints per (priority, locality) from config,
 overprovisioning_factor from config, at most one drop_overloads category and only while capacity
 is lost, and validation that holds back anything Envoy would NACK."""
 from __future__ import annotations

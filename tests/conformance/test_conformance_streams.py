@@ -125,8 +125,9 @@ def eds_version(resp) -> str:
 
 
 @pytest.mark.parametrize("variant", ["sotw", "delta"])
-async def test_fc02_nack_counted_once_quiet_period_silent_then_exactly_one_response_after_change(
+async def test_nack_counted_once_quiet_period_silent_then_exactly_one_response_after_change(
         control_plane, variant):
+    """Field case fc02."""
     cp, admin = control_plane
     async with grpc.aio.insecure_channel(f"127.0.0.1:{cp.xds_port}") as ch:
         s = RawStream(ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch), variant, "envoy-fc02")
@@ -205,7 +206,7 @@ async def test_large_request_of_150k_names_over_4mib_is_accepted(control_plane):
         await call.write(req)
         r = await asyncio.wait_for(call.read(), 10)
         # what exists, plus empty assignments for the first xds.absent_names_max_per_stream (1,000)
-        # names that exist nowhere (issue 11), never 150,000 of them
+        # names that exist nowhere, never 150,000 of them
         names_sent = [endpoint_pb2.ClusterLoadAssignment.FromString(a.value).cluster_name for a in r.resources]
         assert len(r.resources) == 1 + 1000 and "llm" in names_sent
         assert sum(1 for a in r.resources
@@ -291,7 +292,8 @@ async def test_client_that_stops_reading_does_not_block_other_streams(ads):
 
 
 @pytest.mark.parametrize("variant", ["sotw", "delta"])
-async def test_fc03_500_stream_churn_leaves_no_streams_subscriptions_tasks_or_memory(control_plane, variant):
+async def test_500_stream_churn_leaves_no_streams_subscriptions_tasks_or_memory(control_plane, variant):
+    """Field case fc03."""
     cp, admin = control_plane
     c1 = cp.config.clusters[0]
 

@@ -1,4 +1,4 @@
-"""Every requested EDS name is answered (issue 11): in SotW a name that exists nowhere gets an
+"""Every requested EDS name is answered: in SotW a name that exists nowhere gets an
 empty ClusterLoadAssignment (SotW has no "does not exist" answer, xds_protocol.md 1.4, so
 Envoy would otherwise wait out initial_fetch_timeout); in delta it is listed in
 ``removed_resources`` (xds_protocol.md 1.5, checklist 21). A cluster configured with no nodes

@@ -68,7 +68,7 @@ def _sentinel_config(objs) -> dict:
 
 
 def test_admin_token_comes_from_the_secret(objs):
-    """Off loopback the admin port needs a token (issue 28): the config reads it from the Secret."""
+    """Off loopback the admin port needs a token: the config reads it from the Secret."""
     raw = yaml.safe_load(objs[("ConfigMap", "xds-server-config")]["data"]["xds.yaml"])
     c = _container(objs, "xds-server", "xds-server")
     (secret_vol,) = [v["name"] for v in _pod(objs, "xds-server")["spec"]["volumes"]
@@ -155,8 +155,8 @@ def test_discovery_rbac_and_selector_fit_the_pool(objs):
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "xds-server", "namespace": NS}]
     role = objs[("Role", binding["roleRef"]["name"])]
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
-    # The discovery block (commented out until the config has a `discovery` section, issue 14
-    # item 5) selects the vLLM pods and names ports they have.
+    # The discovery block (commented out until the config has a `discovery` section) selects the
+    # vLLM pods and names ports they have.
     (cluster,) = _sentinel_config(objs)["clusters"]
     discovery = cluster.get("discovery")
     if discovery is None:

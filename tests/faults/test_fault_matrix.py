@@ -1,4 +1,4 @@
-"""Issue 14 item 6, the fault matrix: each fault under mixed traffic (non-streaming and SSE
+"""The fault matrix: each fault under mixed traffic (non-streaming and SSE
 completions, a few in flight) through the real Envoy, against one shared rig (3 simulated
 engines with agents, xds-server with a state file, Envoy, sentinel-relay in front). Goals: no
 failed request, no cut stream; the one exception is an engine killed under a running stream,

@@ -1,4 +1,4 @@
-"""Open-loop load and a watcher for the overload runs (issue 22: half a cluster frozen under a
+"""Open-loop load and a watcher for the overload runs (half a cluster frozen under a
 steady load the other half cannot carry), shared by tests/integration/test_overload_envoy.py and
 benchmarks/overload_shed.py.
 

@@ -1,4 +1,4 @@
-"""Issue 9, the admin edge: regression tests and a hypothesis run of hostile HTTP requests against
+"""The admin edge: regression tests and a hypothesis run of hostile HTTP requests against
 a real admin endpoint (a ControlPlane with in-memory probe sources, real aiohttp server)."""
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ async def test_events_negative_limit_is_400_with_a_clear_message(admin):
 async def test_admin_token_is_compared_in_constant_time(admin, monkeypatch):
     _, _, url = admin
     calls = []
-    real = admin_access.hmac.compare_digest  # the one token check (issue 28: xds_server.admin.access)
+    real = admin_access.hmac.compare_digest  # the one token check (xds_server.admin.access)
 
     def spy(a, b):
         calls.append((a, b))

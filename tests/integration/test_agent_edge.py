@@ -1,4 +1,4 @@
-"""Issue 9, the agent edge: regression tests, one per hostile case, against a real control plane
+"""The agent edge: regression tests, one per hostile case, against a real control plane
 and a scripted fake agent (a real gRPC NodeProbe server)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 27 items 1 and 2: the admin's ``/live`` feed and the routing feed are bounded.
+"""The admin's ``/live`` feed and the routing feed are bounded.
 
 Against a real ``xds-server serve`` process (its RSS and fds read from /proc): 500 ``/live``
 clients that connect and never read (4 KiB receive buffers) are disconnected within the write

@@ -1,4 +1,4 @@
-"""Busy is never dead, with the real Envoy (issue 11): a long chunked prefill on a healthy engine
+"""Busy is never dead, with the real Envoy: a long chunked prefill on a healthy engine
 is DEGRADED "busy", never ejected, and back at full weight in Envoy within a few seconds after it
 ends; a true hang on the same node afterwards is still ejected (the 1.5 s target is measured in
 benchmarks/detection.py: median 1,465 ms; this test bounds it at 2 s so a loaded CI machine does

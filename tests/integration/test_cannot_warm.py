@@ -1,4 +1,4 @@
-"""Issue 26 item 3: a node that cannot warm says why (real agent, real xds-server, real HTTP).
+"""A node that cannot warm says why (real agent, real xds-server, real HTTP).
 
 An agent pointed at something that is not an inference engine (here an HTTP server that answers
 404 to everything: the most common slip, a wrong ``--engine-url``) used to leave the node WARMING

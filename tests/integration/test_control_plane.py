@@ -226,7 +226,8 @@ async def _true_if(v: bool) -> bool:
     return v
 
 
-async def test_fc10_drain_and_undrain_through_admin_with_token(stack):
+async def test_drain_and_undrain_through_admin_need_the_admin_token(stack):
+    """Field case fc10."""
     cp, http, _agents, _ = stack
     await wait_for(lambda: _state(http, "n1", "HEALTHY"))
     async with http.post("/nodes/n1/drain") as r:

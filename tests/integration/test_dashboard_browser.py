@@ -1,4 +1,4 @@
-"""Issue 13 item 1: the dashboard in a real headless Chromium (Debian's chromium package, driven
+"""The dashboard in a real headless Chromium (Debian's chromium package, driven
 over the DevTools protocol) against a real control plane, simulated fleet and Envoy: the page
 lists the nodes live, shows a node turning UNHEALTHY after an engine hang injected here, and
 drains a node with the token typed into the page. Screenshots are written under the test's tmp
@@ -108,7 +108,7 @@ BANDS_JS = """JSON.stringify(Object.fromEntries([...document.querySelectorAll('s
 
 
 async def test_dashboard_opens_with_the_fleets_recent_past_drawn(make_fleet, http, tmp_path):
-    """Issue 26 item 5: the page opened on a fleet that has been running (one engine hung a
+    """The page opened on a fleet that has been running (one engine hung a
     while ago) shows, from its first render, full RTT/TTFT sparklines and a per-cluster timeline
     (state bands and weight) from the control plane's history, weight "-" where Envoy does not
     route, and a banner once the cluster has nothing routable."""

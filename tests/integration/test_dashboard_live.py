@@ -1,4 +1,4 @@
-"""Issue 13 item 1, the dashboard's server side: ``/`` and its static files (no external
+"""The dashboard's server side: ``/`` and its static files (no external
 resources), the ``/live`` Server-Sent Events feed (snapshot, events, a fault seen live), a slow
 client dropped by its bounded queue, and a stop that ends open streams. Real aiohttp server over
 a ControlPlane with in-memory probe sources."""

@@ -1,4 +1,4 @@
-"""Delta ADS across control-plane restarts, with the real Envoy under load (issue 11): Envoy
+"""Delta ADS across control-plane restarts, with the real Envoy under load: Envoy
 reconnects with ``initial_resource_versions``; with identical state nothing is resent and the
 cluster stays warm; with a changed cluster the new CDS re-warms it and the assignment, although
 its version matches what Envoy holds, is sent again so the cluster leaves warming at once. No

@@ -1,4 +1,4 @@
-"""Issue 14 item 5: nodes from a targets file and from Kubernetes pods, through the reload path,
+"""Nodes from a targets file and from Kubernetes pods, through the reload path,
 on a ControlPlane with in-memory probe sources, real ADS/admin ports and a local fake API server
 (fake_kube.py) serving list and watch; one end-to-end test runs the real ``xds-server serve``."""
 from __future__ import annotations

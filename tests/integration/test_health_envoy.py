@@ -60,7 +60,7 @@ async def test_slow_engine_gets_less_traffic_hung_engine_is_ejected_and_comes_ba
         seen: list[int] = []
         t0 = time.monotonic()
         while time.monotonic() - t0 < 15:
-            # weight and health from one /clusters snapshot (issue 25 item 9): read from two, an EDS
+            # weight and health from one /clusters snapshot: read from two, an EDS
             # push landing between them paired the ejected node's full weight (an UNHEALTHY host
             # keeps weight 100) with its first HEALTHY status, and the ramp read [100, 1, 21, ...]
             host = await _envoy_host(fleet, http, "gpu-b")

@@ -1,4 +1,4 @@
-"""Issue 9, hostile agent: hypothesis-generated AgentMessage sequences (NaN, inf, negative, 1e308,
+"""Hostile agent: hypothesis-generated AgentMessage sequences (NaN, inf, negative, 1e308,
 unknown enums, huge strings, seq backwards or repeated, floods, reconnect storms) from a scripted
 fake agent (a real grpc.aio NodeProbe server) against a real control plane.
 

@@ -64,7 +64,7 @@ async def test_two_replicas_each_sum_every_envoy_exactly_once(make_fleet, http):
                          fleet.workdir / "cp-2.log", ready_pattern="admin listening")
     admins = {"cp-1": f"http://127.0.0.1:{fleet.admin_port}", "cp-2": f"http://127.0.0.1:{a2}"}
     # the fleet's Envoy lists cp-1 only, envoy-2 cp-2 only, envoy-3 both (cp-2 first): each
-    # replica holds at least one Envoy's LRS stream, and one bootstrap is the README's
+    # replica holds at least one Envoy's LRS stream, and one bootstrap is docs/replicas.md's
     envoy2 = StandaloneEnvoy(p2, node_id="envoy-2")
     tmp = tempfile.TemporaryDirectory(prefix="xds-envoy3-")
     wd3 = Path(tmp.name)

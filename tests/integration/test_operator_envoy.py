@@ -1,4 +1,4 @@
-"""Issue 13 items 2 and 3 with the real Envoy under load: a reload (SIGHUP) keeps Envoy's ADS
+"""Reload and restart with the real Envoy under load: a reload (SIGHUP) keeps Envoy's ADS
 stream open and fails no request; a control-plane restart resumes HEALTHY nodes at full weight
 within seconds (not a ramp from 1 %) and keeps an ejected node ejected."""
 from __future__ import annotations

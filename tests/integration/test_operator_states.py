@@ -1,4 +1,4 @@
-"""States an operator can see (issue 11): fail-static, held-back, unreachable, draining and
+"""States an operator can see: fail-static, held-back, unreachable, draining and
 unrouted nodes read the same in /nodes, `xds-server status` and /metrics, and agree with what
 Envoy was told. A ControlPlane on a manual clock with in-memory probe sources (real admin HTTP),
 and for the unreachable agent the real gRPC probe session dialling a port with nothing on it."""

@@ -1,5 +1,5 @@
 """Half of a cluster frozen under an open-loop load the other half cannot carry, with overload
-protection on (issue 22, "done when" item 3), on the real Envoy.
+protection on, on the real Envoy.
 
 Four simulated engines, each decoding at most 2 requests at once (``--max-num-seqs 2``; the rest
 wait FIFO and count in ``vllm:num_requests_waiting``, probes too), Poisson arrivals of streamed

@@ -1,4 +1,4 @@
-"""Issue 13 item 5: an agent that cannot be reached is logged once per
+"""An agent that cannot be reached is logged once per
 ``probe.unreachable_log_interval_s``, not once per redial (real gRPC probe session, nothing listening)."""
 from __future__ import annotations
 

@@ -290,7 +290,7 @@ async def test_real_vllm_sigkill_detected_within_a_few_hundred_ms(server, watch)
     server.proc.wait(timeout=30)  # the API server exits on its own (code 0, per the fixtures)
 
 
-# -- issue 11: a long prefill is busy, not stalled ---------------------------------------------------
+# -- a long prefill is busy, not stalled -------------------------------------------------------------
 # A second server with a larger random model (hidden 1024, 8 layers, max-model-len 8192) under a
 # small --max-num-batched-tokens, so one 3,000-token prompt is prefilled in ~12 chunks over
 # seconds (measured: 5.5 s on the project's machine). vLLM v1 counts prompt tokens only when the

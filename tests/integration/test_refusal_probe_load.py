@@ -1,4 +1,4 @@
-"""Issue 25 item 7 (a node refusing everything with 429 takes no new share): neither does it get
+"""A node refusing everything with 429 takes no new share, and neither does it get
 extra probes. Every failed probe result made the control plane ask the agent for a confirming
 probe at once (``ProbeNow``), so an engine answering 429, the engine saying it is full, was probed
 ~3 times a second instead of at the agent's busy cadence. A refusal is an answer: no ProbeNow.

@@ -1,4 +1,4 @@
-"""Issue 13 item 2: hot reload of the config file (add, remove, change, invalid file; SIGHUP,
+"""Hot reload of the config file (add, remove, change, invalid file; SIGHUP,
 POST /reload and a change of the file), on a ControlPlane with in-memory probe sources, a real
 admin endpoint and a real ADS stream that must stay open across every reload."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 13 item 3: a restart keeps what the control plane knew (state file): nodes that were
+"""A restart keeps what the control plane knew (state file): nodes that were
 HEALTHY are routed at full weight at their first heartbeat, an ejected node stays ejected with its
 back-off, a drained node stays drained; a stale or broken state file is ignored."""
 from __future__ import annotations

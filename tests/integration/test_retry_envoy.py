@@ -1,4 +1,4 @@
-"""Retries that can succeed, through the real Envoy (issue 11): the bootstrap's retry policy
+"""Retries that can succeed, through the real Envoy: the bootstrap's retry policy
 leaves a failing priority (``previous_priorities``) and honours ``Retry-After``, bounded
 (``rate_limited_retry_back_off``). Upstreams are real aiohttp servers on 127.0.0.1; the
 assignment comes from an in-process ADS server over a real gRPC stream."""

@@ -1,4 +1,4 @@
-"""Gated shifts with the real Envoy (issue 23): the share Envoy routes, counted per node from the
+"""Gated shifts with the real Envoy: the share Envoy routes, counted per node from the
 answers' ``x-served-by``, follows the commanded share at each step (locality weights in one
 priority); an injected error rate on the target rolls one step back after the configured
 consecutive failed windows; no traffic holds and says so; a restart resumes at the same step;

@@ -1,5 +1,5 @@
-"""More than one control plane, with the real Envoy and Envoy's own mechanisms (issues 12 item 3
-and 14 items 2 and 3). The processes, once per bootstrap variant:
+"""More than one control plane, with the real Envoy and Envoy's own mechanisms. The
+processes, once per bootstrap variant:
 
 - group A owns cluster ``pool-a`` (nodes gpu-a1, gpu-a2) and runs two replicas, ``cp-a1`` and
   ``cp-a2``, watching the same agents; group B owns ``pool-b`` (gpu-b1) with one process;
@@ -7,7 +7,7 @@ and 14 items 2 and 3). The processes, once per bootstrap variant:
   ``eds-sotw``: two :class:`ControlPlaneGroup` s, ``xds_a`` listing both A replicas and ``xds_b``
   the B process, each cluster's ``eds_config`` (SotW) pointing at its group, the header
   ``x-sentinel-cluster`` picking the cluster; ``ads-delta``: one delta ADS stream (CDS + EDS) to
-  ``xds_cluster`` listing both A replicas (README "Running two replicas"), routing to pool-a
+  ``xds_cluster`` listing both A replicas (docs/replicas.md, "Running two replicas"), routing to pool-a
   (group B runs, unused by Envoy, as the probe-rate reference).
 
 Tests: both clusters answer and a host frozen in pool-a is excluded by Envoy while pool-b is
@@ -51,7 +51,7 @@ from xds_server.testing._fault_rig import prometheus_value
 pytestmark = pytest.mark.envoy
 
 # Replicas weight nodes from what the agents report: RTT is measured by each replica on its own
-# path (README: Running two replicas), so its score term is off here. Slow probes and late
+# path (docs/replicas.md: Running two replicas), so its score term is off here. Slow probes and late
 # heartbeats on a loaded CI machine are tolerated (TTFT up to 700 ms healthy, 3 misses of 500 ms)
 # so the state stays put while the test looks at failover; a frozen host is still out in ~1.5 s.
 HEALTH = {"heartbeat_interval_ms": 100, "heartbeat_grace_ms": 400, "failure_detector": "count",
@@ -304,7 +304,7 @@ async def test_freeze_of_the_connected_replica_moves_envoy_to_the_other_and_a_no
     """The host of the replica Envoy's stream is on freezes (SIGSTOP: no FIN, no RST, the kernel
     still accepts connections) and a node of pool-a dies right after. Envoy's HTTP/2 keepalive on
     the xDS cluster finds the stream dead, it redials (its xDS backoff) onto the other replica,
-    and the dead node is out of Envoy's pool-a within the bound (README: Running two replicas)."""
+    and the dead node is out of Envoy's pool-a within the bound (docs/replicas.md: Running two replicas)."""
     await wait_for(lambda: split.all_routed(http), timeout_s=30.0, what=split.routed_why)
     # the other replica holds what Envoy holds (every node routed at full weight), so what it
     # sends after the move is the freeze's doing alone

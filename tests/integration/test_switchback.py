@@ -1,4 +1,4 @@
-"""Switch-back validation (issue 23 item 3) with real agents, real simulated engines (processes:
+"""Switch-back validation with real agents, real simulated engines (processes:
 an engine restarts with another model) and the control plane; no Envoy (the claim is the health
 model's verdict, what /nodes and /events show; routing of UNHEALTHY nodes is covered elsewhere).
 

@@ -1,4 +1,4 @@
-"""TLS and mutual TLS end to end (issue 14 item 1), one real Envoy for the module.
+"""TLS and mutual TLS end to end, one real Envoy for the module.
 
 A control plane with ``tls.mode: mtls`` and a node allow-list, two agents serving mTLS (the control
 plane dials them with its client certificate and checks their names through ``{node_id}``),

@@ -1,4 +1,4 @@
-"""Envoy's ADS client certificate rotated through filesystem SDS (issue 14 item 3), one real Envoy.
+"""Envoy's ADS client certificate rotated through filesystem SDS, one real Envoy.
 
 A fleet of real processes (one simulated engine, its agent, xds-server, Envoy): the control plane
 serves ADS with ``tls.mode: mtls``, an allow-list for Envoy's SPIFFE id and

@@ -1,4 +1,4 @@
-"""Issue 24: ``probe.liveness: transport`` end to end with the real Envoy. Two new agents take
+"""``probe.liveness: transport`` end to end with the real Envoy. Two new agents take
 the control plane's request (HTTP/2 PINGs carry their liveness, heartbeats only on change and
 every ``telemetry_refresh_ms``); the third is an old-style agent (``--no-transport-liveness``,
 an older agent's 1 s ping policy) that keeps sending heartbeats every 100 ms and is judged by

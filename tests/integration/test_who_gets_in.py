@@ -1,9 +1,9 @@
-"""Issue 28, "who gets in", with real `xds-server serve` and `node-probe` processes and
+"""Who gets in, with real `xds-server serve` and `node-probe` processes and
 certificates made here (one CA, a foreign one): typed identities on all three channels (ADS, the
 routing feed, the agent), refusals counted and logged per identity, handshakes counted, the admin
 token guarded and counted per peer over HTTPS.
 
-Each identity trick of the issue gets a certificate from the right CA: a CN and a DNS SAN that
+Each identity trick gets a certificate from the right CA: a CN and a DNS SAN that
 *read* as the allowed SPIFFE id. On today's main (before the change) all of them passed.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ PY = sys.executable
 
 
 class Stack:
-    """The README's mTLS setup on every channel: paths, ports, processes."""
+    """docs/tls.md's mTLS setup on every channel: paths, ports, processes."""
 
     def __init__(self, d: Path) -> None:
         self.dir = d

@@ -1,4 +1,4 @@
-"""Issue 28 at start, with real `xds-server` and `node-probe` processes and certificates made here:
+"""Who gets in, checked at start, with real `xds-server` and `node-probe` processes and certificates made here:
 an admin port off loopback without a token and an expired certificate are refused by both
 `check-config` and `serve` (exit 2, naming the field); a certificate near its end warns in the log
 and on /readyz; an agent in mutual TLS without an allowed client says so."""

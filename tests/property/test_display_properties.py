@@ -1,6 +1,6 @@
 """The shown state of a node (xds_server/admin/display.py) over every combination of inputs:
 it is always one of DISPLAY_STATES, "routed" always matches what was published, and a routed
-node never carries a not-routed reason (the fail-static contradiction of issue 11)."""
+node never carries a not-routed reason (the contradiction fail-static nodes once showed)."""
 from __future__ import annotations
 
 from dataclasses import replace

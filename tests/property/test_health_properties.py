@@ -98,7 +98,7 @@ def test_prop_transitions_chain_and_have_reasons(items):
             if isinstance(obs, DrainRequested):
                 continue  # drain events show the override, not the health state machine
             assert e.from_state is prev and e.reason
-            if e.to_state is e.from_state:  # the one event that is no move: "cannot warm" (issue 26)
+            if e.to_state is e.from_state:  # the one event that is no move: "cannot warm"
                 assert e.from_state in (S.COLD, S.WARMING) and e.reason.startswith("cannot warm: ")
             prev = e.to_state
 

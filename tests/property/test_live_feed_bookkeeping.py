@@ -1,4 +1,4 @@
-"""Issue 27: the subscriber bookkeeping shared by the admin's ``/live`` feed and the routing feed
+"""The subscriber bookkeeping shared by the admin's ``/live`` feed and the routing feed
 (:class:`xds_server.process.fanout.FanOut`), under arbitrary sequences of clients connecting,
 reading, stalling (a write begun and never finished), leaving, and of items published and time
 passing, with the feeds' own sweep (``overdue`` -> closed ``deadline``) after every step.

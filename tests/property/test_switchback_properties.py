@@ -1,4 +1,4 @@
-"""Switch-back validation, the pure parts (issue 23): the judge (candidate vs two peers' noise)
+"""Switch-back validation, the pure parts: the judge (candidate vs two peers' noise)
 and the gate in the health model (PROBATION holds at the ramp's end until a verdict)."""
 from __future__ import annotations
 

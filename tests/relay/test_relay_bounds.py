@@ -1,4 +1,4 @@
-"""Issue 27 item 3: the relay's connections are bounded (sentinel_relay/connections.py), against
+"""The relay's connections are bounded (sentinel_relay/connections.py), against
 a real ``sentinel-relay`` process in front of a real aiohttp upstream.
 
 - 2,000 slowloris connections (an unfinished request head, then nothing) are closed by

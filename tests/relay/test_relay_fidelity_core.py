@@ -2,7 +2,7 @@
 (lone-byte tokens held back or shown as U+FFFD; pieces cut by the stop-string hold-back): for any
 cut position and any stop list, completions and chat, usage asked or not, token ids asked or not,
 the client's bytes through the stream book equal, but for the response id and created time, the
-engine's bytes for the same request sent straight (issue 25, items 1, 2, 2b, 3)."""
+engine's bytes for the same request sent straight."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Issue 25: a rescued stream is exactly what the engine would have sent. Separate processes: two
+"""A rescued stream is exactly what the engine would have sent. Separate processes: two
 simulated engines whose tokenizer behaves like a byte-level BPE (lone bytes held back or shown as
 U+FFFD), their agents, the control plane, the real Envoy and the relay. The client's bytes
 through the relay, minus its ``: ping`` lines and but for the response id and created time
@@ -116,7 +116,7 @@ def interesting(kind: str, with_stop: bool) -> tuple[list[str] | None, int]:
     return None, m
 
 
-# -- item 1: the ids the relay asks for are not the client's -------------------------------------
+# -- the ids the relay asks for are not the client's ---------------------------------------------
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 @pytest.mark.parametrize("usage", [False, True])
 async def test_token_ids_the_client_did_not_ask_for_never_reach_it(rig, http, kind, usage):
@@ -134,7 +134,7 @@ async def test_token_ids_the_client_did_not_ask_for_never_reach_it(rig, http, ki
     assert b'token_ids":[' in got and same_but_identity(got) == same_but_identity(direct)
 
 
-# -- items 2, 2b, 3: every cut in a window around the interesting token --------------------------
+# -- every cut in a window around the interesting token -------------------------------------------
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 @pytest.mark.parametrize("with_stop", [False, True])
 @pytest.mark.parametrize("usage", [False, True])
@@ -168,7 +168,7 @@ async def test_rescue_at_every_cut_around_the_interesting_token_is_byte_exact(ri
         resumed + sum(1 for c in cuts if 1 <= c < generated)
 
 
-# -- item 4: a client leaving mid-rescue frees the engine --------------------------------------------
+# -- a client leaving mid-rescue frees the engine ----------------------------------------------------
 async def test_client_leaving_during_a_rescue_releases_the_upstream_within_the_ping_interval(rig, http):
     fleet, relay_url, admin, _ = rig
     body = body_for("completions")
@@ -216,7 +216,7 @@ async def test_client_leaving_during_a_rescue_releases_the_upstream_within_the_p
         await fleet.wait_all_routed(http, timeout_s=30)
 
 
-# -- item 5: a non-streaming request reaches one survivor once ------------------------------------
+# -- a non-streaming request reaches one survivor once --------------------------------------------
 async def test_non_streaming_request_reaches_one_surviving_engine_once(rig, http):
     fleet, relay_url, _admin, _ = rig
     body = body_for("completions", stream=False, max_tokens=120)  # ~0.5 s of generation
@@ -247,7 +247,7 @@ async def test_non_streaming_request_reaches_one_surviving_engine_once(rig, http
         await fleet.wait_all_routed(http, timeout_s=30)
 
 
-# -- item 5b: a garbled chunk is not a dead node; a rescue never goes back -------------------------
+# -- a garbled chunk is not a dead node; a rescue never goes back ---------------------------------
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 async def test_garbled_event_passes_through_as_envoy_alone_would(rig, http, kind):
     fleet, relay_url, admin, _ = rig

@@ -1,4 +1,4 @@
-"""Issue 28's pure and in-process parts: certificate validity read from DER, the certificate watch
+"""Who gets in, the pure and in-process parts: certificate validity read from DER, the certificate watch
 (expiry metrics, /readyz reasons, warnings) on a fake clock, a rotated-in expired certificate
 refused, refusals counted and rate-limited per identity (not globally)."""
 from __future__ import annotations

@@ -98,7 +98,8 @@ async def test_change_pushes_new_version_once(server):
     await c.expect_silence(0.3)
 
 
-async def test_fc02_nack_counted_once_not_resent_then_one_response_after_change(server):
+async def test_nack_counted_once_not_resent_then_one_response_after_change(server):
+    """Field case fc02."""
     cache, servicer, client = server
     c, _cds, eds = await handshake(client)
     await c.send(type_url=EDS, names=["llm", "llm2"], version=eds.version_info, nonce=eds.nonce)

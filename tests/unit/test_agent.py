@@ -550,7 +550,7 @@ def beats_of(got) -> list:
     return [m.heartbeat for _, m in got if kind(m) == "heartbeat"]
 
 
-async def test_fc06_hung_inference_health_200_timeouts_and_stall(engine, make_agent, open_watch):
+async def test_hung_inference_times_out_probes_and_reads_stalled_despite_health_200(engine, make_agent, open_watch):
     """fc06: /health 200 at once; completions accepted but never answered; /metrics shows 1
     running, 3 waiting and frozen generation tokens. Probes time out (the control plane counts
     2 -> UNHEALTHY with an inference-timeout reason); telemetry says stalled; /health's 200 is
@@ -574,7 +574,7 @@ async def test_fc06_hung_inference_health_200_timeouts_and_stall(engine, make_ag
     assert engine.health_calls == 0
 
 
-async def test_fc07_busy_engine_429_never_stalled_stays_ready(engine, make_agent, open_watch):
+async def test_busy_engine_answering_429_is_never_stalled_and_stays_ready(engine, make_agent, open_watch):
     """fc07: a saturated engine answers probes 429 while its token counter rises with 256
     running and 1024 waiting: never stalled, lifecycle stays READY, probe cadence is the slow
     one (stall detection vouches for progress)."""
@@ -598,7 +598,7 @@ async def test_fc07_busy_engine_429_never_stalled_stays_ready(engine, make_agent
     assert agent.probe_count - before <= 4  # busy cadence 1 s, not the 0.1 s idle one
 
 
-async def test_fc08_never_ready_before_first_good_probe_restart_rewarms(make_agent, open_watch):
+async def test_never_ready_before_first_good_probe_and_a_restart_rewarms(make_agent, open_watch):
     """fc08: engine answers /health and /metrics but completions block (weights loading): the
     agent reports WARMING, never READY, until the first good micro-probe. A restart (port
     refused, then back, loading again) goes FAILED -> WARMING -> READY again."""

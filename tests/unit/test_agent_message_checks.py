@@ -110,7 +110,7 @@ def test_each_planted_bad_field_is_reported_by_name_and_reason():
 
 
 def test_unchanged_gpu_part_gives_the_same_result_and_bad_fields_and_a_changed_one_is_checked_again():
-    """The edge reuses the last GPU check while the GPU part is equal (issue 12): the bad fields
+    """The edge reuses the last GPU check while the GPU part is equal: the bad fields
     are still reported on every heartbeat, and a change (also made in place to the same message
     object) is checked again."""
     edge = AgentEdge(HealthConfig(), ProbeConfig())

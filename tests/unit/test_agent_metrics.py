@@ -17,7 +17,7 @@ async def scrape(port: int) -> tuple[str, dict]:
         assert r.status == 200 and r.content_type == "text/plain"
         text = await r.text()
     smps = [smp for f in text_string_to_metric_families(text) for smp in f.samples]
-    # every series names its node (issue 26: dashboards join on it); no _created samples
+    # every series names its node (dashboards join on it); no _created samples
     assert {smp.labels.get("node") for smp in smps} == {"node-a"}
     assert not [smp.name for smp in smps if smp.name.endswith("_created")]
     return text, {(smp.name, tuple(sorted((k, v) for k, v in smp.labels.items() if k != "node"))): smp.value

@@ -1,4 +1,4 @@
-"""Busy is never dead (issue 11): scenarios on the pure health model, numbers in their names.
+"""Busy is never dead: scenarios on the pure health model, numbers in their names.
 
 A probe that is slow or times out while the agent shows *evidence* of progress (a step counter or
 the KV-cache usage of a busy instance moved within ``busy_progress_window_ms``) is "busy":
@@ -153,7 +153,7 @@ def test_a_probe_queued_behind_the_prefill_answered_300ms_late_after_it_keeps_1_
     assert sim.nh.state is S.HEALTHY and route(sim.nh, 1, CFG).weight == 100
 
 
-# -- a reason never says "progressing" about progress older than the probe's wait (issue 11) ------
+# -- a reason never says "progressing" about progress older than the probe's wait -------------------
 
 
 def _busy_heartbeat(age_ms: float) -> HeartbeatObserved:
@@ -172,7 +172,7 @@ def test_timeout_with_progress_900ms_old_older_than_the_800ms_wait_is_a_failure_
 
 
 def test_timeout_with_progress_700ms_old_within_the_800ms_wait_is_busy_once_progress_moves_after_it():
-    """Issue 25 item 8: the timeout alone says nothing yet (progress moved during the wait, maybe
+    """The timeout alone says nothing yet (progress moved during the wait, maybe
     just before a hang); the next heartbeat showing a move after the timeout makes it busy."""
     sim = healthy_sim()
     sim.apply(_busy_heartbeat(650), 4.45)
@@ -201,7 +201,7 @@ def test_503_with_progress_500ms_old_is_busy_and_gives_the_age_never_progressing
     assert "progressing" not in sim.nh.reason
 
 
-# -- hang detection: the stall's confirmation is measured from the freeze (issue 11) ---------------
+# -- hang detection: the stall's confirmation is measured from the freeze ----------------------------
 
 
 def _hung_after(t_last: float, report_after_s: float, age_before_ms: float = 0.0) -> NodeSim:

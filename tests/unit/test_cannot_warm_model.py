@@ -1,4 +1,4 @@
-"""Issue 26 item 3 on the pure health model: a COLD/WARMING node whose probes fail, or that has no
+"""A node that cannot warm, on the pure health model: a COLD/WARMING node whose probes fail, or that has no
 good probe within ``warm_limit_s``, says so with the last probe result ("cannot warm: ..."), once
 as an event; its consecutive failures are counted. It is never routed before a good probe.
 

@@ -1,6 +1,6 @@
-"""Issue 13 item 6: the xds-server command line (global options anywhere, --version, config given
+"""The xds-server command line (global options anywhere, --version, config given
 the same way to serve and check-config, status --admin forms, drain/undrain, envoy-bootstrap,
-exit codes) and item 5's log formats. Commands run as real subprocesses; drain/undrain talk to a
+exit codes) and its log formats. Commands run as real subprocesses; drain/undrain talk to a
 real admin endpoint (a ControlPlane with in-memory probe sources)."""
 from __future__ import annotations
 
@@ -193,7 +193,7 @@ def _parsers():
 
 
 def test_every_flag_of_every_program_has_help_with_its_default():
-    """Issue 26 item 4: --help of each program names every flag's default (the relay's showed
+    """--help of each program names every flag's default (the relay's showed
     none for --listen, --admin-listen, --workers, --max-rescues)."""
     missing = []
     for name, p in _parsers():

@@ -1,6 +1,6 @@
 """The control plane driven in memory: a ManualClock, in-memory probe sources, no sockets.
 
-Covers the publish planner (coalescing, warm-up gate), the three bugs of issue 10 (fail-static
+Covers the publish planner (coalescing, warm-up gate), three past bugs (fail-static
 look-back, DRAINING state metric, outlier wake-up timers) and the layering (no import cycle).
 """
 from __future__ import annotations
@@ -136,7 +136,7 @@ def test_warm_up_gate_holds_a_cluster_until_every_node_left_warming_or_the_timeo
 
 
 def test_a_configured_cluster_with_no_nodes_is_published_at_start_not_after_the_warm_up_timeout():
-    """Issue 25 item 6: ``nodes: []`` meets "every node left COLD" at once, but no node change ever
+    """``nodes: []`` meets "every node left COLD" at once, but no node change ever
     marked it, so it waited for ``warmup_timeout_ms`` (5 s) while an Envoy asked for it."""
     cfg = config()
     cfg["clusters"].append({"name": "empty", "nodes": []})
@@ -323,7 +323,7 @@ def test_in_memory_probe_source_detects_silence_on_the_manual_clock_exactly_as_s
 
 
 def test_steady_heartbeats_leave_the_routing_alone_and_a_queue_or_threshold_change_still_reweights():
-    """Issue 12: the routing key is not recomputed while nothing it reads changes; a changed
+    """The routing key is not recomputed while nothing it reads changes; a changed
     queue, and new thresholds after a reconfigure with the very same heartbeats, still re-weight."""
     cp, clock, probes = in_memory(config(2))
     all_healthy(cp, clock, probes)

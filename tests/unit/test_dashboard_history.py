@@ -1,4 +1,4 @@
-"""Issue 26 item 5: the dashboard's recent history kept by the control plane (pure ring of
+"""The dashboard's recent history kept by the control plane (pure ring of
 samples): bounded by its capacity whatever is added, oldest first, every node's series aligned
 with the shared times, a node added later has an empty past, a removed one is forgotten."""
 from __future__ import annotations

@@ -121,7 +121,7 @@ def _g(name: str, engine: str, value) -> str:
     return f'{name}{{engine="{engine}",model_name="m"}} {value}\n'
 
 
-def test_fc12_kv_cache_metric_rename():
+def test_kv_cache_read_from_old_or_new_vllm_gauge_counted_once_max_across_engines():
     """fc12: vLLM renamed its KV gauge; both generations are read, never counted twice, max
     across engines, and unknown stays unknown (never 0 or 1), with the metric name kept."""
     a = VLLM

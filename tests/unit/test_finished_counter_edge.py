@@ -1,4 +1,4 @@
-"""The engines' finished-request counter at the agent edge (issue 22, fourth round): a valid
+"""The engines' finished-request counter at the agent edge: a valid
 count is kept for shedding on every heartbeat, also when the rest of the load repeats (the memo
 path); a negative, NaN or infinite one is a bad field and is not kept (hypothesis)."""
 from __future__ import annotations

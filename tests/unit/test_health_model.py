@@ -45,7 +45,7 @@ def test_cold_warming_probation_healthy_with_startup_grace():
     sim.run_until(0.05)
     assert sim.nh.state is S.WARMING and route(sim.nh, 1, FAST_RAMP).health_status == "UNHEALTHY"
     sim.run_until(1.9)
-    # failures counted and shown (issue 26), never ejected: a timeout is what a loading engine gives
+    # failures counted and shown, never ejected: a timeout is what a loading engine gives
     assert sim.nh.state is S.WARMING and sim.nh.probe.consecutive_failures >= 2
     assert sim.nh.reason.startswith("warming, no good probe yet (") and "inference timeout" in sim.nh.reason
     sim.run_until(6.0)
@@ -53,7 +53,8 @@ def test_cold_warming_probation_healthy_with_startup_grace():
     assert sim.events[1].reason.startswith("first good probe")
 
 
-def test_fc08_warming_engine_never_routed_before_first_good_probe_then_ramps_from_1pct():
+def test_warming_engine_never_routed_before_first_good_probe_then_ramps_from_1pct():
+    """Field case fc08."""
     # /health would say 200 from t=10 s, but completions block until t=270 s: every probe times out.
     sim = NodeSim(cfg=CFG, heartbeat=lambda t: HeartbeatObserved(engine_state="WARMING" if t < 270 else "READY"),
                   probe=lambda t: ProbeObserved(K.TIMEOUT) if t < 270 else ProbeObserved(K.OK, ttft_ms=40))
@@ -89,7 +90,7 @@ def test_a_good_probe_does_not_promote_a_warming_node_whose_agent_is_not_heard(s
     assert route(nh, 1, CFG).health_status == "UNHEALTHY"
     why = "its stream closed" if silence == "stream closed" else "3 heartbeats missed"
     assert nh.reason == (f"warming: the engine answers (TTFT 30 ms) but its agent is not heard ({why}); "
-                         "promoted after a heartbeat")   # the table's PROBE_UNHEARD, said (issue 25 item 9)
+                         "promoted after a heartbeat")   # the table's PROBE_UNHEARD, said
     nh, _ = step(nh, HeartbeatObserved(engine_state="READY"), 5.01, CFG)
     nh, events = step(nh, ProbeObserved(K.OK, ttft_ms=30), 5.02, CFG)
     assert nh.state is S.PROBATION and [e.to_state for e in events] == [S.PROBATION]
@@ -165,7 +166,8 @@ def test_probe_over_800ms_counts_as_timeout_and_two_eject():
     assert sim.nh.state is S.UNHEALTHY and "2 consecutive failures" in sim.nh.reason
 
 
-def test_fc06_hung_inference_two_probe_timeouts_eject_and_health_200_never_resets_the_count():
+def test_hung_inference_two_probe_timeouts_eject_and_health_200_never_resets_the_count():
+    """Field case fc06."""
     hung = HeartbeatObserved(requests_running=1, requests_waiting=3, stalled=True, stall_detail="tokens frozen 1.2 s")
     sim = healthy_sim(cfg=HealthConfig(ramp_step_percent=50, stall_confirm_ms=10_000))
     sim.heartbeat = lambda t: hung
@@ -188,7 +190,8 @@ def test_stall_counts_as_timeout_and_a_persisting_stall_ejects_after_stall_confi
     assert trans[1][1] is S.UNHEALTHY and abs(trans[1][0] - (t0 + 0.08 + 0.3)) < 0.11
 
 
-def test_fc07_busy_engine_with_advancing_tokens_is_saturated_not_ejected():
+def test_busy_engine_with_advancing_tokens_is_saturated_not_ejected():
+    """Field case fc07."""
     busy = HeartbeatObserved(requests_running=256, requests_waiting=1024, stalled=False, progress_age_ms=50,
                              progress_detail="engine 0: vllm:generation_tokens_total+vllm:prompt_tokens_total "
                                              "1000 -> 1768 0.1 s ago")

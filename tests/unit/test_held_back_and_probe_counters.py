@@ -1,4 +1,4 @@
-"""Issue 11 counters: a held-back ejection is one event per episode and a node flag; probe
+"""Counters: a held-back ejection is one event per episode and a node flag; probe
 failures are counted per node, kind and outcome (a Prometheus counter with bounded labels)."""
 from __future__ import annotations
 

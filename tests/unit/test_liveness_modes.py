@@ -1,4 +1,4 @@
-"""Issue 24: the two liveness modes at their edges: the agent's StreamHub sends heartbeats on
+"""The two liveness modes at their edges: the agent's StreamHub sends heartbeats on
 change and refresh only when a Hello asks for transport liveness (and it takes it), the probe
 channel's keepalive enforces its deadline only in transport liveness, and the helpers of
 ``xds_server.probing.liveness``."""

@@ -61,7 +61,8 @@ def test_weights_follow_score_with_slack_and_unknowns_neutral():
     assert all(v.health_status == "HEALTHY" for v in d.routing.values())
 
 
-def test_fc04_all_nodes_failing_probes_are_unhealthy_never_weight_0_and_healthy_fraction_0():
+def test_all_nodes_failing_probes_are_unhealthy_never_weight_0_and_healthy_fraction_0():
+    """Field case fc04."""
     sims = []
     for nid in ("n1", "n2"):
         sim = NodeSim(cfg=HealthConfig(ramp_step_percent=50), node_id=nid)
@@ -75,7 +76,8 @@ def test_fc04_all_nodes_failing_probes_are_unhealthy_never_weight_0_and_healthy_
     assert not d.held_back  # hard evidence is never held back by max_ejection_percent
 
 
-def test_fc05_recovery_restarts_ramp_at_1pct_and_a_joining_node_does_not_change_it():
+def test_recovery_restarts_ramp_at_1pct_and_a_joining_node_does_not_change_it():
+    """Field case fc05."""
     cfg = HealthConfig(probation_clean_s=5, ramp_step_s=1.0)
     a = NodeSim(cfg=cfg, node_id="a")
     a.run_until(110.0)

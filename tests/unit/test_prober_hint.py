@@ -1,4 +1,4 @@
-"""Issue 26 item 3, the agent's side: a probe answered 404/405 by something that is not an
+"""A node that cannot warm, the agent's side: a probe answered 404/405 by something that is not an
 inference engine says so in its detail ("/v1/models answered 404: is --engine-url an inference
 engine?"), which the control plane shows as the node's last failure. Real HTTP on 127.0.0.1."""
 from __future__ import annotations

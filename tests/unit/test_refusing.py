@@ -1,4 +1,4 @@
-"""A node answering every probe with 429 does not keep its share (issue 11): scenarios on the pure
+"""A node answering every probe with 429 does not keep its share: scenarios on the pure
 health model and cluster policy, numbers in their names.
 
 After ``busy_refusal_block_s`` (15 s) of only refusals the node is REFUSING: a soft block (not

@@ -1,4 +1,4 @@
-"""Switch-back replay edges (issue 23): the agent's bounds, the control plane's checks of what
+"""Switch-back replay edges: the agent's bounds, the control plane's checks of what
 comes back (a hostile or confused agent over a real gRPC stream), and what an older agent does
 with a ReplayRequest (the proto stubs from before the message, in a subprocess)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Two replicas, one truth (issue 14 item 2), in memory: versions from content only, ramps
+"""Two replicas, one truth, in memory: versions from content only, ramps
 anchored on the Unix clock, replica ids where an operator looks.
 
 Two control planes are fed the same observations, one of them 30 ms later (another zone, a GC

@@ -53,7 +53,8 @@ def test_same_input_same_bytes():
         build_cla(c, dict(reversed(r.items()))).SerializeToString(deterministic=True)
 
 
-def test_fc04_cluster_sets_panic_threshold_0_and_merge_window_0():
+def test_cluster_sets_panic_threshold_0_and_merge_window_0():
+    """Field case fc04."""
     cl = build_cluster(cfg(NODES).clusters[0])
     assert cl.type == cluster_pb2.Cluster.EDS and cl.eds_cluster_config.eds_config.HasField("ads")
     assert cl.common_lb_config.HasField("healthy_panic_threshold")
@@ -72,7 +73,8 @@ def test_http2_upstream_option():
     assert cl.lb_policy == cluster_pb2.Cluster.ROUND_ROBIN
 
 
-def test_fc01_weight_never_zero_and_locality_sum_fits_uint32():
+def test_weight_never_zero_and_locality_sum_fits_uint32():
+    """Field case fc01."""
     assert clamp_weights([0, -5, 7]) == [1, 1, 7]
     big = [2**31 * 100] * 3
     out = clamp_weights(big)

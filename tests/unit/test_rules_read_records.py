@@ -1,5 +1,5 @@
 """The health rules read records, never the state (xds_server.health.rules' contract): what a
-signal does in each state is the transition table's business alone. Issue 25 item 9: the WARMING
+signal does in each state is the transition table's business alone. The WARMING
 rule (a good probe does not promote a node whose agent is not heard) was a state check inside
 ``_r_probe``; it is now the table's PROBE_UNHEARD row."""
 from __future__ import annotations

@@ -152,7 +152,7 @@ def test_settings_reject_out_of_range(kw):
 
 
 def test_a_probe_without_answer_is_rechecked_at_the_500ms_idle_cadence_even_while_busy_4s():
-    """Issue 11: a busy node whose probe timed out (e.g. queued behind a 5.5 s prefill) is probed
+    """A busy node whose probe timed out (e.g. queued behind a 5.5 s prefill) is probed
     again at the idle cadence, so its recovery is seen within ~0.5 s of the load easing; an
     answered probe goes back to the busy cadence."""
     sch = ProbeScheduler(ScheduleSettings(busy_interval_s=4.0, idle_interval_s=0.5, jitter_ratio=0.0))

@@ -1,4 +1,4 @@
-"""Shedding with the engines' own finished counters (issue 22, fourth round): each node's slots
+"""Shedding with the engines' own finished counters: each node's slots
 and the time a request runs on it (Little's law on its running set, known at any load) give the
 rate the pool of slots takes with the queue wait over the budget for at most 1 % of arrivals
 (Erlang C); with it the drop follows the offered load, easing keeps a Poisson margin and the

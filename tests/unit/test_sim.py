@@ -335,7 +335,7 @@ async def test_hang_under_load_shows_running_with_frozen_counter(client: TestCli
 
 
 async def test_prefill_600ms_kv_rises_counters_frozen_and_a_queued_probe_answers_after_it(client: TestClient) -> None:
-    """The long-prefill mode (issue 11, measured on vLLM 0.32: 5.5 s, KV 0.008 -> 0.086): KV usage
+    """The long-prefill mode (measured on vLLM 0.32: 5.5 s, KV 0.008 -> 0.086): KV usage
     rises at every scrape, prompt and generation counters stay frozen, 1 running; a request sent
     meanwhile waits and gets its first token only when the prefill ends; then the prompt counter
     jumps by the prompt's 3,000 tokens and the mode is back to none."""

@@ -21,7 +21,7 @@ def vllm_page(running: float, waiting: float, kv: float, tokens: float) -> str:
             f"vllm:kv_cache_usage_perc{lab} {kv}\nvllm:generation_tokens_total{lab} {tokens}\n")
 
 
-def test_fc06_running_with_frozen_tokens_is_stalled():
+def test_running_with_frozen_tokens_is_stalled():
     """fc06: /metrics shows 1 running, 3 waiting, generation tokens frozen -> stalled after the
     1 s window (sampled every 100 ms), with a detail naming what is frozen."""
     det = StallDetector(1.0)
@@ -38,7 +38,7 @@ def test_fc06_running_with_frozen_tokens_is_stalled():
     assert "frozen at 5000 for 1.5 s" in v.detail
 
 
-def test_fc07_busy_engine_with_rising_tokens_never_stalled():
+def test_busy_engine_with_rising_tokens_never_stalled():
     """fc07: 256 running, 1024 waiting, KV 97 %, tokens rising steadily for 60 s (probes are slow
     or 429 meanwhile): never stalled."""
     det = StallDetector(1.0)

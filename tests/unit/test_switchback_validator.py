@@ -1,4 +1,4 @@
-"""The switch-back validator's edges without agents (issue 23): the prompts file, the optional
+"""The switch-back validator's edges without agents: the prompts file, the optional
 embedding cosine through an operator's /v1/embeddings, and the config's refusals."""
 from __future__ import annotations
 

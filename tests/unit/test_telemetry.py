@@ -270,7 +270,7 @@ def test_device_count_failure_is_error(monkeypatch):
 # MIG, fatal Xids, every error kind
 
 
-def test_fc11_mig_slice_memory_from_mig_handle(monkeypatch):
+def test_mig_slice_memory_is_read_from_the_mig_handle(monkeypatch):
     """fc11: MIG on; the parent handle's memory query raises NoPermission and utilization is
     NotSupported; the MIG handle reports 19968 MiB total, 14366 MiB used. The reading carries
     the MIG memory (used ratio ~0.72), utilization unset (unavailable, reported), state OK, and

@@ -10,7 +10,7 @@ PUBLIC = {
     "ManagedProcess", "ManualClock", "NodeProcs",
     "ScriptedAdsClient", "ScriptedDeltaAdsClient", "StandaloneEnvoy", "TestCA", "fetch_envoy_hosts",
     "free_port", "lint_exposition", "parse_envoy_clusters", "parse_envoy_stats", "restart_control_plane", "wait_for",
-    # the fault matrix (issue 14 item 6): its rig, rows, traffic and one coroutine per fault
+    # the fault matrix: its rig, rows, traffic and one coroutine per fault
     "FaultRig", "FaultRow", "TrafficLoad", "TrafficStats", "ads_stream_churn", "agent_kill_restart",
     "cp_kill_restart", "cp_sigstop", "engine_kill_restart", "envoy_restart", "format_table", "slow_ads_reader",
 }

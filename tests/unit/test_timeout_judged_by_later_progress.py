@@ -1,4 +1,4 @@
-"""Issue 25 item 8: a hang never reads as busy.
+"""A hang never reads as busy: a probe timeout is judged by the progress seen after it.
 
 A hung engine used to be shown "busy: saturated ... progressing" for ~0.7 s when its counters
 moved during the probe's wait, just before the hang. A probe timeout with evidence of progress is
@@ -74,7 +74,7 @@ def test_a_saturated_engine_whose_tokens_keep_moving_is_busy_at_the_first_heartb
 
 
 def test_a_chunked_prefill_moving_every_460ms_is_not_called_hung_between_two_moves():
-    """vLLM 0.32 with 256-token chunks moves its KV usage every ~0.46 s (issue 11): the learned
+    """vLLM 0.32 with 256-token chunks moves its KV usage every ~0.46 s: the learned
     cadence (2 x 0.46 s) covers the wait for the next move."""
     sim = healthy_sim()
     sim.heartbeat = moving_until(1e9, every_s=0.46)

@@ -1,4 +1,4 @@
-"""Issue 26 items 1, 2 and 4, issue 27 item 4: the slips of an operator's first hour, with real
+"""The slips of an operator's first hour, with real
 processes of all three programs (xds-server, node-probe with sim-engine, sentinel-relay) and a
 real Envoy. Each slip gets one line on stderr naming what is wrong and the flag or field to
 change, its documented exit code, and no traceback; the three share --version (no other flag
@@ -259,7 +259,7 @@ def wait_for_sync(pred, timeout_s: float, what: str) -> None:
 
 
 async def test_sighup_leaves_node_probe_and_sim_engine_running(tmp_path, http):
-    """Issue 27 item 4: ``kill -HUP`` (the reflex that reloads xds-server) used to end both
+    """``kill -HUP`` (the reflex that reloads xds-server) used to end both
     (exit by signal 1) and eject the node; now each logs it, keeps serving, and stops on SIGTERM."""
     port = free_port()
     sim = ManagedProcess("sim", [*SIM, "--port", str(port)], tmp_path / "sim.log", ready_pattern="listening on")

@@ -1,4 +1,4 @@
-"""Security slips (issue 11), with real `xds-server serve` processes: the admin bearer token
+"""Secrets and ports, with real `xds-server serve` processes: the admin bearer token
 appears in no admin answer and no log line, and a second server on the same ADS port fails to
 start with a clear error instead of sharing the port (grpc's SO_REUSEPORT turned off)."""
 from __future__ import annotations
