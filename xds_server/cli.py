@@ -1,6 +1,6 @@
 """``xds-server`` command line.
 
-Commands: serve | check-config | status | drain | undrain | reload | shift | envoy-bootstrap | demo.
+Commands: serve | check-config | config-reference | status | drain | undrain | reload | shift | envoy-bootstrap | demo.
 Global options (``--log-level``, ``--log-format``) are accepted before or after the command.
 
 Exit codes (also in ``--help`` and README.md):
@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import urllib.parse
+from pathlib import Path
 
 from xds_server.admin.client import AdminError, admin_base_url, drain_line, get_json, post_json
 from xds_server.admin.shift_client import add_shift_parser
@@ -127,6 +128,18 @@ def _load(path: str):
     except ConfigError as e:
         print(f"xds-server: {e}", file=sys.stderr)
         return None
+
+
+def _config_reference(args: argparse.Namespace) -> int:
+    """Print (or write to ``-o``) the configuration reference generated from the models."""
+    from xds_server.config.reference import render_reference
+
+    text = render_reference()
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -322,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="event loop of this process and its probe workers (default asyncio; "
                                  "uvloop: ~9 %% less CPU per heartbeat, pip install 'xds-sentinel[uvloop]'; "
                                  "auto: uvloop when installed)")
+    ref = cmd("config-reference", "print every config key with its default, unit and source (docs/config.md)",
+              _config_reference)
+    ref.add_argument("-o", "--output", help="write to this file instead of stdout")
     admin_help = "admin endpoint: HOST:PORT or http(s)://HOST:PORT (default 127.0.0.1:19000)"
     st = cmd("status", "print node states from a running server's admin endpoint", _status)
     st.add_argument("--admin", default="http://127.0.0.1:19000", help=admin_help)

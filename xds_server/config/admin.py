@@ -5,6 +5,8 @@ not): no token, bounded instead by ``live_max_clients``, ``live_queue_max``, ``l
 ``live_send_buffer_bytes`` and ``live_write_buffer_bytes``."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field, field_validator, model_validator
 
 from xds_server.config.base import _check_hostport, _Model, parse_hostport
@@ -30,6 +32,11 @@ class AdminTls(_Model):
 
 class AdminConfig(_Model):
     """The admin HTTP endpoint (aiohttp)."""
+
+    #: Protection limits that rarely need changing (marked advanced in docs/config.md).
+    ADVANCED: ClassVar[frozenset[str]] = frozenset({
+        "drain_reason_max_chars", "event_reason_max_chars", "events_buffer", "live_max_clients", "live_ping_s",
+        "live_queue_max", "live_send_buffer_bytes", "live_write_buffer_bytes", "live_write_timeout_s"})
 
     listen: str = Field("127.0.0.1:19000", description="HOST:PORT of the admin HTTP server")
     token: str | None = Field(None, description="bearer token for POST drain/undrain and /reload; None = "

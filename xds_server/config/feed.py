@@ -9,6 +9,8 @@ Watch (PERMISSION_DENIED naming ``feed.plaintext``) unless ``feed.plaintext: tru
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field, field_validator
 
 from xds_server.config.base import _Model, parse_hostport
@@ -20,6 +22,10 @@ __all__ = ["FeedConfig", "check_feed", "feed_plaintext_refusal"]
 
 class FeedConfig(_Model):
     """The routing feed's bounds and access."""
+
+    #: Protection limits that rarely need changing (marked advanced in docs/config.md).
+    ADVANCED: ClassVar[frozenset[str]] = frozenset({
+        "max_subscribers", "queue_limit", "send_timeout_s"})
 
     max_subscribers: int = Field(
         512, ge=1, le=100_000,

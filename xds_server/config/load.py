@@ -9,7 +9,7 @@ comparison (docs/xds_protocol.md 2.8).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -201,6 +201,12 @@ class ShedConfig(_Model):
 
 class LrsConfig(_Model):
     """The LRS server on the xDS port (``StreamLoadStats``) and what is done with its reports."""
+
+    #: Protection limits that rarely need changing (marked advanced in docs/config.md).
+    ADVANCED: ClassVar[frozenset[str]] = frozenset({
+        "max_clusters_per_report", "max_endpoints_per_report", "max_localities_per_cluster",
+        "max_requests_per_interval", "max_streams", "min_report_gap_ratio", "peer_backoff_max_s",
+        "peer_keepalive_s", "peer_max_delay_s", "peer_queue"})
 
     enabled: bool = Field(
         True, description="serve StreamLoadStats; off: the service answers UNIMPLEMENTED and Envoys "

@@ -1,7 +1,7 @@
 """``probe:`` section: the control plane's probe streams to the node_probe agents."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -12,6 +12,13 @@ __all__ = ["ProbeConfig"]
 
 class ProbeConfig(_Model):
     """The probe stream to each node_probe agent (gRPC client side) and what it accepts."""
+
+    #: Protection limits that rarely need changing (marked advanced in docs/config.md).
+    ADVANCED: ClassVar[frozenset[str]] = frozenset({
+        "channel_initial_backoff_ms", "lag_recheck_ms", "loop_watch_interval_ms", "malformed_log_interval_s",
+        "max_gpus", "max_list_items", "max_requests", "max_text_chars", "max_ttft_ms", "max_unanswered_pings",
+        "silent_stream_redial_ms", "stall_hold_ms", "unreachable_log_interval_s", "worker_report_interval_ms",
+        "worker_restart_grace_ms"})
 
     keepalive_time_ms: int = Field(
         1000, ge=100,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import socket
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -19,6 +19,14 @@ def _hostname() -> str:
 
 class XdsConfig(_Model):
     """The ADS gRPC server."""
+
+    #: Protection limits that rarely need changing (marked advanced in docs/config.md).
+    ADVANCED: ClassVar[frozenset[str]] = frozenset({
+        "absent_names_max_per_stream", "client_text_max_chars", "clients_view_max_names",
+        "fail_static_history_max", "max_names_per_stream", "max_receive_message_bytes", "max_tracked_nonces",
+        "max_types_per_stream", "memo_max_bytes", "memo_max_entries", "min_client_ping_interval_ms",
+        "nack_message_max_chars", "publish_build_ratio", "request_burst_bytes", "request_bytes_per_s",
+        "request_cost_min_bytes"})
 
     listen: str = Field("127.0.0.1:18000", description="HOST:PORT of the ADS gRPC server")
     replica_id: str = Field(

@@ -1,0 +1,49 @@
+"""docs/config.md is generated from the configuration models and kept equal to them: every key of
+every section is there with its default and unit, protection limits are marked advanced, and the
+essential keys exist. Pure: no process, no socket."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from xds_server import cli
+from xds_server.config import HealthConfig, SentinelConfig, XdsConfig
+from xds_server.config.reference import ESSENTIAL, keys, render_reference
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_docs_config_md_is_the_generated_reference(tmp_path):
+    """Regenerate with: xds-server config-reference -o docs/config.md"""
+    out = tmp_path / "config.md"
+    args = cli.build_parser().parse_args(["config-reference", "-o", str(out)])  # the command, without
+    assert args.fn(args) == 0                                                  # main's logging setup
+    assert out.read_text() == render_reference()
+    assert (ROOT / "docs" / "config.md").read_text() == render_reference(), \
+        "docs/config.md is stale: run xds-server config-reference -o docs/config.md"
+
+
+def test_every_field_of_every_section_is_listed_once():
+    paths = [k.path for k in keys()]
+    assert len(paths) == len(set(paths))
+    for name in HealthConfig.model_fields:
+        assert f"health.{name}" in paths
+    for name in XdsConfig.model_fields:
+        assert f"xds.{name}" in paths
+    assert "clusters[].nodes[].address" in paths and "lrs.shed.classes.enabled" in paths
+    assert {p.split(".")[0].removesuffix("[]") for p in paths} == set(SentinelConfig.model_fields)
+
+
+def test_defaults_units_and_advanced_marks_come_from_the_models():
+    by = {k.path: k for k in keys()}
+    hb = by["health.heartbeat_interval_ms"]
+    assert (hb.default, hb.unit, hb.advanced) == ("100.0", "ms", False)
+    assert "seed 000" in hb.description
+    assert by["clusters[].name"].default == "required"
+    assert by["xds.memo_max_bytes"].advanced and by["xds.memo_max_bytes"].unit == "bytes"
+    assert "`memo_max_bytes` *(advanced)*" in render_reference()
+    assert not by["xds.listen"].advanced
+
+
+def test_the_essential_keys_exist():
+    paths = {k.path for k in keys()}
+    assert {p for p, _ in ESSENTIAL} <= paths
