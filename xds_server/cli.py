@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "auto: uvloop when installed)")
     ref = cmd("config-reference", "print every config key with its default, unit and source (docs/config.md)",
               _config_reference)
-    ref.add_argument("-o", "--output", help="write to this file instead of stdout")
+    ref.add_argument("-o", "--output", help="write to this file (default: stdout)")
     admin_help = "admin endpoint: HOST:PORT or http(s)://HOST:PORT (default 127.0.0.1:19000)"
     st = cmd("status", "print node states from a running server's admin endpoint", _status)
     st.add_argument("--admin", default="http://127.0.0.1:19000", help=admin_help)
