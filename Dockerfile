@@ -52,7 +52,7 @@ CMD ["--log-format", "json", "serve", "/etc/xds-sentinel/xds.yaml"]
 # The default engine URL is the engine in the same network namespace (a Kubernetes sidecar, or
 # compose's network_mode "service:ENGINE"); the node id defaults to the host (pod) name.
 # Plaintext is said explicitly (a non-loopback --listen refuses it otherwise); for mTLS replace the
-# command's --plaintext with --tls-cert, --tls-key and --tls-client-ca (README "TLS").
+# command's --plaintext with --tls-cert, --tls-key and --tls-client-ca (docs/tls.md).
 FROM runtime AS node-probe
 ENV SENTINEL_HEALTHCHECK_URL=http://127.0.0.1:9464/healthz
 EXPOSE 50051 9464

@@ -3,7 +3,7 @@
 Commands: serve | check-config | config-reference | status | drain | undrain | reload | shift | envoy-bootstrap | demo.
 Global options (``--log-level``, ``--log-format``) are accepted before or after the command.
 
-Exit codes (also in ``--help`` and README.md):
+Exit codes (also in ``--help`` and docs/monitoring.md):
 
 - 0: success
 - 1: runtime failure (port in use, admin endpoint unreachable, Envoy binary missing, demo failed)

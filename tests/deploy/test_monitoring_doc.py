@@ -1,4 +1,4 @@
-"""README's "What to monitor": every metric it tells operators to alert on is one the control plane,
+"""docs/monitoring.md's "What to monitor": every metric it tells operators to alert on is one the control plane,
 the agent or the relay exposes (so a rename cannot leave the alerts pointing at nothing), and the
 bounds and refusals of issues 27 and 28 have their alerts there. The control plane is started
 (mTLS on every channel, so its TLS, refusal and feed families exist) and its admin ``/metrics``
@@ -57,7 +57,7 @@ def _families(text: str) -> set[str]:
 
 
 def _section(title: str) -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "monitoring.md").read_text(encoding="utf-8")
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start:end]
@@ -122,5 +122,5 @@ async def test_every_metric_in_what_to_monitor_is_exposed(tmp_path):
         base = next((name.removesuffix(s) for s in _SUFFIXES if name.endswith(s)), name)
         if name not in exposed and base not in exposed:
             missing.append(name)
-    assert not missing, f"README names metrics nobody exposes: {missing}"
+    assert not missing, f"docs/monitoring.md names metrics nobody exposes: {missing}"
     assert not BOUNDS_AND_REFUSALS - named, f"no alert line for {sorted(BOUNDS_AND_REFUSALS - named)}"

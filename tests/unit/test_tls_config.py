@@ -71,7 +71,7 @@ def _id(uris=(), dns=(), cn=None, other_sans=False):
     (_id(), "envoy-llm-1", False),                                        # no certificate
     (_id(uris=[ENVOY]), "", False),                                       # no node id
     (_id(dns=["other.example"], uris=[ENVOY]), "envoy-llm-a", True),      # any of the certificate's names
-    # the tricks of issue 28: a name of another kind reading like the SPIFFE id never passes
+    # the known tricks: a name of another kind reading like the SPIFFE id never passes
     (_id(cn=ENVOY), "envoy-llm-1", False),                                # CN-trick, no SANs
     (_id(cn=ENVOY, dns=["x.example"]), "envoy-llm-1", False),             # CN-trick next to SANs
     (_id(dns=[ENVOY]), "envoy-llm-1", False),                             # DNS-trick
@@ -141,7 +141,7 @@ def test_loopback():
 
 
 def test_a_dot_localhost_name_is_loopback_only_when_it_resolves_only_to_loopback():
-    """Issue 28 item 7: any *.localhost used to count as loopback, wherever it resolved."""
+    """Any *.localhost used to count as loopback, wherever it resolved."""
     assert is_loopback("gw.localhost", lambda h: ["127.0.0.1", "::1"])
     assert not is_loopback("gw.localhost", lambda h: ["127.0.0.1", "10.0.0.5"])   # /etc/hosts sends it off
     assert not is_loopback("gw.localhost", lambda h: [])                           # does not resolve
@@ -298,8 +298,8 @@ def test_agent_and_relay_refuse_implicit_plaintext_off_loopback(pki):
 
 
 def test_readme_tls_example_is_valid(pki, tmp_path, monkeypatch):
-    """The README's TLS block parses once its files exist."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    """docs/tls.md's mTLS config block parses once its files exist."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "tls.md").read_text()
     block = text.split("<!-- tls-example:begin -->")[1].split("<!-- tls-example:end -->")[0]
     doc = yaml.safe_load(block.split("```yaml")[1].split("```")[0])
     monkeypatch.chdir(tmp_path)

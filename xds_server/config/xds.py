@@ -35,7 +35,7 @@ class XdsConfig(_Model):
         "under Kubernetes): in log lines (`replica` field), /metrics (`sentinel_replica_info`), "
         "/healthz and /xds/clients, and the control_plane_id agents see. Never part of a version: "
         "versions are content hashes, so two replicas with the same state publish the same "
-        "versions (README: Running two replicas)",
+        "versions (docs/replicas.md: Running two replicas)",
     )
     server_id: str | None = Field(
         None, description="deprecated and ignored: it prefixed every version, so replicas "

@@ -132,7 +132,7 @@ def xds_cluster(name: str, replicas: Sequence[str], prototype: dict[str, Any]) -
     ``xds_cluster``; transport settings (TLS) belong here too. With several replicas Envoy's
     gRPC stream goes to one of them (round robin) and moves to the next when it breaks: the
     replicas publish the same versions for the same state, so a move changes nothing in Envoy
-    (README: Running two replicas).
+    (docs/replicas.md: Running two replicas).
     """
     doc = copy.deepcopy(prototype)
     doc["name"] = name
@@ -191,7 +191,7 @@ def render_bootstrap(
     ``xds_replicas`` (``HOST:PORT`` each, the replicas of that control plane; default
     ``127.0.0.1:<xds_port>``); ``/v1/`` goes to ``cluster`` (default ``llm``).
 
-    Several control planes (``groups``, README "Running more than one control plane"): one
+    Several control planes (``groups``, docs/replicas.md "Running more than one control plane"): one
     static cluster ``xds_<group>`` per group listing its replicas, and each group's clusters as
     static EDS clusters whose ``eds_config`` points at their group's stream (no ADS, no CDS: the
     cluster settings are rendered here from the group's config, so changing them needs a new

@@ -115,7 +115,7 @@ class AdsServicer:
         """Register both ADS methods on ``server``, and the per-type CDS and EDS services
         (``ClusterDiscoveryService``, ``EndpointDiscoveryService``) on the same streams: an Envoy
         whose clusters take their EDS from more than one control plane (a cluster's
-        ``eds_config.api_config_source``, README "Running more than one control plane") opens
+        ``eds_config.api_config_source``, docs/replicas.md "Running more than one control plane") opens
         ``StreamEndpoints`` / ``DeltaEndpoints`` instead of ADS; the messages are the same.
         Requests arrive as bytes (decoded here, so an undecodable one is answered
         INVALID_ARGUMENT) and responses leave as bytes
