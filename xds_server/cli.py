@@ -1,14 +1,11 @@
 """``xds-server`` command line.
 
-Commands: serve | check-config | config-reference | status | drain | undrain | reload | shift | envoy-bootstrap | demo.
-Global options (``--log-level``, ``--log-format``) are accepted before or after the command.
-
-Exit codes (also in ``--help`` and docs/monitoring.md):
-
-- 0: success
-- 1: runtime failure (port in use, admin endpoint unreachable, Envoy binary missing, demo failed)
-- 2: bad usage or invalid configuration (the message names the option or the config field)
-- 3: refused by the server (missing or wrong admin token, unknown node, invalid new config)
+Commands: serve | check-config | config-reference | status | drain | undrain | reload | shift |
+envoy-bootstrap | demo. Global options (``--log-level``, ``--log-format``) are accepted before or
+after the command. Exit codes (also in ``--help`` and docs/monitoring.md): 0 success; 1 runtime
+failure (port in use, admin endpoint unreachable, Envoy binary missing, demo failed); 2 bad usage
+or invalid configuration (the message names the option or the config field); 3 refused by the
+server (missing or wrong admin token, unknown node, invalid new config).
 """
 from __future__ import annotations
 
@@ -73,8 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     async def run() -> int:
         cp = ControlPlane(cfg, config_path=path)
-        stop = asyncio.Event()
-        started = asyncio.Event()
+        stop, started = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
         got: list[str] = []  # the signal that asked to stop
         reloads: set[asyncio.Task] = set()
@@ -92,8 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
             reloads.add(t)
             t.add_done_callback(reloads.discard)
 
-        # Every handler is installed before the ready lines: a supervisor (or a test) that sends
-        # SIGHUP as soon as it reads "listening" must get a reload, not the default exit 129.
+        # handlers before the ready lines: a SIGHUP sent on "listening" reloads (never exit 129)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_stop, sig.name)
         loop.add_signal_handler(signal.SIGHUP, on_hup)
@@ -135,10 +130,7 @@ def _config_reference(args: argparse.Namespace) -> int:
     from xds_server.config.reference import render_reference
 
     text = render_reference()
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
-    else:
-        sys.stdout.write(text)
+    _ = Path(args.output).write_text(text, encoding="utf-8") if args.output else sys.stdout.write(text)
     return 0
 
 

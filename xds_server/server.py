@@ -22,7 +22,7 @@ from aiohttp import web
 from xds_server.admin.access import start_admin_site, watch_certificates
 from xds_server.admin.app import HttpErrorLog, build_admin_app
 from xds_server.admin.reload import add_reload_route
-from xds_server.admin.shift_service import ShiftService
+from xds_server.admin.shift_routes import add_shift_routes
 from xds_server.admin.views import ControlPlaneView, ServedTls
 from xds_server.config import ClusterConfig, ConfigError, NodeConfig, SentinelConfig, load_config, parse_hostport
 from xds_server.control.core import ControlCore
@@ -34,6 +34,7 @@ from xds_server.discovery import Discovery, drop_readdressed
 from xds_server.feed.events import RoutingChange, RoutingListener, RoutingNotifier
 from xds_server.feed.service import RoutingFeed
 from xds_server.health import model as hm
+from xds_server.load.gated_shifts import ShiftService
 from xds_server.load.service import LoadReportingService
 from xds_server.probing.session import grpc_probe_source
 from xds_server.probing.sources import ProbeSource, ProbeSourceContext, ProbeSourceFactory
@@ -95,9 +96,9 @@ class ControlPlane:
             core=self.core)
         self.load.shedder.read_sessions(self.sessions)  # KV usage and the engines' finished counts
         self.shifts = ShiftService(lambda: self._config, self.core, self.cache, self.load)
-        # switch-back validation (replay) before a node's PROBATION ends
-        self.switchback = SwitchbackValidator(lambda: self._config, self.core, self.observe,
-                                              lambda n: self._config.tls.agents.client(n), config.xds.replica_id)
+        self.switchback = SwitchbackValidator(  # switch-back validation (replay) before PROBATION ends
+            lambda: self._config, self.core, self.observe, lambda n: self._config.tls.agents.client(n),
+            config.xds.replica_id)
         self.routing_feed = RoutingFeed(self, live_prompts=self.switchback.live)  # the relay's feed, on the xDS port
         self._served_tls = ServedTls()  # the xDS port's certificates, once start() serves it
         self.view = ControlPlaneView(
@@ -151,8 +152,7 @@ class ControlPlane:
         self.load.add_to_server(self._grpc)  # LRS StreamLoadStats (lrs.enabled), same port
         host, port = parse_hostport(self.config.xds.listen)
         creds, tls_files = listener_credentials(**self.config.tls.listener())  # None: plaintext
-        # expiry metrics, warnings, /readyz
-        self._served_tls = ServedTls(tls_files, watch_certificates(self.config))
+        self._served_tls = ServedTls(tls_files, watch_certificates(self.config))  # + expiry metrics, /readyz
         try:
             self.xds_port = add_port(self._grpc, f"{host}:{port}", creds)
         except RuntimeError as exc:  # grpc raises RuntimeError when the bind fails
@@ -164,6 +164,7 @@ class ControlPlane:
 
         app = build_admin_app(self.view, self.drain)
         add_reload_route(app, lambda: self.config, self.reload_file)
+        add_shift_routes(app, self.shifts)  # and the shifts' tick loop, for the app's lifetime
         self._admin_runner = web.AppRunner(app, access_log=None,
                                            logger=HttpErrorLog(logging.getLogger("aiohttp.server")))
         await self._admin_runner.setup()

@@ -1,4 +1,4 @@
-"""Gated shifts in a control plane driven in memory (xds_server.admin.shift_service): the published
+"""Gated shifts in a control plane driven in memory (xds_server.load.gated_shifts): the published
 assignment and Cluster at each step, gates from LRS totals, bad input refused with the field named
 and nothing running changed, cancel restores the bytes from before, a restart resumes the step."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 
-from xds_server.admin.shift_routes import ShiftRequestError
 from xds_server.config import parse_config
 from xds_server.load.aggregate import Counts
+from xds_server.load.gated_shifts import ShiftRequestError
 from xds_server.probing.memory import InMemoryProbes
 from xds_server.process.clock import ManualClock
 from xds_server.server import ControlPlane

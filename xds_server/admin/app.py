@@ -236,7 +236,4 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/nodes/{id}/drain", drain_handler)
     app.router.add_post("/nodes/{id}/undrain", drain_handler)
-    shifts = getattr(view, "shifts", None)  # gated shifts (admin/shift_routes.py), when the server has them
-    if shifts is not None:
-        shifts.add_routes(app)
     return app

@@ -7,7 +7,7 @@
 
 ``--admin`` may be repeated, one per replica: a new shift is sent to each with the same
 ``start_at`` (wall-clock s), so the replicas decide at the same instants and publish the same
-weights for the same step while their gates agree (:mod:`xds_server.admin.shift_service`).
+weights for the same step while their gates agree (:mod:`xds_server.load.gated_shifts`).
 urllib only, as :mod:`xds_server.admin.client`; exit codes as the other admin commands (2 bad
 arguments, 3 refused by the server, 1 unreachable).
 """

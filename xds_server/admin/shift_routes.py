@@ -1,4 +1,4 @@
-"""Admin routes of gated shifts, registered by :meth:`ShiftService.add_routes`.
+"""Admin routes of gated shifts (:class:`~xds_server.load.gated_shifts.ShiftService`), registered by the server.
 
 - ``POST /clusters/{name}/shift`` (bearer token, ``admin.token``), JSON body::
 
@@ -24,27 +24,19 @@ from aiohttp import web
 
 from xds_server.admin.access import refused_token
 from xds_server.admin.app import json_dumps
+from xds_server.load.gated_shifts import ShiftRequestError, ShiftService
 
-__all__ = ["MAX_BODY_BYTES", "ShiftRequestError", "add_shift_routes"]
+__all__ = ["MAX_BODY_BYTES", "add_shift_routes"]
 
 MAX_BODY_BYTES = 4096
-
-
-class ShiftRequestError(Exception):
-    """A refused shift request: HTTP ``status``, the ``field`` at fault, and a sentence."""
-
-    def __init__(self, status: int, field: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.field, self.message = status, field, message
 
 
 def _answer(body: Any, status: int = 200) -> web.Response:
     return web.json_response(body, status=status, dumps=json_dumps)
 
 
-def add_shift_routes(app: web.Application, svc: Any) -> None:
-    """Register the routes above and the tick loop (``svc.run``) for the app's lifetime; ``svc``
-    is the :class:`~xds_server.admin.shift_service.ShiftService` (which imports this module)."""
+def add_shift_routes(app: web.Application, svc: ShiftService) -> None:
+    """Register the routes above and the shifts' tick loop (``svc.run``) for the app's lifetime."""
 
     def refused(request: web.Request) -> web.Response | None:
         token = svc.admin_token()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf import json_format
 
@@ -29,6 +29,7 @@ from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL
 
 if TYPE_CHECKING:
     from xds_server.feed.service import RoutingFeed
+    from xds_server.load.gated_shifts import ShiftService
     from xds_server.load.service import LoadReportingService
     from xds_server.probing.switchback import SwitchbackValidator
     from xds_server.probing.workers import WorkerPool
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from xds_server.process.refusals import Refusals
     from xds_server.process.tls import ServerCertFiles
 
-__all__ = ["ControlPlaneView", "NodeRow", "ServedTls", "ShiftViews"]
+__all__ = ["ControlPlaneView", "NodeRow", "ServedTls"]
 
 
 class NodeRow:
@@ -50,13 +51,6 @@ class NodeRow:
         self.node_id = node_id
         self.health = health
         self.routing = routing
-
-
-class ShiftViews(Protocol):
-    """What ``/clusters`` reads of the gated shifts (:class:`~xds_server.admin.shift_service.ShiftService`,
-    whose HTTP routes import the admin app, so it is named structurally here)."""
-
-    def view(self, cluster: str) -> dict[str, Any] | None: ...
 
 
 @dataclass(frozen=True)
@@ -80,7 +74,7 @@ class ControlPlaneView:
                  sources: Mapping[str, ProbeSource], config: Callable[[], SentinelConfig], *,
                  refusals: Refusals | None = None,
                  load_reports: LoadReportingService | None = None,
-                 shifts: ShiftViews | None = None,
+                 shifts: ShiftService | None = None,
                  switchback: SwitchbackValidator | None = None,
                  probe_pool: WorkerPool | None = None,
                  routing_feed: RoutingFeed | None = None,
@@ -100,7 +94,7 @@ class ControlPlaneView:
         self.routing_feed = routing_feed
         self.refusals = refusals  # refused identities and tokens
         self.load_reports = load_reports  # Envoys' load reports (LRS)
-        self.shifts = shifts  # gated shifts (admin/shift_service.py)
+        self.shifts = shifts  # gated shifts (load/gated_shifts.py)
         self._served_tls = served_tls
 
     @property

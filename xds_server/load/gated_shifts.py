@@ -1,6 +1,8 @@
-"""Gated shifts at the edge: requests checked, gates read, decisions applied, layouts published,
-state kept in a file. The decisions themselves are pure (:mod:`xds_server.policy.shift_machine`),
-the node placement too (:mod:`xds_server.policy.shift_layout`).
+"""Gated shifts applied: requests checked, gates read from the load reports, decisions applied,
+layouts published through the server's CDS/EDS hooks, state kept in a file (the admin HTTP
+routes that reach it are :mod:`xds_server.admin.shift_routes`). The decisions themselves are
+pure (:mod:`xds_server.policy.shift_machine`), the node placement too
+(:mod:`xds_server.policy.shift_layout`).
 
 Shape::
 
@@ -8,7 +10,7 @@ Shape::
     svc.cluster(c) / svc.cla(c, built_cla)                 # the server's CDS / EDS hooks
     svc.begin("llm", {"to": "1", "step_percent": 10, "every_s": 300})   # ShiftRequestError (status, field)
     svc.command("llm", "pause" | "resume" | "cancel")
-    svc.tick()                                             # every ``TICK_S`` while the admin app runs
+    svc.tick()                                             # every ``TICK_S`` (``svc.run``, the admin app's task)
 
 Gate readings per window: the target nodes' completed and errored real requests are the growth
 of LRS's per-node totals since the window began (a restart begins a fresh window: totals restart
@@ -36,7 +38,6 @@ from google.protobuf.message import Message
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from xds_server.admin.shift_routes import ShiftRequestError, add_shift_routes
 from xds_server.config import ClusterConfig, SentinelConfig, class_clusters
 from xds_server.control.core import ControlCore
 from xds_server.control.state_file import read_json, write_json_atomic
@@ -53,6 +54,14 @@ __all__ = ["ShiftRequestError", "ShiftService", "parse_duration_s"]
 log = logging.getLogger(__name__)
 TICK_S = 0.2
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+
+
+class ShiftRequestError(Exception):
+    """A refused shift request: HTTP ``status``, the ``field`` at fault, and a sentence."""
+
+    def __init__(self, status: int, field: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.field, self.message = status, field, message
 
 
 def parse_duration_s(v: Any, field: str = "every") -> float:
@@ -303,10 +312,6 @@ class ShiftService:
                 self.tick()
             except Exception:  # keep going
                 log.exception("shift tick failed")
-
-    def add_routes(self, app: Any) -> None:
-        """Register the shift routes and the tick loop on the admin app (before it starts)."""
-        add_shift_routes(app, self)
 
     # -- views ----------------------------------------------------------------------------------
 
