@@ -74,7 +74,7 @@ def test_anchored_ramps_step_on_the_unix_time_grid(items, offset):
     t = 0.0
     for dt, obs, _ in items:
         t += dt
-        nh = advance(nh, obs, t, CFG, wall_offset_s=offset).nh
+        nh = advance(nh, obs, t, CFG, wall_offset_s=lambda: offset).nh
         at = nh.ramp.step_at_s
         if nh.state is NodeState.PROBATION and at is not None:
             assert abs(grid_point(at, CFG.ramp_step_s, offset) - at) <= 1e-6

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 from xds_server.config import NodeConfig, SentinelConfig
 from xds_server.control.events import EventLog
@@ -142,17 +142,19 @@ class ControlCore:
         elif isinstance(obs, hm.ProbeObserved):
             self.counters.probe_results[(node_id, *probe_result_key(prev, obs, cfg, now_s))] += 1
         kept = self.restored.pop(node_id, None) if beat else None
-        wall_offset = (round(self.clock.wall() - self.clock.now(), 3)
-                       if self.config.xds.ramp_anchor == "wall_clock" else None)
         adv = advance(prev, obs, now_s, cfg, kept=kept, steady_lane=steady_lane and kept is None,
-                      wall_offset_s=wall_offset)
+                      wall_offset_s=self._wall_offset_s if self.config.xds.ramp_anchor == "wall_clock" else None)
         if adv.steady:
             self._steady(node_id, prev, adv)
         else:
             for ev in adv.resumed:
                 self._transition(self.node_cluster[node_id], ev)
-            self._settle(node_id, prev, adv.nh, list(adv.events), now_s)
+            self._settle(node_id, prev, adv.nh, adv.events, now_s)
         return adv.due_s
+
+    def _wall_offset_s(self) -> float:
+        """Unix time - monotonic time (s), to ms: where ramps are anchored (``xds.ramp_anchor``)."""
+        return round(self.clock.wall() - self.clock.now(), 3)
 
     def _steady(self, node_id: str, prev: hm.NodeHealth, adv: Advanced) -> None:
         """Store a quiet heartbeat's record (:attr:`Advanced.steady`): it changed no state, ramp,
@@ -190,7 +192,7 @@ class ControlCore:
         self._settle(node_id, prev, nh, events, now_s)
 
     def _settle(self, node_id: str, prev: hm.NodeHealth, nh: hm.NodeHealth,
-                events: list[hm.Event], now_s: float) -> None:
+                events: Sequence[hm.Event], now_s: float) -> None:
         """Store a node's new health: events, ejection counts, dirty cluster, fail-static.
         ``prev``: the health this step started from (what the node's routing key was last
         computed from)."""

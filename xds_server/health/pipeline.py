@@ -6,7 +6,7 @@ Shape::
 
     run = runs.get(node_id)                      # a steady node's folded heartbeats, if any
     due = run.fold(obs, now_s, cfg) if run ...    # a repeated quiet heartbeat: nothing else to do
-    adv = advance(prev, obs, now_s, cfg, kept=kept, steady_lane=True, wall_offset_s=offset)
+    adv = advance(prev, obs, now_s, cfg, kept=kept, steady_lane=True, wall_offset_s=offset_fn)
     # adv.nh: the new record; adv.resumed + adv.events: transitions; adv.due_s: next Tick;
     # adv.run: a run to fold the next repeated heartbeats into (steady only)
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from xds_server.config import HealthConfig
@@ -98,14 +99,15 @@ class Advanced:
 
 def advance(prev: hm.NodeHealth, obs: hm.Observation, now_s: float, cfg: HealthConfig, *,
             kept: hm.NodeHealth | None = None, steady_lane: bool = True,
-            wall_offset_s: float | None = None) -> Advanced:
+            wall_offset_s: Callable[[], float] | None = None) -> Advanced:
     """Step ``prev`` by ``obs`` at ``now_s``.
 
     ``kept``: a state-file state to resume, taken only by a heartbeat (:func:`resume_kept`);
     ``steady_lane``: a quiet heartbeat may take the fast path (:func:`~xds_server.health.beats.steady_heartbeat`,
-    the same record :func:`~xds_server.health.rules.step` would build); ``wall_offset_s``: Unix
-    time - monotonic time (s) when PROBATION ramps are anchored to the Unix-time grid
-    (``xds.ramp_anchor: wall_clock``), None when they are not.
+    the same record :func:`~xds_server.health.rules.step` would build); ``wall_offset_s``: gives
+    Unix time - monotonic time (s) when PROBATION ramps are anchored to the Unix-time grid
+    (``xds.ramp_anchor: wall_clock``), None when they are not; called only when a ramp is
+    entered or renewed, never on a quiet heartbeat.
     """
     hb = obs if type(obs) is hm.HeartbeatObserved else None
     resumed: list[hm.Event]
@@ -121,7 +123,7 @@ def advance(prev: hm.NodeHealth, obs: hm.Observation, now_s: float, cfg: HealthC
     if wall_offset_s is not None and (nh.ramp is not prev.ramp or nh.state is not prev.state):
         # steps on Unix-time multiples of ramp_step_s, so replicas step together; a ramp kept as it
         # was in the same state is on the grid already (a resumed one is new), so no work per beat
-        nh = anchor_ramp(nh, cfg.ramp_step_s, wall_offset_s)
+        nh = anchor_ramp(nh, cfg.ramp_step_s, wall_offset_s()) if nh.state is hm.NodeState.PROBATION else nh
     if steady is not None:
         assert hb is not None
         return Advanced(nh, (), (), due, True, hm.BeatRun.start(nh, hb, cfg))

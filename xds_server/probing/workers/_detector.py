@@ -151,7 +151,8 @@ class Detector:
             kept, n.kept = n.kept, None
         elif isinstance(obs, hm.ProbeObserved):
             self.probe_results[(node_id, *probe_result_key(nh, obs, self.cfg, now_s))] += 1
-        adv = advance(nh, obs, now_s, self.cfg, kept=kept, wall_offset_s=self.wall_offset_s)
+        adv = advance(nh, obs, now_s, self.cfg, kept=kept,
+                      wall_offset_s=self._wall_offset if self.wall_offset_s is not None else None)
         nh, events, step_events = adv.nh, adv.resumed, adv.events
         n.nh = nh
         if adv.steady:
@@ -169,6 +170,10 @@ class Detector:
             if routing_key(nh, self.cfg) != n.key:
                 self._mark(node_id)
         return adv.due_s
+
+    def _wall_offset(self) -> float:
+        assert self.wall_offset_s is not None  # passed to advance only when set
+        return self.wall_offset_s
 
     def fail_static_ended(self, burst_start_s: float, now_s: float) -> None:
         """Fleet-wide fail-static ended (decided by the main process): step every node."""
