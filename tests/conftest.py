@@ -23,34 +23,24 @@ settings.load_profile("suite")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-#: Packages whose tests are pure or start no fleet: under pytest-xdist each of their modules is
-#: a group of its own and the groups spread over the workers.
-_PARALLEL_PACKAGES = frozenset({"unit", "property"})
-#: Pure modules (no process, no socket) that live beside the fleets of their package: grouped as
-#: the unit and property modules are, so they never wait on a fleet.
-_PARALLEL_MODULES = frozenset({"relay/test_relay_core.py", "relay/test_relay_fidelity_core.py",
-                               "conformance/test_conformance_property.py"})
-
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for pytest-xdist's ``--dist loadgroup`` (the README's test command runs ``-n 2``):
-    every test that starts real Envoys, control planes or engines and times them (each package
-    but ``unit/`` and ``property/``) is in one group, ``fleets``, so one worker runs them in
-    order, one fleet at a time, as a serial run does; each unit or property module is a group
-    of its own (its module fixtures built once) and runs on the other worker meanwhile.
+    each test module is a group of its own, so its module fixtures (a shared fleet, a built
+    table) are built once, on one worker, and the modules spread over the workers, the largest
+    first (xdist orders groups by their number of tests). At most one fleet per worker runs at a
+    time; the timing bounds the fleet tests assert hold with another fleet or a hypothesis run
+    on the other core (measured in the suite's own runs, not assumed).
 
     On a worker the group goes into the node id as ``ID@GROUP``, the form xdist's loadgroup
     scheduler splits on (its own hook, which should do this from ``xdist_group`` marks, left the
-    ids as they were in this setup: measured, the fleets ran on both workers). Without ``-n``
-    nothing changes."""
+    ids as they were in this setup). Without ``-n`` nothing changes."""
     if not (hasattr(config, "workerinput") and getattr(config.option, "loadgroup", False)):
         return
     tests_dir = Path(__file__).parent
     for item in items:
-        rel = item.path.relative_to(tests_dir)
-        parallel = rel.parts[0] in _PARALLEL_PACKAGES or rel.as_posix() in _PARALLEL_MODULES
-        group = str(rel) if parallel else "fleets"
+        group = item.path.relative_to(tests_dir).as_posix()
         if not item.nodeid.endswith("@" + group):
             _set_nodeid(item, f"{item.nodeid}@{group}")
 
