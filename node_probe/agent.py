@@ -61,6 +61,7 @@ from node_probe.streams import StreamHub
 from node_probe.telemetry import GpuCollector, gpu_fatal_reason
 from node_probe.ticks import sleep_until_tick
 from xds_server.process.refusals import Refusals
+from xds_server.process.stream_refusal import refuse
 from xds_server.process.tls import ServerCertFiles, add_port, check_client, listener_credentials
 
 # AgentConfig and EngineLifecycle live in their own modules; this module is their public face.
@@ -437,9 +438,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
     # -- streams -------------------------------------------------------------------------------
 
     async def Watch(  # gRPC method name
-        self,
-        request_iterator: AsyncIterator[probe_pb2.ControlMessage],
-        context: grpc.aio.ServicerContext,
+        self, request_iterator: AsyncIterator[probe_pb2.ControlMessage], context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[probe_pb2.AgentMessage]:
         """Serve one control plane's stream (see module docstring and :class:`StreamHub`).
         Ends when the client cancels or the agent stops."""
@@ -447,7 +446,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
             return
         if refused := check_client(self.cfg.tls_allow_clients, context, "--tls-allow-client", self.refusals,
                                    "agent", "allow_client"):  # typed identities; counted, logged per identity
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
+            await refuse(context, request_iterator, grpc.StatusCode.PERMISSION_DENIED, refused)
         async for msg in self._hub.serve(request_iterator, context.peer() or "?", context.invocation_metadata()):
             yield msg
 

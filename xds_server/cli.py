@@ -63,10 +63,8 @@ def _serve(args: argparse.Namespace) -> int:
     from xds_server.server import ControlPlane
 
     set_replica(cfg.xds.replica_id)
-    if cfg.xds.server_id is not None:
-        logging.getLogger("xds_server.server").warning(
-            "xds.server_id is deprecated and ignored: versions are content hashes, the same on every "
-            "replica; name this process with xds.replica_id (now %r)", cfg.xds.replica_id)
+    for note in cfg.notes():
+        logging.getLogger("xds_server.server").warning("%s", note)
 
     async def run() -> int:
         cp = ControlPlane(cfg, config_path=path)
@@ -143,6 +141,8 @@ def _check_config(args: argparse.Namespace) -> int:
         return 2
     n = sum(len(c.nodes) for c in cfg.clusters)
     print(f"{path}: OK ({len(cfg.clusters)} cluster(s), {n} node(s))")
+    for note in cfg.notes():
+        print(f"note: {note}")
     return 0
 
 

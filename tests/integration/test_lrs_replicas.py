@@ -51,12 +51,12 @@ async def _metrics(http, admin: str) -> str:
 async def test_two_replicas_each_sum_every_envoy_exactly_once(make_fleet, http):
     p2 = free_port()
     fleet = make_fleet(n_nodes=3, xds_options={"replica_id": "cp-1"},
-                       config_options={"lrs": {"peers": [f"127.0.0.1:{p2}"]}})
+                       config_options={"lrs": {"peers": [{"address": f"127.0.0.1:{p2}", "replica_id": "cp-2"}]}})
     r1 = f"127.0.0.1:{fleet.xds_port}"
     cfg2 = fleet.config_dict()
     a2 = free_port()
     cfg2.update(xds={"listen": f"127.0.0.1:{p2}", "replica_id": "cp-2"}, admin={"listen": f"127.0.0.1:{a2}"},
-                lrs={"peers": [r1]})
+                lrs={"peers": [{"address": r1, "replica_id": "cp-1"}]})
     assert fleet.workdir is not None
     (fleet.workdir / "cp-2.yaml").write_text(yaml.safe_dump(cfg2, sort_keys=False))
     cp2 = ManagedProcess("cp-2", [*fleet._py("-m", "xds_server.cli", "serve", "--config",
@@ -123,7 +123,11 @@ async def test_two_replicas_each_sum_every_envoy_exactly_once(make_fleet, http):
         cp2.stop()
 
 
-def _cfg(xds: int, rid: str, peers: list[str]):
+def _peer(port: int, rid: str) -> dict:
+    return {"address": f"127.0.0.1:{port}", "replica_id": rid}
+
+
+def _cfg(xds: int, rid: str, peers: list[dict]):
     return parse_config({
         "xds": {"listen": f"127.0.0.1:{xds}", "replica_id": rid}, "admin": {"listen": f"127.0.0.1:{free_port()}"},
         # no flood check here (min_report_gap_ratio 0): reports are written back to back
@@ -157,7 +161,7 @@ async def _refused(port: int, hello: bytes) -> grpc.StatusCode:
 
 async def test_peer_edges_refused_counted_and_never_forwarded_twice():
     p1, p2 = free_port(), free_port()
-    a = ControlPlane(_cfg(p1, "cp-1", [f"127.0.0.1:{p2}"]), probe_sources=InMemoryProbes())
+    a = ControlPlane(_cfg(p1, "cp-1", [_peer(p2, "cp-2")]), probe_sources=InMemoryProbes())
     lone = ControlPlane(_cfg(free_port(), "cp-9", []), probe_sources=InMemoryProbes())
     await a.start()
     await lone.start()
@@ -178,7 +182,7 @@ async def test_peer_edges_refused_counted_and_never_forwarded_twice():
                            what="cp-1 applied 6")
             link = a.load.peers.links[0]
             assert link.dropped["queue_full"] == 1 and link.queue.qsize() == 2 and not link.up
-            b = ControlPlane(_cfg(p2, "cp-2", [f"127.0.0.1:{p1}"]), probe_sources=InMemoryProbes())
+            b = ControlPlane(_cfg(p2, "cp-2", [_peer(p1, "cp-1")]), probe_sources=InMemoryProbes())
             await b.start()
             await wait_for(lambda: link.up and link.forwarded == 2, 10, what="the queue drained once cp-2 was up")
             bt = b.load.aggregator
@@ -198,7 +202,7 @@ async def test_peer_edges_refused_counted_and_never_forwarded_twice():
             await envoy.write(_report(5))
             await wait_for(lambda: link.queue.qsize() == 1, 5, what="the report queued")
             link.monotonic = lambda: time.monotonic() + 61.0  # 61 s later, for the link's clock
-            b = ControlPlane(_cfg(p2, "cp-2", [f"127.0.0.1:{p1}"]), probe_sources=InMemoryProbes())
+            b = ControlPlane(_cfg(p2, "cp-2", [_peer(p1, "cp-1")]), probe_sources=InMemoryProbes())
             await b.start()
             await wait_for(lambda: link.dropped["stale"] == 1, 10, what="the late report dropped as stale")
             assert link.forwarded == 3 and ("llm", "gpu-a") not in b.load.aggregator.totals
@@ -211,37 +215,37 @@ async def test_peer_edges_refused_counted_and_never_forwarded_twice():
 
 async def test_peers_over_mtls_are_allowed_by_their_client_certificate(tmp_path):
     # mtls on both xDS ports; each replica dials its peer with its own client certificate, which
-    # the peer's tls.node_allow must allow for its replica id, as an Envoy's for its node id
+    # must match the identity the peer lists for its replica id (lrs.peers), whatever
+    # tls.node_allow (the Envoys' rule) says
     ca = TestCA(tmp_path)
     server = ca.issue("xds", dns=["localhost"], ips=["127.0.0.1"])
     cert = {r: ca.issue(r, dns=[f"{r}.replicas.internal"], client=True) for r in ("cp-1", "cp-2", "cp-3")}
     envoy = ca.issue("envoy", dns=["envoy.internal"], client=True)
-    allow = [{"identity": "dns:envoy.internal", "node_ids": ["envoy-*"]},
-             {"identity": "dns:cp-1.replicas.internal", "node_ids": ["cp-1"]},
-             {"identity": "dns:cp-2.replicas.internal", "node_ids": ["cp-2"]}]
+    allow = [{"identity": "dns:envoy.internal", "node_ids": ["envoy-*"]}]
     p1, p2, p3 = free_port(), free_port(), free_port()
 
-    def cfg(port: int, rid: str, peer: int):
+    def cfg(port: int, rid: str, peer: int, peer_id: str):
         return parse_config({
             "xds": {"listen": f"127.0.0.1:{port}", "replica_id": rid}, "admin": {"listen": f"127.0.0.1:{free_port()}"},
             "tls": {"mode": "mtls", "cert_file": server.cert, "key_file": server.key, "client_ca_file": ca.cert,
                     "node_allow": allow},
-            "lrs": {"peers": [f"127.0.0.1:{peer}"], "peer_tls": {
+            "lrs": {"peers": [{"address": f"127.0.0.1:{peer}", "replica_id": peer_id,
+                               "identity": f"dns:{peer_id}.replicas.internal"}], "peer_tls": {
                 "mode": "mtls", "ca_file": ca.cert, "cert_file": cert[rid].cert, "key_file": cert[rid].key}},
             "clusters": [{"name": "llm", "nodes": [{"id": "gpu-a", "address": "127.0.0.1:9001",
                                                      "probe_address": "127.0.0.1:9101"}]}]})
 
-    cps = [ControlPlane(cfg(p1, "cp-1", p2), probe_sources=InMemoryProbes()),
-           ControlPlane(cfg(p2, "cp-2", p1), probe_sources=InMemoryProbes()),
-           ControlPlane(cfg(p3, "cp-3", p2), probe_sources=InMemoryProbes())]  # not on cp-2's allow-list
+    cps = [ControlPlane(cfg(p1, "cp-1", p2, "cp-2"), probe_sources=InMemoryProbes()),
+           ControlPlane(cfg(p2, "cp-2", p1, "cp-1"), probe_sources=InMemoryProbes()),
+           ControlPlane(cfg(p3, "cp-3", p2, "cp-2"), probe_sources=InMemoryProbes())]  # not one of cp-2's peers
     for cp in cps:
         await cp.start()
     try:
         a, b, c = cps
         await wait_for(lambda: a.load.peers.links[0].up and b.load.peers.links[0].up, 10, what="cp-1 <-> cp-2 up")
         await wait_for(lambda: "PERMISSION_DENIED" in c.load.peers.links[0].last_error, 10,
-                       what="cp-3 refused by cp-2's tls.node_allow")
-        assert not c.load.peers.links[0].up and b.load.aggregator.problems["not_allowed"] >= 1
+                       what="cp-3 refused by cp-2's lrs.peers")
+        assert not c.load.peers.links[0].up and b.load.aggregator.problems["peer_refused"] >= 1
         async with dial(f"127.0.0.1:{p1}", tls=ClientTls(ca.cert, envoy.cert, envoy.key)) as ch:
             call = ch.stream_stream(LRS_METHOD)()
             await call.write(_report(0, "envoy-1"))

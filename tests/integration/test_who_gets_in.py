@@ -20,6 +20,7 @@ import pytest
 import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
+from envoy.service.load_stats.v3 import lrs_pb2
 
 from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.process.tls import ClientTls, dial
@@ -215,6 +216,50 @@ async def test_cn_and_dns_tricks_are_refused_on_ads_feed_and_agent_and_each_is_l
     feed_lines = [ln for ln in (stack.dir / "xds.log").read_text().splitlines() if "routing feed refused" in ln]
     assert all("refused on the xds port (feed_allow): peer ipv4:127.0.0.1:" in ln for ln in feed_lines), feed_lines
     assert len([ln for ln in feed_lines if f"identity cn:{RELAY}" in ln]) == 1, feed_lines
+
+
+async def _pipelined(port: int, tls: ClientTls, method: str, requests: list[bytes]) -> str:
+    """Write ``requests`` back to back without waiting, then read: the status code's name (the
+    client gets the server's refusal, not grpcio's INTERNAL for a write that raced it)."""
+    async with dial(f"127.0.0.1:{port}", tls=tls) as ch:
+        call = ch.stream_stream(method)()
+        try:
+            for raw in requests:
+                await call.write(raw)
+            await asyncio.wait_for(call.read(), 10)
+            return "answered"
+        except grpc.aio.AioRpcError as e:
+            return e.code().name
+        except asyncio.InvalidStateError:  # a write after the status came: the status itself
+            return (await call.code()).name
+
+
+async def test_every_refused_stream_kind_answers_permission_denied_to_a_client_that_keeps_writing(stack):
+    delta = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources"
+    lrs = "/envoy.service.load_stats.v3.LoadReportingService/StreamLoadStats"
+    agent_watch = "/node_probe.v1.NodeProbe/Watch"
+
+    def dreq(node_id: str) -> bytes:
+        return discovery_pb2.DeltaDiscoveryRequest(node=base_pb2.Node(id=node_id),
+                                                   type_url=CLUSTER_TYPE_URL).SerializeToString()
+
+    def sreq(node_id: str) -> bytes:
+        req = discovery_pb2.DiscoveryRequest(node=base_pb2.Node(id=node_id), type_url=CLUSTER_TYPE_URL)
+        return req.SerializeToString()
+
+    cases = {  # the refusals seen answering INTERNAL, and their SotW and LRS siblings
+        "delta: Envoy certificate claiming a GPU node's id": (stack.xds_port, stack.envoy, delta, dreq("gpu-a")),
+        "delta: certificate not in tls.node_allow": (stack.xds_port, stack.relay, delta, dreq("envoy-llm-1")),
+        "sotw: certificate not in tls.node_allow": (stack.xds_port, stack.relay, ADS, sreq("envoy-llm-1")),
+        "lrs: certificate not in tls.node_allow": (
+            stack.xds_port, stack.relay, lrs, lrs_pb2.LoadStatsRequest(node=base_pb2.Node(id="envoy-llm-1"))
+            .SerializeToString()),
+        "agent: identity only in the CN": (stack.agent_port, stack.tricks[("cp", "cn")], agent_watch,
+                                           probe_pb2.ControlMessage().SerializeToString()),
+    }
+    for what, (port, pair, method, raw) in cases.items():
+        got = [await _pipelined(port, stack.tls(pair), method, [raw] * 3) for _ in range(15)]
+        assert got == ["PERMISSION_DENIED"] * 15, (what, got)
 
 
 async def test_refused_handshakes_never_reach_python_and_raise_the_handshake_counter(stack):

@@ -174,7 +174,8 @@ def test_a_marker_counts_only_as_a_non_empty_string(value, with_node):
 
 
 def _replica(me: str, peer: str) -> PeerSet:
-    cfg = parse_config({"xds": {"listen": "127.0.0.1:1", "replica_id": me}, "lrs": {"peers": [peer]},
+    cfg = parse_config({"xds": {"listen": "127.0.0.1:1", "replica_id": me},
+                        "lrs": {"peers": [{"address": peer, "replica_id": "cp-x"}]},
                         "clusters": [{"name": "llm", "nodes": [
                             {"id": "gpu-a", "address": "127.0.0.1:9001", "probe_address": "127.0.0.1:9101"},
                             {"id": "gpu-b", "address": "127.0.0.1:9002", "probe_address": "127.0.0.1:9102"}]}]})
@@ -197,7 +198,7 @@ def _envoy_report(per_node: dict[int, int]) -> lrs_pb2.LoadStatsRequest:
 def test_two_replicas_forwarding_hold_the_same_sums_each_report_once(reports):
     # each report lands on the replica the Envoy's stream is on at that moment (it may move
     # between reports); that replica applies it and forwards it, the other applies the forwarded
-    # copy with the flood check off and never forwards it back
+    # copy (flood-checked per Envoy and peer stream) and never forwards it back
     peers = [_replica("cp-1", "127.0.0.1:2"), _replica("cp-2", "127.0.0.1:1")]
     aggs = [LoadAggregator(NODES, interval_s=1.0, retain_s=1e6), LoadAggregator(NODES, interval_s=1.0, retain_s=1e6)]
     want = {"gpu-a": 0, "gpu-b": 0}
@@ -217,7 +218,7 @@ def test_two_replicas_forwarding_hold_the_same_sums_each_report_once(reports):
         other = 1 - on
         got = decode_report(fwd, fwd.node.id, 99, **LIMITS)
         assert got.clusters == rep.clusters
-        aggs[other].ingest(got, now + 0.001, flood_check=False)
+        assert aggs[other].ingest(got, now + 0.001) == []  # flood-checked per Envoy, as a direct stream
         assert all(link.queue.empty() for p in peers for link in p.links)  # nothing forwarded twice
         for port, n in per_node.items():
             want["gpu-a" if port == 9001 else "gpu-b"] += n

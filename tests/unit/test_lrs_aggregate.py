@@ -61,6 +61,23 @@ def test_sums_across_envoys_equal_what_was_reported(reports):
     assert c.issued == sum(w[0] for w in want.values())
 
 
+@given(st.lists(st.tuples(st.sampled_from(["envoy-1", "envoy-2", "envoy-3"]),
+                          st.dictionaries(st.sampled_from(["gpu-a", "gpu-b"]), counts, max_size=2)),
+                min_size=1, max_size=30), st.floats(1.0, 30.0))
+def test_failing_reporters_are_those_that_reported_errors_within_the_window(reports, window_s):
+    agg = LoadAggregator(NODES, interval_s=1.0, retain_s=1000.0, min_gap_s=0.0)
+    seen: list[tuple[float, str, str]] = []  # (when, reporter, node) of each report with errors
+    now = 0.0
+    for reporter, per_node in reports:
+        now += 0.7
+        assert agg.ingest(report(reporter, per_node), now) == []
+        seen += [(now, reporter, n) for n, c in per_node.items() if c.errored]
+    first = int((now - window_s) // 1.0) + 1  # the window's first slot, as the aggregator counts it
+    for n in ("gpu-a", "gpu-b"):
+        want = tuple(sorted({r for at, r, node in seen if node == n and int(at // 1.0) >= first}))
+        assert agg.node("llm", n, now, window_s).failing == want
+
+
 def test_window_slides_and_in_progress_is_a_gauge_per_envoy():
     agg = LoadAggregator(NODES, interval_s=1.0, retain_s=30.0, stale_after_s=3.0)
     agg.ingest(report("e1", {"gpu-a": Counts(10, 9, 1, 4)}), 1.0)

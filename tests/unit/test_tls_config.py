@@ -310,6 +310,7 @@ def test_readme_tls_example_is_valid(pki, tmp_path, monkeypatch):
     cfg = parse_config(doc)
     assert cfg.tls.mode == "mtls" and cfg.tls.node_allow and cfg.tls.agents.mode == "mtls"
     assert cfg.admin.token == "t0ken" and cfg.admin.tls is not None and cfg.feed.allow_identities
+    assert cfg.lrs.traffic_ejection.min_reporters == 2
     del doc["admin"]["token_file"]
     with pytest.raises(ConfigError, match=r"admin.token: admin.listen 0.0.0.0:19000 is not a loopback address"):
         parse_config(doc)
@@ -380,3 +381,19 @@ async def test_start_refuses_a_certificate_whose_key_does_not_match(tmp_path):
             await cp.start()
     finally:
         await cp.stop()
+
+
+def test_replicas_peer_example_is_valid(tmp_path, monkeypatch):
+    """docs/replicas.md's lrs.peers block (mTLS, a peer with its identity) parses once its files
+    exist, and names no older form."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "replicas.md").read_text()
+    section = text[text.index("## Load reports across replicas"):]
+    doc = yaml.safe_load(section.split("```yaml")[1].split("```")[0])
+    monkeypatch.chdir(tmp_path)
+    ca = TestCA(tmp_path / "certs", "ca")
+    for name in ("xds-server", "cp-1-client"):
+        ca.issue(name)
+    cfg = parse_config(doc)
+    (peer,) = cfg.lrs.peers
+    assert peer.replica_id == "cp-2" and peer.identity and cfg.lrs.traffic_ejection.min_reporters == 2
+    assert cfg.notes() == []

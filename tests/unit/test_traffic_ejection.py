@@ -148,3 +148,29 @@ def test_a_busy_node_is_held_not_ejected_whatever_its_real_traffic_errors():
     assert list(v.eject) == ["f"]
     assert sorted(v.held) == ["c", "d", "e"]
     assert all(v.held[n].endswith("not ejected: busy (its own evidence shows load)") for n in "cde")
+
+
+def test_with_min_reporters_one_reporters_failures_are_held_and_two_eject_naming_them():
+    two = TrafficEjectionConfig(min_reporters=2)
+    peers = [(n, healthy(n), Evidence(40, 0, 2, 10.0)) for n in "ab"]
+    alone = peers + [("c", healthy("c"), Evidence(0, 20, 2, 10.0, ("envoy-forger",)))]
+    v = traffic_verdicts(alone, two, 50.0)
+    assert not v.eject and v.held["c"].endswith("not ejected: failures seen by 1 reporter(s), min_reporters 2")
+    assert "failures seen by envoy-forger (failure share 100 %" in v.held["c"]
+    assert list(traffic_verdicts(alone, CFG, 50.0).eject) == ["c"]  # min_reporters 1: one is enough
+    both = peers + [("c", healthy("c"), Evidence(1, 24, 2, 10.0, ("envoy-1", "envoy-2")))]
+    v = traffic_verdicts(both, two, 50.0)
+    assert not v.held and "across 2 Envoys, failures seen by envoy-1, envoy-2 (failure share" in v.eject["c"]
+    many = peers + [("c", healthy("c"), Evidence(1, 24, 5, 10.0, tuple(f"envoy-{i}" for i in range(5))))]
+    assert "seen by envoy-0, envoy-1, envoy-2 and 2 more (" in traffic_verdicts(many, two, 50.0).eject["c"]
+
+
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60), st.sets(st.sampled_from("wxyz"))),
+                min_size=1, max_size=6), st.integers(1, 4))
+def test_no_node_is_ejected_on_fewer_failing_reporters_than_min_reporters(rows, min_reporters):
+    cfg = TrafficEjectionConfig(min_reporters=min_reporters)
+    nodes = [(f"n{i}", healthy(f"n{i}"), Evidence(ok, bad, 4, 10.0, tuple(sorted(who))))
+             for i, (ok, bad, who) in enumerate(rows)]
+    evidence = {nid: ev for nid, _, ev in nodes}
+    for nid in traffic_verdicts(nodes, cfg, 100.0).eject:
+        assert min_reporters == 1 or len(evidence[nid].failing) >= min_reporters

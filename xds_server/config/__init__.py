@@ -26,7 +26,16 @@ from xds_server.config.cluster import (
 from xds_server.config.discovery import DiscoveryConfig, FileDiscoveryConfig, KubernetesDiscoveryConfig
 from xds_server.config.feed import FeedConfig, check_feed
 from xds_server.config.health import HealthConfig
-from xds_server.config.load import LrsConfig, ShedClassesConfig, ShedConfig, TrafficEjectionConfig, class_clusters
+from xds_server.config.load import (
+    LrsConfig,
+    PeerConfig,
+    ShedClassesConfig,
+    ShedConfig,
+    TrafficEjectionConfig,
+    check_lrs,
+    class_clusters,
+    lrs_notes,
+)
 from xds_server.config.ops import ReloadConfig, StateConfig
 from xds_server.config.probe import ProbeConfig
 from xds_server.config.shift import ShiftConfig
@@ -49,6 +58,7 @@ __all__ = [
     "NodeAllowRule",
     "NodeConfig",
     "OutlierDetectionConfig",
+    "PeerConfig",
     "ProbeConfig",
     "ReloadConfig",
     "SentinelConfig",
@@ -102,9 +112,18 @@ class SentinelConfig(_Model):
                         [(f"clusters.{ci}.nodes.{ni}.probe_address", n.probe_address)
                          for ci, c in enumerate(self.clusters) for ni, n in enumerate(c.nodes)])
         check_feed(self.feed, self.tls.mode)
+        check_lrs(self.lrs, self.tls.mode)
         if self.health.validation.enabled and self.probe.workers != 0:
             raise ValueError("health.validation.enabled needs probe.workers: 0 (it runs in-process)")
         return self
+
+    def notes(self) -> list[str]:
+        """Lines an operator should read about this config (older forms, refusals it implies),
+        printed by ``check-config`` and logged as warnings at start."""
+        old = [] if self.xds.server_id is None else [
+            "xds.server_id is deprecated and ignored: versions are content hashes, the same on every replica; "
+            f"name this process with xds.replica_id (now {self.xds.replica_id!r})"]
+        return old + lrs_notes(self.lrs, self.tls.mode, self.xds.listen)
 
     def nodes(self) -> list[tuple[str, NodeConfig]]:
         """All nodes as ``(cluster_name, node)`` pairs, in file order."""

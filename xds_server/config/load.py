@@ -17,9 +17,10 @@ from xds_server.config.base import _Model, parse_hostport
 from xds_server.config.cluster import ClusterConfig
 from xds_server.config.tls import AgentTlsConfig
 from xds_server.process.dialing import is_loopback
+from xds_server.process.identity import check_pattern
 
-__all__ = ["CLASS_SEPARATOR", "LrsConfig", "ShedClassesConfig", "ShedConfig", "TrafficEjectionConfig",
-           "class_clusters"]
+__all__ = ["CLASS_SEPARATOR", "LrsConfig", "PeerConfig", "ShedClassesConfig", "ShedConfig",
+           "TrafficEjectionConfig", "class_clusters"]
 
 CLASS_SEPARATOR = "~"
 """A class cluster is named ``<cluster>~<class>`` (``llm~sheddable``): a configured cluster name
@@ -64,6 +65,13 @@ class TrafficEjectionConfig(_Model):
         description="nodes with min_requests a cluster needs before the stdev rule applies (the "
         "failure-share rule needs none); Envoy's success_rate_minimum_hosts is 5, ours is lower "
         "because LLM clusters are small")
+    min_reporters: int = Field(
+        1, ge=1, le=64,
+        description="distinct reporters (Envoy node ids that passed tls.node_allow) that must each "
+        "have seen a node's requests fail before its real traffic ejects it; the reason names them. "
+        "1 keeps one-Envoy fleets working; 2 means no single reporter, forged or confused, ejects "
+        "anything (as distinct as tls.node_allow makes the ids: one certificate allowed many ids "
+        "counts once per id). Ours")
 
 
 class ShedClassesConfig(_Model):
@@ -199,6 +207,38 @@ class ShedConfig(_Model):
         return self
 
 
+class PeerConfig(_Model):
+    """One other replica (``lrs.peers``): where its xDS port is, and who it is when it forwards
+    reports here."""
+
+    address: str = Field(..., description="HOST:PORT of the peer's xDS port (its xds.listen)")
+    replica_id: str | None = Field(
+        None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+        description="the peer's xds.replica_id: a forwarded stream is accepted only when its marker "
+        "names a listed replica_id. Unset (the older form): reports are still forwarded to the peer, "
+        "and a forwarded stream claiming it is refused")
+    identity: str | None = Field(
+        None, min_length=1,
+        description="typed pattern over the peer's client certificate (as tls.node_allow's identity: "
+        "'spiffe://...', 'uri:', 'dns:', 'cn:'); required when tls.mode is mtls: its forwarded "
+        "stream must present a matching certificate. Without mtls the stream must come from the "
+        "address's host instead")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        parse_hostport(v)
+        return v
+
+    @field_validator("identity")
+    @classmethod
+    def _typed(cls, v: str | None) -> str | None:
+        why = None if v is None else check_pattern(v)
+        if why:
+            raise ValueError(why)
+        return v
+
+
 class LrsConfig(_Model):
     """The LRS server on the xDS port (``StreamLoadStats``) and what is done with its reports."""
 
@@ -206,7 +246,7 @@ class LrsConfig(_Model):
     ADVANCED: ClassVar[frozenset[str]] = frozenset({
         "max_clusters_per_report", "max_endpoints_per_report", "max_localities_per_cluster",
         "max_requests_per_interval", "max_streams", "min_report_gap_ratio", "peer_backoff_max_s",
-        "peer_keepalive_s", "peer_max_delay_s", "peer_queue"})
+        "peer_keepalive_s", "peer_max_delay_s", "peer_max_envoys", "peer_queue"})
 
     enabled: bool = Field(
         True, description="serve StreamLoadStats; off: the service answers UNIMPLEMENTED and Envoys "
@@ -248,12 +288,26 @@ class LrsConfig(_Model):
         "(too_many_localities) and those are not shown as localities, their endpoints still count for "
         "their nodes (bounds memory against a client inventing names). Ours: regions x zones x "
         "sub-zones of a real fleet are far fewer")
-    peers: list[str] = Field(
+    peers: list[PeerConfig] = Field(
         default_factory=list, max_length=64,
-        description="HOST:PORT of the other replicas' xDS ports (xds.listen): each report an Envoy "
-        "sends here is forwarded to every peer (marked, never forwarded again), so every replica "
-        "sums every Envoy once. Empty (the default): one replica, nothing forwarded, and forwarded "
-        "streams from others are refused. Read at start (a change needs a restart)")
+        description="the other replicas ({address, replica_id, identity}): each report an Envoy "
+        "sends here is forwarded to every peer's address (marked, never forwarded again), so every "
+        "replica sums every Envoy once; a forwarded stream is accepted only from a listed peer "
+        "(its replica_id in the marker, and its certificate identity under tls.mode mtls, else its "
+        "address's host). A bare 'HOST:PORT' is the older form: reports are forwarded to it, "
+        "forwarded reports from it are refused until its replica_id is given. Empty (the "
+        "default): one replica. Read at start (a change needs a restart)")
+    peer_max_envoys: int = Field(
+        256, ge=1, le=100_000,
+        description="distinct Envoys one peer stream may name; reports naming more are counted "
+        "(peer_too_many_reporters) and not applied, so a peer cannot invent reporters. Ours: more "
+        "gateways than one pool of Envoys runs")
+    plaintext: bool = Field(
+        False,
+        description="accept load reports from unauthenticated clients when tls.mode is plaintext "
+        "and xds.listen is not loopback (said explicitly, as feed.plaintext: anyone who reaches the "
+        "port can then report failures and eject nodes); false: every load-report stream there is "
+        "refused (PERMISSION_DENIED naming this key). Plaintext only")
     peer_tls: AgentTlsConfig = Field(
         AgentTlsConfig(), description="how this replica dials its peers (mode plaintext | tls | mtls, "
         "ca_file that signed the peers' server certificates, cert_file/key_file the client "
@@ -279,23 +333,66 @@ class LrsConfig(_Model):
         "found (as the bootstrap's xds_cluster keepalive: 1 s / 1 s; the server allows 0.5 s, "
         "xds.min_client_ping_interval_ms)")
 
+    @field_validator("peers", mode="before")
+    @classmethod
+    def _peer_strings(cls, v: object) -> object:
+        """A bare ``HOST:PORT`` entry is the older form of ``{address: HOST:PORT}``."""
+        return [{"address": p} if isinstance(p, str) else p for p in v] if isinstance(v, list) else v
+
     @field_validator("peers")
     @classmethod
-    def _peers(cls, v: list[str]) -> list[str]:
-        for i, p in enumerate(v):
-            try:
-                parse_hostport(p)
-            except ValueError as e:
-                raise ValueError(f"peers.{i}: {e}") from None
-        if len(set(v)) != len(v):
+    def _peers(cls, v: list[PeerConfig]) -> list[PeerConfig]:
+        if len({p.address for p in v}) != len(v):
             raise ValueError("peers: an address is listed twice (its reports would be sent twice)")
+        ids = [p.replica_id for p in v if p.replica_id is not None]
+        if len(set(ids)) != len(ids):
+            raise ValueError("peers: a replica_id is listed twice (one id names one replica)")
         return v
+
+    def peer_addresses(self) -> list[str]:
+        """``HOST:PORT`` of every peer, in file order."""
+        return [p.address for p in self.peers]
 
     @model_validator(mode="after")
     def _peer_plaintext(self) -> LrsConfig:
         if self.peer_tls.mode is None:
-            for i, p in enumerate(self.peers):
+            for i, p in enumerate(self.peer_addresses()):
                 if not is_loopback(parse_hostport(p)[0]):
                     raise ValueError(f"peers.{i} {p} is not a loopback address: set peer_tls.mode to mtls "
                                      "or tls (or to plaintext to forward load reports unauthenticated)")
         return self
+
+
+def check_lrs(lrs: LrsConfig, tls_mode: str | None) -> None:
+    """Refuse ``lrs`` settings that do not apply to ``tls_mode`` (ValueError naming the field):
+    ``plaintext`` outside plaintext, a peer with a replica_id but no identity under mtls."""
+    if lrs.plaintext and tls_mode != "plaintext":
+        raise ValueError(f"lrs.plaintext is used with tls.mode plaintext only (mode is {tls_mode})")
+    if tls_mode == "mtls":
+        for i, p in enumerate(lrs.peers):
+            if p.replica_id is not None and p.identity is None:
+                raise ValueError(f"lrs.peers.{i}.identity: required with tls.mode mtls (the typed identity of "
+                                 f"the certificate replica {p.replica_id} presents when it forwards reports)")
+
+
+def lrs_plaintext_refusal(lrs: LrsConfig, tls_mode: str | None, xds_listen: str) -> str | None:
+    """Why every load-report stream is refused: plaintext off loopback not said in
+    ``lrs.plaintext`` (the PERMISSION_DENIED details); None when reports may be accepted."""
+    if tls_mode in (None, "plaintext") and not lrs.plaintext and not is_loopback(parse_hostport(xds_listen)[0]):
+        return (f"load reports refused: xds.listen {xds_listen} is not loopback and tls.mode is plaintext; "
+                "set lrs.plaintext: true to accept load reports (which eject nodes) from unauthenticated "
+                "clients explicitly, or use tls.mode mtls")
+    return None
+
+
+def lrs_notes(lrs: LrsConfig, tls_mode: str | None, xds_listen: str) -> list[str]:
+    """What an operator should know about ``lrs`` as configured (one line each, for
+    ``check-config`` and the server's start): older peer entries, load reports refused."""
+    out = [f"lrs.peers.{i} ({p.address}) has no replica_id: reports are forwarded to it, but its forwarded "
+           f"reports are refused; write it as {{address: {p.address}, replica_id: <its xds.replica_id>"
+           f"{', identity: <its certificate>' if tls_mode == 'mtls' else ''}}}"
+           for i, p in enumerate(lrs.peers) if p.replica_id is None]
+    refused = lrs.enabled and lrs_plaintext_refusal(lrs, tls_mode, xds_listen)
+    if refused:
+        out.append(refused)
+    return out

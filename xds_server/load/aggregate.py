@@ -49,6 +49,7 @@ class _Slot:
     errored: int = 0
     dropped: int = 0
     reporters: set[str] = field(default_factory=set)
+    failing: set[str] = field(default_factory=set)  # reporters whose counts here include errors
 
 
 _NodeKey = tuple[str, str]          # (cluster, node id)
@@ -122,16 +123,17 @@ class LoadAggregator:
         """A stream ended: its flood bookkeeping goes (its counts stay until they age out)."""
         self._last_report.pop((reporter, stream), None)
 
-    def ingest(self, report: Report, now_s: float, *, flood_check: bool = True) -> list[str]:
+    def ingest(self, report: Report, now_s: float) -> list[str]:
         """Apply one report received at ``now_s`` (monotonic s). Returns the problems found (also
-        counted in ``problems``): ``flood`` (nothing applied; not checked with ``flood_check``
-        False: a report forwarded by a peer replica, which checked it), and per cluster entry
-        ``unknown_cluster``, ``absurd_count``, ``bad_interval`` (refused), ``unknown_endpoint``
-        (that endpoint skipped)."""
+        counted in ``problems``): ``flood`` (nothing applied: the same reporter's previous report
+        on the same stream came less than ``min_gap_s`` before; a peer replica's forwarded
+        reports are keyed by the Envoy they name and the peer's stream, so a peer cannot flood
+        for an Envoy either), and per cluster entry ``unknown_cluster``, ``absurd_count``,
+        ``bad_interval`` (refused), ``unknown_endpoint`` (that endpoint skipped)."""
         found: list[str] = []
         key = (report.reporter, report.stream)
         last = self._last_report.get(key)
-        if flood_check and report.clusters and last is not None and now_s - last < self.min_gap_s:
+        if report.clusters and last is not None and now_s - last < self.min_gap_s:
             found.append("flood")
         else:
             if report.clusters:
@@ -289,6 +291,7 @@ class LoadAggregator:
         first = int((now_s - window_s) // self.interval_s) + 1
         issued = succeeded = errored = dropped = 0
         reporters: set[str] = set()
+        failing: set[str] = set()
         for s in q or ():
             if s.slot >= first:
                 issued += s.issued
@@ -296,7 +299,9 @@ class LoadAggregator:
                 errored += s.errored
                 dropped += s.dropped
                 reporters |= s.reporters
-        return Traffic(issued, succeeded, errored, in_progress, len(reporters), window_s, dropped)
+                failing |= s.failing
+        return Traffic(issued, succeeded, errored, in_progress, len(reporters), window_s, dropped,
+                       tuple(sorted(failing)))
 
 
 def _values(c: Counts) -> tuple[int, int, int, int]:
@@ -333,3 +338,5 @@ def _add(store: dict[_K, deque[_Slot]], key: _K, slot: int, reporter: str, c: Co
     s.errored += c.errored
     s.dropped += dropped
     s.reporters.add(reporter)
+    if c.errored:
+        s.failing.add(reporter)

@@ -26,21 +26,24 @@ from 0.1 s to ``lrs.peer_backoff_max_s`` with jitter.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import random
+import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence, Set
 
 import grpc
 from envoy.service.load_stats.v3 import lrs_pb2
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from xds_server.config import SentinelConfig, parse_hostport
+from xds_server.config import LrsConfig, SentinelConfig, parse_hostport
+from xds_server.process.identity import PeerIdentity, refusal_reason
 from xds_server.process.tls import ClientTls, dial
 from xds_server.process.untrusted import clip
 
-__all__ = ["MARKER", "PeerLink", "PeerSet", "forwarded_by", "peer_refused"]
+__all__ = ["MARKER", "PeerLink", "PeerSet", "forwarded_by", "host_addresses", "peer_refused", "source_ip"]
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +65,63 @@ def forwarded_by(req: lrs_pb2.LoadStatsRequest) -> str | None:
     return clip(v.string_value, 64)
 
 
-def peer_refused(config: SentinelConfig, peer: str) -> str | None:
-    """Why a stream forwarded by replica ``peer`` is refused (this replica has no ``lrs.peers``,
-    or ``peer`` is this replica's own ``xds.replica_id``: a loop), or None."""
-    if not config.lrs.peers:
+def peer_refused(lrs: LrsConfig, own_id: str, mtls: bool, marker: str, *, names: Sequence[str],
+                 source_ip: str | None, peer_ips: Set[str]) -> str | None:
+    """Why a stream whose first request carries the forwarded marker ``marker`` is refused, or
+    None when it is the listed peer it claims to be. ``lrs``: this replica's ``lrs`` section;
+    ``own_id``: its ``xds.replica_id``; ``mtls``: ``tls.mode`` is mtls. ``names``: the typed identities of the
+    client's verified certificate (:func:`~xds_server.process.tls.peer_identities`; empty
+    without one); ``source_ip``: the connection's remote address; ``peer_ips``: the addresses the
+    claimed peer's ``address`` host resolves to (empty when it is not listed or does not resolve).
+
+    The rule (docs/replicas.md): this replica has ``lrs.peers``; the marker is not this replica's
+    own id; it names a peer listed with that ``replica_id``; under ``tls.mode: mtls`` the
+    certificate matches that peer's ``identity``, otherwise the connection comes from one of its
+    host's addresses. A marker alone proves nothing: any client can write it."""
+    if not lrs.peers:
         return "this replica has no lrs.peers: forwarded load reports are refused"
-    if peer == config.xds.replica_id:
-        return (f"forwarded by this replica's own id {peer!r}: lrs.peers lists this replica's own "
+    if marker == own_id:
+        return (f"forwarded by this replica's own id {marker!r}: lrs.peers lists this replica's own "
                 "address, or two replicas share one xds.replica_id")
+    peer = next((p for p in lrs.peers if p.replica_id == marker), None)
+    if peer is None:
+        listed = ", ".join(p.replica_id for p in lrs.peers if p.replica_id) or "none"
+        return f"forwarded by {marker!r}, which no lrs.peers entry names as its replica_id (listed: {listed})"
+    if mtls:
+        if peer.identity is None:  # config: required under mtls
+            return f"forwarded as {marker!r}: lrs.peers lists no identity for it"
+        why = refusal_reason([peer.identity], PeerIdentity.from_names(names), f"lrs.peers ({marker}'s identity)")
+        return None if why is None else f"forwarded as {marker!r}: {why}"
+    if source_ip is None or source_ip not in peer_ips:
+        return (f"forwarded as {marker!r} from {source_ip or 'an unknown address'}, not from its host "
+                f"{parse_hostport(peer.address)[0]} ({', '.join(sorted(peer_ips)) or 'does not resolve'})")
     return None
+
+
+def source_ip(peer: str) -> str | None:
+    """The remote IP of a gRPC ``context.peer()`` string (``ipv4:10.0.0.2:5555``,
+    ``ipv6:[::1]:5555``), None for any other form."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0] or None
+    if kind == "ipv6" and rest.startswith("["):
+        return rest[1:rest.find("]")] or None
+    return None
+
+
+async def host_addresses(address: str) -> frozenset[str]:
+    """The IP addresses ``address``'s host (``HOST:PORT``) stands for: itself when it is one,
+    else what the resolver answers (empty when it does not resolve)."""
+    host = parse_hostport(address)[0].strip("[]")
+    try:
+        return frozenset({str(ipaddress.ip_address(host))})
+    except ValueError:
+        pass
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return frozenset()
+    return frozenset(str(info[4][0]) for info in infos)
 
 
 def _marked(replica_id: str, node_id: str) -> lrs_pb2.LoadStatsRequest:
@@ -196,7 +247,7 @@ class PeerSet:
         self.links = [PeerLink(p, self.replica_id, queue_max=lrs.peer_queue,
                                tls=lrs.peer_tls.client(parse_hostport(p)[0]), backoff_max_s=lrs.peer_backoff_max_s,
                                keepalive_s=lrs.peer_keepalive_s, max_delay_s=lrs.peer_max_delay_s)
-                      for p in lrs.peers]
+                      for p in lrs.peer_addresses()]
         self.received: Counter[str] = Counter()
 
     def start(self) -> list[asyncio.Task[None]]:

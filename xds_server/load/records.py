@@ -61,7 +61,8 @@ class Report:
 @dataclass(frozen=True)
 class Traffic:
     """Real-traffic figures over a window (requests; ``rps`` per s over the measured span;
-    ``success_ratio`` 0..1 of completed, None when none completed)."""
+    ``success_ratio`` 0..1 of completed, None when none completed; ``reporters``: how many
+    Envoys reported it; ``failing``: the node ids of those that reported errors, sorted)."""
 
     issued: int
     succeeded: int
@@ -70,6 +71,7 @@ class Traffic:
     reporters: int
     window_s: float
     dropped: int = 0
+    failing: tuple[str, ...] = ()
 
     @property
     def completed(self) -> int:

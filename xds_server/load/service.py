@@ -10,19 +10,23 @@ reports nothing until it gets a ``LoadStatsResponse``. We answer it once, with
 sends one report per interval on its own timer, without waiting for another response.
 
 Who may report: the same rule as ADS (``tls.node_allow`` over the client certificate's names and
-the node id of the first request); a refusal ends the stream PERMISSION_DENIED and is counted
-(``sentinel_lrs_problems_total{reason="not_allowed"}``) and logged per identity. Bad input
-never applies: an undecodable request ends the stream INVALID_ARGUMENT; a report too large, a
-flood, unknown clusters, absurd counts are counted and skipped with the stream kept (Envoy has no
-NACK for load reports). Streams beyond ``lrs.max_streams`` get RESOURCE_EXHAUSTED; each stream's
-reading is paced by the xDS request budget (``xds.request_bytes_per_s``), as ADS is.
+the node id of the first request); with ``tls.mode: plaintext`` off loopback, nobody unless
+``lrs.plaintext`` says so. A refusal ends the stream PERMISSION_DENIED (after reading what the
+client already sent, :mod:`xds_server.process.stream_refusal`), counted
+(``sentinel_lrs_problems_total{reason}`` and ``sentinel_access_refused_total{port="xds",reason}``)
+and logged per identity. Bad input never applies: an undecodable request ends the stream
+INVALID_ARGUMENT; a report too large, a flood, unknown clusters, absurd counts are counted and
+skipped with the stream kept (Envoy has no NACK for load reports). Streams beyond
+``lrs.max_streams`` get RESOURCE_EXHAUSTED; each stream's reading is paced by the xDS request
+budget (``xds.request_bytes_per_s``), as ADS is.
 
 Replicas (``lrs.peers``, :mod:`xds_server.load.peers`): each report from an Envoy is applied and
-forwarded to every peer; a stream whose first request carries the forwarded marker is a peer's
-(its node id, the peer's ``xds.replica_id``, is checked against ``tls.node_allow`` as an Envoy's
-is), and its reports, each naming the Envoy that sent it, are applied without the flood check
-(the sender applied it) and never forwarded again. A replica without ``lrs.peers``, or a stream
-naming this replica's own id, is refused PERMISSION_DENIED (``peer_refused``).
+forwarded to every peer. A stream whose first request carries the forwarded marker claims to be a
+peer, and a marker proves nothing: it is accepted only as the listed peer it names
+(:func:`~xds_server.load.peers.peer_refused`: its ``replica_id``, and its certificate identity
+under mTLS or its host otherwise). Its reports, each naming an Envoy the peer holds a stream
+from, are applied under the same per-Envoy flood limit as a direct stream's, at most
+``lrs.peer_max_envoys`` Envoys per peer stream, and never forwarded again.
 """
 from __future__ import annotations
 
@@ -38,14 +42,16 @@ from envoy.service.load_stats.v3 import lrs_pb2
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from xds_server.config import SentinelConfig, parse_hostport
+from xds_server.config.load import lrs_plaintext_refusal
 from xds_server.control.core import ControlCore
 from xds_server.control.traffic import TrafficEjector
 from xds_server.load.aggregate import LoadAggregator, Traffic
-from xds_server.load.peers import PeerSet, forwarded_by, peer_refused
+from xds_server.load.peers import PeerSet, forwarded_by, host_addresses, peer_refused, source_ip
 from xds_server.load.report import ReportRefused, decode_report, decode_request
 from xds_server.load.shedder import Shedder, class_aliases
 from xds_server.policy.traffic_ejection import Evidence
 from xds_server.process.refusals import Refusals
+from xds_server.process.stream_refusal import refuse
 from xds_server.process.tls import peer_identities
 from xds_server.process.untrusted import clip, for_log
 from xds_server.xds.budget import RequestBudget
@@ -55,6 +61,8 @@ __all__ = ["LoadReportingService", "node_map"]
 log = logging.getLogger(__name__)
 
 _SERVICE = "envoy.service.load_stats.v3.LoadReportingService"
+#: Refusal reason (``sentinel_access_refused_total``) -> its ``sentinel_lrs_problems_total`` reason.
+_PROBLEM = {"node_allow": "not_allowed", "lrs_peer": "peer_refused", "lrs_plaintext": "plaintext_refused"}
 
 
 def node_map(config: SentinelConfig) -> dict[str, dict[tuple[str, int], str]]:
@@ -146,20 +154,14 @@ class LoadReportingService:
                     req = decode_request(raw)
                 except ReportRefused as e:
                     self._problem(e.reason)
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    await refuse(context, request_iterator, grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 if sid not in self.streams and sid not in self.peer_streams:  # the first request: who is this?
                     reporter = clip(req.node.id, xc.client_text_max_chars) if req.HasField("node") else ""
-                    refused = self._refused(context, reporter)
-                    if refused is not None:
-                        self._problem("not_allowed")
-                        await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
                     peer = forwarded_by(req)
+                    refused = await self._admit(cfg, context, reporter, peer)
+                    if refused is not None:
+                        await refuse(context, request_iterator, grpc.StatusCode.PERMISSION_DENIED, refused)
                     if peer is not None:
-                        refused = peer_refused(cfg, peer)
-                        if refused is not None:
-                            self._problem("peer_refused")
-                            log.warning("forwarded load reports from %s refused: %s", context.peer(), refused)
-                            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
                         self.peer_streams[sid] = peer
                     else:
                         self.streams[sid] = reporter
@@ -176,8 +178,8 @@ class LoadReportingService:
                     if forwarded_by(req) is None or not source:
                         self._problem("peer_unmarked")
                         continue
-                    if source not in peer_reporters and len(peer_reporters) >= cfg.lrs.max_streams:
-                        self._problem("peer_too_many_reporters")  # more Envoys than one replica admits
+                    if source not in peer_reporters and len(peer_reporters) >= cfg.lrs.peer_max_envoys:
+                        self._problem("peer_too_many_reporters")  # a peer inventing reporters
                         continue
                     peer_reporters.add(source)
                 try:
@@ -187,7 +189,7 @@ class LoadReportingService:
                     self._problem(e.reason)
                     continue
                 now = self.monotonic()
-                found = self.aggregator.ingest(report, now, flood_check=peer is None)
+                found = self.aggregator.ingest(report, now)  # per (Envoy, stream): forwarded ones too
                 if report.clusters:
                     if peer is not None:
                         self.peers.count_received(peer)
@@ -223,7 +225,7 @@ class LoadReportingService:
                 nh = health.get(n.id)
                 w = te.window_s if nh is None else max(0.0, min(te.window_s, now - nh.since_s))
                 t = self.aggregator.node(c.name, n.id, now, w)
-                evidence[n.id] = Evidence(t.succeeded, t.errored, t.reporters, w)
+                evidence[n.id] = Evidence(t.succeeded, t.errored, t.reporters, w, t.failing)
             self.ejector.apply(c.name, evidence, now)
 
     def _shed(self, cfg: SentinelConfig, cluster: str, node_ids: list[str], now: float) -> None:
@@ -235,15 +237,36 @@ class LoadReportingService:
         """``build_cla`` keyword arguments of an Envoy cluster's overload drop (``shed_percent``, ``shed_flip``)."""
         return self.shedder.cla_args(cluster)
 
-    def _refused(self, context: grpc.aio.ServicerContext[bytes, bytes], node_id: str) -> str | None:
-        if self.authorize is None:
-            return None
+    async def _admit(self, cfg: SentinelConfig, context: grpc.aio.ServicerContext[bytes, bytes], reporter: str,
+                     marker: str | None) -> str | None:
+        """Why this stream is refused (counted in ``problems`` and by ``refusals``, logged per
+        identity), or None. An Envoy's stream: ``tls.node_allow`` over its certificate and node id
+        ``reporter``. A stream carrying the forwarded marker ``marker``: the listed peer it claims
+        to be (:func:`~xds_server.load.peers.peer_refused`). Either: plaintext off loopback only
+        with ``lrs.plaintext``."""
         names = peer_identities(context.auth_context())
-        refused = self.authorize(names, node_id)
-        if refused is not None and self.refusals is not None:
-            self.refusals.refuse("xds", "node_allow", context.peer() or "?", ", ".join(names[:3]),
-                                 f"load reports from node id {for_log(node_id, 100)!r}: {refused}")
-        return refused
+        why = lrs_plaintext_refusal(cfg.lrs, cfg.tls.mode, cfg.xds.listen)
+        if why is not None:
+            return self._refuse(context, names, "lrs_plaintext", why, why)
+        if marker is None:
+            why = None if self.authorize is None else self.authorize(names, reporter)
+            return None if why is None else self._refuse(
+                context, names, "node_allow", why, f"load reports from node id {for_log(reporter, 100)!r}: {why}")
+        claimed = next((p for p in cfg.lrs.peers if p.replica_id == marker), None)
+        ips = await host_addresses(claimed.address) if claimed is not None and cfg.tls.mode != "mtls" else frozenset()
+        why = peer_refused(cfg.lrs, cfg.xds.replica_id, cfg.tls.mode == "mtls", marker, names=names,
+                           source_ip=source_ip(context.peer() or ""), peer_ips=ips)
+        return None if why is None else self._refuse(context, names, "lrs_peer", why,
+                                                     f"forwarded load reports: {why}")
+
+    def _refuse(self, context: grpc.aio.ServicerContext[bytes, bytes], names: Sequence[str], reason: str,
+                why: str, logged: str) -> str:
+        self._problem(_PROBLEM[reason])
+        if self.refusals is not None:
+            self.refusals.refuse("xds", reason, context.peer() or "?", ", ".join(names[:3]) or "-", logged)
+        else:
+            log.warning("load-report stream from %s refused: %s", context.peer() or "?", logged)
+        return why
 
     @staticmethod
     def _response(cfg: SentinelConfig) -> lrs_pb2.LoadStatsResponse:
@@ -293,7 +316,7 @@ class LoadReportingService:
         problems = CounterMetricFamily("sentinel_lrs_problems", "load reports or parts of them refused, by "
                                        "reason (not_allowed, undecodable, too_large, flood, unknown_cluster, "
                                        "unknown_endpoint, absurd_count, bad_interval, too_many_streams, "
-                                       "peer_refused, peer_unmarked, peer_too_many_reporters)",
+                                       "peer_refused, peer_unmarked, peer_too_many_reporters, plaintext_refused)",
                                        labels=["reason"])
         for reason, count in sorted(agg.problems.items()):
             problems.add_metric([reason], count)

@@ -12,6 +12,11 @@ A routed node is a candidate when, with at least ``min_requests`` completed in t
   the absolute ``success_floor_ratio``, so a 99 %-successful node is never ejected however
   tight the spread at high volume (envoy#37723).
 
+Corroboration: with ``min_reporters`` above 1, a candidate is ejected only when at least that many
+distinct reporters (Envoy node ids, each through ``tls.node_allow``) saw its requests fail in the
+window; otherwise it is held, naming who did. One reporter, forged or confused, then ejects
+nothing. The reason of an ejection names the reporters that saw failures.
+
 Candidates are ejected worst first while the cluster's ejected nodes (any cause) stay within
 ``max_ejection_percent`` (:class:`~xds_server.config.HealthConfig`); the rest are held back. An
 ejection goes through the health model (signal ``real traffic failing``,
@@ -40,12 +45,14 @@ __all__ = ["Evidence", "TrafficVerdicts", "traffic_verdicts"]
 
 @dataclass(frozen=True, slots=True)
 class Evidence:
-    """A node's real traffic over ``window_s`` (s), summed over ``reporters`` Envoys."""
+    """A node's real traffic over ``window_s`` (s), summed over ``reporters`` Envoys;
+    ``failing``: the node ids of the Envoys that reported errors on it."""
 
     succeeded: int
     errored: int
     reporters: int
     window_s: float
+    failing: tuple[str, ...] = ()
 
     @property
     def completed(self) -> int:
@@ -68,8 +75,14 @@ def _reason(ev: Evidence, nh: NodeHealth, rule: str) -> str:
     probes = "probes OK" if nh.probe.consecutive_failures == 0 else \
         f"{nh.probe.consecutive_failures} probe(s) failed"
     envoys = "1 Envoy" if ev.reporters == 1 else f"{ev.reporters} Envoys"
+    seen = f", failures seen by {_names(ev.failing)}" if ev.failing else ""
     return (f"real traffic: {ev.errored} of {ev.completed} requests failed in {ev.window_s:.0f} s across "
-            f"{envoys} ({rule}); {probes}")
+            f"{envoys}{seen} ({rule}); {probes}")
+
+
+def _names(ids: Sequence[str], most: int = 3) -> str:
+    shown = ", ".join(ids[:most])
+    return shown if len(ids) <= most else f"{shown} and {len(ids) - most} more"
 
 
 def _busy(nh: NodeHealth) -> bool:
@@ -104,6 +117,11 @@ def traffic_verdicts(nodes: Sequence[tuple[str, NodeHealth, Evidence]], cfg: Tra
                                f"{cfg.stdev_factor:g} sd ({threshold * 100:.1f} %)")
     busy = {nid: f"{_reason(volume[nid], health[nid], why)}; not ejected: busy (its own evidence shows load)"
             for nid, why in candidates.items() if _busy(health[nid])}
+    if cfg.min_reporters > 1:
+        busy.update({nid: f"{_reason(volume[nid], health[nid], why)}; not ejected: failures seen by "
+                          f"{len(volume[nid].failing)} reporter(s), min_reporters {cfg.min_reporters}"
+                     for nid, why in candidates.items()
+                     if nid not in busy and len(volume[nid].failing) < cfg.min_reporters})
     for nid in busy:
         del candidates[nid]
     if not candidates:

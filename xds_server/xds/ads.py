@@ -43,6 +43,7 @@ from prometheus_client.core import Metric
 
 from xds_server.config import XdsConfig
 from xds_server.process.refusals import Refusals
+from xds_server.process.stream_refusal import drain
 from xds_server.process.tls import peer_certificate_sha256, peer_identities
 from xds_server.process.untrusted import RateLimitedLog, clip, for_log
 from xds_server.xds.budget import RequestBudget
@@ -246,6 +247,7 @@ class AdsServicer:
                     try:
                         req = request_cls.FromString(raw)
                     except DecodeError as e:
+                        await drain(request_iterator)  # the client reads our status, not INTERNAL
                         failure.append(_Rejected("undecodable", f"undecodable {request_cls.__name__}: {e}"))
                         return
                     if not authorized and self.authorize is not None:
@@ -257,12 +259,14 @@ class AdsServicer:
                                 self.refusals.refuse("xds", "node_allow", context.peer() or "?",
                                                      ", ".join(cert.names[:3]) if cert else "-",
                                                      f"node id {for_log(node_id, 100)!r}: {refused}")
+                            await drain(request_iterator)
                             failure.append(_Rejected("permission_denied", refused, grpc.StatusCode.PERMISSION_DENIED))
                             return
                     authorized = True
                     try:
                         verdict = stream.on_request(req)
                     except ValueError as e:
+                        await drain(request_iterator)
                         failure.append(_Rejected("invalid", str(e)))
                         return
                     self._on_verdict(stream, verdict)
