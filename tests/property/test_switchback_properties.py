@@ -156,3 +156,21 @@ def test_a_new_probation_asks_again():
     assert nh.state is hm.NodeState.UNHEALTHY
     # clean period doubled (failure in PROBATION): the next PROBATION's validation starts from NONE
     assert nh.ejection.clean_period_s == 2 * ON.probation_clean_s
+
+
+@settings(max_examples=200, deadline=None)
+@given(answers, answers)
+def test_similarity_is_symmetric(a, b):
+    assert similarity(a, b) == similarity(b, a)
+
+
+def test_peers_swapped_on_a_found_example_give_the_same_verdict():
+    # difflib's ratio differs by argument order on these texts (0.86 vs 0.82): a verdict flipped
+    def ans(*t: int) -> Answer:
+        return Answer(" ".join(f"w{i}" for i in t), None, True)
+
+    failed = Answer("", None, False)
+    pas = [PromptAnswers(failed, failed, failed), PromptAnswers(failed, failed, failed),
+           PromptAnswers(ans(), ans(), ans()), PromptAnswers(ans(0, 1), ans(0, 1, 0, 1), ans(1, 2, 0, 0))]
+    swapped = [PromptAnswers(p.candidate, p.peer_b, p.peer_a) for p in pas]
+    assert judge(pas, **KW).verdict == judge(swapped, **KW).verdict

@@ -64,7 +64,10 @@ def test_cluster_sets_panic_threshold_0_and_merge_window_0():
     assert cl.lb_policy == cluster_pb2.Cluster.LEAST_REQUEST
     assert cl.circuit_breakers.thresholds[0].max_requests.value == 100_000
     assert cl.circuit_breakers.thresholds[0].max_retries.value == 1024
-    assert cl.outlier_detection.consecutive_5xx.value == 5
+    od = cl.outlier_detection  # gateway failures eject; 5xx and success rate only count (a query of death)
+    assert od.consecutive_5xx.value == 5 and od.enforcing_consecutive_5xx.value == 0
+    assert od.consecutive_gateway_failure.value == 5 and od.enforcing_consecutive_gateway_failure.value == 100
+    assert od.enforcing_success_rate.value == 0
 
 
 def test_http2_upstream_option():

@@ -173,7 +173,8 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
                      status=200 if ready else 503)
 
     async def nodes(_: web.Request) -> web.Response:
-        return _json({"fail_static": view.fail_static_view(), "nodes": view.nodes()})
+        return _json({"fail_static": view.fail_static_view(), "cluster_failures": view.cluster_failures(),
+                      "nodes": view.nodes()})
 
     async def node(request: web.Request) -> web.Response:
         node_id = request.match_info["id"]

@@ -18,13 +18,17 @@ def _ms(v) -> str:
 
 
 def format_status(data: dict) -> list[str]:
-    """Lines of the status table for a parsed ``/nodes`` answer (``{"fail_static", "nodes"}``)."""
+    """Lines of the status table for a parsed ``/nodes`` answer (``{"fail_static", "cluster_failures",
+    "nodes"}``): a line per fail-static and per scope failing alike, then one per node."""
     lines: list[str] = []
     fs = data.get("fail_static") or {}
     if fs.get("active"):
         held = ", ".join(fs.get("held_clusters") or []) or "none yet"
         lines.append(f"FAIL-STATIC for {fs.get('since_s_ago') or 0:.1f} s: keeping the last good assignment "
                      f"(clusters held: {for_log(held, 200)}): {for_log(str(fs.get('reason') or ''), 300)}")
+    for cluster, cf in sorted((data.get("cluster_failures") or {}).items()):
+        for scope in cf.get("scopes") or []:
+            lines.append(f"CLUSTER FAILURE in {for_log(cluster, 64)}: {for_log(str(scope.get('reason') or ''), 300)}")
     lines.append(f"{'NODE':<20} {'CLUSTER':<16} {'STATE':<12} {'WEIGHT':>7} {'EDS':<10} {'RTT ms':>7} "
                  f"{'TTFT ms':>8}  REASON")
     for v in data.get("nodes", []):

@@ -300,6 +300,13 @@ class ControlPlaneView:
                                    nh.probe.last_ttft_ms))
         return rows
 
+    def cluster_failures(self) -> dict[str, object]:
+        """Clusters where most nodes fail real requests alike (``cluster_failure``), by name."""
+        ejector = self.load_reports.ejector if self.load_reports is not None else None
+        if ejector is None:
+            return {}
+        return {c.name: v for c in self.config.clusters if (v := ejector.cluster_view(c.name)) is not None}
+
     def cluster_summaries(self) -> list[dict]:
         out = []
         for c in self.config.clusters:

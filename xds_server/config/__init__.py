@@ -28,7 +28,6 @@ from xds_server.config.feed import FeedConfig, check_feed
 from xds_server.config.health import HealthConfig
 from xds_server.config.load import (
     LrsConfig,
-    PeerConfig,
     ShedClassesConfig,
     ShedConfig,
     TrafficEjectionConfig,
@@ -36,6 +35,7 @@ from xds_server.config.load import (
     class_clusters,
     lrs_notes,
 )
+from xds_server.config.lrs_peers import PeerConfig
 from xds_server.config.ops import ReloadConfig, StateConfig
 from xds_server.config.probe import ProbeConfig
 from xds_server.config.shift import ShiftConfig

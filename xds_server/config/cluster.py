@@ -61,10 +61,24 @@ class NodeConfig(_Model):
 
 
 class OutlierDetectionConfig(_Model):
-    """Envoy passive outlier detection served in the Cluster: a second line behind our probes."""
+    """Envoy passive outlier detection served in the Cluster: a second line behind our probes and
+    the fleet-wide traffic judgement (lrs.traffic_ejection), set so it cannot undo the latter:
+    Envoy ejects a node on consecutive *gateway* failures (502/503/504 and connection failures:
+    the node, not the request), while its 5xx and success-rate detectors, which a query of death
+    trips on every node in turn, only count (docs/real-traffic.md)."""
 
     enabled: bool = True
     consecutive_5xx: int = Field(5, ge=1, description="Envoy default 5")
+    enforcing_consecutive_5xx: int = Field(
+        0, ge=0, le=100, description="% of consecutive_5xx detections that eject (Envoy default 100). Ours: 0, "
+        "counted only: a request that fails on every node (a query of death) would eject each in turn")
+    consecutive_gateway_failure: int = Field(5, ge=1, description="Envoy default 5")
+    enforcing_consecutive_gateway_failure: int = Field(
+        100, ge=0, le=100, description="% of consecutive gateway-failure detections that eject (Envoy default "
+        "0). Ours: 100: refused connections, resets and 502/503/504 are the node's, ejected at once")
+    enforcing_success_rate: int = Field(
+        0, ge=0, le=100, description="% of success-rate detections that eject (Envoy default 100). Ours: 0: "
+        "the statistical judgement of lrs.traffic_ejection replaces it, fleet-wide")
     interval_ms: int = Field(1000, ge=1)
     base_ejection_time_ms: int = Field(10_000, ge=1)
     max_ejection_percent: int = Field(50, ge=0, le=100)

@@ -15,12 +15,12 @@ from pydantic import Field, field_validator, model_validator
 
 from xds_server.config.base import _Model, parse_hostport
 from xds_server.config.cluster import ClusterConfig
+from xds_server.config.lrs_peers import PeerConfig
 from xds_server.config.tls import AgentTlsConfig
 from xds_server.process.dialing import is_loopback
-from xds_server.process.identity import check_pattern
 
-__all__ = ["CLASS_SEPARATOR", "LrsConfig", "PeerConfig", "ShedClassesConfig", "ShedConfig",
-           "TrafficEjectionConfig", "class_clusters"]
+__all__ = ["CLASS_SEPARATOR", "LrsConfig", "ShedClassesConfig", "ShedConfig", "TrafficEjectionConfig",
+           "check_lrs", "class_clusters", "lrs_notes", "lrs_plaintext_refusal"]
 
 CLASS_SEPARATOR = "~"
 """A class cluster is named ``<cluster>~<class>`` (``llm~sheddable``): a configured cluster name
@@ -30,9 +30,16 @@ _CLASS = r"^[a-z0-9_-]{1,32}$"
 
 class TrafficEjectionConfig(_Model):
     """Fleet-wide passive ejection: a node whose real traffic, summed over every reporting Envoy,
-    fails far more than its cluster's is ejected through the health model (signal ``traffic``),
-    under the cluster's ``max_ejection_percent`` cap and with the same half-open probation and ramp
-    as every other signal. Envoy's own outlier detection stays the second line."""
+    fails significantly more than its peers' is ejected through the health model (signal
+    ``traffic``), under the cluster's ``max_ejection_percent`` cap and with the same half-open
+    probation and ramp as every other signal; when most nodes fail alike, none is ejected and the
+    cluster raises ``cluster_failure`` instead (:mod:`xds_server.policy.traffic_ejection`). Envoy's
+    own outlier detection stays the second line."""
+
+    #: Keys of the older ratio rules: accepted, ignored, named in a deprecation note.
+    DEPRECATED: ClassVar[dict[str, str]] = {
+        "stdev_factor": "confidence_p", "success_floor_ratio": "tolerance", "failure_ratio": "confidence_p",
+        "min_hosts": "min_requests"}
 
     enabled: bool = Field(
         True, description="eject on real-traffic evidence; off: LRS figures are shown, never applied")
@@ -41,30 +48,31 @@ class TrafficEjectionConfig(_Model):
         description="sliding window the decision reads, s (Envoy's outlier-detection interval, 10 s)")
     min_requests: int = Field(
         10, ge=1,
-        description="completed requests (succeeded + errored) a node needs in the window before its "
-        "success ratio counts, summed over every Envoy. Ours: Envoy's consecutive_5xx needs 5 per "
-        "Envoy (15 with 3 Envoys, 50 with 10) and its success-rate detector 100 per Envoy and "
-        "interval; 10 fleet-wide decides sooner from 2 Envoys on and still tells a failing node "
-        "from noise (a 1 %-failing node shows >= 5 of 10 failed with p ~ 2e-8)")
-    stdev_factor: float = Field(
-        1.9, ge=0,
-        description="success-rate style: eject when the node's ratio is below the cluster mean minus "
-        "this many standard deviations (Envoy's success_rate_stdev_factor 1900 / 1000)")
-    success_floor_ratio: float = Field(
-        0.95, ge=0, le=1,
-        description="a node at or above this success ratio (0..1) is never ejected by the stdev rule, "
-        "whatever the spread: at high volume the spread is tiny and Envoy's stdev rule ejects 99 %-"
-        "successful hosts (envoy#37723). Ours")
-    failure_ratio: float = Field(
-        0.5, gt=0, le=1,
-        description="eject when the node's failure share (errored / completed, 0..1) is at or above "
-        "this with min_requests, whatever its peers do (Envoy's failure_percentage_threshold is 85 "
-        "%; ours is lower because a probe-healthy node failing half its real requests is broken)")
-    min_hosts: int = Field(
-        2, ge=1,
-        description="nodes with min_requests a cluster needs before the stdev rule applies (the "
-        "failure-share rule needs none); Envoy's success_rate_minimum_hosts is 5, ours is lower "
-        "because LLM clusters are small")
+        description="completed requests (succeeded + errored) a node needs in the window before it is "
+        "judged at all, summed over every Envoy (a floor; significance decides). Ours: Envoy's "
+        "consecutive_5xx needs 5 per Envoy and its success-rate detector 100 per Envoy and interval")
+    confidence_p: float = Field(
+        1e-3, gt=0, lt=0.5,
+        description="eject only when the chance of seeing this many failures or more, from a node "
+        "failing at its peers' pooled rate plus tolerance, is at most this (a one-sided binomial "
+        "test on the counts, not on ratios: 1 failure in 10 is never evidence). Ours: one false "
+        "ejection in ~1,000 windows of a node exactly at the tolerated rate, far fewer below it")
+    tolerance: float = Field(
+        0.02, ge=0, lt=1,
+        description="failure rate (0..1) a node may exceed its peers' pooled rate by before it can "
+        "be ejected: a node failing 1 % of its requests among peers at 0 % is never ejected, at any "
+        "volume. Ours: LLM engines fail some user requests (bad prompts, 4xx counted as errors) "
+        "unevenly")
+    cluster_failure_share: float = Field(
+        0.5, ge=0, lt=1,
+        description="when more than this share (0..1) of the nodes with min_requests in a cluster "
+        "(or one priority) each fail significantly above tolerance alone, the requests are failing, "
+        "not the nodes: none is ejected for traffic and one cluster_failure event is raised (cleared "
+        "when the share falls). Ours: 'most nodes' (a query of death, a bad model push)")
+    stdev_factor: float | None = Field(None, description="deprecated and ignored: use confidence_p")
+    success_floor_ratio: float | None = Field(None, description="deprecated and ignored: use tolerance")
+    failure_ratio: float | None = Field(None, description="deprecated and ignored: use confidence_p")
+    min_hosts: int | None = Field(None, description="deprecated and ignored: the test needs no host count")
     min_reporters: int = Field(
         1, ge=1, le=64,
         description="distinct reporters (Envoy node ids that passed tls.node_allow) that must each "
@@ -205,38 +213,6 @@ class ShedConfig(_Model):
             raise ValueError("capacity_source: engines needs queue_wait_budget_s (the queue wait it keeps "
                              "admitted requests under), not null (null alone: the seed's thresholds)")
         return self
-
-
-class PeerConfig(_Model):
-    """One other replica (``lrs.peers``): where its xDS port is, and who it is when it forwards
-    reports here."""
-
-    address: str = Field(..., description="HOST:PORT of the peer's xDS port (its xds.listen)")
-    replica_id: str | None = Field(
-        None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
-        description="the peer's xds.replica_id: a forwarded stream is accepted only when its marker "
-        "names a listed replica_id. Unset (the older form): reports are still forwarded to the peer, "
-        "and a forwarded stream claiming it is refused")
-    identity: str | None = Field(
-        None, min_length=1,
-        description="typed pattern over the peer's client certificate (as tls.node_allow's identity: "
-        "'spiffe://...', 'uri:', 'dns:', 'cn:'); required when tls.mode is mtls: its forwarded "
-        "stream must present a matching certificate. Without mtls the stream must come from the "
-        "address's host instead")
-
-    @field_validator("address")
-    @classmethod
-    def _address(cls, v: str) -> str:
-        parse_hostport(v)
-        return v
-
-    @field_validator("identity")
-    @classmethod
-    def _typed(cls, v: str | None) -> str | None:
-        why = None if v is None else check_pattern(v)
-        if why:
-            raise ValueError(why)
-        return v
 
 
 class LrsConfig(_Model):
@@ -392,6 +368,9 @@ def lrs_notes(lrs: LrsConfig, tls_mode: str | None, xds_listen: str) -> list[str
            f"reports are refused; write it as {{address: {p.address}, replica_id: <its xds.replica_id>"
            f"{', identity: <its certificate>' if tls_mode == 'mtls' else ''}}}"
            for i, p in enumerate(lrs.peers) if p.replica_id is None]
+    te = lrs.traffic_ejection
+    out += [f"lrs.traffic_ejection.{k} is deprecated and ignored (the ratio rules became one significance test): "
+            f"see lrs.traffic_ejection.{te.DEPRECATED[k]}" for k in sorted(te.model_fields_set & te.DEPRECATED.keys())]
     refused = lrs.enabled and lrs_plaintext_refusal(lrs, tls_mode, xds_listen)
     if refused:
         out.append(refused)

@@ -299,6 +299,7 @@ class LoadReportingService:
                 "measured_interval_s": agg.measured_interval_s(cluster),
                 "envoys_reporting_cluster": agg.listing(cluster, now),
                 **self.shedder.view(self._config(), cluster),
+                "cluster_failure": self.ejector.cluster_view(cluster) if self.ejector is not None else None,
                 "localities": [{"locality": {"region": r, "zone": z, "sub_zone": s},
                                 **agg.locality(cluster, (r, z, s), now, w).to_json()}
                                for r, z, s in agg.localities(cluster)]}

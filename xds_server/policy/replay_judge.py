@@ -89,10 +89,13 @@ def agreement_tokens(a: Answer, b: Answer) -> int:
 
 
 def similarity(a: Answer, b: Answer) -> float:
-    """difflib ratio of the two texts (1.0 for two empty texts), 0..1."""
+    """difflib ratio of the two texts (1.0 for two empty texts), 0..1. Symmetric: difflib's
+    ratio depends on the argument order (its longest-match search is greedy from the first), so
+    the texts go in a fixed order; swapping two peers never changes a verdict."""
     if not a.text and not b.text:
         return 1.0
-    return difflib.SequenceMatcher(None, a.text, b.text, autojunk=False).ratio()
+    x, y = sorted((a.text, b.text))
+    return difflib.SequenceMatcher(None, x, y, autojunk=False).ratio()
 
 
 def _median(xs: Sequence[float]) -> float | None:

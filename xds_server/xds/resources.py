@@ -106,6 +106,11 @@ def build_cluster(c: ClusterConfig) -> cluster_pb2.Cluster:
         cluster.outlier_detection.CopyFrom(
             outlier_detection_pb2.OutlierDetection(
                 consecutive_5xx=wrappers_pb2.UInt32Value(value=od.consecutive_5xx),
+                enforcing_consecutive_5xx=wrappers_pb2.UInt32Value(value=od.enforcing_consecutive_5xx),
+                consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=od.consecutive_gateway_failure),
+                enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(
+                    value=od.enforcing_consecutive_gateway_failure),
+                enforcing_success_rate=wrappers_pb2.UInt32Value(value=od.enforcing_success_rate),
                 interval=_ms(od.interval_ms),
                 base_ejection_time=_ms(od.base_ejection_time_ms),
                 max_ejection_percent=wrappers_pb2.UInt32Value(value=od.max_ejection_percent),

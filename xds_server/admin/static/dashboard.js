@@ -149,6 +149,11 @@ function clusterBanner(c, fs) {
     return el("div", {class: "cbanner failstatic", "data-banner": "fail-static",
       text: `FAIL-STATIC holds ${c.name}: Envoy keeps its last good assignment; health verdicts are not applied`});
   }
+  const cf = c.traffic && c.traffic.cluster_failure;
+  if (cf) {
+    return el("div", {class: "cbanner nothing", "data-banner": "cluster-failure",
+      text: `CLUSTER FAILURE in ${c.name}: ${cf.scopes.map(s => s.reason).join("; ")}`});
+  }
   if (c.nodes > 0 && c.routable === 0) {
     return el("div", {class: "cbanner nothing", "data-banner": "nothing-routable",
       text: `NOTHING ROUTABLE in ${c.name}: 0 of ${c.nodes} node(s) routed; Envoy has nowhere to send its requests`});

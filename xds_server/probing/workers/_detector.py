@@ -15,7 +15,8 @@ repeated heartbeat is folded in place (:class:`~xds_server.health.beats.BeatRun`
 main process's core. A step is *urgent*
 when it made transitions, changed the reason, flipped a fail-static input (a miss counted or cleared, the stream
 closed or reopened), changed the ejection record or changed the node's routing key
-(:func:`~xds_server.health.pipeline.routing_key`); urgent nodes are reported at the next
+(:func:`~xds_server.health.pipeline.routing_key`) or its queue level (seed 002's ``queue_*`` events,
+which the main process records from what it adopts); urgent nodes are reported at the next
 :meth:`take`. Other changes (load, RTT inside its bucket, GPU memory, heartbeat counts) wait for
 a full take.
 
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from xds_server.config import HealthConfig
 from xds_server.health import model as hm
 from xds_server.health.pipeline import advance, probe_result_key, routing_key
+from xds_server.health.queue_levels import queue_level
 
 __all__ = ["Detector", "NodeReport"]
 
@@ -167,7 +169,8 @@ class Detector:
         elif (nh.state is not prev.state or nh.ramp is not prev.ramp or nh.probe is not prev.probe
               or nh.rtt is not prev.rtt or nh.engine.requests_waiting != prev.engine.requests_waiting
               or nh.engine.gpu_free_ratio != prev.engine.gpu_free_ratio):
-            if routing_key(nh, self.cfg) != n.key:
+            if routing_key(nh, self.cfg) != n.key or queue_level(nh.engine.requests_waiting, self.cfg) != \
+                    queue_level(prev.engine.requests_waiting, self.cfg):  # seed 002's levels: an event each
                 self._mark(node_id)
         return adv.due_s
 

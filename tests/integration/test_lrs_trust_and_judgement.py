@@ -3,7 +3,9 @@ the listed peer replica it claims to be (its certificate identity under mTLS, it
 plaintext), a peer stream cannot invent Envoys past ``lrs.peer_max_envoys`` nor flood, a
 plaintext port off loopback takes no reports without ``lrs.plaintext``, and with
 ``lrs.traffic_ejection.min_reporters: 2`` one reporter's errors eject nothing while two do.
-Every refusal answers PERMISSION_DENIED and is counted and logged per identity."""
+Every refusal answers PERMISSION_DENIED and is counted and logged per identity. And how reports
+are judged when every node fails alike: no ejection, one ``cluster_failure`` shown in
+``/clusters``, ``/nodes`` and ``xds-server status``, cleared when the failures stop."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +14,7 @@ import aiohttp
 import grpc
 from envoy.service.load_stats.v3 import lrs_pb2
 
+from xds_server.admin.status_text import format_status
 from xds_server.config import parse_config
 from xds_server.health.records import ROUTED_STATES
 from xds_server.load.peers import MARKER
@@ -218,3 +221,46 @@ async def test_one_reporters_errors_eject_nothing_with_min_reporters_two_and_two
                 assert all(cp.core.health[n].state in ROUTED_STATES for n in ("n0", "n1"))
         finally:
             await cp.stop()
+
+
+async def test_every_node_failing_alike_ejects_none_and_raises_one_cluster_failure_until_it_clears():
+    probes, clock = InMemoryProbes(), ManualClock()
+    cp = ControlPlane(parse_config(_config(lrs={"traffic_ejection": {"window_s": 3.0}})), clock=clock,
+                      probe_sources=probes)
+    await cp.start()
+    try:
+        for nid in NODES:
+            probes[nid].heartbeat()
+            probes[nid].probe(ttft_ms=20.0)
+        _beat(probes, clock, 5.0)
+        admin = f"http://127.0.0.1:{cp.admin_port}"
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cp.xds_port}") as ch, aiohttp.ClientSession() as http:
+            envoy = await _open(ch, _request("envoy-1"))
+            # a query of death: every node fails the long prompts, ~65 % of the traffic
+            await envoy.write(_request(n0=(7, 13), n1=(7, 13), n2=(6, 14)))
+            await wait_for(lambda: cp.load.aggregator.reports == 1, 5, what="the report applied")
+            assert all(cp.core.health[n].state in ROUTED_STATES for n in NODES)
+            kinds = [e.kind for e in cp.core.events.recent(100)]
+            assert kinds.count("cluster_failure") == 1 and "traffic_held_back" not in kinds
+            async with http.get(f"{admin}/clusters") as r:
+                (llm,) = [c for c in (await r.json())["clusters"] if c["name"] == "llm"]
+            (scope,) = llm["traffic"]["cluster_failure"]["scopes"]
+            assert (scope["scope"], scope["failing_nodes"], scope["nodes"]) == ("cluster", 3, 3)
+            async with http.get(f"{admin}/nodes") as r:
+                lines = format_status(await r.json())
+            assert lines[0].startswith("CLUSTER FAILURE in llm: 3 of 3 nodes with traffic in the cluster fail "
+                                       "real requests alike (67 %")
+            # the same failures again: still one event; then the window passes clean: cleared
+            _beat(probes, clock, 1.0)
+            await envoy.write(_request(n0=(7, 13), n1=(7, 13), n2=(6, 14)))
+            await wait_for(lambda: cp.load.aggregator.reports == 2, 5, what="the second report")
+            _beat(probes, clock, 4.0)
+            await envoy.write(_request(n0=(20, 0), n1=(20, 0), n2=(20, 0)))
+            await wait_for(lambda: cp.load.aggregator.reports == 3, 5, what="the clean report")
+            kinds = [e.kind for e in cp.core.events.recent(100)]
+            assert kinds.count("cluster_failure") == 1 and kinds.count("cluster_failure_cleared") == 1
+            async with http.get(f"{admin}/nodes") as r:
+                assert not (await r.json())["cluster_failures"]
+            envoy.cancel()
+    finally:
+        await cp.stop()
