@@ -2,7 +2,8 @@
 the listed peer replica it claims to be (its certificate identity under mTLS, its host in
 plaintext), a peer stream cannot invent Envoys past ``lrs.peer_max_envoys`` nor flood, a
 plaintext port off loopback takes no reports without ``lrs.plaintext``, and with
-``lrs.traffic_ejection.min_reporters: 2`` one reporter's errors eject nothing while two do.
+``lrs.traffic_ejection.min_reporters: 2`` one reporter's errors eject nothing while two do;
+silent agents whose engines keep serving stay routed when nothing else would be.
 Every refusal answers PERMISSION_DENIED and is counted and logged per identity. And how reports
 are judged when every node fails alike: no ejection, one ``cluster_failure`` shown in
 ``/clusters``, ``/nodes`` and ``xds-server status``, cleared when the failures stop."""
@@ -16,6 +17,7 @@ from envoy.service.load_stats.v3 import lrs_pb2
 
 from xds_server.admin.status_text import format_status
 from xds_server.config import parse_config
+from xds_server.health import model as hm
 from xds_server.health.records import ROUTED_STATES
 from xds_server.load.peers import MARKER
 from xds_server.load.service import LoadReportingService
@@ -27,7 +29,7 @@ from xds_server.testing import TestCA, free_port, wait_for
 from xds_server.testing._fault_rig import prometheus_value
 
 LRS = "/envoy.service.load_stats.v3.LoadReportingService/StreamLoadStats"
-NODES = {"n0": 8001, "n1": 8002, "n2": 8003}
+NODES = {"n0": 8001, "n1": 8002, "n2": 8003, "n3": 8004}
 
 
 def _config(**over) -> dict:
@@ -261,6 +263,50 @@ async def test_every_node_failing_alike_ejects_none_and_raises_one_cluster_failu
             assert kinds.count("cluster_failure") == 1 and kinds.count("cluster_failure_cleared") == 1
             async with http.get(f"{admin}/nodes") as r:
                 assert not (await r.json())["cluster_failures"]
+            envoy.cancel()
+    finally:
+        await cp.stop()
+
+
+async def test_silent_survivors_whose_traffic_succeeds_stay_routed_until_their_traffic_stops():
+    # four nodes: two out for failed probes; the two survivors' agents go silent while their
+    # engines keep serving (2 of 4 silent: not the fleet-wide fail-static's "more than half")
+    probes, clock = InMemoryProbes(), ManualClock()
+    cp = ControlPlane(parse_config(_config()), clock=clock, probe_sources=probes)
+    await cp.start()
+    try:
+        for nid in NODES:
+            probes[nid].heartbeat()
+            probes[nid].probe(ttft_ms=20.0)
+        _beat(probes, clock, 2.0)
+        for _ in range(5):
+            for nid in ("n0", "n1"):
+                probes[nid].probe(kind=hm.ProbeResultKind.HTTP_STATUS, http_status=503)
+        assert [cp.core.health[n].state.name for n in NODES] == ["UNHEALTHY", "UNHEALTHY", "HEALTHY", "HEALTHY"]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cp.xds_port}") as ch:
+            envoy = await _open(ch, _request("envoy-1"))
+            await envoy.write(_request(n2=(12, 0), n3=(12, 0)))
+            await wait_for(lambda: cp.load.aggregator.reports == 1, 5, what="the report applied")
+            for _ in range(10):  # 1 s: n2 and n3 silent, n0 and n1 still beating (probes failing)
+                clock.advance(0.1)
+                for nid in ("n0", "n1"):
+                    probes[nid].heartbeat()
+            assert cp.core.health["n2"].state.name == cp.core.health["n3"].state.name == "UNHEALTHY"
+            await wait_for(lambda: cp.core.planner.kept_silent.get("llm") == ("n2", "n3"), 5, what="n2, n3 kept")
+            assert [cp.view.node(n)["eds_health_status"] for n in NODES] == ["UNHEALTHY", "UNHEALTHY", "HEALTHY",
+                                                                            "HEALTHY"]
+            # n3's host froze: its requests stop completing; n2 keeps serving
+            for _ in range(20):
+                clock.advance(0.1)
+                for nid in ("n0", "n1"):
+                    probes[nid].heartbeat()
+            await envoy.write(_request(n2=(12, 0)))
+            await wait_for(lambda: cp.load.aggregator.reports == 2, 5, what="the second report applied")
+            clock.advance(0.1)  # the coalesced publish
+            assert cp.core.planner.kept_silent.get("llm") == ("n2",)
+            assert cp.view.node("n3")["eds_health_status"] == "UNHEALTHY"
+            kinds = [(e.node_id, e.kind) for e in cp.core.events.recent(200) if e.kind.startswith("fail_static_kept")]
+            assert kinds == [("n2", "fail_static_kept"), ("n3", "fail_static_kept"), ("n3", "fail_static_kept_ended")]
             envoy.cancel()
     finally:
         await cp.stop()

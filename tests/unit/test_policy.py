@@ -190,3 +190,59 @@ def test_fail_static_may_change_is_false_only_where_the_walk_changes_nothing_or_
                            for k, v in h.items()}
             if sum(counted_silent(nh) for nh in all_counted.values()) == counted:
                 assert not fail_static(state, all_counted, now, CFG)[0].active
+
+
+def _out(nid: str, cause: str, probe_failures: int = 0):
+    from xds_server.health.model import Ejection, EjectionCause
+
+    nh = node(nid, S.UNHEALTHY, reason=f"{cause}: out")
+    return replace(nh, ejection=Ejection(cause=EjectionCause(cause)),
+                   probe=replace(nh.probe, consecutive_failures=probe_failures))
+
+
+def test_silent_nodes_still_serving_stay_routed_when_nothing_else_is():
+    # two nodes out for failed probes; the two survivors' agents went silent while their
+    # engines keep serving Envoy (their load reports succeed)
+    nodes = [("a", 1, _out("a", "probe", 3)), ("b", 1, _out("b", "probe", 3)),
+             ("c", 1, _out("c", "heartbeat")), ("d", 1, _out("d", "phi"))]
+    d = cluster_routing(nodes, {}, 1.0, CFG, serving={"c", "d"})
+    assert {k: v.health_status for k, v in d.routing.items()} == {
+        "a": "UNHEALTHY", "b": "UNHEALTHY", "c": "HEALTHY", "d": "HEALTHY"}
+    assert d.kept_silent == ("c", "d") and set(d.why_not_routed) == {"a", "b"}
+    assert [(e.node_id, e.kind) for e in d.events] == [("c", "fail_static_kept"), ("d", "fail_static_kept")]
+    # the next decision with the same inputs: no new event
+    again = cluster_routing(nodes, {}, 1.1, CFG, serving={"c", "d"}, kept_before=d.kept_silent)
+    assert again.kept_silent == ("c", "d") and not again.events
+    # d's real traffic stops completing (a frozen host): it goes; c stays
+    frozen = cluster_routing(nodes, {}, 2.0, CFG, serving={"c"}, kept_before=d.kept_silent)
+    assert frozen.kept_silent == ("c",) and frozen.routing["d"].health_status == "UNHEALTHY"
+    assert [(e.node_id, e.kind) for e in frozen.events] == [("d", "fail_static_kept_ended")]
+
+
+def test_silence_is_not_kept_while_another_node_is_routable_nor_without_traffic_or_with_failed_probes():
+    silent = [("c", 1, _out("c", "heartbeat")), ("d", 1, _out("d", "heartbeat"))]
+    d = cluster_routing([("a", 1, node("a")), *silent], {}, 1.0, CFG, serving={"c", "d"})
+    assert not d.kept_silent and d.routing["c"].health_status == "UNHEALTHY"  # a serves
+    assert not cluster_routing(silent, {}, 1.0, CFG).kept_silent  # no load reports: no evidence
+    probed = [("c", 1, _out("c", "heartbeat", probe_failures=1)), ("e", 1, _out("e", "traffic"))]
+    assert not cluster_routing(probed, {}, 1.0, CFG, serving={"c", "e"}).kept_silent
+
+
+@given(st_.lists(st_.tuples(st_.sampled_from(["healthy", "heartbeat", "phi", "probe", "traffic", "engine"]),
+                            st_.booleans(), st_.integers(0, 2)), min_size=1, max_size=8))
+def test_kept_silent_nodes_are_only_silent_serving_ones_and_only_when_nothing_else_routes(rows):
+    nodes, serving = [], set()
+    for i, (kind, serves, probe_failures) in enumerate(rows):
+        nid = f"n{i}"
+        nodes.append((nid, 1, node(nid) if kind == "healthy" else _out(nid, kind, probe_failures)))
+        if serves:
+            serving.add(nid)
+    d = cluster_routing(nodes, {}, 1.0, CFG, serving=serving)
+    health = {nid: nh for nid, _, nh in nodes}
+    for nid in d.kept_silent:
+        assert nid in serving and health[nid].ejection.cause.value in ("heartbeat", "phi")
+        assert health[nid].probe.consecutive_failures == 0
+    if d.kept_silent:
+        assert all(health[n].state is S.UNHEALTHY for n in health)  # nothing else was routable
+    routed = [n for n, r in d.routing.items() if r.health_status == "HEALTHY"]
+    assert set(d.kept_silent) <= set(routed)

@@ -106,9 +106,22 @@ class PublishPlanner:
         self.held_back: dict[str, str] = {}
         # clusters whose last publish kept an older assignment (fail-static)
         self.fail_static_held: set[str] = set()
+        # cluster -> nodes whose latest real traffic succeeds (load reports), and the silent
+        # nodes the last publish kept routed because nothing else was (cluster_routing 3b)
+        self.serving: dict[str, frozenset[str]] = {}
+        self.kept_silent: dict[str, tuple[str, ...]] = {}
         self.outlier_wake_s: dict[str, float] = {}
         n = history_max_entries if history_max_entries is not None else config.xds.fail_static_history_max
         self._history = {c: LastGoodHistory(n) for c in self._clusters}
+
+    def set_serving(self, cluster: str, node_ids: frozenset[str]) -> bool:
+        """The nodes of ``cluster`` whose latest real traffic succeeds; True when the set changed
+        (the caller marks the cluster dirty: the set decides only while nothing else is routable,
+        and an unchanged assignment publishes nothing new)."""
+        if self.serving.get(cluster, frozenset()) == node_ids:
+            return False
+        self.serving[cluster] = node_ids
+        return True
 
     def reconfigure(self, config: SentinelConfig, dropped_nodes: list[str]) -> None:
         """Plan for ``config`` from now on (a reload): new clusters get an empty fail-static
@@ -125,8 +138,9 @@ class PublishPlanner:
                          else LastGoodHistory(n) for name, c in self._clusters.items()}
         for name in [c for c in self.outliers if c not in self._clusters]:
             del self.outliers[name]
-        for name in [c for c in self.outlier_wake_s if c not in self._clusters]:
-            del self.outlier_wake_s[name]
+        for store in (self.outlier_wake_s, self.serving, self.kept_silent):
+            for name in [c for c in store if c not in self._clusters]:
+                del store[name]
         self.gate_open &= set(self._clusters)
         self.dirty &= set(self._clusters)
         for node_id in dropped_nodes:
@@ -183,7 +197,12 @@ class PublishPlanner:
                 continue
             decision = hp.cluster_routing(
                 [(n.id, n.capacity, health[n.id]) for n in c.nodes],
-                self.outliers.get(c.name, {}), now_s, cfg, [n.id for n in c.nodes if n.id in self.held_back])
+                self.outliers.get(c.name, {}), now_s, cfg, [n.id for n in c.nodes if n.id in self.held_back],
+                self.serving.get(c.name, frozenset()), self.kept_silent.get(c.name, ()))
+            if decision.kept_silent:
+                self.kept_silent[c.name] = decision.kept_silent
+            else:
+                self.kept_silent.pop(c.name, None)
             self.outliers[c.name] = dict(decision.outliers)
             self.why_not_routed.update({n.id: decision.why_not_routed.get(n.id, "") for n in c.nodes})
             for n in c.nodes:

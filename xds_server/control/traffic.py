@@ -51,6 +51,12 @@ class TrafficEjector:
             core.observe(nid, hm.TrafficFailing(why), now_s)
         return list(verdicts.eject)
 
+    def serving(self, cluster: str, node_ids: frozenset[str]) -> None:
+        """The nodes of ``cluster`` whose latest real traffic succeeds (for the rule that keeps
+        silent nodes routed when nothing else is: :func:`~xds_server.policy.cluster_routing.cluster_routing`)."""
+        if self.core.planner.set_serving(cluster, node_ids):
+            self.core.mark_dirty(cluster)
+
     def _cluster_failure(self, cluster: str, found: tuple[ClusterFailure, ...]) -> None:
         core = self.core
         before = self.cluster_failures.get(cluster)

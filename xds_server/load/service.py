@@ -41,7 +41,7 @@ import grpc
 from envoy.service.load_stats.v3 import lrs_pb2
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from xds_server.config import SentinelConfig, parse_hostport
+from xds_server.config import SentinelConfig, TrafficEjectionConfig, parse_hostport
 from xds_server.config.load import lrs_plaintext_refusal
 from xds_server.control.core import ControlCore
 from xds_server.control.traffic import TrafficEjector
@@ -49,7 +49,7 @@ from xds_server.load.aggregate import LoadAggregator, Traffic
 from xds_server.load.peers import PeerSet, forwarded_by, host_addresses, peer_refused, source_ip
 from xds_server.load.report import ReportRefused, decode_report, decode_request
 from xds_server.load.shedder import Shedder, class_aliases
-from xds_server.policy.traffic_ejection import Evidence
+from xds_server.policy.traffic_ejection import Evidence, failure_p_value
 from xds_server.process.refusals import Refusals
 from xds_server.process.stream_refusal import refuse
 from xds_server.process.tls import peer_identities
@@ -63,6 +63,12 @@ log = logging.getLogger(__name__)
 _SERVICE = "envoy.service.load_stats.v3.LoadReportingService"
 #: Refusal reason (``sentinel_access_refused_total``) -> its ``sentinel_lrs_problems_total`` reason.
 _PROBLEM = {"node_allow": "not_allowed", "lrs_peer": "peer_refused", "lrs_plaintext": "plaintext_refused"}
+
+
+def _succeeds(t: Traffic, te: TrafficEjectionConfig) -> bool:
+    """The node's real traffic over the last two report intervals succeeds: requests completed
+    and their failures not significant above ``tolerance`` (a frozen host completes none)."""
+    return t.succeeded > 0 and failure_p_value(t.errored, t.completed, te.tolerance) > te.confidence_p
 
 
 def node_map(config: SentinelConfig) -> dict[str, dict[tuple[str, int], str]]:
@@ -218,6 +224,8 @@ class LoadReportingService:
                 continue
             self._judged[c.name] = now
             self._shed(cfg, c.name, [n.id for n in c.nodes], now)
+            self.ejector.serving(c.name, frozenset(n.id for n in c.nodes if _succeeds(
+                self.aggregator.node(c.name, n.id, now, 2 * cfg.lrs.interval_s), te)))
             if not te.enabled:
                 continue
             evidence = {}

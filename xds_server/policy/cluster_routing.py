@@ -18,6 +18,16 @@ Per cluster (:func:`cluster_routing`):
    to ``score_step`` so measurement noise does not churn EDS. Unknown values are
    neutral: they take the median of the known ones (fc11).
 
+Never nothing because of silence: when no node of a cluster would be routable and some are out
+only because their agents went silent (ejected for missed heartbeats, no probe failure) while
+their latest real traffic succeeds (``serving``, from the load reports), those stay routed
+(``fail_static_kept`` events, one per episode): their engines answer Envoy, so an empty cluster
+would refuse what they serve. They are ejected as usual once real traffic or a probe shows them
+broken (a frozen host stops completing requests within one report interval, and then leaves
+``serving``), or once another node is routable. Silence past ``max_ejection_percent`` is still
+hard evidence: a frozen host must leave within the freeze-detection bound, before any load report
+could speak for it.
+
 Across the fleet (:func:`fail_static`): when more than ``fail_static_fraction`` of all nodes lost
 their heartbeats within ``fail_static_window_ms`` of each other (and the fleet has at least
 ``fail_static_min_nodes``), suspect our own network: keep publishing the last good assignment
@@ -33,7 +43,7 @@ from dataclasses import dataclass, replace
 
 from xds_server.config import HealthConfig
 from xds_server.health.clocks import miss_after_s
-from xds_server.health.records import NodeHealth, NodeState
+from xds_server.health.records import EjectionCause, NodeHealth, NodeState
 from xds_server.health.routing import Routing, RoutingStatus, full_weight, node_routing, weight
 
 __all__ = [
@@ -67,6 +77,8 @@ class PolicyEventKind(enum.StrEnum):
     HELD_BACK = "held_back"
     FAIL_STATIC_ON = "fail_static_on"
     FAIL_STATIC_OFF = "fail_static_off"
+    KEPT_SILENT = "fail_static_kept"
+    KEPT_SILENT_ENDED = "fail_static_kept_ended"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +101,7 @@ class ClusterDecision:
     outliers: Mapping[str, OutlierState]
     events: tuple[PolicyEvent, ...]
     held_back: tuple[str, ...]
+    kept_silent: tuple[str, ...] = ()
 
 
 def score(ewma_rtt_ms: float, gpu_free_ratio: float, cfg: HealthConfig) -> float:
@@ -112,12 +125,16 @@ def cluster_routing(
     now_s: float,
     cfg: HealthConfig,
     held_before: Collection[str] = (),
+    serving: Collection[str] = (),
+    kept_before: Collection[str] = (),
 ) -> ClusterDecision:
     """Routing for one cluster. ``nodes``: (node id, capacity, health). Deterministic.
 
     ``held_before``: the nodes the previous decision held back (``ClusterDecision.held_back``);
     a HELD_BACK event is given once per episode, when a node starts being held back, not at
     every recompute while it stays held (that was 4 events a second for one node).
+    ``serving``: nodes whose latest real traffic succeeds (load reports); ``kept_before``: the
+    silent nodes the previous decision kept routed (``ClusterDecision.kept_silent``).
     """
     views = {nid: node_routing(nh, cfg) for nid, _, nh in nodes}
     health = {nid: nh for nid, _, nh in nodes}
@@ -178,8 +195,24 @@ def cluster_routing(
                                       f"{reason}; not ejected: {len(hard) + len(ejected_soft)} of {n} already out "
                                       f"(max_ejection_percent {cfg.max_ejection_percent:g})"))
 
-    # 4. weights among routable nodes from the seed score.
+    # 3b. never nothing because of silence (module docstring).
     routable = [nid for nid, _, _ in nodes if views[nid].status is RoutingStatus.HEALTHY and nid not in why]
+    kept: tuple[str, ...] = ()
+    if not routable and serving:
+        kept = tuple(nid for nid, _, nh in nodes if nid in serving and _silent_only(nh) and not nh.drain.active)
+        for nid in kept:
+            del why[nid]
+            if nid not in kept_before:
+                events.append(PolicyEvent(now_s, nid, PolicyEventKind.KEPT_SILENT,
+                                          f"no node of the cluster is routable: kept routed while its agent is silent "
+                                          f"and its real traffic succeeds (fail-static; {health[nid].reason})"))
+    for nid in kept_before:
+        if nid not in kept and nid in health:
+            events.append(PolicyEvent(now_s, nid, PolicyEventKind.KEPT_SILENT_ENDED,
+                                      "no longer kept: another node is routable, or its agent, a probe or its real "
+                                      "traffic decided"))
+
+    # 4. weights among routable nodes from the seed score.
     rtts = [v for nid in routable if (v := health[nid].rtt.ewma_ms) is not None]
     frees = [v for nid in routable if (v := health[nid].engine.gpu_free_ratio) is not None]
     rtt_mid = _median(rtts) or 0.0
@@ -197,6 +230,8 @@ def cluster_routing(
         view = views[nid]
         if view.status is RoutingStatus.DRAINING:
             routing[nid] = Routing(full_weight(cap_units), RoutingStatus.DRAINING)
+        elif nid in kept:
+            routing[nid] = Routing(full_weight(cap_units), RoutingStatus.HEALTHY)
         elif nid in why or view.status is not RoutingStatus.HEALTHY:
             routing[nid] = Routing(full_weight(cap_units), RoutingStatus.UNHEALTHY)
         else:
@@ -205,7 +240,14 @@ def cluster_routing(
             sf = min(1.0, max(cfg.score_min_factor, sf))
             sf = max(cfg.score_min_factor, round(sf / cfg.score_step) * cfg.score_step)
             routing[nid] = Routing(weight(cap_units, view.factor, min(sf, 1.0)), RoutingStatus.HEALTHY)
-    return ClusterDecision(routing, why, new_out, tuple(events), held)
+    return ClusterDecision(routing, why, new_out, tuple(events), held, kept)
+
+
+def _silent_only(nh: NodeHealth) -> bool:
+    """Out only because its agent went silent: ejected for missed heartbeats (or their phi
+    suspicion), with no probe failing."""
+    return (nh.state is NodeState.UNHEALTHY and nh.ejection.cause in (EjectionCause.HEARTBEAT, EjectionCause.PHI)
+            and nh.probe.consecutive_failures == 0)
 
 
 @dataclass(frozen=True, slots=True)
