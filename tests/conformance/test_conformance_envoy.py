@@ -52,6 +52,20 @@ async def acked_all(ads) -> bool:
     return all(ts.acked_nonce == ts.last_nonce and ts.last_nonce for tu, ts in s.types.items() if tu in (CDS, EDS))
 
 
+async def push_acked(ads, type_url: str, name: str, msg, timeout_s: float = 3.0) -> None:
+    """Set ``name`` in the cache and wait until a response carrying it was sent to Envoy and
+    ACKed (``acked_all`` alone is true before the new response goes out: the writer runs later)."""
+    s = envoy_stream(ads)
+    assert s is not None
+    before = s.types[type_url].responses
+    ads.cache.set_resource(type_url, name, msg)
+
+    async def sent_and_acked() -> bool:
+        return s.types[type_url].responses > before and await acked_all(ads)
+
+    await wait_for(sent_and_acked, timeout_s=timeout_s, step_s=0.02)
+
+
 async def test_envoy_cluster_change_is_active_within_1s_not_warming_15s(envoy_and_ads, api_type):
     ads, envoy = envoy_and_ads
     await wait_for(lambda: _active_with_hosts(envoy, "llm", 2), timeout_s=5.0, step_s=0.02)
@@ -118,8 +132,7 @@ async def test_real_envoy_acks_every_push_with_extreme_weights(envoy_and_ads, ap
         for lle in cla_msg.endpoints:
             ws = [e.load_balancing_weight.value for e in lle.lb_endpoints]
             assert min(ws) >= 1 and sum(ws) <= MAX_LOCALITY_WEIGHT_SUM
-        ads.cache.set_resource(EDS, "llm", cla_msg)
-        await wait_for(lambda: acked_all(ads), timeout_s=3.0, step_s=0.02)
+        await push_acked(ads, EDS, "llm", cla_msg)
     hosts = await envoy.hosts("llm")
     assert sorted(h["weight"] for h in hosts.values()) == sorted(
         e.load_balancing_weight.value for e in pushes[-1].endpoints[0].lb_endpoints)
@@ -153,8 +166,7 @@ async def test_envoy_nack_is_recorded_once_and_the_rejected_content_not_resent(e
     assert ads.servicer.stats.nacks[(variant, "ClusterLoadAssignment")] == 1
     assert {"node": "envoy-llm-gw-1", "variant": variant, "type": "ClusterLoadAssignment",
             "nacks": 1} in ads.servicer.clients_view()["nacks_by_node"]
-    ads.cache.set_resource(EDS, "llm", cla(weight=6))  # newer good content is sent and ACKed
-    await wait_for(lambda: acked_all(ads), timeout_s=3.0, step_s=0.02)
+    await push_acked(ads, EDS, "llm", cla(weight=6))  # newer good content is sent and ACKed
     hosts = await envoy.hosts("llm")
     assert sorted(h["weight"] for h in hosts.values()) == [6, 6]
     assert s.types[EDS].nacks == 1
@@ -186,8 +198,7 @@ async def test_envoy_acks_priorities_localities_overprovisioning_and_one_drop_ca
     routing = {"a": Routing(100, "UNHEALTHY"), "b": Routing(100, "UNHEALTHY"), "c": Routing(100, "HEALTHY")}
     msg = build_cla(c, routing)
     assert len(msg.policy.drop_overloads) == 1
-    ads.cache.set_resource(EDS, "llm", msg)
-    await wait_for(lambda: acked_all(ads), timeout_s=3.0, step_s=0.02)
+    await push_acked(ads, EDS, "llm", msg)
     hosts = await envoy.hosts("llm")
     assert sorted((h["priority"], h["health"]) for h in hosts.values()) == [
         (0, "UNHEALTHY"), (0, "UNHEALTHY"), (1, "HEALTHY")]
