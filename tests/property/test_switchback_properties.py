@@ -1,5 +1,6 @@
 """Switch-back validation, the pure parts: the judge (candidate vs two peers' noise)
-and the gate in the health model (PROBATION holds at the ramp's end until a verdict)."""
+and the gate in the health model (PROBATION waits unrouted for a verdict before its first
+request, then ramps)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 
 from xds_server.config import HealthConfig
 from xds_server.health import model as hm
+from xds_server.health.routing import RoutingStatus, node_routing
 from xds_server.policy.replay_judge import Answer, PromptAnswers, agreement_tokens, judge, similarity
 
 MAX = 16
@@ -106,8 +108,8 @@ def _probation(cfg: HealthConfig) -> tuple[hm.NodeHealth, float]:
     return nh, nh.since_s
 
 
-def _ticks(nh: hm.NodeHealth, cfg: HealthConfig, until: float) -> hm.NodeHealth:
-    t = nh.since_s
+def _ticks(nh: hm.NodeHealth, cfg: HealthConfig, until: float, start: float | None = None) -> hm.NodeHealth:
+    t = nh.since_s if start is None else start
     while t < until:
         t += 0.1
         nh, _ = hm.step(nh, hm.HeartbeatObserved(), t, cfg)
@@ -124,12 +126,14 @@ def test_without_validation_the_ramp_ends_probation_as_before():
 @settings(max_examples=40, deadline=None)
 @given(st.floats(3.0, 8.0), st.sampled_from(list(hm.ValidationVerdict)), st.text(max_size=30),
        st.floats(-5, 5))
-def test_the_gate_holds_probation_until_a_verdict_for_this_probation(wait_s, verdict, detail, skew):
+def test_the_gate_holds_probation_unrouted_until_a_verdict_for_this_probation(wait_s, verdict, detail, skew):
     nh, since = _probation(ON)
     nh = _ticks(nh, ON, since + wait_s)
+    # before its first request: no ramp runs, not routed, however long it waits
     assert nh.state is hm.NodeState.PROBATION and nh.validation.verdict is hm.ValidationVerdict.PENDING
-    assert "switch-back validation pending" in nh.reason
-    assert hm.tick_due_s(nh, ON, since + wait_s) is not None
+    assert nh.ramp.step_at_s is None and "unrouted until switch-back validation passes" in nh.reason
+    view = node_routing(nh, ON)
+    assert view.status is RoutingStatus.UNHEALTHY and view.hard
     # a verdict for another probation (or not a verdict) changes nothing
     stale = since + skew != since or verdict in (hm.ValidationVerdict.NONE, hm.ValidationVerdict.PENDING)
     out, events = hm.step(nh, hm.ValidationObserved(verdict, detail, since + skew), since + wait_s, ON)
@@ -139,13 +143,17 @@ def test_the_gate_holds_probation_until_a_verdict_for_this_probation(wait_s, ver
     if verdict is hm.ValidationVerdict.FAILED:
         assert out.state is hm.NodeState.UNHEALTHY and out.ejection.cause is hm.EjectionCause.VALIDATION
         assert out.reason.startswith(detail) and out.validation.verdict is verdict
-    else:
-        assert out.state is hm.NodeState.HEALTHY and out.ramp.percent == 100.0
-        assert "switch-back validated" in out.reason and out.validation.verdict is verdict
-    assert [(e.from_state, e.to_state) for e in events] == [(hm.NodeState.PROBATION, out.state)]
-    # a second (late) verdict after the node left PROBATION changes nothing
+        assert [(e.from_state, e.to_state) for e in events] == [(hm.NodeState.PROBATION, out.state)]
+    else:  # the ramp starts now, at its first step; routed from here on
+        assert out.state is hm.NodeState.PROBATION and out.ramp.step_at_s == since + wait_s
+        assert out.ramp.percent == ON.ramp_start_percent and out.validation.verdict is verdict
+        assert "switch-back validated" in out.reason and f"ramping from {ON.ramp_start_percent:g} %" in out.reason
+        assert node_routing(out, ON).status is RoutingStatus.HEALTHY and events == []
+        done = _ticks(out, ON, since + wait_s + 4, start=since + wait_s)
+        assert done.state is hm.NodeState.HEALTHY  # the ramp ends it: no second wait at the end
+    # a second (late) verdict changes nothing
     again, ev2 = hm.step(out, hm.ValidationObserved(verdict, detail, since), since + wait_s + 1, ON)
-    assert again == out and ev2 == []
+    assert again.state is out.state and again.validation == out.validation and ev2 == []
 
 
 def test_a_new_probation_asks_again():

@@ -41,12 +41,14 @@ class LivePromptsConfig(_Model):
 
 
 class ValidationConfig(_Model):
-    """Before a node leaves half-open PROBATION for HEALTHY, its agent and two HEALTHY peers' agents
-    (same cluster) run the same prompts greedily at the same moment; the node passes when its
+    """Before a node's first request in half-open PROBATION (it waits unrouted), its agent and two
+    HEALTHY peers' agents (same cluster) run the same prompts greedily at the same moment; the
+    node passes, and starts its ramp, when its
     disagreement with each peer is within the peers' disagreement with each other plus a margin
     (Diffy's primary/secondary noise floor). Off by default."""
 
-    enabled: bool = Field(False, description="off by default: PROBATION ends on its ramp alone, as before")
+    enabled: bool = Field(False, description="off by default: PROBATION ramps from its first step on probes alone; on: "
+                          "unrouted until its replay verdict (docs/switchback.md)")
     prompts_file: str | None = Field(
         None, description="JSONL, one object per line with a 'prompt' string; None: the built-in set "
         "(DEFAULT_PROMPTS, 8 prompts). Read when the control plane starts and at each reload")
@@ -79,7 +81,7 @@ class ValidationConfig(_Model):
     give_up_s: float = Field(
         120.0, gt=0,
         description="a validation that could not run for this long (agents busy or unreachable) is decided by "
-        "probes alone, said in the reason and event (ours: holding a recovered node at its last ramp step for "
+        "probes alone, said in the reason and event (ours: holding a recovered node out of traffic for "
         "ever is worse than the probe verdict it had before validation existed)")
 
     live_prompts: LivePromptsConfig = Field(

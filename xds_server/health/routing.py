@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from xds_server.config import HealthConfig
 from xds_server.health.outcome import refusal_evidence
 from xds_server.health.records import ROUTED_STATES, NodeHealth, NodeState
+from xds_server.health.switchback_records import ValidationVerdict
 
 __all__ = [
     "WEIGHT_PER_CAPACITY",
@@ -93,13 +94,14 @@ def node_routing(nh: NodeHealth, cfg: HealthConfig) -> NodeRouting:
     ``gpu_min_free_ratio`` or more than ``queue_critical`` waiting is a soft block; REFUSING
     keeps the DEGRADED factor for when the ``max_ejection_percent`` cap holds its block back.
     COLD, WARMING and UNHEALTHY are not routed (never published UNKNOWN, which Envoy treats as
-    healthy).
+    healthy), nor is a PROBATION waiting for its switch-back verdict before its first request.
     """
     if nh.drain.active:
         return NodeRouting(RoutingStatus.DRAINING, 1.0)
     st = nh.state
-    if st not in ROUTED_STATES:
-        return NodeRouting(RoutingStatus.UNHEALTHY, 1.0, hard=True)
+    if st not in ROUTED_STATES or (st is NodeState.PROBATION and nh.ramp.step_at_s is None
+                                   and nh.validation.verdict is ValidationVerdict.PENDING):
+        return NodeRouting(RoutingStatus.UNHEALTHY, 1.0, hard=True)  # (or switch-back validation first)
     factor = 1.0
     refusing = ""
     if st is NodeState.REFUSING:  # a soft block; if the cap holds it back, routed as DEGRADED

@@ -1,13 +1,19 @@
 """The switch-back validation gate as rules and effects of the transition table.
 
-A node in PROBATION whose ramp would complete waits for a verdict while
-``health.validation.enabled``: the ramp rule fires VALIDATION_PENDING instead of RAMP_COMPLETE
-(:func:`ramp_gate`), every ramp step, which keeps the node at its last ramp percent with the
-reason "switch-back validation pending". A :class:`~xds_server.health.switchback_records.ValidationObserved`
-for this PROBATION then fires VALIDATION_PASSED (PASSED or PROBES_ONLY: the ramp completes in
-the same step, its reason naming the verdict) or VALIDATION_FAILED (UNHEALTHY, cause
-``validation``, the evidence in the reason, the next clean period doubled as for any failure in
-PROBATION). Pure: records, config and the step's time.
+While ``health.validation.enabled``, a node entering PROBATION (from UNHEALTHY after its clean
+period, or a new node's first good probe) waits for a verdict *before its first request*: it
+enters with no ramp running and ``validation`` PENDING, and is not routed
+(:func:`~xds_server.health.routing.node_routing`). A :class:`~xds_server.health.switchback_records.ValidationObserved`
+for this PROBATION then fires VALIDATION_PASSED (PASSED or PROBES_ONLY: the ramp starts at
+``ramp_start_percent``, the reason naming the verdict; the ramp stays, for warming caches and
+catching load-dependent faults) or VALIDATION_FAILED (UNHEALTHY, cause ``validation``, the
+evidence in the reason, the next clean period doubled as for any failure in PROBATION; the next
+episode waits unrouted again, so a failing node never gets a request).
+
+A ramp that reaches 100 % without a passing verdict (validation turned on by a reload during a
+ramp) still waits at its end: the ramp rule fires VALIDATION_PENDING instead of RAMP_COMPLETE
+(:func:`ramp_gate`), keeping the node at its last ramp percent until the verdict. Pure: records,
+config and the step's time.
 
 Table rows (``xds_server.health.transitions``)::
 
@@ -23,7 +29,7 @@ from dataclasses import replace
 
 from xds_server.config import HealthConfig
 from xds_server.health import effects as fx
-from xds_server.health.records import EjectionCause, NodeHealth, NodeState
+from xds_server.health.records import EjectionCause, NodeHealth, NodeState, Ramp
 from xds_server.health.signals import Ctx, Fired, Signal
 from xds_server.health.switchback_records import Validation, ValidationObserved, ValidationVerdict
 
@@ -67,10 +73,18 @@ def pending(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
 
 
 def passed(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
-    """Record the verdict and make the ramp due now (it completes in this step)."""
+    """Record the verdict. Before the first request (no ramp running yet): start the ramp at
+    ``ramp_start_percent``, the reason naming the verdict. At the ramp's end (validation turned
+    on during a ramp): make the ramp due now (it completes in this step)."""
     verdict = V.PROBES_ONLY if f.arg else V.PASSED
+    done = Validation(verdict, f.detail, c.now_s)
+    if nh.ramp.step_at_s is None:
+        word = "validated" if verdict is V.PASSED else "validated by probes alone"
+        why = f"switch-back {word}: {f.detail}" if f.detail else f"switch-back {word}"
+        return (replace(nh, validation=done, ramp=Ramp(c.cfg.ramp_start_percent, c.now_s)),
+                f"{why}; ramping from {c.cfg.ramp_start_percent:g} %")
     due = c.now_s - c.cfg.ramp_step_s
-    return replace(nh, validation=Validation(verdict, f.detail, c.now_s), ramp=replace(nh.ramp, step_at_s=due)), None
+    return replace(nh, validation=done, ramp=replace(nh.ramp, step_at_s=due)), None
 
 
 _eject = fx.eject(EjectionCause.VALIDATION)

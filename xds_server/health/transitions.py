@@ -18,7 +18,7 @@ from xds_server.health import effects as fx
 from xds_server.health import switchback_rules as sb
 from xds_server.health.records import MACHINE_STATES, ROUTED_STATES, EjectionCause, Event, NodeHealth, NodeState, Ramp
 from xds_server.health.signals import PREVIOUS, Ctx, Effect, Fired, InvalidTransition, Previous, Signal, Transition
-from xds_server.health.switchback_records import Validation
+from xds_server.health.switchback_records import Validation, ValidationVerdict
 
 __all__ = [
     "PREVIOUS",
@@ -166,6 +166,8 @@ def apply(nh: NodeHealth, fired: Fired, ctx: Ctx) -> NodeHealth:
 def _enter(nh: NodeHealth, state: NodeState, reason: str, ctx: Ctx) -> NodeHealth:
     """Enter ``state``: record the event and reset what every transition resets."""
     now = ctx.now_s
+    if state is NodeState.PROBATION and ctx.cfg.validation.enabled:
+        reason = f"{reason}; unrouted until switch-back validation passes (a replay against two healthy peers)"
     ctx.events.append(Event(now, nh.node_id, nh.state, state,
                             f"(while draining) {reason}" if nh.drain.active else reason))
     ej = nh.ejection
@@ -176,7 +178,11 @@ def _enter(nh: NodeHealth, state: NodeState, reason: str, ctx: Ctx) -> NodeHealt
     elif nh.state is NodeState.HEALTHY:
         ej = replace(ej, healthy_since_s=None)
     ramp, validation = nh.ramp, nh.validation
-    if state is NodeState.PROBATION:  # every probation starts its ramp (and its validation) afresh
+    if state is NodeState.PROBATION and ctx.cfg.validation.enabled:
+        # switch-back validation before the first request: unrouted, no ramp, until a verdict
+        # (health/switchback_rules.py); every probation asks afresh
+        ramp, validation = Ramp(ctx.cfg.ramp_start_percent, None), Validation(ValidationVerdict.PENDING, "", now)
+    elif state is NodeState.PROBATION:  # every probation starts its ramp afresh
         ramp, validation = Ramp(ctx.cfg.ramp_start_percent, now), Validation()
     elif ramp.step_at_s is not None:
         ramp = replace(ramp, step_at_s=None)
