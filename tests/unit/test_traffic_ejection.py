@@ -148,9 +148,9 @@ def test_a_busy_node_is_held_not_ejected_whatever_its_real_traffic_errors():
     refusing = replace(hm.initial("e", 0.0), state=hm.NodeState.REFUSING)
     failed = replace(busy, node_id="f", probe=replace(busy.probe, degraded_not_busy=True))
     nodes = [(n, healthy(n), Evidence(40, 0, 1, 10.0)) for n in "abghi"]  # most nodes fine
-    nodes += [("c", busy, Evidence(5, 8, 1, 10.0)),
+    nodes += [("c", busy, Evidence(1, 12, 1, 10.0)),
              ("d", pending, Evidence(0, 13, 1, 10.0)), ("e", refusing, Evidence(0, 13, 1, 10.0)),
-             ("f", failed, Evidence(5, 8, 1, 10.0))]
+             ("f", failed, Evidence(1, 12, 1, 10.0))]
     v = traffic_verdicts(nodes, CFG, 100.0)
     assert list(v.eject) == ["f"]
     assert sorted(v.held) == ["c", "d", "e"]
