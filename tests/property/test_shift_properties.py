@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -105,6 +106,37 @@ def test_wilson_bounds_decide_with_enough_samples_only():
     lat = hs.judge(hs.GateReading(1000, 0, 116, 100), cfg)
     assert lat.latency is hs.Verdict.FAIL and lat.verdict is hs.Verdict.FAIL and abs(lat.latency_increase - 0.16) < 1e-9
     assert hs.judge(hs.GateReading(1000, 0, 114, 100), cfg).verdict is hs.Verdict.PASS
+
+
+@given(st.floats(0.0, 0.0049), st.sampled_from([1.0, 1.96, 2.58]), st.integers(1, 200))
+def test_requests_needed_is_the_first_count_whose_window_passes(ratio, z, min_requests):
+    cfg = ShiftConfig(wilson_z=z, min_requests=min_requests)
+    need = hs.requests_needed(ratio, cfg)
+    assert need is not None and need >= min_requests
+
+    def reading(n: int) -> hs.GateReading:
+        return hs.GateReading(n, min(n, math.ceil(ratio * n)), 100.0, 100.0)  # as the window would count them
+
+    assert hs.judge(reading(need), cfg).error is hs.Verdict.PASS
+    if need > min_requests:
+        assert hs.judge(reading(need - 1), cfg).error is not hs.Verdict.PASS
+
+
+def test_the_window_arithmetic_an_operator_reads():
+    cfg = ShiftConfig()  # 0.5 %, z 1.96, 50 requests
+    assert hs.requests_needed(0.0, cfg) == 765  # 0 errors: 765 requests prove < 0.5 %
+    assert hs.requests_needed(0.005, cfg) is None  # at the limit: no window passes
+    held = hs.judge(hs.GateReading(12, 0, 100.0, 100.0), cfg)
+    assert held.reason == "too little data: 12 of 50 requests; a window needs 765 at 0.00% errors"
+
+
+def test_the_latency_gate_allows_the_noise_among_the_sources_own_nodes():
+    cfg = ShiftConfig()  # +15 %
+    assert hs.judge(hs.GateReading(1000, 0, 120.0, 100.0), cfg).latency is hs.Verdict.FAIL
+    noisy = hs.judge(hs.GateReading(1000, 0, 120.0, 100.0, source_noise=0.1), cfg)  # equal engines, busy machine
+    assert noisy.latency is hs.Verdict.PASS
+    slow = hs.judge(hs.GateReading(1000, 0, 130.0, 100.0, source_noise=0.1), cfg)
+    assert slow.latency is hs.Verdict.FAIL and "+ 10.0% noise among its own nodes" in slow.reason
 
 
 def test_commands_table_and_hard_switch():

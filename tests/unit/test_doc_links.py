@@ -91,3 +91,11 @@ def test_every_test_the_docs_cite_exists():
             elif not re.search(rf"^\s*(?:async )?def {name}\(", source.read_text(encoding="utf-8"), re.M):
                 missing.append(f"{doc.relative_to(ROOT)}: {path}::{name}: no such test")
     assert not missing, "\n".join(missing)
+
+
+def test_the_simulators_fault_modes_are_all_named_in_the_running_page():
+    from node_probe.sim.faults import FAULT_MODES
+
+    text = (ROOT / "docs" / "running.md").read_text(encoding="utf-8")
+    section = text[text.index("## The simulated engine"):]
+    assert [m for m in FAULT_MODES if m not in section] == []

@@ -41,6 +41,8 @@ async def test_shift_commands_on_two_replicas():
         await cp.start()
     try:
         admins = [a for cp in cps for a in ("--admin", f"127.0.0.1:{cp.admin_port}")]
+        rc, out, err = await arun("shift", "status", "llm", "--admin", f"127.0.0.1:{cps[0].admin_port}")
+        assert (rc, out.strip()) == (0, "shift llm: none (the configured layout)"), err
         rc, out, err = await arun("shift", "llm", "--to", "eu", "--step", "20", "--every", "5m", *admins,
                                   env={TOKEN_ENV: TOKEN})
         assert rc == 0, err
@@ -55,12 +57,29 @@ async def test_shift_commands_on_two_replicas():
         rc, out, _ = await arun("shift", "status", "llm", "--admin", f"127.0.0.1:{cps[0].admin_port}", "--json")
         weights = {w["locality"]["region"]: w["weight"] for w in json.loads(out)["layout"]["locality_weights"]}
         assert rc == 0 and weights == {"us": 8000, "eu": 2000}
+        rc, out, err = await arun("status", "--admin", f"127.0.0.1:{cps[0].admin_port}")
+        shift_rows = [x for x in out.splitlines() if x.startswith("SHIFT ")]
+        assert rc == 0 and len(shift_rows) == 1 and shift_rows[0].startswith(
+            "SHIFT llm: stepping at 20 % to region eu (+20 % every 300 s)"), (out, err)
         rc, out, err = await arun("shift", "pause", "llm", *admins, "--token", TOKEN)
         assert rc == 0 and out.count("paused at 20 %") == 2, (out, err)
         rc, _, err = await arun("shift", "llm", "--to", "eu", "--step", "0", *admins[:2], "--token", TOKEN)
         assert rc == 3 and "409" in err  # a shift is running: refused, and it stays paused
         rc, out, err = await arun("shift", "cancel", "llm", *admins, "--token", TOKEN)
-        assert rc == 0 and out.count("cancelled at 0 %") == 2, (out, err)
+        # one wording with the event: where it was when cancelled
+        assert rc == 0 and out.count("shift llm: cancelled (to region eu) - cancelled by the operator at 20 %") == 2, (
+            out, err)
+        assert [e.reason for e in cps[0].core.events.recent(50) if e.kind == "shift_cancelled"] == [
+            "cancelled at 20 %: the weights before the shift are back"]
+        # a cluster without a shift: a normal answer
+        rc, out, err = await arun("shift", "status", "llm", "--admin", f"127.0.0.1:{cps[0].admin_port}")
+        assert rc == 0 and out.strip().endswith("shift llm: cancelled (to region eu) - cancelled by the operator at "
+                                                "20 %: the weights before the shift are back"), (out, err)
+        rc, out, err = await arun("shift", "status", "other", "--admin", f"127.0.0.1:{cps[0].admin_port}")
+        assert rc == 3 and "404" in err  # an unknown cluster is still an error
+        # a window shorter than two load-report intervals: refused with the reason
+        rc, _, err = await arun("shift", "llm", "--to", "eu", "--every", "1s", *admins[:2], "--token", TOKEN)
+        assert rc == 3 and "every_s: 1 s is shorter than two load-report intervals" in err, err
         rc, _, err = await arun("shift", "llm", "--to", "eu", "--step", "0", *admins[:2], "--token", TOKEN)
         assert rc == 3 and "step_percent" in err and "400" in err, err
         rc, _, err = await arun("shift", "llm", *admins[:2], "--token", TOKEN)

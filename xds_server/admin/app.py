@@ -174,7 +174,7 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
 
     async def nodes(_: web.Request) -> web.Response:
         return _json({"fail_static": view.fail_static_view(), "cluster_failures": view.cluster_failures(),
-                      "nodes": view.nodes()})
+                      "shifts": view.shift_views(), "nodes": view.nodes()})
 
     async def node(request: web.Request) -> web.Response:
         node_id = request.match_info["id"]

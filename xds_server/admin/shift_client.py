@@ -52,11 +52,18 @@ def add_shift_parser(cmd: Callable[..., argparse.ArgumentParser], admin_help: st
 
 
 def shift_line(v: dict[str, Any]) -> str:
-    """One line for a shift view: phase, share, schedule, the gates of the last decision."""
+    """One line for a shift view: phase, share, schedule, the gates of the last decision, the
+    window arithmetic; a cluster without a shift says so."""
+    name = for_log(str(v.get("cluster")), 64)
+    if v.get("phase") == "none":
+        return f"shift {name}: none (the configured layout)"
     to = v.get("to") or {}
-    parts = [f"shift {for_log(str(v.get('cluster')), 64)}: {v.get('phase')} at {v.get('share_percent'):g} % to "
-             f"{to.get('kind')} {for_log(str(to.get('value')), 64)}"]
-    if not v.get("hard"):
+    target = f"{to.get('kind')} {for_log(str(to.get('value')), 64)}"
+    if v.get("phase") == "cancelled":  # its share is 0 now; the reason says where it was
+        parts = [f"shift {name}: cancelled (to {target})"]
+    else:
+        parts = [f"shift {name}: {v.get('phase')} at {v.get('share_percent'):g} % to {target}"]
+    if not v.get("hard") and v.get("phase") not in ("done", "cancelled"):
         parts.append(f"(+{v.get('step_percent'):g} % every {v.get('every_s'):g} s)")
     if v.get("next_decision_in_s") is not None:
         parts.append(f"next decision in {v['next_decision_in_s']:.1f} s")
@@ -65,6 +72,10 @@ def shift_line(v: dict[str, Any]) -> str:
         lat = g.get("latency_increase")
         parts.append(f"last window: {g['verdict']} (errors {g['errored']}/{g['completed']}"
                      + (f", latency {lat:+.1%}" if lat is not None else "") + ")")
+    need = v.get("window_needs")
+    if need and need.get("requests") is not None and not need.get("enough"):
+        parts.append(f"[a window needs {need['requests']} requests; ~{need['expected_per_window']:g} expected at "
+                     f"{need['cluster_rps']:g} rps x {need['share'] * 100:g} %: it will hold]")
     if v.get("reason"):
         parts.append(f"- {for_log(str(v['reason']), 200)}")
     return " ".join(parts)

@@ -8,7 +8,8 @@
 
   200 with the shift's view; 400 naming the field (``{"error", "field"}``), 404 unknown cluster,
   409 a shift already running on the cluster; 403 no token configured; 401 missing or wrong token.
-- ``GET /clusters/{name}/shift``: the view (404 when the cluster has none); ``GET /shifts``: all.
+- ``GET /clusters/{name}/shift``: the view (phase ``none`` when the cluster has none; 404 for an
+  unknown cluster); ``GET /shifts``: all.
 - ``POST /clusters/{name}/shift/pause``, ``/resume``, ``/cancel`` (token): 200 with the view,
   404 no shift, 409 not possible in its phase (a finished shift cannot be paused).
 """
@@ -65,7 +66,11 @@ def add_shift_routes(app: web.Application, svc: ShiftService) -> None:
         name = request.match_info["name"]
         v = svc.view(name)
         if v is None:
-            return _answer({"error": f"cluster: {name[:128]!r} has no shift", "field": "cluster"}, status=404)
+            try:
+                svc.cluster_config(name)  # 404 for an unknown cluster only
+            except ShiftRequestError as e:
+                return _answer({"error": e.message, "field": e.field}, status=e.status)
+            return _answer({"cluster": name, "phase": "none", "reason": "no shift: the configured layout"})
         return _answer(v)
 
     async def all_shifts(_: web.Request) -> web.Response:

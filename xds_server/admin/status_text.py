@@ -8,6 +8,7 @@ older server without the shown fields fall back to ``state`` and ``reason``.
 """
 from __future__ import annotations
 
+from xds_server.admin.shift_client import shift_line
 from xds_server.process.untrusted import for_log
 
 __all__ = ["format_status"]
@@ -29,6 +30,9 @@ def format_status(data: dict) -> list[str]:
     for cluster, cf in sorted((data.get("cluster_failures") or {}).items()):
         for scope in cf.get("scopes") or []:
             lines.append(f"CLUSTER FAILURE in {for_log(cluster, 64)}: {for_log(str(scope.get('reason') or ''), 300)}")
+    for v in data.get("shifts") or []:
+        done = " (the layout differs from the config)" if v.get("phase") == "done" else ""
+        lines.append(f"SHIFT {shift_line(v).removeprefix('shift ')}{done}")
     lines.append(f"{'NODE':<20} {'CLUSTER':<16} {'STATE':<12} {'WEIGHT':>7} {'EDS':<10} {'RTT ms':>7} "
                  f"{'TTFT ms':>8}  REASON")
     for v in data.get("nodes", []):

@@ -307,6 +307,13 @@ class ControlPlaneView:
             return {}
         return {c.name: v for c in self.config.clusters if (v := ejector.cluster_view(c.name)) is not None}
 
+    def shift_views(self) -> list[dict]:
+        """Every shift but a cancelled one: running, paused, or done (its layout is the cluster's
+        now, not the config's)."""
+        if self.shifts is None:
+            return []
+        return [v for n in sorted(self.shifts.shifts) if (v := self.shifts.view(n)) and v["phase"] != "cancelled"]
+
     def cluster_summaries(self) -> list[dict]:
         out = []
         for c in self.config.clusters:

@@ -214,6 +214,11 @@ class ShiftService:
         hard = body.get("hard", False)
         if not isinstance(hard, bool):
             raise ShiftRequestError(400, "hard", "hard: expected true or false")
+        interval = self._config().lrs.interval_s
+        if not hard and every < 2 * interval:
+            raise ShiftRequestError(400, "every_s", f"every_s: {every:g} s is shorter than two load-report intervals "
+                                    f"(2 x lrs.interval_s {interval:g} s): its windows would judge one report or "
+                                    "none, and the shift would hold for ever")
         now = self.core.clock.wall()
         anchor = body.get("start_at", now)
         if isinstance(anchor, bool) or not isinstance(anchor, (int, float)) or not abs(anchor - now) <= 3600:
@@ -283,8 +288,11 @@ class ShiftService:
                     and (v := h.probe.ewma_ttft_ms) is not None]
             return sum(vals) / len(vals) if vals else None
 
-        return hs.GateReading(max(0, done - d0), max(0, err - e0), ttft(sorted(target)),
-                              ttft([n.id for n in c.nodes if n.id not in target]))
+        source = [n.id for n in c.nodes if n.id not in target]
+        each = [v for i in source if (h := self.core.health.get(i)) is not None
+                and (v := h.probe.ewma_ttft_ms) is not None and v > 0]
+        noise = max(each) / min(each) - 1.0 if len(each) >= 2 else 0.0
+        return hs.GateReading(max(0, done - d0), max(0, err - e0), ttft(sorted(target)), ttft(source), noise)
 
     def tick(self) -> None:
         """Decide every shift whose decision is due."""
@@ -315,6 +323,10 @@ class ShiftService:
 
     # -- views ----------------------------------------------------------------------------------
 
+    def cluster_config(self, name: str) -> ClusterConfig:
+        """The configured cluster ``name``; ShiftRequestError 404 when there is none."""
+        return self._cfg(name)
+
     def view(self, name: str) -> dict[str, Any] | None:
         """JSON of a cluster's shift (None: none): phase, share, schedule, gates (the last
         decision's and the current window's so far), layout."""
@@ -335,12 +347,28 @@ class ShiftService:
                 "next_decision_in_s": None if nxt is None else round(max(0.0, nxt - now), 3),
                 "consecutive_failures": st.failures, "fail_windows": cfg.fail_windows, "rollbacks": st.rollbacks,
                 "reason": st.reason or None, "last_gate": st.last_gate.to_json() if st.last_gate else None,
-                "window_so_far": live,
+                "window_so_far": live, "window_needs": self._needs(c, st, live) if c is not None else None,
                 "layout": None if lay is None else {
                     "priority": dict(sorted(lay.priority.items())),
                     "locality_weights": None if lay.locality_weights is None else [
                         {"priority": p, "locality": {"region": r, "zone": z, "sub_zone": sz}, "weight": w}
                         for (p, (r, z, sz)), w in sorted(lay.locality_weights.items())]}}
+
+    def _needs(self, c: ClusterConfig, st: hs.ShiftState, live: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The window arithmetic: requests a window needs at the error ratio seen so far
+        (:func:`~xds_server.policy.shift_machine.requests_needed`), and what the target gets in one
+        window at the cluster's current rate and the next step's share."""
+        if st.phase in hs.TERMINAL or st.spec.hard:
+            return None
+        cfg = self._config()
+        ratio = (live or {}).get("error_ratio") or 0.0
+        need = hs.requests_needed(ratio, cfg.shift)
+        rps = self.load.aggregator.cluster(c.name, self.load.monotonic(), cfg.lrs.traffic_ejection.window_s).rps
+        share = min(100.0, max(st.share_percent, st.spec.step_percent)) / 100.0
+        supply = rps * share * st.spec.every_s
+        return {"requests": need, "at_error_ratio": round(ratio, 6), "cluster_rps": round(rps, 3),
+                "share": share, "expected_per_window": round(supply, 1),
+                "enough": need is not None and supply >= need}
 
     def metric_families(self) -> Iterator[Metric]:
         """``sentinel_shift_*`` gauges per cluster with a shift."""

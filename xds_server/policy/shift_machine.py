@@ -17,8 +17,14 @@ Gates (:func:`judge`), over one step's window:
   ``min_requests`` holds. Otherwise the Wilson score interval (z = ``wilson_z``) decides: upper
   bound < ``max_error_ratio`` passes, lower bound > it fails, in between holds (the sample cannot
   tell). 3 requests prove nothing either way.
-- latency: the target's probe TTFT over the source's, minus 1, must be < ``max_latency_increase``;
-  either side missing holds.
+- latency: the target's probe TTFT over the source's, minus 1, must be < ``max_latency_increase``
+  plus the noise among the source's own nodes (their slowest over their fastest, minus 1: equal
+  engines on a busy machine differ by that much without any change, as the replay judge's peers'
+  noise); either side missing holds.
+
+:func:`requests_needed` is the window arithmetic: with 0 errors the Wilson bound needs ~765
+completed requests to prove a ratio under 0.5 %; a hold says how many a window needs at the ratio
+seen.
 
 A window passes when both pass, fails when either fails, else holds. A hold never rolls back; a
 step rolls back after ``fail_windows`` consecutive failed windows (a hold neither counts nor
@@ -36,7 +42,7 @@ from dataclasses import dataclass
 from xds_server.config import ShiftConfig
 
 __all__ = ["GateReading", "GateResult", "Phase", "ShiftSpec", "ShiftState", "Verdict", "command",
-           "decide", "judge", "start", "wilson_interval"]
+           "decide", "judge", "requests_needed", "start", "wilson_interval"]
 
 
 class Phase(enum.StrEnum):
@@ -68,6 +74,7 @@ class GateReading:
     errored: int
     target_ttft_ms: float | None
     source_ttft_ms: float | None
+    source_noise: float = 0.0  # the source nodes' slowest TTFT over their fastest, minus 1 (ratio)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,9 +127,12 @@ def judge(r: GateReading, cfg: ShiftConfig) -> GateResult:
     ratio = e / n if n else None
     lo, hi = wilson_interval(e, n, cfg.wilson_z)
     reasons: list[str] = []
+    need = requests_needed(ratio or 0.0, cfg)
+    needs = (f"; a window needs {need} at {(ratio or 0.0):.2%} errors" if need is not None
+             else f"; no window passes at {(ratio or 0.0):.2%} errors")
     if n < cfg.min_requests:
         err = Verdict.HOLD
-        reasons.append(f"too little data: {n} of {cfg.min_requests} requests")
+        reasons.append(f"too little data: {n} of {cfg.min_requests} requests{needs}")
     elif hi < cfg.max_error_ratio:
         err = Verdict.PASS
     elif lo > cfg.max_error_ratio:
@@ -131,16 +141,18 @@ def judge(r: GateReading, cfg: ShiftConfig) -> GateResult:
     else:
         err = Verdict.HOLD
         reasons.append(f"error ratio {ratio:.4f} cannot be told from {cfg.max_error_ratio} with {n} requests "
-                       f"(bounds {lo:.4f}..{hi:.4f})")
+                       f"(bounds {lo:.4f}..{hi:.4f}){needs}")
     inc: float | None = None
     if r.target_ttft_ms is None or r.source_ttft_ms is None or r.source_ttft_ms <= 0:
         lat = Verdict.HOLD
         reasons.append("no probe TTFT for the " + ("target" if r.target_ttft_ms is None else "source"))
     else:
         inc = r.target_ttft_ms / r.source_ttft_ms - 1.0
-        lat = Verdict.PASS if inc < cfg.max_latency_increase else Verdict.FAIL
+        allowed = cfg.max_latency_increase + max(0.0, r.source_noise)
+        lat = Verdict.PASS if inc < allowed else Verdict.FAIL
         if lat is Verdict.FAIL:
-            reasons.append(f"latency +{inc:.1%} >= +{cfg.max_latency_increase:.0%} of the source")
+            reasons.append(f"latency +{inc:.1%} >= +{cfg.max_latency_increase:.0%} of the source "
+                           f"+ {max(0.0, r.source_noise):.1%} noise among its own nodes")
     if Verdict.FAIL in (err, lat):
         v = Verdict.FAIL
     elif Verdict.HOLD in (err, lat):
@@ -148,6 +160,31 @@ def judge(r: GateReading, cfg: ShiftConfig) -> GateResult:
     else:
         v = Verdict.PASS
     return GateResult(v, err, lat, n, e, ratio, lo if n else None, hi if n else None, inc, "; ".join(reasons))
+
+
+def requests_needed(error_ratio: float, cfg: ShiftConfig) -> int | None:
+    """The fewest completed requests with which a window whose error ratio is ``error_ratio``
+    (0..1) passes the error gate (``min_requests`` at least, and the Wilson upper bound under
+    ``max_error_ratio``); None when no count would (the ratio is at or above the limit)."""
+    m = cfg.max_error_ratio
+    if error_ratio >= m:
+        return None
+
+    def passes(n: int) -> bool:
+        return wilson_interval(min(n, math.ceil(error_ratio * n)), n, cfg.wilson_z)[1] < m
+
+    hi = max(1, cfg.min_requests)
+    while not passes(hi):
+        hi *= 2
+        if hi > 1 << 40:
+            return None
+    lo = max(1, cfg.min_requests)
+    while lo < hi:  # the bound falls with n at a fixed ratio: the first n that passes
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if passes(mid) else (mid + 1, hi)
+    while lo > max(1, cfg.min_requests) and passes(lo - 1):  # a rounding step can make the bound dip
+        lo -= 1
+    return lo
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +347,8 @@ def _resume(st: ShiftState, now_s: float, g: GateResult | None, c: ShiftConfig |
 
 def _cancel(st: ShiftState, now_s: float, g: GateResult | None, c: ShiftConfig | None) -> _Out:
     was = st.share_percent
-    st = dataclasses.replace(st, phase=Phase.CANCELLED, steps=0, paused_from=None, reason="cancelled by the operator")
+    st = dataclasses.replace(st, phase=Phase.CANCELLED, steps=0, paused_from=None,
+                             reason=f"cancelled by the operator at {was:g} %: the weights before the shift are back")
     return st, [ShiftEvent("cancelled", f"cancelled at {was:g} %: the weights before the shift are back")]
 
 
