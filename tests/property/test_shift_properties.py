@@ -222,3 +222,11 @@ def test_two_percent_errors_roll_back_one_step_with_the_seed_defaults():
     assert [s.phase for s in states] == [hs.Phase.STEPPING, hs.Phase.STEPPING, hs.Phase.STEPPING,
                                          hs.Phase.ROLLED_BACK]
     assert states[2].failures == 1 and states[3].rollbacks == 1 and states[3].last_gate.error is hs.Verdict.FAIL
+
+
+@given(st.integers(0, 5000), st.integers(0, 50), st.lists(st.sampled_from(["gpu-c", "gpu-d", "gpu-e"]), min_size=1,
+                                                          max_size=3, unique=True))
+def test_a_shift_back_waits_for_the_targets_switch_back_verdicts_whatever_the_gates_say(n, e, waiting):
+    r = hs.GateReading(n, min(e, n), 100.0, 100.0, awaiting_validation=tuple(sorted(waiting)))
+    g = hs.judge(r, ShiftConfig())
+    assert g.verdict is hs.Verdict.HOLD and g.reason.startswith("waiting for the target's switch-back verdicts (")

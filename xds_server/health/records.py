@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass, field
 
 from xds_server.health import phi as phimod
-from xds_server.health.switchback_records import Validation, ValidationObserved
+from xds_server.health.switchback_records import Validation, ValidationObserved, ValidationVerdict
 from xds_server.process.frozen import fast_init
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "Rtt",
     "StreamClosed",
     "Tick",
+    "awaits_verdict",
     "initial",
 ]
 
@@ -362,3 +363,10 @@ class Event:
 def initial(node_id: str, now_s: float) -> NodeHealth:
     """A node with no data yet (COLD)."""
     return NodeHealth(node_id=node_id, since_s=now_s)
+
+
+def awaits_verdict(nh: NodeHealth) -> bool:
+    """A PROBATION waiting unrouted for its switch-back verdict before its first request (no ramp
+    running yet, the verdict PENDING: :mod:`xds_server.health.switchback_rules`)."""
+    return (nh.state is NodeState.PROBATION and nh.ramp.step_at_s is None
+            and nh.validation.verdict is ValidationVerdict.PENDING)

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 from xds_server.config import HealthConfig
 from xds_server.health.outcome import refusal_evidence
-from xds_server.health.records import ROUTED_STATES, NodeHealth, NodeState
-from xds_server.health.switchback_records import ValidationVerdict
+from xds_server.health.records import ROUTED_STATES, NodeHealth, NodeState, awaits_verdict
 
 __all__ = [
     "WEIGHT_PER_CAPACITY",
@@ -99,8 +98,7 @@ def node_routing(nh: NodeHealth, cfg: HealthConfig) -> NodeRouting:
     if nh.drain.active:
         return NodeRouting(RoutingStatus.DRAINING, 1.0)
     st = nh.state
-    if st not in ROUTED_STATES or (st is NodeState.PROBATION and nh.ramp.step_at_s is None
-                                   and nh.validation.verdict is ValidationVerdict.PENDING):
+    if st not in ROUTED_STATES or awaits_verdict(nh):
         return NodeRouting(RoutingStatus.UNHEALTHY, 1.0, hard=True)  # (or switch-back validation first)
     factor = 1.0
     refusing = ""

@@ -41,6 +41,7 @@ from prometheus_client.metrics_core import Metric
 from xds_server.config import ClusterConfig, SentinelConfig, class_clusters
 from xds_server.control.core import ControlCore
 from xds_server.control.state_file import read_json, write_json_atomic
+from xds_server.health.records import awaits_verdict
 from xds_server.load.service import LoadReportingService
 from xds_server.policy import shift_machine as hs
 from xds_server.policy.shift_document import from_doc, to_doc
@@ -292,7 +293,8 @@ class ShiftService:
         each = [v for i in source if (h := self.core.health.get(i)) is not None
                 and (v := h.probe.ewma_ttft_ms) is not None and v > 0]
         noise = max(each) / min(each) - 1.0 if len(each) >= 2 else 0.0
-        return hs.GateReading(max(0, done - d0), max(0, err - e0), ttft(sorted(target)), ttft(source), noise)
+        waiting = tuple(sorted(i for i in target if (h := self.core.health.get(i)) is not None and awaits_verdict(h)))
+        return hs.GateReading(max(0, done - d0), max(0, err - e0), ttft(sorted(target)), ttft(source), noise, waiting)
 
     def tick(self) -> None:
         """Decide every shift whose decision is due."""

@@ -26,7 +26,9 @@ Gates (:func:`judge`), over one step's window:
 completed requests to prove a ratio under 0.5 %; a hold says how many a window needs at the ratio
 seen.
 
-A window passes when both pass, fails when either fails, else holds. A hold never rolls back; a
+A window passes when both pass, fails when either fails, else holds; it holds whatever the gates
+say while target nodes wait unrouted for their switch-back verdicts (a region coming back is
+judged only once its nodes are validated). A hold never rolls back; a
 step rolls back after ``fail_windows`` consecutive failed windows (a hold neither counts nor
 clears the run), and the shift pauses for the operator after ``max_rollbacks`` rollbacks or when
 rolled back to 0 % (no traffic at 0 % could ever pass a gate).
@@ -75,6 +77,7 @@ class GateReading:
     target_ttft_ms: float | None
     source_ttft_ms: float | None
     source_noise: float = 0.0  # the source nodes' slowest TTFT over their fastest, minus 1 (ratio)
+    awaiting_validation: tuple[str, ...] = ()  # target nodes waiting unrouted for a switch-back verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +156,11 @@ def judge(r: GateReading, cfg: ShiftConfig) -> GateResult:
         if lat is Verdict.FAIL:
             reasons.append(f"latency +{inc:.1%} >= +{cfg.max_latency_increase:.0%} of the source "
                            f"+ {max(0.0, r.source_noise):.1%} noise among its own nodes")
-    if Verdict.FAIL in (err, lat):
+    if r.awaiting_validation:  # a recovered region's nodes: no step before their verdicts
+        reasons.insert(0, f"waiting for the target's switch-back verdicts ({', '.join(r.awaiting_validation[:3])}"
+                          f"{' ...' if len(r.awaiting_validation) > 3 else ''})")
+        v = Verdict.HOLD
+    elif Verdict.FAIL in (err, lat):
         v = Verdict.FAIL
     elif Verdict.HOLD in (err, lat):
         v = Verdict.HOLD
