@@ -85,3 +85,37 @@ async def _validated(http, fleet, node_id: str) -> bool:
 
 async def _served(http, node) -> bool:
     return await _user_requests(http, node) > 0
+
+
+async def test_a_shift_back_to_a_region_whose_node_serves_another_model_never_moves_traffic_there(make_fleet, http):
+    token = "shift-token"
+    fleet = make_fleet(n_nodes=3, probe_interval_s=0.3, health={**HEALTH, "ramp_start_percent": 100.0},
+                       node_options=[{"priority": 0, "locality": {"region": "us"}},
+                                     {"priority": 0, "locality": {"region": "us"}},
+                                     {"priority": 1, "locality": {"region": "eu"}}],
+                       admin_options={"token": token},
+                       config_options={"shift": {"min_requests": 5, "wilson_z": 1.0, "max_error_ratio": 0.5},
+                                       "lrs": {"interval_s": 0.5}})
+    await fleet.wait_all_routed(http)
+    load = LoadGenerator(fleet.url, concurrency=3, max_tokens=2, pause_s=0.02)
+    await load.start()
+    try:
+        eu = fleet.node("gpu-c")
+        await _restart_engine(fleet, "gpu-c", seed=7)  # the region comes back serving another model
+        await wait_for(lambda: _episodes(http, fleet, 1), 60, step_s=0.2, what="its first failed validation")
+        served_before = await _user_requests(http, eu)
+        async with http.post(f"http://127.0.0.1:{fleet.admin_port}/clusters/llm/shift",
+                             json={"to": "eu", "step_percent": 50, "every_s": 1},
+                             headers={"Authorization": f"Bearer {token}"}) as r:
+            assert r.status == 200, await r.text()
+        phases = set()
+        for _ in range(40):  # 8 s: windows of 1 s while it fails validation again and again
+            async with http.get(f"http://127.0.0.1:{fleet.admin_port}/clusters/llm/shift") as r:
+                v = await r.json()
+            phases.add(v["phase"])
+            await asyncio.sleep(0.2)
+        assert await _user_requests(http, eu) == served_before == 0  # not one user request moved there
+        assert "done" not in phases and load.totals().ok > 0
+    finally:
+        await load.stop()
+    assert load.totals().failed == 0
