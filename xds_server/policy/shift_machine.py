@@ -94,6 +94,7 @@ class GateResult:
     error_upper: float | None
     latency_increase: float | None
     reason: str
+    latency_noise: float = 0.0  # the source nodes' own spread the latency gate allowed (ratio)
 
     def to_json(self) -> dict[str, object]:
         def r(v: float | None) -> float | None:
@@ -102,7 +103,8 @@ class GateResult:
         return {"verdict": self.verdict.value, "error_gate": self.error.value, "latency_gate": self.latency.value,
                 "completed": self.completed, "errored": self.errored, "error_ratio": r(self.error_ratio),
                 "error_ratio_lower": r(self.error_lower), "error_ratio_upper": r(self.error_upper),
-                "latency_increase": r(self.latency_increase), "reason": self.reason}
+                "latency_increase": r(self.latency_increase), "latency_noise": r(self.latency_noise),
+                "reason": self.reason}
 
 
 def wilson_interval(errors: int, n: int, z: float) -> tuple[float, float]:
@@ -166,7 +168,8 @@ def judge(r: GateReading, cfg: ShiftConfig) -> GateResult:
         v = Verdict.HOLD
     else:
         v = Verdict.PASS
-    return GateResult(v, err, lat, n, e, ratio, lo if n else None, hi if n else None, inc, "; ".join(reasons))
+    return GateResult(v, err, lat, n, e, ratio, lo if n else None, hi if n else None, inc, "; ".join(reasons),
+                      max(0.0, r.source_noise))
 
 
 def requests_needed(error_ratio: float, cfg: ShiftConfig) -> int | None:
