@@ -6,7 +6,6 @@ probes, ConfigMaps, the ServiceAccount and its Role, the sidecar's arguments).""
 from __future__ import annotations
 
 import copy
-import tempfile
 from pathlib import Path
 
 import kubernetes_validate
@@ -56,18 +55,19 @@ def _port(container: dict, name: str) -> int:
     return p
 
 
-def _sentinel_config(objs) -> dict:
-    """The ConfigMap's config, its admin.token_file pointed at a copy of the Secret's token (the
-    Deployment mounts that Secret at the file's directory: test_admin_token_comes_from_the_secret)."""
+def _sentinel_config(objs, tmp: Path) -> dict:
+    """The ConfigMap's config, its admin.token_file pointed at a copy of the Secret's token in
+    ``tmp`` (the Deployment mounts that Secret at the file's directory:
+    test_admin_token_comes_from_the_secret)."""
     cfg = yaml.safe_load(objs[("ConfigMap", "xds-server-config")]["data"]["xds.yaml"])
     token = objs[("Secret", "xds-server-admin-token")]["stringData"]["token"]
-    path = Path(tempfile.mkdtemp(prefix="k8s-admin-token-")) / "token"
+    path = tmp / "token"
     path.write_text(token)
     cfg["admin"]["token_file"] = str(path)
     return cfg
 
 
-def test_admin_token_comes_from_the_secret(objs):
+def test_admin_token_comes_from_the_secret(objs, tmp_path):
     """Off loopback the admin port needs a token: the config reads it from the Secret."""
     raw = yaml.safe_load(objs[("ConfigMap", "xds-server-config")]["data"]["xds.yaml"])
     c = _container(objs, "xds-server", "xds-server")
@@ -75,7 +75,7 @@ def test_admin_token_comes_from_the_secret(objs):
                      if v.get("secret", {}).get("secretName") == "xds-server-admin-token"]
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert raw["admin"]["token_file"] == f"{mounts[secret_vol]}/token"
-    assert parse_config(_sentinel_config(objs)).admin.token == "replace-me-with-a-random-token"
+    assert parse_config(_sentinel_config(objs, tmp_path)).admin.token == "replace-me-with-a-random-token"
 
 
 def _bootstrap_text(objs) -> str:
@@ -96,8 +96,8 @@ def test_every_object_validates_against_the_kubernetes_schemas(objs):
         kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
 
 
-def test_configmap_config_passes_the_loader_and_matches_the_deployment(objs):
-    cfg = parse_config(_sentinel_config(objs))
+def test_configmap_config_passes_the_loader_and_matches_the_deployment(objs, tmp_path):
+    cfg = parse_config(_sentinel_config(objs, tmp_path))
     dep = objs[("Deployment", "xds-server")]
     assert dep["spec"]["replicas"] == 2
     c = _container(objs, "xds-server", "xds-server")
@@ -148,7 +148,7 @@ def test_selectors_services_and_budgets_find_their_pods(objs):
     assert objs[("Service", "xds-server-ads")]["spec"]["clusterIP"] == "None"  # DNS lists each replica
 
 
-def test_discovery_rbac_and_selector_fit_the_pool(objs):
+def test_discovery_rbac_and_selector_fit_the_pool(objs, tmp_path):
     pod = _pod(objs, "xds-server")["spec"]
     assert pod["serviceAccountName"] == "xds-server"
     binding = objs[("RoleBinding", "xds-server-pod-reader")]
@@ -157,7 +157,7 @@ def test_discovery_rbac_and_selector_fit_the_pool(objs):
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
     # The discovery block (commented out until the config has a `discovery` section) selects the
     # vLLM pods and names ports they have.
-    (cluster,) = _sentinel_config(objs)["clusters"]
+    (cluster,) = _sentinel_config(objs, tmp_path)["clusters"]
     discovery = cluster.get("discovery")
     if discovery is None:
         text = objs[("ConfigMap", "xds-server-config")]["data"]["xds.yaml"]
@@ -196,7 +196,7 @@ def test_sidecar_reaches_its_engine_on_localhost_with_valid_arguments(objs):
 def test_envoy_bootstrap_validates_and_lists_the_replicas(objs, tmp_path):
     text = _bootstrap_text(objs)
     doc = yaml.safe_load(text)
-    cfg = parse_config(_sentinel_config(objs))
+    cfg = parse_config(_sentinel_config(objs, tmp_path))
     ads = objs[("Service", "xds-server-ads")]
     (ads_port,) = [p["port"] for p in ads["spec"]["ports"] if p["name"] == "grpc-ads"]
     assert xds_hosts(doc) == [(f"xds-server-ads.{NS}.svc.cluster.local", ads_port)]
