@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import tempfile
 from pathlib import Path
 
 import aiohttp
@@ -38,8 +37,8 @@ def _engine(workdir: Path, name: str, port: int, seed: int) -> ManagedProcess:
 
 
 @pytest.fixture
-async def rig():
-    workdir = Path(tempfile.mkdtemp(prefix="switchback-"))
+async def rig(tmp_path):
+    workdir = tmp_path
     ports = {n: free_port() for n in ("n1", "n2", "n3", "n4")}
     engines: dict[str, ManagedProcess] = {}
     agents: dict[str, ProbeAgent] = {}
