@@ -81,11 +81,13 @@ class ControlPlane:
         self.cache = SnapshotCache(validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()},
                                    memo_max_entries=config.xds.memo_max_entries,
                                    memo_max_bytes=config.xds.memo_max_bytes)
-        self.core = ControlCore(config, self.clock, on_publish=self._write, counters=self.counters)
+        # probe.workers >= 1: probe streams and per-node models in worker processes (probing/workers)
+        pool = self.probe_pool = WorkerPool.for_config(config, lambda: self.core, self.clock, self.counters) \
+            if probe_sources is None else None
+        self.core = ControlCore(config, self.clock, on_publish=self._write, counters=self.counters,
+                                forward_fail_static_end=pool.forward_fail_static_end if pool else None)
         self._notifier = RoutingNotifier()
         self.routing_listeners: list[RoutingListener] = self._notifier.listeners
-        # probe.workers >= 1: probe streams and per-node models in worker processes (probing/workers)
-        self.probe_pool = WorkerPool.attach(self.core, self.clock, self.counters) if probe_sources is None else None
         self._probe_factory = probe_sources or (self.probe_pool.source if self.probe_pool else grpc_probe_source)
         self.sessions: dict[str, ProbeSource] = {}
         self.refusals = Refusals(logging.getLogger("xds_server.access"))  # refused identities and tokens
@@ -96,9 +98,8 @@ class ControlPlane:
             core=self.core)
         self.load.shedder.read_sessions(self.sessions)  # KV usage and the engines' finished counts
         self.shifts = ShiftService(lambda: self._config, self.core, self.cache, self.load)
-        self.switchback = SwitchbackValidator(  # switch-back validation (replay) before PROBATION ends
-            lambda: self._config, self.core, self.observe, lambda n: self._config.tls.agents.client(n),
-            config.xds.replica_id)
+        self.switchback = SwitchbackValidator(lambda: self._config, self.core, self.observe,  # replay before routing
+                                              lambda n: self._config.tls.agents.client(n), config.xds.replica_id)
         self.routing_feed = RoutingFeed(self, live_prompts=self.switchback.live)  # the relay's feed, on the xDS port
         self._served_tls = ServedTls()  # the xDS port's certificates, once start() serves it
         self.view = ControlPlaneView(
@@ -109,8 +110,7 @@ class ControlPlane:
         self._grpc: grpc.aio.Server | None = None
         self._admin_runner: web.AppRunner | None = None
         self._opened = False
-        self.xds_port = 0
-        self.admin_port = 0
+        self.xds_port = self.admin_port = 0
 
     @property
     def config(self) -> SentinelConfig:

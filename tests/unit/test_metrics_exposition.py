@@ -101,7 +101,7 @@ def test_probe_worker_restarts_and_live_workers_are_exported():
     m = samples(exposition(cp))
     assert m[("sentinel_probe_workers_live", ())] == 0.0 and m[("sentinel_probe_workers_configured", ())] == 0.0
     assert not any(n == "sentinel_probe_worker_restarts_total" for n, _ in m)
-    cp.view.probe_pool = WorkerPool(2, cp.core, clock, cp.counters)
+    cp.view.probe_pool = WorkerPool(2, lambda: cp.core, clock, cp.counters)
     cp.view.probe_pool.handles[1].restarts = 3
     text = exposition(cp)
     m = samples(text)

@@ -57,7 +57,8 @@ class ControlCore:
 
     def __init__(self, config: SentinelConfig, clock: Clock,
                  on_publish: Callable[[ClusterPublish], None] | None = None,
-                 counters: Counters | None = None) -> None:
+                 counters: Counters | None = None,
+                 forward_fail_static_end: Callable[[float], Collection[str]] | None = None) -> None:
         self.config = config
         self.clock = clock
         self.on_publish = on_publish
@@ -83,9 +84,7 @@ class ControlCore:
         self.restored: dict[str, hm.NodeHealth] = {}  # resumed at the node's first heartbeat
         # until then (monotonic s) a kept state is still given to a node added later (discovery)
         self.restored_until_s = float("-inf")
-        # Nodes whose per-node model runs in a probe worker (xds_server.probing.workers): called
-        # with the burst start when fail-static ends, returns the node ids it forwarded it to.
-        self.forward_fail_static_end: Callable[[float], Collection[str]] | None = None
+        self.forward_fail_static_end = forward_fail_static_end  # probe workers: burst start -> ids forwarded
         self._steady_lane = True  # observe's steady-heartbeat lane (tests turn it off to compare)
         self.steady_beats = 0     # heartbeats that took it
         self.queues = QueueWatch()  # seed 002's queue levels, judged on each node's own telemetry

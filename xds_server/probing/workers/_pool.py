@@ -5,7 +5,8 @@ that dies.
 
 Shape::
 
-    pool = WorkerPool.attach(core, clock, counters)   # None when probe.workers is 0
+    pool = WorkerPool.for_config(config, lambda: core, clock, counters)   # None when probe.workers is 0
+    core = ControlCore(..., forward_fail_static_end=pool.forward_fail_static_end if pool else None)
     factory = pool.source            # a ProbeSourceFactory: one RemoteSource per node
     ...
     await pool.stop()                # "stop" to each worker, then SIGKILL after 2 s
@@ -26,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,11 +49,11 @@ class HealthHost(Protocol):
     """What the pool needs of the control plane's decision layer (the
     :class:`~xds_server.control.core.ControlCore` satisfies it): the config in force, each node's
     current health (``health``, node id -> :class:`~xds_server.health.model.NodeHealth`) and the
-    kept state still to resume (``restored``), ``adopt`` to apply a worker's report, and the hook
-    the pool sets to hear of the end of fail-static (``now_s -> node ids``)."""
+    kept state still to resume (``restored``), and ``adopt`` to apply a worker's report. The core
+    gets :meth:`WorkerPool.forward_fail_static_end` in its own constructor (the pool is built
+    first, reaching the core through a function: each needs the other)."""
 
     config: SentinelConfig
-    forward_fail_static_end: Callable[[float], Collection[str]] | None
 
     @property
     def health(self) -> Mapping[str, NodeHealth]: ...
@@ -125,11 +126,11 @@ class WorkerPool:
     replaced since start (per slot: :meth:`restarts_by_worker`); :meth:`live`: worker processes
     running now. ``reports``: report frames received."""
 
-    def __init__(self, n: int, core: HealthHost, clock: Clock, counters: Counters) -> None:
+    def __init__(self, n: int, host: Callable[[], HealthHost], clock: Clock, counters: Counters) -> None:
         if n < 1:
             raise ValueError(f"probe.workers must be >= 1 for a pool, got {n}")
         self.n = n
-        self.core = core
+        self._host = host
         self.clock = clock
         self.counters = counters
         self.handles = [_Handle(i) for i in range(n)]
@@ -138,15 +139,17 @@ class WorkerPool:
         self._stopping = False
 
     @classmethod
-    def attach(cls, core: HealthHost, clock: Clock, counters: Counters) -> WorkerPool | None:
-        """The pool ``core.config.probe.workers`` asks for (None for 0: probe streams in this
-        process), wired to forward the end of fail-static to the workers."""
-        n = core.config.probe.worker_count(os.cpu_count())
-        if n < 1:
-            return None
-        pool = cls(n, core, clock, counters)
-        core.forward_fail_static_end = pool.forward_fail_static_end
-        return pool
+    def for_config(cls, config: SentinelConfig, host: Callable[[], HealthHost], clock: Clock,
+                   counters: Counters) -> WorkerPool | None:
+        """The pool ``config.probe.workers`` asks for (None for 0: probe streams in this
+        process); ``host`` gives the control core once it exists."""
+        n = config.probe.worker_count(os.cpu_count())
+        return cls(n, host, clock, counters) if n >= 1 else None
+
+    @property
+    def core(self) -> HealthHost:
+        """The control core this pool reports to."""
+        return self._host()
 
     # -- the ProbeSourceFactory -----------------------------------------------------------------
 
