@@ -136,3 +136,44 @@ async def test_fail_static_keeps_last_good_assignment_when_all_agents_go_silent_
     assert "fail_static_on" in kinds and "fail_static_off" in kinds
     assert states == {"gpu-a": "HEALTHY", "gpu-b": "HEALTHY", "gpu-c": "HEALTHY"}  # forgiven, no probation
     assert len(during.ok_by_node) == 3 and load.totals().failed == 0
+
+
+async def test_silent_survivors_whose_engines_serve_stay_routed_when_the_rest_is_out(make_fleet, http):
+    """Two of four engines hang and are ejected; then the two survivors' agents freeze (2 of 4
+    silent: not the fleet-wide fail-static's "more than half") while their engines keep serving.
+    Ejecting them for silence would leave Envoy nothing ("no healthy upstream" for every
+    request); their real traffic succeeding keeps them routed (fail_static_kept)."""
+    fleet = make_fleet(n_nodes=4, health=HEALTH)
+    await fleet.wait_all_routed(http)
+    load = LoadGenerator(fleet.url, concurrency=3)
+    await load.start()
+    try:
+        for n in ("gpu-a", "gpu-b"):
+            await fleet.set_fault(http, n, "hang")
+        for n in ("gpu-a", "gpu-b"):
+            assert await wait_state(fleet, http, n, "UNHEALTHY", timeout_s=10) is not None
+        await asyncio.sleep(2.5)  # load reports of the survivors' traffic (lrs.interval_s 1 s)
+        silent = load.phase("survivors' agents silent")
+        survivors = [fleet.node("gpu-c"), fleet.node("gpu-d")]
+        for n in survivors:
+            n.agent.freeze()
+        hosts_seen = []
+        try:
+            for _ in range(10):  # 5 s
+                await asyncio.sleep(0.5)
+                hosts_seen.append(await fleet.envoy_hosts(http))
+            nodes = await fleet.cp_nodes(http)
+        finally:
+            for n in survivors:
+                n.agent.thaw()
+        load.phase("after")
+    finally:
+        await load.stop()
+    async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events?limit=1000") as r:
+        kept = [e["node"] for e in (await r.json())["events"] if e["kind"] == "fail_static_kept"]
+    print(f"\nduring the silence: {silent.ok} ok, {silent.failed} failed; kept {kept}; states "
+          f"{ {k: v['state'] for k, v in nodes.items()} }")
+    assert nodes["gpu-c"]["state"] == nodes["gpu-d"]["state"] == "UNHEALTHY"  # out for silence, in the model
+    assert sorted(kept) == ["gpu-c", "gpu-d"]
+    assert all(h.get("gpu-c") == "HEALTHY" and h.get("gpu-d") == "HEALTHY" for h in hosts_seen), hosts_seen
+    assert silent.ok > 0 and silent.failed <= 0.05 * (silent.ok + silent.failed)
