@@ -264,3 +264,35 @@ async def _summed(totals, old, sent):
     new = await totals()
     got = {n: old.get(n, 0) + new.get(n, 0) for n in sent}
     return got if got == sent else None
+
+
+async def test_a_query_of_death_on_every_node_ejects_none_and_raises_one_cluster_failure(make_fleet, http):
+    # every node fails prompts of 50 tokens or more (a context length every engine chokes on);
+    # long and short prompts flow through three Envoys' worth of load on one
+    fleet = make_fleet(n_nodes=3, health=FAST, config_options={"lrs": {"interval_s": 1.0}})
+    await fleet.wait_all_routed(http)
+    await wait_for(lambda: _all_healthy(fleet, http), 20, what="every node HEALTHY (ramp done)")
+    for n in fleet.nodes:
+        await fleet.set_fault(http, n.node_id, "user_error", rate=1.0, min_prompt_tokens=50)
+    long = LoadGenerator(fleet.url, concurrency=2, max_tokens=2, prompt_words=80, pause_s=0.05)
+    short = LoadGenerator(fleet.url, concurrency=1, max_tokens=2, pause_s=0.05)
+    for g in (long, short):
+        await g.start()
+    try:
+        await asyncio.sleep(6.0)  # 6 report intervals
+        nodes = await fleet.cp_nodes(http)
+        async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events?limit=1000") as r:
+            events = (await r.json())["events"]
+        async with http.get(f"http://127.0.0.1:{fleet.admin_port}/clusters") as r:
+            (llm,) = [c for c in (await r.json())["clusters"] if c["name"] == "llm"]
+    finally:
+        for g in (long, short):
+            await g.stop()
+    print(f"\nlong: {long.totals().ok} ok / {long.totals().failed} failed; short: {short.totals().ok} ok / "
+          f"{short.totals().failed} failed, by node {dict(short.totals().ok_by_node)}; "
+          f"cluster_failure {llm['traffic']['cluster_failure']}")
+    assert all(v["state"] != "UNHEALTHY" for v in nodes.values()), nodes
+    assert [e["kind"] for e in events].count("cluster_failure") == 1
+    assert llm["traffic"]["cluster_failure"]["scopes"][0]["failing_nodes"] == 3
+    assert long.totals().ok == 0 and long.totals().failed > 0
+    assert short.totals().failed == 0 and set(short.totals().ok_by_node) == {"gpu-a", "gpu-b", "gpu-c"}

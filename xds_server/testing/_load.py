@@ -37,13 +37,15 @@ class LoadGenerator:
     Counts go to the current phase (:meth:`phase`). A request fails if Envoy answers non-200 or
     the connection breaks; the status or exception name is counted. Bounded: stops at
     :meth:`stop` or after ``max_duration_s``. ``headers`` go on every request (e.g. the
-    header that picks a cluster when Envoy routes to several).
+    header that picks a cluster when Envoy routes to several); ``prompt_words`` lengthens each
+    prompt by that many words (a long prompt, for faults keyed on prompt length).
     """
 
     def __init__(self, url: str, concurrency: int = 4, max_tokens: int = 4, pause_s: float = 0.0,
                  max_duration_s: float = 300.0, request_timeout_s: float = 30.0,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, prompt_words: int = 0) -> None:
         self.url = url.rstrip("/") + "/v1/completions"
+        self.prompt_words = prompt_words
         self.headers = dict(headers or {})
         self.concurrency = concurrency
         self.max_tokens = max_tokens
@@ -74,8 +76,8 @@ class LoadGenerator:
 
     async def _worker(self, i: int) -> None:
         assert self._session is not None
-        body = {"model": "sim-model", "prompt": f"load {i}", "max_tokens": self.max_tokens,
-                "temperature": 0, "stream": False}
+        body = {"model": "sim-model", "prompt": f"load {i}" + " word" * self.prompt_words,
+                "max_tokens": self.max_tokens, "temperature": 0, "stream": False}
         while not self._stop.is_set() and time.monotonic() - self._t0 < self.max_duration_s:
             phase = self.phases[self.current]
             t = time.monotonic()
