@@ -192,6 +192,9 @@ def test_shedder_spreads_the_drop_over_the_classes_and_flips_each_changed_assign
     assert s.cla_args("llm") == {"shed_percent": 0.0, "shed_flip": False}
     assert s.cla_args("llm~critical")["shed_percent"] == 0.0
     view = s.view(cfg, "llm")
+    # what the drop was computed from: the window's LRS completions per routable node, and its source
+    assert view["shed_capacity"] == {"rps_per_routable_node": 50.0, "headroom": 0.1,
+                                     "source": "LRS completions measured with a queue over the budget"}
     assert view["shed_classes"] == {"sheddable": {"cluster": "llm~sheddable", "shed_percent": 15.0},
                                     "standard": {"cluster": "llm", "shed_percent": 0.0},
                                     "critical": {"cluster": "llm~critical", "shed_percent": 0.0}}

@@ -226,9 +226,16 @@ class Shedder:
         return {} if st is None else {"shed_percent": st.percent, "shed_flip": st.flip}
 
     def view(self, cfg: SentinelConfig, cluster: str) -> dict[str, object]:
-        """JSON for ``/clusters``: the cluster's drop, why, and with classes each class's drop (%)."""
+        """JSON for ``/clusters``: the cluster's drop, why, the capacity it was computed from (arrivals
+        per s per routable node, its source, the headroom kept; None while not shedding), and with
+        classes each class's drop (%)."""
         st = self.shed.get(cluster, ShedState())
-        out: dict[str, object] = {"shed_percent": st.percent, "shed_reason": st.reason or None}
+        cap = st.capacity_rps
+        out: dict[str, object] = {"shed_percent": st.percent, "shed_reason": st.reason or None,
+                                  "shed_capacity": None if cap is None else {
+                                      "rps_per_routable_node": round(cap, 3), "headroom": st.headroom,
+                                      "source": "engines' counters (queueing model)" if st.capacity_exact
+                                      else "LRS completions measured with a queue over the budget"}}
         if cfg.lrs.shed.classes.enabled:
             out["shed_classes"] = {klass: {"cluster": name, "shed_percent": self.classes.get(name, ShedState()).percent}
                                    for klass, name, _ in cfg.lrs.shed.classes.lower_first(cluster)}
