@@ -99,3 +99,15 @@ def test_the_simulators_fault_modes_are_all_named_in_the_running_page():
     text = (ROOT / "docs" / "running.md").read_text(encoding="utf-8")
     section = text[text.index("## The simulated engine"):]
     assert [m for m in FAULT_MODES if m not in section] == []
+
+
+def test_the_health_pages_keys_column_names_real_health_fields():
+    import re
+
+    from xds_server.config import HealthConfig
+
+    text = (ROOT / "docs" / "health-model.md").read_text(encoding="utf-8")
+    rows = [r.split(" | ") for r in text.splitlines()
+            if r.startswith("| ") and r.count(" | ") == 3 and not r.startswith("| signal |")]
+    named = {k for r in rows for k in re.findall(r"`([a-z_]+)`", r[2])}
+    assert len(rows) >= 15 and named and not named - set(HealthConfig.model_fields)
