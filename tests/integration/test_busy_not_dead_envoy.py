@@ -14,7 +14,7 @@ import time
 import aiohttp
 import pytest
 
-from xds_server.demo import FaultTimeline, watch_exclusion
+from xds_server.demo import FaultTimeline, wait_state, watch_exclusion
 from xds_server.testing import LoadGenerator
 
 pytestmark = pytest.mark.envoy
@@ -35,6 +35,8 @@ async def test_long_prefill_5500ms_not_ejected_full_weight_within_3s_then_hang_e
     fleet = make_fleet(n_nodes=3, probe_interval_s=0.5, health=HEALTH,
                        cluster_options={"outlier_detection": {"enabled": False}})
     await fleet.wait_all_routed(http)
+    for n in ("gpu-a", "gpu-b", "gpu-c"):  # routed is not enough: a start-up ramp may still run (PROBATION)
+        assert await wait_state(fleet, http, n, "HEALTHY", timeout_s=10) is not None
     load = LoadGenerator(fleet.url, concurrency=3)
     await load.start()
     try:
