@@ -78,6 +78,8 @@ async def test_queues_over_warning_shed_the_excess_and_lift_with_hysteresis(make
         await asyncio.sleep(1.0)  # Envoy has the assignment
         shed = load.phase("shedding")
         await asyncio.sleep(2.0)
+        held = await shedding()  # the drop held while the queues stayed (easing starts once they clear)
+        load.phase("easing")  # the share is compared over the held drop only, not the easing steps
         for n in ("gpu-a", "gpu-b"):
             await fleet.set_fault(http, n, "none")
         await wait_for(lambda: _not(shedding), 10, what="shedding lifted")
@@ -88,8 +90,10 @@ async def test_queues_over_warning_shed_the_excess_and_lift_with_hysteresis(make
         await load.stop()
     total = shed.ok + shed.failed
     share = 100.0 * shed.failures["HTTP 429"] / total
-    print(f"\ncommanded {percent:g} %, shed {share:.1f} % of {total}; after lifting {dict(after.failures)}")
+    print(f"\ncommanded {percent:g} % then {held:g} %, shed {share:.1f} % of {total}; after lifting "
+          f"{dict(after.failures)}")
     assert set(shed.failures) <= {"HTTP 429"}
+    assert held == percent  # held while the queues stayed over the warning level
     assert abs(share - percent) <= 5  # within 5 points of what was commanded
     assert after.failed == 0 and after.ok > 20
 
