@@ -184,6 +184,14 @@ async def test_plaintext_off_loopback_takes_load_reports_only_when_said():
             await server.stop(0)
 
 
+def _routed(probes: InMemoryProbes, clock: ManualClock, seconds: float) -> None:
+    """Every node's first heartbeat and good probe, then ``seconds`` of heartbeats on time."""
+    for nid in NODES:
+        probes[nid].heartbeat()
+        probes[nid].probe(ttft_ms=20.0)
+    _beat(probes, clock, seconds)
+
+
 def _beat(probes: InMemoryProbes, clock: ManualClock, seconds: float) -> None:
     """``seconds`` pass with every node's heartbeat on time (every 100 ms)."""
     for _ in range(round(seconds / 0.1)):
@@ -199,10 +207,7 @@ async def test_one_reporters_errors_eject_nothing_with_min_reporters_two_and_two
         cp = ControlPlane(parse_config(cfg), clock=clock, probe_sources=probes)
         await cp.start()
         try:
-            for nid in NODES:
-                probes[nid].heartbeat()
-                probes[nid].probe(ttft_ms=20.0)
-            _beat(probes, clock, 5.0)  # routed for 5 s (evidence counts from when a node entered its state)
+            _routed(probes, clock, 5.0)  # evidence counts from when a node entered its state
             assert all(cp.core.health[n].state in ROUTED_STATES for n in NODES)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{cp.xds_port}") as ch:
                 forger = await _open(ch, _request("envoy-forger"))
@@ -231,10 +236,7 @@ async def test_every_node_failing_alike_ejects_none_and_raises_one_cluster_failu
                       probe_sources=probes)
     await cp.start()
     try:
-        for nid in NODES:
-            probes[nid].heartbeat()
-            probes[nid].probe(ttft_ms=20.0)
-        _beat(probes, clock, 5.0)
+        _routed(probes, clock, 5.0)
         admin = f"http://127.0.0.1:{cp.admin_port}"
         async with grpc.aio.insecure_channel(f"127.0.0.1:{cp.xds_port}") as ch, aiohttp.ClientSession() as http:
             envoy = await _open(ch, _request("envoy-1"))
@@ -275,10 +277,7 @@ async def test_silent_survivors_whose_traffic_succeeds_stay_routed_until_their_t
     cp = ControlPlane(parse_config(_config()), clock=clock, probe_sources=probes)
     await cp.start()
     try:
-        for nid in NODES:
-            probes[nid].heartbeat()
-            probes[nid].probe(ttft_ms=20.0)
-        _beat(probes, clock, 2.0)
+        _routed(probes, clock, 2.0)
         for _ in range(5):
             for nid in ("n0", "n1"):
                 probes[nid].probe(kind=hm.ProbeResultKind.HTTP_STATUS, http_status=503)

@@ -284,17 +284,16 @@ class ShiftService:
         except ValueError:
             target = set()
 
-        def ttft(ids: list[str]) -> float | None:
-            vals = [v for i in ids if (h := self.core.health.get(i)) is not None
+        def ttfts(ids: list[str]) -> list[float]:
+            return [v for i in ids if (h := self.core.health.get(i)) is not None
                     and (v := h.probe.ewma_ttft_ms) is not None]
-            return sum(vals) / len(vals) if vals else None
 
-        source = [n.id for n in c.nodes if n.id not in target]
-        each = [v for i in source if (h := self.core.health.get(i)) is not None
-                and (v := h.probe.ewma_ttft_ms) is not None and v > 0]
-        noise = max(each) / min(each) - 1.0 if len(each) >= 2 else 0.0
+        tgt, src = ttfts(sorted(target)), ttfts([n.id for n in c.nodes if n.id not in target])
+        pos = [v for v in src if v > 0]
+        noise = max(pos) / min(pos) - 1.0 if len(pos) >= 2 else 0.0
         waiting = tuple(sorted(i for i in target if (h := self.core.health.get(i)) is not None and awaits_verdict(h)))
-        return hs.GateReading(max(0, done - d0), max(0, err - e0), ttft(sorted(target)), ttft(source), noise, waiting)
+        return hs.GateReading(max(0, done - d0), max(0, err - e0), sum(tgt) / len(tgt) if tgt else None,
+                              sum(src) / len(src) if src else None, noise, waiting)
 
     def tick(self) -> None:
         """Decide every shift whose decision is due."""

@@ -113,11 +113,10 @@ def failure_p_value(errored: int, completed: int, rate: float) -> float:
     if rate >= 1.0:
         return 1.0
     n, k = completed, errored
-    log_term = (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
-                + k * math.log(rate) + (n - k) * math.log1p(-rate))
     if k <= n * rate:  # at or below the mean: not evidence; the tail is at least ~1/2
         return min(1.0, 1.0 - _cdf_below(k, n, rate))
-    term = math.exp(log_term)
+    term = math.exp(math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+                    + k * math.log(rate) + (n - k) * math.log1p(-rate))
     total, odds = term, rate / (1.0 - rate)
     for j in range(k, n):
         term *= (n - j) / (j + 1) * odds
