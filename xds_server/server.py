@@ -1,8 +1,9 @@
 """The control-plane process: wires probe sources -> core -> snapshot cache -> ADS, plus admin.
 
 Data flows one way (docs/DESIGN.md section 1): probe sources feed observations into the
-:class:`~xds_server.control.core.ControlCore`; each assignment it decides is built into a ClusterLoadAssignment
-(placed by a running shift) in the :class:`~xds_server.xds.cache.SnapshotCache`, which ADS streams to Envoy;
+:class:`~xds_server.control.core.ControlCore`; each assignment it decides is built by the one publisher
+(:class:`~xds_server.xds.publisher.EnvoyPublisher`: Clusters and ClusterLoadAssignments with their
+shift placement and drops) into the :class:`~xds_server.xds.cache.SnapshotCache`, which ADS streams to Envoy;
 routing listeners hear each published change; the admin app reads a ``ControlPlaneView``. A reload
 (:meth:`ControlPlane.reload_file`) keeps ADS streams open (:mod:`xds_server.control.reload`); with ``state.path``
 the routing state is kept across restarts (:mod:`xds_server.control.state_file`).
@@ -45,9 +46,9 @@ from xds_server.process.counters import Counters
 from xds_server.process.refusals import Refusals
 from xds_server.process.tls import add_port, listener_credentials, node_allow_authorizer
 from xds_server.xds.ads import AdsServicer
-from xds_server.xds.cache import InvalidResource, SnapshotCache, set_cla
-from xds_server.xds.class_clusters import class_cds, class_clas
-from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL, RESOURCE_TYPES, build_cla
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.publisher import EnvoyPublisher
+from xds_server.xds.resources import RESOURCE_TYPES
 
 __all__ = ["ControlPlane", "EventRecord"]
 
@@ -97,7 +98,9 @@ class ControlPlane:
             lambda: self._config, monotonic=self.clock.now, authorize=self.ads.authorize, refusals=self.refusals,
             core=self.core)
         self.load.shedder.read_sessions(self.sessions)  # KV usage and the engines' finished counts
-        self.shifts = ShiftService(lambda: self._config, self.core, self.cache, self.load)
+        self.shifts = ShiftService(lambda: self._config, self.core, self.load)
+        self.publisher = EnvoyPublisher(self.cache, lambda: self._config, layout=self.shifts.layout,  # CDS + EDS
+                                        closing=self.shifts.closing, drop=self.load.cla_args)
         self.switchback = SwitchbackValidator(lambda: self._config, self.core, self.observe,  # replay before routing
                                               lambda n: self._config.tls.agents.client(n), config.xds.replica_id)
         self.routing_feed = RoutingFeed(self, live_prompts=self.switchback.live)  # the relay's feed, on the xDS port
@@ -133,7 +136,7 @@ class ControlPlane:
         self.core.begin()
         self.core.restored, self.core.restored_until_s = load_kept_state(  # also for nodes found later
             self.config.state, None, self.clock.now(), self.clock.wall())
-        self.cache.set_resources(CLUSTER_TYPE_URL, class_cds(self.config, self.shifts.cluster))  # + request classes
+        self.publisher.clusters(self.config)
         ctx = self._probe_context(self.config)
         for node_id, n in self.core.node_cfg.items():
             s = self._probe_factory(n, ctx)
@@ -278,9 +281,7 @@ class ControlPlane:
         """Make ``serving`` the running config: core, CDS, one probe source per node."""
         added, dropped = self.core.reconfigure(serving)
         self._config = serving
-        self.cache.set_resources(CLUSTER_TYPE_URL, cds := class_cds(serving, self.shifts.cluster))  # + request classes
-        for name in [n for n in self.cache.resources(CLA_TYPE_URL) if n not in cds]:
-            self.cache.remove_resource(CLA_TYPE_URL, name)
+        self.publisher.clusters(serving)
         for node_id in dropped:
             self._notifier.forget(node_id)
             s = self.sessions.pop(node_id, None)
@@ -352,14 +353,7 @@ class ControlPlane:
 
     def _write(self, p: ClusterPublish) -> None:
         c = next(c for c in self.config.clusters if c.name == p.cluster)
-        try:
-            set_cla(self.cache, c.name, self.shifts.eds(c, p.routing, self.load.cla_args(c.name)))  # drop changes apply
-            for name, cla in class_clas(c, self.config, lambda cc: self.shifts.cla(
-                    c, build_cla(cc, dict(p.routing), **self.load.cla_args(cc.name)))).items():  # request classes
-                set_cla(self.cache, name, cla)
-        except InvalidResource as e:  # held back: Envoy would NACK it (checklist 1.9 item 17)
-            log.error("not publishing %s: %s", c.name, e)
-        else:
+        if self.publisher.assignment(c, p.routing):
             self._notify_listeners(c.name, c.nodes, p.routing)
 
     def _notify_listeners(self, cluster: str, nodes: list[NodeConfig], routing) -> None:

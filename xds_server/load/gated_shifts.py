@@ -1,13 +1,14 @@
 """Gated shifts applied: requests checked, gates read from the load reports, decisions applied,
-layouts published through the server's CDS/EDS hooks, state kept in a file (the admin HTTP
+layouts handed to the publisher (:class:`~xds_server.xds.publisher.EnvoyPublisher`, which reads
+:meth:`ShiftService.layout` and :meth:`ShiftService.closing`), state kept in a file (the admin HTTP
 routes that reach it are :mod:`xds_server.admin.shift_routes`). The decisions themselves are
 pure (:mod:`xds_server.policy.shift_machine`), the node placement too
 (:mod:`xds_server.policy.shift_layout`).
 
 Shape::
 
-    svc = ShiftService(config_getter, core, cache, load)   # reads the shift state file if any
-    svc.cluster(c) / svc.cla(c, built_cla)                 # the server's CDS / EDS hooks
+    svc = ShiftService(config_getter, core, load)          # reads the shift state file if any
+    svc.layout(c) / svc.closing(c)                         # what the publisher places nodes by
     svc.begin("llm", {"to": "1", "step_percent": 10, "every_s": 300})   # ShiftRequestError (status, field)
     svc.command("llm", "pause" | "resume" | "cancel")
     svc.tick()                                             # every ``TICK_S`` (``svc.run``, the admin app's task)
@@ -29,16 +30,13 @@ import asyncio
 import logging
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.endpoint.v3 import endpoint_pb2
-from google.protobuf.message import Message
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from xds_server.config import ClusterConfig, SentinelConfig, class_clusters
+from xds_server.config import ClusterConfig, SentinelConfig
 from xds_server.control.core import ControlCore
 from xds_server.control.state_file import read_json, write_json_atomic
 from xds_server.health.records import awaits_verdict
@@ -46,9 +44,6 @@ from xds_server.load.service import LoadReportingService
 from xds_server.policy import shift_machine as hs
 from xds_server.policy.shift_document import from_doc, to_doc
 from xds_server.policy.shift_layout import Layout, NodeSpot, check_shiftable, layout, target_nodes
-from xds_server.xds.cache import SnapshotCache
-from xds_server.xds.resources import CLUSTER_TYPE_URL, build_cla, build_cluster
-from xds_server.xds.shift_cla import shift_cla, shift_cluster
 
 __all__ = ["ShiftRequestError", "ShiftService", "parse_duration_s"]
 
@@ -81,13 +76,11 @@ def parse_duration_s(v: Any, field: str = "every") -> float:
 class ShiftService:
     """The running shifts of a control plane (see module docstring)."""
 
-    def __init__(self, config: Callable[[], SentinelConfig], core: ControlCore, cache: SnapshotCache,
-                 load: LoadReportingService) -> None:
-        self._config, self.core, self.cache, self.load = config, core, cache, load
+    def __init__(self, config: Callable[[], SentinelConfig], core: ControlCore, load: LoadReportingService) -> None:
+        self._config, self.core, self.load = config, core, load
         self.shifts: dict[str, hs.ShiftState] = {}
         self.base: dict[str, dict[str, int]] = {}  # cluster -> node id -> priority a finished shift left
         self._window: dict[str, tuple[int, int]] = {}  # cluster -> target (completed, errored) at window start
-        self._weighted: dict[str, bool] = {}  # cluster -> locality weighting published in CDS
         self._load_file()
 
     def admin_token(self) -> str | None:
@@ -148,28 +141,6 @@ class ShiftService:
                 pass
         return layout(spots, set(), 0.0) if c.name in self.base and c.nodes else None
 
-    def cluster(self, c: ClusterConfig) -> cluster_pb2.Cluster:
-        """CDS hook: the cluster, with locality weighting while a shift is between 0 and 100 %."""
-        lay = self.layout(c)
-        on = lay is not None and lay.locality_weights is not None
-        self._weighted[c.name] = on
-        return shift_cluster(build_cluster(c), on)
-
-    def cla(self, c: ClusterConfig, cla: endpoint_pb2.ClusterLoadAssignment) -> endpoint_pb2.ClusterLoadAssignment:
-        """EDS hook: ``cla`` placed by the layout. A change of locality weighting republishes the
-        Cluster first (in the same turn: Envoy warms the updated cluster on this assignment)."""
-        lay = self.layout(c)
-        on = lay is not None and lay.locality_weights is not None
-        if self._weighted.get(c.name, False) != on:  # the Cluster and its request-class copies (lrs.shed.classes)
-            msg = self.cluster(c)
-            for name in class_clusters([c], self._config().lrs.shed.classes):
-                copy = msg if name == c.name else cluster_pb2.Cluster()
-                if copy is not msg:
-                    copy.CopyFrom(msg)
-                    copy.name = name
-                self.cache.set_resource(CLUSTER_TYPE_URL, name, copy)
-        return cla if lay is None else shift_cla(cla, lay, self.closing(c))
-
     def closing(self, c: ClusterConfig) -> set[str]:
         """Node ids whose responses close the client's connection: the source of a finished hard switch."""
         st = self.shifts.get(c.name)
@@ -180,10 +151,6 @@ class ShiftService:
         except ValueError:
             return set()
         return {n.id for n in c.nodes if n.id not in target}
-
-    def eds(self, c: ClusterConfig, routing: Mapping[str, Any], shed: Mapping[str, Any]) -> Message:
-        """EDS hook: ``build_cla(c, routing, **shed)`` placed by the layout (:meth:`cla`)."""
-        return self.cla(c, build_cla(c, dict(routing), **shed))
 
     # -- requests -------------------------------------------------------------------------------
 

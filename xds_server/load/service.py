@@ -55,6 +55,7 @@ from xds_server.process.stream_refusal import refuse
 from xds_server.process.tls import peer_identities
 from xds_server.process.untrusted import clip, for_log
 from xds_server.xds.budget import RequestBudget
+from xds_server.xds.resources import DropArgs
 
 __all__ = ["LoadReportingService", "node_map"]
 
@@ -241,7 +242,7 @@ class LoadReportingService:
         assert self.core is not None
         self.shedder.step(cfg, self.core, self.aggregator, cluster, node_ids, now)
 
-    def cla_args(self, cluster: str) -> dict[str, Any]:
+    def cla_args(self, cluster: str) -> DropArgs:
         """``build_cla`` keyword arguments of an Envoy cluster's overload drop (``shed_percent``, ``shed_flip``)."""
         return self.shedder.cla_args(cluster)
 

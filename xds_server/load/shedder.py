@@ -24,6 +24,7 @@ from xds_server.health.records import ProbeResultKind
 from xds_server.load.aggregate import LoadAggregator
 from xds_server.policy.overload_drop import ShedInputs, ShedState, shed_step
 from xds_server.policy.request_classes import class_percents
+from xds_server.xds.resources import DropArgs
 
 __all__ = ["Shedder", "class_aliases", "finished_from_sessions", "kv_from_sessions"]
 
@@ -219,7 +220,7 @@ class Shedder:
         if changed:
             core.mark_dirty(cluster)
 
-    def cla_args(self, name: str) -> dict[str, Any]:
+    def cla_args(self, name: str) -> DropArgs:
         """``build_cla`` keyword arguments (``shed_percent``, ``shed_flip``) of the Envoy cluster
         ``name`` (a configured cluster or a class cluster)."""
         st = self.classes.get(name) or self.shed.get(name)

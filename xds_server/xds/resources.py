@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, health_check_pb2, protocol_pb2
@@ -42,6 +43,7 @@ __all__ = [
     "MAX_LOCALITY_WEIGHT_SUM",
     "MAX_PRIORITY",
     "RESOURCE_TYPES",
+    "DropArgs",
     "ResourceType",
     "build_cla",
     "build_cluster",
@@ -166,6 +168,13 @@ def routable_capacity_ratio(c: ClusterConfig, routing: Mapping[str, Routing]) ->
         r.weight for n in c.nodes if (r := routing.get(n.id)) is not None and r.health_status == "HEALTHY"
     )
     return min(1.0, routable / full) if full else 0.0
+
+
+class DropArgs(TypedDict, total=False):
+    """:func:`build_cla` keyword arguments of an Envoy cluster's overload drop (empty: none)."""
+
+    shed_percent: float
+    shed_flip: bool
 
 
 def build_cla(
