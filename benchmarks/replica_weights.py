@@ -4,7 +4,7 @@
 
 Starts the two-replica fleet of tests/integration/test_split_replicas_envoy.py (its ``Split``:
 engines gpu-a1/a2, their agents, replicas cp-a1/cp-a2 of cluster pool-a, real Envoy) with the
-default ``health.score_rtt_weight`` 0.7, puts a load on pool-a through Envoy and samples both
+default ``health.score.rtt_weight`` 0.7, puts a load on pool-a through Envoy and samples both
 replicas' ``/nodes`` every 0.2 s (after 2 s of load): each node's weight, EWMA RTT and EWMA TTFT.
 
 Reports how often the replicas' weights differ, and, recomputing the score factor as
@@ -51,7 +51,7 @@ def _split_module():
 async def sample(seconds: float, concurrency: int) -> list[dict[str, dict[str, tuple[float, float, float]]]]:
     """Samples: replica -> node -> (weight, EWMA RTT ms, EWMA TTFT ms)."""
     m = _split_module()
-    m.HEALTH = {**m.HEALTH, "score_rtt_weight": HealthConfig().score_rtt_weight}
+    m.HEALTH = {**m.HEALTH, "score_rtt_weight": HealthConfig().score.rtt_weight}
     with tempfile.TemporaryDirectory(prefix="replica-weights-") as d:
         s = m.Split(Path(d), m.ADS_DELTA)
         try:
@@ -86,8 +86,8 @@ def factors(scores: dict[str, float], h: HealthConfig) -> dict[str, float]:
     best = min(scores.values())
     out = {}
     for k, v in scores.items():
-        f = min(1.0, max(h.score_min_factor, (best + h.score_slack) / (v + h.score_slack)))
-        out[k] = max(h.score_min_factor, round(f / h.score_step) * h.score_step)
+        f = min(1.0, max(h.score.min_factor, (best + h.score.slack) / (v + h.score.slack)))
+        out[k] = max(h.score.min_factor, round(f / h.score.step) * h.score.step)
     return out
 
 
@@ -99,7 +99,7 @@ def analyse(samples: list[dict], h: HealthConfig) -> list[tuple[str, float]]:
         """``term(replica, node, sample) -> ms`` in the score's RTT place."""
         diff = 0
         for row in samples:
-            a, b = (factors({n: h.score_rtt_weight * term(r, n, v) for n, v in row[r].items()}, h) for r in reps)
+            a, b = (factors({n: h.score.rtt_weight * term(r, n, v) for n, v in row[r].items()}, h) for r in reps)
             diff += a != b
         return diff / len(samples)
 

@@ -38,7 +38,7 @@ __all__ = ["FaultTimeline", "run_demo", "watch_exclusion"]
 
 # Shortened half-open recovery so the demo shows it within a minute (defaults: 60 s of clean
 # probes, then +1 % per 1 s step).
-DEMO_HEALTH = {"probation_clean_s": 3.0, "ramp_step_percent": 10.0, "ramp_step_s": 0.3}
+DEMO_HEALTH = {"probation": {"clean": "3s", "ramp_step_percent": 10.0, "ramp_step": "300ms"}}
 
 
 PHASE_LEAD_S = 0.3
@@ -62,12 +62,11 @@ def shortened_settings() -> list[tuple[str, str, str]]:
     doc = yaml.safe_load(BOOTSTRAP_TEMPLATE.read_text(encoding="utf-8"))
     hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     rp = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"].get("retry_policy", {})
-    d = DEMO_HEALTH
+    d = HealthConfig(**DEMO_HEALTH).probation
     return [
-        ("health.probation_clean_s (half-open clean period)", f"{d['probation_clean_s']:g} s",
-         f"{h.probation_clean_s:g} s"),
-        ("health.ramp_step_percent / ramp_step_s (ramp)", f"+{d['ramp_step_percent']:g} % per {d['ramp_step_s']:g} s",
-         f"+{h.ramp_step_percent:g} % per {h.ramp_step_s:g} s"),
+        ("health.probation.clean (half-open clean period)", str(d.clean), str(h.probation.clean)),
+        ("health.probation.ramp_step_percent / ramp_step (ramp)", f"+{d.ramp_step_percent:g} % per {d.ramp_step}",
+         f"+{h.probation.ramp_step_percent:g} % per {h.probation.ramp_step}"),
         ("Envoy retry per_try_timeout", f"{DEMO_PER_TRY_TIMEOUT_S:g} s",
          rp.get("per_try_timeout", "none (idle timeout only)")),
         ("Envoy retry per_try_idle_timeout", f"{DEMO_PER_TRY_IDLE_TIMEOUT_S:g} s",

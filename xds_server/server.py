@@ -303,7 +303,7 @@ class ControlPlane:
         async with self._applying:
             now = self.clock.now()
             done = [i for i in self._leaving
-                    if i in self.core.health and drained(self.core.health[i], now, self.config.health.drain_timeout_s)]
+                    if i in self.core.health and drained(self.core.health[i], now, self.config.health.drain_timeout.s)]
             if done:
                 for node_id in done:
                     del self._leaving[node_id]

@@ -233,7 +233,8 @@ def test_hostile_agent_sequences_never_stop_health_checking_nor_poison_state():
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             await agent.stop()
-            await until(lambda: cp.health["a"].heartbeat.consecutive_misses >= cp.config.health.consecutive_misses
+            need = cp.config.health.heartbeat.consecutive_misses
+            await until(lambda: cp.health["a"].heartbeat.consecutive_misses >= need
                         and cp.routing["a"].health_status != "HEALTHY", step_s=0.005)
             return loop.time() - t0
 

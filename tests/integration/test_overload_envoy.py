@@ -5,7 +5,7 @@ Four simulated engines, each decoding at most 2 requests at once (``--max-num-se
 wait FIFO and count in ``vllm:num_requests_waiting``, probes too), Poisson arrivals of streamed
 completions at about 1.5x what two engines complete. Two engines freeze (sim ``hang``): they are
 ejected, the survivors' queues grow, the control plane sheds. Asserted while it sheds: the
-survivors' waiting stays below ``health.queue_critical``, the shed share is within 5 points of
+survivors' waiting stays below ``health.load.queue_critical``, the shed share is within 5 points of
 the commanded drop, every shed client got 429 with Retry-After, and the survivors, whose probes
 now wait in their queues, are busy, never ejected. TTFT is the benchmark's
 (benchmarks/overload_shed.py, benchmarks/RESULTS.md), not asserted here.

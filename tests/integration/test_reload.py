@@ -146,7 +146,7 @@ async def test_removed_node_is_drained_then_dropped(env):
 
 async def test_changed_threshold_applies_at_once(env):
     """A threshold read when weights are computed applies with the reload, for a node whose
-    reports do not change: n0 reports 60 requests waiting, over health.queue_warning (default
+    reports do not change: n0 reports 60 requests waiting, over health.load.queue_warning (default
     50: its weight times queue_warning_weight_factor), under the 100 the reload sets."""
     n0, n1 = "127.0.0.1:8001", "127.0.0.1:8002"
     env.fields["n0"] = {"requests_waiting": 60.0}
@@ -156,7 +156,7 @@ async def test_changed_threshold_applies_at_once(env):
     env.write(doc)
     st = await env.cp.reload_file("test")
     assert st["ok"] and st["changes"] == {"added": [], "removed": [], "changed": [], "restart_needed": []}
-    assert env.cp.config.health.queue_warning == 100
+    assert env.cp.config.health.load.queue_warning == 100
     await wait_for(lambda: env.eds(weights=True)[n0] == env.eds(weights=True)[n1], timeout_s=5.0, step_s=0.02)
 
 

@@ -80,13 +80,13 @@ def _next_check_reference(nh):
     hb = nh.heartbeat
     if hb.last_s is not None:
         counted = max(hb.consecutive_misses - (1 if hb.stream_closed else 0), 0)
-        cands.append(hb.last_s + miss_after_s(CFG) + CFG.heartbeat_interval_ms / 1000.0 * counted)
+        cands.append(hb.last_s + miss_after_s(CFG) + CFG.heartbeat.interval.s * counted)
         if nh.ejection.cause is not EjectionCause.PHI and nh.state in ROUTED_STATES:
             d = phi_delay_s(nh, CFG)
             if d is not None:
                 cands.append(hb.last_s + d)
     if nh.ramp.step_at_s is not None:
-        cands.append(nh.ramp.step_at_s + CFG.ramp_step_s)
+        cands.append(nh.ramp.step_at_s + CFG.probation.ramp_step.s)
     confirm = stall_confirm_at_s(nh, CFG)
     if confirm is not None and nh.engine.stall_counted == 1 and nh.state in ROUTED_STATES:
         cands.append(confirm)

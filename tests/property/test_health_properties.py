@@ -125,7 +125,7 @@ def test_prop_ramp_only_goes_up_in_probation_and_restarts_after_failure(items):
             if prev_state is S.PROBATION and not any(e.to_state is S.PROBATION for e in evs):
                 assert nh.ramp.percent >= prev_pct
             elif any(e.to_state is S.PROBATION for e in evs):
-                assert nh.ramp.percent == CFG.ramp_start_percent  # every probation starts at 1 %
+                assert nh.ramp.percent == CFG.probation.ramp_start_percent  # every probation starts at 1 %
         if any(e.from_state is S.PROBATION and e.to_state is S.UNHEALTHY for e in evs):
             assert nh.ramp.percent == 0.0
         prev_state, prev_pct = nh.state, nh.ramp.percent
@@ -180,7 +180,7 @@ def test_prop_jittery_heartbeats_are_not_a_flapping_source(gaps):
         nh, evs = step(nh, HeartbeatObserved(), t, cfg)
         disproved += [e.at_s for e in evs if "disproved" in e.reason]
     for _i, at in enumerate(disproved):
-        assert sum(1 for x in disproved if at - 60 < x <= at) <= cfg.phi_max_suspicions_per_min
+        assert sum(1 for x in disproved if at - 60 < x <= at) <= cfg.phi.max_suspicions
 
 
 node_health = st.builds(

@@ -101,7 +101,7 @@ def test_prop_every_state_signal_pair_reaches_the_table_next_state_or_raises(sta
         assert out.ejection.cause is not None and out.ejection.from_state is state
         assert out.ramp.percent == 0.0 and out.probe.clean_since_s is None
         if state is NodeState.PROBATION:  # a failed probation doubles the next clean period
-            assert out.ejection.clean_period_s == min(2 * required_clean_s(nh, CFG), CFG.probation_clean_max_s)
+            assert out.ejection.clean_period_s == min(2 * required_clean_s(nh, CFG), CFG.probation.clean_max.s)
     else:
         assert out.ejection.cause is None
     if expected is NodeState.REFUSING:  # a soft block (entered directly: the refusals' evidence)
@@ -110,7 +110,7 @@ def test_prop_every_state_signal_pair_reaches_the_table_next_state_or_raises(sta
     if state is NodeState.REFUSING and expected in (NodeState.HEALTHY, NodeState.DEGRADED):
         assert out.ramp.percent == nh.ramp.percent  # busy, not failed: no probation, no ramp
     if expected is NodeState.PROBATION:
-        assert out.ramp == Ramp(CFG.ramp_start_percent, NOW)
+        assert out.ramp == Ramp(CFG.probation.ramp_start_percent, NOW)
     else:
         assert out.ramp.step_at_s is None
     assert (out.ejection.healthy_since_s == NOW) if expected is NodeState.HEALTHY else (

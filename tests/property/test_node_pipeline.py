@@ -77,4 +77,4 @@ def test_anchored_ramps_step_on_the_unix_time_grid(items, offset):
         nh = advance(nh, obs, t, CFG, wall_offset_s=lambda: offset).nh
         at = nh.ramp.step_at_s
         if nh.state is NodeState.PROBATION and at is not None:
-            assert abs(grid_point(at, CFG.ramp_step_s, offset) - at) <= 1e-6
+            assert abs(grid_point(at, CFG.probation.ramp_step.s, offset) - at) <= 1e-6

@@ -146,8 +146,9 @@ def test_the_gate_holds_probation_unrouted_until_a_verdict_for_this_probation(wa
         assert [(e.from_state, e.to_state) for e in events] == [(hm.NodeState.PROBATION, out.state)]
     else:  # the ramp starts now, at its first step; routed from here on
         assert out.state is hm.NodeState.PROBATION and out.ramp.step_at_s == since + wait_s
-        assert out.ramp.percent == ON.ramp_start_percent and out.validation.verdict is verdict
-        assert "switch-back validated" in out.reason and f"ramping from {ON.ramp_start_percent:g} %" in out.reason
+        assert out.ramp.percent == ON.probation.ramp_start_percent and out.validation.verdict is verdict
+        assert "switch-back validated" in out.reason
+        assert f"ramping from {ON.probation.ramp_start_percent:g} %" in out.reason
         assert node_routing(out, ON).status is RoutingStatus.HEALTHY and events == []
         done = _ticks(out, ON, since + wait_s + 4, start=since + wait_s)
         assert done.state is hm.NodeState.HEALTHY  # the ramp ends it: no second wait at the end
@@ -163,7 +164,7 @@ def test_a_new_probation_asks_again():
                     ON)
     assert nh.state is hm.NodeState.UNHEALTHY
     # clean period doubled (failure in PROBATION): the next PROBATION's validation starts from NONE
-    assert nh.ejection.clean_period_s == 2 * ON.probation_clean_s
+    assert nh.ejection.clean_period_s == 2 * ON.probation.clean.s
 
 
 @settings(max_examples=200, deadline=None)

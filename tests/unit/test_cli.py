@@ -165,14 +165,12 @@ def test_log_formats_carry_structured_fields_escaped():
 
 def test_demo_prints_what_it_shortens_next_to_the_defaults():
     from xds_server.config import HealthConfig
-    from xds_server.demo import DEMO_HEALTH, shortened_settings
+    from xds_server.demo import shortened_settings
 
     rows = {name: (demo, prod) for name, demo, prod in shortened_settings()}
     h = HealthConfig()
-    assert rows["health.probation_clean_s (half-open clean period)"] == (
-        f"{DEMO_HEALTH['probation_clean_s']:g} s", f"{h.probation_clean_s:g} s")
-    assert rows["health.ramp_step_percent / ramp_step_s (ramp)"][1] == \
-        f"+{h.ramp_step_percent:g} % per {h.ramp_step_s:g} s"
+    assert rows["health.probation.clean (half-open clean period)"] == ("3s", "1m") and h.probation.clean.s == 60
+    assert rows["health.probation.ramp_step_percent / ramp_step (ramp)"] == ("+10 % per 300ms", "+1 % per 1s")
     assert rows["Envoy retry per_try_idle_timeout"] == ("2 s", "10s")
 
 

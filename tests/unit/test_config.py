@@ -35,9 +35,9 @@ def _with(path: str, value) -> dict:
 def test_good_config_has_seed_defaults():
     cfg = parse_config(GOOD)
     h = cfg.health
-    assert (h.heartbeat_interval_ms, h.heartbeat_grace_ms, h.consecutive_misses) == (100.0, 80.0, 3)
-    assert (h.ttft_healthy_ms, h.ttft_timeout_ms, h.probe_failures_to_eject) == (200.0, 800.0, 2)
-    assert h.good_probes_to_recover == 3 and h.degraded_weight_factor == 0.3 and h.rtt_ewma_alpha == 0.2
+    assert (h.heartbeat.interval.ms, h.heartbeat.grace.ms, h.heartbeat.consecutive_misses) == (100.0, 80.0, 3)
+    assert (h.probes.ttft_healthy.ms, h.probes.ttft_timeout.ms, h.probes.failures_to_eject) == (200.0, 800.0, 2)
+    assert h.probes.good_to_recover == 3 and h.probes.degraded_weight_factor == 0.3 and h.rtt.ewma_alpha == 0.2
     c = cfg.clusters[0]
     assert c.healthy_panic_threshold_percent == 0 and c.update_merge_window_ms == 0
     assert c.lb_policy == "LEAST_REQUEST"
@@ -51,9 +51,14 @@ def test_good_config_has_seed_defaults():
     ("clusters.0.nodes.1.capacity", 0, "clusters.0.nodes.1.capacity", "greater than or equal to 1"),
     ("clusters.0.nodes.1.priority", 200, "clusters.0.nodes.1.priority", "less than or equal to 128"),
     ("clusters.0.lb_policy", "RANDOM", "clusters.0.lb_policy", "LEAST_REQUEST"),
-    ("health.consecutive_misses", 0, "health.consecutive_misses", "greater than or equal to 1"),
-    ("health.ttft_timeout_ms", 100, "health", "ttft_timeout_ms must be greater than ttft_healthy_ms"),
-    ("health.heartbeat_interval_ms", "fast", "health.heartbeat_interval_ms", "valid number"),
+    ("health.heartbeat.consecutive_misses", 0, "health.heartbeat.consecutive_misses", "greater than or equal to 1"),
+    ("health.probes.ttft_timeout", "100ms", "health.probes", "ttft_timeout must be longer than ttft_healthy"),
+    ("health.heartbeat.interval", "fast", "health.heartbeat.interval", "'fast' is not a duration"),
+    ("health.heartbeat.interval", 100, "health.heartbeat.interval", "100 has no unit"),
+    ("health.heartbeat.interval", "0s", "health.heartbeat.interval", "must be longer than 0"),
+    ("health.heartbeat.grace", "-5ms", "health.heartbeat.grace", "must not be negative"),
+    ("health.heartbeat_interval_ms", "fast", "health", "heartbeat_interval_ms: 'fast' is not a number of ms"),
+    ("health.ttft_timeout_ms", 100, "health.probes", "ttft_timeout must be longer than ttft_healthy"),
     ("health.no_such_knob", 1, "health.no_such_knob", "Extra inputs are not permitted"),
     ("clusters.0.nodes.1.id", "a", "clusters.0", "duplicate node id 'a'"),
     ("clusters.0.nodes.1.priority", 2, "clusters.0", "contiguous from 0"),

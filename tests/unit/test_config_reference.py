@@ -35,8 +35,10 @@ def test_every_field_of_every_section_is_listed_once():
 
 def test_defaults_units_and_advanced_marks_come_from_the_models():
     by = {k.path: k for k in keys()}
-    hb = by["health.heartbeat_interval_ms"]
-    assert (hb.default, hb.unit, hb.advanced) == ("100.0", "ms", False)
+    hb = by["health.heartbeat.interval"]
+    assert (hb.default, hb.unit, hb.advanced) == ('"100ms"', "duration", False)
+    assert by["health.phi.suspicion_window"].advanced and by["health.drain_timeout"].default == '"10m"'
+    assert "| `health.heartbeat_interval_ms` | `health.heartbeat.interval` |" in render_reference()
     assert "seed 000" in hb.description
     assert by["clusters[].name"].default == "required"
     assert by["xds.memo_max_bytes"].advanced and by["xds.memo_max_bytes"].unit == "bytes"

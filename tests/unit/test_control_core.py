@@ -332,7 +332,7 @@ def test_steady_heartbeats_leave_the_routing_alone_and_a_queue_or_threshold_chan
         probes["n0"].heartbeat(requests_waiting=0.0)
         clock.advance(0.1)
     assert cp.core.routing["n0"].weight == 100
-    warn = cp.config.health.queue_warning
+    warn = cp.config.health.load.queue_warning
     probes["n0"].heartbeat(requests_waiting=warn + 1)
     clock.advance(0.1)
     reduced = cp.core.routing["n0"].weight

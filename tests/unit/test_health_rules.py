@@ -61,12 +61,12 @@ def test_a_disproved_suspicion_in_probation_restarts_the_ramp_at_its_start():
     cfg = HealthConfig(ramp_step_s=0.5)
     sim = NodeSim(cfg=cfg)
     sim.run_until(3.0)
-    assert sim.nh.state is S.PROBATION and sim.nh.ramp.percent > cfg.ramp_start_percent
+    assert sim.nh.state is S.PROBATION and sim.nh.ramp.percent > cfg.probation.ramp_start_percent
     sim.heartbeat = lambda t: None if 3.05 <= t < 3.3 else HeartbeatObserved()
     sim.run_until(3.31)
     back = sim.events[-1]
     assert (back.from_state, back.to_state) == (S.UNHEALTHY, S.PROBATION) and "disproved" in back.reason
-    assert sim.nh.ramp.percent == cfg.ramp_start_percent and sim.nh.ramp.step_at_s == back.at_s
+    assert sim.nh.ramp.percent == cfg.probation.ramp_start_percent and sim.nh.ramp.step_at_s == back.at_s
 
 
 @pytest.mark.parametrize(("cfg", "status", "outcome"), [
@@ -147,7 +147,7 @@ def test_bad_inputs_raise_errors_naming_the_field():
     doc = {"clusters": [{"name": "c", "nodes": [{"id": "a", "address": "10.0.0.1:80",
                                                   "probe_address": "10.0.0.1:81"}]}],
            "health": {"saturated_http_statuses": [429, 700]}}
-    with pytest.raises(ConfigError, match=r"health\.saturated_http_statuses: .*700"):
+    with pytest.raises(ConfigError, match=r"health\.busy\.saturated_http_statuses: .*700"):
         parse_config(doc)
 
 

@@ -163,7 +163,7 @@ _HB = st_.tuples(st_.one_of(st_.none(), st_.floats(0.0, 2.0)), st_.integers(0, 4
 def _fleet(hbs, now_s: float) -> dict:
     """Nodes whose counted misses are consistent with time: a miss only once interval + grace passed."""
     out = {}
-    limit = (CFG.heartbeat_interval_ms + CFG.heartbeat_grace_ms) / 1000.0
+    limit = (CFG.heartbeat.interval.ms + CFG.heartbeat.grace.ms) / 1000.0
     for i, (last, misses, closed) in enumerate(hbs):
         if last is None or now_s - last < limit:
             misses = 0
@@ -186,7 +186,7 @@ def test_fail_static_may_change_is_false_only_where_the_walk_changes_nothing_or_
             # whose Tick has not run; with every silent node counted, it stays off as well
             all_counted = {k: (replace(v, heartbeat=Heartbeats(v.heartbeat.last_s, 1, v.heartbeat.stream_closed))
                                if v.heartbeat.last_s is not None and now - v.heartbeat.last_s
-                               >= (CFG.heartbeat_interval_ms + CFG.heartbeat_grace_ms) / 1000.0 else v)
+                               >= (CFG.heartbeat.interval.ms + CFG.heartbeat.grace.ms) / 1000.0 else v)
                            for k, v in h.items()}
             if sum(counted_silent(nh) for nh in all_counted.values()) == counted:
                 assert not fail_static(state, all_counted, now, CFG)[0].active

@@ -1,4 +1,4 @@
-"""Seed 002's queue levels (``health.queue_warning`` 50, ``health.queue_critical`` 100) as events,
+"""Seed 002's queue levels (``health.load.queue_warning`` 50, ``health.load.queue_critical`` 100) as events,
 judged on each node's own heartbeats: with no Envoy reporting load (LRS off or silent) a queue of
 150 still raises ``queue_critical``, once per change of level, never once per heartbeat."""
 from __future__ import annotations

@@ -425,4 +425,4 @@ def test_control_plane_default_fatal_xids_come_from_the_agent_list():
     # One home: node_probe.xids.FATAL_XIDS; the control plane's config default reads it.
     from xds_server.config import HealthConfig
 
-    assert HealthConfig().fatal_xids == sorted(FATAL_XIDS) == [48, 63, 64, 74, 79, 94, 95]
+    assert HealthConfig().load.fatal_xids == sorted(FATAL_XIDS) == [48, 63, 64, 74, 79, 94, 95]

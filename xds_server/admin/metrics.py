@@ -197,13 +197,13 @@ class ControlPlaneCollector:
 
 
 def _queues(view: ControlPlaneView):
-    """Seed 002's queue levels per node: waiting requests and ok / warning (> health.queue_warning)
-    / critical (> health.queue_critical, saturated)."""
+    """Seed 002's queue levels per node: waiting requests and ok / warning (> health.load.queue_warning)
+    / critical (> health.load.queue_critical, saturated)."""
     cfg = view.config.health
     waiting = GaugeMetricFamily("sentinel_node_requests_waiting", "requests waiting in the engine's queue "
                                 "(agent telemetry)", labels=["cluster", "node"])
     level = GaugeMetricFamily("sentinel_node_queue_level", "1 for the node's queue level: ok, warning (> "
-                              "health.queue_warning, 50), critical (> health.queue_critical, 100; saturated)",
+                              "health.load.queue_warning, 50), critical (> health.load.queue_critical, 100; saturated)",
                               labels=["cluster", "node", "level"])
     for row in view.node_rows():
         w = row.health.engine.requests_waiting

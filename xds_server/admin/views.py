@@ -166,8 +166,8 @@ class ControlPlaneView:
         if nh.state is hm.NodeState.PROBATION:
             step_at = nh.ramp.step_at_s if nh.ramp.step_at_s is not None else now
             return {"ramp_percent": nh.ramp.percent,
-                    "next_step_in_s": round(max(0.0, step_at + cfg.ramp_step_s - now), 3),
-                    "step_percent": cfg.ramp_step_percent}
+                    "next_step_in_s": round(max(0.0, step_at + cfg.probation.ramp_step.s - now), 3),
+                    "step_percent": cfg.probation.ramp_step_percent}
         if nh.state is hm.NodeState.UNHEALTHY:
             need = hm.required_clean_s(nh, cfg)
             since = nh.probe.clean_since_s
@@ -182,9 +182,9 @@ class ControlPlaneView:
             return None
         in_flight = nh.engine.requests_running
         elapsed = now - nh.drain.since_s
-        drained = (in_flight is not None and in_flight <= 0) or elapsed >= self.config.health.drain_timeout_s
+        drained = (in_flight is not None and in_flight <= 0) or elapsed >= self.config.health.drain_timeout.s
         return {"draining_for_s": round(elapsed, 3), "in_flight": in_flight, "drained": drained,
-                "timeout_s": self.config.health.drain_timeout_s}
+                "timeout_s": self.config.health.drain_timeout.s}
 
     def node(self, node_id: str) -> dict:
         """JSON-able state of one node for ``/nodes`` (times: seconds; RTT/TTFT: ms).

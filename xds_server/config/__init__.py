@@ -26,6 +26,7 @@ from xds_server.config.cluster import (
 from xds_server.config.discovery import DiscoveryConfig, FileDiscoveryConfig, KubernetesDiscoveryConfig
 from xds_server.config.feed import FeedConfig, check_feed
 from xds_server.config.health import HealthConfig
+from xds_server.config.health_names import rename_flat
 from xds_server.config.load import (
     LrsConfig,
     ShedClassesConfig,
@@ -73,6 +74,7 @@ __all__ = [
     "load_config",
     "parse_config",
     "parse_hostport",
+    "rewritten_yaml",
 ]
 
 
@@ -123,7 +125,7 @@ class SentinelConfig(_Model):
         old = [] if self.xds.server_id is None else [
             "xds.server_id is deprecated and ignored: versions are content hashes, the same on every replica; "
             f"name this process with xds.replica_id (now {self.xds.replica_id!r})"]
-        return old + lrs_notes(self.lrs, self.tls.mode, self.xds.listen)
+        return old + self.health.notes() + lrs_notes(self.lrs, self.tls.mode, self.xds.listen)
 
     def nodes(self) -> list[tuple[str, NodeConfig]]:
         """All nodes as ``(cluster_name, node)`` pairs, in file order."""
@@ -151,19 +153,33 @@ def parse_config(data: Any) -> SentinelConfig:
         raise ConfigError(_format_errors(e)) from None
 
 
-def load_config(path: str | Path) -> SentinelConfig:
-    """Read and validate a YAML config file.
-
-    Raises ConfigError when the file cannot be read, is not valid YAML (with line/column), or
-    fails validation (each error names the dotted field path and the reason).
-    """
+def _read_yaml(path: str | Path) -> Any:
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {p} is not valid YAML{yaml_problem(e)}") from None
-    return parse_config(data)
+
+
+def rewritten_yaml(path: str | Path) -> str:
+    """The config file at ``path`` with the names of earlier releases in their new places
+    (``health``: :func:`~xds_server.config.health.rename_flat`), as YAML; comments are not kept.
+    ConfigError as :func:`load_config` (the file must load before it is rewritten)."""
+    data = _read_yaml(path)
+    parse_config(data)
+    if isinstance(data.get("health"), dict):
+        data["health"], _ = rename_flat(data["health"])
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def load_config(path: str | Path) -> SentinelConfig:
+    """Read and validate a YAML config file.
+
+    Raises ConfigError when the file cannot be read, is not valid YAML (with line/column), or
+    fails validation (each error names the dotted field path and the reason).
+    """
+    return parse_config(_read_yaml(path))

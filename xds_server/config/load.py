@@ -1,6 +1,6 @@
 """``lrs:`` section: the Load Reporting Service (real-traffic outcomes reported by every Envoy)
 and fleet-wide passive ejection from them. (Seed 002's queue thresholds are
-``health.queue_warning`` / ``health.queue_critical``.)
+``health.load.queue_warning`` / ``health.load.queue_critical``.)
 
 Sources: Envoy's LRS protocol (envoy.service.load_stats.v3) as measured on Envoy 1.40
 (docs/xds_protocol.md section 6), Envoy's outlier-detection defaults for the success-rate
@@ -141,7 +141,7 @@ class ShedConfig(_Model):
     their safe load, publish ``ClusterLoadAssignment.policy.drop_overloads`` (one category,
     ``overload``) with the excess share, so Envoy answers that share at once (429 + Retry-After,
     the bootstrap's local_reply_config) instead of queueing it everywhere. Thresholds: seed 002
-    (``health.queue_warning`` 50, ``health.queue_critical`` 100 waiting)."""
+    (``health.load.queue_warning`` 50, ``health.load.queue_critical`` 100 waiting)."""
 
     enabled: bool = Field(
         False, description="shed load; off (the default): weights are lowered, nothing is refused")
@@ -154,7 +154,7 @@ class ShedConfig(_Model):
     off_ratio: float = Field(
         0.5, gt=0, le=1,
         description="hysteresis: shedding starts when the routable nodes' mean waiting exceeds "
-        "health.queue_warning and stops once it stays at or below off_ratio x queue_warning for "
+        "health.load.queue_warning and stops once it stays at or below off_ratio x queue_warning for "
         "lift_after_s. Ours")
     lift_after_s: float = Field(3.0, ge=0, description="how long queues must stay low before the drop is lifted, s")
     step_percent: float = Field(
@@ -169,7 +169,7 @@ class ShedConfig(_Model):
     kv_saturated_ratio: float = Field(
         0.95, gt=0, le=1,
         description="a routable node whose engine reports KV-cache usage (0..1) above this counts as a "
-        "queue of health.queue_warning + 1 in the mean: saturated like a queue over the warning. vLLM "
+        "queue of health.load.queue_warning + 1 in the mean: saturated like a queue over the warning. vLLM "
         "preempts running requests when its KV cache is full (vllm:kv_cache_usage_perc 1.0, "
         "vllm:num_preemptions grows); 0.95 leaves a step of headroom before that. The Gateway API "
         "Inference Extension's saturation detector uses 0.8. A node without KV telemetry adds nothing")
@@ -178,7 +178,7 @@ class ShedConfig(_Model):
         description="the relative trigger: shed when a routable node's expected queue wait (its waiting "
         "over its share of the cluster's measured completion rate, s) exceeds this, with at least "
         "min_waiting waiting; while over it and the queues do not shrink, the drop follows the measured "
-        "excess. null: only the seed's absolute thresholds (health.queue_warning, queue_critical). Ours: "
+        "excess. null: only the seed's absolute thresholds (health.load.queue_warning, queue_critical). Ours: "
         "0.5 s of wait keeps the admitted TTFT near the unloaded one (benchmarks/RESULTS.md)")
     min_waiting: float = Field(
         2.0, ge=0, description="the relative trigger needs at least this many waiting on the node (noise of one "

@@ -17,7 +17,7 @@ class ReloadConfig(_Model):
     )
     drain_check_interval_s: float = Field(
         1.0, gt=0, description="how often nodes removed by a reload are checked for having drained "
-                               "(dropped then; health.drain_timeout_s bounds the wait) (ours)",
+                               "(dropped then; health.drain_timeout bounds the wait) (ours)",
     )
 
 

@@ -66,7 +66,7 @@ class ProbeConfig(_Model):
     channel_initial_backoff_ms: int = Field(
         100, ge=1,
         description="gRPC channel's own first reconnect backoff (gRPC's default is 1 s: too slow "
-        "for a node whose agent restarts); the channel's cap is health.reconnect_backoff_max_ms",
+        "for a node whose agent restarts); the channel's cap is health.heartbeat.reconnect_backoff_max",
     )
     max_unanswered_pings: int = Field(
         64, ge=1, le=65_536, description="outstanding RTT pings remembered per stream (ours)",
@@ -88,7 +88,7 @@ class ProbeConfig(_Model):
     max_ttft_ms: float = Field(
         10_000.0, gt=0,
         description="a successful probe's TTFT above this is rejected as nonsense, never fed to the "
-        "TTFT EWMA (ours: 12.5 x health.ttft_timeout_ms; an agent gives up at its probe timeout, "
+        "TTFT EWMA (ours: 12.5 x health.probes.ttft_timeout; an agent gives up at its probe timeout, "
         "and one absurd value would keep a node an outlier for minutes)",
     )
     max_requests: float = Field(
@@ -104,7 +104,7 @@ class ProbeConfig(_Model):
     )
     lag_recheck_ms: float = Field(
         5.0, gt=0, le=1000,
-        description="a detection timer that fired late (health.self_lag_tolerance_ms) is re-run this "
+        description="a detection timer that fired late (health.heartbeat.self_lag_tolerance) is re-run this "
         "much later, once, so heartbeats already waiting are read first; after a stall of our own as "
         "long as a heartbeat miss window (interval + grace) or longer, one miss window later instead "
         "(ours; the fault matrix's control-plane SIGSTOP)",
@@ -115,7 +115,7 @@ class ProbeConfig(_Model):
         "SIGSTOP, a VM pause, a long GC), no verdict on a node's silence (misses, a closed or silent "
         "stream) is made until its first heartbeat after we woke, or for as long as the stall lasted "
         "but at most this long, whichever comes first (ours: a stream cut during a long stall is "
-        "redialled after health.reconnect_backoff_initial_ms, 100 ms, and heartbeats within one "
+        "redialled after health.heartbeat.reconnect_backoff_initial, 100 ms, and heartbeats within one "
         "interval, 100 ms; heartbeats that waited unread took 200 ms to be read on a loaded 2-core "
         "host; a node that died during our stall is ejected at most this late; xds_server/probing/stall_hold.py)",
     )
@@ -149,7 +149,7 @@ class ProbeConfig(_Model):
 
     def channel_options(self, max_backoff_ms: float) -> list[tuple[str, int]]:
         """The gRPC channel options of a probe stream: keepalive, and reconnect backoff from
-        ``channel_initial_backoff_ms`` up to ``max_backoff_ms`` (``health.reconnect_backoff_max_ms``).
+        ``channel_initial_backoff_ms`` up to ``max_backoff_ms`` (``health.heartbeat.reconnect_backoff_max``).
         With ``liveness`` transport the keepalive is the transport's PINGs, their deadline enforced."""
         if self.liveness == "transport":
             keepalive = [("grpc.keepalive_time_ms", self.transport_keepalive_time_ms),

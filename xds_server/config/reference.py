@@ -17,6 +17,8 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from xds_server.config import SentinelConfig
+from xds_server.config.duration import Duration
+from xds_server.config.health_names import RENAMED
 
 __all__ = ["ESSENTIAL", "Key", "keys", "render_reference"]
 
@@ -33,8 +35,8 @@ ESSENTIAL: tuple[tuple[str, str], ...] = (
     ("clusters[].nodes[].address", "where Envoy sends requests: the engine's HOST:PORT"),
     ("clusters[].nodes[].probe_address", "where the control plane reaches the node's agent"),
     ("clusters[].discovery", "find nodes from a file or Kubernetes pods instead of listing them"),
-    ("health.heartbeat_interval_ms", "the agents' heartbeat period; detection time scales with it"),
-    ("health.max_ejection_percent", "the most of a cluster that health may take out at once"),
+    ("health.heartbeat.interval", "the agents' heartbeat period; detection time scales with it"),
+    ("health.outlier.max_ejection_percent", "the most of a cluster that health may take out at once"),
     ("lrs.enabled", "Envoy's load reports: real-traffic ejection and overload shedding"),
     ("probe.workers", "probe streams in worker processes, for fleets past one core"),
 )
@@ -92,6 +94,8 @@ def _default(field: typing.Any) -> str:
         value = field.default
     if isinstance(value, BaseModel):
         return "(section)"
+    if isinstance(value, Duration):
+        return json.dumps(str(value))
     try:
         return json.dumps(value, default=list)
     except (TypeError, ValueError):
@@ -116,7 +120,8 @@ def keys(model: type[BaseModel] = SentinelConfig, prefix: str = "") -> Iterator[
         if subs:
             sections.append((path + ("[]" if _is_list(field.annotation) else ""), subs[0]))
             continue
-        yield Key(path, _type_name(field.annotation), _default(field), _unit(name),
+        unit = "duration" if field.annotation is Duration else _unit(name)
+        yield Key(path, _type_name(field.annotation), _default(field), unit,
                   " ".join((field.description or "").split()), name in advanced)
     for path, sub in sections:
         yield Key(path, sub.__name__, "(section)", "", " ".join((sub.__doc__ or "").split()), False)
@@ -135,7 +140,8 @@ def render_reference() -> str:
            "Generated from the configuration models (`xds-server config-reference -o docs/config.md`); a",
            "test keeps this page equal to them. Every key with its default, unit and description; the",
            "description names the source of each default (the seeds: docs/sources.md). A list item is",
-           "written `[]`. *Advanced*: a protection limit that rarely needs changing.", "",
+           "written `[]`. *Advanced*: a protection limit that rarely needs changing. A *duration* is",
+           "written with its unit: `100ms`, `1.5s`, `5m`, `1h` (a bare number other than 0 is refused).", "",
            "## The keys most deployments set", "", "| key | default | why |", "| --- | --- | --- |"]
     for path, why in ESSENTIAL:
         k = by_path[path]
@@ -152,4 +158,10 @@ def render_reference() -> str:
         name = k.path.rpartition(".")[2]
         mark = " *(advanced)*" if k.advanced else ""
         out.append(f"| `{name}`{mark} | {_cell(k.type)} | `{_cell(k.default)}` | {k.unit} | {_cell(k.description)} |")
+    out += ["", "## Names of earlier releases", "",
+            "Still read, each with a deprecation note (`check-config` prints them; `check-config --rewrite`",
+            "prints the file in today's names). A number of ms or s becomes a duration with that unit.", "",
+            "| earlier name | today's key |", "| --- | --- |"]
+    for old, (section, key, _) in RENAMED.items():
+        out.append(f"| `health.{old}` | `health.{section + '.' if section else ''}{key}` |")
     return "\n".join(out) + "\n"

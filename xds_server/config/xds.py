@@ -45,7 +45,7 @@ class XdsConfig(_Model):
     ramp_anchor: Literal["wall_clock", "local"] = Field(
         "wall_clock",
         description="when PROBATION ramp steps happen. wall_clock: on multiples of "
-        "health.ramp_step_s of the Unix clock, so replicas with synchronized clocks (NTP: ms) "
+        "health.probation.ramp_step of the Unix clock, so replicas with synchronized clocks (NTP: ms) "
         "step together and publish the same weights; local: ramp_step_s after this process saw "
         "the node enter PROBATION (each replica on its own schedule)",
     )

@@ -36,7 +36,7 @@ class TrafficEjector:
         cfg = core.config
         ids = [nid for nid, c in core.node_cluster.items() if c == cluster and nid in core.health]
         rows = [(nid, core.health[nid], evidence.get(nid, Evidence(0, 0, 0, 0.0))) for nid in ids]
-        verdicts = traffic_verdicts(rows, cfg.lrs.traffic_ejection, cfg.health.max_ejection_percent,
+        verdicts = traffic_verdicts(rows, cfg.lrs.traffic_ejection, cfg.health.outlier.max_ejection_percent,
                                     {nid: core.node_cfg[nid].priority for nid in ids if nid in core.node_cfg})
         self._cluster_failure(cluster, verdicts.cluster_failure)
         for nid in ids:

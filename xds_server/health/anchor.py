@@ -10,7 +10,7 @@ the same percentage in between.
 
 Shape::
 
-    nh = anchor_ramp(nh, step_s=cfg.ramp_step_s, wall_offset_s=clock.wall() - clock.now())
+    nh = anchor_ramp(nh, step_s=cfg.probation.ramp_step.s, wall_offset_s=clock.wall() - clock.now())
 
 Times: ``step_at_s`` is monotonic seconds (the health model's clock); ``wall_offset_s`` is Unix
 seconds minus monotonic seconds. The residual difference: when the two entries straddle a point

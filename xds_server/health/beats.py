@@ -71,11 +71,11 @@ def _recorded(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: HealthConf
     arrivals = h.arrivals
     if last is not None and not h.stream_closed:
         if arrivals is None:
-            arrivals = phimod.ArrivalStats(cfg.heartbeat_interval_ms, cfg.phi_min_std_ms ** 2, 0)
-        arrivals = phimod.update(arrivals, (now - last) * 1000.0, cfg.phi_alpha)
+            arrivals = phimod.ArrivalStats(cfg.heartbeat.interval.ms, cfg.phi.min_std.ms ** 2, 0)
+        arrivals = phimod.update(arrivals, (now - last) * 1000.0, cfg.phi.alpha)
     clears = h.suspicion_clears
     if clears:
-        clears = tuple(t for t in clears if now - t < cfg.phi_suspicion_window_s)
+        clears = tuple(t for t in clears if now - t < cfg.phi.suspicion_window.s)
     stalled_since, counted = e.stalled_since_s, e.stall_counted
     if hb.stalled and not e.stalled:
         stalled_since, counted = now, 0
@@ -89,8 +89,8 @@ def _recorded(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: HealthConf
     progress_detail = hb.progress_detail if age is not None else ""
     gap = None if progress_at is None else e.progress_gap_s
     if progress_at is not None and e.progress_at_s is not None and \
-            progress_at - e.progress_at_s > cfg.heartbeat_interval_ms / 2000.0:  # moved (not arrival jitter)
-        moved = min(progress_at - e.progress_at_s, cfg.busy_progress_window_ms / 1000.0)
+            progress_at - e.progress_at_s > cfg.heartbeat.interval.s / 2:  # moved (not arrival jitter)
+        moved = min(progress_at - e.progress_at_s, cfg.busy.progress_window.s)
         gap = moved if gap is None else max(moved, gap * _GAP_DECAY)
     if not (progress_at is None and e.progress_at_s is None and e.state is hb.engine_state
             and e.stalled == hb.stalled and e.stalled_since_s == stalled_since and e.stall_counted == counted
@@ -136,11 +136,11 @@ def _quiet_record(nh: NodeHealth, hb: HeartbeatObserved) -> bool:
 def _quiet_until(nh: NodeHealth, now: float, cfg: HealthConfig) -> bool:
     """The conditions of :func:`_quiet` that read the time: no ramp step and no HEALTHY run due."""
     at = nh.ramp.step_at_s
-    if at is not None and now - at >= cfg.ramp_step_s - EPS_S:
+    if at is not None and now - at >= cfg.probation.ramp_step.s - EPS_S:
         return False
     ej = nh.ejection
     return not (ej.clean_period_s and ej.healthy_since_s is not None
-                and now - ej.healthy_since_s >= cfg.probation_clean_max_s)
+                and now - ej.healthy_since_s >= cfg.probation.clean_max.s)
 
 
 def steady_heartbeat(nh: NodeHealth, hb: HeartbeatObserved, now: float,
@@ -206,7 +206,7 @@ class BeatRun:
         if hb is not self.obs or cfg is not self.cfg or not _quiet_until(self.base, now, cfg):
             return None
         self.mean_ms, self.var_ms2, self.samples = phimod.fold(self.mean_ms, self.var_ms2, self.samples,
-                                                               (now - self.last_s) * 1000.0, cfg.phi_alpha)
+                                                               (now - self.last_s) * 1000.0, cfg.phi.alpha)
         self.last_s = now
         return planned_due_s(self.plan, cfg, now, 0, self)
 

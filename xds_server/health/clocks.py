@@ -38,7 +38,7 @@ def miss_after_s(cfg: HealthConfig) -> float:
 
     Seed 000: 100 ms + 80 ms = 0.18 s. A node silent longer than this is "silent" for fail-static.
     """
-    return (cfg.heartbeat_interval_ms + cfg.heartbeat_grace_ms) / 1000.0
+    return (cfg.heartbeat.interval.ms + cfg.heartbeat.grace.ms) / 1000.0
 
 
 def misses_at(last_heartbeat_s: float, now_s: float, cfg: HealthConfig) -> int:
@@ -50,13 +50,13 @@ def misses_at(last_heartbeat_s: float, now_s: float, cfg: HealthConfig) -> int:
     late = now_s - last_heartbeat_s - miss_after_s(cfg) + EPS_S
     if late < 0:
         return 0
-    return 1 + math.floor(late / (cfg.heartbeat_interval_ms / 1000.0))
+    return 1 + math.floor(late / (cfg.heartbeat.interval.s))
 
 
 def required_clean_s(nh: NodeHealth, cfg: HealthConfig) -> float:
     """Clean period (s) an UNHEALTHY node needs before PROBATION: ``probation_clean_s`` (seed 000:
     60 s), doubled after each failed probation up to ``probation_clean_max_s``."""
-    return nh.ejection.clean_period_s or cfg.probation_clean_s
+    return nh.ejection.clean_period_s or cfg.probation.clean.s
 
 
 def phi_delay_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
@@ -70,16 +70,16 @@ def phi_delay_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
 
 def _phi_on(nh: NodeHealth, cfg: HealthConfig) -> bool:
     """phi is the failure detector and not rate-limited for this node (:func:`phi_delay_s`)."""
-    return cfg.failure_detector == "phi" and not (
-        cfg.phi_max_suspicions_per_min and len(nh.heartbeat.suspicion_clears) >= cfg.phi_max_suspicions_per_min)
+    return cfg.heartbeat.failure_detector == "phi" and not (
+        cfg.phi.max_suspicions and len(nh.heartbeat.suspicion_clears) >= cfg.phi.max_suspicions)
 
 
 def _phi_delay(arrivals: phimod.Arrivals | None, cfg: HealthConfig) -> float | None:
     """:func:`phi_delay_s` from the inter-arrival estimate ``arrivals`` (``mean_ms``, ``var_ms2``
     and ``samples`` are read), phi on: None while untrained."""
-    if arrivals is None or arrivals.samples < cfg.phi_min_samples:
+    if arrivals is None or arrivals.samples < cfg.phi.min_samples:
         return None
-    ms = phimod.suspicion_delay_ms(arrivals, cfg.phi_threshold, cfg.phi_min_std_ms, cfg.phi_acceptable_pause_ms)
+    ms = phimod.suspicion_delay_ms(arrivals, cfg.phi.threshold, cfg.phi.min_std.ms, cfg.phi.acceptable_pause.ms)
     return ms / 1000.0
 
 
@@ -95,9 +95,9 @@ def stall_confirm_at_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
     e = nh.engine
     if not e.stalled or e.stalled_since_s is None:
         return None
-    at = e.stalled_since_s + cfg.stall_confirm_ms / 1000.0
+    at = e.stalled_since_s + cfg.probes.stall_confirm.s
     if e.progress_at_s is not None:
-        frozen_at = e.progress_at_s + (cfg.busy_progress_window_ms + cfg.stall_confirm_ms) / 1000.0
+        frozen_at = e.progress_at_s + (cfg.busy.progress_window.ms + cfg.probes.stall_confirm.ms) / 1000.0
         if frozen_at >= e.stalled_since_s:  # older progress (idle before the request): not this freeze's
             at = min(at, frozen_at)
     return at
@@ -108,11 +108,11 @@ def busy_confirm_s(nh: NodeHealth, cfg: HealthConfig) -> float:
     move before the timeout is a failure (a hang) rather than busy: ``busy_confirm_min_ms``, or
     ``busy_confirm_gaps`` x the engine's own cadence (``Engine.progress_gap_s``) if longer, at
     most ``busy_progress_window_ms``; the window while the cadence is unknown."""
-    window = cfg.busy_progress_window_ms / 1000.0
+    window = cfg.busy.progress_window.s
     gap = nh.engine.progress_gap_s
     if gap is None:
         return window
-    return min(window, max(cfg.busy_confirm_min_ms / 1000.0, cfg.busy_confirm_gaps * gap))
+    return min(window, max(cfg.busy.confirm_min.s, cfg.busy.confirm_gaps * gap))
 
 
 def ticks_backed_off(nh: NodeHealth, cfg: HealthConfig) -> bool:
@@ -122,7 +122,7 @@ def ticks_backed_off(nh: NodeHealth, cfg: HealthConfig) -> bool:
     cannot start while silent, and a heartbeat (handled when it arrives, not by a Tick) is what
     ends it."""
     return (nh.state is NodeState.UNHEALTHY and nh.ejection.cause is EjectionCause.HEARTBEAT
-            and nh.heartbeat.last_s is not None and nh.heartbeat.consecutive_misses >= cfg.consecutive_misses)
+            and nh.heartbeat.last_s is not None and nh.heartbeat.consecutive_misses >= cfg.heartbeat.consecutive_misses)
 
 
 def misses_shown(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> int:
@@ -131,7 +131,7 @@ def misses_shown(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> int:
     would store (misses from the time since the last heartbeat, one more for a closed stream):
     past the threshold Ticks may be backed off, so the stored count can lag the time."""
     hb = nh.heartbeat
-    if hb.last_s is None or hb.consecutive_misses < cfg.consecutive_misses:
+    if hb.last_s is None or hb.consecutive_misses < cfg.heartbeat.consecutive_misses:
         return hb.consecutive_misses
     return max(hb.consecutive_misses, misses_at(hb.last_s, now_s, cfg) + (1 if hb.stream_closed else 0))
 
@@ -159,13 +159,13 @@ def tick_due_s(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> float | None:
     ~10,000 (benchmarks/RESULTS.md). Routing decisions are those of a Tick every
     interval (tests/property/test_tick_backoff.py)."""
     misses = nh.heartbeat.consecutive_misses
-    if misses < cfg.consecutive_misses:  # a heartbeat's path: no back-off, the count is exact
+    if misses < cfg.heartbeat.consecutive_misses:  # a heartbeat's path: no back-off, the count is exact
         return _check_s(nh, cfg, misses, 1)
     misses = misses_shown(nh, cfg, now_s)
     ahead = 1
     if ticks_backed_off(nh, cfg):
-        cap = max(1, int(cfg.silent_tick_max_ms // cfg.heartbeat_interval_ms))
-        ahead = max(1, min(misses - cfg.consecutive_misses, cap))
+        cap = max(1, int(cfg.heartbeat.silent_tick_max.ms // cfg.heartbeat.interval.ms))
+        ahead = max(1, min(misses - cfg.heartbeat.consecutive_misses, cap))
     return _check_s(nh, cfg, misses, ahead)
 
 
@@ -180,11 +180,11 @@ def due_plan(nh: NodeHealth, cfg: HealthConfig) -> DuePlan:
     miss boundary's spacing, whether phi may convict (routed, not ejected by phi, phi on and not
     rate-limited), the ramp step and the stall confirmation that apply."""
     phi = nh.ejection.cause is not EjectionCause.PHI and nh.state in ROUTED_STATES and _phi_on(nh, cfg)
-    ramp_at = None if nh.ramp.step_at_s is None else nh.ramp.step_at_s + cfg.ramp_step_s
+    ramp_at = None if nh.ramp.step_at_s is None else nh.ramp.step_at_s + cfg.probation.ramp_step.s
     stall_at = None
     if nh.engine.stalled and nh.engine.stall_counted == 1 and nh.state in ROUTED_STATES:
         stall_at = stall_confirm_at_s(nh, cfg)
-    return miss_after_s(cfg), cfg.heartbeat_interval_ms / 1000.0, phi, ramp_at, stall_at
+    return miss_after_s(cfg), cfg.heartbeat.interval.s, phi, ramp_at, stall_at
 
 
 def planned_due_s(plan: DuePlan, cfg: HealthConfig, last_s: float | None, counted: int,

@@ -66,7 +66,7 @@ def eject(cause: EjectionCause, reason: Callable[[NodeHealth, Fired], str] | Non
         text = f.detail if reason is None else reason(nh, f)
         clean = required_clean_s(nh, c.cfg)
         if nh.state is NodeState.PROBATION:
-            clean = min(clean * 2.0, c.cfg.probation_clean_max_s)
+            clean = min(clean * 2.0, c.cfg.probation.clean_max.s)
             text += f"; failed in PROBATION at {nh.ramp.percent:.0f} %, next clean period {clean:.0f} s"
         return replace(
             nh, ejection=replace(nh.ejection, cause=cause, from_state=nh.state, clean_period_s=clean),
@@ -168,10 +168,10 @@ def warming_probe(count: bool) -> Effect:
         n = p.consecutive_failures + 1 if count else p.consecutive_failures
         age_s = c.now_s - nh.since_s
         plural = "s" if n != 1 else ""
-        if count and f.arg and n >= cfg.probe_failures_to_eject:
+        if count and f.arg and n >= cfg.probes.failures_to_eject:
             why = f"{n} consecutive probe failure{plural} from an engine that answers"
-        elif age_s >= cfg.warm_limit_s or p.warm_reported:  # once reported, it reads so until a good probe
-            limit = f" (warm_limit_s {cfg.warm_limit_s:g} s)" if age_s >= cfg.warm_limit_s else ""
+        elif age_s >= cfg.probes.warm_limit.s or p.warm_reported:  # once reported, it reads so until a good probe
+            limit = f" (warm_limit_s {cfg.probes.warm_limit.s:g} s)" if age_s >= cfg.probes.warm_limit.s else ""
             why = f"no good probe {age_s:.0f} s after {nh.state.value} began{limit}"
             if n:
                 why += f", {n} consecutive probe failure{plural}"
@@ -209,7 +209,7 @@ def not_good(reason: bool) -> Effect:
 
 
 def first_good_probe(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
-    return nh, f"first good probe ({f.detail}); ramping from {c.cfg.ramp_start_percent:g} %"
+    return nh, f"first good probe ({f.detail}); ramping from {c.cfg.probation.ramp_start_percent:g} %"
 
 
 def fatal_while_out(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
@@ -239,7 +239,7 @@ def forgiven(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
 
 def forgive_later(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
     """Still silent when fail-static ended: forgive it too if heartbeats resume within the window."""
-    until = c.now_s + c.cfg.fail_static_forgive_intervals * c.cfg.heartbeat_interval_ms / 1000.0
+    until = c.now_s + c.cfg.fail_static.forgive_intervals * c.cfg.heartbeat.interval.s
     return replace(nh, ejection=replace(nh.ejection, forgive_since_s=f.arg, forgive_until_s=until)), None
 
 
@@ -261,7 +261,7 @@ def proven_by_count(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str |
 
 def baseline(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
     """While HEALTHY, the slow RTT baseline follows the EWMA (``rtt_baseline_alpha``)."""
-    r, b = nh.rtt, c.cfg.rtt_baseline_alpha
+    r, b = nh.rtt, c.cfg.rtt.baseline_alpha
     if r.ewma_ms is None:
         return nh, None
     base = r.ewma_ms if r.baseline_ms is None else b * r.ewma_ms + (1 - b) * r.baseline_ms
@@ -270,8 +270,8 @@ def baseline(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
 
 def ramp_step(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
     steps = int(f.arg)
-    pct = min(100.0, nh.ramp.percent + steps * c.cfg.ramp_step_percent)
-    at = (nh.ramp.step_at_s or 0.0) + steps * c.cfg.ramp_step_s
+    pct = min(100.0, nh.ramp.percent + steps * c.cfg.probation.ramp_step_percent)
+    at = (nh.ramp.step_at_s or 0.0) + steps * c.cfg.probation.ramp_step.s
     return replace(nh, ramp=Ramp(pct, at)), f"PROBATION ramp {pct:g} %"
 
 
@@ -289,7 +289,7 @@ def clean_period_met(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str 
     clean_for = c.now_s - (p.clean_since_s if p.clean_since_s is not None else c.now_s)
     rtt = "" if nh.rtt.ewma_ms is None else f", EWMA RTT {nh.rtt.ewma_ms:.1f} ms"
     return nh, (f"{clean_for:.0f} s of successful probes ({p.clean_probes} probes{rtt}); "
-                f"ramping from {c.cfg.ramp_start_percent:g} %")
+                f"ramping from {c.cfg.probation.ramp_start_percent:g} %")
 
 
 def forget_backoff(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:

@@ -27,7 +27,7 @@ def _progress_evidence(nh: NodeHealth, now_s: float, cfg: HealthConfig, waited_s
     if (e.requests_running or 0) <= 0 or e.stalled or e.progress_at_s is None:
         return None
     age_s = max(0.0, now_s - e.progress_at_s)
-    window_s = cfg.busy_progress_window_ms / 1000.0
+    window_s = cfg.busy.progress_window.s
     if waited_s is not None:
         window_s = min(window_s, waited_s)
     if age_s > window_s:
@@ -56,17 +56,17 @@ def classify_probe(nh: NodeHealth, obs: ProbeObserved, cfg: HealthConfig,
     """
     k = obs.kind
     if k is ProbeResultKind.OK:
-        if obs.ttft_ms < cfg.ttft_healthy_ms:
+        if obs.ttft_ms < cfg.probes.ttft_healthy.ms:
             return ProbeOutcome.GOOD, f"TTFT {obs.ttft_ms:.0f} ms"
-        if obs.ttft_ms < cfg.ttft_timeout_ms:
-            out, what = ProbeOutcome.SLOW, f"probe TTFT {obs.ttft_ms:.0f} ms >= {cfg.ttft_healthy_ms:.0f} ms"
+        if obs.ttft_ms < cfg.probes.ttft_timeout.ms:
+            out, what = ProbeOutcome.SLOW, f"probe TTFT {obs.ttft_ms:.0f} ms >= {cfg.probes.ttft_healthy.ms:.0f} ms"
         else:
             out, what = ProbeOutcome.FAIL, (f"inference timeout (TTFT {obs.ttft_ms:.0f} ms >= "
-                                            f"{cfg.ttft_timeout_ms:.0f} ms)")
+                                            f"{cfg.probes.ttft_timeout.ms:.0f} ms)")
     elif k is ProbeResultKind.ENGINE_FATAL:
         return ProbeOutcome.FATAL, f"engine fatal error: {obs.detail[:_FATAL_DETAIL_CHARS]}"
     elif k is ProbeResultKind.TIMEOUT:
-        out, what = ProbeOutcome.FAIL, _with(f"inference timeout (no token within {cfg.ttft_timeout_ms:.0f} ms)",
+        out, what = ProbeOutcome.FAIL, _with(f"inference timeout (no token within {cfg.probes.ttft_timeout.ms:.0f} ms)",
                                              obs.detail)
     elif k is ProbeResultKind.HTTP_STATUS:
         out, what = ProbeOutcome.FAIL, _with(f"HTTP {obs.http_status}", obs.detail)
@@ -74,13 +74,13 @@ def classify_probe(nh: NodeHealth, obs: ProbeObserved, cfg: HealthConfig,
         out, what = ProbeOutcome.FAIL, _with(k.value, obs.detail)
     http = k is ProbeResultKind.HTTP_STATUS
     waited_s = (None if http else
-                obs.ttft_ms / 1000.0 if k is ProbeResultKind.OK else cfg.ttft_timeout_ms / 1000.0)
+                obs.ttft_ms / 1000.0 if k is ProbeResultKind.OK else cfg.probes.ttft_timeout.s)
     evidence = _progress_evidence(nh, now_s, cfg, waited_s)
     if is_refusal(obs, cfg):
         tail = f"; {evidence}" if evidence else ""
         return ProbeOutcome.BUSY, f"busy: saturated, the engine refuses work ({what}){tail}"
     if evidence is not None and (k in (ProbeResultKind.TIMEOUT, ProbeResultKind.OK)
-                                 or (http and obs.http_status in cfg.saturated_http_statuses)):
+                                 or (http and obs.http_status in cfg.busy.saturated_http_statuses)):
         return ProbeOutcome.BUSY, f"busy: saturated, {what}; {evidence}"
     return out, what
 
@@ -88,7 +88,7 @@ def classify_probe(nh: NodeHealth, obs: ProbeObserved, cfg: HealthConfig,
 def is_refusal(obs: ProbeObserved, cfg: HealthConfig) -> bool:
     """The engine refused the probe with a status in ``busy_http_statuses`` (it says it is full):
     busy, never a failure; a run of them only lasts ``busy_refusal_block_s`` before a soft block."""
-    return obs.kind is ProbeResultKind.HTTP_STATUS and obs.http_status in cfg.busy_http_statuses
+    return obs.kind is ProbeResultKind.HTTP_STATUS and obs.http_status in cfg.busy.http_statuses
 
 
 def refusal_evidence(nh: NodeHealth) -> str:
@@ -123,9 +123,9 @@ def judge_busy_timeout(nh: NodeHealth, now_s: float, cfg: HealthConfig) -> tuple
     at, e = nh.probe.busy_timeout_s, nh.engine
     if at is None:
         return None
-    timeout = f"inference timeout (no token within {cfg.ttft_timeout_ms:.0f} ms)"
+    timeout = f"inference timeout (no token within {cfg.probes.ttft_timeout.ms:.0f} ms)"
     moved = e.progress_at_s
-    if (moved is not None and moved > at + cfg.heartbeat_interval_ms / 2000.0 and not e.stalled
+    if (moved is not None and moved > at + cfg.heartbeat.interval.s / 2 and not e.stalled
             and (e.requests_running or 0) > 0):
         what = e.progress_detail[:_DETAIL_CHARS] or f"{e.requests_running:.0f} running"
         return True, (f"busy: saturated, {timeout}; progressing: moved {max(0.0, now_s - moved):.1f} s ago, "

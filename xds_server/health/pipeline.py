@@ -61,7 +61,7 @@ def probe_result_key(prev: hm.NodeHealth, obs: hm.ProbeObserved, cfg: HealthConf
     later than ``ttft_timeout_ms`` counts as kind TIMEOUT)."""
     outcome, _ = hm.classify_probe(prev, obs, cfg, now_s)
     kind = obs.kind
-    if kind is hm.ProbeResultKind.OK and obs.ttft_ms >= cfg.ttft_timeout_ms:
+    if kind is hm.ProbeResultKind.OK and obs.ttft_ms >= cfg.probes.ttft_timeout.ms:
         kind = hm.ProbeResultKind.TIMEOUT
     return kind.value, outcome.value
 
@@ -123,7 +123,7 @@ def advance(prev: hm.NodeHealth, obs: hm.Observation, now_s: float, cfg: HealthC
     if wall_offset_s is not None and (nh.ramp is not prev.ramp or nh.state is not prev.state):
         # steps on Unix-time multiples of ramp_step_s, so replicas step together; a ramp kept as it
         # was in the same state is on the grid already (a resumed one is new), so no work per beat
-        nh = anchor_ramp(nh, cfg.ramp_step_s, wall_offset_s()) if nh.state is hm.NodeState.PROBATION else nh
+        nh = anchor_ramp(nh, cfg.probation.ramp_step.s, wall_offset_s()) if nh.state is hm.NodeState.PROBATION else nh
     if steady is not None:
         assert hb is not None
         return Advanced(nh, (), (), due, True, hm.BeatRun.start(nh, hb, cfg))

@@ -1,6 +1,6 @@
 """Seed 002's queue thresholds as events: a node whose engine reports more than
-``health.queue_warning`` (50) waiting requests gets a ``queue_warning`` event, more than
-``health.queue_critical`` (100) a ``queue_critical`` event (it is then saturated: a soft block,
+``health.load.queue_warning`` (50) waiting requests gets a ``queue_warning`` event, more than
+``health.load.queue_critical`` (100) a ``queue_critical`` event (it is then saturated: a soft block,
 no new share, see :func:`~xds_server.health.routing.node_routing`), and ``queue_ok`` when it is
 back at or under the warning. One event per change of level, not per heartbeat.
 
@@ -17,9 +17,9 @@ __all__ = ["QueueWatch", "queue_level"]
 
 def queue_level(waiting: float | None, cfg: HealthConfig) -> str:
     """"ok", "warning" (> queue_warning) or "critical" (> queue_critical); "ok" when unknown."""
-    if waiting is None or waiting <= cfg.queue_warning:
+    if waiting is None or waiting <= cfg.load.queue_warning:
         return "ok"
-    return "critical" if waiting > cfg.queue_critical else "warning"
+    return "critical" if waiting > cfg.load.queue_critical else "warning"
 
 
 class QueueWatch:
@@ -38,10 +38,10 @@ class QueueWatch:
             return None
         if level == "ok":
             del self.levels[node_id]
-            why = f"back at or under {cfg.queue_warning:g} waiting"
+            why = f"back at or under {cfg.load.queue_warning:g} waiting"
         else:
             self.levels[node_id] = level
-            why = f"over {cfg.queue_critical if level == 'critical' else cfg.queue_warning:g} waiting"
+            why = f"over {cfg.load.queue_critical if level == 'critical' else cfg.load.queue_warning:g} waiting"
         return f"queue_{level}", f"queue: {waiting or 0:.0f} waiting, {why} (seed 002)"
 
     def forget(self, node_id: str) -> None:

@@ -300,7 +300,7 @@ class Ejection:
 
     cause: EjectionCause | None = None      # set while UNHEALTHY, None otherwise
     from_state: NodeState | None = None     # state before the last ejection
-    clean_period_s: float = 0.0             # required clean period; 0 = cfg.probation_clean_s
+    clean_period_s: float = 0.0             # required clean period; 0 = cfg.probation.clean.s
     healthy_since_s: float | None = None    # start of the current HEALTHY run (forgets the backoff)
     forgive_since_s: float | None = None    # fail-static ended while this node was still silent:
     forgive_until_s: float = 0.0            # forgive its heartbeat ejection if heartbeats resume soon

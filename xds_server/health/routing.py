@@ -103,21 +103,21 @@ def node_routing(nh: NodeHealth, cfg: HealthConfig) -> NodeRouting:
     factor = 1.0
     refusing = ""
     if st is NodeState.REFUSING:  # a soft block; if the cap holds it back, routed as DEGRADED
-        factor = cfg.degraded_weight_factor
+        factor = cfg.probes.degraded_weight_factor
         refusing = refusal_evidence(nh) if nh.probe.refused_since_s is not None else f"REFUSING: {nh.reason}"
     elif st is NodeState.DEGRADED:
-        factor = cfg.degraded_weight_factor
+        factor = cfg.probes.degraded_weight_factor
     elif st is NodeState.PROBATION:
-        factor = max(nh.ramp.percent, cfg.ramp_start_percent) / 100.0
+        factor = max(nh.ramp.percent, cfg.probation.ramp_start_percent) / 100.0
     soft = refusing
     e = nh.engine
     w = e.requests_waiting
-    if w is not None and w > cfg.queue_critical:
-        soft = soft or f"queue: {w:.0f} waiting > {cfg.queue_critical:g}"
-    elif w is not None and w > cfg.queue_warning:
-        factor *= cfg.queue_warning_weight_factor
-    if not soft and e.gpu_free_ratio is not None and e.gpu_free_ratio < cfg.gpu_min_free_ratio:
-        soft = f"GPU memory free {e.gpu_free_ratio * 100:.1f} % < {cfg.gpu_min_free_ratio * 100:g} %"
+    if w is not None and w > cfg.load.queue_critical:
+        soft = soft or f"queue: {w:.0f} waiting > {cfg.load.queue_critical:g}"
+    elif w is not None and w > cfg.load.queue_warning:
+        factor *= cfg.load.queue_warning_weight_factor
+    if not soft and e.gpu_free_ratio is not None and e.gpu_free_ratio < cfg.load.gpu_min_free_ratio:
+        soft = f"GPU memory free {e.gpu_free_ratio * 100:.1f} % < {cfg.load.gpu_min_free_ratio * 100:g} %"
     return NodeRouting(RoutingStatus.HEALTHY, factor, soft_block=soft)
 
 

@@ -185,7 +185,7 @@ def _record_silence(nh: NodeHealth, obs: Tick | StreamClosed, c: _StepCtx) -> No
     # A closed stream counts as one miss at once, on top of the heartbeats not arrived.
     misses = max(misses_at(h.last_s, c.now_s, c.cfg) + (1 if closed else 0), h.consecutive_misses)
     if isinstance(obs, StreamClosed) and obs.liveness_lost:  # the transport's own liveness failed
-        misses = max(misses, c.cfg.consecutive_misses)
+        misses = max(misses, c.cfg.heartbeat.consecutive_misses)
     return replace(nh, heartbeat=replace(h, consecutive_misses=misses, stream_closed=closed))
 
 
@@ -194,7 +194,7 @@ def _r_silence(nh: NodeHealth, obs: Tick | StreamClosed, c: _StepCtx) -> Sequenc
     if h.last_s is None:
         return _NONE
     gap_ms = (c.now_s - h.last_s) * 1000.0
-    if h.consecutive_misses >= cfg.consecutive_misses:
+    if h.consecutive_misses >= cfg.heartbeat.consecutive_misses:
         detail = f"; stream closed: {obs.detail}" if isinstance(obs, StreamClosed) and obs.detail else ""
         return (Fired(Signal.MISS_THRESHOLD, f"heartbeat: {h.consecutive_misses} consecutive misses "
                                              f"(last heartbeat {gap_ms:.0f} ms ago){detail}"),)
@@ -205,9 +205,9 @@ def _r_silence(nh: NodeHealth, obs: Tick | StreamClosed, c: _StepCtx) -> Sequenc
         return _NONE
     a = h.arrivals
     assert a is not None  # phi_delay_s is None without arrivals
-    value = phimod.phi(a, gap_ms, cfg.phi_min_std_ms, cfg.phi_acceptable_pause_ms)
+    value = phimod.phi(a, gap_ms, cfg.phi.min_std.ms, cfg.phi.acceptable_pause.ms)
     return (Fired(Signal.PHI_SUSPICION,
-                  f"heartbeat: phi {value:.1f} >= {cfg.phi_threshold:g} after {gap_ms:.0f} ms silence "
+                  f"heartbeat: phi {value:.1f} >= {cfg.phi.threshold:g} after {gap_ms:.0f} ms silence "
                   f"(mean interval {a.mean_ms:.0f} ms, sd {math.sqrt(a.var_ms2):.1f} ms)"),)
 
 
@@ -215,7 +215,7 @@ def _r_silence(nh: NodeHealth, obs: Tick | StreamClosed, c: _StepCtx) -> Sequenc
 
 
 def _record_ping(nh: NodeHealth, obs: PingObserved, c: _StepCtx) -> NodeHealth:
-    a, r = c.cfg.rtt_ewma_alpha, nh.rtt
+    a, r = c.cfg.rtt.ewma_alpha, nh.rtt
     ewma = obs.rtt_ms if r.ewma_ms is None else a * obs.rtt_ms + (1 - a) * r.ewma_ms
     return replace(nh, rtt=replace(r, ewma_ms=ewma, last_ms=obs.rtt_ms))
 
@@ -229,9 +229,9 @@ def _record_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> NodeHealth
     p = nh.probe
     last, ewma = p.last_ttft_ms, p.ewma_ttft_ms
     if obs.kind is ProbeResultKind.OK:
-        a = c.cfg.ttft_ewma_alpha
+        a = c.cfg.probes.ttft_ewma_alpha
         last, ewma = obs.ttft_ms, obs.ttft_ms if ewma is None else a * obs.ttft_ms + (1 - a) * ewma
-    answered = obs.kind is ProbeResultKind.OK and obs.ttft_ms < c.cfg.ttft_timeout_ms
+    answered = obs.kind is ProbeResultKind.OK and obs.ttft_ms < c.cfg.probes.ttft_timeout.ms
     if c.outcome in (ProbeOutcome.GOOD, ProbeOutcome.SLOW) or (c.outcome is ProbeOutcome.BUSY and answered):
         # a successful probe (a slow answer from a busy engine too) extends the clean run
         failures = 0
@@ -276,18 +276,18 @@ def _r_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> Sequence[Fired]
     if nh.engine.gpu_fatal and o in (ProbeOutcome.GOOD, ProbeOutcome.SLOW, ProbeOutcome.BUSY):
         return (Fired(Signal.GPU_FATAL, f"GPU fatal event: {nh.engine.gpu_fatal} (probe {c.what} ignored)"),)
     hb = nh.heartbeat
-    if o in (ProbeOutcome.GOOD, ProbeOutcome.SLOW) and (hb.stream_closed
-                                                         or hb.consecutive_misses >= c.cfg.consecutive_misses):
+    if o in (ProbeOutcome.GOOD, ProbeOutcome.SLOW) and (
+            hb.stream_closed or hb.consecutive_misses >= c.cfg.heartbeat.consecutive_misses):
         return (Fired(Signal.PROBE_UNHEARD, c.what),)
     if o is ProbeOutcome.GOOD:
-        need = (c.cfg.good_probes_to_recover if nh.probe.degraded_not_busy
-                else c.cfg.busy_good_probes_to_recover)
+        need = (c.cfg.probes.good_to_recover if nh.probe.degraded_not_busy
+                else c.cfg.busy.good_probes_to_recover)
         recover = nh.probe.consecutive_good + 1 >= need
         return (Fired(Signal.GOOD_PROBES_RECOVER if recover else Signal.PROBE_GOOD, c.what),)
     if o is ProbeOutcome.BUSY and is_refusal(obs, c.cfg):
         p = nh.probe
         run_s = c.now_s - (p.refused_since_s if p.refused_since_s is not None else c.now_s)
-        if run_s >= c.cfg.busy_refusal_block_s - EPS_S:
+        if run_s >= c.cfg.busy.refusal_block.s - EPS_S:
             return (Fired(Signal.REFUSED_TOO_LONG, refusal_evidence(nh)),)
         return (Fired(Signal.PROBE_REFUSED, c.what),)
     return (Fired(_PROBE_SIGNAL[o], c.what, 1.0 if o is ProbeOutcome.FATAL else 0.0),)

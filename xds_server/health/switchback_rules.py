@@ -81,9 +81,9 @@ def passed(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
     if nh.ramp.step_at_s is None:
         word = "validated" if verdict is V.PASSED else "validated by probes alone"
         why = f"switch-back {word}: {f.detail}" if f.detail else f"switch-back {word}"
-        return (replace(nh, validation=done, ramp=Ramp(c.cfg.ramp_start_percent, c.now_s)),
-                f"{why}; ramping from {c.cfg.ramp_start_percent:g} %")
-    due = c.now_s - c.cfg.ramp_step_s
+        return (replace(nh, validation=done, ramp=Ramp(c.cfg.probation.ramp_start_percent, c.now_s)),
+                f"{why}; ramping from {c.cfg.probation.ramp_start_percent:g} %")
+    due = c.now_s - c.cfg.probation.ramp_step.s
     return replace(nh, validation=done, ramp=replace(nh.ramp, step_at_s=due)), None
 
 

@@ -24,7 +24,7 @@ def failure(nh: NodeHealth, what: str, cfg: HealthConfig, answered: bool = False
     """One more probe failure: does it reach ``probe_failures_to_eject``? ``answered``: the engine
     answered it (:func:`~xds_server.health.outcome.answered_failure`; carried as ``Fired.arg``
     for COLD/WARMING's "cannot warm")."""
-    reach = nh.probe.consecutive_failures + 1 >= cfg.probe_failures_to_eject
+    reach = nh.probe.consecutive_failures + 1 >= cfg.probes.failures_to_eject
     return Fired(Signal.FAILURES_REACH_EJECT if reach else Signal.PROBE_FAIL, what, 1.0 if answered else 0.0)
 
 
@@ -38,12 +38,12 @@ def r_stall_confirmed(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fire
     if e.stall_counted != 1 or at is None or c.now_s < at - EPS_S:
         return _NONE
     assert e.stalled_since_s is not None  # stall_confirm_at_s is None without it
-    if c.now_s - e.stalled_since_s >= cfg.stall_confirm_ms / 1000.0 - EPS_S:
-        what = f"engine still STALLED {cfg.stall_confirm_ms:.0f} ms later"
+    if c.now_s - e.stalled_since_s >= cfg.probes.stall_confirm.s - EPS_S:
+        what = f"engine still STALLED {cfg.probes.stall_confirm.ms:.0f} ms later"
     else:
         assert e.progress_at_s is not None
         what = (f"engine still STALLED: no progress for {c.now_s - e.progress_at_s:.2f} s (stall window "
-                f"{cfg.busy_progress_window_ms:.0f} ms + {cfg.stall_confirm_ms:.0f} ms)")
+                f"{cfg.busy.progress_window.ms:.0f} ms + {cfg.probes.stall_confirm.ms:.0f} ms)")
     return (Fired(Signal.STALL_CONFIRMED), failure(nh, what, cfg))
 
 
@@ -53,12 +53,12 @@ def r_clean_period(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:
     cfg, p, h, r = c.cfg, nh.probe, nh.heartbeat, nh.rtt
     if p.clean_since_s is None or nh.ejection.cause is EjectionCause.PHI:
         return _NONE
-    if c.now_s - p.clean_since_s < required_clean_s(nh, cfg) - EPS_S or p.clean_probes < cfg.probation_min_probes:
+    if c.now_s - p.clean_since_s < required_clean_s(nh, cfg) - EPS_S or p.clean_probes < cfg.probation.min_probes:
         return _NONE
-    if h.last_s is None or h.consecutive_misses >= cfg.consecutive_misses:
+    if h.last_s is None or h.consecutive_misses >= cfg.heartbeat.consecutive_misses:
         return _NONE
     if (r.baseline_ms is not None and r.ewma_ms is not None
-            and r.ewma_ms > r.baseline_ms * cfg.rtt_baseline_tolerance + cfg.rtt_baseline_slack_ms):
+            and r.ewma_ms > r.baseline_ms * cfg.rtt.baseline_tolerance + cfg.rtt.baseline_slack.ms):
         return _NONE
     if nh.engine.state is not EngineState.READY or nh.engine.gpu_fatal:
         return _NONE
@@ -67,12 +67,12 @@ def r_clean_period(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:
 
 def r_ramp(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:
     cfg, r, p = c.cfg, nh.ramp, nh.probe
-    if r.step_at_s is None or c.now_s - r.step_at_s < cfg.ramp_step_s - EPS_S:
+    if r.step_at_s is None or c.now_s - r.step_at_s < cfg.probation.ramp_step.s - EPS_S:
         return _NONE
-    if p.last_kind is ProbeResultKind.OK and (p.last_ttft_ms or 0) >= cfg.ttft_healthy_ms:
+    if p.last_kind is ProbeResultKind.OK and (p.last_ttft_ms or 0) >= cfg.probes.ttft_healthy.ms:
         return _RAMP_HELD
-    steps = int((c.now_s - r.step_at_s + EPS_S) // cfg.ramp_step_s)
-    if r.percent + steps * cfg.ramp_step_percent >= 100.0:
+    steps = int((c.now_s - r.step_at_s + EPS_S) // cfg.probation.ramp_step.s)
+    if r.percent + steps * cfg.probation.ramp_step_percent >= 100.0:
         return ramp_gate(nh, cfg)  # RAMP_COMPLETE, or VALIDATION_PENDING (switch-back validation)
     return (Fired(Signal.RAMP_STEP, arg=steps),)
 
@@ -81,7 +81,7 @@ def r_healthy_run(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:
     """A HEALTHY run of ``probation_clean_max_s`` forgets earlier failed probations."""
     ej = nh.ejection
     if (ej.clean_period_s and ej.healthy_since_s is not None
-            and c.now_s - ej.healthy_since_s >= c.cfg.probation_clean_max_s):
+            and c.now_s - ej.healthy_since_s >= c.cfg.probation.clean_max.s):
         return _HEALTHY_RUN_MET
     return _NONE
 

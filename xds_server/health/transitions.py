@@ -181,9 +181,10 @@ def _enter(nh: NodeHealth, state: NodeState, reason: str, ctx: Ctx) -> NodeHealt
     if state is NodeState.PROBATION and ctx.cfg.validation.enabled:
         # switch-back validation before the first request: unrouted, no ramp, until a verdict
         # (health/switchback_rules.py); every probation asks afresh
-        ramp, validation = Ramp(ctx.cfg.ramp_start_percent, None), Validation(ValidationVerdict.PENDING, "", now)
+        ramp = Ramp(ctx.cfg.probation.ramp_start_percent, None)
+        validation = Validation(ValidationVerdict.PENDING, "", now)
     elif state is NodeState.PROBATION:  # every probation starts its ramp afresh
-        ramp, validation = Ramp(ctx.cfg.ramp_start_percent, now), Validation()
+        ramp, validation = Ramp(ctx.cfg.probation.ramp_start_percent, now), Validation()
     elif ramp.step_at_s is not None:
         ramp = replace(ramp, step_at_s=None)
     probe = replace(nh.probe, consecutive_good=0) if nh.probe.consecutive_good else nh.probe

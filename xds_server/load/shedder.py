@@ -198,7 +198,7 @@ class Shedder:
                          [self.kv_usage(i) for i in routable], admitted / sc.window_s, growth, routable,
                          finished, slots, service, self._learn_ttft(cluster, routable, core, cfg, now))
         before = self.shed.get(cluster, ShedState())
-        after = shed_step(before, inp, sc, hc.queue_warning, hc.queue_critical, now)
+        after = shed_step(before, inp, sc, hc.load.queue_warning, hc.load.queue_critical, now)
         self.shed[cluster] = after
         changed = after.percent != before.percent
         if changed:

@@ -106,13 +106,13 @@ class ClusterDecision:
 
 def score(ewma_rtt_ms: float, gpu_free_ratio: float, cfg: HealthConfig) -> float:
     """Seed 000 score: ``0.7 x EWMA RTT ms + 0.3 x (1 - GPU free ratio) x 100``; lower is better."""
-    return cfg.score_rtt_weight * ewma_rtt_ms + cfg.score_gpu_weight * (1.0 - gpu_free_ratio) * 100.0
+    return cfg.score.rtt_weight * ewma_rtt_ms + cfg.score.gpu_weight * (1.0 - gpu_free_ratio) * 100.0
 
 
 def _outlier_metrics(cfg: HealthConfig) -> tuple[tuple[Callable[[NodeHealth], float | None], float, str], ...]:
     """(EWMA metric of a node, minimum gap above the median in ms, label) for outlier detection."""
-    return ((lambda nh: nh.probe.ewma_ttft_ms, cfg.outlier_min_gap_ttft_ms, "TTFT"),
-            (lambda nh: nh.rtt.ewma_ms, cfg.outlier_min_gap_rtt_ms, "RTT"))
+    return ((lambda nh: nh.probe.ewma_ttft_ms, cfg.outlier.min_gap_ttft.ms, "TTFT"),
+            (lambda nh: nh.rtt.ewma_ms, cfg.outlier.min_gap_rtt.ms, "RTT"))
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -150,18 +150,18 @@ def cluster_routing(
     outlier_now: dict[str, str] = {}
     for metric, gap, label in _outlier_metrics(cfg):
         vals = {nid: v for nid in routed if (v := metric(health[nid])) is not None}
-        if len(vals) < cfg.outlier_min_nodes:
+        if len(vals) < cfg.outlier.min_nodes:
             continue
         med = _median(list(vals.values()))
         assert med is not None
         for nid, v in vals.items():
-            if v > med * cfg.outlier_factor and v - med >= gap and nid not in outlier_now:
+            if v > med * cfg.outlier.factor and v - med >= gap and nid not in outlier_now:
                 outlier_now[nid] = f"outlier: EWMA {label} {v:.0f} ms vs cluster median {med:.0f} ms"
     for nid, st in list(new_out.items()):
         if st.until_s > now_s:
             continue  # still serving its ejection time
         if nid in outlier_now:
-            dur = min(cfg.outlier_ejection_s * (2 ** st.count), cfg.outlier_ejection_max_s)
+            dur = min(cfg.outlier.ejection.s * (2 ** st.count), cfg.outlier.ejection_max.s)
             new_out[nid] = OutlierState(now_s + dur, st.count + 1, f"{outlier_now[nid]}; ejected {dur:.0f} s")
             events.append(PolicyEvent(now_s, nid, PolicyEventKind.OUTLIER_EJECTED, new_out[nid].reason))
         elif st.reason:
@@ -182,7 +182,7 @@ def cluster_routing(
             soft.append((nid, view.soft_block))
         elif new_out[nid].reason and new_out[nid].until_s > now_s:
             soft.append((nid, new_out[nid].reason))
-    cap = math.floor(n * cfg.max_ejection_percent / 100.0 + 1e-9)
+    cap = math.floor(n * cfg.outlier.max_ejection_percent / 100.0 + 1e-9)
     room = max(0, cap - len(hard))
     soft.sort(key=lambda x: x[0])
     ejected_soft = {nid for nid, _ in soft[:room]}
@@ -193,7 +193,7 @@ def cluster_routing(
         elif nid not in held_before:
             events.append(PolicyEvent(now_s, nid, PolicyEventKind.HELD_BACK,
                                       f"{reason}; not ejected: {len(hard) + len(ejected_soft)} of {n} already out "
-                                      f"(max_ejection_percent {cfg.max_ejection_percent:g})"))
+                                      f"(max_ejection_percent {cfg.outlier.max_ejection_percent:g})"))
 
     # 3b. never nothing because of silence (module docstring).
     routable = [nid for nid, _, _ in nodes if views[nid].status is RoutingStatus.HEALTHY and nid not in why]
@@ -235,10 +235,10 @@ def cluster_routing(
         elif nid in why or view.status is not RoutingStatus.HEALTHY:
             routing[nid] = Routing(full_weight(cap_units), RoutingStatus.UNHEALTHY)
         else:
-            sf = ((best + cfg.score_slack) / (scores[nid] + cfg.score_slack)
-                  if scores[nid] + cfg.score_slack > 0 else 1.0)
-            sf = min(1.0, max(cfg.score_min_factor, sf))
-            sf = max(cfg.score_min_factor, round(sf / cfg.score_step) * cfg.score_step)
+            sf = ((best + cfg.score.slack) / (scores[nid] + cfg.score.slack)
+                  if scores[nid] + cfg.score.slack > 0 else 1.0)
+            sf = min(1.0, max(cfg.score.min_factor, sf))
+            sf = max(cfg.score.min_factor, round(sf / cfg.score.step) * cfg.score.step)
             routing[nid] = Routing(weight(cap_units, view.factor, min(sf, 1.0)), RoutingStatus.HEALTHY)
     return ClusterDecision(routing, why, new_out, tuple(events), held, kept)
 
@@ -275,7 +275,7 @@ def fail_static(
     within ``fail_static_window_ms`` of each other; leave when fewer than that share are silent.
     """
     total = len(health)
-    if total < cfg.fail_static_min_nodes:
+    if total < cfg.fail_static.min_nodes:
         return (FailStaticState(), []) if state.active else (state, [])
     need = _need(total, cfg)
     limit = miss_after_s(cfg)
@@ -285,11 +285,11 @@ def fail_static(
     )
     events: list[PolicyEvent] = []
     if not state.active:
-        window = cfg.fail_static_window_ms / 1000.0
+        window = cfg.fail_static.window.s
         for i in range(len(silent_since) - need + 1):
             if silent_since[i + need - 1] - silent_since[i] <= window:
                 reason = (f"{len(silent_since)} of {total} nodes lost heartbeats within "
-                          f"{cfg.fail_static_window_ms:.0f} ms: suspect the control plane's own network; "
+                          f"{cfg.fail_static.window.ms:.0f} ms: suspect the control plane's own network; "
                           "keeping the last good assignment")
                 events.append(PolicyEvent(now_s, "*", PolicyEventKind.FAIL_STATIC_ON, reason))
                 return FailStaticState(True, now_s, reason, silent_since[i]), events
@@ -303,7 +303,7 @@ def fail_static(
 
 def _need(total: int, cfg: HealthConfig) -> int:
     """Silent nodes that make "more than ``fail_static_fraction``" of ``total``."""
-    return math.floor(total * cfg.fail_static_fraction + 1e-9) + 1
+    return math.floor(total * cfg.fail_static.fraction + 1e-9) + 1
 
 
 def counted_silent(nh: NodeHealth) -> bool:
@@ -327,7 +327,7 @@ def fail_static_may_change(state: FailStaticState, total: int, counted: int, cfg
       before the ejections it holds back). Nodes silent by time whose Tick has not run yet (a
       loop behind) count from their Tick on.
     """
-    if total < cfg.fail_static_min_nodes:
+    if total < cfg.fail_static.min_nodes:
         return state.active
     need = _need(total, cfg)
     return counted < need if state.active else counted >= need

@@ -110,13 +110,13 @@ Checked = CheckedHeartbeat | CheckedPong | CheckedResult
 
 
 class AgentEdge:
-    """Checks agent messages against ``probe`` bounds; fatal Xids from ``health.fatal_xids``."""
+    """Checks agent messages against ``probe`` bounds; fatal Xids from ``health.load.fatal_xids``."""
 
     def __init__(self, health: HealthConfig, probe: ProbeConfig) -> None:
         self.health = health
         self.probe = probe
         self.load = LoadCheck(probe)
-        self.gpu = GpuCheck(probe, frozenset(health.fatal_xids))
+        self.gpu = GpuCheck(probe, frozenset(health.load.fatal_xids))
         self._last_hb: CheckedHeartbeat | None = None
 
     def stream_started(self) -> None:

@@ -152,10 +152,10 @@ class ProbeSession:
         """The next Tick is due at ``at_s`` (loop clock, s), None: none pending."""
         if self._timer is None:
             assert self._loop is not None
-            self._timer = TickTimer(self._loop, self._tick, lag_tolerance_s=self.cfg.self_lag_tolerance_ms / 1000.0,
+            self._timer = TickTimer(self._loop, self._tick, lag_tolerance_s=self.cfg.heartbeat.self_lag_tolerance.s,
                                     lag_recheck_s=self.probe_cfg.lag_recheck_ms / 1000.0,
                                     stall_recheck_s=miss_after_s(self.cfg),
-                                    retry_s=self.cfg.heartbeat_interval_ms / 1000.0,
+                                    retry_s=self.cfg.heartbeat.interval.s,
                                     on_error=lambda: self._handler_failed("tick"))
         self._timer.arm(at_s)
 
@@ -191,9 +191,9 @@ class ProbeSession:
                 probe_now=probe_pb2.ProbeNow(reason=clip(reason, self.probe_cfg.max_text_chars))))
 
     async def _run(self) -> None:
-        backoff = self.cfg.reconnect_backoff_initial_ms / 1000.0
+        backoff = self.cfg.heartbeat.reconnect_backoff_initial.s
         pc = self.probe_cfg
-        options = pc.channel_options(self.cfg.reconnect_backoff_max_ms)
+        options = pc.channel_options(self.cfg.heartbeat.reconnect_backoff_max.ms)
         while True:
             got_any = lost = False
             try:
@@ -229,7 +229,7 @@ class ProbeSession:
                 self.failed_dials = 0
                 log.info("probe stream to %s (%s) closed: %s", for_log(self.node.id), self.node.probe_address,
                          for_log(detail, 256), extra=extra)
-                backoff = self.cfg.reconnect_backoff_initial_ms / 1000.0
+                backoff = self.cfg.heartbeat.reconnect_backoff_initial.s
             else:
                 # One line when the agent first cannot be reached, then at most one per
                 # probe.unreachable_log_interval_s (with the count of dials suppressed).
@@ -242,7 +242,7 @@ class ProbeSession:
                     for_log(self.node.id), for_log(self.node.probe_address), self.failed_dials,
                     for_log(detail, 256), extra=extra)
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.cfg.reconnect_backoff_max_ms / 1000.0)
+            backoff = min(backoff * 2, self.cfg.heartbeat.reconnect_backoff_max.s)
 
     def _now(self) -> float:
         return self._loop.time() if self._loop is not None else 0.0
@@ -268,7 +268,7 @@ class ProbeSession:
             # A (re)connected control plane has no probe result yet: ask for one now rather than
             # waiting up to the agent's busy cadence (3-5 s); keeps the warm-up gate short.
             outq.put_nowait(probe_pb2.ControlMessage(probe_now=probe_pb2.ProbeNow(reason="connected")))
-            interval = self.cfg.ping_interval_ms / 1000.0
+            interval = self.cfg.rtt.ping_interval.s
             keep = self.probe_cfg.max_unanswered_pings
             while True:
                 st.ping_seq += 1
@@ -285,7 +285,7 @@ class ProbeSession:
         async def watchdog() -> None:
             # A stream open but without heartbeats is cancelled here; the read below then ends.
             await self.silence_gate.silent_for(loop, silent_s, lambda: st.last_hb, self._heard_s,
-                                               self.cfg.self_lag_tolerance_ms / 1000.0,
+                                               self.cfg.heartbeat.self_lag_tolerance.s,
                                                self.probe_cfg.lag_recheck_ms / 1000.0)
             silent[0] = True
             call.cancel()

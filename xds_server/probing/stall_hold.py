@@ -7,7 +7,7 @@ starved CPU. A sampler (:class:`~xds_server.probing.silence.LoopStallWatch`) run
 run. During our stall the agents kept sending: their heartbeats wait unread in our sockets, and a
 stream cut meanwhile (a keepalive that we could not answer) is found cut only when we wake, to be
 redialled. So a node's silence across our own stall is no evidence about the node: after a stall
-at least ``stall_s`` long (one heartbeat miss window: ``health.heartbeat_interval_ms`` +
+at least ``stall_s`` long (one heartbeat miss window: ``health.heartbeat.interval`` +
 ``heartbeat_grace_ms``), a verdict on a node's silence (a Tick counting misses, a closed or
 silent stream) is held until the node's first heartbeat after we woke, or for as long as the
 stall lasted, at most ``hold_s`` (``probe.stall_hold_ms``), whichever comes first. A node that

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from xds_server.config.health_names import rename_flat
 from xds_server.envoy.bootstrap import find_envoy, render_bootstrap, write_bootstrap
 from xds_server.envoy.tls import add_xds_tls
 from xds_server.testing._envoy import envoy_process, fetch_envoy_hosts
@@ -173,8 +174,9 @@ class Fleet:
 
     def config_dict(self) -> dict[str, Any]:
         """The xds-server config this fleet runs with."""
-        health = {"heartbeat_interval_ms": self.heartbeat_interval_ms}
-        health.update(self.health)
+        given, _ = rename_flat(self.health)  # flat names of earlier releases, as a test may write them
+        health: dict[str, Any] = {**given, "heartbeat": {"interval": f"{self.heartbeat_interval_ms}ms",
+                                                         **given.get("heartbeat", {})}}
 
         def node_opts(i: int) -> dict[str, Any]:
             return self.node_options[i] if i < len(self.node_options) else {}
