@@ -11,7 +11,7 @@ ClusterLoadAssignment (resources.build_cla) and to validate + serialize + hash i
 ``fanout``: a server process (SnapshotCache + AdsServicer on grpc.aio, the production code) and a
 client process holding S ADS streams (SotW or delta, each subscribed to the cluster, ACKing every
 response). Each change marks the cluster dirty and is published as ControlPlane does (at most one
-publish per xds.coalesce_window_ms; changes here are 0.5 s apart, so each goes out at once): build,
+publish per xds.publish.coalesce_window; changes here are 0.5 s apart, so each goes out at once): build,
 validate + encode into the cache; every stream wakes, gets its response and ACKs it.
 Latency per stream = its receive time - the time of the change (CLOCK_MONOTONIC is shared by both
 processes). Per change we take the latency of the last stream to receive it; the report gives
@@ -119,7 +119,8 @@ async def run_server(endpoints: int, window_ms: float) -> None:
     cache.set_resources(CDS, {"llm": build_cluster(c)})
     cache.set_resource(EDS, "llm", build_cla(c, routing_of(c)))
     servicer = AdsServicer(cache)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", XdsConfig().max_receive_message_bytes)])
+    limit = XdsConfig().limits.max_receive_message_bytes
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
     servicer.add_to_server(server)  # as ControlPlane.start() does
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--endpoints", type=int, default=1000)
     f.add_argument("--variant", choices=["sotw", "delta"], default="sotw")
     f.add_argument("--changes", type=int, default=30)
-    f.add_argument("--window-ms", type=float, default=XdsConfig().coalesce_window_ms)
+    f.add_argument("--window-ms", type=float, default=XdsConfig().publish.coalesce_window.ms)
     f.add_argument("--gap-s", type=float, default=0.5, help="pause between changes")
     f.add_argument("--channels", type=int, default=8, help="client HTTP/2 connections")
     s = sub.add_parser("_server")

@@ -68,7 +68,8 @@ async def run_server(interval_ms: float) -> None:
     cache.set_resources(CLUSTER_TYPE_URL, {"llm": build_cluster(c)})
     cache.set_resource(CLA_TYPE_URL, "llm", build_cla(c, {n.id: Routing(1, "HEALTHY") for n in c.nodes}))
     servicer = AdsServicer(cache)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", XdsConfig().max_receive_message_bytes)])
+    limit = XdsConfig().limits.max_receive_message_bytes
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
     servicer.add_to_server(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -80,8 +80,8 @@ class ControlPlane:
         self.clock: Clock = clock if clock is not None else LoopClock()
         self.counters = Counters()
         self.cache = SnapshotCache(validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()},
-                                   memo_max_entries=config.xds.memo_max_entries,
-                                   memo_max_bytes=config.xds.memo_max_bytes)
+                                   memo_max_entries=config.xds.limits.memo_max_entries,
+                                   memo_max_bytes=config.xds.limits.memo_max_bytes)
         # probe.workers >= 1: probe streams and per-node models in worker processes (probing/workers)
         pool = self.probe_pool = WorkerPool.for_config(config, lambda: self.core, self.clock, self.counters) \
             if probe_sources is None else None
@@ -177,13 +177,13 @@ class ControlPlane:
         self._file_sig = file_signature(self.config_path)
         rc = self.config.reload
         loops: list[tuple[Callable[[], float], Callable[[], Awaitable[object]], str]] = [
-            (lambda: self.config.reload.drain_check_interval_s, self.reap_drained, "dropping drained nodes"),
-            (lambda: self.config.health.validation.check_interval_s, self.switchback.check,
+            (lambda: self.config.reload.drain_check_interval.s, self.reap_drained, "dropping drained nodes"),
+            (lambda: self.config.health.validation.check_interval.s, self.switchback.check,
              "switch-back validation")]
         if self.config.state.path:
-            loops.append((lambda: self.config.state.write_interval_s, self._write_state_async, "writing state"))
-        if self.config_path and rc.watch_interval_s > 0:
-            loops.append((lambda: self.config.reload.watch_interval_s or 1.0, self._check_file, "config watch"))
+            loops.append((lambda: self.config.state.write_interval.s, self._write_state_async, "writing state"))
+        if self.config_path and rc.watch_interval.s > 0:
+            loops.append((lambda: self.config.reload.watch_interval.s or 1.0, self._check_file, "config watch"))
         self._tasks = [asyncio.create_task(self._every(*loop)) for loop in loops] + self.load.peers.start()  # lrs.peers
         await self.discovery.start()
 

@@ -96,8 +96,9 @@ class AdsServer:
         return c
 
     def publish_clusters(self, *names: str, **changes) -> None:
-        """CDS = the named test clusters (``changes`` applied to each, e.g. connect_timeout_ms)."""
-        self.cache.set_resources(CDS, {n: build_cluster(CLUSTERS[n].model_copy(update=changes)) for n in names})
+        """CDS = the named test clusters (``changes`` applied to each and validated, e.g. connect_timeout)."""
+        self.cache.set_resources(CDS, {n: build_cluster(type(CLUSTERS[n]).model_validate(
+            {**CLUSTERS[n].model_dump(), **changes})) for n in names})
 
     def only_stream(self):
         (s,) = self.servicer.streams.values()

@@ -180,7 +180,7 @@ async def test_delta_13_ack_gets_no_response_and_a_nack_is_not_resent_until_cont
 
 async def test_delta_14_cds_change_repushes_the_unchanged_assignment(ads):
     c, _cds, eds = await delta_handshake(ads)
-    ads.publish_clusters("llm", "llm2", connect_timeout_ms=2500)
+    ads.publish_clusters("llm", "llm2", connect_timeout="2500ms")
     r1 = await c.recv()
     r2 = await c.recv()
     assert r1.type_url == CDS and sorted(delta_names(r1)) == ["llm", "llm2"]
@@ -192,7 +192,7 @@ async def test_delta_15_cds_change_before_eds_subscribe_is_still_repushed_on_sub
     # reconnect: CDS changed while away, and the EDS subscription arrives after the CDS push
     c, cds, eds = await delta_handshake(ads)
     await c.close()
-    ads.publish_clusters("llm", "llm2", connect_timeout_ms=3000)
+    ads.publish_clusters("llm", "llm2", connect_timeout="3000ms")
     c2 = await ads.delta()
     await c2.send(type_url=CDS, initial_versions={r.name: r.version for r in cds.resources}, node_id="e")
     r = await c2.recv()
@@ -239,6 +239,6 @@ async def test_delta_19_unsubscribing_wildcard_stops_pushes_of_unnamed_resources
     r = await c.recv()
     await c.send(type_url=CDS, nonce=r.nonce, unsubscribe=["*"])
     await c.expect_silence(QUIET_S)
-    ads.publish_clusters("llm", "llm2", connect_timeout_ms=1500)
+    ads.publish_clusters("llm", "llm2", connect_timeout="1500ms")
     await c.expect_silence(QUIET_S)
     assert ads.only_stream().subscription_count() == 0

@@ -69,7 +69,7 @@ async def push_acked(ads, type_url: str, name: str, msg, timeout_s: float = 3.0)
 async def test_envoy_cluster_change_is_active_within_1s_not_warming_15s(envoy_and_ads, api_type):
     ads, envoy = envoy_and_ads
     await wait_for(lambda: _active_with_hosts(envoy, "llm", 2), timeout_s=5.0, step_s=0.02)
-    ads.publish_clusters("llm", "llm2", connect_timeout_ms=2500)
+    ads.publish_clusters("llm", "llm2", connect_timeout="2500ms")
     t0 = time.monotonic()
 
     async def updated_and_active():

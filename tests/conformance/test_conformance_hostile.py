@@ -93,7 +93,7 @@ junk = st.one_of(st.binary(min_size=1, max_size=64), st.just(b"\xff" * 10), st.j
 @pytest.fixture
 async def hostile_env():
     """An ADS server with default limits and one clean delta client subscribed to llm."""
-    s = await start_ads_server(**{"grpc.max_receive_message_length": XdsConfig().max_receive_message_bytes})
+    s = await start_ads_server(**{"grpc.max_receive_message_length": XdsConfig().limits.max_receive_message_bytes})
     clean = await s.delta()
     await clean.send(type_url=CDS, node_id="clean")
     cds = await clean.recv()
@@ -165,7 +165,7 @@ async def test_undecodable_request_ends_the_stream_with_invalid_argument(hostile
 
 @pytest.mark.parametrize("variant", ["sotw", "delta"])
 async def test_closed_ads_streams_of_20k_names_leave_no_memory_behind(variant):
-    s = await start_ads_server(**{"grpc.max_receive_message_length": XdsConfig().max_receive_message_bytes})
+    s = await start_ads_server(**{"grpc.max_receive_message_length": XdsConfig().limits.max_receive_message_bytes})
     try:
         async def one(i: int) -> None:
             names = [f"stream-{i:03d}-cluster-name-{j:05d}" for j in range(20_000)] + ["llm"]
@@ -192,7 +192,7 @@ async def test_closed_ads_streams_of_20k_names_leave_no_memory_behind(variant):
         growth = rss_bytes() - base
         print(f"\n{variant}: 40 closed streams of 20k names: RSS growth {growth / 1e6:.1f} MB, "
               f"memo {s.cache.memo_bytes() / 1e6:.2f} MB")
-        assert s.cache.memo_bytes() <= 4 * XdsConfig().memo_max_bytes
+        assert s.cache.memo_bytes() <= 4 * XdsConfig().limits.memo_max_bytes
         assert growth < 20 * 1024 * 1024  # goal: within 20 MB of the start
     finally:
         await stop_ads_server(s)
@@ -285,7 +285,7 @@ async def test_one_flooding_stream_is_held_to_its_request_budget_and_others_are_
             await asyncio.sleep(0.05)
         elapsed = loop.time() - t0
         processed = sum(v for (variant, _, _), v in s.servicer.stats.requests.items() if variant == "sotw")
-        allowed = (cfg.request_burst_bytes + cfg.request_bytes_per_s * elapsed) / size + 1
+        allowed = (cfg.limits.request_burst_bytes + cfg.limits.request_bytes_per_s * elapsed) / size + 1
         print(f"\nflood: {processed} requests of {size / 1e6:.1f} MB processed in {elapsed:.1f} s "
               f"(budget allows {allowed:.1f}); throttled {s.servicer.stats.throttled_s:.1f} s")
         assert processed <= allowed
@@ -299,7 +299,7 @@ async def test_requests_over_the_max_receive_size_are_refused(hostile_env):
     s, clean, channel, state = hostile_env
     call = raw_call(channel, "delta")
     req = discovery_pb2.DeltaDiscoveryRequest(type_url=EDS, resource_names_subscribe=["n" * 1024] * 17_000)
-    assert req.ByteSize() > XdsConfig().max_receive_message_bytes
+    assert req.ByteSize() > XdsConfig().limits.max_receive_message_bytes
     await call.write(req.SerializeToString())
     assert await drain_call(call, 5.0) == grpc.StatusCode.RESOURCE_EXHAUSTED
     await clean_client_gets_the_next_update(s, clean, state)
@@ -307,7 +307,7 @@ async def test_requests_over_the_max_receive_size_are_refused(hostile_env):
 
 async def test_too_many_names_or_types_on_one_stream_is_invalid_argument(hostile_env):
     s, clean, channel, state = hostile_env
-    limit = XdsConfig().max_names_per_stream
+    limit = XdsConfig().limits.max_names_per_stream
     call = raw_call(channel, "delta")
     for part in range(3):
         names = [f"p{part}-{j:06d}" for j in range(limit // 2)]
@@ -318,7 +318,7 @@ async def test_too_many_names_or_types_on_one_stream_is_invalid_argument(hostile
             break
     assert await drain_call(call, 10.0) == grpc.StatusCode.INVALID_ARGUMENT
     call = raw_call(channel, "sotw")
-    for i in range(XdsConfig().max_types_per_stream + 1):
+    for i in range(XdsConfig().limits.max_types_per_stream + 1):
         await call.write(discovery_pb2.DiscoveryRequest(type_url=f"type.example/t{i}").SerializeToString())
     assert await drain_call(call, 5.0) == grpc.StatusCode.INVALID_ARGUMENT
     assert s.servicer.stats.rejected[("delta", "invalid")] == 1

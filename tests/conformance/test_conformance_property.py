@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xds_server.config import parse_config
+from xds_server.config.duration import Duration
 from xds_server.health.model import Routing
 from xds_server.xds.cache import CachedResource, SnapshotCache
 from xds_server.xds.delta import DeltaStream
@@ -50,7 +51,7 @@ def set_cla(cache: SnapshotCache, name: str, weight: int) -> None:
 
 
 def set_clusters(cache: SnapshotCache, names: set[str], timeout_s: int) -> None:
-    cache.set_resources(CDS, {n: build_cluster(BY_NAME[n].model_copy(update={"connect_timeout_ms": timeout_s * 1000}))
+    cache.set_resources(CDS, {n: build_cluster(BY_NAME[n].model_copy(update={"connect_timeout": Duration(timeout_s)}))
                               for n in names})
 
 

@@ -112,7 +112,7 @@ async def test_sotw_08_assignment_created_after_request_is_pushed_without_new_re
 
 async def test_sotw_09_cds_change_repushes_the_unchanged_assignment_with_a_new_nonce(ads):
     c, _cds, eds = await handshake(ads)
-    ads.publish_clusters("llm", "llm2", connect_timeout_ms=2500)
+    ads.publish_clusters("llm", "llm2", connect_timeout="2500ms")
     r1 = await c.recv()
     r2 = await c.recv()
     assert r1.type_url == CDS and r2.type_url == EDS  # CDS first, then the assignment

@@ -205,7 +205,7 @@ async def test_large_request_of_150k_names_over_4mib_is_accepted(control_plane):
         call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch).StreamAggregatedResources()
         await call.write(req)
         r = await asyncio.wait_for(call.read(), 10)
-        # what exists, plus empty assignments for the first xds.absent_names_max_per_stream (1,000)
+        # what exists, plus empty assignments for the first xds.limits.absent_names_max_per_stream (1,000)
         # names that exist nowhere, never 150,000 of them
         names_sent = [endpoint_pb2.ClusterLoadAssignment.FromString(a.value).cluster_name for a in r.resources]
         assert len(r.resources) == 1 + 1000 and "llm" in names_sent

@@ -137,7 +137,7 @@ async def test_huge_stall_detail_is_clipped_in_reasons_events_logs_and_probe_now
     agent.send(msg)
     await until(lambda: bad(cp, "heartbeat.telemetry.stall_detail", "too_long") >= 1)
     await until(lambda: any(r.startswith("engine stalled") for r in agent.probe_now_reasons()))
-    limit = cp.config.probe.max_text_chars
+    limit = cp.config.probe.limits.max_text_chars
     assert max(len(r) for r in agent.probe_now_reasons()) <= limit
     assert all(len(e.reason) <= cp.config.admin.event_reason_max_chars for e in cp.events)
     assert len(cp.health["a"].reason) < 2 * limit
@@ -223,7 +223,7 @@ async def test_a_stream_cut_during_our_own_stall_is_redialled_without_an_ejectio
     agent.heartbeats = True        # the next stream heartbeats again
     await until(lambda: agent.streams > streams and cp.heartbeats["a"] >= hb + 3)
     loop = asyncio.get_running_loop()
-    await until(lambda: loop.time() > woke + cp.config.probe.stall_hold_ms / 1000.0)  # any hold is over
+    await until(lambda: loop.time() > woke + cp.config.probe.stalls.stall_hold.s)  # any hold is over
     assert cp.health["a"].state is NodeState.HEALTHY and not cp.health["a"].heartbeat.stream_closed
     assert sum(cp.counters.ejections.values()) == 0
     assert cp.sessions["a"].silence_gate.held >= 1  # the close was held, then dropped: heard again
@@ -235,6 +235,6 @@ async def test_a_node_silent_after_our_own_stall_is_ejected_when_the_hold_ends(r
     woke = _stall_own_loop(0.6)
     await until(lambda: cp.health["a"].state is NodeState.UNHEALTHY)
     # judged once the hold ended (as long as the stall, >= 0.55 s: 0.6 s less the sampler's
-    # period; at most probe.stall_hold_ms), not one miss window (0.18 s) after waking
+    # period; at most probe.stalls.stall_hold), not one miss window (0.18 s) after waking
     assert asyncio.get_running_loop().time() >= woke + 0.5
     assert "consecutive misses" in cp.health["a"].reason or "phi" in cp.health["a"].reason

@@ -19,9 +19,8 @@ from xds_server.testing import LoadGenerator
 
 pytestmark = pytest.mark.envoy
 
-HEALTH = {"probation_clean_s": 1.5, "ramp_step_percent": 25, "ramp_step_s": 0.25,
-          # the seed score would move weights with RTT noise on this busy box
-          "score_rtt_weight": 0.0, "score_gpu_weight": 0.0}
+HEALTH = {"probation": {"clean": "1.5s", "ramp_step_percent": 25, "ramp_step": "250ms"},
+          "score": {"rtt_weight": 0.0, "gpu_weight": 0.0}}
 
 
 async def events_of(fleet, http: aiohttp.ClientSession, node_id: str) -> list[dict]:

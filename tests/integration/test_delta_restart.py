@@ -18,7 +18,7 @@ pytestmark = pytest.mark.envoy
 # carry no RTT term, so a same-state restart publishes exactly what Envoy holds from its first
 # build on: Envoy redials within ~0.1 s of the port opening (the bootstrap's xDS backoff) and,
 # without these, would see the new process's WARMING -> PROBATION ramp or RTT-weight moves.
-FAST = {"probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2, "score_rtt_weight": 0.0}
+FAST = {"probation": {"clean": "1s", "ramp_step_percent": 50, "ramp_step": "200ms"}, "score": {"rtt_weight": 0.0}}
 
 
 async def envoy_view(fleet, http) -> dict:

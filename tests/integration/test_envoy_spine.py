@@ -17,7 +17,7 @@ from xds_server.testing import LoadGenerator
 pytestmark = pytest.mark.envoy
 
 # Shortened half-open durations (defaults: 60 s clean period, 1 %/s ramp) so tests see recovery.
-FAST = {"probation_clean_s": 1.5, "ramp_step_percent": 25, "ramp_step_s": 0.25}
+FAST = {"probation": {"clean": "1.5s", "ramp_step_percent": 25, "ramp_step": "250ms"}}
 
 
 async def test_traffic_reaches_all_three_nodes(make_fleet, http):

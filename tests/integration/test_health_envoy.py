@@ -12,7 +12,7 @@ from xds_server.testing import EnvoyHost, Fleet, LoadGenerator, fetch_envoy_host
 
 pytestmark = pytest.mark.envoy
 
-HEALTH = {"probation_clean_s": 1.5, "ramp_step_percent": 20, "ramp_step_s": 0.4}
+HEALTH = {"probation": {"clean": "1.5s", "ramp_step_percent": 20, "ramp_step": "400ms"}}
 
 
 async def _envoy_host(fleet: Fleet, http, node_id: str) -> EnvoyHost | None:
@@ -152,7 +152,7 @@ async def test_silent_survivors_whose_engines_serve_stay_routed_when_the_rest_is
             await fleet.set_fault(http, n, "hang")
         for n in ("gpu-a", "gpu-b"):
             assert await wait_state(fleet, http, n, "UNHEALTHY", timeout_s=10) is not None
-        await asyncio.sleep(2.5)  # load reports of the survivors' traffic (lrs.interval_s 1 s)
+        await asyncio.sleep(2.5)  # load reports of the survivors' traffic (lrs.interval 1 s)
         silent = load.phase("survivors' agents silent")
         survivors = [fleet.node("gpu-c"), fleet.node("gpu-d")]
         for n in survivors:

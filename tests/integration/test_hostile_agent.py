@@ -193,14 +193,14 @@ async def play(rig: Rig, seq: list[Step]) -> None:
         body = json.loads(await r.text(), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
     assert _all_finite(body)
     node = body["nodes"][0]
-    assert len(json.dumps(node)) < 8_000 and len(node["reason"]) <= 2 * cp.config.probe.max_text_chars
+    assert len(json.dumps(node)) < 8_000 and len(node["reason"]) <= 2 * cp.config.probe.limits.max_text_chars
     el = node.get("engine_load") or {}
     for k in ("requests_waiting", "requests_running"):
-        assert el.get(k) is None or 0 <= el[k] <= cp.config.probe.max_requests
+        assert el.get(k) is None or 0 <= el[k] <= cp.config.probe.limits.max_requests
     assert el.get("kv_cache_usage_ratio") is None or 0 <= el["kv_cache_usage_ratio"] <= 1
     nh = cp.health["a"]
     for v in (nh.probe.ewma_ttft_ms, nh.probe.last_ttft_ms):
-        assert v is None or 0 <= v <= cp.config.probe.max_ttft_ms
+        assert v is None or 0 <= v <= cp.config.probe.limits.max_ttft.ms
     res = cp.cache.resources(CLA_TYPE_URL).get("llm")
     if res is not None:
         from envoy.config.endpoint.v3 import endpoint_pb2

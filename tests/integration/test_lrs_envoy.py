@@ -25,7 +25,7 @@ from xds_server.testing import (
 
 pytestmark = pytest.mark.envoy
 
-FAST = {"probation_clean_s": 1.5, "ramp_step_percent": 25, "ramp_step_s": 0.25}
+FAST = {"probation": {"clean": "1.5s", "ramp_step_percent": 25, "ramp_step": "250ms"}}
 LRS_METHOD = "/envoy.service.load_stats.v3.LoadReportingService/StreamLoadStats"
 
 

@@ -195,7 +195,7 @@ async def test_peer_edges_refused_counted_and_never_forwarded_twice():
             assert a.load.aggregator.totals[("llm", "gpu-a")].issued == 10
             assert b.load.peers.links[0].forwarded == 0 and dict(b.load.peers.received) == {"cp-1": 3}
             assert bt.reporters(b.clock.now()) == 1  # the Envoy, not the forwarding replica
-            # cp-2 goes away; a report that waits past lrs.peer_max_delay_s is dropped as stale
+            # cp-2 goes away; a report that waits past lrs.peer_max_delay is dropped as stale
             # when the stream is back (applied then it would land in the wrong window)
             await b.stop()
             await wait_for(lambda: not link.up, 5, what="cp-1 saw cp-2 go")

@@ -15,7 +15,7 @@ from xds_server.testing import LoadGenerator, restart_control_plane, wait_for
 
 pytestmark = pytest.mark.envoy
 
-FAST = {"probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2}
+FAST = {"probation": {"clean": "1s", "ramp_step_percent": 50, "ramp_step": "200ms"}}
 
 
 async def _clients(http, fleet) -> list[dict]:
@@ -82,7 +82,7 @@ async def test_restart_resumes_full_weight_and_keeps_ejection(make_fleet, http, 
     # Production recovery from here on (set before the ejection: its clean period is fixed then)
     # (60 s clean period, +1 % per 1 s), picked up by the file watch: a restart that forgot what
     # it knew would ramp gpu-a and gpu-b from 1 % and route gpu-c at its first good probe.
-    _rewrite(fleet, lambda doc: [doc["health"].pop(k) for k in FAST])
+    _rewrite(fleet, lambda doc: doc["health"].pop("probation"))
 
     async def reloaded():
         async with http.get(f"http://127.0.0.1:{fleet.admin_port}/readyz") as r:

@@ -31,8 +31,8 @@ from xds_server.testing import wait_for
 
 pytestmark = pytest.mark.envoy
 
-HEALTH = {"probation_clean_s": 60.0, "ramp_step_percent": 25, "ramp_step_s": 0.25,
-          "queue_warning": 10, "queue_critical": 20}
+HEALTH = {"probation": {"clean": "1m", "ramp_step_percent": 25, "ramp_step": "250ms"},
+          "load": {"queue_warning": 10, "queue_critical": 20}}
 SHED = {"enabled": True, "step_percent": 10, "window_s": 2.0, "lift_after_s": 10.0}
 RATE_RPS = 27.0  # two engines complete ~18 rps (2 x 2 slots / ~0.22 s); four ~36
 
@@ -77,7 +77,7 @@ async def test_half_frozen_under_open_loop_load_survivors_stay_under_critical_an
     print(f"\nwhile shedding: {s}; survivors' waiting max {max(waits)} of {len(waits)} samples "
           f"(peak {peak} before); "
           f"states {sorted(states)}; reasons {[w for _, w in watch.reasons][-3:]}")
-    assert waits and max(waits) < HEALTH["queue_critical"]
+    assert waits and max(waits) < HEALTH["load"]["queue_critical"]
     assert s["status"]["429+RA"] >= 10 and s["status"]["429"] == 0  # every shed client told when to come back
     # Envoy drops each request at random: over these ~150 requests the share itself scatters
     # by sqrt(p (1 - p) / n) (~4 points at 40 %), so the 5 points hold up to 3 of those here (the

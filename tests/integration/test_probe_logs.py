@@ -1,5 +1,5 @@
 """An agent that cannot be reached is logged once per
-``probe.unreachable_log_interval_s``, not once per redial (real gRPC probe session, nothing listening)."""
+``probe.logs.unreachable_interval``, not once per redial (real gRPC probe session, nothing listening)."""
 from __future__ import annotations
 
 import asyncio

@@ -186,7 +186,7 @@ async def test_a_kept_state_is_given_to_a_node_added_later_only_while_the_file_i
 
 def test_a_kept_state_never_claimed_is_not_written_again_after_max_age(tmp_path):
     """A kept state of a node that never comes back is written again only while it may still be
-    claimed (state.max_age_s from the file's time): rewriting it under a fresh file time would
+    claimed (state.max_age from the file's time): rewriting it under a fresh file time would
     let it outlive max_age_s across every later restart."""
     path = tmp_path / "state.json"
     doc = snapshot({"n2": hm.NodeHealth("n2", state=hm.NodeState.UNHEALTHY, reason="probe: 2 failures")},
@@ -200,7 +200,7 @@ def test_a_kept_state_never_claimed_is_not_written_again_after_max_age(tmp_path)
     try:
         clock.advance(1.0)
         assert cp.write_state() and "n2" in json.loads(path.read_text())["nodes"]  # still claimable
-        clock.advance(parse_config(two).state.max_age_s)
+        clock.advance(parse_config(two).state.max_age.s)
         assert cp.write_state() and "n2" not in json.loads(path.read_text())["nodes"]  # aged out
     finally:
         cp.core.end()

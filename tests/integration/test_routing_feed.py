@@ -56,8 +56,8 @@ class FeedClient:
 
 # ------------------------------------------------------------------------ real fleet
 # Fast ramp; no outlier ejection (a loaded CI machine makes one node's RTT an outlier).
-FAST = {"probation_clean_s": 1.5, "ramp_step_percent": 50, "ramp_step_s": 0.25,
-        "outlier_min_gap_rtt_ms": 5000, "outlier_min_gap_ttft_ms": 5000}
+FAST = {"probation": {"clean": "1.5s", "ramp_step_percent": 50, "ramp_step": "250ms"},
+        "outlier": {"min_gap_rtt": "5s", "min_gap_ttft": "5s"}}
 
 
 @pytest.mark.envoy

@@ -19,7 +19,7 @@ from xds_server.testing import ManagedProcess, free_port, wait_for
 
 pytestmark = pytest.mark.envoy
 
-FAST = {"probation_clean_s": 60.0, "ramp_step_percent": 25, "ramp_step_s": 0.25}
+FAST = {"probation": {"clean": "1m", "ramp_step_percent": 25, "ramp_step": "250ms"}}
 CLASSES = ("sheddable", "standard", "critical")
 
 

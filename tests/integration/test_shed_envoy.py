@@ -12,7 +12,7 @@ from xds_server.testing import LoadGenerator, wait_for
 
 pytestmark = pytest.mark.envoy
 
-FAST = {"probation_clean_s": 60.0, "ramp_step_percent": 25, "ramp_step_s": 0.25}
+FAST = {"probation": {"clean": "1m", "ramp_step_percent": 25, "ramp_step": "250ms"}}
 
 
 async def _statuses(http, url: str, n: int) -> tuple[collections.Counter, dict[int, dict]]:

@@ -54,9 +54,10 @@ pytestmark = pytest.mark.envoy
 # path (docs/replicas.md: Running two replicas), so its score term is off here. Slow probes and late
 # heartbeats on a loaded CI machine are tolerated (TTFT up to 700 ms healthy, 3 misses of 500 ms)
 # so the state stays put while the test looks at failover; a frozen host is still out in ~1.5 s.
-HEALTH = {"heartbeat_interval_ms": 100, "heartbeat_grace_ms": 400, "failure_detector": "count",
-          "ttft_healthy_ms": 700, "probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2,
-          "score_rtt_weight": 0.0}
+HEALTH = {"heartbeat": {"interval": "100ms", "grace": "400ms", "failure_detector": "count"},
+          "probes": {"ttft_healthy": "700ms"},
+          "probation": {"clean": "1s", "ramp_step_percent": 50, "ramp_step": "200ms"},
+          "score": {"rtt_weight": 0.0}}
 NODE_ID = "envoy-llm-gw-1"
 EDS_SOTW, ADS_DELTA = "eds-sotw", "ads-delta"
 

@@ -18,10 +18,11 @@ from xds_server.testing import LoadGenerator, ManagedProcess, wait_for
 
 pytestmark = pytest.mark.envoy
 
-HEALTH = {"probation_clean_s": 1.0, "probation_clean_max_s": 4.0, "probation_min_probes": 2,
-          "ramp_step_percent": 25, "ramp_step_s": 0.25, "ttft_healthy_ms": 1000, "ttft_timeout_ms": 3000,
-          "validation": {"enabled": True, "max_tokens": 16, "check_interval_s": 0.1, "retry_s": 0.5,
-                         "timeout_s": 5.0}}
+HEALTH = {"validation": {"enabled": True, "max_tokens": 16, "check_interval": "100ms", "retry": "500ms",
+                         "timeout": "5s"},
+          "probation": {"clean": "1s", "clean_max": "4s", "min_probes": 2, "ramp_step_percent": 25,
+                        "ramp_step": "250ms"},
+          "probes": {"ttft_healthy": "1s", "ttft_timeout": "3s"}}
 
 
 async def _restart_engine(fleet, node_id: str, seed: int) -> None:

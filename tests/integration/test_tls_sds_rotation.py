@@ -2,7 +2,7 @@
 
 A fleet of real processes (one simulated engine, its agent, xds-server, Envoy): the control plane
 serves ADS with ``tls.mode: mtls``, an allow-list for Envoy's SPIFFE id and
-``xds.max_connection_age_s`` (1 s here); Envoy's ``xds_cluster`` takes its client certificate
+``xds.keepalive.max_connection_age`` (1 s here); Envoy's ``xds_cluster`` takes its client certificate
 from SDS files in a watched directory. Under load the certificate is replaced by a new one (same
 SPIFFE id, new key and serial) by moving a new SDS file into place: Envoy loads it (its
 ``/certs``), and at its next connection (the connection age closes the old one) the control
@@ -33,8 +33,9 @@ ENVOY_ID = "spiffe://cluster.local/ns/llm/sa/envoy"
 XDS_NAME = "xds.sentinel.test"
 # Fast recovery, and a busy CI machine's late heartbeats and slow probes tolerated (3 misses of
 # 500 ms, TTFT up to 700 ms healthy): the one node stays routed while the test looks at certificates.
-HEALTH = {"heartbeat_grace_ms": 400, "failure_detector": "count", "ttft_healthy_ms": 700,
-          "probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2}
+HEALTH = {"heartbeat": {"grace": "400ms", "failure_detector": "count"},
+          "probes": {"ttft_healthy": "700ms"},
+          "probation": {"clean": "1s", "ramp_step_percent": 50, "ramp_step": "200ms"}}
 
 
 def _cert(path: str) -> x509.Certificate:

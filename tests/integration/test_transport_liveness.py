@@ -17,7 +17,7 @@ from xds_server.testing import LoadGenerator
 
 pytestmark = pytest.mark.envoy
 
-FAST = {"probation_clean_s": 1.5, "ramp_step_percent": 25, "ramp_step_s": 0.25}
+FAST = {"probation": {"clean": "1.5s", "ramp_step_percent": 25, "ramp_step": "250ms"}}
 OLD_AGENT = ["--no-transport-liveness", "--min-ping-interval-ms", "1000"]
 
 

@@ -15,7 +15,7 @@ from xds_server.testing import LoadGenerator, restart_control_plane, wait_for
 pytestmark = [pytest.mark.envoy, pytest.mark.parametrize("api_type", ["GRPC", "DELTA_GRPC"])]
 
 # Short half-open period and ramp (defaults: 60 s clean, 1 %/s) so a test sees the recovery.
-FAST = {"probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2}
+FAST = {"probation": {"clean": "1s", "ramp_step_percent": 50, "ramp_step": "200ms"}}
 
 
 async def test_priority0_fails_traffic_moves_to_priority1_and_returns_after_heal(make_fleet, http, api_type):

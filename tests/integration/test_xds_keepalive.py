@@ -1,4 +1,4 @@
-"""Our keepalive on the xDS port (xds.keepalive_time_ms / keepalive_timeout_ms): the stream of an
+"""Our keepalive on the xDS port (xds.keepalive.time / keepalive_timeout_ms): the stream of an
 ADS client whose process freezes (SIGSTOP: no FIN, no RST, the kernel still ACKs) is closed by
 the server when a ping goes unanswered, so /xds/clients and the stream gauges stop counting it."""
 from __future__ import annotations

@@ -22,7 +22,7 @@ from xds_server.testing import Fleet, wait_for
 pytestmark = pytest.mark.envoy
 
 HEADER = "x-sentinel-upstream-host"
-FAST = {"probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2}
+FAST = {"probation": {"clean": "1s", "ramp_step_percent": 50, "ramp_step": "200ms"}}
 TOKENS, CUT = 40, 15     # tokens per request; the fault fires after CUT tokens
 STALL_GAP_S = 4.0        # longer than a health-signal rescue, so a freeze proves the feed acted
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

@@ -26,7 +26,7 @@ from xds_server.testing import wait_for
 pytestmark = pytest.mark.envoy
 
 HEADER = "x-sentinel-upstream-host"
-FAST = {"probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2}
+FAST = {"probation": {"clean": "1s", "ramp_step_percent": 50, "ramp_step": "200ms"}}
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PING_S = 0.2      # the relay's ping interval
 IDLE_S = 10.0     # Envoy's per-try idle timeout: what released a forgotten upstream before

@@ -8,6 +8,7 @@ import pytest
 from envoy.config.endpoint.v3 import endpoint_pb2
 
 from xds_server.config import parse_config
+from xds_server.config.duration import Duration
 from xds_server.health.model import Routing
 from xds_server.testing import ScriptedAdsClient
 from xds_server.xds.ads import AdsServicer
@@ -145,7 +146,7 @@ async def test_resubscribe_resends_unchanged_resource(server):
 async def test_cds_change_repushes_subscribed_cla_even_if_unchanged(server):
     cache, _servicer, client = server
     c, _cds, eds = await handshake(client)
-    changed = CFG.clusters[0].model_copy(update={"connect_timeout_ms": 2000})
+    changed = CFG.clusters[0].model_copy(update={"connect_timeout": Duration.parse("2s")})
     cache.set_resources(CDS, {"llm": build_cluster(changed), "llm2": build_cluster(CFG.clusters[1])})
     r1 = await c.recv()
     r2 = await c.recv()

@@ -69,15 +69,16 @@ def test_any_agent_message_is_checked_without_raising_and_only_sane_values_pass(
     if isinstance(checked, CheckedHeartbeat):
         o, t = checked.observation, checked.telemetry
         assert o.engine_state in ("COLD", "WARMING", "READY", "FAILED")
-        assert _finite_in(o.requests_waiting, 0, PC.max_requests) and _finite_in(o.requests_running, 0, PC.max_requests)
+        top = PC.limits.max_requests
+        assert _finite_in(o.requests_waiting, 0, top) and _finite_in(o.requests_running, 0, top)
         assert _finite_in(o.gpu_free_ratio, 0, 1) and _finite_in(t.load.kv_cache_usage_ratio, 0, 1)
-        assert len(o.stall_detail) <= PC.max_text_chars and len(t.gpu.error) <= PC.max_text_chars
-        assert len(t.load.kv_cache_metric) <= PC.max_text_chars and len(o.gpu_fatal) < 100
+        assert len(o.stall_detail) <= PC.limits.max_text_chars and len(t.gpu.error) <= PC.limits.max_text_chars
+        assert len(t.load.kv_cache_metric) <= PC.limits.max_text_chars and len(o.gpu_fatal) < 100
         assert t.gpu.nvml.startswith("NVML_STATE_")
     elif isinstance(checked, CheckedResult):
         o = checked.observation
-        assert math.isfinite(o.ttft_ms) and 0 <= o.ttft_ms <= PC.max_ttft_ms
-        assert 0 <= o.http_status <= 999 and len(o.detail) <= PC.max_text_chars
+        assert math.isfinite(o.ttft_ms) and 0 <= o.ttft_ms <= PC.limits.max_ttft.ms
+        assert 0 <= o.http_status <= 999 and len(o.detail) <= PC.limits.max_text_chars
         assert isinstance(o.kind, ProbeResultKind)
 
 
@@ -90,7 +91,7 @@ def test_each_planted_bad_field_is_reported_by_name_and_reason():
     msg = probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(ok=False, failure=77, detail="d" * 10_000))
     checked, bad = EDGE.check(msg)
     assert checked.observation.kind is ProbeResultKind.BAD_OUTPUT
-    assert len(checked.observation.detail) == PC.max_text_chars
+    assert len(checked.observation.detail) == PC.limits.max_text_chars
     assert {(b.field, b.reason) for b in bad} == {("inference_result.failure", "unknown_enum"),
                                                    ("inference_result.detail", "too_long")}
     hb = probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(telemetry=probe_pb2.Telemetry(

@@ -39,7 +39,7 @@ def test_good_config_has_seed_defaults():
     assert (h.probes.ttft_healthy.ms, h.probes.ttft_timeout.ms, h.probes.failures_to_eject) == (200.0, 800.0, 2)
     assert h.probes.good_to_recover == 3 and h.probes.degraded_weight_factor == 0.3 and h.rtt.ewma_alpha == 0.2
     c = cfg.clusters[0]
-    assert c.healthy_panic_threshold_percent == 0 and c.update_merge_window_ms == 0
+    assert c.healthy_panic_threshold_percent == 0 and c.update_merge_window.s == 0
     assert c.lb_policy == "LEAST_REQUEST"
     assert [n.id for _, n in cfg.nodes()] == ["a", "b"]
 

@@ -41,7 +41,7 @@ def test_defaults_units_and_advanced_marks_come_from_the_models():
     assert "| `health.heartbeat_interval_ms` | `health.heartbeat.interval` |" in render_reference()
     assert "seed 000" in hb.description
     assert by["clusters[].name"].default == "required"
-    assert by["xds.memo_max_bytes"].advanced and by["xds.memo_max_bytes"].unit == "bytes"
+    assert by["xds.limits.memo_max_bytes"].advanced and by["xds.limits.memo_max_bytes"].unit == "bytes"
     assert "`memo_max_bytes` *(advanced)*" in render_reference()
     assert not by["xds.listen"].advanced
 

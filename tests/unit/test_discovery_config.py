@@ -23,9 +23,10 @@ def test_discovery_config_defaults_and_errors_name_the_field():
     c = cfg({"file": {"path": "t.yaml"},
              "kubernetes": {"label_selector": {"app": "vllm"}, "target_port": "http", "probe_port": 9100}})
     k = c.clusters[0].discovery.kubernetes
-    assert (c.clusters[0].discovery.file.interval_s, k.namespace, k.watch_timeout_s) == (1.0, "default", 300)
+    assert (c.clusters[0].discovery.file.interval.s, k.namespace, k.watch_timeout.s) == (1.0, "default", 300)
     for bad, where in [({}, "clusters.0.discovery: discovery needs a source"),
-                       ({"file": {"path": "t", "interval_s": 0}}, "clusters.0.discovery.file.interval_s"),
+                       ({"file": {"path": "t", "interval_s": 0}},
+                        "clusters.0.discovery.file.interval: 0 must be longer than 0"),
                        ({"kubernetes": {"label_selector": {}, "target_port": 1, "probe_port": 2}},
                         "clusters.0.discovery.kubernetes.label_selector"),
                        ({"kubernetes": {"label_selector": {"app": "a b"}, "target_port": 1, "probe_port": 2}},

@@ -14,18 +14,20 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from xds_server.cli import main
-from xds_server.config import HealthConfig, load_config, parse_config
+from xds_server.config import HealthConfig, SentinelConfig, load_config, parse_config
 from xds_server.config.duration import Duration
-from xds_server.config.health_names import RENAMED, rename_flat
+from xds_server.config.health_names import RENAMED
+from xds_server.config.renames import move_old_names, moved_notes, rewrite_old_names
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {"clusters": [{"name": "llm", "nodes": [{"id": "a", "address": "127.0.0.1:8000",
                                                     "probe_address": "127.0.0.1:50051"}]}]}
 
 
-def _get(h: HealthConfig, old: str) -> object:
-    section, key, _ = RENAMED[old]
-    return getattr(getattr(h, section) if section else h, key)
+def _get(h: object, path: str) -> object:
+    for part in path.split("."):
+        h = getattr(h, part)
+    return h
 
 
 def _old_form(value: object, unit: str) -> object:
@@ -37,21 +39,22 @@ def _old_form(value: object, unit: str) -> object:
 
 @pytest.mark.parametrize("old", sorted(RENAMED))
 def test_every_earlier_name_lands_on_todays_key_and_is_said_once(old: str) -> None:
-    section, key, unit = RENAMED[old]
-    default = _get(HealthConfig(), old)
+    path, unit = RENAMED[old]
+    default = _get(HealthConfig(), path)
     h = HealthConfig(**{old: _old_form(default, unit)})
     assert h == HealthConfig()  # the same value, in its new place
-    [note] = h.notes()
-    assert note.startswith(f"health.{old} is deprecated: write health.{section + '.' if section else ''}{key}: ")
+    [note] = moved_notes(h)
+    assert note.startswith(f"health.{old} is deprecated: write health.{path}: ")
 
 
-@given(st.sampled_from(sorted(n for n, (_, _, u) in RENAMED.items() if u)),
+@given(st.sampled_from(sorted(n for n, (_, u) in RENAMED.items() if u)),
        st.floats(min_value=0.001, max_value=1e6, allow_nan=False))
 def test_an_earlier_duration_keeps_its_unit(old: str, number: float) -> None:
-    unit = RENAMED[old][2]
-    data, lines = rename_flat({old: number})
-    section, key, _ = RENAMED[old]
-    value = (data[section] if section else data)[key]
+    path, unit = RENAMED[old]
+    data, lines = move_old_names({old: number}, RENAMED, "health")
+    value: object = data
+    for part in path.split("."):
+        value = value[part]
     got = Duration.parse(value)
     assert math.isclose(got.s, number / (1000.0 if unit == "ms" else 1.0), rel_tol=1e-12)
     assert len(lines) == 1 and old in lines[0]
@@ -67,7 +70,7 @@ def test_an_earlier_name_and_its_new_place_together_are_refused() -> None:
 def test_an_earlier_name_mixed_with_sections_fills_the_same_section() -> None:
     h = HealthConfig(heartbeat={"grace": "50ms"}, heartbeat_interval_ms=200, ramp_step_s=2)
     assert (h.heartbeat.grace.ms, h.heartbeat.interval.ms, h.probation.ramp_step.s) == (50.0, 200.0, 2.0)
-    assert len(h.notes()) == 2
+    assert len(moved_notes(h)) == 2
 
 
 @given(st.floats(min_value=0, max_value=1e7, allow_nan=False, allow_infinity=False))
@@ -127,14 +130,18 @@ def _yaml_blocks() -> list[tuple[str, str]]:
 
 
 def test_the_docs_and_deploy_configs_use_todays_names() -> None:
+    """Every config a doc or deploy file shows is written in today's names: rewriting it changes nothing."""
     checked = 0
     for where, text in [*_yaml_blocks(), *((str(p.relative_to(ROOT)), p.read_text("utf-8"))
                                            for p in (ROOT / "deploy").rglob("*.yaml"))]:
         try:
-            doc = yaml.safe_load(text)
+            docs = list(yaml.safe_load_all(text))
         except yaml.YAMLError:
             continue
-        if isinstance(doc, dict) and isinstance(doc.get("health"), dict):
-            assert HealthConfig.model_validate(doc["health"]).notes() == [], where
-            checked += 1
-    assert checked >= 2  # docs/health-model.md and deploy/compose/xds.yaml at least
+        inner = [yaml.safe_load(v) for d in docs if isinstance(d, dict) and d.get("kind") == "ConfigMap"
+                 for v in (d.get("data") or {}).values()]  # a Kubernetes ConfigMap's files
+        for doc in [*docs, *inner]:
+            if isinstance(doc, dict) and {"health", "xds", "clusters", "lrs", "probe"} & set(doc):
+                assert rewrite_old_names(doc, SentinelConfig) == doc, where
+                checked += 1
+    assert checked >= 4  # docs/health-model.md, docs/discovery.md, the compose and Kubernetes configs at least

@@ -131,8 +131,10 @@ def test_channel_keepalive_enforced_only_in_transport_liveness():
 
 def test_probe_liveness_config_is_checked():
     assert ProbeConfig().liveness == "heartbeat"
-    for bad in ({"liveness": "pings"}, {"telemetry_refresh_ms": 50}, {"transport_ping_timeout_ms": 0}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
+    for bad, where in (({"liveness": "pings"}, "liveness"), ({"transport": {"telemetry_refresh": "2m"}},
+                                                             "transport.telemetry_refresh"),
+                       ({"transport_ping_timeout_ms": 0}, "transport.ping_timeout")):
+        with pytest.raises(ValueError, match=where):
             ProbeConfig(**bad)
 
 

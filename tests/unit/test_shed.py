@@ -54,7 +54,7 @@ def test_below_warning_nothing_is_shed_and_off_means_off():
        st.floats(0, 1e6), st.floats(0, 1e6), st.integers(0, 5), st.floats(0, 100))
 def test_stale_or_missing_telemetry_never_sheds(waiting, ages, offered, completed, reporters, before):
     s = shed_step(ShedState(before), ShedInputs(waiting, ages, offered, completed, reporters), CFG, 50, 100, 10.0)
-    fresh = (waiting and len(ages) == len(waiting) and all(a is not None and a <= CFG.stale_after_s for a in ages)
+    fresh = (waiting and len(ages) == len(waiting) and all(a is not None and a <= CFG.stale_after.s for a in ages)
              and all(w is not None for w in waiting) and reporters > 0)
     if not fresh:
         assert s.percent == 0.0 and s.reason.startswith("fail open")

@@ -112,7 +112,7 @@ def test_the_headroom_grows_while_queues_pass_the_budget_and_comes_back_once_the
 def test_with_counted_slots_and_low_queues_the_drop_never_lets_in_more_than_they_take(
         waiting, offered, slots, service_s, before, now, room):
     n = len(waiting)
-    take = max_rate(slots * n, 1 / service_s, CFG.queue_wait_budget_s, 0.01)
+    take = max_rate(slots * n, 1 / service_s, CFG.queue_wait_budget.s, 0.01)
     s = ShedState(before, low_since_s=0.0, capacity_rps=take / n, capacity_exact=True, headroom=room)
     t = shed_step(s, exact([0.0] * n, offered, slots=float(slots), service_s=service_s, n=n), CFG, 50, 100, now)
     assert 0.0 <= t.percent <= CFG.max_percent

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from xds_server.config import ClusterConfig, NodeConfig, SentinelConfig, ShedClassesConfig, ShedConfig, class_clusters
+from xds_server.config.duration import Duration
 from xds_server.envoy.bootstrap import ControlPlaneGroup, find_envoy, render_bootstrap, write_bootstrap
 from xds_server.health.records import Probes
 from xds_server.load.aggregate import ClusterReport, Counts, EndpointReport, LoadAggregator, LocalityReport, Report
@@ -88,7 +89,7 @@ def test_stale_or_missing_queue_telemetry_never_sheds_whatever_the_kv(nodes):
     cfg = ShedConfig(enabled=True)
     waiting, kv, ages = zip(*nodes, strict=True)
     s = shed_step(ShedState(30.0), ShedInputs(waiting, ages, 100.0, 50.0, 1, kv), cfg, 50, 100, 0.0)
-    if any(w is None for w in waiting) or any(a is None or a > cfg.stale_after_s for a in ages):
+    if any(w is None for w in waiting) or any(a is None or a > cfg.stale_after.s for a in ages):
         assert s.percent == 0.0 and s.reason.startswith("fail open")
     assert 0 <= s.percent <= cfg.max_percent
 
@@ -163,7 +164,7 @@ def test_shedder_spreads_the_drop_over_the_classes_and_flips_each_changed_assign
     from xds_server.load.shedder import Shedder
     cfg = _config(enabled=True)
     cfg = cfg.model_copy(update={"lrs": cfg.lrs.model_copy(update={"shed": cfg.lrs.shed.model_copy(
-        update={"window_s": 2.0})})})
+        update={"window": Duration.parse("2s")})})})
     node = SimpleNamespace(heartbeat=SimpleNamespace(last_s=9.9), engine=SimpleNamespace(requests_waiting=70.0,
                                                                                 requests_running=None, stalled=False),
                            probe=Probes())
@@ -234,7 +235,7 @@ def test_shedder_measures_completions_where_the_queue_is_not_at_envoys_headers()
     from xds_server.load.shedder import Shedder
     cfg = _config(enabled=True)
     cfg = cfg.model_copy(update={"lrs": cfg.lrs.model_copy(update={"shed": cfg.lrs.shed.model_copy(
-        update={"window_s": 2.0})})})
+        update={"window": Duration.parse("2s")})})})
     engines = {n: SimpleNamespace(requests_waiting=0.0, requests_running=2.0, stalled=False)
                for n in ("gpu-a", "gpu-b")}
     core = SimpleNamespace(routing={n: SimpleNamespace(health_status="HEALTHY") for n in engines},

@@ -89,14 +89,14 @@ class HttpErrorLog(logging.LoggerAdapter):
         self.logger.log(level, msg, *args)
 
 def _history(view: ControlPlaneView, app: web.Application) -> History | None:
-    """The dashboard's recent history, sampled every ``admin.history_interval_ms`` from the
-    app's start to its cleanup (whether a browser listens or not); None when ``admin.history_s``
+    """The dashboard's recent history, sampled every ``admin.history_interval`` from the
+    app's start to its cleanup (whether a browser listens or not); None when ``admin.history``
     is 0. Its size is fixed at start (a reload of the two fields applies at the next start)."""
     cfg = view.config.admin
-    if cfg.history_s <= 0:
+    if cfg.history.s <= 0:
         return None
-    interval_s = cfg.history_interval_ms / 1000.0
-    history = History(max(1, round(cfg.history_s / interval_s)), interval_s)
+    interval_s = cfg.history_interval.s
+    history = History(max(1, round(cfg.history.s / interval_s)), interval_s)
 
     async def sample() -> None:
         while True:
@@ -140,7 +140,7 @@ def build_admin_app(view: ControlPlaneView, drain: DrainCommand) -> web.Applicat
 
     async def history_handler(_: web.Request) -> web.Response:
         if history is None:
-            return _json({"error": "history is off: admin.history_s is 0"}, status=404)
+            return _json({"error": "history is off: admin.history is 0"}, status=404)
         if history_body[0] != history.added:
             history_body[:] = [history.added, json_dumps(history.to_json()).encode()]
         return web.Response(body=history_body[1], content_type="application/json")

@@ -3,7 +3,7 @@ TTFT, kept by the control plane (not the browser), so a page opened during an in
 what led there: ``GET /history`` is fetched with the first page load and fills the sparklines
 and the per-cluster timeline at once.
 
-:class:`History` is a ring of ``capacity`` samples (``admin.history_s / admin.history_interval_ms``,
+:class:`History` is a ring of ``capacity`` samples (``admin.history / admin.history_interval``,
 default 15 min at 2 s = 450), pure: :meth:`History.add` takes the sample's wall time and rows,
 :meth:`History.to_json` the answer; no clock reads, no I/O. Memory is bounded by capacity x
 nodes: per node one ``array`` per series (8-byte times shared by all nodes, 1-byte state,

@@ -1,7 +1,7 @@
 """The dashboard's live feed: Server-Sent Events from the admin endpoint.
 
 :class:`LiveFeed` samples the :class:`~xds_server.admin.views.ControlPlaneView` every
-``admin.live_interval_ms`` while at least one client listens, and hands each client a ``state``
+``admin.live_interval`` while at least one client listens, and hands each client a ``state``
 message (every node and cluster, fail-static) and one ``event`` message per new health event.
 Each message is encoded once and shared by every client's queue. Nothing here writes to the view.
 
@@ -18,7 +18,7 @@ to 30 s, jittered, never sooner than a 503's Retry-After) and starts again from 
 ``sentinel_admin_live_refused_total``.
 
 Wire format (``GET /live``, ``text/event-stream``): ``event: state`` / ``event: event`` with one
-JSON ``data:`` line each; a ``: ping`` comment every ``admin.live_ping_s`` keeps proxies from
+JSON ``data:`` line each; a ``: ping`` comment every ``admin.live_ping`` keeps proxies from
 closing an idle stream.
 """
 from __future__ import annotations
@@ -72,7 +72,7 @@ class LiveFeed:
         self.view = view
         self.dumps = dumps
         a = view.config.admin
-        self.book: FanOut[bytes] = FanOut(a.live_max_clients, a.live_queue_max, a.live_write_timeout_s)
+        self.book: FanOut[bytes] = FanOut(a.live_max_clients, a.live_queue_max, a.live_write_timeout.s)
         self._conns: dict[int, _Conn] = {}
         self._last_event: EventRecord | None = None
         self._state: tuple[float, bytes] | None = None  # (monotonic s, frame) of the last tick
@@ -89,7 +89,7 @@ class LiveFeed:
         """Follow a reloaded ``admin:`` section (open clients beyond a lowered cap stay)."""
         a = self.view.config.admin
         b = self.book
-        b.max_subscribers, b.queue_max, b.send_timeout_s = a.live_max_clients, a.live_queue_max, a.live_write_timeout_s
+        b.max_subscribers, b.queue_max, b.send_timeout_s = a.live_max_clients, a.live_queue_max, a.live_write_timeout.s
 
     # -- what is sent ----------------------------------------------------------------------------
 
@@ -104,7 +104,7 @@ class LiveFeed:
         """The last tick's ``state`` frame when younger than a tick, else a new one: a burst of
         connecting clients costs one view, not one each."""
         now = time.monotonic()
-        if self._state is None or now - self._state[0] >= self.view.config.admin.live_interval_ms / 1000.0:
+        if self._state is None or now - self._state[0] >= self.view.config.admin.live_interval.s:
             self._state = (now, _sse("state", self.snapshot()))
         return self._state[1]
 
@@ -178,7 +178,7 @@ class LiveFeed:
             conn.wake.set()
 
     async def run(self) -> None:
-        """Tick every ``admin.live_interval_ms`` while clients listen; idle otherwise."""
+        """Tick every ``admin.live_interval`` while clients listen; idle otherwise."""
         while True:
             if not self.book.subs:
                 self._wake.clear()
@@ -187,7 +187,7 @@ class LiveFeed:
                 self.tick()
             except Exception:  # a view error must not end the feed for every later client
                 log.exception("admin: live feed tick failed")
-            await asyncio.sleep(self.view.config.admin.live_interval_ms / 1000.0)
+            await asyncio.sleep(self.view.config.admin.live_interval.s)
 
     async def start(self, _app: web.Application | None = None) -> None:
         self._task = asyncio.get_running_loop().create_task(self.run())
@@ -227,7 +227,7 @@ class LiveFeed:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, admin.live_send_buffer_bytes)
         if transport is not None:  # and what we hold beyond it before a write waits
             transport.set_write_buffer_limits(high=admin.live_write_buffer_bytes)
-        ping_s = self.view.config.admin.live_ping_s
+        ping_s = self.view.config.admin.live_ping.s
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         try:
@@ -252,7 +252,7 @@ class LiveFeed:
         return resp
 
     async def _write(self, sub: Subscriber[bytes], resp: web.StreamResponse, data: bytes, begun: bool = False) -> None:
-        """Write ``data``, disconnecting ``sub`` when the write takes over ``admin.live_write_timeout_s``
+        """Write ``data``, disconnecting ``sub`` when the write takes over ``admin.live_write_timeout``
         (raises TimeoutError then)."""
         if not begun:
             self.book.begin(sub, time.monotonic())
@@ -276,7 +276,7 @@ class LiveFeed:
         yield g
         d = CounterMetricFamily("sentinel_admin_live_dropped", "live-feed clients disconnected by the feed, by "
                                 "reason (slow: queue full; deadline: a write pending over "
-                                "admin.live_write_timeout_s; shutdown)", labels=["reason"])
+                                "admin.live_write_timeout; shutdown)", labels=["reason"])
         for reason in CLOSE_REASONS:
             d.add_metric([reason], self.book.dropped[reason])
         yield d

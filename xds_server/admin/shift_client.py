@@ -42,7 +42,7 @@ def add_shift_parser(cmd: Callable[..., argparse.ArgumentParser], admin_help: st
                                                "a region); required to start a shift")
     sh.add_argument("--step", type=float, default=None,
                     help="percent per step (default: shift.default_step_percent, 10)")
-    sh.add_argument("--every", default=None, help="window per step: 300, 5m, 30s (default: shift.default_every_s, 5m)")
+    sh.add_argument("--every", default=None, help="window per step: 300, 5m, 30s (default: shift.default_every, 5m)")
     sh.add_argument("--hard", action="store_true", help="everything at once, no gates (default: gated steps)")
     sh.add_argument("--admin", action="append", default=None,
                     help=admin_help + "; repeat once per replica (the same start time is sent to each)")

@@ -26,19 +26,12 @@ from xds_server.config.cluster import (
 from xds_server.config.discovery import DiscoveryConfig, FileDiscoveryConfig, KubernetesDiscoveryConfig
 from xds_server.config.feed import FeedConfig, check_feed
 from xds_server.config.health import HealthConfig
-from xds_server.config.health_names import rename_flat
-from xds_server.config.load import (
-    LrsConfig,
-    ShedClassesConfig,
-    ShedConfig,
-    TrafficEjectionConfig,
-    check_lrs,
-    class_clusters,
-    lrs_notes,
-)
+from xds_server.config.load import LrsConfig, TrafficEjectionConfig, check_lrs, lrs_notes
 from xds_server.config.lrs_peers import PeerConfig
 from xds_server.config.ops import ReloadConfig, StateConfig
 from xds_server.config.probe import ProbeConfig
+from xds_server.config.renames import moved_notes, rewrite_old_names
+from xds_server.config.shed import ShedClassesConfig, ShedConfig, class_clusters
 from xds_server.config.shift import ShiftConfig
 from xds_server.config.tls import AgentTlsConfig, NodeAllowRule, TlsConfig, check_plaintext
 from xds_server.config.xds import XdsConfig
@@ -125,7 +118,7 @@ class SentinelConfig(_Model):
         old = [] if self.xds.server_id is None else [
             "xds.server_id is deprecated and ignored: versions are content hashes, the same on every replica; "
             f"name this process with xds.replica_id (now {self.xds.replica_id!r})"]
-        return old + self.health.notes() + lrs_notes(self.lrs, self.tls.mode, self.xds.listen)
+        return old + moved_notes(self) + lrs_notes(self.lrs, self.tls.mode, self.xds.listen)
 
     def nodes(self) -> list[tuple[str, NodeConfig]]:
         """All nodes as ``(cluster_name, node)`` pairs, in file order."""
@@ -167,13 +160,11 @@ def _read_yaml(path: str | Path) -> Any:
 
 def rewritten_yaml(path: str | Path) -> str:
     """The config file at ``path`` with the names of earlier releases in their new places
-    (``health``: :func:`~xds_server.config.health.rename_flat`), as YAML; comments are not kept.
+    (:mod:`xds_server.config.renames`), as YAML; comments are not kept.
     ConfigError as :func:`load_config` (the file must load before it is rewritten)."""
     data = _read_yaml(path)
     parse_config(data)
-    if isinstance(data.get("health"), dict):
-        data["health"], _ = rename_flat(data["health"])
-    return yaml.safe_dump(data, sort_keys=False)
+    return yaml.safe_dump(rewrite_old_names(data, SentinelConfig), sort_keys=False)
 
 
 def load_config(path: str | Path) -> SentinelConfig:

@@ -5,15 +5,21 @@ not): no token, bounded instead by ``live_max_clients``, ``live_queue_max``, ``l
 ``live_send_buffer_bytes`` and ``live_write_buffer_bytes``."""
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
 from xds_server.config.base import _check_hostport, _Model, parse_hostport
+from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration, at_most
+from xds_server.config.renames import Moves, _Renaming
 from xds_server.config.tls import _not_expired, _readable
 from xds_server.process.dialing import is_loopback
 
 __all__ = ["AdminConfig", "AdminTls"]
+
+
+def _d(text: str) -> Duration:
+    return Duration.parse(text)
 
 
 class AdminTls(_Model):
@@ -30,8 +36,17 @@ class AdminTls(_Model):
         return self
 
 
-class AdminConfig(_Model):
+class AdminConfig(_Renaming):
     """The admin HTTP endpoint (aiohttp)."""
+
+    WHERE: ClassVar[str] = "admin"
+    MOVED: ClassVar[Moves] = {
+        "live_interval_ms": ("live_interval", "ms"),
+        "live_ping_s": ("live_ping", "s"),
+        "history_s": ("history", "s"),
+        "history_interval_ms": ("history_interval", "ms"),
+        "live_write_timeout_s": ("live_write_timeout", "s"),
+    }
 
     #: Protection limits that rarely need changing (marked advanced in docs/config.md).
     ADVANCED: ClassVar[frozenset[str]] = frozenset({
@@ -51,8 +66,8 @@ class AdminConfig(_Model):
     drain_reason_max_chars: int = Field(
         200, ge=1, le=4096, description="the drain/undrain ?reason= text is clipped to this",
     )
-    live_interval_ms: int = Field(
-        500, ge=50, le=60_000,
+    live_interval: Annotated[NonNegativeDuration, at_most("1m")] = Field(
+        _d("500ms"),
         description="the dashboard's live feed (GET /live) sends a snapshot this often while a "
         "browser listens (ours: 2 Hz reads well and costs one /nodes view per tick)",
     )
@@ -61,19 +76,19 @@ class AdminConfig(_Model):
         description="messages queued per live-feed client; a client that falls this far behind is "
         "dropped and reconnects (ours: 64 is ~30 s of snapshots at the default rate)",
     )
-    live_ping_s: float = Field(
-        15.0, gt=0, le=300,
+    live_ping: Annotated[PositiveDuration, at_most("5m")] = Field(
+        _d("15s"),
         description="an idle live-feed stream gets a comment line this often (ours: under the "
         "common 30-60 s proxy idle timeouts)",
     )
-    history_s: float = Field(
-        900.0, ge=0, le=86_400,
+    history: Annotated[NonNegativeDuration, at_most("24h")] = Field(
+        _d("15m"),
         description="the dashboard's recent history (GET /history: each node's shown state, weight, "
         "RTT, TTFT), s; 0 = off (ours: 15 min covers what led to an incident an operator opens the "
         "page for; ~9 KB per node at the default resolution)",
     )
-    history_interval_ms: int = Field(
-        2000, ge=50, le=600_000,
+    history_interval: Annotated[NonNegativeDuration, at_most("10m")] = Field(
+        _d("2s"),
         description="one history sample this often, ms (ours: 2 s keeps a 15-minute sparkline at "
         "450 points, finer than a table cell's pixels; the live feed fills in between)",
     )
@@ -84,8 +99,8 @@ class AdminConfig(_Model):
         "operator team's browsers, a few tabs each; each client costs at most live_queue_max "
         "messages and one socket's send buffer, so 100 bound the feed's memory to tens of MB)",
     )
-    live_write_timeout_s: float = Field(
-        10.0, gt=0, le=300,
+    live_write_timeout: Annotated[PositiveDuration, at_most("5m")] = Field(
+        _d("10s"),
         description="a write to a live-feed client may take this long (s); a client that does not "
         "take it in time (it stopped reading) is disconnected, its socket closed and its memory "
         "given back (ours: 20 ticks at the default rate; a browser reads in milliseconds)",

@@ -2,15 +2,21 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from xds_server.config.base import _Model, parse_hostport
 from xds_server.config.discovery import DiscoveryConfig
+from xds_server.config.duration import Duration, NonNegativeDuration
+from xds_server.config.renames import Moves, _Renaming
 
 __all__ = ["NODE_ID_PATTERN", "ClusterConfig", "DropOverloadConfig", "Locality", "NodeConfig",
            "OutlierDetectionConfig"]
+
+
+def _d(text: str) -> Duration:
+    return Duration.parse(text)
 
 NODE_ID_PATTERN = r"^[A-Za-z0-9_.:\-]{1,128}$"
 """A node id: 1..128 of A-Z a-z 0-9 _ . : - (an Envoy-safe stat name part; pod names fit)."""
@@ -60,12 +66,18 @@ class NodeConfig(_Model):
         return v
 
 
-class OutlierDetectionConfig(_Model):
+class OutlierDetectionConfig(_Renaming):
     """Envoy passive outlier detection served in the Cluster: a second line behind our probes and
     the fleet-wide traffic judgement (lrs.traffic_ejection), set so it cannot undo the latter:
     Envoy ejects a node on consecutive *gateway* failures (502/503/504 and connection failures:
     the node, not the request), while its 5xx and success-rate detectors, which a query of death
     trips on every node in turn, only count (docs/real-traffic.md)."""
+
+    WHERE: ClassVar[str] = "clusters[].outlier_detection"
+    MOVED: ClassVar[Moves] = {
+        "interval_ms": ("interval", "ms"),
+        "base_ejection_time_ms": ("base_ejection_time", "ms"),
+    }
 
     enabled: bool = True
     consecutive_5xx: int = Field(5, ge=1, description="Envoy default 5")
@@ -79,8 +91,8 @@ class OutlierDetectionConfig(_Model):
     enforcing_success_rate: int = Field(
         0, ge=0, le=100, description="% of success-rate detections that eject (Envoy default 100). Ours: 0: "
         "the statistical judgement of lrs.traffic_ejection replaces it, fleet-wide")
-    interval_ms: int = Field(1000, ge=1)
-    base_ejection_time_ms: int = Field(10_000, ge=1)
+    interval: NonNegativeDuration = Field(_d("1s"))
+    base_ejection_time: NonNegativeDuration = Field(_d("10s"))
     max_ejection_percent: int = Field(50, ge=0, le=100)
 
 
@@ -107,8 +119,14 @@ class DropOverloadConfig(_Model):
     )
 
 
-class ClusterConfig(_Model):
+class ClusterConfig(_Renaming):
     """One Envoy cluster (CDS) and its nodes (EDS ClusterLoadAssignment)."""
+
+    WHERE: ClassVar[str] = "clusters[]"
+    MOVED: ClassVar[Moves] = {
+        "update_merge_window_ms": ("update_merge_window", "ms"),
+        "connect_timeout_ms": ("connect_timeout", "ms"),
+    }
 
     name: str = Field(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")
     lb_policy: Literal["LEAST_REQUEST", "ROUND_ROBIN"] = Field(
@@ -118,10 +136,10 @@ class ClusterConfig(_Model):
         0.0, ge=0, le=100,
         description="Envoy's default 50 % spreads traffic over dead nodes (fc04); default 0",
     )
-    update_merge_window_ms: int = Field(
-        0, ge=0, description="Envoy's default 1 s delays ejection inside Envoy; default 0"
+    update_merge_window: NonNegativeDuration = Field(
+        _d("0"), description="Envoy's default 1 s delays ejection inside Envoy; default 0"
     )
-    connect_timeout_ms: int = Field(1000, ge=1)
+    connect_timeout: NonNegativeDuration = Field(_d("1s"))
     upstream_protocol: Literal["http1", "http2"] = "http1"
     max_requests: int = Field(
         100_000, ge=1, description="circuit breaker; Envoy's 1024 default trips on long streams"

@@ -6,27 +6,38 @@ path (added COLD -> WARMING, removed drained then dropped); see :mod:`xds_server
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from xds_server.config.base import _Model
+from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration, at_most
+from xds_server.config.renames import Moves, _Renaming
 
 __all__ = ["DiscoveryConfig", "FileDiscoveryConfig", "KubernetesDiscoveryConfig"]
+
+
+def _d(text: str) -> Duration:
+    return Duration.parse(text)
 
 _LABEL_KEY = r"^([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 _LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"
 _PORT_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
-class FileDiscoveryConfig(_Model):
+class FileDiscoveryConfig(_Renaming):
     """A targets file: a YAML or JSON list of nodes (``id``, ``address``, ``probe_address``, optional
     ``locality``, ``priority``, ``capacity``: the fields of a static node), or a mapping with that
     list under ``nodes``. Read every ``interval_s``; a changed content hash (sha256) is parsed."""
 
+    WHERE: ClassVar[str] = "clusters[].discovery.file"
+    MOVED: ClassVar[Moves] = {
+        "interval_s": ("interval", "s"),
+    }
+
     path: str = Field(..., min_length=1, description="targets file; relative to the working directory")
-    interval_s: float = Field(
-        1.0, gt=0, description="how often the file is read and its content hash compared, s (ours)",
+    interval: PositiveDuration = Field(
+        _d("1s"), description="how often the file is read and its content hash compared, s (ours)",
     )
 
 
@@ -40,11 +51,17 @@ def _port(v: int | str, field: str) -> int | str:
     return v
 
 
-class KubernetesDiscoveryConfig(_Model):
+class KubernetesDiscoveryConfig(_Renaming):
     """Pods selected by label in one namespace (the selector an InferencePool uses), through
     ``kubernetes-asyncio`` (the optional extra ``kubernetes``): list, then watch from the list's
     resourceVersion. A pod is a node when it has a podIP, is Ready and has no deletionTimestamp;
     its node id is the pod name."""
+
+    WHERE: ClassVar[str] = "clusters[].discovery.kubernetes"
+    MOVED: ClassVar[Moves] = {
+        "watch_timeout_s": ("watch_timeout", "s"),
+        "retry_backoff_s": ("retry_backoff", "s"),
+    }
 
     namespace: str = Field("default", min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     label_selector: dict[str, str] = Field(
@@ -61,12 +78,12 @@ class KubernetesDiscoveryConfig(_Model):
                           "KUBERNETES_SERVICE_HOST is set, else $KUBECONFIG or ~/.kube/config",
     )
     context: str | None = Field(None, description="kubeconfig context; None: its current-context")
-    watch_timeout_s: int = Field(
-        300, ge=1, le=3600, description="server-side end of each watch (timeoutSeconds); the watch is "
+    watch_timeout: Annotated[NonNegativeDuration, at_most("1h")] = Field(
+        _d("5m"), description="server-side end of each watch (timeoutSeconds); the watch is "
                                         "then resumed from the last resourceVersion (ours)",
     )
-    retry_backoff_s: float = Field(
-        1.0, gt=0, le=60, description="wait after a failed list or watch before trying again, s (ours)",
+    retry_backoff: Annotated[PositiveDuration, at_most("1m")] = Field(
+        _d("1s"), description="wait after a failed list or watch before trying again, s (ours)",
     )
     priority: int = Field(0, ge=0, le=128, description="Envoy priority of every discovered pod")
     capacity: int = Field(1, ge=1, le=1_000_000, description="relative capacity of every discovered pod")

@@ -20,9 +20,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pydantic import PlainSerializer, PlainValidator, WithJsonSchema
+from pydantic import AfterValidator, PlainSerializer, PlainValidator, WithJsonSchema
 
-__all__ = ["Duration", "NonNegativeDuration", "PositiveDuration"]
+__all__ = ["Duration", "NonNegativeDuration", "PositiveDuration", "at_most"]
 
 _FORM = re.compile(r"^\s*(-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*(ms|s|m|h)\s*$")
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -88,3 +88,14 @@ _AS_TEXT = PlainSerializer(str, return_type=str)
 PositiveDuration = Annotated[Duration, PlainValidator(_positive), _AS_TEXT, _SCHEMA]
 #: A duration, 0 allowed.
 NonNegativeDuration = Annotated[Duration, PlainValidator(_non_negative), _AS_TEXT, _SCHEMA]
+
+
+def at_most(limit: str) -> AfterValidator:
+    """A field's upper bound, for ``Annotated[PositiveDuration, at_most("1s")]`` (None passes)."""
+    top = Duration.parse(limit)
+
+    def check(d: Duration | None) -> Duration | None:
+        if d is not None and d.s > top.s:
+            raise ValueError(f"{d} is longer than {top}")
+        return d
+    return AfterValidator(check)

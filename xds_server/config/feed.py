@@ -9,19 +9,30 @@ Watch (PERMISSION_DENIED naming ``feed.plaintext``) unless ``feed.plaintext: tru
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 from pydantic import Field, field_validator
 
-from xds_server.config.base import _Model, parse_hostport
+from xds_server.config.base import parse_hostport
+from xds_server.config.duration import Duration, PositiveDuration, at_most
+from xds_server.config.renames import Moves, _Renaming
 from xds_server.config.tls import check_patterns
 from xds_server.process.dialing import is_loopback
 
 __all__ = ["FeedConfig", "check_feed", "feed_plaintext_refusal"]
 
 
-class FeedConfig(_Model):
+def _d(text: str) -> Duration:
+    return Duration.parse(text)
+
+
+class FeedConfig(_Renaming):
     """The routing feed's bounds and access."""
+
+    WHERE: ClassVar[str] = "feed"
+    MOVED: ClassVar[Moves] = {
+        "send_timeout_s": ("send_timeout", "s"),
+    }
 
     #: Protection limits that rarely need changing (marked advanced in docs/config.md).
     ADVANCED: ClassVar[frozenset[str]] = frozenset({
@@ -33,13 +44,13 @@ class FeedConfig(_Model):
         "per relay worker process, 512 = 64 relays of 8 workers; each costs at most queue_limit "
         "queued changes and one update being written)",
     )
-    send_timeout_s: float = Field(
-        10.0, gt=0, le=600,
+    send_timeout: Annotated[PositiveDuration, at_most("10m")] = Field(
+        _d("10s"),
         description="an update may wait this long (s) for the subscriber to take it; a subscriber "
         "that does not (it stopped reading) is dropped: its queue freed, RESOURCE_EXHAUSTED queued "
         "for it, counted in sentinel_routing_feed_dropped_total{reason=\"deadline\"}. Its place "
         "under max_subscribers is freed when its connection ends (gRPC's keepalive closes one whose "
-        "client reads nothing: xds.keepalive_time_ms + keepalive_timeout_ms). Ours: a snapshot "
+        "client reads nothing: xds.keepalive.time + keepalive_timeout_ms). Ours: a snapshot "
         "of 10,000 nodes is ~1 MB, a second on a slow link; a relay reads in milliseconds",
     )
     queue_limit: int = Field(

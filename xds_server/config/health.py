@@ -7,20 +7,20 @@ load), ``probation`` (half-open and ramp), ``score``, ``outlier``, ``fail_static
 :mod:`xds_server.config.duration`).
 
 The flat names of earlier releases (``heartbeat_interval_ms: 100``) are still read: each is moved
-to its section (``heartbeat.interval: 100ms``; :mod:`xds_server.config.health_names`), and
-:meth:`HealthConfig.notes` says where it went (``check-config`` prints them and
-``check-config --rewrite`` the file with the new names).
+to its section (``heartbeat.interval: 100ms``; :mod:`xds_server.config.health_names`) and said in
+one line (``check-config`` prints them; ``check-config --rewrite`` the file with the new names).
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from node_probe.xids import FATAL_XIDS
 from xds_server.config.base import _Model
 from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration
-from xds_server.config.health_names import RENAMED, rename_flat
+from xds_server.config.health_names import RENAMED
+from xds_server.config.renames import Moves, _Renaming
 from xds_server.config.validation import ValidationConfig
 
 __all__ = ["BusyConfig", "EngineLoadConfig", "FailStaticConfig", "HealthConfig", "HeartbeatConfig",
@@ -293,8 +293,11 @@ class FailStaticConfig(_Model):
     )
 
 
-class HealthConfig(_Model):
+class HealthConfig(_Renaming):
     """Thresholds of the health model, by concern. Defaults come from the seeds (docs/DESIGN.md section 4)."""
+
+    WHERE: ClassVar[str] = "health"
+    MOVED: ClassVar[Moves] = RENAMED
 
     heartbeat: HeartbeatConfig = Field(default_factory=HeartbeatConfig, description="liveness from heartbeats")
     phi: PhiConfig = Field(default_factory=PhiConfig, description="adaptive suspicion")
@@ -310,24 +313,3 @@ class HealthConfig(_Model):
         _d("600s"), description="a drain is complete when in-flight is 0 or after this")
     validation: ValidationConfig = Field(default_factory=ValidationConfig,
                                          description="switch-back validation by replay (off by default)")
-    _renamed: tuple[str, ...] = PrivateAttr(default=())
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _flat_names(cls, data: Any, handler: Any) -> HealthConfig:
-        """Read the flat names of earlier releases (:func:`rename_flat`) and keep what was moved."""
-        lines: list[str] = []
-        if isinstance(data, dict) and any(k in RENAMED for k in data):
-            data, lines = rename_flat(data)
-        out: HealthConfig = handler(data)
-        if lines:
-            out._renamed = tuple(lines)
-        return out
-
-    def notes(self) -> list[str]:
-        """One line per flat name of an earlier release this config was written with."""
-        return list(self._renamed)
-
-    def __eq__(self, other: object) -> bool:
-        """Equal values are equal configs, whichever names they were written with."""
-        return isinstance(other, HealthConfig) and self.__dict__ == other.__dict__

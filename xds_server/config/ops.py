@@ -1,38 +1,57 @@
 """``reload:`` and ``state:`` sections: hot reload and routing state kept across restarts."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 
-from xds_server.config.base import _Model
+from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration
+from xds_server.config.renames import Moves, _Renaming
 
 __all__ = ["ReloadConfig", "StateConfig"]
 
 
-class ReloadConfig(_Model):
+def _d(text: str) -> Duration:
+    return Duration.parse(text)
+
+
+class ReloadConfig(_Renaming):
     """Hot reload of the config file (SIGHUP, ``POST /reload``, or a change of the file)."""
 
-    watch_interval_s: float = Field(
-        2.0, ge=0, description="how often the config file's mtime and content hash are checked; 0: "
+    WHERE: ClassVar[str] = "reload"
+    MOVED: ClassVar[Moves] = {
+        "watch_interval_s": ("watch_interval", "s"),
+        "drain_check_interval_s": ("drain_check_interval", "s"),
+    }
+
+    watch_interval: NonNegativeDuration = Field(
+        _d("2s"), description="how often the config file's mtime and content hash are checked; 0: "
                                "no watching, reload on SIGHUP or POST /reload only (ours)",
     )
-    drain_check_interval_s: float = Field(
-        1.0, gt=0, description="how often nodes removed by a reload are checked for having drained "
+    drain_check_interval: PositiveDuration = Field(
+        _d("1s"), description="how often nodes removed by a reload are checked for having drained "
                                "(dropped then; health.drain_timeout bounds the wait) (ours)",
     )
 
 
-class StateConfig(_Model):
+class StateConfig(_Renaming):
     """Routing state kept across restarts (states, ramps, ejection back-offs, drains)."""
+
+    WHERE: ClassVar[str] = "state"
+    MOVED: ClassVar[Moves] = {
+        "write_interval_s": ("write_interval", "s"),
+        "max_age_s": ("max_age", "s"),
+    }
 
     path: str | None = Field(
         None, description="state file, written atomically; None: nothing is kept across restarts",
     )
-    write_interval_s: float = Field(
-        5.0, gt=0, description="the state file is written at most once per this while state changes, "
+    write_interval: PositiveDuration = Field(
+        _d("5s"), description="the state file is written at most once per this while state changes, "
                                "and on shutdown (ours)",
     )
-    max_age_s: float = Field(
-        120.0, ge=0, description="a state file older than this is ignored at start (ours: a node's "
+    max_age: NonNegativeDuration = Field(
+        _d("2m"), description="a state file older than this is ignored at start (ours: a node's "
                                  "agent may have changed a lot in two minutes; heartbeats re-confirm "
                                  "within 300 ms either way)",
     )

@@ -6,76 +6,80 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field
 
 from xds_server.config.base import _Model
+from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration, at_most
+from xds_server.config.renames import Moves, _Renaming
 
-__all__ = ["ProbeConfig"]
+__all__ = ["ProbeChannelConfig", "ProbeConfig", "ProbeLimitsConfig", "ProbeLogsConfig", "ProbeStallsConfig",
+           "ProbeTransportConfig"]
 
 
-class ProbeConfig(_Model):
-    """The probe stream to each node_probe agent (gRPC client side) and what it accepts."""
+def _d(text: str) -> Duration:
+    return Duration.parse(text)
 
-    #: Protection limits that rarely need changing (marked advanced in docs/config.md).
-    ADVANCED: ClassVar[frozenset[str]] = frozenset({
-        "channel_initial_backoff_ms", "lag_recheck_ms", "loop_watch_interval_ms", "malformed_log_interval_s",
-        "max_gpus", "max_list_items", "max_requests", "max_text_chars", "max_ttft_ms", "max_unanswered_pings",
-        "silent_stream_redial_ms", "stall_hold_ms", "unreachable_log_interval_s", "worker_report_interval_ms",
-        "worker_restart_grace_ms"})
 
-    keepalive_time_ms: int = Field(
-        1000, ge=100,
+class ProbeChannelConfig(_Model):
+    """The gRPC channel to each agent: keepalive, reconnect, the stream's own silence."""
+
+    ADVANCED: ClassVar[frozenset[str]] = frozenset({"initial_backoff", "max_unanswered_pings", "silent_stream_redial"})
+
+    keepalive_time: PositiveDuration = Field(
+        _d("1s"),
         description="HTTP/2 keepalive ping interval on the probe channel (ours: a dead TCP path is "
         "noticed within ~2 s even if no heartbeat is due; heartbeats catch it sooner anyway)",
     )
-    keepalive_timeout_ms: int = Field(
-        1000, ge=100,
+    keepalive_timeout: PositiveDuration = Field(
+        _d("1s"),
         description="keepalive ping ack deadline (ours). gRPC 1.85 closes a connection on it only with "
         "grpc.http2.ping_timeout_ms, deliberately not set here: after a stall of our own (SIGSTOP, VM "
         "pause) the ping sent before it would cut every probe stream as we wake (the fault matrix's "
         "control-plane SIGSTOP then ejected a node); a silent stream is closed by "
-        "silent_stream_redial_ms instead, which knows about our stalls")
-    liveness: Literal["heartbeat", "transport"] = Field(
-        "heartbeat",
-        description="how a node's liveness is judged (docs/DESIGN.md section 3): "
-        "'heartbeat' = the agent's 100 ms heartbeats (arrival gaps: phi accrual, misses); 'transport' = "
-        "HTTP/2 keepalive PINGs every transport_keepalive_time_ms answered within "
-        "transport_ping_timeout_ms (inside gRPC's C core), the agent sending telemetry only on change "
-        "and every telemetry_refresh_ms. Asked per stream in Hello; an agent that does not echo it "
-        "(an older one) is judged by heartbeats. Default heartbeat: transport halves the control "
-        "plane's CPU per node but detects a freeze only within ~1.1 s (p99), against <= 240 ms; "
-        "benchmarks/RESULTS.md 'Liveness by transport'",
+        "channel.silent_stream_redial instead, which knows about our stalls")
+    initial_backoff: PositiveDuration = Field(
+        _d("100ms"),
+        description="gRPC channel's own first reconnect backoff (gRPC's default is 1 s: too slow "
+        "for a node whose agent restarts); the channel's cap is health.heartbeat.reconnect_backoff_max",
     )
-    telemetry_refresh_ms: int = Field(
-        1000, ge=100, le=60_000,
-        description="transport liveness: unchanged telemetry is re-sent by the agent at most this "
-        "often (ms; ours, 1 s: GPU readings are polled each 1 s). Changes (stall flag, "
-        "GPU fault, engine state) and probe results are sent at once",
+    silent_stream_redial: PositiveDuration = Field(
+        _d("2s"),
+        description="a probe stream open but without a heartbeat for this long is closed and "
+        "redialled (ours: 20 heartbeat intervals; the heartbeat rules eject the node long before)",
     )
-    transport_keepalive_time_ms: int = Field(
-        100, ge=10, le=60_000,
+    max_unanswered_pings: int = Field(
+        64, ge=1, le=65_536, description="outstanding RTT pings remembered per stream (ours)",
+    )
+
+
+class ProbeTransportConfig(_Model):
+    """``liveness: transport``: liveness from HTTP/2 PINGs inside gRPC's C core."""
+
+    keepalive_time: Annotated[PositiveDuration, at_most("60s")] = Field(
+        _d("100ms"),
         description="transport liveness: HTTP/2 keepalive PING interval asked of the probe channel (ms; "
         "ours, 100). gRPC 1.85's client sends at most one PING per second on a connection with "
         "streams whatever this says (chttp2 NextAllowedPingInterval), so a frozen peer fails its "
         "stream 0.1-1.1 s after the freeze (docs/DESIGN.md section 3, benchmarks/transport_liveness.py)",
     )
-    transport_ping_timeout_ms: int = Field(
-        100, ge=10, le=60_000,
-        description="transport liveness: a PING not answered within this (ms) fails the connection "
+    ping_timeout: Annotated[PositiveDuration, at_most("60s")] = Field(
+        _d("100ms"),
+        description="transport liveness: a PING not answered within this fails the connection "
         "(set as grpc.keepalive_timeout_ms and grpc.http2.ping_timeout_ms, which gRPC 1.85 needs to "
         "enforce it). A stall of our own that outlasts it cuts every stream as we wake: the "
-        "stall hold (stall_hold_ms) keeps that from being a verdict; docs/DESIGN.md section 3",
+        "stall hold (stalls.stall_hold) keeps that from being a verdict; docs/DESIGN.md section 3",
     )
-    channel_initial_backoff_ms: int = Field(
-        100, ge=1,
-        description="gRPC channel's own first reconnect backoff (gRPC's default is 1 s: too slow "
-        "for a node whose agent restarts); the channel's cap is health.heartbeat.reconnect_backoff_max",
+    telemetry_refresh: Annotated[PositiveDuration, at_most("60s")] = Field(
+        _d("1s"),
+        description="transport liveness: unchanged telemetry is re-sent by the agent at most this "
+        "often (ours, 1 s: GPU readings are polled each 1 s). Changes (stall flag, "
+        "GPU fault, engine state) and probe results are sent at once",
     )
-    max_unanswered_pings: int = Field(
-        64, ge=1, le=65_536, description="outstanding RTT pings remembered per stream (ours)",
-    )
-    silent_stream_redial_ms: float = Field(
-        2000.0, gt=0,
-        description="a probe stream open but without a heartbeat for this long is closed and "
-        "redialled (ours: 20 heartbeat intervals; the heartbeat rules eject the node long before)",
-    )
+
+
+class ProbeLimitsConfig(_Model):
+    """What an agent message may carry before it is clipped or refused (protection limits)."""
+
+    ADVANCED: ClassVar[frozenset[str]] = frozenset({
+        "max_text_chars", "max_gpus", "max_list_items", "max_ttft", "max_requests"})
+
     max_text_chars: int = Field(
         256, ge=16, le=65_536,
         description="agent strings (stall_detail, error texts, kv_cache_metric) are clipped to this "
@@ -85,8 +89,8 @@ class ProbeConfig(_Model):
     max_list_items: int = Field(
         64, ge=1, le=4096, description="xid_events and errors kept per GPU reading (ours)",
     )
-    max_ttft_ms: float = Field(
-        10_000.0, gt=0,
+    max_ttft: PositiveDuration = Field(
+        _d("10s"),
         description="a successful probe's TTFT above this is rejected as nonsense, never fed to the "
         "TTFT EWMA (ours: 12.5 x health.probes.ttft_timeout; an agent gives up at its probe timeout, "
         "and one absurd value would keep a node an outlier for minutes)",
@@ -94,23 +98,37 @@ class ProbeConfig(_Model):
     max_requests: float = Field(
         1e9, gt=0, description="requests_waiting/running above this are rejected as nonsense (ours)",
     )
-    malformed_log_interval_s: float = Field(
-        10.0, ge=0, description="a kind of malformed agent message is logged at most once per this (ours)",
+
+
+class ProbeLogsConfig(_Model):
+    """How often repeated agent problems are logged."""
+
+    ADVANCED: ClassVar[frozenset[str]] = frozenset({"malformed_interval", "unreachable_interval"})
+
+    malformed_interval: NonNegativeDuration = Field(
+        _d("10s"), description="a kind of malformed agent message is logged at most once per this (ours)",
     )
-    unreachable_log_interval_s: float = Field(
-        60.0, ge=0,
+    unreachable_interval: NonNegativeDuration = Field(
+        _d("60s"),
         description="an agent that cannot be reached is logged when it first fails, then at most once "
         "per this while it stays unreachable (with the count of failed dials); /nodes shows it at once (ours)",
     )
-    lag_recheck_ms: float = Field(
-        5.0, gt=0, le=1000,
+
+
+class ProbeStallsConfig(_Model):
+    """Our own event loop's stalls: noticed, and never a verdict on a node."""
+
+    ADVANCED: ClassVar[frozenset[str]] = frozenset({"lag_recheck", "stall_hold", "loop_watch_interval"})
+
+    lag_recheck: Annotated[PositiveDuration, at_most("1s")] = Field(
+        _d("5ms"),
         description="a detection timer that fired late (health.heartbeat.self_lag_tolerance) is re-run this "
         "much later, once, so heartbeats already waiting are read first; after a stall of our own as "
         "long as a heartbeat miss window (interval + grace) or longer, one miss window later instead "
         "(ours; the fault matrix's control-plane SIGSTOP)",
     )
-    stall_hold_ms: float = Field(
-        1000.0, gt=0, le=60_000,
+    stall_hold: Annotated[PositiveDuration, at_most("60s")] = Field(
+        _d("1s"),
         description="after a stall of our own event loop at least one heartbeat miss window long (a "
         "SIGSTOP, a VM pause, a long GC), no verdict on a node's silence (misses, a closed or silent "
         "stream) is made until its first heartbeat after we woke, or for as long as the stall lasted "
@@ -119,11 +137,52 @@ class ProbeConfig(_Model):
         "interval, 100 ms; heartbeats that waited unread took 200 ms to be read on a loaded 2-core "
         "host; a node that died during our stall is ejected at most this late; xds_server/probing/stall_hold.py)",
     )
-    loop_watch_interval_ms: float = Field(
-        50.0, gt=0, le=1000,
+    loop_watch_interval: Annotated[PositiveDuration, at_most("1s")] = Field(
+        _d("50ms"),
         description="how often the event loop is sampled to notice its own stalls (ours: well under a "
         "heartbeat miss window, 180 ms; 20 wake-ups a second per process). Read when a process's "
         "first probe stream starts",
+    )
+
+
+class ProbeConfig(_Renaming):
+    """The probe stream to each node_probe agent (gRPC client side) and what it accepts."""
+
+    WHERE: ClassVar[str] = "probe"
+    MOVED: ClassVar[Moves] = {
+        "keepalive_time_ms": ("channel.keepalive_time", "ms"),
+        "keepalive_timeout_ms": ("channel.keepalive_timeout", "ms"),
+        "channel_initial_backoff_ms": ("channel.initial_backoff", "ms"),
+        "silent_stream_redial_ms": ("channel.silent_stream_redial", "ms"),
+        "max_unanswered_pings": ("channel.max_unanswered_pings", ""),
+        "transport_keepalive_time_ms": ("transport.keepalive_time", "ms"),
+        "transport_ping_timeout_ms": ("transport.ping_timeout", "ms"),
+        "telemetry_refresh_ms": ("transport.telemetry_refresh", "ms"),
+        "max_text_chars": ("limits.max_text_chars", ""),
+        "max_gpus": ("limits.max_gpus", ""),
+        "max_list_items": ("limits.max_list_items", ""),
+        "max_ttft_ms": ("limits.max_ttft", "ms"),
+        "max_requests": ("limits.max_requests", ""),
+        "malformed_log_interval_s": ("logs.malformed_interval", "s"),
+        "unreachable_log_interval_s": ("logs.unreachable_interval", "s"),
+        "lag_recheck_ms": ("stalls.lag_recheck", "ms"),
+        "stall_hold_ms": ("stalls.stall_hold", "ms"),
+        "loop_watch_interval_ms": ("stalls.loop_watch_interval", "ms"),
+        "worker_restart_grace_ms": ("worker_restart_grace", "ms"),
+        "worker_report_interval_ms": ("worker_report_interval", "ms"),
+    }
+    ADVANCED: ClassVar[frozenset[str]] = frozenset({"worker_report_interval", "worker_restart_grace"})
+
+    liveness: Literal["heartbeat", "transport"] = Field(
+        "heartbeat",
+        description="how a node's liveness is judged (docs/DESIGN.md section 3): "
+        "'heartbeat' = the agent's 100 ms heartbeats (arrival gaps: phi accrual, misses); 'transport' = "
+        "HTTP/2 keepalive PINGs every transport.keepalive_time answered within "
+        "transport.ping_timeout (inside gRPC's C core), the agent sending telemetry only on change "
+        "and every transport.telemetry_refresh. Asked per stream in Hello; an agent that does not echo it "
+        "(an older one) is judged by heartbeats. Default heartbeat: transport halves the control "
+        "plane's CPU per node but detects a freeze only within ~1.1 s (p99), against <= 240 ms; "
+        "benchmarks/RESULTS.md 'Liveness by transport'",
     )
     workers: Literal["auto"] | Annotated[int, Field(ge=0, le=1024)] = Field(
         0,
@@ -133,36 +192,43 @@ class ProbeConfig(_Model):
         "their id; auto = CPU count - 1, at least 1 (one core left to health, policy and xDS). "
         "A change needs a restart",
     )
-    worker_restart_grace_ms: float = Field(
-        3000.0, gt=0, le=60_000,
+    worker_restart_grace: Annotated[PositiveDuration, at_most("60s")] = Field(
+        _d("3s"),
         description="after a probe worker is replaced, its nodes' silence counts only from this "
         "long after the new worker took them over (after its start-up) (ours: covers a re-dial, "
         "ms, and the first heartbeat, 100 ms, ten times over on a slow host; a node that died "
         "meanwhile is ejected this much later, once per worker crash; docs/DESIGN.md section 12)",
     )
-    worker_report_interval_ms: float = Field(
-        1000.0, gt=0, le=60_000,
+    worker_report_interval: Annotated[PositiveDuration, at_most("60s")] = Field(
+        _d("1s"),
         description="a probe worker sends telemetry-only changes (load, RTT, GPU memory, heartbeat "
         "counts) at most this often; state changes, ejections and fail-static inputs go at once "
         "(ours: /nodes is at most this stale, decisions never)",
     )
+    channel: ProbeChannelConfig = Field(default_factory=ProbeChannelConfig, description="the gRPC channel")
+    transport: ProbeTransportConfig = Field(default_factory=ProbeTransportConfig,
+                                            description="liveness from HTTP/2 PINGs")
+    limits: ProbeLimitsConfig = Field(default_factory=ProbeLimitsConfig, description="protection limits")
+    logs: ProbeLogsConfig = Field(default_factory=ProbeLogsConfig, description="log rate of agent problems")
+    stalls: ProbeStallsConfig = Field(default_factory=ProbeStallsConfig, description="our own stalls")
 
     def channel_options(self, max_backoff_ms: float) -> list[tuple[str, int]]:
         """The gRPC channel options of a probe stream: keepalive, and reconnect backoff from
-        ``channel_initial_backoff_ms`` up to ``max_backoff_ms`` (``health.heartbeat.reconnect_backoff_max``).
+        ``channel.initial_backoff`` up to ``max_backoff_ms`` (``health.heartbeat.reconnect_backoff_max``).
         With ``liveness`` transport the keepalive is the transport's PINGs, their deadline enforced."""
+        t, c = self.transport, self.channel
         if self.liveness == "transport":
-            keepalive = [("grpc.keepalive_time_ms", self.transport_keepalive_time_ms),
-                         ("grpc.keepalive_timeout_ms", self.transport_ping_timeout_ms),
-                         ("grpc.http2.ping_timeout_ms", self.transport_ping_timeout_ms)]
+            keepalive = [("grpc.keepalive_time_ms", round(t.keepalive_time.ms)),
+                         ("grpc.keepalive_timeout_ms", round(t.ping_timeout.ms)),
+                         ("grpc.http2.ping_timeout_ms", round(t.ping_timeout.ms))]
         else:
-            keepalive = [("grpc.keepalive_time_ms", self.keepalive_time_ms),
-                         ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms)]
+            keepalive = [("grpc.keepalive_time_ms", round(c.keepalive_time.ms)),
+                         ("grpc.keepalive_timeout_ms", round(c.keepalive_timeout.ms))]
         return [
             *keepalive,
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.initial_reconnect_backoff_ms", self.channel_initial_backoff_ms),
+            ("grpc.initial_reconnect_backoff_ms", round(c.initial_backoff.ms)),
             ("grpc.max_reconnect_backoff_ms", int(max_backoff_ms)),
         ]
 

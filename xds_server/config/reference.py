@@ -18,7 +18,7 @@ from pydantic_core import PydanticUndefined
 
 from xds_server.config import SentinelConfig
 from xds_server.config.duration import Duration
-from xds_server.config.health_names import RENAMED
+from xds_server.config.renames import _Renaming
 
 __all__ = ["ESSENTIAL", "Key", "keys", "render_reference"]
 
@@ -77,7 +77,16 @@ def _is_list(annotation: object) -> bool:
         typing.get_origin(a) is list for a in typing.get_args(annotation))
 
 
+def _is_duration(annotation: object) -> bool:
+    """``annotation`` is a Duration, possibly Annotated with validators."""
+    if annotation is Duration:
+        return True
+    return typing.get_origin(annotation) is typing.Annotated and typing.get_args(annotation)[0] is Duration
+
+
 def _type_name(annotation: object) -> str:
+    if _is_duration(annotation):
+        return "Duration"
     if isinstance(annotation, type):
         return annotation.__name__
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
@@ -120,12 +129,25 @@ def keys(model: type[BaseModel] = SentinelConfig, prefix: str = "") -> Iterator[
         if subs:
             sections.append((path + ("[]" if _is_list(field.annotation) else ""), subs[0]))
             continue
-        unit = "duration" if field.annotation is Duration else _unit(name)
+        duration = _is_duration(field.annotation) or any(_is_duration(a) for a in typing.get_args(field.annotation))
+        unit = "duration" if duration else _unit(name)
         yield Key(path, _type_name(field.annotation), _default(field), unit,
                   " ".join((field.description or "").split()), name in advanced)
     for path, sub in sections:
         yield Key(path, sub.__name__, "(section)", "", " ".join((sub.__doc__ or "").split()), False)
         yield from keys(sub, path + ".")
+
+
+def _renaming_models(model: type[BaseModel]) -> list[type[_Renaming]]:
+    """Every model under ``model`` (itself included, depth first, once) that reads old names."""
+    found: list[type[_Renaming]] = []
+    stack = [model]
+    while stack:
+        m = stack.pop(0)
+        if issubclass(m, _Renaming) and m.MOVED and m not in found:
+            found.append(m)
+        stack.extend(s for f in m.model_fields.values() for s in _models(f.annotation))
+    return found
 
 
 def _cell(text: str) -> str:
@@ -162,6 +184,7 @@ def render_reference() -> str:
             "Still read, each with a deprecation note (`check-config` prints them; `check-config --rewrite`",
             "prints the file in today's names). A number of ms or s becomes a duration with that unit.", "",
             "| earlier name | today's key |", "| --- | --- |"]
-    for old, (section, key, _) in RENAMED.items():
-        out.append(f"| `health.{old}` | `health.{section + '.' if section else ''}{key}` |")
+    for model in _renaming_models(SentinelConfig):
+        for old, (path, _) in model.MOVED.items():
+            out.append(f"| `{model.WHERE}.{old}` | `{model.WHERE}.{path}` |")
     return "\n".join(out) + "\n"

@@ -7,20 +7,32 @@ users report in Flagger and Argo Rollouts (no data judged as failure, one bad sa
 """
 from __future__ import annotations
 
+from typing import Annotated, ClassVar
+
 from pydantic import Field
 
-from xds_server.config.base import _Model
+from xds_server.config.duration import Duration, PositiveDuration, at_most
+from xds_server.config.renames import Moves, _Renaming
 
 __all__ = ["ShiftConfig"]
 
 
-class ShiftConfig(_Model):
+def _d(text: str) -> Duration:
+    return Duration.parse(text)
+
+
+class ShiftConfig(_Renaming):
     """Gates and defaults of ``POST /clusters/{name}/shift`` and ``xds-server shift``."""
+
+    WHERE: ClassVar[str] = "shift"
+    MOVED: ClassVar[Moves] = {
+        "default_every_s": ("default_every", "s"),
+    }
 
     default_step_percent: float = Field(
         10.0, gt=0, le=100, description="share moved per step, % (seed 002: 10 %)")
-    default_every_s: float = Field(
-        300.0, gt=0, le=86_400, description="length of a step's gate window, s (seed 002: 5 minutes)")
+    default_every: Annotated[PositiveDuration, at_most("24h")] = Field(
+        _d("5m"), description="length of a step's gate window, s (seed 002: 5 minutes)")
     max_error_ratio: float = Field(
         0.005, gt=0, lt=1,
         description="the target's real-traffic error ratio (LRS, 0..1) must stay below this "

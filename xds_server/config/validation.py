@@ -1,11 +1,19 @@
 """``health.validation:`` section: switch-back validation by replay against two peers."""
 from __future__ import annotations
 
+from typing import Annotated, ClassVar
+
 from pydantic import Field, field_validator, model_validator
 
 from xds_server.config.base import _Model
+from xds_server.config.duration import Duration, PositiveDuration, at_most
+from xds_server.config.renames import Moves, _Renaming
 
 __all__ = ["DEFAULT_PROMPTS", "LivePromptsConfig", "ValidationConfig"]
+
+
+def _d(text: str) -> Duration:
+    return Duration.parse(text)
 
 DEFAULT_PROMPTS: tuple[str, ...] = (
     "The three primary colours of light are",
@@ -40,12 +48,20 @@ class LivePromptsConfig(_Model):
                          "half)")
 
 
-class ValidationConfig(_Model):
+class ValidationConfig(_Renaming):
     """Before a node's first request in half-open PROBATION (it waits unrouted), its agent and two
     HEALTHY peers' agents (same cluster) run the same prompts greedily at the same moment; the
     node passes, and starts its ramp, when its
     disagreement with each peer is within the peers' disagreement with each other plus a margin
     (Diffy's primary/secondary noise floor). Off by default."""
+
+    WHERE: ClassVar[str] = "health.validation"
+    MOVED: ClassVar[Moves] = {
+        "timeout_s": ("timeout", "s"),
+        "check_interval_s": ("check_interval", "s"),
+        "retry_s": ("retry", "s"),
+        "give_up_s": ("give_up", "s"),
+    }
 
     enabled: bool = Field(False, description="off by default: PROBATION ramps from its first step on probes alone; on: "
                           "unrouted until its replay verdict (docs/switchback.md)")
@@ -56,7 +72,8 @@ class ValidationConfig(_Model):
                         "and still finish in well under a second on a simulator, a few seconds on a GPU)")
     max_tokens: int = Field(32, ge=1, le=256, description="tokens per prompt (a few dozen: "
                             "a different model diverges within them, the replay stays short)")
-    timeout_s: float = Field(20.0, gt=0, le=300, description="the whole replay on all three agents (ours)")
+    timeout: Annotated[PositiveDuration, at_most("5m")] = Field(
+        _d("20s"), description="the whole replay on all three agents (ours)")
     token_margin: float = Field(
         0.25, ge=0, le=1,
         description="allowed extra disagreement in the first diverging token, as a ratio of max_tokens "
@@ -74,12 +91,13 @@ class ValidationConfig(_Model):
     embeddings_model: str = Field("", description="model field sent to embeddings_url ('' : none sent)")
     cosine_min: float = Field(0.85, ge=-1, le=1, description="seed 002: embedding cosine > 0.85 with a known-good "
                               "answer; applied to the candidate only when peers themselves reach it")
-    check_interval_s: float = Field(0.5, gt=0, le=60, description="how often the control plane looks for "
+    check_interval: Annotated[PositiveDuration, at_most("1m")] = Field(
+        _d("500ms"), description="how often the control plane looks for "
                                     "nodes waiting for validation (ours; the gate holds them meanwhile)")
-    retry_s: float = Field(5.0, gt=0, description="a validation that could not run (an agent refused: busy, "
+    retry: PositiveDuration = Field(_d("5s"), description="a validation that could not run (an agent refused: busy, "
                            "timeout) is tried again after this (ours)")
-    give_up_s: float = Field(
-        120.0, gt=0,
+    give_up: PositiveDuration = Field(
+        _d("2m"),
         description="a validation that could not run for this long (agents busy or unreachable) is decided by "
         "probes alone, said in the reason and event (ours: holding a recovered node out of traffic for "
         "ever is worse than the probe verdict it had before validation existed)")

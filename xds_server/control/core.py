@@ -92,13 +92,13 @@ class ControlCore:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def begin(self) -> None:
-        """Every node COLD at ``clock.now()``; arm the warm-up timeout (``xds.warmup_timeout_ms``)."""
+        """Every node COLD at ``clock.now()``; arm the warm-up timeout (``xds.publish.warmup_timeout``)."""
         now = self.clock.now()
         self.started_s = now
         for node_id in self.node_cfg:
             self.health[node_id] = hm.initial(node_id, now)
         self._running = True
-        self._gate_timer = self.clock.call_at(now + self.config.xds.warmup_timeout_ms / 1000.0,
+        self._gate_timer = self.clock.call_at(now + self.config.xds.publish.warmup_timeout.s,
                                               self._open_all_gates)
         # A cluster without nodes is warm at once (no node can leave COLD to mark it): publish it
         # now, not at the warm-up timeout.
@@ -274,7 +274,7 @@ class ControlCore:
         if self._running and any(c.name not in self.planner.gate_open for c in config.clusters):
             if self._gate_timer is not None:
                 self._gate_timer.cancel()
-            self._gate_timer = self.clock.call_at(now + config.xds.warmup_timeout_ms / 1000.0,
+            self._gate_timer = self.clock.call_at(now + config.xds.publish.warmup_timeout.s,
                                                   self._open_all_gates)
         for c in config.clusters:
             self.mark_dirty(c.name)
@@ -358,7 +358,7 @@ class ControlCore:
         try:
             self._hand_over(out)
         finally:
-            # the build time spaces the next publish (xds.publish_build_ratio); the loop's clock
+            # the build time spaces the next publish (xds.publish.build_ratio); the loop's clock
             # moves while we compute (a ManualClock does not: 0)
             self.planner.last_build_s = max(0.0, self.clock.now() - now)
         return out

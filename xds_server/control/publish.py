@@ -14,10 +14,10 @@ Shape::
 Rules (from the old ``ControlPlane``, behaviour unchanged):
 
 - warm-up gate: a cluster is held back until none of its nodes is COLD or WARMING (``warm``),
-  or until :meth:`open_gate` (the ``xds.warmup_timeout_ms`` timer) opens it;
-- at most one publish per ``xds.coalesce_window_ms``: a change after a quiet window is due at
+  or until :meth:`open_gate` (the ``xds.publish.warmup_timeout`` timer) opens it;
+- at most one publish per ``xds.publish.coalesce_window``: a change after a quiet window is due at
   once; changes within the window after a publish are due at its end, as one publish; the window
-  is stretched to ``xds.publish_build_ratio`` x the last publish's build time (``last_build_s``,
+  is stretched to ``xds.publish.build_ratio`` x the last publish's build time (``last_build_s``,
   measured by the caller) when that is longer (a large cluster in a burst of changes);
 - fail-static: while active, a cluster keeps the last assignment published before the burst of
   losses began (:class:`LastGoodHistory`);
@@ -93,8 +93,8 @@ class PublishPlanner:
     def __init__(self, config: SentinelConfig, history_max_entries: int | None = None) -> None:
         self.config = config
         self._clusters = {c.name: c for c in config.clusters}
-        self.window_s = config.xds.coalesce_window_ms / 1000.0
-        self.build_ratio = config.xds.publish_build_ratio
+        self.window_s = config.xds.publish.coalesce_window.s
+        self.build_ratio = config.xds.publish.build_ratio
         self.last_build_s = 0.0         # how long the last publish took to build (s; the caller's clock)
         self.gate_open: set[str] = set()
         self.dirty: set[str] = set()
@@ -111,7 +111,7 @@ class PublishPlanner:
         self.serving: dict[str, frozenset[str]] = {}
         self.kept_silent: dict[str, tuple[str, ...]] = {}
         self.outlier_wake_s: dict[str, float] = {}
-        n = history_max_entries if history_max_entries is not None else config.xds.fail_static_history_max
+        n = history_max_entries if history_max_entries is not None else config.xds.publish.fail_static_history_max
         self._history = {c: LastGoodHistory(n) for c in self._clusters}
 
     def set_serving(self, cluster: str, node_ids: frozenset[str]) -> bool:
@@ -130,9 +130,9 @@ class PublishPlanner:
         old_ids = {c.name: [n.id for n in c.nodes] for c in self.config.clusters}
         self.config = config
         self._clusters = {c.name: c for c in config.clusters}
-        self.window_s = config.xds.coalesce_window_ms / 1000.0
-        self.build_ratio = config.xds.publish_build_ratio
-        n = config.xds.fail_static_history_max
+        self.window_s = config.xds.publish.coalesce_window.s
+        self.build_ratio = config.xds.publish.build_ratio
+        n = config.xds.publish.fail_static_history_max
         # a look-back recorded for another node set cannot be published for this one
         self._history = {name: self._history[name] if old_ids.get(name) == [x.id for x in c.nodes]
                          else LastGoodHistory(n) for name, c in self._clusters.items()}

@@ -90,7 +90,7 @@ def restore(doc: Any, now_mono_s: float, now_wall_s: float, max_age_s: float,
     """Node id -> the NodeHealth to resume from, for the ids in ``node_ids`` found in ``doc``
     (None: every node of ``doc``).
 
-    Empty when the document is older than ``max_age_s`` (``state.max_age_s``) or from the
+    Empty when the document is older than ``max_age_s`` (``state.max_age``) or from the
     future. Liveness, probes and engine records start fresh. Raises ValueError naming the field
     when ``doc`` is not a state document of :data:`FORMAT_VERSION`.
     """

@@ -36,8 +36,8 @@ def load_kept_state(sc: StateConfig, node_ids: Iterable[str] | None, now_s: floa
         return {}, float("-inf")
     try:
         doc = read_json(sc.path)
-        kept = restore(doc, now_s, wall_s, sc.max_age_s, node_ids)
-        until = usable_until_s(doc, now_s, wall_s, sc.max_age_s) if kept else float("-inf")
+        kept = restore(doc, now_s, wall_s, sc.max_age.s, node_ids)
+        until = usable_until_s(doc, now_s, wall_s, sc.max_age.s) if kept else float("-inf")
     except FileNotFoundError:
         return {}, float("-inf")
     except (OSError, ValueError) as e:
@@ -100,7 +100,7 @@ def file_signature(path: str | None) -> tuple[float, str] | None:
 
 def save_core_state(path: str | None, core: ControlCore) -> bool:
     """:func:`save_state` of the core's node health at its clock's time. Kept states not claimed
-    yet are written again only while they may still be claimed (``state.max_age_s`` from the
+    yet are written again only while they may still be claimed (``state.max_age`` from the
     file's time), so a node that never comes back ages out."""
     now = core.clock.now()
     unclaimed = core.restored if now <= core.restored_until_s else None

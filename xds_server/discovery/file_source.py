@@ -73,7 +73,7 @@ class FileTargets:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.spec.interval_s)
+            await asyncio.sleep(self.spec.interval.s)
             if self.check():
                 self.on_change()
 

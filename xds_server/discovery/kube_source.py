@@ -94,7 +94,7 @@ class KubernetesPods:
                     api_client = await self._client()
                 except Exception as e:  # a bad kubeconfig is reported, then retried
                     self._fail(f"cannot load the Kubernetes client configuration: {e}")
-                    await asyncio.sleep(self.spec.retry_backoff_s)
+                    await asyncio.sleep(self.spec.retry_backoff.s)
             api = self._api = client.CoreV1Api(api_client)
             while True:
                 try:
@@ -110,7 +110,7 @@ class KubernetesPods:
                     raise
                 except Exception as e:  # the API server may be away; retry
                     self._fail(f"{type(e).__name__}: {e}")
-                    await asyncio.sleep(self.spec.retry_backoff_s)
+                    await asyncio.sleep(self.spec.retry_backoff.s)
         finally:
             if api_client is not None:
                 await api_client.close()
@@ -152,10 +152,10 @@ class KubernetesPods:
             async for ev in w.stream(api.list_namespaced_pod, self.spec.namespace,
                                      label_selector=selector_string(self.spec.label_selector),
                                      resource_version=self.state.resource_version, allow_watch_bookmarks=True,
-                                     timeout_seconds=self.spec.watch_timeout_s,
+                                     timeout_seconds=round(self.spec.watch_timeout.s),
                                      # a silent connection (a partition) ends too, a little after
                                      # the server would have ended the watch
-                                     _request_timeout=self.spec.watch_timeout_s + _LIST_TIMEOUT_S):
+                                     _request_timeout=self.spec.watch_timeout.s + _LIST_TIMEOUT_S):
                 await self._event(ev["type"], ev["raw_object"])
         except ApiException as e:
             if e.status == 410:

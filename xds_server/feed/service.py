@@ -16,7 +16,7 @@ section, :mod:`xds_server.config.feed`; bookkeeping in :class:`~xds_server.proce
 at most ``feed.max_subscribers`` streams (RESOURCE_EXHAUSTED past it); each queue holds at most
 ``feed.queue_limit`` node changes, and a subscriber that falls that far behind is dropped with
 ``RESOURCE_EXHAUSTED`` (it reconnects and gets a snapshot) rather than slowing the control plane
-or growing memory; an update not taken within ``feed.send_timeout_s`` (a subscriber that stopped
+or growing memory; an update not taken within ``feed.send_timeout`` (a subscriber that stopped
 reading) drops it the same way. Unknown cluster names are ``INVALID_ARGUMENT`` naming the field.
 
 Access: plaintext off loopback must be said (``feed.plaintext``), and with mTLS
@@ -114,7 +114,7 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
         self._queue_limit = queue_limit
         self._last: dict[str, RoutingChange] = {}  # node id -> as last published
         f = self._cfg()
-        self.book: FanOut[RoutingChange] = FanOut(f.max_subscribers, queue_limit or f.queue_limit, f.send_timeout_s)
+        self.book: FanOut[RoutingChange] = FanOut(f.max_subscribers, queue_limit or f.queue_limit, f.send_timeout.s)
         self._watches: dict[int, _Watch] = {}
         self.updates_sent_total = 0
         self.permission_denied_total = 0
@@ -130,7 +130,7 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
         """Follow a reloaded ``feed:`` section (open streams beyond a lowered cap stay)."""
         f, b = self._cfg(), self.book
         b.max_subscribers, b.queue_max, b.send_timeout_s = (f.max_subscribers, self._queue_limit or f.queue_limit,
-                                                            f.send_timeout_s)
+                                                            f.send_timeout.s)
 
     @property
     def subscribers(self) -> int:
@@ -276,7 +276,7 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
 
     async def _send(self, sub: Subscriber[RoutingChange], w: _Watch, context: grpc.aio.ServicerContext,
                     update: routing_pb2.RoutingUpdate) -> None:
-        """Write ``update``; past ``feed.send_timeout_s`` drop the subscriber (aborts the call).
+        """Write ``update``; past ``feed.send_timeout`` drop the subscriber (aborts the call).
 
         gRPC Python cannot take back a write its transport holds, so the write is left pending
         (it ends with the connection) and keeps the subscriber's place under the cap until then."""
@@ -295,7 +295,7 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
         self.book.close(sub, "deadline", pending=True)
         write.add_done_callback(lambda t: self._released(sub, t))
         self._rl.warning(time.monotonic(), "deadline", "routing feed: subscriber %r dropped: an update "
-                         "not taken within %.1f s (feed.send_timeout_s)", w.name, self.book.send_timeout_s)
+                         "not taken within %.1f s (feed.send_timeout)", w.name, self.book.send_timeout_s)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"subscriber too slow: an update not taken within {self.book.send_timeout_s:g} s; "
                             "reconnect for a fresh snapshot")
@@ -309,7 +309,7 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
         g.add_metric([], self.subscribers)
         yield g
         closing = GaugeMetricFamily("sentinel_routing_feed_closing", "routing-feed streams dropped past "
-                                    "feed.send_timeout_s whose connection has not ended yet (they still "
+                                    "feed.send_timeout whose connection has not ended yet (they still "
                                     "count toward feed.max_subscribers)")
         closing.add_metric([], self.book.closing)
         yield closing
@@ -328,7 +328,7 @@ class RoutingFeed(routing_pb2_grpc.RoutingFeedServicer):
             yield c
         d = CounterMetricFamily("sentinel_routing_feed_dropped", "routing-feed subscribers dropped by reason "
                                 "(slow: more than feed.queue_limit changes queued; deadline: an update not "
-                                "taken within feed.send_timeout_s; shutdown)", labels=["reason"])
+                                "taken within feed.send_timeout; shutdown)", labels=["reason"])
         for reason in CLOSE_REASONS:
             d.add_metric([reason], self.book.dropped[reason])
         yield d

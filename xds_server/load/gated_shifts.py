@@ -178,14 +178,14 @@ class ShiftService:
         if isinstance(step, bool) or not isinstance(step, (int, float)) or not (math.isfinite(step)
                                                                                  and 0 < step <= 100):
             raise ShiftRequestError(400, "step_percent", f"step_percent: {str(step)[:20]} is not within (0, 100]")
-        every = parse_duration_s(body.get("every_s", body.get("every", cfg.default_every_s)), "every_s")
+        every = parse_duration_s(body.get("every_s", body.get("every", cfg.default_every.s)), "every_s")
         hard = body.get("hard", False)
         if not isinstance(hard, bool):
             raise ShiftRequestError(400, "hard", "hard: expected true or false")
-        interval = self._config().lrs.interval_s
+        interval = self._config().lrs.interval.s
         if not hard and every < 2 * interval:
             raise ShiftRequestError(400, "every_s", f"every_s: {every:g} s is shorter than two load-report intervals "
-                                    f"(2 x lrs.interval_s {interval:g} s): its windows would judge one report or "
+                                    f"(2 x lrs.interval {interval:g} s): its windows would judge one report or "
                                     "none, and the shift would hold for ever")
         now = self.core.clock.wall()
         anchor = body.get("start_at", now)
@@ -331,7 +331,7 @@ class ShiftService:
         cfg = self._config()
         ratio = (live or {}).get("error_ratio") or 0.0
         need = hs.requests_needed(ratio, cfg.shift)
-        rps = self.load.aggregator.cluster(c.name, self.load.monotonic(), cfg.lrs.traffic_ejection.window_s).rps
+        rps = self.load.aggregator.cluster(c.name, self.load.monotonic(), cfg.lrs.traffic_ejection.window.s).rps
         share = min(100.0, max(st.share_percent, st.spec.step_percent)) / 100.0
         supply = rps * share * st.spec.every_s
         return {"requests": need, "at_error_ratio": round(ratio, 6), "cluster_rps": round(rps, 3),

@@ -19,9 +19,9 @@ to the one replica its stream is on, so an Envoy that moves to another replica i
 once per report on every replica. Delivery is at most once: a report in flight when a peer stream
 breaks, or offered while the queue is full, is dropped and counted (``queue_full``,
 ``send_failed``), never resent (a resend could count twice); one that waited longer than
-``lrs.peer_max_delay_s`` (a peer down a while) is dropped too (``stale``: applied now it would
+``lrs.peer_max_delay`` (a peer down a while) is dropped too (``stale``: applied now it would
 land in the wrong window). Offering never blocks the Envoy's stream. The redial backoff doubles
-from 0.1 s to ``lrs.peer_backoff_max_s`` with jitter.
+from 0.1 s to ``lrs.peer_backoff_max`` with jitter.
 """
 from __future__ import annotations
 
@@ -245,8 +245,8 @@ class PeerSet:
     def __init__(self, config: SentinelConfig) -> None:
         lrs, self.replica_id = config.lrs, config.xds.replica_id
         self.links = [PeerLink(p, self.replica_id, queue_max=lrs.peer_queue,
-                               tls=lrs.peer_tls.client(parse_hostport(p)[0]), backoff_max_s=lrs.peer_backoff_max_s,
-                               keepalive_s=lrs.peer_keepalive_s, max_delay_s=lrs.peer_max_delay_s)
+                               tls=lrs.peer_tls.client(parse_hostport(p)[0]), backoff_max_s=lrs.peer_backoff_max.s,
+                               keepalive_s=lrs.peer_keepalive.s, max_delay_s=lrs.peer_max_delay.s)
                       for p in lrs.peer_addresses()]
         self.received: Counter[str] = Counter()
 
@@ -273,7 +273,7 @@ class PeerSet:
                                   "(lrs.peers)", labels=["peer"])
         dropped = CounterMetricFamily("sentinel_lrs_peer_dropped", "load reports not forwarded to a peer, by "
                                       "reason (queue_full: lrs.peer_queue full; send_failed: in flight when the "
-                                      "stream broke; stale: queued past lrs.peer_max_delay_s)",
+                                      "stream broke; stale: queued past lrs.peer_max_delay)",
                                       labels=["peer", "reason"])
         up = GaugeMetricFamily("sentinel_lrs_peer_up", "1 while the stream to the peer is open and accepted",
                                labels=["peer"])

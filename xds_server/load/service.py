@@ -1,7 +1,7 @@
 """The Load Reporting Service (``envoy.service.load_stats.v3.LoadReportingService.StreamLoadStats``)
 on the control plane's xDS port: every Envoy rendered by ``xds-server envoy-bootstrap`` opens one
 stream (``cluster_manager.load_stats_config``) and reports its real traffic per cluster, locality
-and endpoint every ``lrs.interval_s``; :class:`~xds_server.load.aggregate.LoadAggregator` sums it
+and endpoint every ``lrs.interval``; :class:`~xds_server.load.aggregate.LoadAggregator` sums it
 across Envoys.
 
 Protocol (docs/xds_protocol.md section 6): Envoy's first request carries only its node; it
@@ -18,7 +18,7 @@ and logged per identity. Bad input never applies: an undecodable request ends th
 INVALID_ARGUMENT; a report too large, a flood, unknown clusters, absurd counts are counted and
 skipped with the stream kept (Envoy has no NACK for load reports). Streams beyond
 ``lrs.max_streams`` get RESOURCE_EXHAUSTED; each stream's reading is paced by the xDS request
-budget (``xds.request_bytes_per_s``), as ADS is.
+budget (``xds.limits.request_bytes_per_s``), as ADS is.
 
 Replicas (``lrs.peers``, :mod:`xds_server.load.peers`): each report from an Envoy is applied and
 forwarded to every peer. A stream whose first request carries the forwarded marker claims to be a
@@ -107,9 +107,9 @@ class LoadReportingService:
         cfg = config()
         self._seen = cfg
         lrs = cfg.lrs
-        self.aggregator = LoadAggregator(node_map(cfg), interval_s=lrs.interval_s, retain_s=lrs.retain_s,
-                                         stale_after_s=lrs.stale_after_s, max_count=lrs.max_requests_per_interval,
-                                         min_gap_s=lrs.interval_s * lrs.min_report_gap_ratio,
+        self.aggregator = LoadAggregator(node_map(cfg), interval_s=lrs.interval.s, retain_s=lrs.retain.s,
+                                         stale_after_s=lrs.stale_after.s, max_count=lrs.max_requests_per_interval,
+                                         min_gap_s=lrs.interval.s * lrs.min_report_gap_ratio,
                                          max_localities=lrs.max_localities_per_cluster)
         self.aggregator.set_nodes(node_map(cfg), class_aliases(cfg))
         self.streams: dict[int, str] = {}
@@ -149,7 +149,8 @@ class LoadReportingService:
         peer: str | None = None  # on a replica-to-replica stream: the forwarding replica's id
         peer_reporters: set[str] = set()
         xc = cfg.xds
-        budget = RequestBudget(xc.request_bytes_per_s, xc.request_burst_bytes, xc.request_cost_min_bytes,
+        lim = xc.limits
+        budget = RequestBudget(lim.request_bytes_per_s, lim.request_burst_bytes, lim.request_cost_min_bytes,
                                self.monotonic())
         try:
             async for raw in request_iterator:
@@ -163,7 +164,7 @@ class LoadReportingService:
                     self._problem(e.reason)
                     await refuse(context, request_iterator, grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 if sid not in self.streams and sid not in self.peer_streams:  # the first request: who is this?
-                    reporter = clip(req.node.id, xc.client_text_max_chars) if req.HasField("node") else ""
+                    reporter = clip(req.node.id, xc.limits.client_text_max_chars) if req.HasField("node") else ""
                     peer = forwarded_by(req)
                     refused = await self._admit(cfg, context, reporter, peer)
                     if refused is not None:
@@ -181,7 +182,7 @@ class LoadReportingService:
                 if peer is not None:  # a forwarded report names the Envoy that sent it
                     if not req.cluster_stats:
                         continue
-                    source = clip(req.node.id, xc.client_text_max_chars)
+                    source = clip(req.node.id, xc.limits.client_text_max_chars)
                     if forwarded_by(req) is None or not source:
                         self._problem("peer_unmarked")
                         continue
@@ -221,18 +222,18 @@ class LoadReportingService:
             return
         health = self.core.health
         for c in cfg.clusters:
-            if c.name not in clusters or now - self._judged.get(c.name, -1e18) < cfg.lrs.interval_s / 10:
+            if c.name not in clusters or now - self._judged.get(c.name, -1e18) < cfg.lrs.interval.s / 10:
                 continue
             self._judged[c.name] = now
             self._shed(cfg, c.name, [n.id for n in c.nodes], now)
             self.ejector.serving(c.name, frozenset(n.id for n in c.nodes if _succeeds(
-                self.aggregator.node(c.name, n.id, now, 2 * cfg.lrs.interval_s), te)))
+                self.aggregator.node(c.name, n.id, now, 2 * cfg.lrs.interval.s), te)))
             if not te.enabled:
                 continue
             evidence = {}
             for n in c.nodes:
                 nh = health.get(n.id)
-                w = te.window_s if nh is None else max(0.0, min(te.window_s, now - nh.since_s))
+                w = te.window.s if nh is None else max(0.0, min(te.window.s, now - nh.since_s))
                 t = self.aggregator.node(c.name, n.id, now, w)
                 evidence[n.id] = Evidence(t.succeeded, t.errored, t.reporters, w, t.failing)
             self.ejector.apply(c.name, evidence, now)
@@ -280,16 +281,16 @@ class LoadReportingService:
     @staticmethod
     def _response(cfg: SentinelConfig) -> lrs_pb2.LoadStatsResponse:
         resp = lrs_pb2.LoadStatsResponse(send_all_clusters=True, report_endpoint_granularity=True)
-        resp.load_reporting_interval.FromNanoseconds(round(cfg.lrs.interval_s * 1e9))
+        resp.load_reporting_interval.FromNanoseconds(round(cfg.lrs.interval.s * 1e9))
         return resp
 
     # -- views -------------------------------------------------------------------------------
 
     def window_s(self) -> float:
-        return self._config().lrs.traffic_ejection.window_s
+        return self._config().lrs.traffic_ejection.window.s
 
     def node_traffic(self, cluster: str, node_id: str) -> Traffic:
-        """A node's real traffic over the ejection window (``lrs.traffic_ejection.window_s``)."""
+        """A node's real traffic over the ejection window (``lrs.traffic_ejection.window``)."""
         return self.aggregator.node(cluster, node_id, self.monotonic(), self.window_s())
 
     def node_view(self, cluster: str, node_id: str) -> dict[str, object]:
@@ -319,7 +320,7 @@ class LoadReportingService:
         streams = GaugeMetricFamily("sentinel_lrs_streams", "open StreamLoadStats streams (one per Envoy)")
         streams.add_metric([], len(self.streams))
         reporting = GaugeMetricFamily("sentinel_lrs_reporting_envoys", "Envoys whose last load report is "
-                                      "younger than lrs.stale_after_s")
+                                      "younger than lrs.stale_after")
         reporting.add_metric([], agg.reporters(now))
         reports = CounterMetricFamily("sentinel_lrs_reports", "load reports applied")
         reports.add_metric([], agg.reports)
@@ -331,13 +332,13 @@ class LoadReportingService:
         for reason, count in sorted(agg.problems.items()):
             problems.add_metric([reason], count)
         slots = GaugeMetricFamily("sentinel_lrs_slots", "per-interval buckets held (memory bound: nodes x "
-                                  "lrs.retain_s / lrs.interval_s)")
+                                  "lrs.retain / lrs.interval)")
         slots.add_metric([], agg.slot_count())
         total = CounterMetricFamily("sentinel_node_traffic_requests", "real requests Envoys reported per "
                                     "node (LRS), by outcome (issued, succeeded, errored)",
                                     labels=["cluster", "node", "outcome"])
         ratio = GaugeMetricFamily("sentinel_node_traffic_success_ratio", "succeeded / completed real requests "
-                                  "over lrs.traffic_ejection.window_s (0..1; absent without traffic)",
+                                  "over lrs.traffic_ejection.window (0..1; absent without traffic)",
                                   labels=["cluster", "node"])
         rps = GaugeMetricFamily("sentinel_node_traffic_rps", "real requests issued per second over the "
                                 "window, all Envoys", labels=["cluster", "node"])

@@ -2,7 +2,7 @@
 from its routable nodes' queues and KV-cache usage and its LRS demand, and with request classes
 (``lrs.shed.classes``) that drop spread over the class clusters, lowest class first
 (:func:`~xds_server.policy.request_classes.class_percents`, each class's demand = its own Envoy
-cluster's issued + dropped requests over ``lrs.shed.window_s``).
+cluster's issued + dropped requests over ``lrs.shed.window``).
 
 Every changed drop marks the cluster for a new assignment; the parent cluster's publish writes
 its class clusters' assignments too (:func:`~xds_server.xds.resources.build_cla` with
@@ -164,7 +164,7 @@ class Shedder:
         routable = [i for i in node_ids if (r := core.routing.get(i)) is not None and r.health_status == "HEALTHY"
                     and not health[i].engine.stalled]
         ages = [None if (at := health[i].heartbeat.last_s) is None else now - at for i in routable]
-        t = agg.cluster(cluster, now, sc.window_s)
+        t = agg.cluster(cluster, now, sc.window.s)
         grown: list[float | None] = []
         finished: list[float | None] = []
         slots: list[float | None] = []
@@ -174,19 +174,19 @@ class Shedder:
             e = health[i].engine
             known = e.requests_waiting is not None and e.requests_running is not None
             grown.append(self._growth(i, (e.requests_waiting or 0.0) + (e.requests_running or 0.0) if known else None,
-                                      now, sc.window_s))
-            rate, n_slots, run_s = self._finishing(i, e.requests_running, sc.window_s)
+                                      now, sc.window.s))
+            rate, n_slots, run_s = self._finishing(i, e.requests_running, sc.window.s)
             self._seen[i] = now
             finished.append(rate)
             slots.append(n_slots)
             service.append(run_s)
-            admitted += agg.node(cluster, i, now, sc.window_s).issued
+            admitted += agg.node(cluster, i, now, sc.window.s).issued
         for i in set(node_ids) - set(routable):  # back in: its history starts afresh
             self._inflight.pop(i, None)
             self._finished.pop(i, None)
-        for i in [i for i, q in self._inflight.items() if q and now - q[-1][0] > 10 * sc.window_s]:
+        for i in [i for i, q in self._inflight.items() if q and now - q[-1][0] > 10 * sc.window.s]:
             del self._inflight[i]  # a node no longer configured
-        for i in [i for i, q in self._finished.items() if not q or now - q[-1][0] > 10 * sc.window_s]:
+        for i in [i for i, q in self._finished.items() if not q or now - q[-1][0] > 10 * sc.window.s]:
             del self._finished[i]
         for i in [i for i, at in self._seen.items() if now - at > _TTFT_KEEP_S]:  # routable nowhere for 10 min
             del self._seen[i]
@@ -194,8 +194,8 @@ class Shedder:
             self._probes_seen.pop(i, None)
         growth = None if any(g is None for g in grown) else sum(g for g in grown if g is not None)
         inp = ShedInputs([health[i].engine.requests_waiting for i in routable], ages,
-                         (t.issued + t.dropped) / sc.window_s, t.completed / sc.window_s, t.reporters,
-                         [self.kv_usage(i) for i in routable], admitted / sc.window_s, growth, routable,
+                         (t.issued + t.dropped) / sc.window.s, t.completed / sc.window.s, t.reporters,
+                         [self.kv_usage(i) for i in routable], admitted / sc.window.s, growth, routable,
                          finished, slots, service, self._learn_ttft(cluster, routable, core, cfg, now))
         before = self.shed.get(cluster, ShedState())
         after = shed_step(before, inp, sc, hc.load.queue_warning, hc.load.queue_critical, now)
@@ -208,7 +208,7 @@ class Shedder:
             for _, name, _ in order:
                 self.classes.pop(name, None)
         else:
-            demands = [float((t := agg.demand(name, now, sc.window_s)).issued + t.dropped) for _, name, _ in order]
+            demands = [float((t := agg.demand(name, now, sc.window.s)).issued + t.dropped) for _, name, _ in order]
             percents = class_percents(after.percent, demands, [m for _, _, m in order], sc.step_percent,
                                       [self.classes.get(name, ShedState()).percent for _, name, _ in order])
             for (klass, name, _), p, d in zip(order, percents, demands, strict=True):

@@ -127,13 +127,13 @@ def _offered_high(inp: ShedInputs, cfg: ShedConfig) -> float:
     """The offered load (per s) plus two standard errors of a Poisson count over the window: an
     easing step is taken only if it would let in no more than the capacity at this load, so a
     window that happened to count few arrivals does not open the door (ours)."""
-    return inp.offered_rps + 2.0 * math.sqrt(max(inp.offered_rps, 0.0) / cfg.window_s)
+    return inp.offered_rps + 2.0 * math.sqrt(max(inp.offered_rps, 0.0) / cfg.window.s)
 
 
 def _engine_counts(inp: ShedInputs, cfg: ShedConfig) -> list[float] | None:
     """Each routable node's finished rate by its engine's counter, when every one has it and
     ``capacity_source`` is ``engines``."""
-    if cfg.capacity_source != "engines" or cfg.queue_wait_budget_s is None:
+    if cfg.capacity_source != "engines" or cfg.queue_wait_budget is None:
         return None
     f = inp.finished_rps
     if len(f) != len(inp.waiting) or any(v is None for v in f):
@@ -145,7 +145,7 @@ def _completions(inp: ShedInputs, cfg: ShedConfig, counted: list[float] | None) 
     """The routable nodes' completion rate (per s, see the module docstring; with the relative
     trigger off, LRS's alone: the seed's thresholds as they were first built); ``counted``: the
     engines' counts (:func:`_engine_counts`)."""
-    if cfg.queue_wait_budget_s is None:
+    if cfg.queue_wait_budget is None:
         return inp.completed_rps
     if counted is not None:
         return sum(counted)
@@ -157,7 +157,7 @@ def _completions(inp: ShedInputs, cfg: ShedConfig, counted: list[float] | None) 
 def _budget(inp: ShedInputs, cfg: ShedConfig, counted: list[float] | None) -> float | None:
     """The queue-wait budget (s): ``queue_wait_budget_s``, or with the engines' counts the
     smaller of it and the one learned from the cluster's unloaded TTFT (``ttft_budget_s``)."""
-    b = cfg.queue_wait_budget_s
+    b = None if cfg.queue_wait_budget is None else cfg.queue_wait_budget.s
     if b is not None and inp.ttft_budget_s is not None and counted is not None:
         return min(b, inp.ttft_budget_s)
     return b
@@ -207,10 +207,10 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
         return _set(state, 0.0, "")
     if not inp.waiting:
         return _set(state, 0.0, "fail open: no routable node")
-    stale = [a for a in inp.telemetry_age_s if a is None or a > cfg.stale_after_s]
+    stale = [a for a in inp.telemetry_age_s if a is None or a > cfg.stale_after.s]
     if stale or any(w is None for w in inp.waiting) or len(inp.telemetry_age_s) != len(inp.waiting):
         return _set(state, 0.0, f"fail open: queue telemetry of {max(1, len(stale))} routable node(s) "
-                                f"older than {cfg.stale_after_s:g} s")
+                                f"older than {cfg.stale_after.s:g} s")
     if inp.reporters <= 0:
         return _set(state, 0.0, "fail open: no Envoy reports load")
     known = [w for w in inp.waiting if w is not None]
@@ -254,21 +254,21 @@ def shed_step(state: ShedState, inp: ShedInputs, cfg: ShedConfig, queue_warning:
             return _set(state, need, f"tracking {need:g} %: offered {inp.offered_rps:.1f} rps, over the "
                         f"{cap * len(known) * keep:.1f} rps the routable nodes can complete (less headroom)",
                         since, cap, exact, room)
-        if exact and room > floor and now_s - since >= cfg.lift_after_s * _TRUST_CAPACITY_LIFTS:
+        if exact and room > floor and now_s - since >= cfg.lift_after.s * _TRUST_CAPACITY_LIFTS:
             room = max(floor, room - _HEADROOM_STEP)
             return _set(state, state.percent, f"holding {state.percent:g} %: queues low for "
                         f"{now_s - since:.0f} s, headroom back to {room:.2f}", now_s, cap, exact, room)
-        if now_s - since >= cfg.lift_after_s:
+        if now_s - since >= cfg.lift_after.s:
             eased = max(0.0, min(state.percent, cfg.max_percent) - step)
             let_in = (_offered_high(inp, cfg) if exact else inp.offered_rps) * (1.0 - eased / 100.0)
             able = None if cap is None else cap * len(known) * keep
             over_cap = able is not None and let_in > able
-            if able is not None and over_cap and (exact or now_s - since < cfg.lift_after_s * _TRUST_CAPACITY_LIFTS):
+            if able is not None and over_cap and (exact or now_s - since < cfg.lift_after.s * _TRUST_CAPACITY_LIFTS):
                 return _set(state, state.percent, f"holding {state.percent:g} %: {eased:g} % would let in "
                             f"{let_in:.1f} rps, over the {able:.1f} rps the routable nodes "
                             f"were measured to complete (less headroom)", since, cap, exact, room)
             if eased <= 0:
-                return _set(state, 0.0, f"lifted: queues low (mean waiting {mean:.0f}) for {cfg.lift_after_s:g} s")
+                return _set(state, 0.0, f"lifted: queues low (mean waiting {mean:.0f}) for {cfg.lift_after.s:g} s")
             return _set(state, eased, f"easing to {eased:g} %: queues low (mean waiting {mean:.0f}, longest "
                                       f"wait {wait:.2f} s) for {now_s - since:.1f} s", since, cap, exact, room)
         if state.percent > cfg.max_percent:  # a reload lowered max_percent

@@ -126,7 +126,7 @@ class AgentEdge:
     # -- field helpers (append to ``bad``) --------------------------------------------------------
 
     def _text(self, value: str, name: str, bad: list[BadField]) -> str:
-        return text(value, name, self.probe.max_text_chars, bad)
+        return text(value, name, self.probe.limits.max_text_chars, bad)
 
     _number = staticmethod(number)
 
@@ -147,7 +147,7 @@ class AgentEdge:
 
     def _heartbeat(self, hb: probe_pb2.Heartbeat, bad: list[BadField]) -> CheckedHeartbeat:
         tel = hb.telemetry
-        max_text = self.probe.max_text_chars
+        max_text = self.probe.limits.max_text_chars
         interval = hb.interval_ms
         if interval and not 1 <= interval <= 3_600_000:
             bad.append(BadField("heartbeat.interval_ms", "out_of_range"))
@@ -205,7 +205,7 @@ class AgentEdge:
             bad.append(BadField(p + "http_status", "out_of_range"))
             status = 0
         if r.ok:
-            ttft = self._number(r.ttft_ms, p + "ttft_ms", 0.0, self.probe.max_ttft_ms, bad)
+            ttft = self._number(r.ttft_ms, p + "ttft_ms", 0.0, self.probe.limits.max_ttft.ms, bad)
             if ttft is None:
                 return None  # an "ok" probe without a believable TTFT says nothing
             return CheckedResult(ProbeObserved(kind=ProbeResultKind.OK, ttft_ms=ttft, http_status=status,

@@ -4,7 +4,7 @@ Heartbeat liveness (the default): the agent's heartbeat every interval is the no
 its arrival gaps feed the misses and phi accrual. Transport liveness, asked for in the Hello
 (:func:`hello`) and taken by an agent that echoes ``Heartbeat.liveness`` TRANSPORT: HTTP/2 PINGs
 answered inside gRPC's C core are the liveness (``probe.channel_options``); heartbeats come on
-change and every ``probe.telemetry_refresh_ms``. While such a stream is open the health model's
+change and every ``probe.transport.telemetry_refresh``. While such a stream is open the health model's
 miss boundary gets the stream's last heartbeat again (:func:`reasserted`: the transport still
 answers, so the node is as it last said) instead of a Tick; the stream failing on an unanswered
 PING (:func:`liveness_lost`) is the whole miss threshold at once. A stream whose agent does not
@@ -49,7 +49,7 @@ def hello(control_plane_id: str, probe: ProbeConfig) -> probe_pb2.ControlMessage
     return probe_pb2.ControlMessage(hello=probe_pb2.Hello(
         control_plane_id=control_plane_id,
         liveness=probe_pb2.LIVENESS_TRANSPORT if transport else probe_pb2.LIVENESS_HEARTBEAT,
-        telemetry_refresh_ms=probe.telemetry_refresh_ms if transport else 0))
+        telemetry_refresh_ms=round(probe.transport.telemetry_refresh.ms) if transport else 0))
 
 
 def call_metadata(probe: ProbeConfig) -> tuple[tuple[str, str], ...]:
@@ -57,14 +57,15 @@ def call_metadata(probe: ProbeConfig) -> tuple[tuple[str, str], ...]:
     Hello says it again once read; an agent that knows neither ignores both)."""
     if probe.liveness != "transport":
         return ()
-    return (("x-sentinel-liveness", "transport"), ("x-sentinel-telemetry-refresh-ms", str(probe.telemetry_refresh_ms)))
+    refresh_ms = round(probe.transport.telemetry_refresh.ms)
+    return (("x-sentinel-liveness", "transport"), ("x-sentinel-telemetry-refresh-ms", str(refresh_ms)))
 
 
 def silent_after_s(probe: ProbeConfig) -> float:
     """A stream open this long (s) without a heartbeat is closed and redialled: the configured
     ``silent_stream_redial_ms``, at least three telemetry refreshes in transport liveness."""
-    ms = probe.silent_stream_redial_ms
-    return (max(ms, 3.0 * probe.telemetry_refresh_ms) if probe.liveness == "transport" else ms) / 1000.0
+    ms = probe.channel.silent_stream_redial.ms
+    return (max(ms, 3.0 * probe.transport.telemetry_refresh.ms) if probe.liveness == "transport" else ms) / 1000.0
 
 
 def reasserted(obs: HeartbeatObserved, obs_s: float, now_s: float) -> HeartbeatObserved:

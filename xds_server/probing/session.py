@@ -9,7 +9,7 @@ arrives into health-model observations, timed on the control plane's own monoton
 - Ping{seq} every ``ping_interval_ms``; its Pong gives the RTT -> :class:`PingObserved` (none
   across a heartbeat gap or a stall of our own loop: counted in ``rtt_samples_dropped``);
 - each InferenceResult -> :class:`ProbeObserved`;
-- the stream ending, failing to open, or bringing no heartbeat for ``probe.silent_stream_redial_ms``
+- the stream ending, failing to open, or bringing no heartbeat for ``probe.channel.silent_stream_redial``
   -> :class:`StreamClosed`, then redial with exponential backoff
   (``reconnect_backoff_initial_ms`` doubling up to ``reconnect_backoff_max_ms``).
 
@@ -95,8 +95,8 @@ class ProbeSession:
         self._outq: asyncio.Queue[probe_pb2.ControlMessage] | None = None
         self.probe_now_sent = self.rtt_samples_dropped = 0
         self._stalled = False
-        self._rl = RateLimitedLog(log, self.probe_cfg.malformed_log_interval_s, max_keys=256)
-        self._unreachable_rl = RateLimitedLog(log, self.probe_cfg.unreachable_log_interval_s, max_keys=1)
+        self._rl = RateLimitedLog(log, self.probe_cfg.logs.malformed_interval.s, max_keys=256)
+        self._unreachable_rl = RateLimitedLog(log, self.probe_cfg.logs.unreachable_interval.s, max_keys=1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stream: StreamState | None = None
         self._latest: StreamState | None = None  # the open stream, or the one that ended last
@@ -146,14 +146,14 @@ class ProbeSession:
         """Keep the last probe failure's text for /nodes ("" after a success)."""
         self.last_probe_failure = "" if obs.kind is ProbeResultKind.OK else clip(
             f"{obs.kind.value}{f' {obs.http_status}' if obs.http_status else ''}: {obs.detail}",
-            self.probe_cfg.max_text_chars)
+            self.probe_cfg.limits.max_text_chars)
 
     def _arm(self, at_s: float | None) -> None:
         """The next Tick is due at ``at_s`` (loop clock, s), None: none pending."""
         if self._timer is None:
             assert self._loop is not None
             self._timer = TickTimer(self._loop, self._tick, lag_tolerance_s=self.cfg.heartbeat.self_lag_tolerance.s,
-                                    lag_recheck_s=self.probe_cfg.lag_recheck_ms / 1000.0,
+                                    lag_recheck_s=self.probe_cfg.stalls.lag_recheck.s,
                                     stall_recheck_s=miss_after_s(self.cfg),
                                     retry_s=self.cfg.heartbeat.interval.s,
                                     on_error=lambda: self._handler_failed("tick"))
@@ -188,7 +188,7 @@ class ProbeSession:
         if self._outq is not None:
             self.probe_now_sent += 1
             self._outq.put_nowait(probe_pb2.ControlMessage(
-                probe_now=probe_pb2.ProbeNow(reason=clip(reason, self.probe_cfg.max_text_chars))))
+                probe_now=probe_pb2.ProbeNow(reason=clip(reason, self.probe_cfg.limits.max_text_chars))))
 
     async def _run(self) -> None:
         backoff = self.cfg.heartbeat.reconnect_backoff_initial.s
@@ -203,7 +203,7 @@ class ProbeSession:
                     detail = "stream ended by agent"
                 except grpc.aio.AioRpcError as e:
                     got_any = self.connected
-                    detail = f"{e.code().name}: {clip(e.details() or '', pc.max_text_chars)}"
+                    detail = f"{e.code().name}: {clip(e.details() or '', pc.limits.max_text_chars)}"
                     lost = self._latest is not None and self._latest.transport and liveness_lost(e)
                 except SilentStream as e:
                     got_any = False  # back off: an agent that holds streams open silently is not well
@@ -215,7 +215,7 @@ class ProbeSession:
                 raise
             except Exception as e:  # never let one node's session die
                 got_any = False
-                detail = f"{type(e).__name__}: {clip(str(e), pc.max_text_chars)}"
+                detail = f"{type(e).__name__}: {clip(str(e), pc.limits.max_text_chars)}"
                 self._rl.log(logging.ERROR, self._now(), "session", "probe session %s failed: %s",
                              for_log(self.node.id), for_log(detail, 256))
             try:
@@ -232,7 +232,7 @@ class ProbeSession:
                 backoff = self.cfg.heartbeat.reconnect_backoff_initial.s
             else:
                 # One line when the agent first cannot be reached, then at most one per
-                # probe.unreachable_log_interval_s (with the count of dials suppressed).
+                # probe.logs.unreachable_interval (with the count of dials suppressed).
                 self.failed_dials += 1
                 self.last_error, self.last_error_at_s = detail, self._now()
                 if self.failed_dials == 1:
@@ -269,7 +269,7 @@ class ProbeSession:
             # waiting up to the agent's busy cadence (3-5 s); keeps the warm-up gate short.
             outq.put_nowait(probe_pb2.ControlMessage(probe_now=probe_pb2.ProbeNow(reason="connected")))
             interval = self.cfg.rtt.ping_interval.s
-            keep = self.probe_cfg.max_unanswered_pings
+            keep = self.probe_cfg.channel.max_unanswered_pings
             while True:
                 st.ping_seq += 1
                 seq = st.ping_seq
@@ -286,7 +286,7 @@ class ProbeSession:
             # A stream open but without heartbeats is cancelled here; the read below then ends.
             await self.silence_gate.silent_for(loop, silent_s, lambda: st.last_hb, self._heard_s,
                                                self.cfg.heartbeat.self_lag_tolerance.s,
-                                               self.probe_cfg.lag_recheck_ms / 1000.0)
+                                               self.probe_cfg.stalls.lag_recheck.s)
             silent[0] = True
             call.cancel()
 

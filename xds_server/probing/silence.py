@@ -2,11 +2,11 @@
 
 The rule is pure (:mod:`xds_server.probing.stall_hold`); this module is its edge on the event loop:
 
-- :class:`LoopStallWatch` samples the event loop every ``probe.loop_watch_interval_ms`` (one
+- :class:`LoopStallWatch` samples the event loop every ``probe.stalls.loop_watch_interval`` (one
   sampler per loop, shared by every session on it, running while a session holds it) and keeps
   the loop's :class:`~xds_server.probing.stall_hold.StallHistory`;
 - :class:`SilenceGate`, one per session, asks it whether a verdict on the node's silence (a Tick
-  counting misses, a stream found closed, a stream silent for ``probe.silent_stream_redial_ms``)
+  counting misses, a stream found closed, a stream silent for ``probe.channel.silent_stream_redial``)
   must wait for the end of a hold after our own stall, and keeps a stream close found during one.
 
 Shape::
@@ -35,13 +35,13 @@ from xds_server.probing.timers import recheck_after_s
 __all__ = ["LoopStallWatch", "SilenceGate", "SilentStream"]
 
 _KEEP_S = 60.0
-"""Stalls are remembered this long (s): the largest ``probe.stall_hold_ms`` allowed."""
+"""Stalls are remembered this long (s): the largest ``probe.stalls.stall_hold`` allowed."""
 _EARLY_S = 1e-6
 """A hold ending within this (s) of now counts as ended (a timer may run a clock tick early)."""
 
 
 class SilentStream(Exception):
-    """The stream stayed open without a heartbeat for ``probe.silent_stream_redial_ms``."""
+    """The stream stayed open without a heartbeat for ``probe.channel.silent_stream_redial``."""
 
 
 class LoopStallWatch:
@@ -93,15 +93,15 @@ class LoopStallWatch:
 
 class SilenceGate:
     """One probe session's gate on silence verdicts (see the module docstring). ``stall_s``: one
-    heartbeat miss window (``health``: interval + grace), ``hold_s``: ``probe.stall_hold_ms``.
+    heartbeat miss window (``health``: interval + grace), ``hold_s``: ``probe.stalls.stall_hold``.
     ``pending_close``: (detail, loop s) of a stream close found during a hold, to report at its end."""
 
     __slots__ = ("_watch", "held", "hold_s", "pending_close", "period_s", "stall_s")
 
     def __init__(self, cfg: HealthConfig, probe: ProbeConfig) -> None:
         self.stall_s = miss_after_s(cfg)
-        self.hold_s = probe.stall_hold_ms / 1000.0
-        self.period_s = probe.loop_watch_interval_ms / 1000.0
+        self.hold_s = probe.stalls.stall_hold.s
+        self.period_s = probe.stalls.loop_watch_interval.s
         self.pending_close: tuple[str, float] | None = None
         self.held = 0  # verdicts put off by a hold
         self._watch: LoopStallWatch | None = None

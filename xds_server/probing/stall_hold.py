@@ -10,7 +10,7 @@ redialled. So a node's silence across our own stall is no evidence about the nod
 at least ``stall_s`` long (one heartbeat miss window: ``health.heartbeat.interval`` +
 ``heartbeat_grace_ms``), a verdict on a node's silence (a Tick counting misses, a closed or
 silent stream) is held until the node's first heartbeat after we woke, or for as long as the
-stall lasted, at most ``hold_s`` (``probe.stall_hold_ms``), whichever comes first. A node that
+stall lasted, at most ``hold_s`` (``probe.stalls.stall_hold``), whichever comes first. A node that
 really died during our stall is ejected then, at most that late; a short stall (a loaded host)
 delays a verdict only by its own length.
 

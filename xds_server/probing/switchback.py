@@ -1,6 +1,6 @@
 """Switch-back validation, the I/O side: replay against the candidate and two healthy peers.
 
-Every ``health.validation.check_interval_s`` (:meth:`SwitchbackValidator.check`) the validator
+Every ``health.validation.check_interval`` (:meth:`SwitchbackValidator.check`) the validator
 looks for nodes the health model holds in PROBATION with a PENDING validation
 (:mod:`xds_server.health.switchback_rules`) and validates each (all due nodes at once, each check waiting for them):
 
@@ -171,14 +171,14 @@ class SwitchbackValidator:
         cfg = self._config().health.validation
         now = self._core.clock.now()
         first = self._first_try.get((nid, since_s), now)
-        if now - first >= cfg.give_up_s:
+        if now - first >= cfg.give_up.s:
             self._verdict(nid, since_s, V.PROBES_ONLY, f"no replay for {now - first:.0f} s (last: {why}): "
                           "validated by probes alone", {})
             return
         self._retry_at = {k: t for k, t in self._retry_at.items() if k[0] != nid}
-        self._retry_at[(nid, since_s)] = now + cfg.retry_s
-        self.last[nid] = {"verdict": "not run", "detail": why, "retry_in_s": cfg.retry_s}
-        self._event(nid, f"switch-back validation could not run, retry in {cfg.retry_s:g} s: {why}")
+        self._retry_at[(nid, since_s)] = now + cfg.retry.s
+        self.last[nid] = {"verdict": "not run", "detail": why, "retry_in_s": cfg.retry.s}
+        self._event(nid, f"switch-back validation could not run, retry in {cfg.retry.s:g} s: {why}")
 
     def _event(self, nid: str, reason: str) -> None:
         core = self._core
@@ -219,7 +219,7 @@ class SwitchbackValidator:
         ex = {i: ReplayExchange(i, core.node_cfg[i].probe_address, tls=self._tls(i), counters=core.counters,
                                 control_plane_id=self._cp_id) for i in ids}
         try:
-            open_s = min(cfg.timeout_s, 5.0)
+            open_s = min(cfg.timeout.s, 5.0)
             caps = dict(zip(ids, await asyncio.gather(*(ex[i].open(open_s) for i in ids)), strict=True))
             if not caps[nid]:
                 if ex[nid].error:
@@ -235,9 +235,9 @@ class SwitchbackValidator:
                 self._verdict(nid, since_s, V.PROBES_ONLY, f"{why}: validated by probes alone", {"peers": able})
                 return
             req = probe_pb2.ReplayRequest(request_id=f"{nid}-{uuid.uuid4().hex[:12]}", prompts=prompts,
-                                          max_tokens=cfg.max_tokens, timeout_ms=int(cfg.timeout_s * 1000))
+                                          max_tokens=cfg.max_tokens, timeout_ms=int(cfg.timeout.s * 1000))
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + cfg.timeout_s
+            deadline = loop.time() + cfg.timeout.s
             trio = [nid, *able]
             got = await asyncio.gather(*(ex[i].ask(req, 64 * cfg.max_tokens, deadline) for i in trio))
         finally:
@@ -277,7 +277,7 @@ class SwitchbackValidator:
             body["model"] = cfg.embeddings_model
         assert cfg.embeddings_url is not None
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as s, \
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=cfg.timeout.s)) as s, \
                     s.post(cfg.embeddings_url, json=body) as r:
                 r.raise_for_status()
                 data = (await r.json())["data"]

@@ -186,7 +186,7 @@ class LoadCheck:
         # A value in range is taken as is (``lo <= v <= hi`` is False for NaN and for an infinity
         # past a finite bound); anything else goes through number() for its reason.
         has = load.HasField
-        hi = self.probe.max_requests
+        hi = self.probe.limits.max_requests
         top = hi if hi < math.inf else sys.float_info.max  # an infinite bound still rejects inf
         waiting = running = kv = None
         if has("requests_waiting"):
@@ -200,7 +200,7 @@ class LoadCheck:
             kv = v if 0.0 <= v <= 1.0 else number(v, _P_KV, 0.0, 1.0, bad)
         if has("prefix_cache_hit_ratio") and not 0.0 <= load.prefix_cache_hit_ratio <= 1.0:
             number(load.prefix_cache_hit_ratio, _P_PREFIX, 0.0, 1.0, bad)
-        max_text = self.probe.max_text_chars
+        max_text = self.probe.limits.max_text_chars
         metrics_error = text(load.metrics_error, _P_LOAD + "metrics_error", max_text, bad)
         metric = text(load.kv_cache_metric, _P_LOAD + "kv_cache_metric", max_text, bad)
         ok = load.metrics_ok
@@ -253,16 +253,16 @@ class GpuCheck:
         if nvml is None:
             bad.append(BadField(p + "state", "unknown_enum"))
             nvml = NVML_UNKNOWN
-        max_text = self.probe.max_text_chars
+        max_text = self.probe.limits.max_text_chars
         error = text(gpu.error, p + "error", max_text, bad)
         readings: Sequence[probe_pb2.GpuReading] = gpu.gpus
         count = len(readings)
-        if count > self.probe.max_gpus:
+        if count > self.probe.limits.max_gpus:
             bad.append(BadField(p + "gpus", "too_many"))
-            readings = list(readings)[: self.probe.max_gpus]
+            readings = list(readings)[: self.probe.limits.max_gpus]
         free: float | None = None
         fatal = ""
-        n_items = self.probe.max_list_items
+        n_items = self.probe.limits.max_list_items
         for g in readings:
             if len(g.uuid) > max_text:
                 bad.append(BadField(_P_READING + "uuid", "too_long"))

@@ -16,7 +16,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from xds_server.config.health_names import rename_flat
+from xds_server.config.health_names import RENAMED
+from xds_server.config.renames import move_old_names
 from xds_server.envoy.bootstrap import find_envoy, render_bootstrap, write_bootstrap
 from xds_server.envoy.tls import add_xds_tls
 from xds_server.testing._envoy import envoy_process, fetch_envoy_hosts
@@ -174,7 +175,7 @@ class Fleet:
 
     def config_dict(self) -> dict[str, Any]:
         """The xds-server config this fleet runs with."""
-        given, _ = rename_flat(self.health)  # flat names of earlier releases, as a test may write them
+        given, _ = move_old_names(self.health, RENAMED, "health")  # flat names a test may still write
         health: dict[str, Any] = {**given, "heartbeat": {"interval": f"{self.heartbeat_interval_ms}ms",
                                                          **given.get("heartbeat", {})}}
 

@@ -13,8 +13,8 @@ What the shell adds to the protocol (checklist 1.9 numbers in brackets):
   are never reused by a later stream or a restarted server [2, 19]) and its connection time;
 - a request that does not decode ends the stream with INVALID_ARGUMENT, as does one the stream
   rejects (no ``type_url`` [16], too many types or names, a type_url too long);
-- each stream has a request budget (``xds.request_bytes_per_s``, ``xds.request_burst_bytes``,
-  ``xds.request_cost_min_bytes``): while it is overdrawn the stream is not read, so one client
+- each stream has a request budget (``xds.limits.request_bytes_per_s``, ``xds.limits.request_burst_bytes``,
+  ``xds.limits.request_cost_min_bytes``): while it is overdrawn the stream is not read, so one client
   flooding requests cannot take the event loop from the others;
 - NACKs and rejected streams are logged rate-limited, with every client string escaped
   (:func:`~xds_server.process.untrusted.for_log`); node ids are shown in :meth:`AdsServicer.clients_view`
@@ -228,8 +228,8 @@ class AdsServicer:
         # per stream, and no other stream waits on this one.
         self.streams[stream.stream_id] = stream
         self.stats.streams_opened += 1
-        cfg = self.config
-        budget = RequestBudget(cfg.request_bytes_per_s, cfg.request_burst_bytes, cfg.request_cost_min_bytes,
+        lim = self.config.limits
+        budget = RequestBudget(lim.request_bytes_per_s, lim.request_burst_bytes, lim.request_cost_min_bytes,
                                self._monotonic())
         wake = asyncio.Event()
         failure: list[BaseException] = []
@@ -251,7 +251,7 @@ class AdsServicer:
                         failure.append(_Rejected("undecodable", f"undecodable {request_cls.__name__}: {e}"))
                         return
                     if not authorized and self.authorize is not None:
-                        node_id = clip(req.node.id, cfg.client_text_max_chars) if req.HasField("node") else ""
+                        node_id = clip(req.node.id, lim.client_text_max_chars) if req.HasField("node") else ""
                         cert = stream.client_certificate
                         refused = self.authorize(cert.names if cert is not None else (), node_id)
                         if refused is not None:

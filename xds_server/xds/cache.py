@@ -11,12 +11,12 @@ streams costs one encode plus 1,000 small envelopes.
 
 Coalescing happens one step earlier, where resources are built: the control plane marks a
 cluster dirty on every health change and builds and stores its assignment at most once per
-``xds.coalesce_window_ms`` (server.py): an isolated change at once, a burst within the window
+``xds.publish.coalesce_window`` (server.py): an isolated change at once, a burst within the window
 after a publish as one encode and one push.
 
 Data derived from a type's content (encoded response bodies, versions of subscription sets) is
 memoized per type in :class:`~xds_server.xds.memo.BoundedMemo` s, emptied when the type changes
-and bounded by count and bytes (``xds.memo_max_entries``, ``xds.memo_max_bytes`` each), so what
+and bounded by count and bytes (``xds.limits.memo_max_entries``, ``xds.limits.memo_max_bytes`` each), so what
 closed streams asked for cannot pile up.
 
 :meth:`SnapshotCache.consistent` is the named consistency check (go-control-plane's
@@ -109,8 +109,8 @@ class SnapshotCache:
                  memo_max_entries: int | None = None, memo_max_bytes: int | None = None) -> None:
         defaults = XdsConfig()
         self.validators: dict[str, Validator] = dict(validators or {})
-        self.memo_max_entries = memo_max_entries or defaults.memo_max_entries
-        self.memo_max_bytes = memo_max_bytes or defaults.memo_max_bytes
+        self.memo_max_entries = memo_max_entries or defaults.limits.memo_max_entries
+        self.memo_max_bytes = memo_max_bytes or defaults.limits.memo_max_bytes
         self._resources: dict[str, dict[str, CachedResource]] = {}
         self._type_version: dict[str, str] = {}
         self._type_generation: dict[str, int] = {}

@@ -122,7 +122,7 @@ class StreamLimits:
     node cluster, user agent, versions kept from a client; ``nack_message_max_chars``: a NACK's
     ``error_detail.message`` as kept; ``view_max_names``: subscribed names listed per type by
     ``describe()`` (the count is always given); ``max_absent_names``: SotW names that exist
-    nowhere answered with a stand-in, per type (``xds.absent_names_max_per_stream``).
+    nowhere answered with a stand-in, per type (``xds.limits.absent_names_max_per_stream``).
     """
 
     max_types: int = 32
@@ -136,11 +136,11 @@ class StreamLimits:
     @classmethod
     def from_config(cls, xds: XdsConfig) -> StreamLimits:
         """From an :class:`~xds_server.config.XdsConfig`."""
-        return cls(max_types=xds.max_types_per_stream, max_tracked_nonces=xds.max_tracked_nonces,
-                   max_names=xds.max_names_per_stream, text_max_chars=xds.client_text_max_chars,
-                   nack_message_max_chars=xds.nack_message_max_chars,
-                   view_max_names=xds.clients_view_max_names,
-                   max_absent_names=xds.absent_names_max_per_stream)
+        return cls(max_types=xds.limits.max_types_per_stream, max_tracked_nonces=xds.limits.max_tracked_nonces,
+                   max_names=xds.limits.max_names_per_stream, text_max_chars=xds.limits.client_text_max_chars,
+                   nack_message_max_chars=xds.limits.nack_message_max_chars,
+                   view_max_names=xds.limits.clients_view_max_names,
+                   max_absent_names=xds.limits.absent_names_max_per_stream)
 
 
 @dataclass(slots=True)

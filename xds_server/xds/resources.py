@@ -70,7 +70,7 @@ _HEALTH = {
 
 def _ms(ms: int | float) -> duration_pb2.Duration:
     d = duration_pb2.Duration()
-    d.FromMilliseconds(int(ms))
+    d.FromMilliseconds(round(ms))
     return d
 
 
@@ -79,7 +79,7 @@ def build_cluster(c: ClusterConfig) -> cluster_pb2.Cluster:
     cluster = cluster_pb2.Cluster(
         name=c.name,
         type=cluster_pb2.Cluster.EDS,
-        connect_timeout=_ms(c.connect_timeout_ms),
+        connect_timeout=_ms(c.connect_timeout.ms),
         lb_policy=getattr(cluster_pb2.Cluster, c.lb_policy),
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(
             eds_config=config_source_pb2.ConfigSource(
@@ -89,7 +89,7 @@ def build_cluster(c: ClusterConfig) -> cluster_pb2.Cluster:
         ),
         common_lb_config=cluster_pb2.Cluster.CommonLbConfig(
             healthy_panic_threshold=percent_pb2.Percent(value=c.healthy_panic_threshold_percent),
-            update_merge_window=_ms(c.update_merge_window_ms),
+            update_merge_window=_ms(c.update_merge_window.ms),
         ),
         circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
             thresholds=[
@@ -113,8 +113,8 @@ def build_cluster(c: ClusterConfig) -> cluster_pb2.Cluster:
                 enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(
                     value=od.enforcing_consecutive_gateway_failure),
                 enforcing_success_rate=wrappers_pb2.UInt32Value(value=od.enforcing_success_rate),
-                interval=_ms(od.interval_ms),
-                base_ejection_time=_ms(od.base_ejection_time_ms),
+                interval=_ms(od.interval.ms),
+                base_ejection_time=_ms(od.base_ejection_time.ms),
                 max_ejection_percent=wrappers_pb2.UInt32Value(value=od.max_ejection_percent),
             )
         )

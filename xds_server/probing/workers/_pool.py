@@ -15,7 +15,7 @@ A node belongs to worker ``worker_for(node_id, n)``. A worker that exits (crash,
 is restarted after ``restart_backoff_s`` (doubling to 5 s while it keeps dying within 10 s of
 its start) and gets its nodes again, each with the main process's current copy of its health:
 its nodes stay as they were meanwhile (nothing here treats "worker gone" as "node gone") and
-the new worker counts their silence only after ``probe.worker_restart_grace_ms``
+the new worker counts their silence only after ``probe.worker_restart_grace``
 (:mod:`xds_server.probing.workers._detector`).
 """
 from __future__ import annotations
@@ -208,7 +208,7 @@ class WorkerPool:
         h.started_at = time.monotonic()
         cfg = h.sent_cfg = self.core.config
         h.writer.write(encode(("init", h.index, cfg.health, cfg.probe, _ident(cfg),
-                               cfg.probe.worker_restart_grace_ms / 1000.0,
+                               cfg.probe.worker_restart_grace.s,
                                logging.getLogger().getEffectiveLevel())))
         for s in list(h.nodes.values()):
             self._send_node(h, s)

@@ -9,7 +9,7 @@ uvloop, :mod:`xds_server.process.event_loop`) with one end of a socketpair as
 file descriptor FD. It exits when the channel reaches end of stream (the main process exited or
 closed it), on ``("stop",)``, and (Linux) when the parent dies (``PR_SET_PDEATHSIG`` = SIGKILL),
 so it is never orphaned. Reports go out at once when the detector has an urgent change
-(coalesced: one frame per event-loop turn) and every ``probe.worker_report_interval_ms``.
+(coalesced: one frame per event-loop turn) and every ``probe.worker_report_interval``.
 """
 from __future__ import annotations
 
@@ -162,9 +162,9 @@ class Worker:
             self.writer.write(encode(("report", nodes, hb, probes, counters, links)))
 
     async def report_loop(self) -> None:
-        """A full report every ``probe.worker_report_interval_ms``."""
+        """A full report every ``probe.worker_report_interval``."""
         while True:
-            await asyncio.sleep(self.probe.worker_report_interval_ms / 1000.0)
+            await asyncio.sleep(self.probe.worker_report_interval.s)
             self.flush(True)
             await self.writer.drain()
 
