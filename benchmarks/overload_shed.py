@@ -17,6 +17,11 @@ whole cluster (the knee).
 
     .venv/bin/python benchmarks/overload_shed.py [--nodes 4] [--max-num-seqs 2] [--rate 30]
         [--duration 30] [--queue-warning 50 --queue-critical 100] [--sweep 10,20,30,40]
+        [--capacity-rps C]
+
+The bare excess is ``1 - C / offered``, ``C`` what the survivors complete when saturated: the
+"no shed" run's completions (its queues never empty), or ``--capacity-rps``. The shed share is
+also given after the first 10 s of the fault (the controller's settling).
 """
 from __future__ import annotations
 
@@ -36,14 +41,14 @@ from overload_rig import OpenLoop, Watch, pct, summary  # noqa: E402  # after th
 
 from xds_server.testing import Fleet, wait_for  # noqa: E402  # after the path insert above
 
-FAST = {"probation_clean_s": 600.0, "ramp_step_percent": 25, "ramp_step_s": 0.25}
+FAST = {"probation": {"clean": "10m", "ramp_step_percent": 25, "ramp_step": "250ms"}}
 
 
 def _fleet(a: argparse.Namespace, shed: bool) -> Fleet:
     return Fleet(n_nodes=a.nodes, token_interval_ms=a.token_ms, per_try_timeout_s=None,
                  per_try_idle_timeout_s=a.idle_timeout,
                  engine_args=["--max-num-seqs", str(a.max_num_seqs)],
-                 health={**FAST, "queue_warning": a.queue_warning, "queue_critical": a.queue_critical},
+                 health={**FAST, "load": {"queue_warning": a.queue_warning, "queue_critical": a.queue_critical}},
                  config_options={"lrs": {"shed": {"enabled": shed, **json.loads(a.shed)}}})
 
 
@@ -124,9 +129,14 @@ async def one(a: argparse.Namespace, shed: bool) -> dict:
         # detection, ~1.5 s) to the end
         over = load.between(t_freeze + a.settle, t_end)
         s = summary(over)
+        late = load.between(t_freeze + 10.0, t_end)  # after the first 10 s of the fault
+        done = sum(1 for x in load.shots if x.done_t is not None and t_freeze + a.settle <= x.done_t < t_end)
         waits = watch.waiting_between(t_freeze + a.settle, t_end, survivors)
         drops = [p for t, p in watch.drops if t >= t_freeze + a.settle]
         return {"mode": "shed" if shed else "no shed", "unloaded": unloaded, "overload": s,
+                "offered_rps": len(over) / max(1e-9, t_end - t_freeze - a.settle),
+                "completed_rps": done / max(1e-9, t_end - t_freeze - a.settle),
+                "shed_after_10s": summary(late)["shed_share"],
                 "survivors_waiting_max": max(waits, default=float("nan")),
                 "survivors_waiting_p95": pct(waits, 95),
                 "drop_max": max(drops, default=0.0), "survivor_states": {k: sorted(v) for k, v in states.items()},
@@ -137,20 +147,24 @@ async def one(a: argparse.Namespace, shed: bool) -> dict:
         fleet.stop()
 
 
-def _row(r: dict) -> str:
+def _row(r: dict, capacity: float | None) -> str:
     u, s = r["unloaded"], r["overload"]
     st = s["status"]
     other = sum(v for k, v in st.items() if k not in ("200", "429+RA", "429", "503"))
     ratio = s["ttft_p99_ms"] / u["ttft_p99_ms"] if u["ttft_p99_ms"] else float("nan")
-    return (f"| {r['mode']} | {r['survivors_waiting_max']:.0f} / {r['survivors_waiting_p95']:.0f} | "
-            f"{u['ttft_p50_ms']:.0f} / {u['ttft_p99_ms']:.0f} | {s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} "
-            f"({ratio:.1f}x) | {s['shed_share']:.1f} / {s['commanded']:.1f} | {st.get('200', 0)} | "
+    load = f"{100 * r['offered_rps'] / capacity:.0f} %" if capacity else "?"
+    bare = f"{max(0.0, 100 * (1 - capacity / r['offered_rps'])):.1f}" if capacity and r["offered_rps"] else "?"
+    return (f"| {r['mode']} | {r['offered_rps']:.1f} ({load}) | {bare} | {s['shed_share']:.1f} / "
+            f"{r['shed_after_10s']:.1f} / {s['commanded']:.1f} | {r['survivors_waiting_max']:.0f} / "
+            f"{r['survivors_waiting_p95']:.0f} | {u['ttft_p50_ms']:.0f} / {u['ttft_p99_ms']:.0f} | "
+            f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} ({ratio:.1f}x) | {r['completed_rps']:.1f} | "
             f"{st.get('429+RA', 0)} ({st.get('429', 0)} without) | {st.get('503', 0)} | {other} | {s['errors']} |")
 
 
-HEADER = ("| mode | survivors' waiting max / p95 | unloaded TTFT p50 / p99 (ms) | admitted TTFT p50 / p99 (ms) | "
-          "shed / commanded (%) | 200 | 429 + Retry-After | 503 | other | errors |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+HEADER = ("| mode | offered rps (of capacity) | bare excess (%) | shed: all / after 10 s / commanded (%) | "
+          "survivors' waiting max / p95 | unloaded TTFT p50 / p99 (ms) | admitted TTFT p50 / p99 (ms) | "
+          "completed rps | 429 + Retry-After | 503 | other | errors |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 async def main() -> None:
@@ -172,6 +186,9 @@ async def main() -> None:
     p.add_argument("--sweep", default="", help="rates (rps, comma-separated) to measure TTFT at first")
     p.add_argument("--sweep-s", type=float, default=6.0)
     p.add_argument("--json", default="", help="write the results here")
+    p.add_argument("--capacity-rps", type=float, default=0.0,
+                   help="what the survivors complete when saturated, rps, for the bare excess (default: the "
+                        "'no shed' run's completions, when it ran)")
     a = p.parse_args()
     out: dict = {"args": vars(a)}
     if a.sweep:
@@ -182,9 +199,11 @@ async def main() -> None:
         rows.append(r)
         print(json.dumps(r, default=str), flush=True)
     out["runs"] = rows
+    saturated = [r["completed_rps"] for r in rows if r["mode"] == "no shed"]
+    capacity = a.capacity_rps or (saturated[0] if saturated else None)
     print(HEADER)
     for r in rows:
-        print(_row(r))
+        print(_row(r, capacity))
     if a.json:
         Path(a.json).write_text(json.dumps(out, default=str, indent=1))
 

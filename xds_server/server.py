@@ -222,7 +222,7 @@ class ControlPlane:
         self.write_state()
 
     def _probe_context(self, cfg: SentinelConfig) -> ProbeSourceContext:
-        return ProbeSourceContext(cfg.health, cfg.probe, self.observe, self.clock, self.counters,
+        return ProbeSourceContext(cfg.health, cfg.probe, self.core.observe, self.clock, self.counters,
                                   cfg.xds.replica_id, cfg.tls.agents)
 
     # -- reload (rules in xds_server.control.reload) ---------------------------------------------

@@ -38,6 +38,7 @@ class Shot:
     retry_after: str | None = None
     end: str = ""
     commanded: float = 0.0  # the drop the control plane published when it was sent, %
+    done_t: float | None = None  # when its [DONE] arrived (s; None: it did not)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -155,6 +156,7 @@ class OpenLoop:
                         if line.startswith(b"data: [DONE]"):
                             done = True
                     shot.end = "done" if done else "cut"
+                    shot.done_t = time.monotonic() if done else None
         except TimeoutError:
             shot.end = "timeout"
         except (aiohttp.ClientError, ConnectionError) as exc:
