@@ -1,9 +1,9 @@
 """A node that cannot warm, on the pure health model: a COLD/WARMING node whose probes fail, or that has no
-good probe within ``warm_limit_s``, says so with the last probe result ("cannot warm: ..."), once
+good probe within ``health.probes.warm_limit``, says so with the last probe result ("cannot warm: ..."), once
 as an event; its consecutive failures are counted. It is never routed before a good probe.
 
 Numbers in the names: the agent probes every 0.5 s (NodeSim), ``probe_failures_to_eject`` 2,
-``warm_limit_s`` 300 s (default) or as given.
+``health.probes.warm_limit`` 300 s (default) or as given.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_connect_failures_of_a_loading_engine_are_counted_but_cannot_warm_only_a
     sim.run_until(301.0)
     [ev] = reports(sim)
     assert ev.at_s == 300.25 and ev.reason.startswith(
-        "cannot warm: no good probe 300 s after WARMING began (warm_limit_s 300 s), 601 consecutive probe failures; "
+        "cannot warm: no good probe 300 s after WARMING began (probes.warm_limit 5m), 601 consecutive probe failures; "
         "last probe: CONNECT")
 
 
@@ -69,7 +69,7 @@ def test_429_from_the_start_is_not_a_failure_and_cannot_warm_at_a_30s_limit_then
         "(60 probes, no good probe)"
     sim.run_until(30.3)
     [ev] = reports(sim)
-    assert ev.reason == ("cannot warm: no good probe 30 s after WARMING began (warm_limit_s 30 s); "
+    assert ev.reason == ("cannot warm: no good probe 30 s after WARMING began (probes.warm_limit 30s); "
                          "last probe: busy: every probe answered HTTP 429 for 30.0 s (61 probes, no good probe)")
     sim.probe = lambda t: ProbeObserved(K.OK, ttft_ms=30)
     sim.run_until(31.0)

@@ -49,3 +49,18 @@ def test_defaults_units_and_advanced_marks_come_from_the_models():
 def test_the_essential_keys_exist():
     paths = {k.path for k in keys()}
     assert {p for p, _ in ESSENTIAL} <= paths
+
+
+def test_every_advanced_mark_names_a_key_of_its_model():
+    from xds_server.config.reference import _models
+
+    seen: set[type] = set()
+    stack: list[type] = [SentinelConfig]
+    while stack:
+        m = stack.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        assert getattr(m, "ADVANCED", frozenset()) <= set(m.model_fields), m.__name__
+        stack.extend(s for f in m.model_fields.values() for s in _models(f.annotation))
+    assert len(seen) > 20

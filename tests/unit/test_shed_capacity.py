@@ -126,7 +126,7 @@ def test_with_counted_slots_and_low_queues_the_drop_never_lets_in_more_than_they
 def test_engines_without_a_budget_is_refused_naming_the_field():
     import pytest
 
-    with pytest.raises(ValueError, match="capacity_source: engines needs queue_wait_budget_s"):
+    with pytest.raises(ValueError, match="capacity_source: engines needs queue_wait_budget"):
         ShedConfig(capacity_source="engines", queue_wait_budget_s=None)
     # the default (engines) with the budget null: the seed's thresholds alone, as null always meant
     assert ShedConfig(queue_wait_budget_s=None).capacity_source == "engines"

@@ -10,7 +10,7 @@ from typing import Annotated, ClassVar
 from pydantic import Field, field_validator, model_validator
 
 from xds_server.config.base import _check_hostport, _Model, parse_hostport
-from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration, at_most
+from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration, at_least, at_most
 from xds_server.config.renames import Moves, _Renaming
 from xds_server.config.tls import _not_expired, _readable
 from xds_server.process.dialing import is_loopback
@@ -42,16 +42,16 @@ class AdminConfig(_Renaming):
     WHERE: ClassVar[str] = "admin"
     MOVED: ClassVar[Moves] = {
         "live_interval_ms": ("live_interval", "ms"),
-        "live_ping_s": ("live_ping", "s"),
+        "live_ping": ("live_ping", "s"),
         "history_s": ("history", "s"),
         "history_interval_ms": ("history_interval", "ms"),
-        "live_write_timeout_s": ("live_write_timeout", "s"),
+        "live_write_timeout": ("live_write_timeout", "s"),
     }
 
     #: Protection limits that rarely need changing (marked advanced in docs/config.md).
     ADVANCED: ClassVar[frozenset[str]] = frozenset({
-        "drain_reason_max_chars", "event_reason_max_chars", "events_buffer", "live_max_clients", "live_ping_s",
-        "live_queue_max", "live_send_buffer_bytes", "live_write_buffer_bytes", "live_write_timeout_s"})
+        "drain_reason_max_chars", "event_reason_max_chars", "events_buffer", "live_max_clients", "live_ping",
+        "live_queue_max", "live_send_buffer_bytes", "live_write_buffer_bytes", "live_write_timeout"})
 
     listen: str = Field("127.0.0.1:19000", description="HOST:PORT of the admin HTTP server")
     token: str | None = Field(None, description="bearer token for POST drain/undrain and /reload; None = "
@@ -66,7 +66,7 @@ class AdminConfig(_Renaming):
     drain_reason_max_chars: int = Field(
         200, ge=1, le=4096, description="the drain/undrain ?reason= text is clipped to this",
     )
-    live_interval: Annotated[NonNegativeDuration, at_most("1m")] = Field(
+    live_interval: Annotated[PositiveDuration, at_least("50ms"), at_most("1m")] = Field(
         _d("500ms"),
         description="the dashboard's live feed (GET /live) sends a snapshot this often while a "
         "browser listens (ours: 2 Hz reads well and costs one /nodes view per tick)",
@@ -87,7 +87,7 @@ class AdminConfig(_Renaming):
         "RTT, TTFT), s; 0 = off (ours: 15 min covers what led to an incident an operator opens the "
         "page for; ~9 KB per node at the default resolution)",
     )
-    history_interval: Annotated[NonNegativeDuration, at_most("10m")] = Field(
+    history_interval: Annotated[PositiveDuration, at_least("50ms"), at_most("10m")] = Field(
         _d("2s"),
         description="one history sample this often, ms (ours: 2 s keeps a 15-minute sparkline at "
         "450 points, finer than a table cell's pixels; the live feed fills in between)",

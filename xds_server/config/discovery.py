@@ -11,7 +11,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from xds_server.config.base import _Model
-from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration, at_most
+from xds_server.config.duration import Duration, PositiveDuration, at_least, at_most
 from xds_server.config.renames import Moves, _Renaming
 
 __all__ = ["DiscoveryConfig", "FileDiscoveryConfig", "KubernetesDiscoveryConfig"]
@@ -78,7 +78,7 @@ class KubernetesDiscoveryConfig(_Renaming):
                           "KUBERNETES_SERVICE_HOST is set, else $KUBECONFIG or ~/.kube/config",
     )
     context: str | None = Field(None, description="kubeconfig context; None: its current-context")
-    watch_timeout: Annotated[NonNegativeDuration, at_most("1h")] = Field(
+    watch_timeout: Annotated[PositiveDuration, at_least("1s"), at_most("1h")] = Field(
         _d("5m"), description="server-side end of each watch (timeoutSeconds); the watch is "
                                         "then resumed from the last resourceVersion (ours)",
     )

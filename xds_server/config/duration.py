@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, PlainSerializer, PlainValidator, WithJsonSchema
 
-__all__ = ["Duration", "NonNegativeDuration", "PositiveDuration", "at_most"]
+__all__ = ["Duration", "NonNegativeDuration", "PositiveDuration", "at_least", "at_most"]
 
 _FORM = re.compile(r"^\s*(-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*(ms|s|m|h)\s*$")
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -97,5 +97,16 @@ def at_most(limit: str) -> AfterValidator:
     def check(d: Duration | None) -> Duration | None:
         if d is not None and d.s > top.s:
             raise ValueError(f"{d} is longer than {top}")
+        return d
+    return AfterValidator(check)
+
+
+def at_least(limit: str) -> AfterValidator:
+    """A field's lower bound, for ``Annotated[PositiveDuration, at_least("100ms")]`` (None passes)."""
+    bottom = Duration.parse(limit)
+
+    def check(d: Duration | None) -> Duration | None:
+        if d is not None and d.s < bottom.s:
+            raise ValueError(f"{d} is shorter than {bottom}")
         return d
     return AfterValidator(check)

@@ -31,12 +31,12 @@ class FeedConfig(_Renaming):
 
     WHERE: ClassVar[str] = "feed"
     MOVED: ClassVar[Moves] = {
-        "send_timeout_s": ("send_timeout", "s"),
+        "send_timeout": ("send_timeout", "s"),
     }
 
     #: Protection limits that rarely need changing (marked advanced in docs/config.md).
     ADVANCED: ClassVar[frozenset[str]] = frozenset({
-        "max_subscribers", "queue_limit", "send_timeout_s"})
+        "max_subscribers", "queue_limit", "send_timeout"})
 
     max_subscribers: int = Field(
         512, ge=1, le=100_000,
@@ -50,7 +50,7 @@ class FeedConfig(_Renaming):
         "that does not (it stopped reading) is dropped: its queue freed, RESOURCE_EXHAUSTED queued "
         "for it, counted in sentinel_routing_feed_dropped_total{reason=\"deadline\"}. Its place "
         "under max_subscribers is freed when its connection ends (gRPC's keepalive closes one whose "
-        "client reads nothing: xds.keepalive.time + keepalive_timeout_ms). Ours: a snapshot "
+        "client reads nothing: xds.keepalive.time + xds.keepalive.timeout). Ours: a snapshot "
         "of 10,000 nodes is ~1 MB, a second on a slow link; a relay reads in milliseconds",
     )
     queue_limit: int = Field(

@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar
 from pydantic import Field, field_validator, model_validator
 
 from xds_server.config.base import parse_hostport
-from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration, at_most
+from xds_server.config.duration import Duration, PositiveDuration, at_least, at_most
 from xds_server.config.lrs_peers import PeerConfig
 from xds_server.config.renames import Moves, _Renaming
 from xds_server.config.shed import ShedConfig
@@ -95,21 +95,21 @@ class LrsConfig(_Renaming):
         "interval_s": ("interval", "s"),
         "retain_s": ("retain", "s"),
         "stale_after_s": ("stale_after", "s"),
-        "peer_max_delay_s": ("peer_max_delay", "s"),
-        "peer_backoff_max_s": ("peer_backoff_max", "s"),
-        "peer_keepalive_s": ("peer_keepalive", "s"),
+        "peer_max_delay": ("peer_max_delay", "s"),
+        "peer_backoff_max": ("peer_backoff_max", "s"),
+        "peer_keepalive": ("peer_keepalive", "s"),
     }
 
     #: Protection limits that rarely need changing (marked advanced in docs/config.md).
     ADVANCED: ClassVar[frozenset[str]] = frozenset({
         "max_clusters_per_report", "max_endpoints_per_report", "max_localities_per_cluster",
-        "max_requests_per_interval", "max_streams", "min_report_gap_ratio", "peer_backoff_max_s",
-        "peer_keepalive_s", "peer_max_delay_s", "peer_max_envoys", "peer_queue"})
+        "max_requests_per_interval", "max_streams", "min_report_gap_ratio", "peer_backoff_max",
+        "peer_keepalive", "peer_max_delay", "peer_max_envoys", "peer_queue"})
 
     enabled: bool = Field(
         True, description="serve StreamLoadStats; off: the service answers UNIMPLEMENTED and Envoys "
         "rendered with lrs enabled retry quietly")
-    interval: Annotated[NonNegativeDuration, at_most("5m")] = Field(
+    interval: Annotated[PositiveDuration, at_least("100ms"), at_most("5m")] = Field(
         _d("1s"),
         description="load_reporting_interval asked of every Envoy, s (a minimum: Envoy measures and "
         "reports the interval it really covered). Ours: 1 s, so a decision waits at most ~2 s for "
@@ -117,7 +117,7 @@ class LrsConfig(_Renaming):
     retain: Annotated[PositiveDuration, at_most("1h")] = Field(
         _d("1m"),
         description="how long per-interval reports are kept, s; the longest window that can be "
-        "asked (bounds memory: nodes x reporting Envoys x retain_s / interval_s buckets)")
+        "asked (bounds memory: nodes x reporting Envoys x retain / interval buckets)")
     stale_after: PositiveDuration = Field(
         _d("3s"),
         description="a reporting Envoy silent this long no longer counts (its in-progress gauge "
@@ -185,7 +185,7 @@ class LrsConfig(_Renaming):
         _d("2s"),
         description="redial backoff towards a peer doubles from 0.1 s up to this (jittered), s. "
         "Ours: the bootstrap's xDS retry backoff caps at 1 s; a peer back within 2 s misses little")
-    peer_keepalive: Annotated[NonNegativeDuration, at_most("5m")] = Field(
+    peer_keepalive: Annotated[PositiveDuration, at_least("500ms"), at_most("5m")] = Field(
         _d("1s"),
         description="HTTP/2 PING interval (and ack timeout) on a peer stream, s, so a frozen peer is "
         "found (as the bootstrap's xds_cluster keepalive: 1 s / 1 s; the server allows 0.5 s, "

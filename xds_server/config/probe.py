@@ -6,7 +6,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field
 
 from xds_server.config.base import _Model
-from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration, at_most
+from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration, at_least, at_most
 from xds_server.config.renames import Moves, _Renaming
 
 __all__ = ["ProbeChannelConfig", "ProbeConfig", "ProbeLimitsConfig", "ProbeLogsConfig", "ProbeStallsConfig",
@@ -22,19 +22,19 @@ class ProbeChannelConfig(_Model):
 
     ADVANCED: ClassVar[frozenset[str]] = frozenset({"initial_backoff", "max_unanswered_pings", "silent_stream_redial"})
 
-    keepalive_time: PositiveDuration = Field(
+    keepalive_time: Annotated[PositiveDuration, at_least("100ms")] = Field(
         _d("1s"),
         description="HTTP/2 keepalive ping interval on the probe channel (ours: a dead TCP path is "
         "noticed within ~2 s even if no heartbeat is due; heartbeats catch it sooner anyway)",
     )
-    keepalive_timeout: PositiveDuration = Field(
+    keepalive_timeout: Annotated[PositiveDuration, at_least("100ms")] = Field(
         _d("1s"),
         description="keepalive ping ack deadline (ours). gRPC 1.85 closes a connection on it only with "
         "grpc.http2.ping_timeout_ms, deliberately not set here: after a stall of our own (SIGSTOP, VM "
         "pause) the ping sent before it would cut every probe stream as we wake (the fault matrix's "
         "control-plane SIGSTOP then ejected a node); a silent stream is closed by "
         "channel.silent_stream_redial instead, which knows about our stalls")
-    initial_backoff: PositiveDuration = Field(
+    initial_backoff: Annotated[PositiveDuration, at_least("1ms")] = Field(
         _d("100ms"),
         description="gRPC channel's own first reconnect backoff (gRPC's default is 1 s: too slow "
         "for a node whose agent restarts); the channel's cap is health.heartbeat.reconnect_backoff_max",
@@ -52,21 +52,21 @@ class ProbeChannelConfig(_Model):
 class ProbeTransportConfig(_Model):
     """``liveness: transport``: liveness from HTTP/2 PINGs inside gRPC's C core."""
 
-    keepalive_time: Annotated[PositiveDuration, at_most("60s")] = Field(
+    keepalive_time: Annotated[PositiveDuration, at_least("10ms"), at_most("60s")] = Field(
         _d("100ms"),
         description="transport liveness: HTTP/2 keepalive PING interval asked of the probe channel (ms; "
         "ours, 100). gRPC 1.85's client sends at most one PING per second on a connection with "
         "streams whatever this says (chttp2 NextAllowedPingInterval), so a frozen peer fails its "
         "stream 0.1-1.1 s after the freeze (docs/DESIGN.md section 3, benchmarks/transport_liveness.py)",
     )
-    ping_timeout: Annotated[PositiveDuration, at_most("60s")] = Field(
+    ping_timeout: Annotated[PositiveDuration, at_least("10ms"), at_most("60s")] = Field(
         _d("100ms"),
         description="transport liveness: a PING not answered within this fails the connection "
         "(set as grpc.keepalive_timeout_ms and grpc.http2.ping_timeout_ms, which gRPC 1.85 needs to "
         "enforce it). A stall of our own that outlasts it cuts every stream as we wake: the "
         "stall hold (stalls.stall_hold) keeps that from being a verdict; docs/DESIGN.md section 3",
     )
-    telemetry_refresh: Annotated[PositiveDuration, at_most("60s")] = Field(
+    telemetry_refresh: Annotated[PositiveDuration, at_least("100ms"), at_most("60s")] = Field(
         _d("1s"),
         description="transport liveness: unchanged telemetry is re-sent by the agent at most this "
         "often (ours, 1 s: GPU readings are polled each 1 s). Changes (stall flag, "

@@ -106,7 +106,7 @@ class ShedConfig(_Renaming):
         0.5, gt=0, le=1,
         description="hysteresis: shedding starts when the routable nodes' mean waiting exceeds "
         "health.load.queue_warning and stops once it stays at or below off_ratio x queue_warning for "
-        "lift_after_s. Ours")
+        "lift_after. Ours")
     lift_after: NonNegativeDuration = Field(
         _d("3s"), description="how long queues must stay low before the drop is lifted, s")
     step_percent: float = Field(
@@ -141,14 +141,14 @@ class ShedConfig(_Renaming):
         "the cluster's unloaded TTFT p99 (its successful probes while not shedding and no node had "
         "min_waiting waiting: the last 512 in 10 min, from 20 on; at least 50 ms), so admitted "
         "requests keep their TTFT p99 within (1 + this) x the unloaded one, 2x at 1.0; "
-        "queue_wait_budget_s stays the cap. null: queue_wait_budget_s alone. Ours")
+        "queue_wait_budget stays the cap. null: queue_wait_budget alone. Ours")
     capacity_source: Literal["lrs", "engines"] = Field(
         "engines",
         description="where the load the routable nodes can take comes from. engines (the default): "
         "each engine's finished-request counter (vllm:request_success_total, TGI's "
         "tgi_request_duration_count) gives its slots (the most running) and the time a request runs "
         "(Little's law); the drop lets in the rate at which the pool of those slots keeps the queue "
-        "wait over the budget (queue_wait_budget_s, or the smaller one ttft_budget_ratio learns) to "
+        "wait over the budget (queue_wait_budget, or the smaller one ttft_budget_ratio learns) to "
         "1 % of admitted requests (Erlang C, exponential service: conservative for LLM lengths), "
         "following the offered load; a queue drains at slots over run time; easing keeps a margin "
         "of two Poisson standard errors; the headroom starts at 0 and grows by 0.05 per report over "
@@ -157,13 +157,13 @@ class ShedConfig(_Renaming):
         "cluster with a routable node whose engine does not count (SGLang, or no metrics) uses lrs "
         "meanwhile. lrs: completions measured from LRS (issued to the routable nodes minus the "
         "growth of their in-flight requests), the most seen while a queue stood over "
-        "queue_wait_budget_s, less headroom_ratio (5.7-7.0x on 16 slots)")
+        "queue_wait_budget, less headroom_ratio (5.7-7.0x on 16 slots)")
     classes: ShedClassesConfig = ShedClassesConfig()
 
     @model_validator(mode="after")
     def _engines_need_a_budget(self) -> ShedConfig:
         if "capacity_source" in self.model_fields_set and self.capacity_source == "engines" and (
                 self.queue_wait_budget is None):
-            raise ValueError("capacity_source: engines needs queue_wait_budget_s (the queue wait it keeps "
+            raise ValueError("capacity_source: engines needs queue_wait_budget (the queue wait it keeps "
                              "admitted requests under), not null (null alone: the seed's thresholds)")
         return self

@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from xds_server.config.base import _check_hostport, _Model
-from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration, at_most
+from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration, at_least, at_most
 from xds_server.config.renames import Moves, _Renaming
 
 __all__ = ["XdsConfig", "XdsKeepaliveConfig", "XdsLimitsConfig", "XdsPublishConfig"]
@@ -63,14 +63,14 @@ class XdsKeepaliveConfig(_Model):
 
     ADVANCED: ClassVar[frozenset[str]] = frozenset({"min_client_ping_interval"})
 
-    time: PositiveDuration = Field(
+    time: Annotated[PositiveDuration, at_least("1s")] = Field(
         _d("30s"),
         description="HTTP/2 keepalive ping interval of our pings to the clients on the xDS port "
         "(checklist 1.9 item 28): the stream of a frozen or vanished Envoy is closed within this "
         "+ timeout. Envoy's own pings to us, which move it off a frozen replica, are "
         "the bootstrap's (1 s)",
     )
-    timeout: PositiveDuration = Field(
+    timeout: Annotated[PositiveDuration, at_least("100ms")] = Field(
         _d("5s"),
         description="keepalive ping ack deadline; set as gRPC's grpc.http2.ping_timeout_ms too, without "
         "which gRPC 1.85 does not close a connection whose peer stopped answering pings")

@@ -112,7 +112,7 @@ def serving_config(new: SentinelConfig, leaving: Mapping[str, tuple[ClusterConfi
 
 def drained(nh: hm.NodeHealth, now_s: float, drain_timeout_s: float) -> bool:
     """A draining node is done when its engine reports nothing running, or after
-    ``drain_timeout_s`` (``health.drain_timeout.s``, fc10), or when its agent is silent (no
+    ``drain_timeout_s`` (``health.drain_timeout``, fc10), or when its agent is silent (no
     requests can be finishing on a node we cannot see) - the same rule as the admin view's
     ``drained`` plus the silent case."""
     if not nh.drain.active or nh.drain.since_s is None:

@@ -2,11 +2,11 @@
 around :mod:`.pods`), through ``kubernetes-asyncio`` (the optional extra ``kubernetes``).
 
 Loop: list the namespace's pods matching ``label_selector`` (the PodList's resourceVersion);
-watch from it (``allowWatchBookmarks``, ``timeoutSeconds`` = ``watch_timeout_s``), applying each
+watch from it (``allowWatchBookmarks``, ``timeoutSeconds`` = ``watch_timeout``), applying each
 event; when the watch ends (the server's timeout, a dropped connection) watch again from the last
 resourceVersion seen (events or bookmarks), so nothing is replayed or missed; on 410 Gone (that
 resourceVersion is older than the server keeps) list again. Any other failure waits
-``retry_backoff_s`` and retries the same step. Each change of the node set calls ``on_change``.
+``retry_backoff`` and retries the same step. Each change of the node set calls ``on_change``.
 
 Client configuration: ``kubeconfig`` when set; else the in-cluster service account when
 ``KUBERNETES_SERVICE_HOST`` is set; else $KUBECONFIG or ~/.kube/config. RBAC: pods get, list, watch

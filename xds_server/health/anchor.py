@@ -1,10 +1,10 @@
 """Anchor PROBATION ramp steps on the Unix clock, so replicas step together. Pure.
 
 Two replicas watching the same agents see a node enter PROBATION within a few ms of each other
-(the same probe result reaches both), but each would step its ramp ``ramp_step_s`` after its own
+(the same probe result reaches both), but each would step its ramp ``probation.ramp_step`` after its own
 entry time, so for a few ms of every step they would publish different weights (and versions),
 and a ramp started at t and one started at t + 5 ms would never line up. Snapping the ramp's
-step time (``Ramp.step_at_s``) to the nearest multiple of ``ramp_step_s`` of *Unix* time makes
+step time (``Ramp.step_at_s``) to the nearest multiple of ``probation.ramp_step`` of *Unix* time makes
 both replicas step at the same instants (within their clock skew; NTP keeps it to ms) and hold
 the same percentage in between.
 
@@ -14,7 +14,7 @@ Shape::
 
 Times: ``step_at_s`` is monotonic seconds (the health model's clock); ``wall_offset_s`` is Unix
 seconds minus monotonic seconds. The residual difference: when the two entries straddle a point
-halfway between grid points (probability ~ arrival skew / ``ramp_step_s``, e.g. 5 ms / 1 s =
+halfway between grid points (probability ~ arrival skew / ``probation.ramp_step``, e.g. 5 ms / 1 s =
 0.5 %), the replicas are one step apart for that ramp.
 """
 from __future__ import annotations

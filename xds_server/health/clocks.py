@@ -54,8 +54,8 @@ def misses_at(last_heartbeat_s: float, now_s: float, cfg: HealthConfig) -> int:
 
 
 def required_clean_s(nh: NodeHealth, cfg: HealthConfig) -> float:
-    """Clean period (s) an UNHEALTHY node needs before PROBATION: ``probation_clean_s`` (seed 000:
-    60 s), doubled after each failed probation up to ``probation_clean_max_s``."""
+    """Clean period (s) an UNHEALTHY node needs before PROBATION: ``probation.clean`` (seed 000:
+    60 s), doubled after each failed probation up to ``probation.clean_max``."""
     return nh.ejection.clean_period_s or cfg.probation.clean.s
 
 
@@ -63,7 +63,7 @@ def phi_delay_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
     """Silence (s) after which phi convicts, or None when phi is off, untrained or rate-limited.
 
     Rate limit: after ``phi_max_suspicions_per_min`` disproved suspicions within
-    ``phi_suspicion_window_s``, only the count rule applies (0 = unlimited).
+    ``phi.suspicion_window``, only the count rule applies (0 = unlimited).
     """
     return _phi_delay(nh.heartbeat.arrivals, cfg) if _phi_on(nh, cfg) else None
 
@@ -85,9 +85,9 @@ def _phi_delay(arrivals: phimod.Arrivals | None, cfg: HealthConfig) -> float | N
 
 def stall_confirm_at_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
     """When (caller's clock, s) a reported stall counts as a second probe timeout, or None when
-    no stall is reported. The earlier of: ``stall_confirm_ms`` after the first report, and the
+    no stall is reported. The earlier of: ``probes.stall_confirm`` after the first report, and the
     moment the engine's last progress (``Engine.progress_at_s``, the agent's evidence) is
-    ``busy_progress_window_ms`` + ``stall_confirm_ms`` old (1.3 s: the agent's 1 s stall window
+    ``busy.progress_window`` + ``probes.stall_confirm`` old (1.3 s: the agent's 1 s stall window
     plus the confirmation, measured from the freeze itself rather than from when the report
     reached us, which adds up to a scrape and a heartbeat interval). Progress already
     that old at the first report (the engine was idle before the stuck request: the agent's
@@ -105,9 +105,9 @@ def stall_confirm_at_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
 
 def busy_confirm_s(nh: NodeHealth, cfg: HealthConfig) -> float:
     """How long (s) after a probe timeout with evidence of progress a progress signal may take to
-    move before the timeout is a failure (a hang) rather than busy: ``busy_confirm_min_ms``, or
+    move before the timeout is a failure (a hang) rather than busy: ``busy.confirm_min``, or
     ``busy_confirm_gaps`` x the engine's own cadence (``Engine.progress_gap_s``) if longer, at
-    most ``busy_progress_window_ms``; the window while the cadence is unknown."""
+    most ``busy.progress_window``; the window while the cadence is unknown."""
     window = cfg.busy.progress_window.s
     gap = nh.engine.progress_gap_s
     if gap is None:
@@ -150,7 +150,7 @@ def tick_due_s(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> float | None:
     """When (caller's clock, s) the probe sources deliver the node's next Tick: :func:`next_check_s`,
     except for a node whose Ticks are backed off (:func:`ticks_backed_off`): its miss boundary is
     then ``k`` intervals ahead instead of one, ``k`` = the misses past ``consecutive_misses``
-    (at least 1, at most ``silent_tick_max_ms`` / ``heartbeat_interval_ms``): Ticks 100, 100, 200,
+    (at least 1, at most ``heartbeat.silent_tick_max`` / ``heartbeat.interval``): Ticks 100, 100, 200,
     400, 800, 1,000, 1,000 ms apart with the defaults. Other deadlines (ramp, stall) still come
     first. Misses are counted as at ``now_s`` (:func:`misses_shown`), so a node leaving the
     back-off (e.g. a fatal probe changes its ejection's cause) gets its next Tick at the next miss

@@ -124,7 +124,7 @@ _NOT_ROUTED = "not routed until a probe is answered"
 
 
 def refusing(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
-    """Into (or still) REFUSING: every probe refused for ``busy_refusal_block_s``; the reason is
+    """Into (or still) REFUSING: every probe refused for ``busy.refusal_block``; the reason is
     the run (:func:`~xds_server.health.outcome.refusal_evidence`). From PROBATION the node has not
     proven itself since it failed: it returns DEGRADED and needs ``good_probes_to_recover``."""
     p = replace(nh.probe, consecutive_good=0,
@@ -157,7 +157,7 @@ def warming_probe(count: bool) -> Effect:
     ``count``: a failure, counted in ``consecutive_failures`` (a failure arrives as PROBE_FAIL or
     FAILURES_REACH_EJECT; ``Fired.arg`` is 1 when the engine answered: an HTTP status other than
     503, bad output, a fatal error); else a busy answer (429, a busy timeout), not counted. The
-    reason gives the last probe's result. It reads "cannot warm: ..." once ``warm_limit_s`` has
+    reason gives the last probe's result. It reads "cannot warm: ..." once ``probes.warm_limit`` has
     passed since the node entered its state without a good probe, or after
     ``probe_failures_to_eject`` failures in a row from an engine that answers (something that is
     not a loading engine is there: e.g. a wrong ``--engine-url``); the first such reason of
@@ -171,7 +171,7 @@ def warming_probe(count: bool) -> Effect:
         if count and f.arg and n >= cfg.probes.failures_to_eject:
             why = f"{n} consecutive probe failure{plural} from an engine that answers"
         elif age_s >= cfg.probes.warm_limit.s or p.warm_reported:  # once reported, it reads so until a good probe
-            limit = f" (warm_limit_s {cfg.probes.warm_limit.s:g} s)" if age_s >= cfg.probes.warm_limit.s else ""
+            limit = f" (probes.warm_limit {cfg.probes.warm_limit})" if age_s >= cfg.probes.warm_limit.s else ""
             why = f"no good probe {age_s:.0f} s after {nh.state.value} began{limit}"
             if n:
                 why += f", {n} consecutive probe failure{plural}"

@@ -18,8 +18,8 @@ def _progress_evidence(nh: NodeHealth, now_s: float, cfg: HealthConfig, waited_s
     """The agent's evidence that the engine progresses, as reason text, or None.
 
     Evidence: requests running, not stalled, and a progress signal moved at most
-    ``busy_progress_window_ms`` ago; for a probe that waited ``waited_s`` (s; a timeout waited
-    ``ttft_timeout_ms``, a slow answer its TTFT) the signal must also have moved *during* that
+    ``busy.progress_window`` ago; for a probe that waited ``waited_s`` (s; a timeout waited
+    ``probes.ttft_timeout``, a slow answer its TTFT) the signal must also have moved *during* that
     wait, so the text may say "progressing". An HTTP status is answered at once (``waited_s``
     None): the text gives the age instead ("last progress 0.3 s ago"), never "progressing".
     """
@@ -49,7 +49,7 @@ def classify_probe(nh: NodeHealth, obs: ProbeObserved, cfg: HealthConfig,
     A slow probe or a timeout while a progress signal moved during the probe's wait
     (``_progress_evidence``) is BUSY, described as ``"busy: saturated, <what>; progressing:
     moved 0.1 s ago, within the probe's 0.8 s wait: <evidence>"``; an HTTP status in
-    ``saturated_http_statuses`` with evidence at most ``busy_progress_window_ms`` old is BUSY
+    ``saturated_http_statuses`` with evidence at most ``busy.progress_window`` old is BUSY
     with ``"last progress 0.3 s ago: <evidence>"``; a status in ``busy_http_statuses`` is always
     BUSY (the engine says it is full, fc07; :func:`is_refusal`). Without evidence a timeout is a
     failure, however many requests run: a hung engine is never called busy.
@@ -87,7 +87,7 @@ def classify_probe(nh: NodeHealth, obs: ProbeObserved, cfg: HealthConfig,
 
 def is_refusal(obs: ProbeObserved, cfg: HealthConfig) -> bool:
     """The engine refused the probe with a status in ``busy_http_statuses`` (it says it is full):
-    busy, never a failure; a run of them only lasts ``busy_refusal_block_s`` before a soft block."""
+    busy, never a failure; a run of them only lasts ``busy.refusal_block`` before a soft block."""
     return obs.kind is ProbeResultKind.HTTP_STATUS and obs.http_status in cfg.busy.http_statuses
 
 

@@ -58,7 +58,7 @@ def same_routing_inputs(prev: hm.NodeHealth, nh: hm.NodeHealth) -> bool:
 def probe_result_key(prev: hm.NodeHealth, obs: hm.ProbeObserved, cfg: HealthConfig,
                      now_s: float) -> tuple[str, str]:
     """(kind, outcome) a probe result is counted under in ``counters.probe_results`` (a token
-    later than ``ttft_timeout_ms`` counts as kind TIMEOUT)."""
+    later than ``probes.ttft_timeout`` counts as kind TIMEOUT)."""
     outcome, _ = hm.classify_probe(prev, obs, cfg, now_s)
     kind = obs.kind
     if kind is hm.ProbeResultKind.OK and obs.ttft_ms >= cfg.probes.ttft_timeout.ms:

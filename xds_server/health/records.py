@@ -64,7 +64,7 @@ MACHINE_STATES: tuple[NodeState, ...] = (
 ROUTED_STATES: frozenset[NodeState] = frozenset({NodeState.PROBATION, NodeState.HEALTHY, NodeState.DEGRADED,
                                                  NodeState.REFUSING})
 """States in which a node gets traffic before cluster policy. REFUSING is a soft block (busy: every
-probe refused for ``busy_refusal_block_s``): routed, at the DEGRADED share, only while the
+probe refused for ``busy.refusal_block``): routed, at the DEGRADED share, only while the
 ``max_ejection_percent`` cap holds the block back."""
 
 

@@ -89,7 +89,7 @@ def node_routing(nh: NodeHealth, cfg: HealthConfig) -> NodeRouting:
 
     DEGRADED keeps ``degraded_weight_factor`` (seed 001: cut by 70 %); PROBATION keeps its ramp
     percentage; more than ``queue_warning`` waiting multiplies by ``queue_warning_weight_factor``.
-    REFUSING (every probe refused for ``busy_refusal_block_s``), GPU free memory under
+    REFUSING (every probe refused for ``busy.refusal_block``), GPU free memory under
     ``gpu_min_free_ratio`` or more than ``queue_critical`` waiting is a soft block; REFUSING
     keeps the DEGRADED factor for when the ``max_ejection_percent`` cap holds its block back.
     COLD, WARMING and UNHEALTHY are not routed (never published UNKNOWN, which Envoy treats as

@@ -73,13 +73,13 @@ def step(nh: NodeHealth, obs: Observation, now_s: float, cfg: HealthConfig) -> t
     """Apply one observation at ``now_s``; return the new health and the transitions it caused.
 
     Rules (thresholds from ``cfg``): heartbeats: ``consecutive_misses`` misses (a closed stream
-    counts one at once) or a phi suspicion -> UNHEALTHY. Probes: TTFT < ``ttft_healthy_ms`` is
-    good; up to ``ttft_timeout_ms`` or one failure -> DEGRADED; ``probe_failures_to_eject``
+    counts one at once) or a phi suspicion -> UNHEALTHY. Probes: TTFT < ``probes.ttft_healthy`` is
+    good; up to ``probes.ttft_timeout`` or one failure -> DEGRADED; ``probe_failures_to_eject``
     consecutive failures or one ENGINE_FATAL -> UNHEALTHY; DEGRADED -> HEALTHY after
     ``good_probes_to_recover`` good probes. A timeout or an HTTP status in
     ``saturated_http_statuses`` while the engine is busy and its token counter advances is
     saturation, not death (DEGRADED only, field case fc07). A STALLED engine counts as one probe
-    timeout, and as a second one if still stalled after ``stall_confirm_ms`` (fc06).
+    timeout, and as a second one if still stalled after ``probes.stall_confirm`` (fc06).
     COLD/WARMING: not routed, failures counted but never ejecting ("cannot warm").
 
     Raises TypeError for an unknown observation type and
@@ -262,7 +262,7 @@ def _r_probe(nh: NodeHealth, obs: ProbeObserved, c: _StepCtx) -> Sequence[Fired]
     event instead (a node whose GPU is lost is never promoted by a probe). A node that was only
     busy since it was last HEALTHY recovers after ``busy_good_probes_to_recover`` good probes,
     one with a counted failure after ``good_probes_to_recover``. A refusal (429) is
-    PROBE_REFUSED, or REFUSED_TOO_LONG once every probe for ``busy_refusal_block_s`` was one.
+    PROBE_REFUSED, or REFUSED_TOO_LONG once every probe for ``busy.refusal_block`` was one.
     A good or slow probe while the node's heartbeats are missed (its stream closed, or
     ``consecutive_misses`` counted) is PROBE_UNHEARD: the engine answers, but its agent is not
     heard, and the table promotes nothing on it (a result read before a reconnected agent's

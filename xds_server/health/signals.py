@@ -21,9 +21,9 @@ class Signal(enum.Enum):
     ``good_probes_to_recover``; FAILURES_REACH_EJECT: this failure makes
     ``probe_failures_to_eject``; PROBE_REFUSED: the engine answered a status in
     ``busy_http_statuses`` (429); REFUSED_TOO_LONG: this refusal makes a run of only refusals
-    ``busy_refusal_block_s`` long; PROBE_UNHEARD: a good or slow probe while the node's heartbeats
+    ``busy.refusal_block`` long; PROBE_UNHEARD: a good or slow probe while the node's heartbeats
     are missed (its stream closed, or ``consecutive_misses`` counted): the engine answers, its
-    agent is not heard; HEALTHY_RUN_MET: HEALTHY for ``probation_clean_max_s`` (the
+    agent is not heard; HEALTHY_RUN_MET: HEALTHY for ``probation.clean_max`` (the
     doubled clean period is forgotten); FORGIVENESS_PENDING: fail-static ended while the node
     was still silent.
     """

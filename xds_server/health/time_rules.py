@@ -49,7 +49,7 @@ def r_stall_confirmed(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fire
 
 def r_clean_period(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:
     """Half-open entry (seed 000): a clean run of probes, heartbeats flowing, RTT back at baseline
-    (EWMA <= baseline x ``rtt_baseline_tolerance`` + ``rtt_baseline_slack_ms``), engine READY."""
+    (EWMA <= baseline x ``rtt_baseline_tolerance`` + ``rtt.baseline_slack``), engine READY."""
     cfg, p, h, r = c.cfg, nh.probe, nh.heartbeat, nh.rtt
     if p.clean_since_s is None or nh.ejection.cause is EjectionCause.PHI:
         return _NONE
@@ -78,7 +78,7 @@ def r_ramp(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:
 
 
 def r_healthy_run(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:
-    """A HEALTHY run of ``probation_clean_max_s`` forgets earlier failed probations."""
+    """A HEALTHY run of ``probation.clean_max`` forgets earlier failed probations."""
     ej = nh.ejection
     if (ej.clean_period_s and ej.healthy_since_s is not None
             and c.now_s - ej.healthy_since_s >= c.cfg.probation.clean_max.s):

@@ -61,7 +61,7 @@ class LoadAggregator:
     """Sums reports per node, locality and cluster (see module docstring).
 
     ``nodes``: cluster -> {(host, port): node id} (:meth:`set_nodes` on every config change);
-    ``interval_s``: the slot width (the asked reporting interval, s); ``retain_s``: slots older are
+    ``interval_s``: the slot width (the asked reporting interval, s); ``retain``: slots older are
     dropped (s); ``stale_after_s``: a reporter silent this long no longer counts (s);
     ``max_count``: a count above it in one report is absurd (the cluster entry is refused);
     ``min_gap_s``: a stream's report sooner than this after its previous one is a flood;
@@ -209,7 +209,7 @@ class LoadAggregator:
         return sum(1 for c, cat in self._drops if c == cluster and cat)
 
     def prune(self, now_s: float) -> None:
-        """Drop slots older than ``retain_s`` and gauges of reporters silent past ``retain_s``."""
+        """Drop slots older than ``retain`` and gauges of reporters silent past ``retain``."""
         oldest = int((now_s - self.retain_s) // self.interval_s)
         _prune(self._by_node, oldest)
         _prune(self._by_locality, oldest)

@@ -5,7 +5,7 @@ Per cluster (:func:`cluster_routing`):
 1. each node's own view (:func:`~xds_server.health.model.node_routing`);
 2. outlier ejection: a routed node whose EWMA TTFT or EWMA RTT is far above the cluster median
    (``outlier_factor`` x median and at least ``outlier_min_gap_*`` above it) is ejected for
-   ``outlier_ejection_s``, doubling on each repeat up to ``outlier_ejection_max_s`` (as Envoy's
+   ``outlier.ejection``, doubling on each repeat up to ``outlier.ejection_max`` (as Envoy's
    own outlier detection grows its ejection time);
 3. ``max_ejection_percent``: soft ejections (outliers, GPU memory, queue, REFUSING) are held
    back once ejected nodes would exceed that share of the cluster; hard evidence (lost
@@ -29,7 +29,7 @@ hard evidence: a frozen host must leave within the freeze-detection bound, befor
 could speak for it.
 
 Across the fleet (:func:`fail_static`): when more than ``fail_static_fraction`` of all nodes lost
-their heartbeats within ``fail_static_window_ms`` of each other (and the fleet has at least
+their heartbeats within ``fail_static.window`` of each other (and the fleet has at least
 ``fail_static_min_nodes``), suspect our own network: keep publishing the last good assignment
 and alert, until fewer than that share are still lost.
 """
@@ -272,7 +272,7 @@ def fail_static(
     Enter when more than ``fail_static_fraction`` of all nodes are currently silent (their last
     heartbeat at least interval + grace old, the instant the model counts a miss, or their stream
     closed) and their silences began
-    within ``fail_static_window_ms`` of each other; leave when fewer than that share are silent.
+    within ``fail_static.window`` of each other; leave when fewer than that share are silent.
     """
     total = len(health)
     if total < cfg.fail_static.min_nodes:

@@ -13,12 +13,12 @@ short and tells the shed clients to come back (429 + Retry-After).
   Envoy sent them (LRS issued, ``admitted_rps``) minus the growth of their in-flight requests
   (waiting + running from the agents, ``growth_rps``), so a stream counts when it leaves the
   engine, not when its headers come back (LRS alone counts it then: ``completed_rps`` is the
-  fallback when either input is missing, and the measure with ``queue_wait_budget_s`` null);
+  fallback when either input is missing, and the measure with ``queue_wait_budget`` null);
 - **start** on either trigger: the seed's, the routable nodes' mean waiting over
   ``queue_warning`` (a node whose KV-cache usage is above ``kv_saturated_ratio`` counting as
   ``queue_warning + 1`` waiting; a node without KV telemetry adds nothing: the KV input fails
   open too); or the relative one, some node's expected queue wait, its waiting over its share of
-  ``C`` (``C / n``), above ``queue_wait_budget_s`` with at least ``min_waiting`` waiting (the
+  ``C`` (``C / n``), above ``queue_wait_budget`` with at least ``min_waiting`` waiting (the
   node with the longest queue decides, not the mean);
 - the drop is the excess of the offered load (issued + already dropped, per s) over ``C``,
   keeping ``headroom_ratio`` of it free so queues drain: ``1 - C x (1 - headroom) / offered``, at
@@ -28,14 +28,14 @@ short and tells the shed clients to come back (429 + Retry-After).
   is held (once shedding, a static queue means the completions track what is let in, so the
   formula alone would only ratchet up);
 - **ease** once every queue stayed low (mean at or below ``off_ratio`` x ``queue_warning`` and
-  every wait at or below ``off_ratio`` x the budget) for ``lift_after_s``: one step down per
+  every wait at or below ``off_ratio`` x the budget) for ``lift_after``: one step down per
   evaluation while they stay low, **lifted** at 0 (hysteresis: no flapping around a threshold,
   and an over-estimated drop gives capacity back step by step); ``step_percent`` steps, at most
   ``max_percent``.
 
 With ``capacity_source: engines`` and every routable node's engine counting its finished
 requests (``finished_rps``, ``slots``, ``service_s``): what the nodes take is the rate at which
-the pool of their slots keeps the queue wait over ``queue_wait_budget_s`` to 1 % of arrivals
+the pool of their slots keeps the queue wait over ``queue_wait_budget`` to 1 % of arrivals
 (:func:`~xds_server.policy.queueing.max_rate`, Erlang C); the drop never lets in more than that
 (less an adaptive headroom from 0, +0.05 per evaluation over the budget, at most 0.5, 0.05 back
 per ``4 x lift_after_s`` of low queues) whatever the offered load does, and an easing step must
@@ -97,7 +97,7 @@ class ShedInputs:
     its own counter (per s; None: unknown), its ``slots`` (the most requests seen running) and
     ``service_s``: the time a request runs on it (s, Little's law; None: unknown);
     ``ttft_budget_s``: the budget learned from the cluster's unloaded TTFT (s; None: none yet or
-    off), which with the engines' counts replaces ``queue_wait_budget_s`` when smaller."""
+    off), which with the engines' counts replaces ``queue_wait_budget`` when smaller."""
 
     waiting: Sequence[float | None]
     telemetry_age_s: Sequence[float | None]
@@ -155,7 +155,7 @@ def _completions(inp: ShedInputs, cfg: ShedConfig, counted: list[float] | None) 
 
 
 def _budget(inp: ShedInputs, cfg: ShedConfig, counted: list[float] | None) -> float | None:
-    """The queue-wait budget (s): ``queue_wait_budget_s``, or with the engines' counts the
+    """The queue-wait budget (s): ``queue_wait_budget``, or with the engines' counts the
     smaller of it and the one learned from the cluster's unloaded TTFT (``ttft_budget_s``)."""
     b = None if cfg.queue_wait_budget is None else cfg.queue_wait_budget.s
     if b is not None and inp.ttft_budget_s is not None and counted is not None:

@@ -63,7 +63,7 @@ def call_metadata(probe: ProbeConfig) -> tuple[tuple[str, str], ...]:
 
 def silent_after_s(probe: ProbeConfig) -> float:
     """A stream open this long (s) without a heartbeat is closed and redialled: the configured
-    ``silent_stream_redial_ms``, at least three telemetry refreshes in transport liveness."""
+    ``channel.silent_stream_redial``, at least three telemetry refreshes in transport liveness."""
     ms = probe.channel.silent_stream_redial.ms
     return (max(ms, 3.0 * probe.transport.telemetry_refresh.ms) if probe.liveness == "transport" else ms) / 1000.0
 

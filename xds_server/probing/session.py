@@ -6,12 +6,12 @@ arrives into health-model observations, timed on the control plane's own monoton
 
 - each Heartbeat -> :class:`HeartbeatObserved`; a timer armed at last arrival + interval + grace
   (and every interval after) delivers :class:`Tick`, so missed heartbeats are counted unpolled;
-- Ping{seq} every ``ping_interval_ms``; its Pong gives the RTT -> :class:`PingObserved` (none
+- Ping{seq} every ``rtt.ping_interval``; its Pong gives the RTT -> :class:`PingObserved` (none
   across a heartbeat gap or a stall of our own loop: counted in ``rtt_samples_dropped``);
 - each InferenceResult -> :class:`ProbeObserved`;
 - the stream ending, failing to open, or bringing no heartbeat for ``probe.channel.silent_stream_redial``
   -> :class:`StreamClosed`, then redial with exponential backoff
-  (``reconnect_backoff_initial_ms`` doubling up to ``reconnect_backoff_max_ms``).
+  (``heartbeat.reconnect_backoff_initial`` doubling up to ``heartbeat.reconnect_backoff_max``).
 
 After a stall of our own event loop, verdicts on the node's silence (a Tick, a closed or silent
 stream) wait until the node is heard again or the hold ends (:mod:`xds_server.probing.silence`).

@@ -8,7 +8,7 @@ run. During our stall the agents kept sending: their heartbeats wait unread in o
 stream cut meanwhile (a keepalive that we could not answer) is found cut only when we wake, to be
 redialled. So a node's silence across our own stall is no evidence about the node: after a stall
 at least ``stall_s`` long (one heartbeat miss window: ``health.heartbeat.interval`` +
-``heartbeat_grace_ms``), a verdict on a node's silence (a Tick counting misses, a closed or
+``heartbeat.grace``), a verdict on a node's silence (a Tick counting misses, a closed or
 silent stream) is held until the node's first heartbeat after we woke, or for as long as the
 stall lasted, at most ``hold_s`` (``probe.stalls.stall_hold``), whichever comes first. A node that
 really died during our stall is ejected then, at most that late; a short stall (a loaded host)

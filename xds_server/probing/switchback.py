@@ -19,7 +19,7 @@ looks for nodes the health model holds in PROBATION with a PENDING validation
    :class:`~xds_server.health.switchback_records.ValidationObserved` for that PROBATION. FAILED: UNHEALTHY
    with the evidence as the reason. A replay that could not run (an agent busy, unreachable, a
    timeout, an inconclusive judgement) is retried after ``retry_s``; the node stays held, for at
-   most ``give_up_s``, then probes alone decide (said). Peers are tried least queued first (an
+   most ``give_up``, then probes alone decide (said). Peers are tried least queued first (an
    agent refuses a replay while its engine queues requests).
 
 Each verdict is an event (kind ``switchback_validation``) and, with the peers' noise, the

@@ -23,7 +23,7 @@ class Counters:
     ``config_reloads``: per result ("ok", "invalid").
     ``probe_results``: every micro-probe result received, per (node id, kind, outcome): kind a
     :class:`~xds_server.health.records.ProbeResultKind` value ("TIMEOUT" also for a token later
-    than ``ttft_timeout_ms``), outcome the model's
+    than ``probes.ttft_timeout``), outcome the model's
     :class:`~xds_server.health.records.ProbeOutcome` ("good", "slow", "fail", "busy", "fatal");
     the failures are the results whose outcome is not good or slow.
     ``ejections``: per (node id, cause): each move to UNHEALTHY by its
