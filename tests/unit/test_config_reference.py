@@ -64,3 +64,13 @@ def test_every_advanced_mark_names_a_key_of_its_model():
         assert getattr(m, "ADVANCED", frozenset()) <= set(m.model_fields), m.__name__
         stack.extend(s for f in m.model_fields.values() for s in _models(f.annotation))
     assert len(seen) > 20
+
+
+def test_every_earlier_name_is_not_a_key_of_today():
+    """A moved name is an old one: never today's key itself (then the old name would be refused)."""
+    from xds_server.config.reference import _renaming_models
+
+    for m in _renaming_models(SentinelConfig):
+        for old, (path, _) in m.MOVED.items():
+            assert old != path and old not in m.model_fields, (m.__name__, old)
+            assert path.split(".")[0] in m.model_fields, (m.__name__, path)  # the new place exists

@@ -42,10 +42,10 @@ class AdminConfig(_Renaming):
     WHERE: ClassVar[str] = "admin"
     MOVED: ClassVar[Moves] = {
         "live_interval_ms": ("live_interval", "ms"),
-        "live_ping": ("live_ping", "s"),
+        "live_ping_s": ("live_ping", "s"),
         "history_s": ("history", "s"),
         "history_interval_ms": ("history_interval", "ms"),
-        "live_write_timeout": ("live_write_timeout", "s"),
+        "live_write_timeout_s": ("live_write_timeout", "s"),
     }
 
     #: Protection limits that rarely need changing (marked advanced in docs/config.md).

@@ -31,7 +31,7 @@ class FeedConfig(_Renaming):
 
     WHERE: ClassVar[str] = "feed"
     MOVED: ClassVar[Moves] = {
-        "send_timeout": ("send_timeout", "s"),
+        "send_timeout_s": ("send_timeout", "s"),
     }
 
     #: Protection limits that rarely need changing (marked advanced in docs/config.md).

@@ -95,9 +95,9 @@ class LrsConfig(_Renaming):
         "interval_s": ("interval", "s"),
         "retain_s": ("retain", "s"),
         "stale_after_s": ("stale_after", "s"),
-        "peer_max_delay": ("peer_max_delay", "s"),
-        "peer_backoff_max": ("peer_backoff_max", "s"),
-        "peer_keepalive": ("peer_keepalive", "s"),
+        "peer_max_delay_s": ("peer_max_delay", "s"),
+        "peer_backoff_max_s": ("peer_backoff_max", "s"),
+        "peer_keepalive_s": ("peer_keepalive", "s"),
     }
 
     #: Protection limits that rarely need changing (marked advanced in docs/config.md).
