@@ -145,3 +145,15 @@ def test_the_docs_and_deploy_configs_use_todays_names() -> None:
                 assert rewrite_old_names(doc, SentinelConfig) == doc, where
                 checked += 1
     assert checked >= 4  # docs/health-model.md, docs/discovery.md, the compose and Kubernetes configs at least
+
+
+def test_a_duration_outside_its_bounds_is_refused_naming_the_key_and_the_bound() -> None:
+    from xds_server.config import AdminConfig, ProbeConfig, XdsConfig
+
+    with pytest.raises(ValidationError, match=r"live_interval\n.*10ms is shorter than 50ms"):
+        AdminConfig(live_interval="10ms")
+    with pytest.raises(ValidationError, match=r"keepalive\.time\n.*500ms is shorter than 1s"):
+        XdsConfig(keepalive_time_ms=500)  # an earlier name, judged in its new place
+    with pytest.raises(ValidationError, match=r"transport\.telemetry_refresh\n.*2m is longer than 1m"):
+        ProbeConfig(transport={"telemetry_refresh": "2m"})
+    assert ProbeConfig(transport={"keepalive_time": "10ms"}).transport.keepalive_time.ms == 10.0  # the edge passes

@@ -18,9 +18,6 @@ from xds_server.process.dialing import is_loopback
 __all__ = ["AdminConfig", "AdminTls"]
 
 
-def _d(text: str) -> Duration:
-    return Duration.parse(text)
-
 
 class AdminTls(_Model):
     """HTTPS on the admin port: a server certificate and key (PEM), read at start."""
@@ -67,7 +64,7 @@ class AdminConfig(_Renaming):
         200, ge=1, le=4096, description="the drain/undrain ?reason= text is clipped to this",
     )
     live_interval: Annotated[PositiveDuration, at_least("50ms"), at_most("1m")] = Field(
-        _d("500ms"),
+        Duration.parse("500ms"),
         description="the dashboard's live feed (GET /live) sends a snapshot this often while a "
         "browser listens (ours: 2 Hz reads well and costs one /nodes view per tick)",
     )
@@ -77,18 +74,18 @@ class AdminConfig(_Renaming):
         "dropped and reconnects (ours: 64 is ~30 s of snapshots at the default rate)",
     )
     live_ping: Annotated[PositiveDuration, at_most("5m")] = Field(
-        _d("15s"),
+        Duration.parse("15s"),
         description="an idle live-feed stream gets a comment line this often (ours: under the "
         "common 30-60 s proxy idle timeouts)",
     )
     history: Annotated[NonNegativeDuration, at_most("24h")] = Field(
-        _d("15m"),
+        Duration.parse("15m"),
         description="the dashboard's recent history (GET /history: each node's shown state, weight, "
         "RTT, TTFT), s; 0 = off (ours: 15 min covers what led to an incident an operator opens the "
         "page for; ~9 KB per node at the default resolution)",
     )
     history_interval: Annotated[PositiveDuration, at_least("50ms"), at_most("10m")] = Field(
-        _d("2s"),
+        Duration.parse("2s"),
         description="one history sample this often, ms (ours: 2 s keeps a 15-minute sparkline at "
         "450 points, finer than a table cell's pixels; the live feed fills in between)",
     )
@@ -100,7 +97,7 @@ class AdminConfig(_Renaming):
         "messages and one socket's send buffer, so 100 bound the feed's memory to tens of MB)",
     )
     live_write_timeout: Annotated[PositiveDuration, at_most("5m")] = Field(
-        _d("10s"),
+        Duration.parse("10s"),
         description="a write to a live-feed client may take this long (s); a client that does not "
         "take it in time (it stopped reading) is disconnected, its socket closed and its memory "
         "given back (ours: 20 ticks at the default rate; a browser reads in milliseconds)",

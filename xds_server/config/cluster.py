@@ -15,9 +15,6 @@ __all__ = ["NODE_ID_PATTERN", "ClusterConfig", "DropOverloadConfig", "Locality",
            "OutlierDetectionConfig"]
 
 
-def _d(text: str) -> Duration:
-    return Duration.parse(text)
-
 NODE_ID_PATTERN = r"^[A-Za-z0-9_.:\-]{1,128}$"
 """A node id: 1..128 of A-Z a-z 0-9 _ . : - (an Envoy-safe stat name part; pod names fit)."""
 
@@ -91,8 +88,8 @@ class OutlierDetectionConfig(_Renaming):
     enforcing_success_rate: int = Field(
         0, ge=0, le=100, description="% of success-rate detections that eject (Envoy default 100). Ours: 0: "
         "the statistical judgement of lrs.traffic_ejection replaces it, fleet-wide")
-    interval: NonNegativeDuration = Field(_d("1s"))
-    base_ejection_time: NonNegativeDuration = Field(_d("10s"))
+    interval: NonNegativeDuration = Field(Duration.parse("1s"))
+    base_ejection_time: NonNegativeDuration = Field(Duration.parse("10s"))
     max_ejection_percent: int = Field(50, ge=0, le=100)
 
 
@@ -137,9 +134,9 @@ class ClusterConfig(_Renaming):
         description="Envoy's default 50 % spreads traffic over dead nodes (fc04); default 0",
     )
     update_merge_window: NonNegativeDuration = Field(
-        _d("0"), description="Envoy's default 1 s delays ejection inside Envoy; default 0"
+        Duration.parse("0"), description="Envoy's default 1 s delays ejection inside Envoy; default 0"
     )
-    connect_timeout: NonNegativeDuration = Field(_d("1s"))
+    connect_timeout: NonNegativeDuration = Field(Duration.parse("1s"))
     upstream_protocol: Literal["http1", "http2"] = "http1"
     max_requests: int = Field(
         100_000, ge=1, description="circuit breaker; Envoy's 1024 default trips on long streams"

@@ -17,9 +17,6 @@ from xds_server.config.renames import Moves, _Renaming
 __all__ = ["DiscoveryConfig", "FileDiscoveryConfig", "KubernetesDiscoveryConfig"]
 
 
-def _d(text: str) -> Duration:
-    return Duration.parse(text)
-
 _LABEL_KEY = r"^([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 _LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"
 _PORT_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -37,7 +34,7 @@ class FileDiscoveryConfig(_Renaming):
 
     path: str = Field(..., min_length=1, description="targets file; relative to the working directory")
     interval: PositiveDuration = Field(
-        _d("1s"), description="how often the file is read and its content hash compared, s (ours)",
+        Duration.parse("1s"), description="how often the file is read and its content hash compared, s (ours)",
     )
 
 
@@ -79,11 +76,11 @@ class KubernetesDiscoveryConfig(_Renaming):
     )
     context: str | None = Field(None, description="kubeconfig context; None: its current-context")
     watch_timeout: Annotated[PositiveDuration, at_least("1s"), at_most("1h")] = Field(
-        _d("5m"), description="server-side end of each watch (timeoutSeconds); the watch is "
+        Duration.parse("5m"), description="server-side end of each watch (timeoutSeconds); the watch is "
                                         "then resumed from the last resourceVersion (ours)",
     )
     retry_backoff: Annotated[PositiveDuration, at_most("1m")] = Field(
-        _d("1s"), description="wait after a failed list or watch before trying again, s (ours)",
+        Duration.parse("1s"), description="wait after a failed list or watch before trying again, s (ours)",
     )
     priority: int = Field(0, ge=0, le=128, description="Envoy priority of every discovered pod")
     capacity: int = Field(1, ge=1, le=1_000_000, description="relative capacity of every discovered pod")

@@ -90,23 +90,22 @@ PositiveDuration = Annotated[Duration, PlainValidator(_positive), _AS_TEXT, _SCH
 NonNegativeDuration = Annotated[Duration, PlainValidator(_non_negative), _AS_TEXT, _SCHEMA]
 
 
-def at_most(limit: str) -> AfterValidator:
-    """A field's upper bound, for ``Annotated[PositiveDuration, at_most("1s")]`` (None passes)."""
-    top = Duration.parse(limit)
+def _bound(limit: str, low: bool) -> AfterValidator:
+    """An AfterValidator refusing a duration under (``low``) or over ``limit``; None passes."""
+    edge = Duration.parse(limit)
 
     def check(d: Duration | None) -> Duration | None:
-        if d is not None and d.s > top.s:
-            raise ValueError(f"{d} is longer than {top}")
+        if d is not None and (d.s < edge.s if low else d.s > edge.s):
+            raise ValueError(f"{d} is {'shorter' if low else 'longer'} than {edge}")
         return d
     return AfterValidator(check)
+
+
+def at_most(limit: str) -> AfterValidator:
+    """A field's upper bound, for ``Annotated[PositiveDuration, at_most("1s")]`` (None passes)."""
+    return _bound(limit, low=False)
 
 
 def at_least(limit: str) -> AfterValidator:
     """A field's lower bound, for ``Annotated[PositiveDuration, at_least("100ms")]`` (None passes)."""
-    bottom = Duration.parse(limit)
-
-    def check(d: Duration | None) -> Duration | None:
-        if d is not None and d.s < bottom.s:
-            raise ValueError(f"{d} is shorter than {bottom}")
-        return d
-    return AfterValidator(check)
+    return _bound(limit, low=True)

@@ -22,9 +22,6 @@ from xds_server.process.dialing import is_loopback
 __all__ = ["FeedConfig", "check_feed", "feed_plaintext_refusal"]
 
 
-def _d(text: str) -> Duration:
-    return Duration.parse(text)
-
 
 class FeedConfig(_Renaming):
     """The routing feed's bounds and access."""
@@ -45,7 +42,7 @@ class FeedConfig(_Renaming):
         "queued changes and one update being written)",
     )
     send_timeout: Annotated[PositiveDuration, at_most("10m")] = Field(
-        _d("10s"),
+        Duration.parse("10s"),
         description="an update may wait this long (s) for the subscriber to take it; a subscriber "
         "that does not (it stopped reading) is dropped: its queue freed, RESOURCE_EXHAUSTED queued "
         "for it, counted in sentinel_routing_feed_dropped_total{reason=\"deadline\"}. Its place "

@@ -27,18 +27,15 @@ __all__ = ["BusyConfig", "EngineLoadConfig", "FailStaticConfig", "HealthConfig",
            "OutlierConfig", "PhiConfig", "ProbationConfig", "ProbesConfig", "RttConfig", "ScoreConfig"]
 
 
-def _d(text: str) -> Duration:
-    return Duration.parse(text)
-
 
 class HeartbeatConfig(_Model):
     """Liveness from the agents' heartbeats (seed 000), and the probe stream's redial."""
 
     ADVANCED: ClassVar[frozenset[str]] = frozenset({"self_lag_tolerance", "silent_tick_max"})
 
-    interval: PositiveDuration = Field(_d("100ms"), description="seed 000: 100 ms heartbeats")
+    interval: PositiveDuration = Field(Duration.parse("100ms"), description="seed 000: 100 ms heartbeats")
     grace: NonNegativeDuration = Field(
-        _d("80ms"), description="seed 000: a heartbeat not arrived within interval + 80 ms is a miss")
+        Duration.parse("80ms"), description="seed 000: a heartbeat not arrived within interval + 80 ms is a miss")
     consecutive_misses: int = Field(3, ge=1, description="seed 000: 3 consecutive misses -> UNHEALTHY")
     failure_detector: Literal["phi", "count"] = Field(
         "phi",
@@ -46,18 +43,19 @@ class HeartbeatConfig(_Model):
                     "rule; 'count': only consecutive_misses. The count rule is the floor either way",
     )
     self_lag_tolerance: NonNegativeDuration = Field(
-        _d("20ms"),
+        Duration.parse("20ms"),
         description="a detection timer that fires this late means our own event loop stalled; "
                     "the check is deferred once instead of blaming the node",
     )
     silent_tick_max: PositiveDuration = Field(
-        _d("1s"),
+        Duration.parse("1s"),
         description="a node ejected for consecutive_misses gets its silence Ticks at growing gaps "
                     "(1, 1, 2, 4, 8 ... intervals) up to this; interval or less: a Tick every "
                     "interval. Ours: bounds the health steps of a silent fleet",
     )
-    reconnect_backoff_initial: PositiveDuration = Field(_d("100ms"), description="probe stream redial backoff start")
-    reconnect_backoff_max: PositiveDuration = Field(_d("2s"), description="probe stream redial backoff cap")
+    reconnect_backoff_initial: PositiveDuration = Field(
+        Duration.parse("100ms"), description="probe stream redial backoff start")
+    reconnect_backoff_max: PositiveDuration = Field(Duration.parse("2s"), description="probe stream redial backoff cap")
 
     @model_validator(mode="after")
     def _ordered(self) -> HeartbeatConfig:
@@ -73,11 +71,11 @@ class PhiConfig(_Model):
 
     threshold: float = Field(8.0, gt=0, le=15, description="conviction level; 8 is Akka's and Cassandra's default")
     min_std: PositiveDuration = Field(
-        _d("20ms"),
+        Duration.parse("20ms"),
         description="floor of the inter-arrival standard deviation (Akka: min-std-deviation); "
                     "with 100 ms heartbeats, phi 8 is reached ~212 ms after the last one while arrivals are regular",
     )
-    acceptable_pause: NonNegativeDuration = Field(_d("0s"), description="Akka: acceptable-heartbeat-pause")
+    acceptable_pause: NonNegativeDuration = Field(Duration.parse("0s"), description="Akka: acceptable-heartbeat-pause")
     alpha: float = Field(0.1, gt=0, le=1, description="EWMA weight of inter-arrival mean/variance")
     min_samples: int = Field(10, ge=1, description="heartbeats before phi is trusted")
     max_suspicions: int = Field(
@@ -87,19 +85,20 @@ class PhiConfig(_Model):
                     "0 = unlimited. Ours",
     )
     suspicion_window: PositiveDuration = Field(
-        _d("60s"), description="rolling window of max_suspicions (ours: one minute)")
+        Duration.parse("60s"), description="rolling window of max_suspicions (ours: one minute)")
 
 
 class RttConfig(_Model):
     """Round-trip time of the probe stream, and the baseline PROBATION waits for."""
 
-    ping_interval: PositiveDuration = Field(_d("1s"), description="RTT ping cadence (docs/DESIGN.md section 3)")
+    ping_interval: PositiveDuration = Field(
+        Duration.parse("1s"), description="RTT ping cadence (docs/DESIGN.md section 3)")
     ewma_alpha: float = Field(0.2, gt=0, le=1, description="seed 000: EWMA alpha 0.2 for RTT")
     baseline_alpha: float = Field(0.05, gt=0, le=1, description="slow EWMA of RTT while HEALTHY")
     baseline_tolerance: float = Field(
         1.5, ge=1, description="'EWMA RTT back under its baseline' means <= baseline x this + baseline_slack")
     baseline_slack: NonNegativeDuration = Field(
-        _d("1ms"),
+        Duration.parse("1ms"),
         description="added to baseline x tolerance so sub-millisecond loopback RTTs (where 1.5 x "
                     "is a few microseconds) do not block PROBATION on noise (ours)",
     )
@@ -108,23 +107,23 @@ class RttConfig(_Model):
 class ProbesConfig(_Model):
     """The 1-token micro-inference probe through the engine (seed 001)."""
 
-    ttft_healthy: PositiveDuration = Field(_d("200ms"), description="seed 001: TTFT < 200 ms is healthy")
+    ttft_healthy: PositiveDuration = Field(Duration.parse("200ms"), description="seed 001: TTFT < 200 ms is healthy")
     ttft_timeout: PositiveDuration = Field(
-        _d("800ms"), description="seed 001: 200-800 ms degraded, > 800 ms counts as a timeout")
+        Duration.parse("800ms"), description="seed 001: 200-800 ms degraded, > 800 ms counts as a timeout")
     ttft_ewma_alpha: float = Field(0.2, gt=0, le=1, description="EWMA alpha for TTFT (as RTT, seed 000)")
     failures_to_eject: int = Field(2, ge=1, description="seed 001: 2 consecutive probe timeouts -> UNHEALTHY")
     good_to_recover: int = Field(3, ge=1, description="seed 001: 3 consecutive probes < 200 ms -> back to HEALTHY")
     degraded_weight_factor: float = Field(
         0.3, gt=0, le=1, description="seed 001: DEGRADED keeps 30 % of its weight (cut by 70 %)")
     stall_confirm: NonNegativeDuration = Field(
-        _d("300ms"),
+        Duration.parse("300ms"),
         description="an engine still reported STALLED this long after the first report, or once "
                     "its last progress is busy.progress_window + this old (measured from the freeze, not "
                     "from the report's arrival), counts as a second probe timeout (-> UNHEALTHY); the first "
                     "report counts as one",
     )
     warm_limit: PositiveDuration = Field(
-        _d("300s"),
+        Duration.parse("300s"),
         description="a COLD or WARMING node may go this long without a good probe before it is "
                     "shown as 'cannot warm' (reason with the last probe result, one event); it is never routed "
                     "before a good probe either way. Probe failures from an engine that answers (an HTTP status "
@@ -155,7 +154,7 @@ class BusyConfig(_Model):
                     "itself says it is full (fc07)",
     )
     progress_window: PositiveDuration = Field(
-        _d("1s"),
+        Duration.parse("1s"),
         description="a slow or timed-out probe is 'busy' (DEGRADED, never ejected) only while the "
                     "agent's evidence of progress (a step counter or the KV-cache usage of an instance with "
                     "requests running moved) is at most this old *and* no older than the probe's own wait "
@@ -165,7 +164,7 @@ class BusyConfig(_Model):
                     "hang's last progress stops counting as evidence when the stall is declared",
     )
     confirm_min: PositiveDuration = Field(
-        _d("300ms"),
+        Duration.parse("300ms"),
         description="a probe timeout while the engine shows evidence of progress is judged busy only once "
                     "a progress signal moves *after* it, and a failure when none has moved this long after it, "
                     "or confirm_gaps x the engine's own progress cadence if longer, at most "
@@ -180,7 +179,7 @@ class BusyConfig(_Model):
                     "so an engine whose signals move slowly is not called hung between two moves. Ours",
     )
     refusal_block: PositiveDuration = Field(
-        _d("15s"),
+        Duration.parse("15s"),
         description="how long a node may answer every probe with an http_statuses status (429) "
                     "and no good probe before it is soft-blocked (REFUSING: not routed, counted against "
                     "outlier.max_ejection_percent, back at its busy or full weight on its first answered probe, "
@@ -231,12 +230,13 @@ class EngineLoadConfig(_Model):
 class ProbationConfig(_Model):
     """Half-open probation and the ramp back to full weight (seed 000)."""
 
-    clean: PositiveDuration = Field(_d("60s"), description="seed 000: 60 s of 100 % successful probes before PROBATION")
-    clean_max: PositiveDuration = Field(_d("600s"), description="cap of the doubled clean period")
+    clean: PositiveDuration = Field(
+        Duration.parse("60s"), description="seed 000: 60 s of 100 % successful probes before PROBATION")
+    clean_max: PositiveDuration = Field(Duration.parse("600s"), description="cap of the doubled clean period")
     min_probes: int = Field(3, ge=1, description="probes required inside the clean period")
     ramp_start_percent: float = Field(1.0, gt=0, le=100, description="seed 000: start at 1 % of full weight")
     ramp_step_percent: float = Field(1.0, gt=0, le=100, description="seed 000: +1 % per step")
-    ramp_step: PositiveDuration = Field(_d("1s"), description="step length (ours; the seed gives none)")
+    ramp_step: PositiveDuration = Field(Duration.parse("1s"), description="step length (ours; the seed gives none)")
 
     @model_validator(mode="after")
     def _ordered(self) -> ProbationConfig:
@@ -260,11 +260,13 @@ class OutlierConfig(_Model):
     """Outliers against the cluster's median, and the cap on soft ejections."""
 
     factor: float = Field(3.0, gt=1, description="EWMA above this x cluster median -> outlier")
-    min_gap_rtt: NonNegativeDuration = Field(_d("50ms"), description="...and at least this far above it (RTT)")
-    min_gap_ttft: NonNegativeDuration = Field(_d("200ms"), description="...and at least this far above it (TTFT)")
+    min_gap_rtt: NonNegativeDuration = Field(
+        Duration.parse("50ms"), description="...and at least this far above it (RTT)")
+    min_gap_ttft: NonNegativeDuration = Field(
+        Duration.parse("200ms"), description="...and at least this far above it (TTFT)")
     min_nodes: int = Field(3, ge=2, description="nodes with data needed for a median")
-    ejection: PositiveDuration = Field(_d("30s"), description="first outlier ejection; doubles each time")
-    ejection_max: PositiveDuration = Field(_d("300s"), description="cap of the doubled outlier ejection")
+    ejection: PositiveDuration = Field(Duration.parse("30s"), description="first outlier ejection; doubles each time")
+    ejection_max: PositiveDuration = Field(Duration.parse("300s"), description="cap of the doubled outlier ejection")
     max_ejection_percent: float = Field(
         50.0, ge=0, le=100,
         description="never eject more than this share of a cluster by outlier or soft rules; "
@@ -284,7 +286,7 @@ class FailStaticConfig(_Model):
     fraction: float = Field(
         0.5, gt=0, lt=1, description="more than this share of all nodes lost together -> suspect our network")
     window: PositiveDuration = Field(
-        _d("300ms"), description="'together': heartbeat losses within this window of each other")
+        Duration.parse("300ms"), description="'together': heartbeat losses within this window of each other")
     min_nodes: int = Field(3, ge=2, description="fleets smaller than this never go fail-static")
     forgive_intervals: int = Field(
         10, ge=0,
@@ -310,6 +312,6 @@ class HealthConfig(_Renaming):
     outlier: OutlierConfig = Field(default_factory=OutlierConfig, description="outliers and the ejection cap")
     fail_static: FailStaticConfig = Field(default_factory=FailStaticConfig, description="fail-static")
     drain_timeout: PositiveDuration = Field(
-        _d("600s"), description="a drain is complete when in-flight is 0 or after this")
+        Duration.parse("600s"), description="a drain is complete when in-flight is 0 or after this")
     validation: ValidationConfig = Field(default_factory=ValidationConfig,
                                          description="switch-back validation by replay (off by default)")

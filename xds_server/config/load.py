@@ -23,9 +23,6 @@ from xds_server.process.dialing import is_loopback
 __all__ = ["LrsConfig", "TrafficEjectionConfig", "check_lrs", "lrs_notes", "lrs_plaintext_refusal"]
 
 
-def _d(text: str) -> Duration:
-    return Duration.parse(text)
-
 class TrafficEjectionConfig(_Renaming):
     """Fleet-wide passive ejection: a node whose real traffic, summed over every reporting Envoy,
     fails significantly more than its peers' is ejected through the health model (signal
@@ -47,7 +44,7 @@ class TrafficEjectionConfig(_Renaming):
     enabled: bool = Field(
         True, description="eject on real-traffic evidence; off: LRS figures are shown, never applied")
     window: Annotated[PositiveDuration, at_most("1h")] = Field(
-        _d("10s"),
+        Duration.parse("10s"),
         description="sliding window the decision reads, s (Envoy's outlier-detection interval, 10 s)")
     min_requests: int = Field(
         10, ge=1,
@@ -110,16 +107,16 @@ class LrsConfig(_Renaming):
         True, description="serve StreamLoadStats; off: the service answers UNIMPLEMENTED and Envoys "
         "rendered with lrs enabled retry quietly")
     interval: Annotated[PositiveDuration, at_least("100ms"), at_most("5m")] = Field(
-        _d("1s"),
+        Duration.parse("1s"),
         description="load_reporting_interval asked of every Envoy, s (a minimum: Envoy measures and "
         "reports the interval it really covered). Ours: 1 s, so a decision waits at most ~2 s for "
         "evidence")
     retain: Annotated[PositiveDuration, at_most("1h")] = Field(
-        _d("1m"),
+        Duration.parse("1m"),
         description="how long per-interval reports are kept, s; the longest window that can be "
         "asked (bounds memory: nodes x reporting Envoys x retain / interval buckets)")
     stale_after: PositiveDuration = Field(
-        _d("3s"),
+        Duration.parse("3s"),
         description="a reporting Envoy silent this long no longer counts (its in-progress gauge "
         "and its evidence are old), s; ours: 3 intervals")
     max_streams: int = Field(
@@ -177,16 +174,16 @@ class LrsConfig(_Renaming):
         "and counted (sentinel_lrs_peer_dropped_total), never blocking an Envoy's stream. Ours: "
         "~17 s of 60 Envoys at 1 report/s")
     peer_max_delay: Annotated[PositiveDuration, at_most("1h")] = Field(
-        _d("3s"),
+        Duration.parse("3s"),
         description="a report that waited longer than this for its peer (stream down or slow) is "
         "dropped and counted (stale), s: applied late it would count in the wrong window. Ours: "
         "lrs.stale_after's default; a peer back within it gets every report, exactly")
     peer_backoff_max: Annotated[PositiveDuration, at_most("5m")] = Field(
-        _d("2s"),
+        Duration.parse("2s"),
         description="redial backoff towards a peer doubles from 0.1 s up to this (jittered), s. "
         "Ours: the bootstrap's xDS retry backoff caps at 1 s; a peer back within 2 s misses little")
     peer_keepalive: Annotated[PositiveDuration, at_least("500ms"), at_most("5m")] = Field(
-        _d("1s"),
+        Duration.parse("1s"),
         description="HTTP/2 PING interval (and ack timeout) on a peer stream, s, so a frozen peer is "
         "found (as the bootstrap's xds_cluster keepalive: 1 s / 1 s; the server allows 0.5 s, "
         "xds.keepalive.min_client_ping_interval)")

@@ -11,9 +11,6 @@ from xds_server.config.renames import Moves, _Renaming
 __all__ = ["ReloadConfig", "StateConfig"]
 
 
-def _d(text: str) -> Duration:
-    return Duration.parse(text)
-
 
 class ReloadConfig(_Renaming):
     """Hot reload of the config file (SIGHUP, ``POST /reload``, or a change of the file)."""
@@ -25,11 +22,11 @@ class ReloadConfig(_Renaming):
     }
 
     watch_interval: NonNegativeDuration = Field(
-        _d("2s"), description="how often the config file's mtime and content hash are checked; 0: "
+        Duration.parse("2s"), description="how often the config file's mtime and content hash are checked; 0: "
                                "no watching, reload on SIGHUP or POST /reload only (ours)",
     )
     drain_check_interval: PositiveDuration = Field(
-        _d("1s"), description="how often nodes removed by a reload are checked for having drained "
+        Duration.parse("1s"), description="how often nodes removed by a reload are checked for having drained "
                                "(dropped then; health.drain_timeout bounds the wait) (ours)",
     )
 
@@ -47,11 +44,11 @@ class StateConfig(_Renaming):
         None, description="state file, written atomically; None: nothing is kept across restarts",
     )
     write_interval: PositiveDuration = Field(
-        _d("5s"), description="the state file is written at most once per this while state changes, "
+        Duration.parse("5s"), description="the state file is written at most once per this while state changes, "
                                "and on shutdown (ours)",
     )
     max_age: NonNegativeDuration = Field(
-        _d("2m"), description="a state file older than this is ignored at start (ours: a node's "
+        Duration.parse("2m"), description="a state file older than this is ignored at start (ours: a node's "
                                  "agent may have changed a lot in two minutes; heartbeats re-confirm "
                                  "within 300 ms either way)",
     )

@@ -13,9 +13,6 @@ __all__ = ["ProbeChannelConfig", "ProbeConfig", "ProbeLimitsConfig", "ProbeLogsC
            "ProbeTransportConfig"]
 
 
-def _d(text: str) -> Duration:
-    return Duration.parse(text)
-
 
 class ProbeChannelConfig(_Model):
     """The gRPC channel to each agent: keepalive, reconnect, the stream's own silence."""
@@ -23,24 +20,24 @@ class ProbeChannelConfig(_Model):
     ADVANCED: ClassVar[frozenset[str]] = frozenset({"initial_backoff", "max_unanswered_pings", "silent_stream_redial"})
 
     keepalive_time: Annotated[PositiveDuration, at_least("100ms")] = Field(
-        _d("1s"),
+        Duration.parse("1s"),
         description="HTTP/2 keepalive ping interval on the probe channel (ours: a dead TCP path is "
         "noticed within ~2 s even if no heartbeat is due; heartbeats catch it sooner anyway)",
     )
     keepalive_timeout: Annotated[PositiveDuration, at_least("100ms")] = Field(
-        _d("1s"),
+        Duration.parse("1s"),
         description="keepalive ping ack deadline (ours). gRPC 1.85 closes a connection on it only with "
         "grpc.http2.ping_timeout_ms, deliberately not set here: after a stall of our own (SIGSTOP, VM "
         "pause) the ping sent before it would cut every probe stream as we wake (the fault matrix's "
         "control-plane SIGSTOP then ejected a node); a silent stream is closed by "
         "channel.silent_stream_redial instead, which knows about our stalls")
     initial_backoff: Annotated[PositiveDuration, at_least("1ms")] = Field(
-        _d("100ms"),
+        Duration.parse("100ms"),
         description="gRPC channel's own first reconnect backoff (gRPC's default is 1 s: too slow "
         "for a node whose agent restarts); the channel's cap is health.heartbeat.reconnect_backoff_max",
     )
     silent_stream_redial: PositiveDuration = Field(
-        _d("2s"),
+        Duration.parse("2s"),
         description="a probe stream open but without a heartbeat for this long is closed and "
         "redialled (ours: 20 heartbeat intervals; the heartbeat rules eject the node long before)",
     )
@@ -53,21 +50,21 @@ class ProbeTransportConfig(_Model):
     """``liveness: transport``: liveness from HTTP/2 PINGs inside gRPC's C core."""
 
     keepalive_time: Annotated[PositiveDuration, at_least("10ms"), at_most("60s")] = Field(
-        _d("100ms"),
+        Duration.parse("100ms"),
         description="transport liveness: HTTP/2 keepalive PING interval asked of the probe channel (ms; "
         "ours, 100). gRPC 1.85's client sends at most one PING per second on a connection with "
         "streams whatever this says (chttp2 NextAllowedPingInterval), so a frozen peer fails its "
         "stream 0.1-1.1 s after the freeze (docs/DESIGN.md section 3, benchmarks/transport_liveness.py)",
     )
     ping_timeout: Annotated[PositiveDuration, at_least("10ms"), at_most("60s")] = Field(
-        _d("100ms"),
+        Duration.parse("100ms"),
         description="transport liveness: a PING not answered within this fails the connection "
         "(set as grpc.keepalive_timeout_ms and grpc.http2.ping_timeout_ms, which gRPC 1.85 needs to "
         "enforce it). A stall of our own that outlasts it cuts every stream as we wake: the "
         "stall hold (stalls.stall_hold) keeps that from being a verdict; docs/DESIGN.md section 3",
     )
     telemetry_refresh: Annotated[PositiveDuration, at_least("100ms"), at_most("60s")] = Field(
-        _d("1s"),
+        Duration.parse("1s"),
         description="transport liveness: unchanged telemetry is re-sent by the agent at most this "
         "often (ours, 1 s: GPU readings are polled each 1 s). Changes (stall flag, "
         "GPU fault, engine state) and probe results are sent at once",
@@ -90,7 +87,7 @@ class ProbeLimitsConfig(_Model):
         64, ge=1, le=4096, description="xid_events and errors kept per GPU reading (ours)",
     )
     max_ttft: PositiveDuration = Field(
-        _d("10s"),
+        Duration.parse("10s"),
         description="a successful probe's TTFT above this is rejected as nonsense, never fed to the "
         "TTFT EWMA (ours: 12.5 x health.probes.ttft_timeout; an agent gives up at its probe timeout, "
         "and one absurd value would keep a node an outlier for minutes)",
@@ -106,10 +103,10 @@ class ProbeLogsConfig(_Model):
     ADVANCED: ClassVar[frozenset[str]] = frozenset({"malformed_interval", "unreachable_interval"})
 
     malformed_interval: NonNegativeDuration = Field(
-        _d("10s"), description="a kind of malformed agent message is logged at most once per this (ours)",
+        Duration.parse("10s"), description="a kind of malformed agent message is logged at most once per this (ours)",
     )
     unreachable_interval: NonNegativeDuration = Field(
-        _d("60s"),
+        Duration.parse("60s"),
         description="an agent that cannot be reached is logged when it first fails, then at most once "
         "per this while it stays unreachable (with the count of failed dials); /nodes shows it at once (ours)",
     )
@@ -121,14 +118,14 @@ class ProbeStallsConfig(_Model):
     ADVANCED: ClassVar[frozenset[str]] = frozenset({"lag_recheck", "stall_hold", "loop_watch_interval"})
 
     lag_recheck: Annotated[PositiveDuration, at_most("1s")] = Field(
-        _d("5ms"),
+        Duration.parse("5ms"),
         description="a detection timer that fired late (health.heartbeat.self_lag_tolerance) is re-run this "
         "much later, once, so heartbeats already waiting are read first; after a stall of our own as "
         "long as a heartbeat miss window (interval + grace) or longer, one miss window later instead "
         "(ours; the fault matrix's control-plane SIGSTOP)",
     )
     stall_hold: Annotated[PositiveDuration, at_most("60s")] = Field(
-        _d("1s"),
+        Duration.parse("1s"),
         description="after a stall of our own event loop at least one heartbeat miss window long (a "
         "SIGSTOP, a VM pause, a long GC), no verdict on a node's silence (misses, a closed or silent "
         "stream) is made until its first heartbeat after we woke, or for as long as the stall lasted "
@@ -138,7 +135,7 @@ class ProbeStallsConfig(_Model):
         "host; a node that died during our stall is ejected at most this late; xds_server/probing/stall_hold.py)",
     )
     loop_watch_interval: Annotated[PositiveDuration, at_most("1s")] = Field(
-        _d("50ms"),
+        Duration.parse("50ms"),
         description="how often the event loop is sampled to notice its own stalls (ours: well under a "
         "heartbeat miss window, 180 ms; 20 wake-ups a second per process). Read when a process's "
         "first probe stream starts",
@@ -193,14 +190,14 @@ class ProbeConfig(_Renaming):
         "A change needs a restart",
     )
     worker_restart_grace: Annotated[PositiveDuration, at_most("60s")] = Field(
-        _d("3s"),
+        Duration.parse("3s"),
         description="after a probe worker is replaced, its nodes' silence counts only from this "
         "long after the new worker took them over (after its start-up) (ours: covers a re-dial, "
         "ms, and the first heartbeat, 100 ms, ten times over on a slow host; a node that died "
         "meanwhile is ejected this much later, once per worker crash; docs/DESIGN.md section 12)",
     )
     worker_report_interval: Annotated[PositiveDuration, at_most("60s")] = Field(
-        _d("1s"),
+        Duration.parse("1s"),
         description="a probe worker sends telemetry-only changes (load, RTT, GPU memory, heartbeat "
         "counts) at most this often; state changes, ejections and fail-static inputs go at once "
         "(ours: /nodes is at most this stale, decisions never)",

@@ -17,9 +17,6 @@ from xds_server.config.renames import Moves, _Renaming
 __all__ = ["CLASS_SEPARATOR", "ShedClassesConfig", "ShedConfig", "class_clusters"]
 
 
-def _d(text: str) -> Duration:
-    return Duration.parse(text)
-
 
 CLASS_SEPARATOR = "~"
 """A class cluster is named ``<cluster>~<class>`` (``llm~sheddable``): a configured cluster name
@@ -97,7 +94,7 @@ class ShedConfig(_Renaming):
     enabled: bool = Field(
         False, description="shed load; off (the default): weights are lowered, nothing is refused")
     window: Annotated[PositiveDuration, at_most("1m")] = Field(
-        _d("3s"), description="window of the LRS demand (issued + dropped) and completion rates, s")
+        Duration.parse("3s"), description="window of the LRS demand (issued + dropped) and completion rates, s")
     headroom_ratio: float = Field(
         0.1, ge=0, lt=1,
         description="share of the measured completion rate kept free while shedding, so queues drain "
@@ -108,14 +105,14 @@ class ShedConfig(_Renaming):
         "health.load.queue_warning and stops once it stays at or below off_ratio x queue_warning for "
         "lift_after. Ours")
     lift_after: NonNegativeDuration = Field(
-        _d("3s"), description="how long queues must stay low before the drop is lifted, s")
+        Duration.parse("3s"), description="how long queues must stay low before the drop is lifted, s")
     step_percent: float = Field(
         5.0, gt=0, le=50, description="drop changes in steps of this many percent (no EDS churn on noise)")
     max_percent: float = Field(
         90.0, gt=0, le=100, description="never drop more than this share, % (Envoy's drop_overload_limit "
         "runtime key caps it too)")
     stale_after: PositiveDuration = Field(
-        _d("2s"),
+        Duration.parse("2s"),
         description="fail open: a routable node whose last heartbeat (queue telemetry) is older than "
         "this, or no Envoy reporting load, lifts any drop, s (stale data never sheds)")
     kv_saturated_ratio: float = Field(
@@ -126,7 +123,7 @@ class ShedConfig(_Renaming):
         "vllm:num_preemptions grows); 0.95 leaves a step of headroom before that. The Gateway API "
         "Inference Extension's saturation detector uses 0.8. A node without KV telemetry adds nothing")
     queue_wait_budget: Annotated[PositiveDuration | None, at_most("1m")] = Field(
-        _d("500ms"),
+        Duration.parse("500ms"),
         description="the relative trigger: shed when a routable node's expected queue wait (its waiting "
         "over its share of the cluster's measured completion rate, s) exceeds this, with at least "
         "min_waiting waiting; while over it and the queues do not shrink, the drop follows the measured "

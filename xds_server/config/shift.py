@@ -17,9 +17,6 @@ from xds_server.config.renames import Moves, _Renaming
 __all__ = ["ShiftConfig"]
 
 
-def _d(text: str) -> Duration:
-    return Duration.parse(text)
-
 
 class ShiftConfig(_Renaming):
     """Gates and defaults of ``POST /clusters/{name}/shift`` and ``xds-server shift``."""
@@ -32,7 +29,7 @@ class ShiftConfig(_Renaming):
     default_step_percent: float = Field(
         10.0, gt=0, le=100, description="share moved per step, % (seed 002: 10 %)")
     default_every: Annotated[PositiveDuration, at_most("24h")] = Field(
-        _d("5m"), description="length of a step's gate window, s (seed 002: 5 minutes)")
+        Duration.parse("5m"), description="length of a step's gate window, s (seed 002: 5 minutes)")
     max_error_ratio: float = Field(
         0.005, gt=0, lt=1,
         description="the target's real-traffic error ratio (LRS, 0..1) must stay below this "

@@ -12,9 +12,6 @@ from xds_server.config.renames import Moves, _Renaming
 __all__ = ["DEFAULT_PROMPTS", "LivePromptsConfig", "ValidationConfig"]
 
 
-def _d(text: str) -> Duration:
-    return Duration.parse(text)
-
 DEFAULT_PROMPTS: tuple[str, ...] = (
     "The three primary colours of light are",
     "Write the numbers from one to ten in words:",
@@ -73,7 +70,7 @@ class ValidationConfig(_Renaming):
     max_tokens: int = Field(32, ge=1, le=256, description="tokens per prompt (a few dozen: "
                             "a different model diverges within them, the replay stays short)")
     timeout: Annotated[PositiveDuration, at_most("5m")] = Field(
-        _d("20s"), description="the whole replay on all three agents (ours)")
+        Duration.parse("20s"), description="the whole replay on all three agents (ours)")
     token_margin: float = Field(
         0.25, ge=0, le=1,
         description="allowed extra disagreement in the first diverging token, as a ratio of max_tokens "
@@ -92,12 +89,13 @@ class ValidationConfig(_Renaming):
     cosine_min: float = Field(0.85, ge=-1, le=1, description="seed 002: embedding cosine > 0.85 with a known-good "
                               "answer; applied to the candidate only when peers themselves reach it")
     check_interval: Annotated[PositiveDuration, at_most("1m")] = Field(
-        _d("500ms"), description="how often the control plane looks for "
+        Duration.parse("500ms"), description="how often the control plane looks for "
                                     "nodes waiting for validation (ours; the gate holds them meanwhile)")
-    retry: PositiveDuration = Field(_d("5s"), description="a validation that could not run (an agent refused: busy, "
+    retry: PositiveDuration = Field(
+        Duration.parse("5s"), description="a validation that could not run (an agent refused: busy, "
                            "timeout) is tried again after this (ours)")
     give_up: PositiveDuration = Field(
-        _d("2m"),
+        Duration.parse("2m"),
         description="a validation that could not run for this long (agents busy or unreachable) is decided by "
         "probes alone, said in the reason and event (ours: holding a recovered node out of traffic for "
         "ever is worse than the probe verdict it had before validation existed)")

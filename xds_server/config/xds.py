@@ -13,9 +13,6 @@ from xds_server.config.renames import Moves, _Renaming
 __all__ = ["XdsConfig", "XdsKeepaliveConfig", "XdsLimitsConfig", "XdsPublishConfig"]
 
 
-def _d(text: str) -> Duration:
-    return Duration.parse(text)
-
 
 def _hostname() -> str:
     """The host's name, reduced to the characters a replica id allows ("sentinel" if none)."""
@@ -29,12 +26,12 @@ class XdsPublishConfig(_Model):
     ADVANCED: ClassVar[frozenset[str]] = frozenset({"build_ratio", "fail_static_history_max"})
 
     warmup_timeout: NonNegativeDuration = Field(
-        _d("5s"),
+        Duration.parse("5s"),
         description="after start, hold a cluster's assignment until every node has left COLD or "
         "this long has passed, so a restart never publishes 'everything unhealthy' (docs/DESIGN.md section 6)",
     )
     coalesce_window: Annotated[NonNegativeDuration, at_most("1s")] = Field(
-        _d("5ms"),
+        Duration.parse("5ms"),
         description="at most one publish per window: a change after a quiet window is published "
         "at once; changes arriving within the window after a publish are coalesced into one push "
         "(one build and encode per cluster, one response per stream) at its end. 0 = changes in "
@@ -64,25 +61,25 @@ class XdsKeepaliveConfig(_Model):
     ADVANCED: ClassVar[frozenset[str]] = frozenset({"min_client_ping_interval"})
 
     time: Annotated[PositiveDuration, at_least("1s")] = Field(
-        _d("30s"),
+        Duration.parse("30s"),
         description="HTTP/2 keepalive ping interval of our pings to the clients on the xDS port "
         "(checklist 1.9 item 28): the stream of a frozen or vanished Envoy is closed within this "
         "+ timeout. Envoy's own pings to us, which move it off a frozen replica, are "
         "the bootstrap's (1 s)",
     )
     timeout: Annotated[PositiveDuration, at_least("100ms")] = Field(
-        _d("5s"),
+        Duration.parse("5s"),
         description="keepalive ping ack deadline; set as gRPC's grpc.http2.ping_timeout_ms too, without "
         "which gRPC 1.85 does not close a connection whose peer stopped answering pings")
     min_client_ping_interval: NonNegativeDuration = Field(
-        _d("500ms"),
+        Duration.parse("500ms"),
         description="HTTP/2 pings from a client without data in flight closer than this are a "
         "protocol violation (gRPC's grpc.http2.min_ping_interval_without_data_ms; its default 5 min "
         "would end the stream of an Envoy pinging every 1 s, as the bootstrap's xds_cluster "
         "keepalive does; ours: half of that 1 s)",
     )
     max_connection_age: NonNegativeDuration = Field(
-        _d("0s"),
+        Duration.parse("0s"),
         description="close each client connection on the xDS port (Envoy's ADS/EDS, the relay's "
         "feed) after this many seconds (+- 10 % jitter; gRPC's grpc.max_connection_age_ms), so "
         "every client reconnects within it: a client certificate rotated through SDS is presented "
@@ -92,7 +89,7 @@ class XdsKeepaliveConfig(_Model):
         "Istio's control plane uses 30 min for the same reasons",
     )
     max_connection_age_grace: NonNegativeDuration = Field(
-        _d("1s"),
+        Duration.parse("1s"),
         description="after max_connection_age, how long open streams may continue before the "
         "connection is closed (gRPC's grpc.max_connection_age_grace_ms). An ADS stream never ends "
         "by itself, so this only lets a response being written finish. Ours",
