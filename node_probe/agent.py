@@ -1,6 +1,8 @@
 """The node_probe agent: a gRPC ``NodeProbe`` server that runs beside one inference engine.
 
-One agent per inference node. Control planes dial it and open ``Watch`` streams (the protocol: ``protos/node_probe/``):
+One agent per inference node. Control planes dial it and open ``Watch`` streams (the protocol: ``protos/node_probe/``),
+or, with ``control_planes`` (dial-in), it dials each of them and holds a ``ProbeHub.Connect`` stream that opens with
+a ``Register`` and then carries the same messages (:mod:`node_probe.dialer`); both at once while migrating. On each:
 
 * every stream gets an unprompted ``Heartbeat`` every ``heartbeat_interval_ms`` (fixed-rate on ``loop.time()``,
   no drift) carrying the latest *cached* telemetry: a heartbeat never waits on a scrape, a probe or NVML;
@@ -26,7 +28,8 @@ after having been up, or on a lost GPU / fatal Xid.
 
 Modules by job: :mod:`node_probe.config` (settings), :mod:`node_probe.lifecycle` (engine state),
 :mod:`node_probe.schedule` (the pure probe schedule), :mod:`node_probe.prober` (one probe through the adapter),
-:mod:`node_probe.streams` (the ``Watch`` streams); this module wires them to the gRPC server and runs the loops.
+:mod:`node_probe.streams` (the streams), :mod:`node_probe.endpoints` (the gRPC server, the dialer); this module
+wires them and runs the loops.
 
 Usage from code/tests::
 
@@ -48,6 +51,8 @@ import aiohttp
 import grpc
 
 from node_probe.config import UINT32_MAX, AgentConfig
+from node_probe.dialer import ControlPlaneDialer
+from node_probe.endpoints import open_dialer, open_listener
 from node_probe.engines import EngineLoadReading, EngineRequestError, ProbeOutcome
 from node_probe.gpu_poll import GpuPoller
 from node_probe.lifecycle import STATE_NAMES, EngineLifecycle
@@ -62,7 +67,7 @@ from node_probe.telemetry import GpuCollector, gpu_fatal_reason
 from node_probe.ticks import sleep_until_tick
 from xds_server.process.refusals import Refusals
 from xds_server.process.stream_refusal import refuse
-from xds_server.process.tls import ServerCertFiles, add_port, check_client, listener_credentials
+from xds_server.process.tls import ServerCertFiles, check_client
 
 # AgentConfig and EngineLifecycle live in their own modules; this module is their public face.
 __all__ = ["AgentConfig", "EngineLifecycle", "ProbeAgent", "run_agent"]
@@ -139,6 +144,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._server: grpc.aio.Server | None = None
+        self.dialer: ControlPlaneDialer | None = None  # dial-in (control_planes), once started
         self._gpu_poller: GpuPoller | None = None
         self._port: int | None = None
         self._started = False
@@ -148,7 +154,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
 
     @property
     def port(self) -> int | None:
-        """Bound gRPC port once started, else ``None``."""
+        """Bound gRPC port once started, else ``None`` (always ``None`` without ``listen``)."""
         return self._port
 
     @property
@@ -168,7 +174,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
 
     @property
     def subscriber_count(self) -> int:
-        """Number of open ``Watch`` streams."""
+        """Number of open streams: ``Watch`` streams served and dial-in streams begun."""
         return len(self._hub)
 
     @property
@@ -202,10 +208,11 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
     # -- start / stop --------------------------------------------------------------------------
 
     async def start(self) -> int:
-        """Bind the gRPC server, start the background loops and return the bound port.
+        """Bind the gRPC server (``listen``), start dialling the control planes (``control_planes``)
+        and the background loops; return the bound gRPC port (0 without ``listen``).
 
         Raises:
-            OSError: the listen address cannot be bound, or the TLS files do not load.
+            OSError: the listen address cannot be bound, or the TLS files (either side's) do not load.
             RuntimeError: the agent was already started.
         """
         if self._started:
@@ -215,29 +222,10 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         cfg = self.cfg
         if cfg.metrics_listen is not None:
             self.metrics_port = await self.metrics.serve(cfg.metrics_listen)
-        server = grpc.aio.server(
-            options=[
-                ("grpc.keepalive_time_ms", cfg.grpc_keepalive_time_ms),
-                ("grpc.keepalive_timeout_ms", 5_000),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_ping_interval_without_data_ms", cfg.min_ping_interval_ms),
-                ("grpc.http2.max_pings_without_data", 0),
-                ("grpc.so_reuseport", 0),
-            ]
-        )
-        probe_pb2_grpc.add_NodeProbeServicer_to_server(self, server)
-        try:
-            mode = None if not cfg.tls_cert_file else "mtls" if cfg.tls_client_ca_file else "tls"
-            creds, self.tls_files = listener_credentials(mode, cfg.tls_cert_file, cfg.tls_key_file,
-                                                         cfg.tls_client_ca_file, fields="tls_")
-            port = add_port(server, cfg.listen, creds)
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen on {cfg.listen}: {exc}") from exc
-        if not port:
-            raise OSError(f"cannot listen on {cfg.listen}")
-        self._server = server
-        self._port = port
-        await server.start()
+        if cfg.listen is not None:
+            self._server, self._port, self.tls_files = await open_listener(cfg, self)
+        if cfg.control_planes:
+            self.dialer = open_dialer(cfg, self._hub)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=32, enable_cleanup_closed=True),
             timeout=aiohttp.ClientTimeout(total=None),
@@ -249,15 +237,11 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
                 self._gpu_collector = GpuCollector(fatal_xids=cfg.fatal_xids)
             self._gpu_poller = GpuPoller(self._gpu_collector, cfg.gpu_interval_s, self._on_gpu)
             self._tasks.append(loop.create_task(self._gpu_poller.run(), name="np-agent-gpu"))
-        log.info(
-            "agent %s serving NodeProbe on %s:%d, engine=%s (%s)",
-            cfg.node_id,
-            cfg.listen.rpartition(":")[0],
-            port,
-            cfg.engine_url,
-            cfg.engine_kind,
-        )
-        return port
+        log.info("agent %s: %s%s, engine=%s (%s)", cfg.node_id,
+                 f"serving NodeProbe on {cfg.listen.rpartition(':')[0]}:{self._port}" if cfg.listen else "no listener",
+                 f", dialling {', '.join(cfg.control_planes)}" if cfg.control_planes else "",
+                 cfg.engine_url, cfg.engine_kind)
+        return self._port or 0
 
     async def stop(self, grace_s: float = 0.5) -> None:
         """Stop everything: background loops, open streams (ended cleanly, then cancelled after
@@ -270,6 +254,8 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self.dialer is not None:
+            await self.dialer.stop(grace_s)  # half-closed: the control planes end them
         self._hub.end_all()
         if self._server is not None:
             try:
@@ -461,10 +447,11 @@ async def run_agent(
     is cancelled), then stop it cleanly.
 
     Args:
-        on_started: called once with the agent and its bound port, after it serves.
+        on_started: called once with the agent and its bound gRPC port (0 without ``listen``), after
+            it serves.
 
     Raises:
-        OSError: the listen address cannot be bound.
+        OSError: the listen address cannot be bound, or the TLS files do not load.
     """
     agent = ProbeAgent(cfg)
     try:

@@ -3,14 +3,17 @@
 Forms::
 
     node-probe --engine-url URL --listen HOST:PORT [options]     run the agent (default mode)
+    node-probe --engine-url URL --control-plane HOST:PORT ...    dial-in: the agent dials each control
+                                                                 plane (no gRPC port unless --listen)
     node-probe agent --engine-url URL ...                        same, explicit
     node-probe sim-engine ...                                    simulated engine (node_probe.sim)
 
 The agent runs until SIGTERM or SIGINT, then stops cleanly and exits 0; SIGHUP is logged and
 changes nothing (TLS files are re-read when they change; other flags need a restart). Once
 serving it prints ``node-probe <node_id> listening on HOST:PORT engine=URL`` (flushed) on
-stdout. ``--version``, ``--log-level`` and ``--log-format`` as the other programs
-(:mod:`xds_server.process.commandline`).
+stdout when it has a gRPC port, and ``node-probe <node_id> dialling HOST:PORT[,HOST:PORT...]
+engine=URL`` when it dials in (both lines when it does both). ``--version``, ``--log-level`` and
+``--log-format`` as the other programs (:mod:`xds_server.process.commandline`).
 
 Exit codes: 0 stopped by a signal; 1 runtime failure (a listen address that cannot be bound,
 TLS files that do not load: one line naming the flag); 2 bad arguments (argparse, naming the
@@ -78,6 +81,28 @@ def _listen(text: str) -> str:
     return text
 
 
+NO_LISTEN = ""
+"""``--listen none`` as parsed (the flag's default, None, is: not given)."""
+
+
+def _listen_or_none(text: str) -> str:
+    return NO_LISTEN if text.lower() == "none" else _listen(text)
+
+
+def _targets(text: str) -> list[str]:
+    from node_probe.targets import split_target
+
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT (or a comma-separated list): {text!r}")
+    for target in out:
+        try:
+            split_target(target)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return out
+
+
 def _xids(text: str) -> frozenset[int]:
     try:
         values = frozenset(int(x) for x in text.split(",") if x.strip())
@@ -107,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--engine-url", required=True, type=_engine_url,
                    help="engine root URL, e.g. http://127.0.0.1:8000 (required)")
-    p.add_argument("--listen", default="127.0.0.1:50051", type=_listen,
-                   help="gRPC listen address HOST:PORT; port 0 picks a free one (default %(default)s)")
+    p.add_argument("--listen", default=None, type=_listen_or_none,
+                   help="gRPC listen address HOST:PORT the control planes dial; port 0 picks a free one; "
+                   "'none': no gRPC port (dial-in only) (default 127.0.0.1:50051, or none with --control-plane)")
     p.add_argument("--metrics-listen", default=None, type=_listen,
                    help="serve the agent's own Prometheus /metrics on HOST:PORT (probe TTFT, scrape "
                    "errors, stall flag, GPU readings) and /healthz (200 while the agent runs); "
@@ -180,10 +206,43 @@ def build_parser() -> argparse.ArgumentParser:
                         "CN of a certificate without SANs); repeatable, give the control plane's identity "
                         "(default: any certificate the CA signed, with a warning at start)")
     p.add_argument("--tls-expiry-warning-days", type=_positive_float, default=7.0, metavar="DAYS",
-                   help="warn when --tls-cert or --tls-client-ca is within this many days of its end "
-                        "(default %(default)s)")
+                   help="warn when --tls-cert, --tls-client-ca, --client-cert-file or --control-plane-ca-file "
+                        "is within this many days of its end (default %(default)s)")
     p.add_argument("--plaintext", action="store_true",
-                   help="serve plaintext on a non-loopback --listen (refused unless said; default off)")
+                   help="serve plaintext on a non-loopback --listen, and dial a non-loopback --control-plane "
+                   "without TLS (refused unless said; default off)")
+    d = p.add_argument_group("dial-in", "the agent dials the control planes (ProbeHub.Connect) and registers "
+                             "its node; no inbound port needed. Node fields left unsaid come from the control "
+                             "plane's config; said ones must agree with it")
+    d.add_argument("--control-plane", dest="control_planes", action="extend", type=_targets, default=[],
+                   metavar="HOST:PORT",
+                   help="a control-plane replica to dial and hold a stream to; repeatable or a comma list; a DNS "
+                   "name gets one stream per address it resolves to (default: none, control planes dial --listen)")
+    d.add_argument("--cluster", default="",
+                   help="the cluster this node registers into; needed for a node the control plane's config "
+                   "does not list (default: unsaid, the listed node's own)")
+    d.add_argument("--serving-address", default=None, metavar="IP:PORT",
+                   help="the address Envoy routes this node's requests to, an IP literal; a listed node's "
+                   "config must agree (default: unsaid, the config's; with --cluster --engine-url's host:port "
+                   "when its host is an IP)")
+    d.add_argument("--region", default="", help="the node's locality: region (default: unsaid)")
+    d.add_argument("--zone", default="", help="the node's locality: zone (default: unsaid)")
+    d.add_argument("--sub-zone", default="", help="the node's locality: sub-zone (default: unsaid)")
+    d.add_argument("--priority", type=_number(int, 0, hi=129), default=0,
+                   help="the node's Envoy priority, 0..128, 0 first (default %(default)s: unsaid)")
+    d.add_argument("--capacity", type=_number(int, 1, hi=1_000_001), default=None,
+                   help="the node's relative capacity (load-balancing weight), 1..1000000 (default: unsaid, the "
+                   "config's; 1 for a registered node)")
+    d.add_argument("--control-plane-ca-file", default=None, metavar="PEM",
+                   help="dial over TLS: the control plane's certificate must chain to this CA bundle (re-read "
+                   "when it changes; default: plaintext, loopback targets only unless --plaintext)")
+    d.add_argument("--client-cert-file", default=None, metavar="PEM",
+                   help="mutual TLS: the agent's client certificate; the control plane checks its identity "
+                   "against the node id (default: none)")
+    d.add_argument("--client-key-file", default=None, metavar="PEM",
+                   help="the client certificate's private key (default: none; needed with --client-cert-file)")
+    d.add_argument("--control-plane-server-name", default=None, metavar="NAME",
+                   help="the name the control plane's certificate must carry (default: the --control-plane host)")
     add_common_options(p, "node-probe")
     return p
 
@@ -201,11 +260,13 @@ def _start_failure(cfg: AgentConfig, agent: object, exc: OSError) -> str:
     """One line naming the flag of what could not start."""
     if cfg.metrics_listen is not None and getattr(agent, "metrics_port", None) is None:
         return bind_failure(cfg.metrics_listen, "--metrics-listen", exc)
-    if str(exc).startswith(f"cannot listen on {cfg.listen}"):
+    if cfg.listen is not None and str(exc).startswith(f"cannot listen on {cfg.listen}"):
         return bind_failure(cfg.listen, "--listen", exc.__cause__)
     text = str(exc)  # TLS files: the config's field names, said as this command's flags
     for field, flag in (("tls_cert_file", "--tls-cert"), ("tls_key_file", "--tls-key"),
-                        ("tls_client_ca_file", "--tls-client-ca")):
+                        ("tls_client_ca_file", "--tls-client-ca"),
+                        ("control_plane_ca_file", "--control-plane-ca-file"),
+                        ("client_cert_file", "--client-cert-file"), ("client_key_file", "--client-key-file")):
         text = text.replace(field, flag)
     return text
 
@@ -231,17 +292,17 @@ async def _serve(cfg: AgentConfig) -> int:
             print(f"node-probe: {_start_failure(cfg, agent, exc)}", file=sys.stderr, flush=True)
             logging.getLogger("node_probe.agent").setLevel(logging.WARNING)  # the one line stays the last
             return 1
-        host = cfg.listen.rpartition(":")[0]
         if cfg.tls_client_ca_file is not None and not cfg.tls_allow_clients:
             log.warning(NO_ALLOWED_CLIENTS)
         watch = agent.metrics.cert_watch()
         if watch is not None:
             watch.reasons()  # a certificate near its end: the warning line now
-        print(
-            f"node-probe {cfg.node_id} listening on {host}:{port} "
-            f"engine={cfg.engine_url}",
-            flush=True,
-        )
+        if cfg.listen is not None:
+            host = cfg.listen.rpartition(":")[0]
+            print(f"node-probe {cfg.node_id} listening on {host}:{port} engine={cfg.engine_url}", flush=True)
+        if cfg.control_planes:
+            print(f"node-probe {cfg.node_id} dialling {','.join(cfg.control_planes)} engine={cfg.engine_url}",
+                  flush=True)
         await stop.wait()
         return 0
     finally:
@@ -268,6 +329,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_main("node-probe", lambda: _run(args), lambda: args.log_level == "DEBUG")
 
 
+def _listen_of(args: argparse.Namespace) -> str | None:
+    """The config's ``listen``: as given, None for ``none``; not given: 127.0.0.1:50051, or None
+    (no gRPC port) with ``--control-plane``."""
+    if args.listen is None:
+        return None if args.control_planes else "127.0.0.1:50051"
+    return None if args.listen == NO_LISTEN else str(args.listen)
+
+
 def _run(args: argparse.Namespace) -> int:
     from node_probe.agent import AgentConfig
     from node_probe.replay import ReplayLimits
@@ -283,7 +352,7 @@ def _run(args: argparse.Namespace) -> int:
             deep_check_expect=args.deep_check_expect,
             **extra,
             engine_url=args.engine_url,
-            listen=args.listen,
+            listen=_listen_of(args),
             metrics_listen=args.metrics_listen,
             node_id=args.node_id or socket.gethostname(),
             heartbeat_interval_ms=args.heartbeat_interval_ms, transport_liveness=args.transport_liveness,
@@ -304,6 +373,11 @@ def _run(args: argparse.Namespace) -> int:
             plaintext=args.plaintext,
             replay=ReplayLimits(max_prompts=16 if args.replay else 0,
                                 busy_max_waiting=args.replay_busy_max_waiting),
+            control_planes=tuple(args.control_planes), cluster=args.cluster, serving_address=args.serving_address,
+            region=args.region, zone=args.zone, sub_zone=args.sub_zone, priority=args.priority,
+            capacity=args.capacity, control_plane_ca_file=args.control_plane_ca_file,
+            client_cert_file=args.client_cert_file, client_key_file=args.client_key_file,
+            control_plane_server_name=args.control_plane_server_name,
         )
     except ValueError as exc:
         build_parser().error(str(exc))  # exits 2

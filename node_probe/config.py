@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from node_probe.engines import ENGINE_KINDS
 from node_probe.replay import ReplayLimits
 from node_probe.schedule import ScheduleSettings
+from node_probe.targets import is_ip_literal, join_host_port, split_target
 from node_probe.telemetry import FATAL_XIDS
 from xds_server.process.identity import check_pattern
 from xds_server.process.tls import is_loopback
@@ -18,14 +20,36 @@ __all__ = ["AgentConfig"]
 UINT32_MAX = 2**32 - 1
 
 
+def _ip_host_port(text: str) -> str:
+    """Why ``text`` is not ``IP:PORT`` (an IPv6 address in brackets), naming it; "" when it is."""
+    try:
+        host, _ = split_target(text)
+    except ValueError as exc:
+        return str(exc)
+    return "" if is_ip_literal(host) else f"must be IP:PORT (an IP literal, not a name): {text!r}"
+
+
+def _engine_address(engine_url: str) -> str | None:
+    """``engine_url``'s ``HOST:PORT`` (the scheme's port when it names none) when the host is an IP
+    literal, else None."""
+    try:
+        parts = urlsplit(engine_url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    host = parts.hostname or ""
+    return join_host_port(host, port) if is_ip_literal(host) else None
+
+
 @dataclass
 class AgentConfig:
     """Agent settings. Durations carry their unit in the name.
 
     Attributes:
         engine_url: engine root URL, e.g. ``http://127.0.0.1:8000``.
-        listen: gRPC listen address ``HOST:PORT``; port 0 picks a free port (returned by
-            :meth:`ProbeAgent.start`).
+        listen: gRPC listen address ``HOST:PORT`` control planes dial (``Watch``); port 0 picks a
+            free port (returned by :meth:`ProbeAgent.start`). ``None`` (dial-in only): no gRPC
+            port at all.
         node_id: reported in every heartbeat; default: this host's name.
         metrics_listen: ``HOST:PORT`` of the agent's own Prometheus ``/metrics`` (probe TTFT,
             scrape errors, stall flag, GPU readings; :mod:`node_probe.metrics`); ``None``: off.
@@ -88,17 +112,41 @@ class AgentConfig:
             notAfter log a warning (at start and at most hourly on a scrape) and are on
             ``node_probe_tls_certificate_expiry_seconds`` (ours: as the control plane's
             ``tls.expiry_warning_days``, a week covers a weekend and a renewal's retries).
-        plaintext: serve plaintext on a non-loopback ``listen`` (must be said; without a
-            certificate a non-loopback listen is refused).
+        plaintext: serve plaintext on a non-loopback ``listen``, and dial non-loopback
+            ``control_planes`` without TLS (must be said; else either is refused).
         replay: bounds of the switch-back replay (:class:`~node_probe.replay.ReplayLimits`;
             ``max_prompts`` 0: no replay, advertised as such).
+        control_planes: dial-in: the control-plane replicas this agent dials, each ``HOST:PORT``
+            (an IP literal, ``[v6]:PORT``, or a DNS name: one stream per address it resolves to),
+            holding one ``ProbeHub.Connect`` stream to each (:mod:`node_probe.dialer`). Empty: no
+            dial-in, control planes dial ``listen``.
+        cluster: the cluster this node registers into (``Register.cluster``): needed for a node
+            the control plane's config does not list; "": unsaid (a listed node's own cluster).
+        serving_address: ``HOST:PORT`` (an IP literal) Envoy routes this node's requests to
+            (``Register.address``). ``None``: unsaid, the control plane's config has it; but with
+            ``cluster`` (registering) ``engine_url``'s host:port when its host is an IP literal,
+            else required. Only what is said is checked: a listed node whose config says other
+            than its agent's Register is refused (the config wins), so an address derived from a
+            loopback ``engine_url`` is never claimed for it.
+        region, zone, sub_zone: the node's locality in its Register ("": unsaid).
+        priority: the node's Envoy priority in its Register, 0..128 (0: unsaid, the first).
+        capacity: the node's relative capacity in its Register, 1..1000000; ``None``: unsaid
+            (the config's; 1 for a registered node).
+        control_plane_ca_file: dial-in over TLS: the CA bundle (PEM) the control plane's
+            certificate must chain to. ``None``: plaintext, allowed to loopback targets only
+            unless ``plaintext`` is said.
+        client_cert_file, client_key_file: dial-in mutual TLS: the agent's client certificate and
+            key (PEM; both or neither; need ``control_plane_ca_file``). Its identity is what the
+            control plane checks against the node id. Re-read at a dial when they change.
+        control_plane_server_name: the name the control plane's certificate must carry; ``None``:
+            the target's host (a DNS name is checked as given, not as the address dialled).
 
     Raises:
         ValueError: (on construction) a value is out of range.
     """
 
     engine_url: str
-    listen: str = "127.0.0.1:50051"
+    listen: str | None = "127.0.0.1:50051"
     node_id: str = field(default_factory=socket.gethostname)
     heartbeat_interval_ms: int = 100
     engine_kind: str = "auto"
@@ -132,6 +180,18 @@ class AgentConfig:
     tls_expiry_warning_days: float = 7.0
     plaintext: bool = False
     replay: ReplayLimits = field(default_factory=ReplayLimits)
+    control_planes: tuple[str, ...] = ()
+    cluster: str = ""
+    serving_address: str | None = None
+    region: str = ""
+    zone: str = ""
+    sub_zone: str = ""
+    priority: int = 0
+    capacity: int | None = None
+    control_plane_ca_file: str | None = None
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
+    control_plane_server_name: str | None = None
 
     def __post_init__(self) -> None:
         if not self.engine_url.startswith(("http://", "https://")):
@@ -140,7 +200,7 @@ class AgentConfig:
             raise ValueError(f"metrics_url must start with http:// or https://: {self.metrics_url!r}")
         if self.engine_kind not in ENGINE_KINDS:
             raise ValueError(f"engine_kind must be one of {', '.join(ENGINE_KINDS)}: {self.engine_kind!r}")
-        if ":" not in self.listen:
+        if self.listen is not None and ":" not in self.listen:
             raise ValueError(f"listen must be HOST:PORT: {self.listen!r}")
         if self.metrics_listen is not None and not self.metrics_listen.rpartition(":")[2].isdigit():
             raise ValueError(f"metrics_listen must be HOST:PORT: {self.metrics_listen!r}")
@@ -189,11 +249,60 @@ class AgentConfig:
                 raise ValueError(f"--tls-allow-client/tls_allow_clients: {why}")
         if self.plaintext and self.tls_cert_file is not None:
             raise ValueError("plaintext and tls_cert_file exclude each other")
-        if self.tls_cert_file is None and not self.plaintext and not is_loopback(self.listen.rpartition(":")[0]):
+        if (self.listen is not None and self.tls_cert_file is None and not self.plaintext
+                and not is_loopback(self.listen.rpartition(":")[0])):
             raise ValueError(f"listen {self.listen} is not a loopback address: give a certificate "
                              "(--tls-cert/tls_cert_file and --tls-key/tls_key_file; --tls-client-ca/"
                              "tls_client_ca_file for mutual TLS) or say --plaintext/plaintext explicitly")
         self.fatal_xids = frozenset(self.fatal_xids)
+        self._check_dial_in()
+
+    def _check_dial_in(self) -> None:
+        """Validate the dial-in fields (and ``listen`` None); derive ``serving_address`` when
+        registering."""
+        self.control_planes = tuple(self.control_planes)
+        if self.listen is None and not self.control_planes:
+            raise ValueError("listen may be None only with control_planes (--control-plane): the agent "
+                             "would have no way to reach a control plane, nor one to reach it")
+        if self.listen is None and self.tls_cert_file is not None:
+            raise ValueError("tls_cert_file/tls_key_file (--tls-cert/--tls-key) are the listen port's certificate "
+                             "and listen is None; dial-in's certificate is client_cert_file/client_key_file "
+                             "(--client-cert-file/--client-key-file)")
+        for target in self.control_planes:
+            try:
+                host, _ = split_target(target)
+            except ValueError as exc:
+                raise ValueError(f"control_planes (--control-plane): {exc}") from None
+            if self.control_plane_ca_file is None and not self.plaintext and not is_loopback(host):
+                raise ValueError(f"control_planes (--control-plane): {target} is not a loopback address: give "
+                                 "control_plane_ca_file (--control-plane-ca-file; client_cert_file and "
+                                 "client_key_file for mutual TLS) or say plaintext (--plaintext) explicitly")
+        if len(set(self.control_planes)) != len(self.control_planes):
+            raise ValueError(f"control_planes (--control-plane): a target given twice: {self.control_planes!r}")
+        if self.serving_address is None and self.cluster and self.control_planes:  # registering: said
+            self.serving_address = _engine_address(self.engine_url)
+            if self.serving_address is None:
+                raise ValueError("serving_address (--serving-address): needed to register into cluster "
+                                 f"{self.cluster!r} when engine_url's host is not an IP literal ({self.engine_url}): "
+                                 "the IP:PORT Envoy routes to")
+        elif self.serving_address is not None:
+            why = _ip_host_port(self.serving_address)
+            if why:
+                raise ValueError(f"serving_address (--serving-address): {why}")
+        if not 0 <= self.priority <= 128:
+            raise ValueError(f"priority (--priority) must be 0..128: {self.priority!r}")
+        if self.capacity is not None and not 1 <= self.capacity <= 1_000_000:
+            raise ValueError(f"capacity (--capacity) must be 1..1000000: {self.capacity!r}")
+        for name in ("cluster", "region", "zone", "sub_zone"):
+            if len(getattr(self, name)) > 256:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) is longer than 256 characters")
+        if (self.client_cert_file is None) != (self.client_key_file is None):
+            raise ValueError("client_cert_file and client_key_file (--client-cert-file, --client-key-file) go together")
+        if self.control_plane_ca_file is None and (self.client_cert_file or self.control_plane_server_name):
+            raise ValueError("client_cert_file and control_plane_server_name need control_plane_ca_file "
+                             "(--control-plane-ca-file): the CA the control plane's certificate must chain to")
+        if self.plaintext and self.control_plane_ca_file is not None:
+            raise ValueError("plaintext and control_plane_ca_file exclude each other")
 
     @property
     def effective_metrics_interval_ms(self) -> int:

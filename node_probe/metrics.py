@@ -82,10 +82,13 @@ class _StateCollector:
                                     "progress counters have not moved for the stall window", labels=["node"])
         stalled.add_metric(n, 1.0 if a.stalled else 0.0)
         yield stalled
-        streams = GaugeMetricFamily("node_probe_connected_streams", "open Watch streams from control planes",
-                                    labels=["node"])
+        streams = GaugeMetricFamily("node_probe_connected_streams", "open streams with control planes (Watch "
+                                    "streams served, dial-in streams begun)", labels=["node"])
         streams.add_metric(n, a.subscriber_count)
         yield streams
+        dialer = getattr(a, "dialer", None)  # dial-in: per control-plane target
+        if dialer is not None:
+            yield from _dial_in(self.node, dialer.states())
         yield from self.counts.families(self.node)
         refusals = getattr(a, "refusals", None)  # node_probe_access_refused_total{port="agent"}
         if refusals is not None:
@@ -137,6 +140,19 @@ class _StateCollector:
             fams["throttle"].add_metric(idx, g.throttle_reasons)
             fams["xids"].add_metric(idx, len(g.xid_events))
         yield from fams.values()
+
+
+def _dial_in(node: str, states: dict[str, Any]):
+    """node_probe_control_plane_streams and node_probe_control_plane_dials_total, per target."""
+    streams = GaugeMetricFamily("node_probe_control_plane_streams", "dial-in: streams open to the control-plane "
+                                "target (0: none; a DNS name: one per address)", labels=["node", "target"])
+    dials = CounterMetricFamily("node_probe_control_plane_dials", "dial-in: streams opened or tried to the "
+                                "control-plane target", labels=["node", "target"])
+    for target, st in sorted(states.items()):
+        streams.add_metric([node, target], st.streams)
+        dials.add_metric([node, target], st.dials)
+    yield streams
+    yield dials
 
 
 class AgentMetrics:
@@ -197,14 +213,18 @@ class AgentMetrics:
         yield errors
 
     def cert_watch(self) -> CertWatch | None:
-        """The agent's certificate files (``tls_cert_file``, ``tls_client_ca_file``) watched for
-        expiry within ``tls_expiry_warning_days``; None without TLS."""
+        """The agent's certificate files (``tls_cert_file``, ``tls_client_ca_file``; dial-in's
+        ``client_cert_file``, ``control_plane_ca_file``) watched for expiry within
+        ``tls_expiry_warning_days``; None without TLS."""
         cfg = self._cfg
-        if self._watch is None and cfg is not None and getattr(cfg, "tls_cert_file", None):
+        dial_in = (getattr(cfg, "client_cert_file", None), getattr(cfg, "control_plane_ca_file", None))
+        if self._watch is None and cfg is not None and (getattr(cfg, "tls_cert_file", None) or any(dial_in)):
             self._watch = CertWatch(cfg.tls_expiry_warning_days * 86400.0, prefix="node_probe",
                                     labels={"node": self.node})
             self._watch.add("agent_server", cfg.tls_cert_file)
             self._watch.add("agent_client_ca", cfg.tls_client_ca_file)
+            self._watch.add("agent_dial_client", dial_in[0])
+            self._watch.add("agent_dial_ca", dial_in[1])
         return self._watch
 
     def exposition(self) -> bytes:

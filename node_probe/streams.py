@@ -1,6 +1,7 @@
-"""The agent's ``Watch`` streams (:class:`StreamHub`): per stream, a bounded outbound queue, a
-fixed-rate heartbeat loop and a reader of the control plane's messages; probe results are
-fanned out to every open stream.
+"""The agent's streams (:class:`StreamHub`): the ``Watch`` streams control planes open, and the
+dial-in ``ProbeHub.Connect`` streams (:mod:`node_probe.dialer`), served alike: per stream, a
+bounded outbound queue, a fixed-rate heartbeat loop and a reader of the control plane's messages;
+probe results are fanned out to every open stream.
 
 Liveness per stream (the control plane's ``Hello.liveness``): heartbeat (the default, and what a
 control plane that does not ask gets) sends a heartbeat every interval; transport (when this agent
@@ -73,6 +74,7 @@ class _Stream:
     hb_seq: int = 0
     dropped: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    log_level: int = logging.INFO  # of the open, hello and close lines
 
 
 class StreamHub:
@@ -117,14 +119,17 @@ class StreamHub:
             self._enqueue(st, msg)
 
     async def serve(self, requests: AsyncIterator[probe_pb2.ControlMessage], peer: str,
-                    metadata: Iterable[tuple[str, Any]] | None = None) -> AsyncIterator[probe_pb2.AgentMessage]:
+                    metadata: Iterable[tuple[str, Any]] | None = None, *,
+                    quiet: bool = False) -> AsyncIterator[probe_pb2.AgentMessage]:
         """The outbound messages of one stream, until the client cancels or :meth:`close`;
         its tasks and queue are cleaned up either way. Yields nothing after :meth:`close`.
         ``metadata``: the call's invocation metadata; ``x-sentinel-liveness: transport`` (and
         ``x-sentinel-telemetry-refresh-ms``) asks for transport liveness before the first
-        heartbeat, as the Hello does once read."""
+        heartbeat, as the Hello does once read. ``quiet``: the stream's open, hello and close
+        lines at DEBUG (a caller that logs its own, rate-limited: the dial-in streams)."""
         loop = asyncio.get_running_loop()
-        st = _Stream(id=next(self._ids), peer=peer, queue=asyncio.Queue(maxsize=self._queue_max))
+        st = _Stream(id=next(self._ids), peer=peer, queue=asyncio.Queue(maxsize=self._queue_max),
+                     log_level=logging.DEBUG if quiet else logging.INFO)
         md = dict(metadata or ())
         if self._transport_ok and md.get(LIVENESS_KEY) == "transport":
             st.transport = True
@@ -134,7 +139,7 @@ class StreamHub:
         if self._closed:
             return
         self._streams.add(st)
-        log.info("stream %d opened by %s", st.id, st.peer)
+        log.log(st.log_level, "stream %d opened by %s", st.id, st.peer)
         st.tasks.append(loop.create_task(self._heartbeat_loop(st), name=f"np-stream-{st.id}-heartbeat"))
         st.tasks.append(loop.create_task(self._read_loop(st, requests), name=f"np-stream-{st.id}-reader"))
         try:
@@ -208,7 +213,7 @@ class StreamHub:
                         st.transport = self._transport_ok and msg.hello.liveness == probe_pb2.LIVENESS_TRANSPORT
                     if msg.hello.telemetry_refresh_ms:
                         st.refresh_s = msg.hello.telemetry_refresh_ms / 1000.0
-                    log.info("stream %d: hello from control plane %r (%s), liveness %s",
+                    log.log(st.log_level, "stream %d: hello from control plane %r (%s), liveness %s",
                              st.id, st.control_plane_id, st.peer, "transport" if st.transport else "heartbeat")
         except asyncio.CancelledError:
             raise
@@ -240,5 +245,5 @@ class StreamHub:
             task.cancel()
         await asyncio.gather(*st.tasks, return_exceptions=True)
         st.tasks.clear()
-        log.info("stream %d closed (%s, control plane %r, %d dropped)",
+        log.log(st.log_level, "stream %d closed (%s, control plane %r, %d dropped)",
                  st.id, st.peer, st.control_plane_id, st.dropped)

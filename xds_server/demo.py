@@ -174,7 +174,7 @@ def _phase_table(load: LoadGenerator, node_ids: list[str], per_try_timeout_s: fl
 
 
 async def _demo(keep_running: bool, envoy_binary: str | None) -> int:
-    fleet = Fleet(n_nodes=3, probe_interval_s=1.0, per_try_timeout_s=DEMO_PER_TRY_TIMEOUT_S,
+    fleet = Fleet(n_nodes=3, agents="dial-in", probe_interval_s=1.0, per_try_timeout_s=DEMO_PER_TRY_TIMEOUT_S,
                   per_try_idle_timeout_s=DEMO_PER_TRY_IDLE_TIMEOUT_S, envoy_binary=envoy_binary, health=DEMO_HEALTH)
     _p("xds-sentinel demo: starting 3 simulated engines, 3 agents, xds-server and Envoy ...")
     _p("The demo shortens these so recovery fits in a minute (production defaults on the right):")

@@ -32,11 +32,13 @@ from xds_server.control.publish import ClusterPublish
 from xds_server.control.reload import drained, plan_reload, serving_config
 from xds_server.control.state_file import file_signature, load_kept_state, save_core_state
 from xds_server.discovery import Discovery, drop_readdressed
-from xds_server.feed.events import RoutingChange, RoutingListener, RoutingNotifier
+from xds_server.feed.events import RoutingListener, RoutingNotifier
 from xds_server.feed.service import RoutingFeed
 from xds_server.health import model as hm
 from xds_server.load.gated_shifts import ShiftService
 from xds_server.load.service import LoadReportingService
+from xds_server.probing.dial_in import dial_in_used, probe_source
+from xds_server.probing.hub import ProbeHub
 from xds_server.probing.session import grpc_probe_source
 from xds_server.probing.sources import ProbeSource, ProbeSourceContext, ProbeSourceFactory
 from xds_server.probing.switchback import SwitchbackValidator
@@ -89,7 +91,8 @@ class ControlPlane:
                                 forward_fail_static_end=pool.forward_fail_static_end if pool else None)
         self._notifier = RoutingNotifier()
         self.routing_listeners: list[RoutingListener] = self._notifier.listeners
-        self._probe_factory = probe_sources or (self.probe_pool.source if self.probe_pool else grpc_probe_source)
+        dialled = self.probe_pool.source if self.probe_pool else grpc_probe_source  # nodes with a probe_address
+        self._probe_factory = probe_sources or probe_source(dialled)
         self.sessions: dict[str, ProbeSource] = {}
         self.refusals = Refusals(logging.getLogger("xds_server.access"))  # refused identities and tokens
         self.ads = AdsServicer(self.cache, config=config.xds, refusals=self.refusals,
@@ -102,8 +105,12 @@ class ControlPlane:
         self.publisher = EnvoyPublisher(self.cache, lambda: self._config, layout=self.shifts.layout,  # CDS + EDS
                                         closing=self.shifts.closing, drop=self.load.cla_args)
         self.switchback = SwitchbackValidator(lambda: self._config, self.core, self.observe,  # replay before routing
-                                              lambda n: self._config.tls.agents.client(n), config.xds.replica_id)
+                                              lambda n: self._config.tls.agents.client(n), config.xds.replica_id,
+                                              sessions=self.sessions)
         self.routing_feed = RoutingFeed(self, live_prompts=self.switchback.live)  # the relay's feed, on the xDS port
+        self.hub = ProbeHub(config=lambda: self._config, session_of=self.sessions.get, registry=self.discovery.agents,
+                            refusals=self.refusals, counters=self.counters, now=self.clock.now,  # agents dial in
+                            identity_checked=lambda: self._config.tls.mode == "mtls")
         self._served_tls = ServedTls()  # the xDS port's certificates, once start() serves it
         self.view = ControlPlaneView(
             self.core, self.cache, self.ads, self.sessions, lambda: self._config, refusals=self.refusals,
@@ -111,6 +118,8 @@ class ControlPlane:
             routing_feed=self.routing_feed, reload_status=lambda: self.reload_status,
             discovery_status=self.discovery.status, served_tls=lambda: self._served_tls)
         self._grpc: grpc.aio.Server | None = None
+        self._agents_grpc: grpc.aio.Server | None = None  # probe.dial_in.listen: the agents' own port
+        self.agents_port = 0
         self._admin_runner: web.AppRunner | None = None
         self._opened = False
         self.xds_port = self.admin_port = 0
@@ -144,13 +153,16 @@ class ControlPlane:
             s.start()
 
     async def start(self) -> None:
-        """Bind the ADS and admin ports, publish CDS, start one probe source per node.
-
-        Raises OSError when a port cannot be bound.
-        """
+        """Bind the ADS and admin ports, publish CDS, start one probe source per node. Raises
+        OSError when a port cannot be bound."""
         self.open()
-        self._grpc = grpc.aio.server(options=self.config.xds.grpc_server_options())
+        own_port = self.config.probe.dial_in.listen  # agents dial in here (ProbeHub), or beside ADS
+        shared = dial_in_used(self.config) and own_port is None  # their keepalive is server-wide
+        options = dict(self.config.xds.grpc_server_options() + (self.config.probe.dial_in_options() if shared else []))
+        self._grpc = grpc.aio.server(options=list(options.items()))
         self.ads.add_to_server(self._grpc)  # ADS (SotW + delta), responses encoded once per content
+        if own_port is None:
+            self.hub.add_to_server(self._grpc)
         self.routing_feed.add_to_server(self._grpc)  # the routing feed for the relay, same port
         self.load.add_to_server(self._grpc)  # LRS StreamLoadStats (lrs.enabled), same port
         host, port = parse_hostport(self.config.xds.listen)
@@ -164,6 +176,8 @@ class ControlPlane:
         if self.xds_port == 0:
             raise OSError(f"cannot bind xDS port {self.config.xds.listen} (xds.listen): in use or not permitted")
         await self._grpc.start()
+        if own_port is not None:
+            self._agents_grpc, self.agents_port = await self.hub.serve(own_port, creds, self.config)
 
         app = build_admin_app(self.view, self.drain)
         add_reload_route(app, lambda: self.config, self.reload_file)
@@ -207,8 +221,9 @@ class ControlPlane:
                 log.error("stopping probe source failed: %r", r)
         if self.probe_pool is not None:
             await self.probe_pool.stop()
-        if self._grpc:
-            await self._grpc.stop(grace=0.5)
+        for srv in (self._grpc, self._agents_grpc):
+            if srv is not None:
+                await srv.stop(grace=0.5)
         if self._admin_runner:
             await self._admin_runner.cleanup()
 
@@ -353,19 +368,9 @@ class ControlPlane:
 
     def _write(self, p: ClusterPublish) -> None:
         c = next(c for c in self.config.clusters if c.name == p.cluster)
-        if self.publisher.assignment(c, p.routing):
-            self._notify_listeners(c.name, c.nodes, p.routing)
-
-    def _notify_listeners(self, cluster: str, nodes: list[NodeConfig], routing) -> None:
-        """Tell routing listeners about each node whose published status or state changed."""
-        if self.routing_listeners:
-            version, wall, health = self.cla_version(cluster), self.clock.wall(), self.core.health
-            for n in nodes:
-                r, h = routing[n.id], health[n.id]
-                state = h.effective_state.value
-                if self._notifier.changed(n.id, (r.health_status, state)):  # objects only for changes
-                    self._notifier.announce(RoutingChange(n.id, cluster, n.address, r.health_status == "HEALTHY",
-                                                          state, r.health_status, r.weight, h.reason, version, wall))
+        if self.publisher.assignment(c, p.routing) and self.routing_listeners:
+            self._notifier.announce_changes(c.name, c.nodes, p.routing, self.core.health, self.cla_version(c.name),
+                                            self.clock.wall())
 
     # -- read-only shortcuts (benchmarks and tests read these) ---------------------------------
 

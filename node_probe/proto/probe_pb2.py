@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cnode_probe/proto/probe.proto\x12\rnode_probe.v1\"\xc1\x01\n\x0e\x43ontrolMessage\x12%\n\x05hello\x18\x01 \x01(\x0b\x32\x14.node_probe.v1.HelloH\x00\x12#\n\x04ping\x18\x02 \x01(\x0b\x32\x13.node_probe.v1.PingH\x00\x12,\n\tprobe_now\x18\x03 \x01(\x0b\x32\x17.node_probe.v1.ProbeNowH\x00\x12.\n\x06replay\x18\x04 \x01(\x0b\x32\x1c.node_probe.v1.ReplayRequestH\x00\x42\x05\n\x03msg\"j\n\x05Hello\x12\x18\n\x10\x63ontrol_plane_id\x18\x01 \x01(\t\x12)\n\x08liveness\x18\x02 \x01(\x0e\x32\x17.node_probe.v1.Liveness\x12\x1c\n\x14telemetry_refresh_ms\x18\x03 \x01(\r\"\x13\n\x04Ping\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1a\n\x08ProbeNow\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\\\n\rReplayRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07prompts\x18\x02 \x03(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\"\xdb\x01\n\x0c\x41gentMessage\x12-\n\theartbeat\x18\x01 \x01(\x0b\x32\x18.node_probe.v1.HeartbeatH\x00\x12#\n\x04pong\x18\x02 \x01(\x0b\x32\x13.node_probe.v1.PongH\x00\x12:\n\x10inference_result\x18\x03 \x01(\x0b\x32\x1e.node_probe.v1.InferenceResultH\x00\x12\x34\n\rreplay_result\x18\x04 \x01(\x0b\x32\x1b.node_probe.v1.ReplayResultH\x00\x42\x05\n\x03msg\"\xb2\x01\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x13\n\x0binterval_ms\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12+\n\ttelemetry\x18\x04 \x01(\x0b\x32\x18.node_probe.v1.Telemetry\x12)\n\x08liveness\x18\x05 \x01(\x0e\x32\x17.node_probe.v1.Liveness\x12\x1a\n\x12replay_max_prompts\x18\x06 \x01(\r\"*\n\x04Pong\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x15\n\rprocessing_us\x18\x02 \x01(\x04\"\x89\x02\n\tTelemetry\x12\x30\n\x0c\x65ngine_state\x18\x01 \x01(\x0e\x32\x1a.node_probe.v1.EngineState\x12.\n\x0b\x65ngine_load\x18\x02 \x01(\x0b\x32\x19.node_probe.v1.EngineLoad\x12(\n\x03gpu\x18\x03 \x01(\x0b\x32\x1b.node_probe.v1.GpuTelemetry\x12\x0f\n\x07stalled\x18\x04 \x01(\x08\x12\x14\n\x0cstall_detail\x18\x05 \x01(\t\x12\x1c\n\x0fprogress_age_ms\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0fprogress_detail\x18\x07 \x01(\tB\x12\n\x10_progress_age_ms\"\xc8\x03\n\nEngineLoad\x12\x12\n\nmetrics_ok\x18\x01 \x01(\x08\x12\x15\n\rmetrics_error\x18\x02 \x01(\t\x12\x0e\n\x06\x61ge_ms\x18\x03 \x01(\r\x12\x1d\n\x10requests_waiting\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10requests_running\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12!\n\x14kv_cache_usage_ratio\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12#\n\x16prefix_cache_hit_ratio\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12$\n\x17generation_tokens_total\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x17\n\x0fkv_cache_metric\x18\t \x01(\t\x12$\n\x17requests_finished_total\x18\n \x01(\x01H\x05\x88\x01\x01\x42\x13\n\x11_requests_waitingB\x13\n\x11_requests_runningB\x17\n\x15_kv_cache_usage_ratioB\x19\n\x17_prefix_cache_hit_ratioB\x1a\n\x18_generation_tokens_totalB\x1a\n\x18_requests_finished_total\"\x81\x01\n\x0cGpuTelemetry\x12\'\n\x05state\x18\x01 \x01(\x0e\x32\x18.node_probe.v1.NvmlState\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\'\n\x04gpus\x18\x03 \x03(\x0b\x32\x19.node_probe.v1.GpuReading\x12\x10\n\x08poll_seq\x18\x04 \x01(\x04\"\x9b\x03\n\nGpuReading\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x1f\n\x12memory_total_bytes\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1e\n\x11memory_used_bytes\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x1e\n\x11utilization_ratio\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x1a\n\rtemperature_c\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\x14\n\x07power_w\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x1c\n\x0f\x65\x63\x63_uncorrected\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x12\n\nxid_events\x18\n \x03(\r\x12\x18\n\x10throttle_reasons\x18\x0b \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x0c \x03(\tB\x15\n\x13_memory_total_bytesB\x14\n\x12_memory_used_bytesB\x14\n\x12_utilization_ratioB\x10\n\x0e_temperature_cB\n\n\x08_power_wB\x12\n\x10_ecc_uncorrected\"\xc6\x01\n\x0fInferenceResult\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12+\n\x07\x66\x61ilure\x18\x04 \x01(\x0e\x32\x1a.node_probe.v1.FailureKind\x12\x13\n\x0bhttp_status\x18\x05 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x12\n\nheaders_ms\x18\x08 \x01(\x01\x12\x0f\n\x07trigger\x18\t \x01(\t\"\x7f\n\x0cReplayResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12,\n\x07\x61nswers\x18\x03 \x03(\x0b\x32\x1b.node_probe.v1.ReplayAnswer\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\"i\n\x0cReplayAnswer\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x12\n\nelapsed_ms\x18\x05 \x01(\x01*T\n\x08Liveness\x12\x18\n\x14LIVENESS_UNSPECIFIED\x10\x00\x12\x16\n\x12LIVENESS_HEARTBEAT\x10\x01\x12\x16\n\x12LIVENESS_TRANSPORT\x10\x02*\x8d\x01\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45NGINE_STATE_COLD\x10\x01\x12\x18\n\x14\x45NGINE_STATE_WARMING\x10\x02\x12\x16\n\x12\x45NGINE_STATE_READY\x10\x03\x12\x17\n\x13\x45NGINE_STATE_FAILED\x10\x04*g\n\tNvmlState\x12\x1a\n\x16NVML_STATE_UNSPECIFIED\x10\x00\x12\x11\n\rNVML_STATE_OK\x10\x01\x12\x15\n\x11NVML_STATE_ABSENT\x10\x02\x12\x14\n\x10NVML_STATE_ERROR\x10\x03*\xb9\x01\n\x0b\x46\x61ilureKind\x12\x1c\n\x18\x46\x41ILURE_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46\x41ILURE_KIND_TIMEOUT\x10\x01\x12\x18\n\x14\x46\x41ILURE_KIND_CONNECT\x10\x02\x12\x1c\n\x18\x46\x41ILURE_KIND_HTTP_STATUS\x10\x03\x12\x1d\n\x19\x46\x41ILURE_KIND_ENGINE_FATAL\x10\x04\x12\x1b\n\x17\x46\x41ILURE_KIND_BAD_OUTPUT\x10\x05\x32T\n\tNodeProbe\x12G\n\x05Watch\x12\x1d.node_probe.v1.ControlMessage\x1a\x1b.node_probe.v1.AgentMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cnode_probe/proto/probe.proto\x12\rnode_probe.v1\"\xc1\x01\n\x0e\x43ontrolMessage\x12%\n\x05hello\x18\x01 \x01(\x0b\x32\x14.node_probe.v1.HelloH\x00\x12#\n\x04ping\x18\x02 \x01(\x0b\x32\x13.node_probe.v1.PingH\x00\x12,\n\tprobe_now\x18\x03 \x01(\x0b\x32\x17.node_probe.v1.ProbeNowH\x00\x12.\n\x06replay\x18\x04 \x01(\x0b\x32\x1c.node_probe.v1.ReplayRequestH\x00\x42\x05\n\x03msg\"j\n\x05Hello\x12\x18\n\x10\x63ontrol_plane_id\x18\x01 \x01(\t\x12)\n\x08liveness\x18\x02 \x01(\x0e\x32\x17.node_probe.v1.Liveness\x12\x1c\n\x14telemetry_refresh_ms\x18\x03 \x01(\r\"\x13\n\x04Ping\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1a\n\x08ProbeNow\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\\\n\rReplayRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07prompts\x18\x02 \x03(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\"\x88\x02\n\x0c\x41gentMessage\x12-\n\theartbeat\x18\x01 \x01(\x0b\x32\x18.node_probe.v1.HeartbeatH\x00\x12#\n\x04pong\x18\x02 \x01(\x0b\x32\x13.node_probe.v1.PongH\x00\x12:\n\x10inference_result\x18\x03 \x01(\x0b\x32\x1e.node_probe.v1.InferenceResultH\x00\x12\x34\n\rreplay_result\x18\x04 \x01(\x0b\x32\x1b.node_probe.v1.ReplayResultH\x00\x12+\n\x08register\x18\x05 \x01(\x0b\x32\x17.node_probe.v1.RegisterH\x00\x42\x05\n\x03msg\"\xa3\x01\n\x08Register\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12)\n\x08locality\x18\x04 \x01(\x0b\x32\x17.node_probe.v1.Locality\x12\x10\n\x08priority\x18\x05 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x06 \x01(\r\x12\x15\n\ragent_version\x18\x07 \x01(\t\":\n\x08Locality\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0c\n\x04zone\x18\x02 \x01(\t\x12\x10\n\x08sub_zone\x18\x03 \x01(\t\"\xb2\x01\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x13\n\x0binterval_ms\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12+\n\ttelemetry\x18\x04 \x01(\x0b\x32\x18.node_probe.v1.Telemetry\x12)\n\x08liveness\x18\x05 \x01(\x0e\x32\x17.node_probe.v1.Liveness\x12\x1a\n\x12replay_max_prompts\x18\x06 \x01(\r\"*\n\x04Pong\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x15\n\rprocessing_us\x18\x02 \x01(\x04\"\x89\x02\n\tTelemetry\x12\x30\n\x0c\x65ngine_state\x18\x01 \x01(\x0e\x32\x1a.node_probe.v1.EngineState\x12.\n\x0b\x65ngine_load\x18\x02 \x01(\x0b\x32\x19.node_probe.v1.EngineLoad\x12(\n\x03gpu\x18\x03 \x01(\x0b\x32\x1b.node_probe.v1.GpuTelemetry\x12\x0f\n\x07stalled\x18\x04 \x01(\x08\x12\x14\n\x0cstall_detail\x18\x05 \x01(\t\x12\x1c\n\x0fprogress_age_ms\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0fprogress_detail\x18\x07 \x01(\tB\x12\n\x10_progress_age_ms\"\xc8\x03\n\nEngineLoad\x12\x12\n\nmetrics_ok\x18\x01 \x01(\x08\x12\x15\n\rmetrics_error\x18\x02 \x01(\t\x12\x0e\n\x06\x61ge_ms\x18\x03 \x01(\r\x12\x1d\n\x10requests_waiting\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10requests_running\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12!\n\x14kv_cache_usage_ratio\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12#\n\x16prefix_cache_hit_ratio\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12$\n\x17generation_tokens_total\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x17\n\x0fkv_cache_metric\x18\t \x01(\t\x12$\n\x17requests_finished_total\x18\n \x01(\x01H\x05\x88\x01\x01\x42\x13\n\x11_requests_waitingB\x13\n\x11_requests_runningB\x17\n\x15_kv_cache_usage_ratioB\x19\n\x17_prefix_cache_hit_ratioB\x1a\n\x18_generation_tokens_totalB\x1a\n\x18_requests_finished_total\"\x81\x01\n\x0cGpuTelemetry\x12\'\n\x05state\x18\x01 \x01(\x0e\x32\x18.node_probe.v1.NvmlState\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\'\n\x04gpus\x18\x03 \x03(\x0b\x32\x19.node_probe.v1.GpuReading\x12\x10\n\x08poll_seq\x18\x04 \x01(\x04\"\x9b\x03\n\nGpuReading\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x1f\n\x12memory_total_bytes\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1e\n\x11memory_used_bytes\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x1e\n\x11utilization_ratio\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x1a\n\rtemperature_c\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\x14\n\x07power_w\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x1c\n\x0f\x65\x63\x63_uncorrected\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x12\n\nxid_events\x18\n \x03(\r\x12\x18\n\x10throttle_reasons\x18\x0b \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x0c \x03(\tB\x15\n\x13_memory_total_bytesB\x14\n\x12_memory_used_bytesB\x14\n\x12_utilization_ratioB\x10\n\x0e_temperature_cB\n\n\x08_power_wB\x12\n\x10_ecc_uncorrected\"\xc6\x01\n\x0fInferenceResult\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12+\n\x07\x66\x61ilure\x18\x04 \x01(\x0e\x32\x1a.node_probe.v1.FailureKind\x12\x13\n\x0bhttp_status\x18\x05 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x12\n\nheaders_ms\x18\x08 \x01(\x01\x12\x0f\n\x07trigger\x18\t \x01(\t\"\x7f\n\x0cReplayResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12,\n\x07\x61nswers\x18\x03 \x03(\x0b\x32\x1b.node_probe.v1.ReplayAnswer\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\"i\n\x0cReplayAnswer\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x12\n\nelapsed_ms\x18\x05 \x01(\x01*T\n\x08Liveness\x12\x18\n\x14LIVENESS_UNSPECIFIED\x10\x00\x12\x16\n\x12LIVENESS_HEARTBEAT\x10\x01\x12\x16\n\x12LIVENESS_TRANSPORT\x10\x02*\x8d\x01\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45NGINE_STATE_COLD\x10\x01\x12\x18\n\x14\x45NGINE_STATE_WARMING\x10\x02\x12\x16\n\x12\x45NGINE_STATE_READY\x10\x03\x12\x17\n\x13\x45NGINE_STATE_FAILED\x10\x04*g\n\tNvmlState\x12\x1a\n\x16NVML_STATE_UNSPECIFIED\x10\x00\x12\x11\n\rNVML_STATE_OK\x10\x01\x12\x15\n\x11NVML_STATE_ABSENT\x10\x02\x12\x14\n\x10NVML_STATE_ERROR\x10\x03*\xb9\x01\n\x0b\x46\x61ilureKind\x12\x1c\n\x18\x46\x41ILURE_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46\x41ILURE_KIND_TIMEOUT\x10\x01\x12\x18\n\x14\x46\x41ILURE_KIND_CONNECT\x10\x02\x12\x1c\n\x18\x46\x41ILURE_KIND_HTTP_STATUS\x10\x03\x12\x1d\n\x19\x46\x41ILURE_KIND_ENGINE_FATAL\x10\x04\x12\x1b\n\x17\x46\x41ILURE_KIND_BAD_OUTPUT\x10\x05\x32T\n\tNodeProbe\x12G\n\x05Watch\x12\x1d.node_probe.v1.ControlMessage\x1a\x1b.node_probe.v1.AgentMessage(\x01\x30\x01\x32U\n\x08ProbeHub\x12I\n\x07\x43onnect\x12\x1b.node_probe.v1.AgentMessage\x1a\x1d.node_probe.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'node_probe.proto.probe_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LIVENESS']._serialized_start=2651
-  _globals['_LIVENESS']._serialized_end=2735
-  _globals['_ENGINESTATE']._serialized_start=2738
-  _globals['_ENGINESTATE']._serialized_end=2879
-  _globals['_NVMLSTATE']._serialized_start=2881
-  _globals['_NVMLSTATE']._serialized_end=2984
-  _globals['_FAILUREKIND']._serialized_start=2987
-  _globals['_FAILUREKIND']._serialized_end=3172
+  _globals['_LIVENESS']._serialized_start=2922
+  _globals['_LIVENESS']._serialized_end=3006
+  _globals['_ENGINESTATE']._serialized_start=3009
+  _globals['_ENGINESTATE']._serialized_end=3150
+  _globals['_NVMLSTATE']._serialized_start=3152
+  _globals['_NVMLSTATE']._serialized_end=3255
+  _globals['_FAILUREKIND']._serialized_start=3258
+  _globals['_FAILUREKIND']._serialized_end=3443
   _globals['_CONTROLMESSAGE']._serialized_start=48
   _globals['_CONTROLMESSAGE']._serialized_end=241
   _globals['_HELLO']._serialized_start=243
@@ -50,25 +50,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLAYREQUEST']._serialized_start=400
   _globals['_REPLAYREQUEST']._serialized_end=492
   _globals['_AGENTMESSAGE']._serialized_start=495
-  _globals['_AGENTMESSAGE']._serialized_end=714
-  _globals['_HEARTBEAT']._serialized_start=717
-  _globals['_HEARTBEAT']._serialized_end=895
-  _globals['_PONG']._serialized_start=897
-  _globals['_PONG']._serialized_end=939
-  _globals['_TELEMETRY']._serialized_start=942
-  _globals['_TELEMETRY']._serialized_end=1207
-  _globals['_ENGINELOAD']._serialized_start=1210
-  _globals['_ENGINELOAD']._serialized_end=1666
-  _globals['_GPUTELEMETRY']._serialized_start=1669
-  _globals['_GPUTELEMETRY']._serialized_end=1798
-  _globals['_GPUREADING']._serialized_start=1801
-  _globals['_GPUREADING']._serialized_end=2212
-  _globals['_INFERENCERESULT']._serialized_start=2215
-  _globals['_INFERENCERESULT']._serialized_end=2413
-  _globals['_REPLAYRESULT']._serialized_start=2415
-  _globals['_REPLAYRESULT']._serialized_end=2542
-  _globals['_REPLAYANSWER']._serialized_start=2544
-  _globals['_REPLAYANSWER']._serialized_end=2649
-  _globals['_NODEPROBE']._serialized_start=3174
-  _globals['_NODEPROBE']._serialized_end=3258
+  _globals['_AGENTMESSAGE']._serialized_end=759
+  _globals['_REGISTER']._serialized_start=762
+  _globals['_REGISTER']._serialized_end=925
+  _globals['_LOCALITY']._serialized_start=927
+  _globals['_LOCALITY']._serialized_end=985
+  _globals['_HEARTBEAT']._serialized_start=988
+  _globals['_HEARTBEAT']._serialized_end=1166
+  _globals['_PONG']._serialized_start=1168
+  _globals['_PONG']._serialized_end=1210
+  _globals['_TELEMETRY']._serialized_start=1213
+  _globals['_TELEMETRY']._serialized_end=1478
+  _globals['_ENGINELOAD']._serialized_start=1481
+  _globals['_ENGINELOAD']._serialized_end=1937
+  _globals['_GPUTELEMETRY']._serialized_start=1940
+  _globals['_GPUTELEMETRY']._serialized_end=2069
+  _globals['_GPUREADING']._serialized_start=2072
+  _globals['_GPUREADING']._serialized_end=2483
+  _globals['_INFERENCERESULT']._serialized_start=2486
+  _globals['_INFERENCERESULT']._serialized_end=2684
+  _globals['_REPLAYRESULT']._serialized_start=2686
+  _globals['_REPLAYRESULT']._serialized_end=2813
+  _globals['_REPLAYANSWER']._serialized_start=2815
+  _globals['_REPLAYANSWER']._serialized_end=2920
+  _globals['_NODEPROBE']._serialized_start=3445
+  _globals['_NODEPROBE']._serialized_end=3529
+  _globals['_PROBEHUB']._serialized_start=3531
+  _globals['_PROBEHUB']._serialized_end=3616
 # @@protoc_insertion_point(module_scope)

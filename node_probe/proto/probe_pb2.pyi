@@ -102,16 +102,46 @@ class ReplayRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("heartbeat", "pong", "inference_result", "replay_result")
+    __slots__ = ("heartbeat", "pong", "inference_result", "replay_result", "register")
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_RESULT_FIELD_NUMBER: _ClassVar[int]
     REPLAY_RESULT_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
     heartbeat: Heartbeat
     pong: Pong
     inference_result: InferenceResult
     replay_result: ReplayResult
-    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., inference_result: _Optional[_Union[InferenceResult, _Mapping]] = ..., replay_result: _Optional[_Union[ReplayResult, _Mapping]] = ...) -> None: ...
+    register: Register
+    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., inference_result: _Optional[_Union[InferenceResult, _Mapping]] = ..., replay_result: _Optional[_Union[ReplayResult, _Mapping]] = ..., register: _Optional[_Union[Register, _Mapping]] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("node_id", "cluster", "address", "locality", "priority", "capacity", "agent_version")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LOCALITY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    cluster: str
+    address: str
+    locality: Locality
+    priority: int
+    capacity: int
+    agent_version: str
+    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., address: _Optional[str] = ..., locality: _Optional[_Union[Locality, _Mapping]] = ..., priority: _Optional[int] = ..., capacity: _Optional[int] = ..., agent_version: _Optional[str] = ...) -> None: ...
+
+class Locality(_message.Message):
+    __slots__ = ("region", "zone", "sub_zone")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    ZONE_FIELD_NUMBER: _ClassVar[int]
+    SUB_ZONE_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    zone: str
+    sub_zone: str
+    def __init__(self, region: _Optional[str] = ..., zone: _Optional[str] = ..., sub_zone: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("seq", "interval_ms", "node_id", "telemetry", "liveness", "replay_max_prompts")

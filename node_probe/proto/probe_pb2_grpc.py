@@ -96,3 +96,93 @@ class NodeProbe:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ProbeHubStub:
+    """Dial-in: the same stream, opened the other way round. The agent dials every control-plane
+    replica and holds one Connect stream to each; its first message is a Register saying which
+    node it is. The control plane (the gRPC server) judges liveness from its own HTTP/2 keepalive
+    PINGs (answered in the agent's gRPC C core); the agent sends heartbeats on change and as a
+    refresh (LIVENESS_TRANSPORT), which also prove its own event loop alive. Everything after the
+    Register is what a Watch stream carries, in the same directions.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Connect = channel.stream_stream(
+                '/node_probe.v1.ProbeHub/Connect',
+                request_serializer=node__probe_dot_proto_dot_probe__pb2.AgentMessage.SerializeToString,
+                response_deserializer=node__probe_dot_proto_dot_probe__pb2.ControlMessage.FromString,
+                _registered_method=True)
+
+
+class ProbeHubServicer:
+    """Dial-in: the same stream, opened the other way round. The agent dials every control-plane
+    replica and holds one Connect stream to each; its first message is a Register saying which
+    node it is. The control plane (the gRPC server) judges liveness from its own HTTP/2 keepalive
+    PINGs (answered in the agent's gRPC C core); the agent sends heartbeats on change and as a
+    refresh (LIVENESS_TRANSPORT), which also prove its own event loop alive. Everything after the
+    Register is what a Watch stream carries, in the same directions.
+    """
+
+    def Connect(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ProbeHubServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Connect': grpc.stream_stream_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=node__probe_dot_proto_dot_probe__pb2.AgentMessage.FromString,
+                    response_serializer=node__probe_dot_proto_dot_probe__pb2.ControlMessage.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'node_probe.v1.ProbeHub', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('node_probe.v1.ProbeHub', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ProbeHub:
+    """Dial-in: the same stream, opened the other way round. The agent dials every control-plane
+    replica and holds one Connect stream to each; its first message is a Register saying which
+    node it is. The control plane (the gRPC server) judges liveness from its own HTTP/2 keepalive
+    PINGs (answered in the agent's gRPC C core); the agent sends heartbeats on change and as a
+    refresh (LIVENESS_TRANSPORT), which also prove its own event loop alive. Everything after the
+    Register is what a Watch stream carries, in the same directions.
+    """
+
+    @staticmethod
+    def Connect(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/node_probe.v1.ProbeHub/Connect',
+            node__probe_dot_proto_dot_probe__pb2.AgentMessage.SerializeToString,
+            node__probe_dot_proto_dot_probe__pb2.ControlMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -103,9 +103,13 @@ def test_config_names_the_engines_agents_and_ports_compose_gives_them(compose):
     (cluster,) = cfg["clusters"]
     subnet = ipaddress.ip_network(compose["networks"]["fleet"]["ipam"]["config"][0]["subnet"])
     assert len(cluster["nodes"]) == 3
+    replicas = sorted(n for n in services if n.startswith("xds-server-"))
+    assert len(replicas) == 2
     for node in cluster["nodes"]:
+        assert "probe_address" not in node  # the agents dial in
         ip, _, port = node["address"].rpartition(":")
-        engine_name, _, probe_port = node["probe_address"].rpartition(":")
+        (engine_name,) = [n for n, s in services.items() if isinstance(s.get("networks"), dict)
+                          and (s["networks"].get("fleet") or {}).get("ipv4_address") == ip]
         engine = services[engine_name]
         # Envoy sends to the engine's pinned address and port.
         assert engine["networks"]["fleet"]["ipv4_address"] == ip
@@ -114,7 +118,8 @@ def test_config_names_the_engines_agents_and_ports_compose_gives_them(compose):
         assert _flag(engine["command"], "--replica-id") == node["id"]
         # Exactly one agent lives in that engine's network namespace, named like the node.
         (agent,) = [s for s in services.values() if s.get("network_mode") == f"service:{engine_name}"]
-        assert _flag(agent["command"], "--listen").rpartition(":")[2] == probe_port
+        assert "--listen" not in agent["command"]  # no inbound port: it dials every replica
+        assert _flag(agent["command"], "--control-plane").split(",") == [f"{r}:18000" for r in replicas]
         assert _flag(agent["command"], "--node-id") == node["id"]
         assert _flag(agent["command"], "--engine-url") == f"http://127.0.0.1:{port}"
 

@@ -90,8 +90,8 @@ def test_healthchecks_pass_against_the_real_programs_and_fail_without_them(tmp_p
     i = probe_args.index("--metrics-listen")
     assert probe_args[i + 1].rpartition(":")[2] == probe_url.split(":")[2].split("/")[0]
     probe_args[i + 1] = f"127.0.0.1:{metrics_port}"
-    j = probe_args.index("--listen")
-    probe_args[j + 1] = f"127.0.0.1:{free_port()}"
+    j = probe_args.index("--control-plane")   # the agent dials the control plane (both replicas in compose)
+    probe_args[j + 1] = f"127.0.0.1:{ads}"
     k = probe_args.index("--engine-url")
     probe_args[k + 1] = f"http://127.0.0.1:{engine_port}"
 
@@ -102,7 +102,7 @@ def test_healthchecks_pass_against_the_real_programs_and_fail_without_them(tmp_p
         ManagedProcess("engine", [script("node-probe"), "sim-engine", *engine_args], tmp_path / "engine.log",
                        ready_pattern="listening"),
         ManagedProcess("agent", [script("node-probe"), *probe_args], tmp_path / "agent.log",
-                       ready_pattern="listening"),
+                       ready_pattern="dialling"),
     ]
     checks = [(STAGES["xds-server"], with_port(xds_url, admin)),
               (STAGES["node-probe"], with_port(engine_url, engine_port)),

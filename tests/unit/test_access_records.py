@@ -112,4 +112,5 @@ def test_refusals_are_counted_and_rate_limited_per_identity_not_globally(caplog)
     (fam,) = r.metric_families()
     got = {(s.labels["port"], s.labels["reason"]): s.value for s in fam.samples}
     assert got == {("xds", "node_allow"): 8, ("xds", "feed_allow"): 0, ("admin", "token_wrong"): 2,
-                   ("admin", "token_missing"): 0, ("xds", "lrs_peer"): 0, ("xds", "lrs_plaintext"): 0}
+                   ("admin", "token_missing"): 0, ("xds", "lrs_peer"): 0, ("xds", "lrs_plaintext"): 0,
+                   ("xds", "agent_identity"): 0, ("xds", "agent_claim"): 0}

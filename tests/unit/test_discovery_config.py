@@ -47,7 +47,7 @@ def test_discovery_config_defaults_and_errors_name_the_field():
     ("- 3", "entry 0: expected a mapping, got int"),
     ("- {id: a, address: 'x:1', probe_address: '10.0.0.1:9100'}",
      "entry 0 (id 'a'): address: host 'x' must be an IP literal"),
-    ("- {id: a, address: '10.0.0.1:1'}", "entry 0 (id 'a'): probe_address: Field required"),
+    ("- {id: a, probe_address: '10.0.0.1:2'}", "entry 0 (id 'a'): address: Field required"),
     ("- {id: a, address: '10.0.0.1:1', probe_address: '10.0.0.1:2'}\n"
      "- {id: a, address: '10.0.0.2:1', probe_address: '10.0.0.2:2'}",
      "entry 1 (id 'a'): duplicate id (entry 0 has it too)"),

@@ -20,8 +20,7 @@ from xds_server.config.health_names import RENAMED
 from xds_server.config.renames import move_old_names, moved_notes, rewrite_old_names
 
 ROOT = Path(__file__).resolve().parents[2]
-MINIMAL = {"clusters": [{"name": "llm", "nodes": [{"id": "a", "address": "127.0.0.1:8000",
-                                                    "probe_address": "127.0.0.1:50051"}]}]}
+MINIMAL = {"clusters": [{"name": "llm", "nodes": [{"id": "a", "address": "127.0.0.1:8000"}]}]}
 
 
 def _get(h: object, path: str) -> object:

@@ -110,7 +110,7 @@ def test_check_config_prints_the_notes(tmp_path, capsys):
 
     cfg = tmp_path / "x.yaml"
     cfg.write_text("xds: {listen: '0.0.0.0:18000'}\ntls: {mode: plaintext}\nlrs: {peers: ['127.0.0.1:2']}\n"
-                   "clusters: [{name: c, nodes: [{id: n, address: '127.0.0.1:9', probe_address: '127.0.0.1:10'}]}]\n")
+                   "clusters: [{name: c, nodes: [{id: n, address: '127.0.0.1:9'}]}]\n")
     assert main(["check-config", "--config", str(cfg)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("OK (1 cluster(s), 1 node(s))")

@@ -308,7 +308,7 @@ def test_readme_tls_example_is_valid(pki, tmp_path, monkeypatch):
         ca.issue(name)
     (tmp_path / "certs" / "admin-token").write_text("t0ken\n")
     cfg = parse_config(doc)
-    assert cfg.tls.mode == "mtls" and cfg.tls.node_allow and cfg.tls.agents.mode == "mtls"
+    assert cfg.tls.mode == "mtls" and cfg.tls.node_allow and cfg.tls.agents.identity == "dns:{node_id}.agents.internal"
     assert cfg.admin.token == "t0ken" and cfg.admin.tls is not None and cfg.feed.allow_identities
     assert cfg.lrs.traffic_ejection.min_reporters == 2
     del doc["admin"]["token_file"]

@@ -23,7 +23,12 @@ from xds_server.config.cluster import (
     NodeConfig,
     OutlierDetectionConfig,
 )
-from xds_server.config.discovery import DiscoveryConfig, FileDiscoveryConfig, KubernetesDiscoveryConfig
+from xds_server.config.discovery import (
+    AgentsDiscoveryConfig,
+    DiscoveryConfig,
+    FileDiscoveryConfig,
+    KubernetesDiscoveryConfig,
+)
 from xds_server.config.feed import FeedConfig, check_feed
 from xds_server.config.health import HealthConfig
 from xds_server.config.load import LrsConfig, TrafficEjectionConfig, check_lrs, lrs_notes
@@ -39,6 +44,7 @@ from xds_server.config.xds import XdsConfig
 __all__ = [
     "AdminConfig",
     "AgentTlsConfig",
+    "AgentsDiscoveryConfig",
     "ClusterConfig",
     "ConfigError",
     "DiscoveryConfig",
@@ -105,7 +111,8 @@ class SentinelConfig(_Model):
                                  "loopback: set tls.agents.mode to mtls or tls (or plaintext, explicitly)")
         check_plaintext(self.tls, self.xds.listen,
                         [(f"clusters.{ci}.nodes.{ni}.probe_address", n.probe_address)
-                         for ci, c in enumerate(self.clusters) for ni, n in enumerate(c.nodes)])
+                         for ci, c in enumerate(self.clusters) for ni, n in enumerate(c.nodes)
+                         if n.probe_address is not None])
         check_feed(self.feed, self.tls.mode)
         check_lrs(self.lrs, self.tls.mode)
         if self.health.validation.enabled and self.probe.workers != 0:
@@ -118,6 +125,11 @@ class SentinelConfig(_Model):
         old = [] if self.xds.server_id is None else [
             "xds.server_id is deprecated and ignored: versions are content hashes, the same on every replica; "
             f"name this process with xds.replica_id (now {self.xds.replica_id!r})"]
+        dialled = [n.id for c in self.clusters for n in c.nodes if n.probe_address is not None]
+        if dialled:
+            old.append(f"clusters[].nodes[].probe_address is deprecated ({len(dialled)} node(s): "
+                       f"{', '.join(dialled[:3])}{', ...' if len(dialled) > 3 else ''}): let each agent dial the "
+                       "control plane (node_probe --control-plane) and remove probe_address; docs/dial-in.md")
         return old + moved_notes(self) + lrs_notes(self.lrs, self.tls.mode, self.xds.listen)
 
     def nodes(self) -> list[tuple[str, NodeConfig]]:

@@ -28,11 +28,16 @@ class Locality(_Model):
 
 
 class NodeConfig(_Model):
-    """One inference node: where Envoy sends traffic and where its node_probe agent listens."""
+    """One inference node: where Envoy sends traffic, and where its node_probe agent listens when
+    the control plane dials it (``probe_address``, deprecated; unset: the agent dials in)."""
 
     id: str = Field(..., min_length=1, max_length=128, pattern=NODE_ID_PATTERN)
     address: str = Field(..., description="serving HOST:PORT Envoy routes to (IP literal)")
-    probe_address: str = Field(..., description="HOST:PORT of the node's node_probe agent (gRPC)")
+    probe_address: str | None = Field(
+        None, description="HOST:PORT of the node's node_probe agent for the control plane to dial (gRPC). "
+        "Deprecated: unset, the agent dials the control plane (node_probe --control-plane) and "
+        "liveness comes from the server's own keepalive PINGs (probe.dial_in). Kept for one release",
+    )
     locality: Locality = Locality()
     priority: int = Field(0, ge=0, le=128, description="Envoy priority; 0 is highest")
     capacity: int = Field(
@@ -56,7 +61,9 @@ class NodeConfig(_Model):
 
     @field_validator("probe_address")
     @classmethod
-    def _v_probe(cls, v: str) -> str:
+    def _v_probe(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
         _, port = parse_hostport(v)
         if port == 0:
             raise ValueError("port 0 is not a probe port")

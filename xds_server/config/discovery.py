@@ -1,4 +1,5 @@
-"""``clusters[].discovery:`` section: nodes found at run time (a targets file, Kubernetes pods).
+"""``clusters[].discovery:`` section: nodes found at run time (a targets file, Kubernetes pods,
+agents that register themselves).
 
 Discovered nodes are merged with the cluster's static ``nodes`` and enter through the reload
 path (added COLD -> WARMING, removed drained then dropped); see :mod:`xds_server.discovery`.
@@ -13,8 +14,9 @@ from pydantic import Field, field_validator, model_validator
 from xds_server.config.base import _Model
 from xds_server.config.duration import Duration, PositiveDuration, at_least, at_most
 from xds_server.config.renames import Moves, _Renaming
+from xds_server.process.identity import check_pattern
 
-__all__ = ["DiscoveryConfig", "FileDiscoveryConfig", "KubernetesDiscoveryConfig"]
+__all__ = ["AgentsDiscoveryConfig", "DiscoveryConfig", "FileDiscoveryConfig", "KubernetesDiscoveryConfig"]
 
 
 _LABEL_KEY = r"^([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
@@ -112,14 +114,44 @@ class KubernetesDiscoveryConfig(_Renaming):
         return _port(v, "probe_port")
 
 
+class AgentsDiscoveryConfig(_Model):
+    """Nodes that register themselves: an agent dialling in (``node_probe --control-plane``) with a
+    node id the config does not list joins this cluster when its identity is allowed. The node is
+    made from the agent's Register (serving address, locality, priority, capacity)."""
+
+    allow: list[str] = Field(
+        ..., min_length=1,
+        description="typed fnmatch patterns over the agent's client certificate (as tls.node_allow's "
+        "identity: 'spiffe://...', 'uri:', 'dns:', 'cn:'); an agent matching none is refused and "
+        "said. The single entry '*' lets any agent register, a certificate or none (plaintext "
+        "fleets on a trusted network, the demo)",
+    )
+    forget_after: Annotated[PositiveDuration, at_least("1s")] = Field(
+        Duration.parse("10m"),
+        description="a registered node whose agent has had no stream open this long is dropped "
+        "from the cluster (it is ejected long before: its stream's end is its liveness). Ours: "
+        "outlasts a rolling restart of an agent or a control-plane replica",
+    )
+
+    @field_validator("allow")
+    @classmethod
+    def _v_allow(cls, v: list[str]) -> list[str]:
+        for i, p in enumerate(v):
+            why = None if p == "*" else check_pattern(p)
+            if why:
+                raise ValueError(f"allow.{i}: {why}")
+        return v
+
+
 class DiscoveryConfig(_Model):
-    """Where a cluster's nodes come from besides its static ``nodes``: either or both sources."""
+    """Where a cluster's nodes come from besides its static ``nodes``: any of the sources."""
 
     file: FileDiscoveryConfig | None = None
     kubernetes: KubernetesDiscoveryConfig | None = None
+    agents: AgentsDiscoveryConfig | None = None
 
     @model_validator(mode="after")
     def _some(self) -> DiscoveryConfig:
-        if self.file is None and self.kubernetes is None:
-            raise ValueError("discovery needs a source: file or kubernetes")
+        if self.file is None and self.kubernetes is None and self.agents is None:
+            raise ValueError("discovery needs a source: file, kubernetes or agents")
         return self

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from xds_server.config.base import _Model
+from xds_server.config.base import _check_hostport, _Model
 from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration, at_least, at_most
 from xds_server.config.renames import Moves, _Renaming
 
-__all__ = ["ProbeChannelConfig", "ProbeConfig", "ProbeLimitsConfig", "ProbeLogsConfig", "ProbeStallsConfig",
-           "ProbeTransportConfig"]
+__all__ = ["ProbeChannelConfig", "ProbeConfig", "ProbeDialInConfig", "ProbeLimitsConfig", "ProbeLogsConfig",
+           "ProbeStallsConfig", "ProbeTransportConfig"]
 
 
 
@@ -69,6 +69,44 @@ class ProbeTransportConfig(_Model):
         "often (ours, 1 s: GPU readings are polled each 1 s). Changes (stall flag, "
         "GPU fault, engine state) and probe results are sent at once",
     )
+
+
+class ProbeDialInConfig(_Model):
+    """Agents that dial in (``ProbeHub.Connect``, nodes without ``probe_address``): the control
+    plane is the gRPC server and judges each agent's liveness from its own HTTP/2 PINGs."""
+
+    ADVANCED: ClassVar[frozenset[str]] = frozenset({"register_timeout"})
+
+    listen: str | None = Field(
+        None,
+        description="HOST:PORT agents dial; unset: the xDS port (xds.listen), beside ADS and LRS, "
+        "with the same TLS. The keepalive below is a server-wide setting of gRPC: on the shared "
+        "port Envoy's ADS connections are pinged as often (measured: Envoy answers, "
+        "benchmarks/RESULTS.md 'Agents dial in'); a port of its own keeps xds.keepalive for them",
+    )
+    keepalive: Annotated[PositiveDuration, at_least("10ms"), at_most("60s")] = Field(
+        Duration.parse("100ms"),
+        description="HTTP/2 keepalive PING interval to every agent connection (grpc.keepalive_time_ms "
+        "of the server; a gRPC server has no 1 s floor, a client has). Measured on grpcio 1.85: with "
+        "ping_timeout 100 ms a frozen agent's stream ends after median 151 ms, p99 203 ms; the "
+        "PINGs cost no Python time (benchmarks/server_keepalive.py)",
+    )
+    ping_timeout: Annotated[PositiveDuration, at_least("10ms"), at_most("60s")] = Field(
+        Duration.parse("100ms"),
+        description="a PING not answered within this ends the connection (grpc.http2.ping_timeout_ms: "
+        "without it gRPC 1.85 waits 60 s). A stall of our own longer than this ends streams as we "
+        "wake: the stall hold (stalls.stall_hold) keeps that from being a verdict on the nodes",
+    )
+    register_timeout: Annotated[PositiveDuration, at_most("60s")] = Field(
+        Duration.parse("5s"),
+        description="an agent's stream must bring its Register within this, else it is ended "
+        "(ours: a connect is ms; bounds streams held open by a client that says nothing)",
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _v_listen(cls, v: str | None) -> str | None:
+        return None if v is None else _check_hostport(v)
 
 
 class ProbeLimitsConfig(_Model):
@@ -202,6 +240,8 @@ class ProbeConfig(_Renaming):
         "counts) at most this often; state changes, ejections and fail-static inputs go at once "
         "(ours: /nodes is at most this stale, decisions never)",
     )
+    dial_in: ProbeDialInConfig = Field(default_factory=ProbeDialInConfig,
+                                       description="agents that dial the control plane")
     channel: ProbeChannelConfig = Field(default_factory=ProbeChannelConfig, description="the gRPC channel")
     transport: ProbeTransportConfig = Field(default_factory=ProbeTransportConfig,
                                             description="liveness from HTTP/2 PINGs")
@@ -228,6 +268,16 @@ class ProbeConfig(_Renaming):
             ("grpc.initial_reconnect_backoff_ms", round(c.initial_backoff.ms)),
             ("grpc.max_reconnect_backoff_ms", int(max_backoff_ms)),
         ]
+
+    def dial_in_options(self) -> list[tuple[str, int]]:
+        """The gRPC server options that carry dial-in liveness: PINGs every ``dial_in.keepalive``
+        with or without streams, each answered within ``dial_in.ping_timeout``."""
+        d = self.dial_in
+        return [("grpc.keepalive_time_ms", round(d.keepalive.ms)),
+                ("grpc.keepalive_timeout_ms", round(d.ping_timeout.ms)),
+                ("grpc.http2.ping_timeout_ms", round(d.ping_timeout.ms)),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0)]
 
     def worker_count(self, cpu_count: int | None) -> int:
         """Worker processes to run: ``workers``, or for "auto" ``cpu_count`` - 1, at least 1

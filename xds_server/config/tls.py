@@ -97,6 +97,23 @@ class AgentTlsConfig(_Model):
         "id (e.g. '{node_id}.agents.internal'). Unset: the host of probe_address",
     )
 
+    identity: str | None = Field(
+        None, min_length=1,
+        description="dial-in (agents without probe_address): the typed name an agent's client "
+        "certificate must carry for the node it claims, '{node_id}' replaced by the id (e.g. "
+        "'spiffe://cluster.local/ns/llm/sa/agent/{node_id}'); checked when the xDS port asks for "
+        "client certificates (tls.mode mtls). Unset: a DNS SAN equal to the node id or starting "
+        "'{node_id}.', or a URI SAN ending '/{node_id}'",
+    )
+
+    @field_validator("identity")
+    @classmethod
+    def _typed_identity(cls, v: str | None) -> str | None:
+        why = None if v is None else check_pattern(v.replace("{node_id}", "x"))
+        if why:
+            raise ValueError(why)
+        return v
+
     @model_validator(mode="after")
     def _files(self) -> AgentTlsConfig:
         if self.mode in ("tls", "mtls") and not self.ca_file:

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from xds_server.config import FileDiscoveryConfig, KubernetesDiscoveryConfig, NodeConfig, SentinelConfig
+from xds_server.discovery.agent_registry import AgentRegistry
 from xds_server.discovery.file_source import FileTargets
 from xds_server.discovery.kube_source import KubernetesPods
 from xds_server.discovery.nodeset import merge_discovered
@@ -35,6 +36,7 @@ class Discovery:
 
     def __init__(self, on_change: Callable[[], Awaitable[object]]) -> None:
         self.on_change = on_change
+        self.agents = AgentRegistry(self._changed)  # nodes that registered themselves (dial-in)
         self.static: SentinelConfig | None = None
         self.sources: dict[tuple[str, str], Source] = {}
         self.problems: tuple[str, ...] = ()
@@ -74,7 +76,28 @@ class Discovery:
         out: dict[str, list[NodeConfig]] = {}
         for (cluster, _), src in sorted(self.sources.items()):
             out.setdefault(cluster, []).extend(src.nodes)
+        taking = self._forget_after_s()
+        for cluster, nodes in self.agents.found().items():
+            if cluster in taking:
+                out.setdefault(cluster, []).extend(nodes)
         return out
+
+    def _forget_after_s(self) -> dict[str, float]:
+        """Clusters that take registrations -> their ``discovery.agents.forget_after`` (s)."""
+        if self.static is None:
+            return {}
+        return {c.name: c.discovery.agents.forget_after.s for c in self.static.clusters
+                if c.discovery is not None and c.discovery.agents is not None}
+
+    async def _expire_registered(self) -> None:
+        """Every second: drop registered nodes whose agents stayed away (``forget_after``)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(1.0)
+            gone = self.agents.expire(loop.time(), self._forget_after_s())
+            if gone:
+                log.info("discovery: dropped %d registered node(s) whose agents stayed away: %s",
+                         len(gone), ", ".join(gone))
 
     def merged(self) -> SentinelConfig:
         """The last static config with every source's nodes (see
@@ -89,6 +112,8 @@ class Discovery:
 
     async def start(self) -> None:
         self._running = True
+        if ("", "agents") not in self._tasks:
+            self._tasks[("", "agents")] = asyncio.get_running_loop().create_task(self._expire_registered())
         for key, src in self.sources.items():
             if key not in self._tasks:
                 self._tasks[key] = src.start()
@@ -121,4 +146,6 @@ class Discovery:
         out: dict = {"problems": list(self.problems), "clusters": {}}
         for (cluster, _), src in sorted(self.sources.items()):
             out["clusters"].setdefault(cluster, []).append(src.status())
+        for cluster in self._forget_after_s():
+            out["clusters"].setdefault(cluster, []).append(self.agents.status(cluster))
         return out

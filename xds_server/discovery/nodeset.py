@@ -83,7 +83,7 @@ def merge_discovered(static: SentinelConfig,
             continue
         fresh: list[NodeConfig] = []
         for n in extra:
-            plain = implicit_agent_plaintext(static.tls, n.probe_address)
+            plain = None if n.probe_address is None else implicit_agent_plaintext(static.tls, n.probe_address)
             if plain:
                 problems.append(f"cluster {c.name!r}: discovered node {n.id!r} left out: probe address {plain}")
                 continue

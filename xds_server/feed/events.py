@@ -8,8 +8,11 @@ than Envoy does. Listeners must not block: they run on the control plane's event
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from xds_server.config import NodeConfig
 
 __all__ = ["RoutingChange", "RoutingListener", "RoutingNotifier"]
 
@@ -65,6 +68,19 @@ class RoutingNotifier:
             return False
         self._announced[node_id] = key
         return True
+
+    def announce_changes(self, cluster: str, nodes: Sequence[NodeConfig], routing: Mapping[str, Any],
+                         health: Mapping[str, Any], version: str, wall: float) -> None:
+        """Tell the listeners of each node of ``cluster`` whose published status or state changed
+        (``routing``/``health``: node id -> Routing / NodeHealth; ``version``: the CLA's)."""
+        if not self.listeners:
+            return
+        for n in nodes:
+            r, h = routing[n.id], health[n.id]
+            state = h.effective_state.value
+            if self.changed(n.id, (r.health_status, state)):  # objects only for changes
+                self.announce(RoutingChange(n.id, cluster, n.address, r.health_status == "HEALTHY", state,
+                                            r.health_status, r.weight, h.reason, version, wall))
 
     def announce(self, change: RoutingChange) -> None:
         """Tell every listener about ``change``."""

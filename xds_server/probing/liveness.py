@@ -13,6 +13,7 @@ echo (an older agent) is judged by heartbeats, whatever the control plane asked.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, Protocol
 
 import grpc
 
@@ -20,7 +21,18 @@ from node_probe.proto import probe_pb2
 from xds_server.config import ProbeConfig
 from xds_server.health.records import HeartbeatObserved
 
-__all__ = ["StreamState", "call_metadata", "hello", "liveness_lost", "reasserted", "silent_after_s"]
+__all__ = ["ProbeCall", "StreamState", "call_metadata", "hello", "liveness_lost", "reasserted", "silent_after_s"]
+
+
+class ProbeCall(Protocol):
+    """One open probe stream as a session drives it: the client side of ``NodeProbe.Watch``, or
+    an agent's ``ProbeHub.Connect`` stream (:class:`~xds_server.probing.dial_in.InboundCall`)."""
+
+    async def read(self) -> Any: ...
+
+    async def write(self, message: probe_pb2.ControlMessage) -> None: ...
+
+    def cancel(self) -> bool: ...
 
 
 class StreamState:

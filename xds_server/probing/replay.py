@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import grpc
 
@@ -33,7 +34,7 @@ from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.process.counters import Counters
 from xds_server.process.tls import ClientTls, dial
 
-__all__ = ["ReplayExchange", "check_result"]
+__all__ = ["ReplayExchange", "StreamReplay", "check_result"]
 
 log = logging.getLogger("xds_server.probing")
 
@@ -141,3 +142,45 @@ class ReplayExchange:
         if self._channel is not None:
             await self._channel.close(grace=None)
             self._channel = None
+
+
+class _StreamReplayer(Protocol):
+    connected: bool
+    replay_max_prompts: int
+
+    async def replay(self, req: probe_pb2.ReplayRequest, timeout_s: float) -> probe_pb2.ReplayResult | str: ...
+
+
+class StreamReplay:
+    """A replay over the node's own probe stream (an agent that dials in: nothing to dial), with
+    :class:`ReplayExchange`'s interface. ``session``: its
+    :class:`~xds_server.probing.dial_in.DialInSession`."""
+
+    def __init__(self, node_id: str, session: _StreamReplayer, *, counters: Counters) -> None:
+        self.node_id = node_id
+        self._session = session
+        self._counters = counters
+        self.error = ""
+
+    async def open(self, timeout_s: float) -> int:
+        """The agent's ``replay_max_prompts`` from its last heartbeat; 0 without an open stream."""
+        if not self._session.connected:
+            self.error = "its agent has no stream open"
+            return 0
+        return self._session.replay_max_prompts
+
+    async def ask(self, req: probe_pb2.ReplayRequest, max_chars: int,
+                  deadline_s: float) -> probe_pb2.ReplayResult | str:
+        """As :meth:`ReplayExchange.ask`, on the open stream."""
+        res = await self._session.replay(req, deadline_s - asyncio.get_running_loop().time())
+        if isinstance(res, str):
+            return res
+        bad = check_result(res, req, self.node_id, max_chars)
+        if bad:
+            self._counters.bad_fields[("replay_result", bad)] += 1
+            log.warning("replay result from the agent of %s ignored: %s", self.node_id, bad)
+            return f"replay result ignored: {bad}"
+        return res
+
+    async def close(self) -> None:
+        """Nothing to close: the stream is the session's."""

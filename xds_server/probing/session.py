@@ -37,7 +37,15 @@ from xds_server.health.clocks import miss_after_s
 from xds_server.health.outcome import is_refusal
 from xds_server.health.records import Observation, PingObserved, ProbeObserved, ProbeResultKind, StreamClosed, Tick
 from xds_server.probing.edge import AgentEdge, BadField, CheckedHeartbeat, CheckedPong, CheckedResult, TelemetrySummary
-from xds_server.probing.liveness import StreamState, call_metadata, hello, liveness_lost, reasserted, silent_after_s
+from xds_server.probing.liveness import (
+    ProbeCall,
+    StreamState,
+    call_metadata,
+    hello,
+    liveness_lost,
+    reasserted,
+    silent_after_s,
+)
 from xds_server.probing.silence import SilenceGate, SilentStream
 from xds_server.probing.sources import ObservationSink, ProbeSource, ProbeSourceContext
 from xds_server.probing.timers import TickTimer
@@ -194,12 +202,14 @@ class ProbeSession:
         backoff = self.cfg.heartbeat.reconnect_backoff_initial.s
         pc = self.probe_cfg
         options = pc.channel_options(self.cfg.heartbeat.reconnect_backoff_max.ms)
+        assert self.node.probe_address is not None  # (a node without one is a DialInSession's)
         while True:
             got_any = lost = False
             try:
                 channel = dial(self.node.probe_address, options=options, tls=self.tls)
                 try:
-                    got_any = await self._watch(channel)
+                    stub = probe_pb2_grpc.NodeProbeStub(channel)
+                    got_any = await self._serve(stub.Watch(metadata=call_metadata(self.probe_cfg)))
                     detail = "stream ended by agent"
                 except grpc.aio.AioRpcError as e:
                     got_any = self.connected
@@ -218,12 +228,7 @@ class ProbeSession:
                 detail = f"{type(e).__name__}: {clip(str(e), pc.limits.max_text_chars)}"
                 self._rl.log(logging.ERROR, self._now(), "session", "probe session %s failed: %s",
                              for_log(self.node.id), for_log(detail, 256))
-            try:
-                closed = self.silence_gate.closed(self._now(), detail, self._heard_s())
-                lost = lost and type(closed) is StreamClosed  # (not a close kept during a hold)
-                self._judge(StreamClosed(detail, liveness_lost=True) if lost else closed)
-            except Exception:
-                self._handler_failed("stream_closed")
+            self._ended(detail, lost)
             extra = {"node": self.node.id, "reason": detail}
             if got_any:
                 self.failed_dials = 0
@@ -244,12 +249,23 @@ class ProbeSession:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.cfg.heartbeat.reconnect_backoff_max.s)
 
+    def _ended(self, detail: str, lost: bool) -> None:
+        """The stream ended (``detail``: why; ``lost``: its transport's liveness failed): judge
+        that now, or keep it for the end of a hold after our own stall."""
+        try:
+            closed = self.silence_gate.closed(self._now(), detail, self._heard_s())
+            lost = lost and type(closed) is StreamClosed  # (not a close kept during a hold)
+            self._judge(StreamClosed(detail, liveness_lost=True) if lost else closed)
+        except Exception:
+            self._handler_failed("stream_closed")
+
     def _now(self) -> float:
         return self._loop.time() if self._loop is not None else 0.0
 
-    async def _watch(self, channel: grpc.aio.Channel) -> bool:
-        stub = probe_pb2_grpc.NodeProbeStub(channel)
-        call = stub.Watch(metadata=call_metadata(self.probe_cfg))
+    async def _serve(self, call: ProbeCall) -> bool:
+        """Run one open stream until it ends: True when the agent sent anything on it. Raises
+        :class:`SilentStream` when it brought no heartbeat for too long (it is cancelled), and
+        what ``call.read()`` raises."""
         outq: asyncio.Queue[probe_pb2.ControlMessage] = asyncio.Queue()
         self._outq = outq
         loop = asyncio.get_running_loop()

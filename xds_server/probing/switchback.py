@@ -44,8 +44,9 @@ from xds_server.config import NodeConfig, SentinelConfig
 from xds_server.config.validation import DEFAULT_PROMPTS, ValidationConfig
 from xds_server.health import model as hm
 from xds_server.policy.replay_judge import Answer, Judgement, PromptAnswers, judge
+from xds_server.probing.dial_in import DialInSession
 from xds_server.probing.live_prompts import LivePromptPool, draw_prompts
-from xds_server.probing.replay import ReplayExchange
+from xds_server.probing.replay import ReplayExchange, StreamReplay
 from xds_server.process.clock import Clock
 from xds_server.process.counters import Counters
 
@@ -112,8 +113,9 @@ class SwitchbackValidator:
 
     def __init__(self, config: Callable[[], SentinelConfig], core: _Core,
                  observe: Callable[[str, hm.Observation, float], object], tls: Callable[[str], Any],
-                 control_plane_id: str = "xds-sentinel") -> None:
+                 control_plane_id: str = "xds-sentinel", *, sessions: Mapping[str, object] | None = None) -> None:
         self._config = config
+        self._sessions = sessions if sessions is not None else {}  # dial-in nodes replay on their stream
         self._core = core
         self._observe = observe
         self._tls = tls
@@ -216,8 +218,7 @@ class SwitchbackValidator:
         prompts, n_live = draw_prompts(pool, self.live.prompts(cluster) if lp.enabled else (), cfg.sample,
                                        lp.share, self._rng)
         ids = [nid, *peers]
-        ex = {i: ReplayExchange(i, core.node_cfg[i].probe_address, tls=self._tls(i), counters=core.counters,
-                                control_plane_id=self._cp_id) for i in ids}
+        ex = {i: self._exchange(i) for i in ids}
         try:
             open_s = min(cfg.timeout.s, 5.0)
             caps = dict(zip(ids, await asyncio.gather(*(ex[i].open(open_s) for i in ids)), strict=True))
@@ -262,6 +263,17 @@ class SwitchbackValidator:
             self.last[nid].update(numbers)
             return
         self._verdict(nid, since_s, V.PASSED if j.verdict == "passed" else V.FAILED, detail, numbers)
+
+    def _exchange(self, nid: str) -> ReplayExchange | StreamReplay:
+        """How to ask ``nid``'s agent for a replay: on its own stream when it dials in, else a
+        stream of its own to the agent's probe address."""
+        core = self._core
+        target = core.node_cfg[nid].probe_address
+        s = self._sessions.get(nid)
+        if target is None and isinstance(s, DialInSession):
+            return StreamReplay(nid, s, counters=core.counters)
+        return ReplayExchange(nid, target or "", tls=self._tls(nid), counters=core.counters,
+                              control_plane_id=self._cp_id)
 
     @staticmethod
     def _numbers(j: Judgement, peers: Sequence[str], model: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["PeerIdentity", "check_pattern", "identity_matches", "node_allowed", "refusal_reason"]
+__all__ = ["PeerIdentity", "check_pattern", "identity_matches", "names_node", "node_allowed", "refusal_reason"]
 
 _SPIFFE = "spiffe://"
 
@@ -158,3 +158,21 @@ def node_allowed(rules: Iterable[tuple[str, Sequence[str]]], ident: PeerIdentity
     if not matched:
         return f"client identity {ident.describe()} is not in tls.node_allow"
     return f"client identity {ident.describe()} may not use node id {node_id!r}"
+
+
+def names_node(ident: PeerIdentity, node_id: str, template: str | None) -> str | None:
+    """The dial-in check: does an agent's certificate name the node it claims? ``template``: a
+    typed pattern with ``{node_id}`` (``tls.agents.identity``); None: a DNS SAN equal to the id or
+    starting ``{id}.``, or a URI SAN ending ``/{id}``. Node ids hold no glob characters
+    (``NODE_ID_PATTERN``), so the id is matched literally. Returns None when it does, else the
+    reason (for the PERMISSION_DENIED status)."""
+    if template is not None:
+        ok = identity_matches(template.replace("{node_id}", node_id), ident)
+    else:
+        low = node_id.lower()
+        ok = (any(d == low or d.startswith(low + ".") for d in ident.dns)
+              or any(u.endswith("/" + node_id) for u in ident.uris))
+    if ok:
+        return None
+    want = template or f"dns:{node_id}, dns:{node_id}.* or a URI ending /{node_id}"
+    return f"client identity {ident.describe()} does not name node {node_id!r} (tls.agents.identity: {want})"

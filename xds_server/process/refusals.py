@@ -29,14 +29,16 @@ from xds_server.process.untrusted import RateLimitedLog, for_log
 __all__ = ["REASONS", "Refusals"]
 
 REASONS: dict[str, tuple[str, ...]] = {
-    "xds": ("node_allow", "feed_allow", "lrs_peer", "lrs_plaintext"),
+    "xds": ("node_allow", "feed_allow", "lrs_peer", "lrs_plaintext", "agent_identity", "agent_claim"),
     "admin": ("token_missing", "token_wrong"),
     "agent": ("allow_client",),
 }
 """Known (port, reason) pairs, listed at 0 before the first refusal: ``node_allow`` (an ADS stream
 whose identity or node id ``tls.node_allow`` does not allow), ``feed_allow`` (a routing-feed
 subscriber not in ``feed.allow_identities``), ``lrs_peer`` (a load-report stream claiming to be a
-peer replica it is not, ``lrs.peers``), ``lrs_plaintext`` (load reports on a plaintext port off
+peer replica it is not, ``lrs.peers``), ``agent_identity`` / ``agent_claim`` (an agent
+dialling in whose certificate does not name the node it claims or may not register, or whose
+claim the config contradicts), ``lrs_plaintext`` (load reports on a plaintext port off
 loopback without ``lrs.plaintext``), ``token_missing`` / ``token_wrong`` (an admin POST
 without or with a wrong bearer token), ``allow_client`` (a stream to the agent from a client
 ``--tls-allow-client`` does not allow)."""

@@ -83,6 +83,10 @@ class Fleet:
     envoy_xds_tls: dict[str, Any] | None = None
     engine_args: list[str] = field(default_factory=list)  # more `sim-engine` arguments ("--byte-token-rate", ...)
     agent_args: list[list[str]] = field(default_factory=list)  # more agent arguments, by node index
+    # How the agents and the control plane meet: "dial" (the control plane dials each agent's
+    # probe_address), "dial-in" (each agent dials the xDS port; nodes listed without probe_address)
+    # or "register" (no node list: the cluster takes registrations, each agent says its node).
+    agents: str = "dial"
     nodes: list[NodeProcs] = field(default_factory=list)
     procs: list[ManagedProcess] = field(default_factory=list)
 
@@ -123,17 +127,17 @@ class Fleet:
                              "--replica-id", n.node_id, "--token-interval-ms", str(self.token_interval_ms),
                              *self.engine_args),
                     wd / f"engine-{n.node_id}.log", ready_pattern="listening"))
+            self.xds_port, self.admin_port = free_port(), free_port()
             for i, n in enumerate(self.nodes):
                 n.agent = self._spawn(ManagedProcess(
                     f"agent-{n.node_id}",
-                    self._py("-m", "node_probe.cli", "--engine-url", n.engine_url,
-                             "--listen", f"127.0.0.1:{n.agent_port}", "--node-id", n.node_id,
+                    self._py("-m", "node_probe.cli", "--engine-url", n.engine_url, *self._meeting(n),
+                             "--node-id", n.node_id,
                              "--heartbeat-interval-ms", str(self.heartbeat_interval_ms),
                              "--probe-interval-s", str(self.probe_interval_s),
                              "--probe-timeout-ms", str(self.probe_timeout_ms),
                              *(self.agent_args[i] if i < len(self.agent_args) else [])),
-                    wd / f"agent-{n.node_id}.log", ready_pattern="listening"))
-            self.xds_port, self.admin_port = free_port(), free_port()
+                    wd / f"agent-{n.node_id}.log", ready_pattern="listening|dialling"))
             cfg = self.config_dict()
             cfg_path = wd / "xds.yaml"
             cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -151,6 +155,13 @@ class Fleet:
             self.stop()
             raise
         return self
+
+    def _meeting(self, n: NodeProcs) -> list[str]:
+        """The agent's arguments that say how it meets the control plane (``agents``)."""
+        if self.agents == "dial":
+            return ["--listen", f"127.0.0.1:{n.agent_port}"]
+        out = ["--control-plane", f"127.0.0.1:{self.xds_port}"]
+        return out + (["--cluster", self.cluster, "--serving-address", n.address] if self.agents == "register" else [])
 
     def _control_plane_process(self) -> ManagedProcess:
         """The xds-server process (not started) on ``workdir/xds.yaml``."""
@@ -189,9 +200,11 @@ class Fleet:
             "clusters": [{
                 **self.cluster_options,
                 "name": self.cluster,
-                "nodes": [{"id": n.node_id, "address": n.address,
-                           "probe_address": f"127.0.0.1:{n.agent_port}", **node_opts(i)}
-                          for i, n in enumerate(self.nodes)],
+                "nodes": [] if self.agents == "register" else [
+                    {"id": n.node_id, "address": n.address, **node_opts(i),
+                     **({"probe_address": f"127.0.0.1:{n.agent_port}"} if self.agents == "dial" else {})}
+                    for i, n in enumerate(self.nodes)],
+                **({"discovery": {"agents": {"allow": ["*"]}}} if self.agents == "register" else {}),
             }],
             **self.config_options,
         }

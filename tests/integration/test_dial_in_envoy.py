@@ -1,0 +1,53 @@
+"""Agents that dial in, end to end with the real Envoy: a fleet with no node list comes up from
+agents registering themselves (``discovery.agents``), each agent holding a stream to the xDS port
+on which the control plane's own HTTP/2 PINGs are its liveness. A host freeze (engine and agent
+SIGSTOPped) is excluded by Envoy when the PINGs go unanswered; nobody else is ever ejected, no
+request fails, and the thawed node registers again and is routed."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from xds_server.demo import FaultTimeline, wait_routed, watch_exclusion
+from xds_server.testing import LoadGenerator
+
+pytestmark = pytest.mark.envoy
+
+FAST = {"probation": {"clean": "1.5s", "ramp_step_percent": 25, "ramp_step": "250ms"}}
+
+
+async def test_a_fleet_without_a_node_list_comes_up_from_registrations_and_a_frozen_host_is_excluded(
+        make_fleet, http):
+    fleet = make_fleet(n_nodes=3, per_try_timeout_s=1.0, health=FAST, agents="register")
+    await fleet.wait_all_routed(http)
+    load = LoadGenerator(fleet.url, concurrency=3)
+    await load.start()
+    await asyncio.sleep(1.5)
+    node = fleet.node("gpu-a")
+    tl = FaultTimeline("freeze", "gpu-a")
+    t0 = time.monotonic()
+    node.engine.freeze()
+    node.agent.freeze()
+    try:
+        await watch_exclusion(fleet, http, tl, t0, timeout_s=8.0)
+        await asyncio.sleep(1.0)
+        frozen = load.phase("frozen, excluded")
+    finally:
+        node.agent.thaw()
+        node.engine.thaw()
+    routed_again = await wait_routed(fleet, http, "gpu-a", timeout_s=20)
+    await load.stop()
+    total = load.totals()
+    nodes = await fleet.cp_nodes(http)
+    print(f"\ndial-in: ejected after {tl.cp_ejected_s}, Envoy excluded after {tl.envoy_excluded_s} s "
+          f"({tl.cp_reason}); routed again {routed_again} s after thaw")
+    assert sorted(nodes) == ["gpu-a", "gpu-b", "gpu-c"]   # every node came from a registration
+    assert tl.envoy_excluded_s is not None and tl.envoy_excluded_s < 2.0
+    assert "transport lost" in tl.cp_reason, tl.cp_reason  # the server's PINGs failed the stream
+    assert frozen.ok_by_node.get("gpu-a", 0) == 0 and frozen.ok_by_node.get("gpu-b", 0) > 0
+    assert routed_again is not None
+    assert total.failed == 0, dict(total.failures)
+    for nid in ("gpu-b", "gpu-c"):
+        assert nodes[nid]["state"] == "HEALTHY", nodes[nid]

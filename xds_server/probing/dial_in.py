@@ -1,0 +1,228 @@
+"""Sessions of agents that dial in: the same per-node session, fed by the agent's own stream.
+
+A node without ``probe_address`` is watched by a :class:`DialInSession`. It dials nothing: the
+probe hub (:mod:`xds_server.probing.hub`) accepts the agent's ``ProbeHub.Connect`` stream, checks
+its Register and hands the stream over (:meth:`DialInSession.attach`), which returns when the
+stream ends. Everything on the stream is what a dialled ``Watch`` stream carries and is handled by
+the same code (:class:`~xds_server.probing.session.ProbeSession`): Hello, RTT pings, ProbeNow,
+replays, the edge checks, the detection timers, the stall hold.
+
+Liveness is the transport's, always: the server sends HTTP/2 PINGs every
+``probe.dial_in.keepalive`` and ends a connection whose PING is not answered within
+``probe.dial_in.ping_timeout`` (gRPC's C core; no Python per PING). A stream that ends that way
+(:meth:`InboundCall.transport_lost`: the call was cancelled under us, not half-closed) is the whole
+miss threshold at once (``StreamClosed(liveness_lost=True)``), unless it ended during a hold after
+our own stall. The agent's heartbeats (on change, and every ``probe.transport.telemetry_refresh``)
+prove its own event loop alive: a stream without one for ``silent_after_s`` is ended, and the
+agent dials again. A new stream from the same agent replaces the open one (it re-dialled before we
+saw the old one end).
+
+Shape::
+
+    s = DialInSession(node, health_cfg, sink, "cp-1", probe=probe_cfg, counters=counters)
+    s.start()
+    await s.attach(InboundCall(request_iterator, context))   # in the hub's handler; until it ends
+    await s.stop()
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from node_probe.proto import probe_pb2
+from xds_server.config import HealthConfig, NodeConfig, ProbeConfig, SentinelConfig
+from xds_server.probing.session import ProbeSession, SilentStream
+from xds_server.probing.sources import ObservationSink, ProbeSource, ProbeSourceContext, ProbeSourceFactory
+from xds_server.process.counters import Counters
+from xds_server.process.untrusted import clip, for_log
+
+__all__ = ["DialInSession", "InboundCall", "dial_in_source", "dial_in_used", "probe_source"]
+
+log = logging.getLogger("xds_server.probing")
+_EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # grpc-stubs 1.53 lacks grpc.aio.EOF
+_HALF_CLOSE_WAIT_S = 0.02
+"""After a read's EOF, how long the call's end is waited for before the EOF counts as the agent's
+half-close (s; ours: the end of a dead transport follows its EOF within 1 ms, measured)."""
+
+
+class InboundCall:
+    """An agent's ``ProbeHub.Connect`` stream on our side, as a session drives it (the
+    :class:`~xds_server.probing.session.ProbeCall` shape: ``read``, ``write``, ``cancel``).
+    ``finished`` is set once the session is done with it (the hub's handler then returns);
+    ``ended_by``: why we ended it ("" when the agent or the transport did)."""
+
+    __slots__ = ("_ctx", "_done", "_it", "_lost", "_stop", "ended_by", "finished")
+
+    def __init__(self, requests: AsyncIterator[probe_pb2.AgentMessage], context: grpc.aio.ServicerContext) -> None:
+        loop = asyncio.get_running_loop()
+        self._it = requests
+        self._ctx = context
+        self._stop: asyncio.Future[None] = loop.create_future()
+        self.finished: asyncio.Future[None] = loop.create_future()
+        self.ended_by = ""
+        self._lost = False
+        self._done: asyncio.Future[None] = loop.create_future()  # the RPC ended (gRPC's done callback)
+        context.add_done_callback(self._ended)  # type: ignore[arg-type]  # grpc-stubs 1.53 wants its DoneCallback class; grpc calls any callable
+
+    def _ended(self, _: object) -> None:
+        if not self._done.done():
+            self._done.set_result(None)
+
+    async def read(self) -> Any:
+        """The next message, or ``grpc.aio.EOF`` when the agent half-closed, the transport ended
+        or :meth:`cancel` was called."""
+        if self._stop.done():
+            return _EOF
+        rd = asyncio.ensure_future(anext(self._it, _EOF))
+        done, _ = await asyncio.wait((rd, self._stop), return_when=asyncio.FIRST_COMPLETED)
+        if rd not in done:
+            rd.cancel()
+            return _EOF
+        try:
+            msg = rd.result()
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, grpc.aio.AbortError):
+            msg = _EOF
+        if msg is _EOF:
+            # A half-close leaves the call open; a transport that died ends it within a fraction of
+            # a ms of the EOF (measured on grpcio 1.85: done callback 0.3 ms later, cancelled() False).
+            if not self._done.done():
+                await asyncio.wait((self._done,), timeout=_HALF_CLOSE_WAIT_S)
+            self._lost = self._done.done()
+        return msg
+
+    async def write(self, message: probe_pb2.ControlMessage) -> None:
+        await self._ctx.write(message)
+
+    def cancel(self, why: str = "") -> bool:
+        """End the stream from our side (the hub's handler returns, the agent reads the end);
+        ``why`` is kept in ``ended_by`` (the first one said). False: it was ended already."""
+        if why and not self.ended_by:
+            self.ended_by = why
+        if self._stop.done():
+            return False
+        self._stop.set_result(None)
+        return True
+
+    def transport_lost(self) -> bool:
+        """The stream's end, when read, was the call ending under us (a PING unanswered in time,
+        the connection reset, the agent cancelling), not a half-close."""
+        return self._lost
+
+    def finish(self) -> None:
+        if not self.finished.done():
+            self.finished.set_result(None)
+
+
+class DialInSession(ProbeSession):
+    """Watches one node whose agent dials in (see the module docstring)."""
+
+    def __init__(self, node: NodeConfig, cfg: HealthConfig, sink: ObservationSink,
+                 control_plane_id: str = "xds-sentinel", *, probe: ProbeConfig | None = None,
+                 counters: Counters | None = None) -> None:
+        probe = (probe or ProbeConfig()).model_copy(update={"liveness": "transport"})
+        super().__init__(node, cfg, sink, control_plane_id, probe=probe, counters=counters)
+        self._calls: asyncio.Queue[InboundCall] = asyncio.Queue()
+        self._current: InboundCall | None = None
+        self.streams_replaced = 0
+        self.replay_max_prompts = 0  # the agent's last heartbeat's (0: none yet, or it does not replay)
+        self._replays: dict[str, asyncio.Future[probe_pb2.ReplayResult]] = {}
+
+    def on_message(self, msg: probe_pb2.AgentMessage, now: float) -> None:
+        kind = msg.WhichOneof("msg")
+        if kind == "heartbeat":
+            self.replay_max_prompts = msg.heartbeat.replay_max_prompts
+        elif kind == "replay_result":
+            fut = self._replays.pop(msg.replay_result.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.replay_result)
+            return
+        super().on_message(msg, now)
+
+    async def replay(self, req: probe_pb2.ReplayRequest, timeout_s: float) -> probe_pb2.ReplayResult | str:
+        """Ask the agent, on its open stream, to replay ``req``: its result, or why there is
+        none within ``timeout_s`` (no stream open, or no answer in time)."""
+        if self._outq is None:
+            return "its agent has no stream open"
+        fut: asyncio.Future[probe_pb2.ReplayResult] = asyncio.get_running_loop().create_future()
+        self._replays[req.request_id] = fut
+        self._outq.put_nowait(probe_pb2.ControlMessage(replay=req))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            return "no replay result before the deadline"
+        finally:
+            self._replays.pop(req.request_id, None)
+
+    async def attach(self, call: InboundCall) -> None:
+        """Serve ``call`` as this node's stream and return once it ended. An open stream is
+        ended first: the agent dialled again."""
+        if self._current is not None and self._current.cancel("replaced by a new stream from the agent"):
+            self.streams_replaced += 1
+        self._calls.put_nowait(call)
+        await call.finished
+
+    async def stop(self) -> None:
+        await super().stop()
+        for call in [self._current, *self._drain()]:
+            if call is not None:
+                call.cancel("node no longer watched")
+                call.finish()
+
+    def _drain(self) -> list[InboundCall]:
+        out = []
+        while not self._calls.empty():
+            out.append(self._calls.get_nowait())
+        return out
+
+    async def _run(self) -> None:
+        while True:
+            call = await self._calls.get()
+            if call.finished.done():
+                continue
+            self._current = call
+            lost = False
+            try:
+                await self._serve(call)
+                lost = call.transport_lost()
+                detail = call.ended_by or ("transport lost (keepalive PING unanswered or connection reset)"
+                                           if lost else "stream ended by agent")
+            except SilentStream as e:
+                detail = str(e)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # never let one node's session die
+                detail = f"{type(e).__name__}: {clip(str(e), self.probe_cfg.limits.max_text_chars)}"
+                self._rl.log(logging.ERROR, self._now(), "session", "probe session %s failed: %s",
+                             for_log(self.node.id), for_log(detail, 256))
+            finally:
+                self.connected = False
+                self._current = None
+                call.finish()
+            if call.ended_by.startswith("replaced"):
+                continue  # the agent's new stream follows at once: no verdict on this one
+            self._ended(detail, lost)
+            log.info("agent stream of %s closed: %s", for_log(self.node.id), for_log(detail, 256),
+                     extra={"node": self.node.id, "reason": detail})
+
+
+def dial_in_source(node: NodeConfig, ctx: ProbeSourceContext) -> DialInSession:
+    """A :data:`~xds_server.probing.sources.ProbeSourceFactory` for a node whose agent dials in."""
+    return DialInSession(node, ctx.health, ctx.sink, ctx.control_plane_id, probe=ctx.probe, counters=ctx.counters)
+
+
+def probe_source(dialled: ProbeSourceFactory) -> ProbeSourceFactory:
+    """The factory of every node: a :class:`DialInSession` for a node without ``probe_address``,
+    ``dialled`` (a session dialling the agent, in this process or a worker's) for the others."""
+    def make(node: NodeConfig, ctx: ProbeSourceContext) -> ProbeSource:
+        return dial_in_source(node, ctx) if node.probe_address is None else dialled(node, ctx)
+    return make
+
+
+def dial_in_used(cfg: SentinelConfig) -> bool:
+    """Whether ``cfg`` has a node whose agent dials in, or a cluster that takes registrations."""
+    return any(n.probe_address is None for c in cfg.clusters for n in c.nodes) or any(
+        c.discovery is not None and c.discovery.agents is not None for c in cfg.clusters)

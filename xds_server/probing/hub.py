@@ -1,0 +1,169 @@
+"""The probe hub: where agents dial in (``node_probe.v1.ProbeHub.Connect``), on the control
+plane's gRPC port beside ADS and LRS (or ``probe.dial_in.listen``), with its TLS.
+
+Per stream: the agent's first message must be a ``Register`` within
+``probe.dial_in.register_timeout``; it is checked (:func:`~xds_server.probing.claims.claim_from`)
+and judged against the serving config and the agent's certificate
+(:func:`~xds_server.probing.claims.judge_claim`). Accepted: a registration is recorded
+(``register``, the discovery registry: the node joins its cluster through the reload path), the
+node's :class:`~xds_server.probing.dial_in.DialInSession` is awaited and the stream handed to it
+until it ends. Refused: counted (``<prefix>_access_refused_total{port="xds",reason}``,
+``agent_identity`` or ``agent_claim``), logged once per identity and interval, and answered with
+PERMISSION_DENIED or FAILED_PRECONDITION naming the reason; a Register that is missing or bad is
+INVALID_ARGUMENT, counted in ``malformed``.
+
+Shape::
+
+    hub = ProbeHub(config=lambda: cfg, session_of=sessions.get, registry=discovery.agents,
+                   refusals=refusals, counters=counters, identity_checked=lambda: True, now=loop.time)
+    hub.add_to_server(grpc_server)
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+import grpc
+
+from node_probe.proto import probe_pb2, probe_pb2_grpc
+from xds_server.config import NodeConfig, SentinelConfig
+from xds_server.probing.claims import claim_from, judge_claim
+from xds_server.probing.dial_in import DialInSession, InboundCall
+from xds_server.process.counters import Counters
+from xds_server.process.identity import PeerIdentity
+from xds_server.process.refusals import Refusals
+from xds_server.process.stream_refusal import refuse
+from xds_server.process.tls import add_port
+from xds_server.process.untrusted import RateLimitedLog, for_log
+
+__all__ = ["ProbeHub", "Registry"]
+
+log = logging.getLogger("xds_server.probing")
+
+_SESSION_WAIT_STEP_S = 0.01
+"""How often a registered node's session is looked for while the registration is applied (s)."""
+
+
+class Registry(Protocol):
+    """What the hub needs of the nodes that registered themselves
+    (:class:`~xds_server.discovery.agent_registry.AgentRegistry`)."""
+
+    def ids(self) -> frozenset[str]: ...
+
+    def register(self, cluster: str, node: NodeConfig, now_s: float) -> bool: ...
+
+    def stream(self, node_id: str, opened: bool, now_s: float) -> None: ...
+
+
+class ProbeHub(probe_pb2_grpc.ProbeHubServicer):
+    """Accepts agents' streams (see the module docstring). ``session_of(node_id)``: the node's
+    probe source, if any; ``identity_checked()``: the port verifies client certificates (mTLS);
+    ``now()``: the loop's clock (s). ``accepted``/``refused``: streams so far."""
+
+    def __init__(self, *, config: Callable[[], SentinelConfig], session_of: Callable[[str], object | None],
+                 registry: Registry, refusals: Refusals, counters: Counters,
+                 identity_checked: Callable[[], bool], now: Callable[[], float]) -> None:
+        self._config = config
+        self._session_of = session_of
+        self._registry = registry
+        self._refusals = refusals
+        self._counters = counters
+        self._identity_checked = identity_checked
+        self._now = now
+        self.accepted = self.refused = 0
+        self._rl = RateLimitedLog(log, 10.0, max_keys=256)
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        probe_pb2_grpc.add_ProbeHubServicer_to_server(self, server)
+
+    async def serve(self, listen: str, creds: grpc.ServerCredentials | None,
+                    cfg: SentinelConfig) -> tuple[grpc.aio.Server, int]:
+        """Serve the hub alone on ``listen`` (``probe.dial_in.listen``) with the xDS port's
+        credentials and the agents' keepalive; returns the server and its bound port. Raises
+        OSError when the address cannot be bound."""
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", cfg.xds.limits.max_receive_message_bytes),
+            ("grpc.so_reuseport", 0), *cfg.probe.dial_in_options()])
+        self.add_to_server(server)
+        try:
+            port = add_port(server, listen, creds)
+        except RuntimeError as exc:  # grpc raises RuntimeError when the bind fails
+            raise OSError(f"cannot bind probe.dial_in.listen {listen}: in use or not permitted ({exc})") from exc
+        if not port:
+            raise OSError(f"cannot bind probe.dial_in.listen {listen}: in use or not permitted")
+        await server.start()
+        return server, port
+
+    async def Connect(  # gRPC method name
+        self, request_iterator: AsyncIterator[probe_pb2.AgentMessage], context: grpc.aio.ServicerContext,
+    ) -> None:
+        cfg = self._config()
+        peer = context.peer() or "?"
+        try:
+            first = await asyncio.wait_for(anext(request_iterator, None), cfg.probe.dial_in.register_timeout.s)
+        except TimeoutError:
+            await self._bad(context, peer, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"no Register within {cfg.probe.dial_in.register_timeout}")
+            return
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError):
+            return  # the agent went away before saying anything
+        if first is None:
+            return
+        if first.WhichOneof("msg") != "register":
+            await self._bad(context, peer, grpc.StatusCode.INVALID_ARGUMENT,
+                            "the first message of a Connect stream must be a Register")
+            return
+        try:
+            claim = claim_from(first.register)
+        except ValueError as e:
+            await self._bad(context, peer, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        ident = PeerIdentity.from_auth_context(context.auth_context())
+        verdict = judge_claim(claim, cfg, ident, identity_checked=self._identity_checked(),
+                              registered=self._registry.ids())
+        nid = claim.node.id
+        if verdict.action == "refuse":
+            self.refused += 1
+            reason = "agent_identity" if verdict.refusal == "permission" else "agent_claim"
+            self._refusals.refuse("xds", reason, peer, ", ".join(ident.names()), verdict.reason)
+            code = grpc.StatusCode.PERMISSION_DENIED if verdict.refusal == "permission" \
+                else grpc.StatusCode.FAILED_PRECONDITION
+            await refuse(context, request_iterator, code, verdict.reason)
+        if verdict.action == "register":
+            assert verdict.node is not None
+            if self._registry.register(verdict.cluster, verdict.node, self._now()):
+                log.info("node %s registered by its agent in cluster %s (%s, identity %s)", for_log(nid),
+                         verdict.cluster, verdict.node.address, for_log(ident.describe(), 200),
+                         extra={"node": nid, "reason": "registered"})
+        session = await self._session(nid, cfg.probe.dial_in.register_timeout.s)
+        if session is None:
+            await refuse(context, request_iterator, grpc.StatusCode.UNAVAILABLE,
+                         f"node {nid!r} is not watched yet: dial again")
+        self.accepted += 1
+        registered = nid in self._registry.ids()
+        if registered:
+            self._registry.stream(nid, True, self._now())
+        try:
+            await session.attach(InboundCall(request_iterator, context))
+        finally:
+            if registered:
+                self._registry.stream(nid, False, self._now())
+
+    async def _session(self, node_id: str, wait_s: float) -> DialInSession | None:
+        """The node's dial-in session, waiting up to ``wait_s`` for a registration to be applied."""
+        deadline = self._now() + wait_s
+        while True:
+            s = self._session_of(node_id)
+            if isinstance(s, DialInSession):
+                return s
+            if self._now() >= deadline:
+                return None
+            await asyncio.sleep(_SESSION_WAIT_STEP_S)
+
+    async def _bad(self, context: grpc.aio.ServicerContext, peer: str, code: grpc.StatusCode, why: str) -> None:
+        self._counters.malformed["(agent stream)"] += 1
+        self._rl.warning(self._now(), f"bad:{why[:40]}", "agent stream from %s ended: %s", for_log(peer, 80),
+                         for_log(why, 300))
+        await context.abort(code, why)
