@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/detection.py [--runs N] [--fault freeze|hang|prefill] [--probe-interval-s S]
            [--detector phi|count] [--cpu-burners K] [--quiet-s S] [--nodes N] [--prefill-ms MS]
+           [--agents dial dial-in]
 
 ``--fault prefill`` is the contrast (issue 11): each run puts one node's engine into a long
 chunked prefill (the sim's ``prefill`` mode, ``--prefill-ms``, default 5,500 ms: KV usage rising,
@@ -80,11 +81,13 @@ async def _prefill_run(fleet: Fleet, http: aiohttp.ClientSession, node_id: str, 
 
 async def main(runs: int, fault: str, probe_interval_s: float, detector: str, burners: int,
                quiet_s: float, nodes: int, hold_s: float = 1.0, busy_cp: bool = False,
-               prefill_ms: float = 5500.0) -> None:
+               prefill_ms: float = 5500.0, agents: str = "dial") -> None:
     health = {"failure_detector": detector, "probation_clean_s": 1.0, "ramp_step_percent": 50, "ramp_step_s": 0.2}
     if fault == "prefill":  # "full weight" = 100: the seed score would move weights with RTT noise
         health.update(score_rtt_weight=0.0, score_gpu_weight=0.0)
-    fleet = Fleet(n_nodes=nodes, probe_interval_s=probe_interval_s, per_try_timeout_s=1.0, health=health)
+    fleet = Fleet(n_nodes=nodes, probe_interval_s=probe_interval_s, per_try_timeout_s=1.0, health=health,
+                  agents=agents)
+    print(f"== agents: {agents} ==", flush=True)
     procs = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(burners)]
     await asyncio.to_thread(fleet.start)
     for p in procs:
@@ -190,6 +193,10 @@ if __name__ == "__main__":
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--hold-s", type=float, default=1.0, help="how long each fault lasts after Envoy excluded it")
     ap.add_argument("--busy-cp", action="store_true")
+    ap.add_argument("--agents", nargs="+", choices=["dial", "dial-in"], default=["dial"],
+                    help="how agents meet the control plane; several: one after another in this run "
+                    "(dial: heartbeats on the stream we dial; dial-in: the agent dials us, our PINGs)")
     a = ap.parse_args()
-    asyncio.run(main(a.runs, a.fault, a.probe_interval_s, a.detector, a.cpu_burners, a.quiet_s, a.nodes,
-                     a.hold_s, a.busy_cp, a.prefill_ms))
+    for mode in a.agents:
+        asyncio.run(main(a.runs, a.fault, a.probe_interval_s, a.detector, a.cpu_burners, a.quiet_s, a.nodes,
+                         a.hold_s, a.busy_cp, a.prefill_ms, mode))

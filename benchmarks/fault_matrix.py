@@ -7,7 +7,8 @@ counts.
 
     .venv/bin/python benchmarks/fault_matrix.py [--cp-kills 5] [--sigstop-s 5] [--agent-kills 3]
         [--engine-kills 5] [--envoy-restarts 3] [--fast-readers 100] [--changes 20]
-        [--churn 5000] [--api-type GRPC|DELTA_GRPC] [--only FAULT ...] [--json FILE]
+        [--churn 5000] [--api-type GRPC|DELTA_GRPC] [--agents dial|dial-in] [--only FAULT ...]
+        [--json FILE]
 """
 from __future__ import annotations
 
@@ -76,11 +77,15 @@ if __name__ == "__main__":
                     help="run only these: cp_kill cp_sigstop agent_kill engine_kill envoy_restart slow_reader churn")
     ap.add_argument("--liveness", choices=("heartbeat", "transport"), default="heartbeat",
                     help="probe.liveness of the control plane (issue 24)")
+    ap.add_argument("--agents", choices=("dial", "dial-in"), default="dial",
+                    help="dial: the control plane dials each agent (probe_address); dial-in: each agent dials "
+                    "the control plane and the server's keepalive PINGs are its liveness")
     ap.add_argument("--json", default=None, help="also write the rows and details here")
     ap.add_argument("--api-type", choices=("GRPC", "DELTA_GRPC"), default="GRPC",
                     help="Envoy's ADS flavour: GRPC (state of the world, default) or DELTA_GRPC")
     args = ap.parse_args()
-    rig = FaultRig(api_type=args.api_type, config_options={"probe": {"liveness": args.liveness}}).start()
+    rig = FaultRig(api_type=args.api_type, agents=args.agents,
+                   config_options={"probe": {"liveness": args.liveness}}).start()
     try:
         rows, infos = asyncio.run(main(args, rig))
     finally:

@@ -155,24 +155,22 @@ def test_discovery_rbac_and_selector_fit_the_pool(objs, tmp_path):
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "xds-server", "namespace": NS}]
     role = objs[("Role", binding["roleRef"]["name"])]
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
-    # The discovery block (commented out until the config has a `discovery` section) selects the
-    # vLLM pods and names ports they have.
+    # The pool registers itself (discovery.agents); the commented alternative, pod discovery,
+    # selects the vLLM pods and names their serving port.
     (cluster,) = _sentinel_config(objs, tmp_path)["clusters"]
-    discovery = cluster.get("discovery")
-    if discovery is None:
-        text = objs[("ConfigMap", "xds-server-config")]["data"]["xds.yaml"]
-        block = []
-        for line in text[text.index("# discovery:"):].splitlines():
-            if not line.lstrip().startswith("#"):
-                break
-            block.append(line.lstrip()[2:])  # "# " off each line keeps the block's indentation
-        discovery = yaml.safe_load("\n".join(block))["discovery"]
-    k8s = discovery["kubernetes"]
+    assert cluster["discovery"]["agents"]["allow"] == ["*"]
+    text = objs[("ConfigMap", "xds-server-config")]["data"]["xds.yaml"]
+    block = []
+    for line in text[text.index("# kubernetes:"):].splitlines():
+        if not line.lstrip().startswith("#"):
+            break
+        block.append(line.lstrip()[2:])  # "# " off each line keeps the block's indentation
+    k8s = yaml.safe_load("\n".join(block))["kubernetes"]
     assert k8s["namespace"] == NS
     vllm = _pod(objs, "vllm")
     assert k8s["label_selector"].items() <= vllm["metadata"]["labels"].items()
     ports = {p["name"] for c in vllm["spec"]["containers"] for p in c["ports"]}
-    assert {k8s["target_port"], k8s["probe_port"]} <= ports
+    assert k8s["target_port"] in ports
 
 
 def test_sidecar_reaches_its_engine_on_localhost_with_valid_arguments(objs):
@@ -186,7 +184,13 @@ def test_sidecar_reaches_its_engine_on_localhost_with_valid_arguments(objs):
     args = agent_parser().parse_args(sidecar["args"])
     assert args.engine_url == f"http://127.0.0.1:{engine_port}"
     assert args.engine_kind == "vllm"
-    assert int(args.listen.rpartition(":")[2]) == _port(sidecar, "probe")
+    assert args.listen is None  # dial-in: no inbound port but the metrics
+    ads = objs[("Service", "xds-server-ads")]
+    assert ads["spec"]["clusterIP"] == "None"  # resolves to every replica: one stream to each
+    (target,) = args.control_planes
+    assert target == f"xds-server-ads.{NS}.svc.cluster.local:{ads['spec']['ports'][0]['port']}"
+    assert args.cluster == "llm" and args.serving_address == f"$(POD_IP):{engine_port}"
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in sidecar["env"]
     assert int(args.metrics_listen.rpartition(":")[2]) == _port(sidecar, "metrics")
     assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert args.node_id == "$(POD_NAME)"

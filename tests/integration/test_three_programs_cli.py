@@ -55,8 +55,7 @@ def fleet(tmp_path: Path):
     cfg = {"xds": {"listen": f"127.0.0.1:{ports['xds']}"},
            "admin": {"listen": f"127.0.0.1:{ports['admin']}", "token": TOKEN},
            "clusters": [{"name": "llm", "nodes": [
-               {"id": "gpu-a", "address": f"127.0.0.1:{ports['engine']}",
-                "probe_address": f"127.0.0.1:{ports['agent']}"}]}]}
+               {"id": "gpu-a", "address": f"127.0.0.1:{ports['engine']}"}]}]}  # its agent dials in
     (tmp_path / "xds.yaml").write_text(yaml.safe_dump(cfg))
     boot = render_bootstrap(xds_port=ports["xds"], listener_port=ports["listener"],
                             admin_port=ports["envoy_admin"], cluster="llm", node_id="slips")
@@ -64,7 +63,8 @@ def fleet(tmp_path: Path):
     specs = [
         ("sim", [*SIM, "--port", str(ports["engine"])], "listening on"),
         ("agent", [*PROBE, "--engine-url", f"http://127.0.0.1:{ports['engine']}",
-                   "--listen", f"127.0.0.1:{ports['agent']}", "--node-id", "gpu-a", "--gpu-interval-s", "0"],
+                   "--listen", f"127.0.0.1:{ports['agent']}", "--control-plane", f"127.0.0.1:{ports['xds']}",
+                   "--node-id", "gpu-a", "--gpu-interval-s", "0"],
          "listening on"),
         ("xds", [*XDS, "serve", str(tmp_path / "xds.yaml")], "admin listening"),
         ("envoy", [find_envoy(None), "-c", str(tmp_path / "envoy.yaml"), "--disable-hot-restart",
@@ -220,8 +220,7 @@ def test_every_program_takes_a_sighup_sent_on_its_ready_line(tmp_path):
     cfg = tmp_path / "xds.yaml"
     cfg.write_text(yaml.safe_dump({
         "xds": {"listen": f"127.0.0.1:{free_port()}"}, "admin": {"listen": f"127.0.0.1:{free_port()}"},
-        "clusters": [{"name": "llm", "nodes": [{"id": "gpu-a", "address": f"127.0.0.1:{port}",
-                                                 "probe_address": f"127.0.0.1:{free_port()}"}]}]}))
+        "clusters": [{"name": "llm", "nodes": [{"id": "gpu-a", "address": f"127.0.0.1:{port}"}]}]}))
     procs = [ManagedProcess("xds", [*XDS, "serve", str(cfg)], tmp_path / "xds.log", ready_pattern="admin listening"),
              ManagedProcess("sim", [*SIM, "--port", str(port)], tmp_path / "sim.log", ready_pattern="listening on"),
              ManagedProcess("agent", [*PROBE, "--engine-url", f"http://127.0.0.1:{port}", "--listen", "127.0.0.1:0",

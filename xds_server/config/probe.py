@@ -75,7 +75,7 @@ class ProbeDialInConfig(_Model):
     """Agents that dial in (``ProbeHub.Connect``, nodes without ``probe_address``): the control
     plane is the gRPC server and judges each agent's liveness from its own HTTP/2 PINGs."""
 
-    ADVANCED: ClassVar[frozenset[str]] = frozenset({"register_timeout"})
+    ADVANCED: ClassVar[frozenset[str]] = frozenset({"register_timeout", "burst_min", "burst_share", "burst_window"})
 
     listen: str | None = Field(
         None,
@@ -97,6 +97,21 @@ class ProbeDialInConfig(_Model):
         "without it gRPC 1.85 waits 60 s). A stall of our own longer than this ends streams as we "
         "wake: the stall hold (stalls.stall_hold) keeps that from being a verdict on the nodes",
     )
+    drop_confirm: Annotated[NonNegativeDuration, at_most("1s")] = Field(
+        Duration.parse("20ms"),
+        description="a stream whose transport ended under us is judged this much later: an agent that "
+        "dialled again meanwhile is alive (our starved process dropped it), and a drop that is one "
+        "of a burst (burst_min, burst_share within burst_window) is ours. Ours: a live agent "
+        "re-dials on loopback or a LAN within a few ms; 0 = judge at once",
+    )
+    burst_min: int = Field(3, ge=2, le=100_000, description="drops that make a burst, at least (ours)")
+    burst_share: float = Field(
+        0.1, ge=0.0, le=1.0,
+        description="share of the open agent streams that must drop within burst_window for a burst "
+        "(ours: one rack losing power is a few % of a fleet; our own stall drops most streams)")
+    burst_window: Annotated[PositiveDuration, at_most("10s")] = Field(
+        Duration.parse("200ms"),
+        description="drops this close to each other count together (ours: two ping timeouts apart)")
     register_timeout: Annotated[PositiveDuration, at_most("60s")] = Field(
         Duration.parse("5s"),
         description="an agent's stream must bring its Register within this, else it is ended "

@@ -12,7 +12,9 @@ Liveness is the transport's, always: the server sends HTTP/2 PINGs every
 ``probe.dial_in.ping_timeout`` (gRPC's C core; no Python per PING). A stream that ends that way
 (:meth:`InboundCall.transport_lost`: the call was cancelled under us, not half-closed) is the whole
 miss threshold at once (``StreamClosed(liveness_lost=True)``), unless it ended during a hold after
-our own stall. The agent's heartbeats (on change, and every ``probe.transport.telemetry_refresh``)
+our own stall, or, judged ``probe.dial_in.drop_confirm`` later, the agent dialled again meanwhile or
+the drop was one of a burst (:mod:`~xds_server.probing.drop_burst`): then it is a plain end.
+The agent's heartbeats (on change, and every ``probe.transport.telemetry_refresh``)
 prove its own event loop alive: a stream without one for ``silent_after_s`` is ended, and the
 agent dials again. A new stream from the same agent replaces the open one (it re-dialled before we
 saw the old one end).
@@ -27,6 +29,7 @@ Shape::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -35,6 +38,7 @@ import grpc
 
 from node_probe.proto import probe_pb2
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig, SentinelConfig
+from xds_server.probing.drop_burst import DropWatch, is_burst
 from xds_server.probing.session import ProbeSession, SilentStream
 from xds_server.probing.sources import ObservationSink, ProbeSource, ProbeSourceContext, ProbeSourceFactory
 from xds_server.process.counters import Counters
@@ -47,6 +51,11 @@ _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # grpc-stubs 1.53 lac
 _HALF_CLOSE_WAIT_S = 0.02
 """After a read's EOF, how long the call's end is waited for before the EOF counts as the agent's
 half-close (s; ours: the end of a dead transport follows its EOF within 1 ms, measured)."""
+
+
+def _retrieved(t: asyncio.Future[Any]) -> None:
+    if not t.cancelled():
+        t.exception()
 
 
 class InboundCall:
@@ -81,6 +90,7 @@ class InboundCall:
         done, _ = await asyncio.wait((rd, self._stop), return_when=asyncio.FIRST_COMPLETED)
         if rd not in done:
             rd.cancel()
+            rd.add_done_callback(_retrieved)  # a read ended by our stop fails with UsageError: seen, dropped
             return _EOF
         try:
             msg = rd.result()
@@ -128,6 +138,9 @@ class DialInSession(ProbeSession):
         self._calls: asyncio.Queue[InboundCall] = asyncio.Queue()
         self._current: InboundCall | None = None
         self.streams_replaced = 0
+        self._redial = asyncio.Event()  # a stream was attached (the agent dialled)
+        self._drops = DropWatch()  # the loop's, from start()
+        self.drops_held = 0  # transport drops judged ours (a burst), not the node's
         self.replay_max_prompts = 0  # the agent's last heartbeat's (0: none yet, or it does not replay)
         self._replays: dict[str, asyncio.Future[probe_pb2.ReplayResult]] = {}
 
@@ -163,7 +176,32 @@ class DialInSession(ProbeSession):
         if self._current is not None and self._current.cancel("replaced by a new stream from the agent"):
             self.streams_replaced += 1
         self._calls.put_nowait(call)
+        self._redial.set()
         await call.finished
+
+    async def _confirm_lost(self, detail: str) -> tuple[bool, str]:
+        """A stream's transport ended under us: after ``dial_in.drop_confirm``, (still lost?,
+        detail). Not lost when the agent dialled again meanwhile, or the drop is one of a burst
+        (:mod:`~xds_server.probing.drop_burst`)."""
+        d = self.probe_cfg.dial_in
+        w, at = self._drops, self._now()
+        streams = w.dropped(at, max(d.burst_window.s * 2, d.drop_confirm.s + d.burst_window.s))
+        if d.drop_confirm.s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._redial.wait(), d.drop_confirm.s)
+        if not self._calls.empty():
+            w.redialled += 1
+            return False, f"{detail}; the agent dialled again at once"
+        if is_burst(w.drops, at, d.burst_window.s, streams, d.burst_min, d.burst_share):
+            w.bursts += 1
+            self.drops_held += 1
+            return False, f"{detail}; one of a burst of agent streams dropped at once: ours, not the node's"
+        return True, detail
+
+    def start(self) -> None:
+        super().start()
+        assert self._loop is not None
+        self._drops = DropWatch.of(self._loop)
 
     async def stop(self) -> None:
         await super().stop()
@@ -181,10 +219,12 @@ class DialInSession(ProbeSession):
     async def _run(self) -> None:
         while True:
             call = await self._calls.get()
+            self._redial.clear()
             if call.finished.done():
                 continue
             self._current = call
             lost = False
+            self._drops.open += 1
             try:
                 await self._serve(call)
                 lost = call.transport_lost()
@@ -199,9 +239,12 @@ class DialInSession(ProbeSession):
                 self._rl.log(logging.ERROR, self._now(), "session", "probe session %s failed: %s",
                              for_log(self.node.id), for_log(detail, 256))
             finally:
+                self._drops.open -= 1
                 self.connected = False
                 self._current = None
                 call.finish()
+            if lost:
+                lost, detail = await self._confirm_lost(detail)
             if call.ended_by.startswith("replaced"):
                 continue  # the agent's new stream follows at once: no verdict on this one
             self._ended(detail, lost)

@@ -79,6 +79,7 @@ class FaultRig:
     token_interval_ms: float = 10.0
     api_type: str = "GRPC"  # Envoy's ADS: GRPC (SotW) or DELTA_GRPC
     config_options: dict[str, Any] = field(default_factory=dict)  # more config sections ({"probe": {...}})
+    agents: str = "dial"  # how agents and control plane meet (Fleet.agents: dial, dial-in, register)
     fleet: Fleet | None = None
     relay: ManagedProcess | None = None
     relay_port: int = 0
@@ -91,7 +92,7 @@ class FaultRig:
         wd = Path(self._tmp.name)
         self.fleet = Fleet(
             n_nodes=self.n_nodes, workdir=wd, probe_interval_s=0.3, token_interval_ms=self.token_interval_ms,
-            api_type=self.api_type,
+            api_type=self.api_type, agents=self.agents,
             health=FAST_HEALTH, per_try_timeout_s=None, per_try_idle_timeout_s=2.0,
             admin_options={"token": TOKEN}, cluster_options=OUTLIER,
             config_options={"state": {"path": str(wd / "state.json"), "write_interval_s": 0.2},
