@@ -85,20 +85,20 @@ class ProbeDialInConfig(_Model):
         "benchmarks/RESULTS.md 'Agents dial in'); a port of its own keeps xds.keepalive for them",
     )
     keepalive: Annotated[PositiveDuration, at_least("10ms"), at_most("60s")] = Field(
-        Duration.parse("100ms"),
+        Duration.parse("90ms"),
         description="HTTP/2 keepalive PING interval to every agent connection (grpc.keepalive_time_ms "
         "of the server; a gRPC server has no 1 s floor, a client has). Measured on grpcio 1.85: with "
         "ping_timeout 100 ms a frozen agent's stream ends after median 151 ms, p99 203 ms; the "
         "PINGs cost no Python time (benchmarks/server_keepalive.py)",
     )
     ping_timeout: Annotated[PositiveDuration, at_least("10ms"), at_most("60s")] = Field(
-        Duration.parse("100ms"),
+        Duration.parse("80ms"),
         description="a PING not answered within this ends the connection (grpc.http2.ping_timeout_ms: "
         "without it gRPC 1.85 waits 60 s). A stall of our own longer than this ends streams as we "
         "wake: the stall hold (stalls.stall_hold) keeps that from being a verdict on the nodes",
     )
     drop_confirm: Annotated[NonNegativeDuration, at_most("1s")] = Field(
-        Duration.parse("20ms"),
+        Duration.parse("15ms"),
         description="a stream whose transport ended under us is judged this much later: an agent that "
         "dialled again meanwhile is alive (our starved process dropped it), and a drop that is one "
         "of a burst (burst_min, burst_share within burst_window) is ours. Ours: a live agent "

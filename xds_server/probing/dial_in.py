@@ -105,7 +105,9 @@ class InboundCall:
         return msg
 
     async def write(self, message: probe_pb2.ControlMessage) -> None:
-        await self._ctx.write(message)
+        """Send ``message``; nothing when the call already ended (its end is read by :meth:`read`)."""
+        with contextlib.suppress(grpc.aio.UsageError, grpc.aio.AioRpcError, grpc.aio.AbortError):
+            await self._ctx.write(message)
 
     def cancel(self, why: str = "") -> bool:
         """End the stream from our side (the hub's handler returns, the agent reads the end);

@@ -1,0 +1,526 @@
+"""Agents that dial in vs the control plane dialling them: control-plane CPU, false ejections and
+frozen-host detection, side by side.
+
+Usage: python benchmarks/dial_in.py [--nodes N ...] [--seconds S] [--freeze K] [--clients C]
+           [--modes dial-in heartbeat [transport]] [--gpus G] [--settle S] [--refresh-ms M]
+           [--keepalive-ms P] [--ping-timeout-ms T] [--cp-cpu C] [--fleet-cpu F]
+
+The command (defaults: --nodes 300 1000 --seconds 20 --freeze 20 --clients 2 --modes dial-in
+heartbeat), and a smoke test of ~30 s:
+
+    .venv/bin/python benchmarks/dial_in.py --nodes 300 1000 --seconds 20 --freeze 20 --clients 2
+    .venv/bin/python benchmarks/dial_in.py --nodes 50 --seconds 5 --freeze 5
+
+What it measures, per mode and fleet size N (each measurement in a fresh child process that runs
+the real ControlPlane, the modes one after another in one run):
+
+- ``dial-in``: the real ControlPlane (this benchmark's child process) serves
+  ``node_probe.v1.ProbeHub/Connect`` on its xDS port; no node has a ``probe_address``. Fake agents
+  run in ``--clients`` separate processes (N - K nodes spread over them) plus one process for the K
+  nodes to freeze. Every node is its own channel (``node_probe.dial_stream.CHANNEL_OPTIONS``, the
+  real agent's: ``grpc.use_local_subchannel_pool`` = its own TCP connection). A fake agent writes
+  its ``Register``, a ``Heartbeat`` (LIVENESS_TRANSPORT, interval_ms 100, engine READY, the
+  telemetry of ``heartbeat_capacity.telemetry`` with ``--gpus`` GPUs) and one good
+  ``InferenceResult`` (so the node is routed and can be ejected), then a heartbeat every
+  ``--refresh-ms`` (the telemetry refresh), a ``Pong`` for each ``Ping``, and nothing else; a
+  stream that ends is re-dialled. The server PINGs every connection every ``--keepalive-ms``
+  (``probe.dial_in.keepalive``) and drops one whose PING is unanswered within
+  ``--ping-timeout-ms`` (``probe.dial_in.ping_timeout``): the node is ejected.
+- ``heartbeat``: the control plane dials every node (``probe.liveness`` heartbeat, a heartbeat
+  every 100 ms judged by its gaps); the agents are ``liveness_modes.py``'s fake fleet (imported:
+  its ``_Fleet``, one loopback address per node so each stream is its own TCP connection), again
+  ``--clients`` processes plus one for the K nodes to freeze.
+- ``transport`` (optional): the same fleet, ``probe.liveness`` transport (the control plane
+  dials, HTTP/2 PINGs from its side as a client), for comparison.
+
+In every mode RTT pings are off (60 s) and a node's first good probe routes it at full weight
+(``health.probation.ramp_start_percent`` 100: HEALTHY one 100 ms ramp step later, where the
+default ramp takes 100 s), so the fleet is HEALTHY when the window starts (``states``). After
+every node's stream is open and ``--settle`` more seconds, over ``--seconds`` S: the control
+plane's process CPU (``resource.getrusage``, user + sys, gRPC's C threads included) and, apart,
+its event-loop (Python) thread's (``time.thread_time`` sampled in the loop thread at the window's
+ends), as cores and nodes per core; the agent processes' CPU (``/proc/PID/stat``; they share the
+machine); messages received (``ProbeSession.on_message`` calls); false ejections (moves to
+UNHEALTHY of nodes not frozen, from the event log's ``record``). In the window's middle the K-node
+process is SIGSTOPped (a host freeze: no FIN, no PING answered, no heartbeat) and each frozen
+node's detection time, SIGSTOP -> its move to UNHEALTHY (wall clock), is reported as median, p90,
+p99 and max (nodes not detected when the window ends get up to 5 s more, reported as ``detected``
+< ``frozen``).
+
+Output: one JSON line per measurement, then a table. Every process started (the measurement's
+child, its agents) is stopped at the end, on failure and on Ctrl-C: the child runs in a process
+group of its own that is SIGCONTed and SIGKILLed; a dial-in agent process also dies with its
+parent (PR_SET_PDEATHSIG), the imported fleet exits within 1 s of its parent.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import gc
+import json
+import multiprocessing
+import os
+import queue
+import random
+import resource
+import signal
+import statistics
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import grpc
+
+from node_probe.dial_stream import CHANNEL_OPTIONS, METADATA
+from node_probe.proto import probe_pb2
+from xds_server.config import SentinelConfig, parse_config
+from xds_server.testing import free_port
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from heartbeat_capacity import _q, telemetry  # the sibling benchmarks' fleet telemetry
+from liveness_modes import _Fleet, _ip  # the dialled fleet (heartbeat, transport)
+
+_CONNECT = "/node_probe.v1.ProbeHub/Connect"
+_EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # grpc-stubs lacks grpc.aio.EOF
+_CONNECT_SPREAD_S = 1.0
+"""Agents start their first dial at a random point within this (s): a fleet does not connect in
+one instant."""
+_DETECT_GRACE_S = 5.0
+MODES = ("dial-in", "heartbeat", "transport")
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+def _die_with_parent(parent: int) -> None:
+    """Be SIGKILLed when the process that started us ends (Linux PR_SET_PDEATHSIG; a stopped
+    process is killed too), and exit now if it already has."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def _raise_nofile() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _proc_cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + sys, all threads) of process ``pid`` so far; 0 when it is gone."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# -- the dial-in agents (a client process) ---------------------------------------------------------
+
+async def _answer_pings(call: Any, out: asyncio.Queue[bytes | None]) -> None:
+    """Read the control plane's messages off ``call``: a Pong for each Ping goes to ``out``, the rest
+    (Hello, ProbeNow) is read and not answered; None goes to ``out`` when the stream ends."""
+    try:
+        while (raw := await call.read()) is not _EOF:
+            m = probe_pb2.ControlMessage.FromString(raw)
+            if m.WhichOneof("msg") == "ping":
+                out.put_nowait(probe_pb2.AgentMessage(
+                    pong=probe_pb2.Pong(seq=m.ping.seq, processing_us=5)).SerializeToString())
+    finally:
+        out.put_nowait(None)
+
+
+def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int, refresh_s: float,
+                 streams: Any, ready: Any, cpu: int | None) -> None:
+    """One client process: a fake dial-in agent per ``(node_id, address)`` (see the module
+    docstring); ``streams`` counts the streams opened (re-dials show as more than the nodes)."""
+    _die_with_parent(parent)
+    _raise_nofile()
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    tels = [telemetry(k, gpus) for k in range(100)]
+    ok = probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(
+        seq=1, ok=True, ttft_ms=10.0, trigger="scheduled")).SerializeToString()
+    target = f"127.0.0.1:{port}"
+
+    async def agent(nid: str, addr: str) -> None:
+        loop = asyncio.get_running_loop()
+        reg = probe_pb2.AgentMessage(register=probe_pb2.Register(
+            node_id=nid, cluster="llm", address=addr, agent_version="bench")).SerializeToString()
+        k = random.randrange(100)  # where in the telemetry cycle this node is
+
+        def beat(seq: int) -> bytes:
+            return probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(
+                seq=seq, interval_ms=100, node_id=nid, telemetry=tels[(k + seq) % 100],
+                liveness=probe_pb2.LIVENESS_TRANSPORT)).SerializeToString()
+
+        await asyncio.sleep(random.random() * _CONNECT_SPREAD_S)
+        fails = 0
+        while True:
+            channel = grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS))
+            out: asyncio.Queue[bytes | None] = asyncio.Queue()
+            reader: asyncio.Task[None] | None = None
+            try:
+                call = channel.stream_stream(_CONNECT, request_serializer=None, response_deserializer=None)(
+                    None, metadata=METADATA)  # bytes in, bytes out
+                with streams.get_lock():
+                    streams.value += 1
+                seq = 1
+                await call.write(reg)
+                await call.write(beat(seq))  # the first heartbeat at once
+                await call.write(ok)
+                reader = asyncio.create_task(_answer_pings(call, out))
+                nxt = loop.time() + random.random() * refresh_s  # a random refresh phase per stream
+                while True:
+                    try:
+                        item = await asyncio.wait_for(out.get(), max(0.0, nxt - loop.time()))
+                    except TimeoutError:
+                        seq += 1
+                        item = beat(seq)
+                        nxt += refresh_s
+                    if item is None:
+                        break  # the stream ended
+                    await call.write(item)
+                    fails = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the stream failed: re-dial, as a real agent does
+                pass
+            finally:
+                if reader is not None:
+                    reader.cancel()
+                await channel.close(None)
+            fails += 1
+            await asyncio.sleep(min(2.0, 0.05 * 2 ** min(fails, 6)) * random.random())
+
+    async def run() -> None:
+        tasks = [asyncio.create_task(agent(nid, addr)) for nid, addr in nodes]
+        ready.set()
+        while os.getppid() == parent:
+            await asyncio.sleep(0.5)
+        for t in tasks:
+            t.cancel()
+
+    asyncio.run(run())
+    os._exit(0)
+
+
+class _Agents:
+    """A client process of fake dial-in agents (spawned: a forked child of a gRPC process hangs)."""
+
+    def __init__(self, port: int, nodes: list[tuple[str, str]], gpus: int, refresh_s: float,
+                 cpu: int | None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._ready = ctx.Event()
+        self.streams = ctx.Value("i", 0)
+        self.proc = ctx.Process(target=_agents_main, daemon=True, args=(
+            os.getpid(), port, nodes, gpus, refresh_s, self.streams, self._ready, cpu))
+
+    def start(self) -> _Agents:
+        self.proc.start()
+        deadline = time.monotonic() + 120.0
+        while not self._ready.wait(0.2):
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("a dial-in agent process did not start (see its output)")
+        return self
+
+    def stop(self) -> None:
+        if self.proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+        self.proc.kill()
+        self.proc.join(5)
+
+
+# -- one measurement (in a fresh process) -----------------------------------------------------------
+
+def _config(mode: str, n: int, ips: list[str], port: int, keepalive_ms: int, ping_timeout_ms: int,
+            refresh_ms: int) -> SentinelConfig:
+    probe: dict[str, Any] = {"transport": {"telemetry_refresh": f"{refresh_ms}ms"}}
+    if mode == "dial-in":
+        probe["dial_in"] = {"keepalive": f"{keepalive_ms}ms", "ping_timeout": f"{ping_timeout_ms}ms"}
+    else:
+        probe["liveness"] = mode
+        if mode == "transport":
+            probe["transport"].update(keepalive_time=f"{keepalive_ms}ms", ping_timeout=f"{ping_timeout_ms}ms")
+
+    def node(i: int) -> dict[str, Any]:
+        d = {"id": f"n{i}", "address": f"10.0.{i // 250}.{1 + i % 250}:8000"}
+        return d if mode == "dial-in" else {**d, "probe_address": f"{ips[i]}:{port}"}
+
+    return parse_config({
+        "xds": {"listen": "127.0.0.1:0", "warmup_timeout_ms": 0},
+        "admin": {"listen": "127.0.0.1:0"},
+        # RTT pings off in every mode; a node's first good probe routes it at full weight (HEALTHY a
+        # ramp step later), not the default 1 %-per-second ramp: the fleet is HEALTHY within the settle
+        "health": {"rtt": {"ping_interval": "60s"},
+                   "probation": {"ramp_start_percent": 100.0, "ramp_step": "100ms"}},
+        "probe": probe,
+        "clusters": [{"name": "llm", "nodes": [node(i) for i in range(n)]}]})
+
+
+def _split(xs: list[Any], parts: int) -> list[list[Any]]:
+    parts = max(1, min(parts, len(xs)))
+    return [xs[i::parts] for i in range(parts)] if xs else []
+
+
+async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, gpus: int, settle_s: float,
+                  refresh_ms: int, keepalive_ms: int, ping_timeout_ms: int, cp_cpu: int | None,
+                  fleet_cpu: int | None) -> dict[str, Any]:
+    from xds_server.probing.session import ProbeSession
+    from xds_server.server import ControlPlane
+
+    _raise_nofile()
+    if cp_cpu is not None:
+        os.sched_setaffinity(0, {cp_cpu})
+    received = [0]  # agent messages read off the streams
+    on_message = ProbeSession.on_message
+
+    def counted(self: ProbeSession, msg: Any, now: float) -> None:
+        received[0] += 1
+        on_message(self, msg, now)
+
+    ProbeSession.on_message = counted  # type: ignore[method-assign]  # this process measures one run
+    freeze = min(freeze, n)
+    ids = [f"n{i}" for i in range(n)]
+    frozen = set(ids[:freeze])
+    ips = [_ip(i) for i in range(n)]
+    fleet_port = free_port()
+    cfg = _config(mode, n, ips, fleet_port, keepalive_ms, ping_timeout_ms, refresh_ms)
+    addresses = {nd.id: nd.address for c in cfg.clusters for nd in c.nodes}
+    procs: list[Any] = []  # _Agents or _Fleet: .proc, .stop()
+    frozen_proc: Any = None  # the process of the nodes to freeze (none when K is 0)
+    cp = None
+    try:
+        if mode != "dial-in":  # the agents listen before the control plane dials them
+            procs = [_Fleet(fleet_port, part, gpus, fleet_cpu).start() for part in _split(ips[freeze:], clients)]
+            frozen_proc = _Fleet(fleet_port, ips[:freeze], gpus, fleet_cpu).start() if freeze else None
+        cp = ControlPlane(cfg)
+        ejected: list[tuple[float, str, str]] = []  # (wall s, node id, reason) of every move to UNHEALTHY
+        rec = cp.core.events.record
+
+        def record(wall_s: float, cluster: str, node_id: str, kind: str, reason: str, *a: Any, **k: Any) -> Any:
+            if (a[1] if len(a) > 1 else k.get("to_state")) == "UNHEALTHY":
+                ejected.append((wall_s, node_id, reason))
+            return rec(wall_s, cluster, node_id, kind, reason, *a, **k)
+
+        cp.core.events.record = record  # type: ignore[method-assign]  # the hook of this measurement
+        await cp.start()
+        t_start = time.monotonic()
+        if mode == "dial-in":
+            nodes = [(i, addresses[i]) for i in ids]
+            procs = [_Agents(cp.xds_port, part, gpus, refresh_ms / 1000.0, fleet_cpu).start()
+                     for part in _split(nodes[freeze:], clients)]
+            frozen_proc = _Agents(cp.xds_port, nodes[:freeze], gpus, refresh_ms / 1000.0,
+                                  fleet_cpu).start() if freeze else None
+        if frozen_proc is not None:
+            procs.append(frozen_proc)
+        deadline = time.monotonic() + 60.0 + n / 50.0
+        while time.monotonic() < deadline and not all(cp.sessions[i].connected for i in ids):
+            await asyncio.sleep(0.1)
+        all_connected_s = time.monotonic() - t_start
+        await asyncio.sleep(settle_s)
+
+        connected = sum(1 for i in ids if cp.sessions[i].connected)
+        states = Counter(cp.core.health[i].state.name for i in ids)
+        e0, m0 = len(ejected), received[0]
+        streams0 = sum(p.streams.value for p in procs if isinstance(p, _Agents))
+        agents0 = sum(_proc_cpu_s(p.proc.pid) for p in procs)
+        prof = None
+        if os.environ.get("DIAL_IN_PROFILE"):  # where the loop thread's time goes (cProfile, top 25)
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
+        r0, th0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.monotonic()
+        await asyncio.sleep(seconds / 2)
+        states_at_freeze: dict[str, str] = {}
+        freeze_at = time.time()
+        if frozen_proc is not None:
+            states_at_freeze = {i: cp.core.health[i].state.name for i in sorted(frozen)}
+            os.kill(frozen_proc.proc.pid, signal.SIGSTOP)
+        await asyncio.sleep(seconds / 2)
+        r1, th1, dt = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.monotonic() - t0
+        if prof is not None:
+            import pstats
+            prof.disable()
+            pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+        agents1 = sum(_proc_cpu_s(p.proc.pid) for p in procs)
+        msgs = received[0] - m0
+        streams1 = sum(p.streams.value for p in procs if isinstance(p, _Agents))
+        window = ejected[e0:]
+
+        def first_detections() -> dict[str, float]:
+            first: dict[str, float] = {}
+            for at, i, _ in ejected[e0:]:
+                if i in frozen and at >= freeze_at:
+                    first.setdefault(i, at)
+            return first
+
+        grace_end = time.monotonic() + _DETECT_GRACE_S
+        while len(first_detections()) < freeze and time.monotonic() < grace_end:
+            await asyncio.sleep(0.1)
+        first = first_detections()
+        cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        py = th1 - th0
+        detect = sorted((at - freeze_at) * 1000.0 for at in first.values())
+        false_ej = [(i, r) for _, i, r in window if i not in frozen]
+        out: dict[str, Any] = {
+            "mode": mode, "nodes": n, "clients": clients, "connected": connected,
+            "all_connected_s": all_connected_s, "states": dict(states),
+            "cpu_cores": cpu / dt, "py_thread_cores": py / dt, "other_threads_cores": (cpu - py) / dt,
+            "cpu_us_per_node_s": cpu / dt / n * 1e6, "nodes_per_core": n / max(cpu / dt, 1e-9),
+            "nodes_per_py_core": n / max(py / dt, 1e-9), "agents_cpu_cores": (agents1 - agents0) / dt,
+            "messages_per_s": msgs / dt, "false_ejections": len(false_ej),
+            "false_ejection_reasons": sorted({r[:120] for _, r in false_ej})[:3],
+            "ejections_in_settle": e0, "frozen": freeze, "detected": len(detect),
+            "window_s": dt, "load_avg": os.getloadavg()[0]}
+        if mode == "dial-in":
+            out["redials"] = streams1 - streams0  # streams opened in the window (a drop and its re-dial)
+        missed = {i: states_at_freeze.get(i) for i in sorted(frozen) if i not in first}
+        if missed:  # frozen nodes with no move to UNHEALTHY: their state when frozen
+            out["undetected_states_at_freeze"] = missed
+        if detect:
+            out.update(detect_p50_ms=statistics.median(detect), detect_p90_ms=_q(detect, 0.90),
+                       detect_p99_ms=_q(detect, 0.99), detect_max_ms=max(detect))
+        return out
+    finally:
+        if cp is not None:
+            await cp.stop()
+        for p in procs:
+            p.stop()
+
+
+def _run_one(args: list[Any], q: Any) -> None:
+    """The measurement's process: a process group of its own (the parent ends it, agents included,
+    with one signal) that dies with the parent."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    _die_with_parent(args[-1])
+    unretrieved: Counter[str] = Counter()
+
+    async def run() -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+
+        def counted(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+            exc = context.get("exception")
+            if context.get("message") == "Task exception was never retrieved" and exc is not None:
+                unretrieved[f"{type(exc).__name__}: {exc}"] += 1  # one line for them all, at the end
+            else:
+                loop.default_exception_handler(context)
+
+        loop.set_exception_handler(counted)
+        return await measure(*args[:-1])
+
+    try:
+        q.put(asyncio.run(run()))
+    except BaseException as e:
+        q.put({"mode": args[0], "nodes": args[1], "error": f"{type(e).__name__}: {e}"})
+        raise
+    finally:
+        gc.collect()
+        for what, count in unretrieved.items():
+            print(f"{args[0]} {args[1]}: {count} x 'Task exception was never retrieved' ({what})", file=sys.stderr)
+
+
+def _end_group(p: Any) -> None:
+    """End the measurement process ``p`` and every process it started (its process group): SIGCONT
+    first, so a frozen agent process dies at once."""
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, sig)
+    if p.is_alive():
+        p.kill()
+    p.join(10)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+def _fmt(v: Any, spec: str = ".0f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _summary(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'mode':<10} {'nodes':>6} {'cl':>3} {'conn':>6} {'cp cores':>8} {'py cores':>8} {'nodes/core':>10} "
+            f"{'nodes/py':>9} {'agents':>6} {'false ej':>8} {'detected':>9} {'p50 ms':>7} {'p90 ms':>7} "
+            f"{'p99 ms':>7} {'max ms':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['mode']:<10} {r['nodes']:>6} error: {r['error']}")
+            continue
+        lines.append(
+            f"{r['mode']:<10} {r['nodes']:>6} {r['clients']:>3} {r['connected']:>6} {r['cpu_cores']:>8.3f} "
+            f"{r['py_thread_cores']:>8.3f} {r['nodes_per_core']:>10.0f} {r['nodes_per_py_core']:>9.0f} "
+            f"{r['agents_cpu_cores']:>6.2f} {r['false_ejections']:>8} {r['detected']:>4}/{r['frozen']:<4} "
+            f"{_fmt(r.get('detect_p50_ms')):>7} {_fmt(r.get('detect_p90_ms')):>7} "
+            f"{_fmt(r.get('detect_p99_ms')):>7} {_fmt(r.get('detect_max_ms')):>7}")
+    lines.append("cp cores: the control plane's process CPU (user+sys) / wall s; py cores: its event-loop "
+                 "thread's; agents: the fake agents' processes (same machine); detection: SIGSTOP -> UNHEALTHY")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[300, 1000])
+    ap.add_argument("--seconds", type=float, default=20.0, help="measurement window (the freeze is in its middle)")
+    ap.add_argument("--freeze", type=int, default=20, help="nodes whose agent process is SIGSTOPped")
+    ap.add_argument("--clients", type=int, default=2, choices=range(1, 5), metavar="{1..4}",
+                    help="agent processes for the nodes not frozen (the frozen ones get one more)")
+    ap.add_argument("--modes", nargs="+", default=["dial-in", "heartbeat"], choices=MODES)
+    ap.add_argument("--gpus", type=int, default=8, help="GPU readings per heartbeat")
+    ap.add_argument("--settle", type=float, default=6.0, help="s after every stream is open, before the window")
+    ap.add_argument("--refresh-ms", type=int, default=1000, help="telemetry refresh (transport, dial-in)")
+    ap.add_argument("--keepalive-ms", type=int, default=100, help="PING interval (dial-in, transport)")
+    ap.add_argument("--ping-timeout-ms", type=int, default=100, help="PING answer deadline (dial-in, transport)")
+    ap.add_argument("--cp-cpu", type=int, default=None, help="pin the control plane to this CPU")
+    ap.add_argument("--fleet-cpu", type=int, default=None, help="pin the agent processes to this CPU")
+    a = ap.parse_args()
+
+    def terminate(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    ctx = multiprocessing.get_context("spawn")
+    rows: list[dict[str, Any]] = []
+    try:
+        for n in a.nodes:
+            for mode in a.modes:
+                q = ctx.Queue()
+                p = ctx.Process(target=_run_one, args=([mode, n, a.seconds, a.freeze, a.clients, a.gpus, a.settle,
+                                                        a.refresh_ms, a.keepalive_ms, a.ping_timeout_ms, a.cp_cpu,
+                                                        a.fleet_cpu, os.getpid()], q))
+                p.start()  # a fresh process per measurement: no state carried between modes
+                try:
+                    deadline = time.monotonic() + a.settle + a.seconds + _DETECT_GRACE_S + 300 + n / 10
+                    res: dict[str, Any] | None = None
+                    while res is None:
+                        try:
+                            res = q.get(timeout=1.0)
+                        except queue.Empty:
+                            if not p.is_alive():
+                                res = {"mode": mode, "nodes": n, "error": f"exited with {p.exitcode}, no result"}
+                            elif time.monotonic() > deadline:
+                                res = {"mode": mode, "nodes": n, "error": "timed out"}
+                    p.join(30)
+                finally:
+                    _end_group(p)
+                rows.append(res)
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}), flush=True)
+    except KeyboardInterrupt:
+        print("interrupted: every process started was stopped", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        if rows:
+            print(_summary(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
