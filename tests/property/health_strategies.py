@@ -28,6 +28,7 @@ def observations(heartbeat: st.SearchStrategy, *, with_tick: bool) -> st.SearchS
     ``with_tick``, Ticks (a test that delivers Ticks itself leaves them out)."""
     return st.one_of(
         *[heartbeat] * 6, probe, probe, *([st.just(Tick())] if with_tick else []),
-        st.builds(StreamClosed, st.just("x")), st.builds(PingObserved, st.sampled_from([1.0, 2.0, 300.0])),
+        st.builds(StreamClosed, st.just("x"), st.booleans()),
+        st.builds(PingObserved, st.sampled_from([1.0, 2.0, 300.0])),
         st.builds(DrainRequested, st.booleans()), st.builds(FailStaticEnded, st.floats(0, 5)),
     )

@@ -38,6 +38,7 @@ steady_heartbeat = st.builds(
     gpu_fatal=st.sampled_from([""] * 12 + ["GPU 0 Xid 79"]),
     progress_age_ms=st.sampled_from([None] * 6 + [50.0, 2500.0]),
     progress_detail=st.sampled_from(["", "tokens"]),
+    vouched=st.sampled_from([False] * 3 + [True]),  # a transport stream's telemetry refresh
 )
 observation = observations(steady_heartbeat, with_tick=True)
 # mostly heartbeat-sized gaps, some silences long enough for misses and phi suspicions
@@ -80,7 +81,8 @@ def _next_check_reference(nh):
     hb = nh.heartbeat
     if hb.last_s is not None:
         counted = max(hb.consecutive_misses - (1 if hb.stream_closed else 0), 0)
-        cands.append(hb.last_s + miss_after_s(CFG) + CFG.heartbeat.interval.s * counted)
+        if not hb.vouched or nh.probe.busy_timeout_s is not None:  # vouched: no miss to count
+            cands.append(hb.last_s + miss_after_s(CFG) + CFG.heartbeat.interval.s * counted)
         if nh.ejection.cause is not EjectionCause.PHI and nh.state in ROUTED_STATES:
             d = phi_delay_s(nh, CFG)
             if d is not None:
@@ -119,7 +121,8 @@ def test_a_steady_healthy_node_takes_the_fast_path_and_a_changed_rule_input_does
 
 plain_heartbeat = st.builds(HeartbeatObserved, engine_state=st.just("READY"),
                             requests_running=st.sampled_from([4.0, 5.0]), gpu_free_ratio=st.sampled_from([None, 0.2]),
-                            progress_age_ms=st.sampled_from([None] * 5 + [50.0]))
+                            progress_age_ms=st.sampled_from([None] * 5 + [50.0]),
+                            vouched=st.sampled_from([False] * 3 + [True]))
 good_probe = st.builds(ProbeObserved, st.just(K.OK), st.sampled_from([10.0, 10.0, 900.0]))
 # a node mostly steady (repeated heartbeats, good probes), with any observation now and then
 folding_timeline = st.lists(st.tuples(gap, st.one_of(*[plain_heartbeat] * 8, good_probe, good_probe, observation),

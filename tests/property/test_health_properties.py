@@ -44,6 +44,7 @@ heartbeat = st.builds(
     requests_waiting=st.one_of(st.none(), st.floats(0, 500)),
     gpu_free_ratio=st.one_of(st.none(), st.floats(0, 1)),
     gpu_fatal=st.sampled_from(["", "", "", "GPU 0 Xid 79"]),
+    vouched=st.sampled_from([False] * 3 + [True]),
 )
 probe = st.builds(ProbeObserved, st.sampled_from(list(K)), st.floats(0, 3000),
                   st.sampled_from([0, 200, 429, 500, 503]))

@@ -47,6 +47,7 @@ heartbeat = st.builds(
     requests_waiting=st.sampled_from([None, 0.0, 1.0]),
     gpu_free_ratio=st.sampled_from([None, 0.2, 0.9]),
     gpu_fatal=st.sampled_from([""] * 15 + ["GPU 0 Xid 79"]),
+    vouched=st.sampled_from([False] * 3 + [True]),
 )
 observation = observations(heartbeat, with_tick=False)  # Ticks: delivered by each model's own schedule
 # heartbeat-sized gaps and silences long enough for ejection and several backed-off Ticks

@@ -127,6 +127,13 @@ class ControlPlaneCollector:
         for where, v in sorted(c.handler_errors.items()):
             herr.add_metric([where], v)
         yield herr
+        drops = CounterMetricFamily("sentinel_agent_transport_drops", "dial-in streams whose transport "
+                                    "ended under us, by verdict: node (its whole miss threshold), redialled "
+                                    "(the agent dialled again at once), burst (many at once: ours)",
+                                    labels=["verdict"])
+        for verdict in ("node", "redialled", "burst"):
+            drops.add_metric([verdict], c.transport_drops[verdict])
+        yield drops
         lag = CounterMetricFamily("sentinel_detection_timer_lag_deferrals",
                                   "detection timers deferred because our own event loop was late")
         lag.add_metric([], view.lag_deferrals())

@@ -231,7 +231,7 @@ class ControlCore:
         """Silent as :func:`~xds_server.policy.cluster_routing.fail_static` counts it by time: the last
         heartbeat at least interval + grace before ``now_s`` (s)."""
         last = nh.heartbeat.last_s
-        return last is not None and now_s - last >= hm.miss_after_s(self.config.health)
+        return last is not None and not nh.heartbeat.vouched and now_s - last >= hm.miss_after_s(self.config.health)
 
     def drain(self, node_id: str, drain: bool, reason: str) -> None:
         """Operator drain/undrain (enters the model as an observation), published at once.

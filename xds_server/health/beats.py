@@ -101,7 +101,8 @@ def _recorded(nh: NodeHealth, hb: HeartbeatObserved, now: float, cfg: HealthConf
         e = Engine(hb.engine_state, hb.stalled, stalled_since, counted, hb.requests_running,
                    hb.requests_waiting, hb.gpu_free_ratio, hb.gpu_fatal, progress_at, progress_detail, gap)
     # else: the engine record is unchanged (a steady node): the same immutable value is kept
-    return NodeHealth(nh.node_id, nh.state, nh.reason, nh.since_s, Heartbeats(now, 0, False, arrivals, clears),
+    return NodeHealth(nh.node_id, nh.state, nh.reason, nh.since_s,
+                      Heartbeats(now, 0, False, arrivals, clears, hb.vouched),
                       nh.rtt, nh.probe, e, ej, nh.ramp, nh.drain, nh.validation)
 
 
@@ -165,7 +166,8 @@ class BeatRun:
 
     A heartbeat that changes nothing but the arrival time and the inter-arrival estimate (the
     same observation object as the one ``base`` recorded, hence the same engine record; no
-    progress age, no suspicion record, no miss, the stream open) is folded here instead of
+    progress age, no suspicion record, no miss, the stream open, not vouched: a transport
+    stream's refresh comes once a second and may leave no deadline) is folded here instead of
     building three records (``NodeHealth``, ``Heartbeats``, ``ArrivalStats``) per heartbeat:
     :meth:`fold` gives the next Tick's deadline, :meth:`settled` the record ``step`` would have
     built after the same heartbeats. A property test keeps both equal to ``steady_heartbeat``
@@ -194,8 +196,8 @@ class BeatRun:
         when later heartbeats could not be folded (see the class docstring)."""
         h = nh.heartbeat
         if (h.last_s is None or h.arrivals is None or h.consecutive_misses or h.stream_closed or h.suspicion_clears
-                or hb.progress_age_ms is not None or hb.stalled or not _quiet_record(nh, hb)):
-            return None
+                or hb.progress_age_ms is not None or hb.stalled or hb.vouched or not _quiet_record(nh, hb)):
+            return None  # (vouched: its deadline may be none, which fold could not tell from "not folded")
         return cls(nh, hb, cfg)
 
     def fold(self, hb: HeartbeatObserved, now: float, cfg: HealthConfig) -> float | None:
@@ -215,5 +217,6 @@ class BeatRun:
         nh = self.base
         return NodeHealth(nh.node_id, nh.state, nh.reason, nh.since_s,
                           Heartbeats(self.last_s, 0, False,
-                                     phimod.ArrivalStats(self.mean_ms, self.var_ms2, self.samples), ()),
+                                     phimod.ArrivalStats(self.mean_ms, self.var_ms2, self.samples), (),
+                                     self.obs.vouched),
                           nh.rtt, nh.probe, nh.engine, nh.ejection, nh.ramp, nh.drain, nh.validation)

@@ -69,8 +69,10 @@ def phi_delay_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
 
 
 def _phi_on(nh: NodeHealth, cfg: HealthConfig) -> bool:
-    """phi is the failure detector and not rate-limited for this node (:func:`phi_delay_s`)."""
-    return cfg.heartbeat.failure_detector == "phi" and not (
+    """phi is the failure detector and not rate-limited for this node (:func:`phi_delay_s`), and
+    the node's transport does not vouch for it (``Heartbeats.vouched``: its heartbeats are a
+    telemetry refresh, their gaps no evidence)."""
+    return cfg.heartbeat.failure_detector == "phi" and not nh.heartbeat.vouched and not (
         cfg.phi.max_suspicions and len(nh.heartbeat.suspicion_clears) >= cfg.phi.max_suspicions)
 
 
@@ -169,10 +171,10 @@ def tick_due_s(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> float | None:
     return _check_s(nh, cfg, misses, ahead)
 
 
-DuePlan = tuple[float, float, bool, "float | None", "float | None"]
+DuePlan = tuple["float | None", float, bool, "float | None", "float | None"]
 """What a node's next-check deadline depends on besides its heartbeat record (:func:`due_plan`):
-(interval + grace s, interval s, phi may convict, next ramp step s or None, stall confirmation s
-or None)."""
+(interval + grace s, or None when no miss can be counted, interval s, phi may convict, next ramp
+step s or None, stall confirmation s or None)."""
 
 
 def due_plan(nh: NodeHealth, cfg: HealthConfig) -> DuePlan:
@@ -184,7 +186,11 @@ def due_plan(nh: NodeHealth, cfg: HealthConfig) -> DuePlan:
     stall_at = None
     if nh.engine.stalled and nh.engine.stall_counted == 1 and nh.state in ROUTED_STATES:
         stall_at = stall_confirm_at_s(nh, cfg)
-    return miss_after_s(cfg), cfg.heartbeat.interval.s, phi, ramp_at, stall_at
+    # vouched: no miss to count, so no Tick for one; unless a probe timeout waits for the next
+    # heartbeat's progress evidence (busy or hung): the Ticks at miss boundaries bring it sooner
+    # (the probe source answers them with the stream's last heartbeat, aged)
+    vouched = nh.heartbeat.vouched and nh.probe.busy_timeout_s is None
+    return None if vouched else miss_after_s(cfg), cfg.heartbeat.interval.s, phi, ramp_at, stall_at
 
 
 def planned_due_s(plan: DuePlan, cfg: HealthConfig, last_s: float | None, counted: int,
@@ -196,7 +202,7 @@ def planned_due_s(plan: DuePlan, cfg: HealthConfig, last_s: float | None, counte
     miss_s, interval_s, phi, ramp_at, stall_at = plan
     # the running minimum of the candidates (no list: this runs once per heartbeat)
     best: float | None = None
-    if last_s is not None:
+    if last_s is not None and miss_s is not None:
         best = last_s + miss_s + interval_s * counted
         if phi:
             d = _phi_delay(arrivals, cfg)

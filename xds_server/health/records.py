@@ -135,7 +135,10 @@ class HeartbeatObserved:
     none. ``engine_state`` accepts the enum or its name; another value raises ValueError.
     ``progress_age_ms``: ms since a progress signal of a busy engine instance last moved (the
     agent's evidence of progress, ``Telemetry.progress_age_ms``), None when there is none;
-    ``progress_detail`` says what moved.
+    ``progress_detail`` says what moved. ``vouched``: it came on a stream whose transport carries
+    the node's liveness (HTTP/2 PINGs: ``probe.liveness`` transport, an agent that dials in): until
+    the stream ends (:class:`StreamClosed`) no miss is counted and phi does not judge, since the
+    heartbeats are only the telemetry refresh.
     """
 
     engine_state: EngineState = EngineState.READY
@@ -147,6 +150,7 @@ class HeartbeatObserved:
     gpu_fatal: str = ""
     progress_age_ms: float | None = None
     progress_detail: str = ""
+    vouched: bool = False
 
     def __post_init__(self) -> None:
         _coerce(self, "engine_state", EngineState)
@@ -238,6 +242,7 @@ class Heartbeats:
     stream_closed: bool = False
     arrivals: phimod.ArrivalStats | None = None
     suspicion_clears: tuple[float, ...] = ()  # times of disproved phi suspicions (last window)
+    vouched: bool = False                   # the last heartbeat's stream's transport carries liveness
 
 
 @fast_init

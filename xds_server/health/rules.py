@@ -179,11 +179,17 @@ def _r_stall(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fir
 
 def _record_silence(nh: NodeHealth, obs: Tick | StreamClosed, c: _StepCtx) -> NodeHealth:
     h = nh.heartbeat
-    if h.last_s is None:
+    last = h.last_s
+    if last is None:
         return nh
+    if h.vouched:  # the stream's transport carries liveness: nothing is missed while it is open
+        if type(obs) is not StreamClosed:
+            return nh
+        last = c.now_s  # it proved the node alive until it ended
+        h = replace(h, last_s=last, vouched=False)
     closed = h.stream_closed or isinstance(obs, StreamClosed)
     # A closed stream counts as one miss at once, on top of the heartbeats not arrived.
-    misses = max(misses_at(h.last_s, c.now_s, c.cfg) + (1 if closed else 0), h.consecutive_misses)
+    misses = max(misses_at(last, c.now_s, c.cfg) + (1 if closed else 0), h.consecutive_misses)
     if isinstance(obs, StreamClosed) and obs.liveness_lost:  # the transport's own liveness failed
         misses = max(misses, c.cfg.heartbeat.consecutive_misses)
     return replace(nh, heartbeat=replace(h, consecutive_misses=misses, stream_closed=closed))

@@ -270,8 +270,8 @@ def fail_static(
     """Decide fail-static from the nodes' heartbeat state (see module docstring).
 
     Enter when more than ``fail_static_fraction`` of all nodes are currently silent (their last
-    heartbeat at least interval + grace old, the instant the model counts a miss, or their stream
-    closed) and their silences began
+    heartbeat at least interval + grace old, the instant the model counts a miss, unless their
+    transport vouches for them; or their stream closed) and their silences began
     within ``fail_static.window`` of each other; leave when fewer than that share are silent.
     """
     total = len(health)
@@ -281,7 +281,8 @@ def fail_static(
     limit = miss_after_s(cfg)
     silent_since = sorted(
         last for nh in health.values()
-        if (last := nh.heartbeat.last_s) is not None and (now_s - last >= limit or nh.heartbeat.stream_closed)
+        if (last := nh.heartbeat.last_s) is not None
+        and ((now_s - last >= limit and not nh.heartbeat.vouched) or nh.heartbeat.stream_closed)
     )
     events: list[PolicyEvent] = []
     if not state.active:

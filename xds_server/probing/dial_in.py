@@ -87,10 +87,13 @@ class InboundCall:
         if self._stop.done():
             return _EOF
         rd = asyncio.ensure_future(anext(self._it, _EOF))
-        done, _ = await asyncio.wait((rd, self._stop), return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait((rd, self._stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not rd.done():  # ended by our stop or cancelled: the read then fails (UsageError), unseen
+                rd.cancel()
+                rd.add_done_callback(_retrieved)
         if rd not in done:
-            rd.cancel()
-            rd.add_done_callback(_retrieved)  # a read ended by our stop fails with UsageError: seen, dropped
             return _EOF
         try:
             msg = rd.result()
@@ -193,11 +196,18 @@ class DialInSession(ProbeSession):
                 await asyncio.wait_for(self._redial.wait(), d.drop_confirm.s)
         if not self._calls.empty():
             w.redialled += 1
+            self.counters.transport_drops["redialled"] += 1
             return False, f"{detail}; the agent dialled again at once"
         if is_burst(w.drops, at, d.burst_window.s, streams, d.burst_min, d.burst_share):
             w.bursts += 1
             self.drops_held += 1
+            self.counters.transport_drops["burst"] += 1
+            self._rl.warning(self._now(), "burst", "agent stream of %s dropped with %d others within %g ms: "
+                             "judged ours (a starved control plane), not the node's death", for_log(self.node.id),
+                             sum(1 for t in w.drops.times if abs(t - at) <= d.burst_window.s) - 1,
+                             d.burst_window.ms)
             return False, f"{detail}; one of a burst of agent streams dropped at once: ours, not the node's"
+        self.counters.transport_drops["node"] += 1
         return True, detail
 
     def start(self) -> None:

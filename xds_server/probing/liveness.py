@@ -4,10 +4,12 @@ Heartbeat liveness (the default): the agent's heartbeat every interval is the no
 its arrival gaps feed the misses and phi accrual. Transport liveness, asked for in the Hello
 (:func:`hello`) and taken by an agent that echoes ``Heartbeat.liveness`` TRANSPORT: HTTP/2 PINGs
 answered inside gRPC's C core are the liveness (``probe.channel_options``); heartbeats come on
-change and every ``probe.transport.telemetry_refresh``. While such a stream is open the health model's
-miss boundary gets the stream's last heartbeat again (:func:`reasserted`: the transport still
-answers, so the node is as it last said) instead of a Tick; the stream failing on an unanswered
-PING (:func:`liveness_lost`) is the whole miss threshold at once. A stream whose agent does not
+change and every ``probe.transport.telemetry_refresh``. Heartbeats of such a stream reach the
+health model ``vouched``: while it is open no miss is counted and no Tick is due for one. A Tick
+that does come (a ramp step, a probe timeout waiting for progress evidence) gets the stream's
+last heartbeat again (:func:`reasserted`: the transport still answers, so the node is as it last
+said, its progress evidence aged); the stream failing on an unanswered PING
+(:func:`liveness_lost`) is the whole miss threshold at once. A stream whose agent does not
 echo (an older agent) is judged by heartbeats, whatever the control plane asked.
 """
 from __future__ import annotations

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from time import monotonic
 
 import grpc
@@ -355,14 +356,15 @@ class ProbeSession:
                     st.pings.clear()
                 st.last_hb = st.obs_s = now
                 st.had_hb = True
-                st.obs = checked.observation
                 if self.probe_cfg.liveness == "transport" and msg.heartbeat.liveness == probe_pb2.LIVENESS_TRANSPORT:
                     st.transport = True
+                # on a transport stream the PINGs carry liveness: the model counts no miss until it ends
+                st.obs = hb = replace(checked.observation, vouched=True) if st.transport else checked.observation
                 self.last_telemetry = tel = checked.telemetry
                 if tel.stalled and not self._stalled:
                     self._probe_now(f"engine stalled: {tel.stall_detail}")
                 self._stalled = tel.stalled
-                self._arm(self.sink(self.node.id, checked.observation, now))
+                self._arm(self.sink(self.node.id, hb, now))
             elif isinstance(checked, CheckedPong):
                 sent = st.pings.pop(checked.seq, None)
                 if sent is None:

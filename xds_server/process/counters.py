@@ -29,6 +29,9 @@ class Counters:
     ``ejections``: per (node id, cause): each move to UNHEALTHY by its
     :class:`~xds_server.health.records.EjectionCause` value, and "outlier" for each
     cluster-policy outlier ejection.
+    ``transport_drops``: dial-in streams whose transport ended under us, per verdict: "node" (its
+    node's whole miss threshold), "redialled" (the agent dialled again within
+    ``probe.dial_in.drop_confirm``: no verdict), "burst" (one of many at once: ours, one miss).
     """
 
     heartbeats: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -39,6 +42,7 @@ class Counters:
     config_reloads: collections.Counter[str] = field(default_factory=collections.Counter)
     probe_results: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
     ejections: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+    transport_drops: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def probe_failures(self, node_id: str) -> dict[tuple[str, str], int]:
         """The node's probe results that were failures, per (kind, outcome): any kind but OK
