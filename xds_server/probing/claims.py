@@ -23,7 +23,7 @@ Shape::
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Literal
 
@@ -106,7 +106,7 @@ def _allows(c: ClusterConfig, ident: PeerIdentity) -> bool | None:
 
 
 def judge_claim(claim: Claim, cfg: SentinelConfig, ident: PeerIdentity, *, identity_checked: bool,
-                registered: Collection[str] = ()) -> ClaimVerdict:
+                registered: Container[str] = frozenset()) -> ClaimVerdict:
     """What to do with an agent's claim (see the module docstring). ``cfg``: the serving config
     (discovered nodes included); ``registered``: ids of the nodes that came from agents'
     registrations; ``identity_checked``: the port verified a client certificate (mTLS)."""

@@ -53,18 +53,13 @@ _HALF_CLOSE_WAIT_S = 0.02
 half-close (s; ours: the end of a dead transport follows its EOF within 1 ms, measured)."""
 
 
-def _retrieved(t: asyncio.Future[Any]) -> None:
-    if not t.cancelled():
-        t.exception()
-
-
 class InboundCall:
     """An agent's ``ProbeHub.Connect`` stream on our side, as a session drives it (the
     :class:`~xds_server.probing.session.ProbeCall` shape: ``read``, ``write``, ``cancel``).
     ``finished`` is set once the session is done with it (the hub's handler then returns);
     ``ended_by``: why we ended it ("" when the agent or the transport did)."""
 
-    __slots__ = ("_ctx", "_done", "_it", "_lost", "_stop", "ended_by", "finished")
+    __slots__ = ("_ctx", "_done", "_it", "_lost", "_reader", "_stop", "ended_by", "finished")
 
     def __init__(self, requests: AsyncIterator[probe_pb2.AgentMessage], context: grpc.aio.ServicerContext) -> None:
         loop = asyncio.get_running_loop()
@@ -74,6 +69,7 @@ class InboundCall:
         self.finished: asyncio.Future[None] = loop.create_future()
         self.ended_by = ""
         self._lost = False
+        self._reader: asyncio.Task[Any] | None = None  # the task reading now, if any (cancel() interrupts it)
         self._done: asyncio.Future[None] = loop.create_future()  # the RPC ended (gRPC's done callback)
         context.add_done_callback(self._ended)  # type: ignore[arg-type]  # grpc-stubs 1.53 wants its DoneCallback class; grpc calls any callable
 
@@ -83,22 +79,23 @@ class InboundCall:
 
     async def read(self) -> Any:
         """The next message, or ``grpc.aio.EOF`` when the agent half-closed, the transport ended
-        or :meth:`cancel` was called."""
+        or :meth:`cancel` was called. Read in the calling task itself (no task per message):
+        :meth:`cancel` interrupts a read in progress by cancelling that task, and the read
+        swallows exactly that cancellation (``Task.uncancel``), any other it passes on."""
         if self._stop.done():
             return _EOF
-        rd = asyncio.ensure_future(anext(self._it, _EOF))
+        task = asyncio.current_task()
+        self._reader = task
         try:
-            done, _ = await asyncio.wait((rd, self._stop), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not rd.done():  # ended by our stop or cancelled: the read then fails (UsageError), unseen
-                rd.cancel()
-                rd.add_done_callback(_retrieved)
-        if rd not in done:
-            return _EOF
-        try:
-            msg = rd.result()
+            msg = await anext(self._it, _EOF)
+        except asyncio.CancelledError:
+            if self._stop.done() and task is not None and task.uncancel() == 0:
+                return _EOF  # our own cancel() of this read: the stream ends here
+            raise
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, grpc.aio.AbortError):
             msg = _EOF
+        finally:
+            self._reader = None
         if msg is _EOF:
             # A half-close leaves the call open; a transport that died ends it within a fraction of
             # a ms of the EOF (measured on grpcio 1.85: done callback 0.3 ms later, cancelled() False).
@@ -120,6 +117,8 @@ class InboundCall:
         if self._stop.done():
             return False
         self._stop.set_result(None)
+        if self._reader is not None:  # a read in progress: interrupted (it returns EOF)
+            self._reader.cancel()
         return True
 
     def transport_lost(self) -> bool:

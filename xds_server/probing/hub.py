@@ -50,7 +50,7 @@ class Registry(Protocol):
     """What the hub needs of the nodes that registered themselves
     (:class:`~xds_server.discovery.agent_registry.AgentRegistry`)."""
 
-    def ids(self) -> frozenset[str]: ...
+    def __contains__(self, node_id: object) -> bool: ...
 
     def register(self, cluster: str, node: NodeConfig, now_s: float) -> bool: ...
 
@@ -122,7 +122,7 @@ class ProbeHub(probe_pb2_grpc.ProbeHubServicer):
             return
         ident = PeerIdentity.from_auth_context(context.auth_context())
         verdict = judge_claim(claim, cfg, ident, identity_checked=self._identity_checked(),
-                              registered=self._registry.ids())
+                              registered=self._registry)
         nid = claim.node.id
         if verdict.action == "refuse":
             self.refused += 1
@@ -142,7 +142,7 @@ class ProbeHub(probe_pb2_grpc.ProbeHubServicer):
             await refuse(context, request_iterator, grpc.StatusCode.UNAVAILABLE,
                          f"node {nid!r} is not watched yet: dial again")
         self.accepted += 1
-        registered = nid in self._registry.ids()
+        registered = nid in self._registry
         if registered:
             self._registry.stream(nid, True, self._now())
         try:
