@@ -217,7 +217,8 @@ async def test_real_traffic_failures_eject_fleet_wide_before_any_envoy_could(mak
         assert envoy_ejections == [0, 0, 0]
         reason = nodes["gpu-c"]["reason"]
         assert re.match(r"real traffic: \d+ of \d+ requests failed in \d+ s across [23] Envoys, failures seen by "
-                        r"[\w-]+, [\w-]+(, [\w-]+)? \(\d+ % failed vs (peers'|no peers with traffic:) [\d.]+ % \+ 2 % tolerated: p = ", reason)
+                        r"[\w-]+, [\w-]+(, [\w-]+)? \(\d+ % failed vs (peers'|no peers with traffic:) [\d.]+ % "
+                        r"\+ 2 % tolerated: p = ", reason)
         assert reason.endswith("; probes OK")
         assert all(nodes[n]["state"] != "UNHEALTHY" for n in ("gpu-a", "gpu-b"))
         for g in gens:
