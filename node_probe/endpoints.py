@@ -17,18 +17,10 @@ from node_probe.config import AgentConfig
 from node_probe.dialer import ControlPlaneDialer
 from node_probe.proto import probe_pb2, probe_pb2_grpc
 from node_probe.streams import StreamHub
+from xds_server.process.commandline import version
 from xds_server.process.tls import ClientTls, ServerCertFiles, add_port, channel_credentials, listener_credentials
 
-__all__ = ["agent_version", "client_tls", "open_dialer", "open_listener", "register_message"]
-
-
-def agent_version() -> str:
-    """This build's version (the installed ``xds-sentinel`` package), ``dev`` when not installed."""
-    from importlib import metadata
-    try:
-        return metadata.version("xds-sentinel")
-    except metadata.PackageNotFoundError:
-        return "dev"
+__all__ = ["client_tls", "open_dialer", "open_listener", "register_message"]
 
 
 def register_message(cfg: AgentConfig) -> probe_pb2.Register:
@@ -38,7 +30,7 @@ def register_message(cfg: AgentConfig) -> probe_pb2.Register:
     return probe_pb2.Register(
         node_id=cfg.node_id, cluster=cfg.cluster, address=cfg.serving_address or "",
         locality=probe_pb2.Locality(region=cfg.region, zone=cfg.zone, sub_zone=cfg.sub_zone),
-        priority=cfg.priority, capacity=cfg.capacity or 0, agent_version=agent_version())
+        priority=cfg.priority, capacity=cfg.capacity or 0, agent_version=version())
 
 
 def client_tls(cfg: AgentConfig) -> ClientTls | None:
