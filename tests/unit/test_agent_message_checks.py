@@ -272,3 +272,14 @@ def test_a_load_changed_only_in_its_token_counter_is_not_checked_again():
                                                    "not_finite")]
     moved = check.check(probe_pb2.EngineLoad(metrics_ok=True, requests_running=5.0, generation_tokens_total=10.0), [])
     assert moved is not first and moved.requests_running == 5.0
+
+
+def test_a_heartbeat_on_a_transport_stream_is_vouched_and_an_unchanged_one_is_the_same_object():
+    edge = AgentEdge(HealthConfig(), ProbeConfig())
+    msg = probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(seq=1, telemetry=probe_pb2.Telemetry(
+        engine_state=probe_pb2.ENGINE_STATE_READY)))
+    first, _ = edge.check(msg, vouched=True)
+    again, _ = edge.check(msg, vouched=True)
+    assert isinstance(first, CheckedHeartbeat) and first.observation.vouched and again is first
+    plain, _ = edge.check(msg)
+    assert isinstance(plain, CheckedHeartbeat) and not plain.observation.vouched and plain is not first

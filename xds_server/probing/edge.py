@@ -132,12 +132,15 @@ class AgentEdge:
 
     # -- messages ---------------------------------------------------------------------------------
 
-    def check(self, msg: probe_pb2.AgentMessage) -> tuple[Checked | None, list[BadField]]:
-        """Validate one message. Returns (checked message or None when rejected, bad fields)."""
+    def check(self, msg: probe_pb2.AgentMessage, *,
+              vouched: bool = False) -> tuple[Checked | None, list[BadField]]:
+        """Validate one message. Returns (checked message or None when rejected, bad fields).
+        ``vouched``: a heartbeat came on a stream whose transport carries liveness
+        (``HeartbeatObserved.vouched``)."""
         bad: list[BadField] = []
         which = msg.WhichOneof("msg")
         if which == "heartbeat":
-            return self._heartbeat(msg.heartbeat, bad), bad
+            return self._heartbeat(msg.heartbeat, bad, vouched), bad
         if which == "pong":
             return CheckedPong(msg.pong.seq), bad
         if which == "inference_result":
@@ -145,7 +148,7 @@ class AgentEdge:
         bad.append(BadField("agent_message", "empty"))
         return None, bad
 
-    def _heartbeat(self, hb: probe_pb2.Heartbeat, bad: list[BadField]) -> CheckedHeartbeat:
+    def _heartbeat(self, hb: probe_pb2.Heartbeat, bad: list[BadField], vouched: bool) -> CheckedHeartbeat:
         tel = hb.telemetry
         max_text = self.probe.limits.max_text_chars
         interval = hb.interval_ms
@@ -177,7 +180,7 @@ class AgentEdge:
             o, t = last.observation, last.telemetry
             if (t.load is load and t.gpu is gpu and o.engine_state is engine_state and o.stalled == stalled
                     and o.stall_detail == stall_detail and o.gpu_free_ratio == free and o.gpu_fatal == fatal
-                    and o.progress_age_ms is None and progress_age_ms is None):
+                    and o.progress_age_ms is None and progress_age_ms is None and o.vouched is vouched):
                 # the same values as the last heartbeat: its (immutable) result again
                 if self._same_free_sign(o.gpu_free_ratio, free):
                     return last
@@ -185,7 +188,7 @@ class AgentEdge:
             engine_state=engine_state, stalled=stalled, stall_detail=stall_detail,
             requests_running=load.requests_running, requests_waiting=load.requests_waiting,
             gpu_free_ratio=free, gpu_fatal=fatal, progress_age_ms=progress_age_ms,
-            progress_detail=progress_detail)
+            progress_detail=progress_detail, vouched=vouched)
         out = CheckedHeartbeat(obs, TelemetrySummary(engine_state, stalled, stall_detail, load, gpu))
         self._last_hb = out
         return out

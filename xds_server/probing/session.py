@@ -27,7 +27,6 @@ import contextlib
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from time import monotonic
 
 import grpc
@@ -339,7 +338,10 @@ class ProbeSession:
         if st is None:
             return
         try:
-            checked, bad = self.edge.check(msg)
+            if (not st.transport and self.probe_cfg.liveness == "transport"
+                    and msg.heartbeat.liveness == probe_pb2.LIVENESS_TRANSPORT):
+                st.transport = True  # the agent runs transport liveness on this stream (it echoes it)
+            checked, bad = self.edge.check(msg, vouched=st.transport)
             if bad:
                 self._bad_fields(bad, now)
             if checked is None:
@@ -356,10 +358,7 @@ class ProbeSession:
                     st.pings.clear()
                 st.last_hb = st.obs_s = now
                 st.had_hb = True
-                if self.probe_cfg.liveness == "transport" and msg.heartbeat.liveness == probe_pb2.LIVENESS_TRANSPORT:
-                    st.transport = True
-                # on a transport stream the PINGs carry liveness: the model counts no miss until it ends
-                st.obs = hb = replace(checked.observation, vouched=True) if st.transport else checked.observation
+                st.obs = hb = checked.observation  # vouched on a transport stream: no miss until it ends
                 self.last_telemetry = tel = checked.telemetry
                 if tel.stalled and not self._stalled:
                     self._probe_now(f"engine stalled: {tel.stall_detail}")
