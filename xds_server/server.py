@@ -85,14 +85,14 @@ class ControlPlane:
                                    memo_max_entries=config.xds.limits.memo_max_entries,
                                    memo_max_bytes=config.xds.limits.memo_max_bytes)
         # probe.workers >= 1: probe streams and per-node models in worker processes (probing/workers)
-        pool = self.probe_pool = WorkerPool.for_config(config, lambda: self.core, self.clock, self.counters) \
-            if probe_sources is None else None
+        pool = self.probe_pool = WorkerPool.for_config(config, lambda: self.core, self.clock, self.counters,
+                                                       lambda: self.hub) if probe_sources is None else None
         self.core = ControlCore(config, self.clock, on_publish=self._write, counters=self.counters,
                                 forward_fail_static_end=pool.forward_fail_static_end if pool else None)
         self._notifier = RoutingNotifier()
         self.routing_listeners: list[RoutingListener] = self._notifier.listeners
-        dialled = self.probe_pool.source if self.probe_pool else grpc_probe_source  # nodes with a probe_address
-        self._probe_factory = probe_sources or probe_source(dialled)
+        inbound = pool.source if pool and pool.accepts_agents else None  # dial-in nodes: workers accept their agents
+        self._probe_factory = probe_sources or probe_source(pool.source if pool else grpc_probe_source, inbound)
         self.sessions: dict[str, ProbeSource] = {}
         self.refusals = Refusals(logging.getLogger("xds_server.access"))  # refused identities and tokens
         self.ads = AdsServicer(self.cache, config=config.xds, refusals=self.refusals,
@@ -130,8 +130,7 @@ class ControlPlane:
 
     @config.setter
     def config(self, value: SentinelConfig) -> None:
-        """Replace the config the admin endpoint reads (token, limits); clusters, nodes and
-        thresholds stay those the control plane was built with."""
+        """Replace the config the admin endpoint reads (token, limits), not clusters or thresholds."""
         self._config = value
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -176,7 +175,9 @@ class ControlPlane:
         if self.xds_port == 0:
             raise OSError(f"cannot bind xDS port {self.config.xds.listen} (xds.listen): in use or not permitted")
         await self._grpc.start()
-        if own_port is not None:
+        if self.probe_pool is not None and self.probe_pool.accepts_agents:
+            self.agents_port = self.probe_pool.accept_agents(self.config)  # every worker, on dial_in.listen
+        elif own_port is not None:
             self._agents_grpc, self.agents_port = await self.hub.serve(own_port, creds, self.config)
 
         app = build_admin_app(self.view, self.drain)

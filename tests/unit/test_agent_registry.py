@@ -61,7 +61,27 @@ def test_two_streams_of_one_agent_keep_it_connected_until_both_end():
     reg.stream("a", True, 0.0)
     reg.stream("a", True, 1.0)   # its new stream, before the old one's end was read
     reg.stream("a", False, 2.0)
-    assert reg.status("llm") == {"source": "agents", "nodes": ["a"], "connected": ["a"], "registrations": 1}
+    assert reg.status("llm") == {"source": "agents", "nodes": ["a"], "connected": ["a"], "registrations": 1,
+                                  "error": None, "errors": 0}
     reg.stream("a", False, 3.0)
     assert reg.status("llm")["connected"] == []
     assert reg.expire(3.0 + 9.9, {"llm": 10.0}) == [] and reg.expire(3.0 + 10.0, {"llm": 10.0}) == ["a"]
+
+
+def test_metrics_read_a_cluster_that_takes_registrations_like_any_discovered_one():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from xds_server.admin.metrics import ControlPlaneCollector
+    from xds_server.config import parse_config
+    from xds_server.probing.memory import InMemoryProbes
+    from xds_server.process.clock import ManualClock
+    from xds_server.server import ControlPlane
+
+    cp = ControlPlane(parse_config({"clusters": [{"name": "llm", "discovery": {"agents": {"allow": ["*"]}},
+                                                  "nodes": []}]}), clock=ManualClock(), probe_sources=InMemoryProbes())
+    cp.open()
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(ControlPlaneCollector(cp.view))
+    text = generate_latest(reg).decode()
+    assert 'sentinel_discovery_nodes{cluster="llm",source="agents"} 0.0' in text
+    assert 'sentinel_discovery_errors_total{cluster="llm",source="agents"} 0.0' in text

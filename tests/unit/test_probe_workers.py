@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import pickle
 import socket
 
 import pytest
@@ -14,10 +15,12 @@ from hypothesis import strategies as st
 from xds_server.config import ConfigError, HealthConfig, ProbeConfig, parse_config
 from xds_server.control.core import ControlCore
 from xds_server.health import model as hm
+from xds_server.probing.claims import Claim
 from xds_server.probing.memory import InMemoryProbes
 from xds_server.probing.workers import Detector, worker_for
 from xds_server.probing.workers._channel import FrameTooLarge, encode, read_frame
 from xds_server.process.clock import ManualClock
+from xds_server.process.identity import PeerIdentity
 from xds_server.server import ControlPlane
 
 
@@ -72,6 +75,69 @@ def test_default_control_plane_keeps_probe_streams_in_process():
     assert cp2.core.forward_fail_static_end == cp2.probe_pool.forward_fail_static_end
     # an injected probe-source factory wins (tests drive the in-process path)
     assert ControlPlane(parse_config(config(workers=2)), probe_sources=InMemoryProbes()).probe_pool is None
+
+
+def dial_in_config(listen: str | None, workers: int = 2) -> dict:
+    """Two nodes whose agents dial in (no probe_address)."""
+    cfg = config(workers=workers, **({"dial_in": {"listen": listen}} if listen else {}))
+    for n in cfg["clusters"][0]["nodes"]:
+        del n["probe_address"]
+    return cfg
+
+
+def test_workers_accept_agents_only_on_a_named_port_of_their_own():
+    with pytest.raises(ConfigError, match=r"dial_in.listen 127.0.0.1:0: port 0 with workers 2"):
+        parse_config(dial_in_config("127.0.0.1:0"))
+    on_xds = parse_config(dial_in_config(None))
+    assert any(n.startswith("probe.workers: agents that dial in are held by this process") for n in on_xds.notes())
+    own = parse_config(dial_in_config("127.0.0.1:18001"))
+    assert not [n for n in own.notes() if n.startswith("probe.workers")]
+    assert parse_config(dial_in_config("127.0.0.1:0", workers=0)).probe.dial_in.listen == "127.0.0.1:0"
+    # who holds the agents' streams: the workers with a port of their own, else this process
+    cp, cp_shared = ControlPlane(own), ControlPlane(on_xds)
+    assert cp.probe_pool is not None and cp.probe_pool.accepts_agents
+    assert cp_shared.probe_pool is not None and not cp_shared.probe_pool.accepts_agents
+
+
+class _Wire:
+    """A worker channel's write end, decoding what the pool sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+
+    def write(self, frame: bytes) -> None:
+        self.sent.append(pickle.loads(frame[4:]))
+
+    def is_closing(self) -> bool:
+        return False
+
+
+async def test_a_node_moves_to_the_worker_that_accepted_its_agent_with_its_current_health():
+    cp = ControlPlane(parse_config(dial_in_config("127.0.0.1:18001")))  # its own hub judges the claims
+    pool = cp.probe_pool
+    assert pool is not None
+    wires = [_Wire(), _Wire()]
+    for h, w in zip(pool.handles, wires, strict=True):
+        h.writer, h.task = w, asyncio.get_running_loop().create_future()  # running, as far as the pool knows
+    cp.open()
+    node = cp.sessions["n0"].node
+    home = worker_for("n0", 2)
+    other = pool.handles[1 - home]
+    claim = Claim(node=node, cluster="", said=frozenset())
+    await pool._claim(other, 7, claim, PeerIdentity(), "ipv4:127.0.0.1:1")
+    assert wires[home].sent[-1] == ("remove", "n0")
+    add, verdict = wires[1 - home].sent[-2:]
+    assert add[0] == "add" and add[1] == node and add[2] == cp.health["n0"]
+    assert verdict == ("verdict", 7, "OK", "") and pool.moves == 1 and "n0" in other.nodes
+    # the same worker again: no move
+    await pool._claim(other, 8, claim, PeerIdentity(), "ipv4:127.0.0.1:2")
+    assert wires[1 - home].sent[-1] == ("verdict", 8, "OK", "") and pool.moves == 1
+    # a node nobody serves: refused and counted here, nothing moves
+    unknown = Claim(node=node.model_copy(update={"id": "zz"}), cluster="", said=frozenset())
+    await pool._claim(other, 9, unknown, PeerIdentity(), "ipv4:127.0.0.1:3")
+    code, why = wires[1 - home].sent[-1][2:]
+    assert code == "FAILED_PRECONDITION" and "zz" in why and pool.moves == 1
+    assert cp.refusals.counts[("xds", "agent_claim")] == 1
 
 
 # -- detector + adopt == the in-process model -----------------------------------------------------

@@ -130,6 +130,11 @@ class SentinelConfig(_Model):
             old.append(f"clusters[].nodes[].probe_address is deprecated ({len(dialled)} node(s): "
                        f"{', '.join(dialled[:3])}{', ...' if len(dialled) > 3 else ''}): let each agent dial the "
                        "control plane (node_probe --control-plane) and remove probe_address; docs/dial-in.md")
+        inbound = any(n.probe_address is None for c in self.clusters for n in c.nodes) or any(
+            c.discovery is not None and c.discovery.agents is not None for c in self.clusters)
+        if inbound and self.probe.workers != 0 and self.probe.dial_in.listen is None:
+            old.append("probe.workers: agents that dial in are held by this process, not the probe workers, while "
+                       "they dial the xDS port; set probe.dial_in.listen (a port of their own) to spread them")
         return old + moved_notes(self) + lrs_notes(self.lrs, self.tls.mode, self.xds.listen)
 
     def nodes(self) -> list[tuple[str, NodeConfig]]:

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from xds_server.config.base import _check_hostport, _Model
+from xds_server.config.base import _check_hostport, _Model, parse_hostport
 from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration, at_least, at_most
 from xds_server.config.renames import Moves, _Renaming
 
@@ -240,6 +240,9 @@ class ProbeConfig(_Renaming):
         "detector (docs/DESIGN.md section 12): 0 = in this "
         "process (ours: today's path); N >= 1 = N worker processes, nodes assigned by a hash of "
         "their id; auto = CPU count - 1, at least 1 (one core left to health, policy and xDS). "
+        "Agents that dial in are accepted by the workers only on a port of their own "
+        "(dial_in.listen, bound by every worker with SO_REUSEPORT; a node then belongs to the "
+        "worker its agent's stream reached); on the xDS port this process holds them. "
         "A change needs a restart",
     )
     worker_restart_grace: Annotated[PositiveDuration, at_most("60s")] = Field(
@@ -263,6 +266,14 @@ class ProbeConfig(_Renaming):
     limits: ProbeLimitsConfig = Field(default_factory=ProbeLimitsConfig, description="protection limits")
     logs: ProbeLogsConfig = Field(default_factory=ProbeLogsConfig, description="log rate of agent problems")
     stalls: ProbeStallsConfig = Field(default_factory=ProbeStallsConfig, description="our own stalls")
+
+    @model_validator(mode="after")
+    def _workers_port(self) -> ProbeConfig:
+        listen = self.dial_in.listen
+        if self.workers != 0 and listen is not None and parse_hostport(listen)[1] == 0:
+            raise ValueError(f"dial_in.listen {listen}: port 0 with workers {self.workers!r} would give each "
+                             "probe worker a port of its own; name the port the agents dial")
+        return self
 
     def channel_options(self, max_backoff_ms: float) -> list[tuple[str, int]]:
         """The gRPC channel options of a probe stream: keepalive, and reconnect backoff from

@@ -83,8 +83,9 @@ class AgentRegistry:
         return out
 
     def status(self, cluster: str) -> dict[str, object]:
-        """JSON-able, for one cluster: its registered nodes, those with a stream open, and the
-        registrations accepted so far (all clusters)."""
+        """JSON-able, for one cluster, in the shape of every discovery source's status: its
+        registered nodes, those with a stream open, the registrations accepted so far (all
+        clusters), and no errors (a refused claim is counted with the refusals, never here)."""
         ids = [nid for nid, (c, _) in self._nodes.items() if c == cluster]
         return {"source": "agents", "nodes": ids, "connected": [i for i in ids if self._open.get(i, 0) > 0],
-                "registrations": self.registrations}
+                "registrations": self.registrations, "error": None, "errors": 0}

@@ -268,11 +268,14 @@ def dial_in_source(node: NodeConfig, ctx: ProbeSourceContext) -> DialInSession:
     return DialInSession(node, ctx.health, ctx.sink, ctx.control_plane_id, probe=ctx.probe, counters=ctx.counters)
 
 
-def probe_source(dialled: ProbeSourceFactory) -> ProbeSourceFactory:
-    """The factory of every node: a :class:`DialInSession` for a node without ``probe_address``,
-    ``dialled`` (a session dialling the agent, in this process or a worker's) for the others."""
+def probe_source(dialled: ProbeSourceFactory, dialling_in: ProbeSourceFactory | None = None) -> ProbeSourceFactory:
+    """The factory of every node: ``dialled`` (a session dialling the agent, in this process or a
+    worker's) for a node with ``probe_address``; for the others ``dialling_in`` (the probe workers,
+    when they accept agents), by default a :class:`DialInSession` in this process."""
+    inbound = dialling_in or dial_in_source
+
     def make(node: NodeConfig, ctx: ProbeSourceContext) -> ProbeSource:
-        return dial_in_source(node, ctx) if node.probe_address is None else dialled(node, ctx)
+        return inbound(node, ctx) if node.probe_address is None else dialled(node, ctx)
     return make
 
 

@@ -29,7 +29,8 @@ import grpc
 
 from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.config import NodeConfig, SentinelConfig
-from xds_server.probing.claims import claim_from, judge_claim
+from xds_server.config.duration import Duration
+from xds_server.probing.claims import Claim, claim_from, judge_claim
 from xds_server.probing.dial_in import DialInSession, InboundCall
 from xds_server.process.counters import Counters
 from xds_server.process.identity import PeerIdentity
@@ -38,7 +39,7 @@ from xds_server.process.stream_refusal import refuse
 from xds_server.process.tls import add_port
 from xds_server.process.untrusted import RateLimitedLog, for_log
 
-__all__ = ["ProbeHub", "Registry"]
+__all__ = ["ProbeHub", "RegisterReader", "Registry"]
 
 log = logging.getLogger("xds_server.probing")
 
@@ -69,11 +70,10 @@ class ProbeHub(probe_pb2_grpc.ProbeHubServicer):
         self._session_of = session_of
         self._registry = registry
         self._refusals = refusals
-        self._counters = counters
         self._identity_checked = identity_checked
         self._now = now
         self.accepted = self.refused = 0
-        self._rl = RateLimitedLog(log, 10.0, max_keys=256)
+        self._reader = RegisterReader(counters, now)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         probe_pb2_grpc.add_ProbeHubServicer_to_server(self, server)
@@ -99,28 +99,27 @@ class ProbeHub(probe_pb2_grpc.ProbeHubServicer):
     async def Connect(  # gRPC method name
         self, request_iterator: AsyncIterator[probe_pb2.AgentMessage], context: grpc.aio.ServicerContext,
     ) -> None:
-        cfg = self._config()
-        peer = context.peer() or "?"
-        try:
-            first = await asyncio.wait_for(anext(request_iterator, None), cfg.probe.dial_in.register_timeout.s)
-        except TimeoutError:
-            await self._bad(context, peer, grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"no Register within {cfg.probe.dial_in.register_timeout}")
-            return
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError):
-            return  # the agent went away before saying anything
-        if first is None:
-            return
-        if first.WhichOneof("msg") != "register":
-            await self._bad(context, peer, grpc.StatusCode.INVALID_ARGUMENT,
-                            "the first message of a Connect stream must be a Register")
-            return
-        try:
-            claim = claim_from(first.register)
-        except ValueError as e:
-            await self._bad(context, peer, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        claim = await self._reader.claim(request_iterator, context, self._config().probe.dial_in.register_timeout)
+        if claim is None:
             return
         ident = PeerIdentity.from_auth_context(context.auth_context())
+        session, code, why = await self.admit(claim, ident, context.peer() or "?", DialInSession)
+        if not isinstance(session, DialInSession):
+            await refuse(context, request_iterator, code, why)
+        nid = claim.node.id
+        self.streamed(nid, True)
+        try:
+            await session.attach(InboundCall(request_iterator, context))
+        finally:
+            self.streamed(nid, False)
+
+    async def admit(self, claim: Claim, ident: PeerIdentity, peer: str,
+                    kind: type) -> tuple[object | None, grpc.StatusCode, str]:
+        """Judge ``claim`` (from ``peer``, whose certificate says ``ident``): refused (counted,
+        logged), or registered when the cluster takes it; then the node's probe source of type
+        ``kind``, waited for up to ``register_timeout`` while a registration is applied.
+        Returns (the source, OK, "") or (None, the status to end the stream with, why)."""
+        cfg = self._config()
         verdict = judge_claim(claim, cfg, ident, identity_checked=self._identity_checked(),
                               registered=self._registry)
         nid = claim.node.id
@@ -130,37 +129,72 @@ class ProbeHub(probe_pb2_grpc.ProbeHubServicer):
             self._refusals.refuse("xds", reason, peer, ", ".join(ident.names()), verdict.reason)
             code = grpc.StatusCode.PERMISSION_DENIED if verdict.refusal == "permission" \
                 else grpc.StatusCode.FAILED_PRECONDITION
-            await refuse(context, request_iterator, code, verdict.reason)
+            return None, code, verdict.reason
         if verdict.action == "register":
             assert verdict.node is not None
             if self._registry.register(verdict.cluster, verdict.node, self._now()):
                 log.info("node %s registered by its agent in cluster %s (%s, identity %s)", for_log(nid),
                          verdict.cluster, verdict.node.address, for_log(ident.describe(), 200),
                          extra={"node": nid, "reason": "registered"})
-        session = await self._session(nid, cfg.probe.dial_in.register_timeout.s)
+        session = await self._session(nid, cfg.probe.dial_in.register_timeout.s, kind)
         if session is None:
-            await refuse(context, request_iterator, grpc.StatusCode.UNAVAILABLE,
-                         f"node {nid!r} is not watched yet: dial again")
+            return None, grpc.StatusCode.UNAVAILABLE, f"node {nid!r} is not watched yet: dial again"
         self.accepted += 1
-        registered = nid in self._registry
-        if registered:
-            self._registry.stream(nid, True, self._now())
-        try:
-            await session.attach(InboundCall(request_iterator, context))
-        finally:
-            if registered:
-                self._registry.stream(nid, False, self._now())
+        return session, grpc.StatusCode.OK, ""
 
-    async def _session(self, node_id: str, wait_s: float) -> DialInSession | None:
-        """The node's dial-in session, waiting up to ``wait_s`` for a registration to be applied."""
+    def streamed(self, node_id: str, opened: bool) -> None:
+        """An admitted stream of ``node_id`` began (``opened``) or ended: a registered node is
+        forgotten only ``forget_after`` after its last stream ended."""
+        if node_id in self._registry:
+            self._registry.stream(node_id, opened, self._now())
+
+    async def _session(self, node_id: str, wait_s: float, kind: type) -> object | None:
+        """The node's probe source if it is a ``kind``, waiting up to ``wait_s`` for a
+        registration to be applied."""
         deadline = self._now() + wait_s
         while True:
             s = self._session_of(node_id)
-            if isinstance(s, DialInSession):
+            if isinstance(s, kind):
                 return s
             if self._now() >= deadline:
                 return None
             await asyncio.sleep(_SESSION_WAIT_STEP_S)
+
+
+class RegisterReader:
+    """Reads the Register that opens an agent's stream (the in-process hub's and the probe
+    workers'): a stream that brings none in time, something else first, or a Register that does
+    not check is ended (INVALID_ARGUMENT, DEADLINE_EXCEEDED), counted in ``malformed`` and
+    logged at most once per kind and 10 s."""
+
+    def __init__(self, counters: Counters, now: Callable[[], float]) -> None:
+        self._counters = counters
+        self._now = now
+        self._rl = RateLimitedLog(log, 10.0, max_keys=256)
+
+    async def claim(self, requests: AsyncIterator[probe_pb2.AgentMessage], context: grpc.aio.ServicerContext,
+                    timeout: Duration) -> Claim | None:
+        """The stream's checked Register (:func:`~xds_server.probing.claims.claim_from`), or
+        None: the agent went away first, or the stream was ended as bad."""
+        peer = context.peer() or "?"
+        try:
+            first = await asyncio.wait_for(anext(requests, None), timeout.s)
+        except TimeoutError:
+            await self._bad(context, peer, grpc.StatusCode.DEADLINE_EXCEEDED, f"no Register within {timeout}")
+            return None
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError):
+            return None  # the agent went away before saying anything
+        if first is None:
+            return None
+        if first.WhichOneof("msg") != "register":
+            await self._bad(context, peer, grpc.StatusCode.INVALID_ARGUMENT,
+                            "the first message of a Connect stream must be a Register")
+            return None
+        try:
+            return claim_from(first.register)
+        except ValueError as e:
+            await self._bad(context, peer, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return None
 
     async def _bad(self, context: grpc.aio.ServicerContext, peer: str, code: grpc.StatusCode, why: str) -> None:
         self._counters.malformed["(agent stream)"] += 1

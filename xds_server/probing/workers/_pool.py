@@ -11,7 +11,9 @@ Shape::
     ...
     await pool.stop()                # "stop" to each worker, then SIGKILL after 2 s
 
-A node belongs to worker ``worker_for(node_id, n)``. A worker that exits (crash, SIGKILL, OOM)
+A node belongs to worker ``worker_for(node_id, n)``; one whose agent dials in (the workers accept
+agents on ``probe.dial_in.listen``: :mod:`._inbound`) moves to the worker that accepted its stream
+when the claim is judged here (``moves``). A worker that exits (crash, SIGKILL, OOM)
 is restarted after ``restart_backoff_s`` (doubling to 5 s while it keeps dying within 10 s of
 its start) and gets its nodes again, each with the main process's current copy of its health:
 its nodes stay as they were meanwhile (nothing here treats "worker gone" as "node gone") and
@@ -21,47 +23,35 @@ the new worker counts their silence only after ``probe.worker_restart_grace``
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from xds_server.config import NodeConfig, SentinelConfig
-from xds_server.health.model import Event, NodeHealth
+import grpc
+
+from xds_server.config import NodeConfig, SentinelConfig, parse_hostport
+from xds_server.probing.claims import Claim
 from xds_server.probing.sources import ProbeSourceContext
 from xds_server.probing.workers._assign import worker_for
 from xds_server.probing.workers._channel import encode, read_frame
+from xds_server.probing.workers._host import Admitter, HealthHost
+from xds_server.probing.workers._inbound import AcceptSpec
 from xds_server.process.clock import Clock
 from xds_server.process.counters import Counters
 from xds_server.process.event_loop import running_loop_name
+from xds_server.process.identity import PeerIdentity
 
 __all__ = ["RemoteSource", "WorkerPool"]
 
 log = logging.getLogger("xds_server.probing.workers")
 
-
-class HealthHost(Protocol):
-    """What the pool needs of the control plane's decision layer (the
-    :class:`~xds_server.control.core.ControlCore` satisfies it): the config in force, each node's
-    current health (``health``, node id -> :class:`~xds_server.health.model.NodeHealth`) and the
-    kept state still to resume (``restored``), and ``adopt`` to apply a worker's report. The core
-    gets :meth:`WorkerPool.forward_fail_static_end` in its own constructor (the pool is built
-    first, reaching the core through a function: each needs the other)."""
-
-    config: SentinelConfig
-
-    @property
-    def health(self) -> Mapping[str, NodeHealth]: ...
-
-    @property
-    def restored(self) -> Mapping[str, NodeHealth]: ...
-
-    def adopt(self, node_id: str, nh: NodeHealth, events: list[Event], now_s: float) -> None: ...
 
 _MAX_BACKOFF_S = 5.0
 _STABLE_S = 10.0  # a worker that lived this long resets the restart backoff
@@ -113,6 +103,7 @@ class _Handle:
     task: asyncio.Task | None = None
     started_at: float = 0.0
     restarts: int = 0  # times this slot's process exited and was started again
+    streams: collections.Counter[str] = field(default_factory=collections.Counter)  # agent streams open here
     backoff_s: float = 0.1
     sent_cfg: SentinelConfig | None = None  # the config whose thresholds the worker has
 
@@ -126,25 +117,36 @@ class WorkerPool:
     replaced since start (per slot: :meth:`restarts_by_worker`); :meth:`live`: worker processes
     running now. ``reports``: report frames received."""
 
-    def __init__(self, n: int, host: Callable[[], HealthHost], clock: Clock, counters: Counters) -> None:
+    def __init__(self, n: int, host: Callable[[], HealthHost], clock: Clock, counters: Counters,
+                 hub: Callable[[], Admitter] | None = None) -> None:
         if n < 1:
             raise ValueError(f"probe.workers must be >= 1 for a pool, got {n}")
         self.n = n
         self._host = host
+        self._hub = hub  # None: agents that dial in are accepted by the main process, not the workers
+        self._claims: set[asyncio.Task] = set()  # verdicts being made (a reference each)
         self.clock = clock
         self.counters = counters
         self.handles = [_Handle(i) for i in range(n)]
         self.restarts = 0
         self.reports = 0
+        self.moves = 0  # nodes handed to the worker that accepted their agent's stream
         self._stopping = False
 
     @classmethod
     def for_config(cls, config: SentinelConfig, host: Callable[[], HealthHost], clock: Clock,
-                   counters: Counters) -> WorkerPool | None:
+                   counters: Counters, hub: Callable[[], Admitter]) -> WorkerPool | None:
         """The pool ``config.probe.workers`` asks for (None for 0: probe streams in this
-        process); ``host`` gives the control core once it exists."""
+        process); ``host`` gives the control core once it exists, ``hub`` the probe hub: used
+        when ``probe.dial_in.listen`` is set, where the workers then accept agents."""
         n = config.probe.worker_count(os.cpu_count())
-        return cls(n, host, clock, counters) if n >= 1 else None
+        accepting = hub if config.probe.dial_in.listen is not None else None
+        return cls(n, host, clock, counters, accepting) if n >= 1 else None
+
+    @property
+    def accepts_agents(self) -> bool:
+        """The workers accept agents that dial in (on ``probe.dial_in.listen``)."""
+        return self._hub is not None
 
     @property
     def core(self) -> HealthHost:
@@ -160,10 +162,22 @@ class WorkerPool:
     def add(self, src: RemoteSource) -> None:
         h = self.handles[src.worker]
         h.nodes[src.node.id] = src
-        if h.task is None and not self._stopping:
-            h.task = asyncio.get_running_loop().create_task(self._run(h), name=f"probe-worker-{h.index}")
-        elif h.writer is not None:
+        if not self._launch(h) and h.writer is not None:
             self._send_node(h, src)
+
+    def _launch(self, h: _Handle) -> bool:
+        """Start worker ``h`` if it has not been (it gets its nodes when it runs); False if it had."""
+        if h.task is not None or self._stopping:
+            return False
+        h.task = asyncio.get_running_loop().create_task(self._run(h), name=f"probe-worker-{h.index}")
+        return True
+
+    def accept_agents(self, cfg: SentinelConfig) -> int:
+        """Start every worker now, nodes or not: each accepts agents on ``probe.dial_in.listen``
+        (:mod:`._inbound`). Returns that port."""
+        for h in self.handles:
+            self._launch(h)
+        return parse_hostport(cfg.probe.dial_in.listen or "")[1]
 
     def remove(self, src: RemoteSource) -> None:
         h = self.handles[src.worker]
@@ -209,7 +223,7 @@ class WorkerPool:
         cfg = h.sent_cfg = self.core.config
         h.writer.write(encode(("init", h.index, cfg.health, cfg.probe, _ident(cfg),
                                cfg.probe.worker_restart_grace.s,
-                               logging.getLogger().getEffectiveLevel())))
+                               logging.getLogger().getEffectiveLevel(), self._accept_spec(cfg))))
         for s in list(h.nodes.values()):
             self._send_node(h, s)
         log.info("probe worker %d started (pid %d, %d node(s))", h.index, h.proc.pid, len(h.nodes))
@@ -224,6 +238,12 @@ class WorkerPool:
                 while (msg := await read_frame(reader)) is not None:
                     if msg[0] == "report":
                         self._apply(h, msg)
+                    elif msg[0] == "claim" and self._hub is not None:
+                        task = asyncio.get_running_loop().create_task(self._claim(h, *msg[1:]))
+                        self._claims.add(task)
+                        task.add_done_callback(self._claims.discard)
+                    elif msg[0] == "stream":
+                        self._stream(h, msg[1], msg[2])
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bad frame ends this worker; it is restarted
@@ -235,6 +255,9 @@ class WorkerPool:
             if self._stopping:
                 return
             rc = await asyncio.to_thread(self._reap, h)
+            for node_id, open_ in list(h.streams.items()):  # the agents' streams ended with the worker
+                for _ in range(open_):
+                    self._stream(h, node_id, False)
             for s in h.nodes.values():
                 s.connected = False
                 s.last_error = f"probe worker {h.index} exited ({rc}); restarting"
@@ -283,6 +306,47 @@ class WorkerPool:
         for r in nodes:
             if r.node_id in h.nodes:
                 self.core.adopt(r.node_id, r.health, list(r.events), now)
+
+    # -- agents that dial in (the workers accept them: ._inbound) --------------------------------
+
+    def _accept_spec(self, cfg: SentinelConfig) -> AcceptSpec | None:
+        listen = cfg.probe.dial_in.listen
+        if self._hub is None or listen is None:
+            return None
+        return AcceptSpec(listen, cfg.tls.listener(), cfg.xds.limits.max_receive_message_bytes,
+                          cfg.probe.dial_in_options())
+
+    async def _claim(self, h: _Handle, token: int, claim: Claim, ident: PeerIdentity, peer: str) -> None:
+        """Judge a claim that worker ``h`` read (as the in-process hub would); an admitted node
+        moves to ``h`` (its current health with it) before ``h`` hears the verdict."""
+        assert self._hub is not None
+        try:
+            src, code, why = await self._hub().admit(claim, ident, peer, RemoteSource)
+        except Exception:  # never leave the worker's stream waiting on a verdict
+            log.exception("probe worker %d: judging the claim of %s failed", h.index, claim.node.id)
+            src, code, why = None, grpc.StatusCode.INTERNAL, "the control plane could not judge the claim"
+        if isinstance(src, RemoteSource) and src.worker != h.index and h.writer is not None:
+            self._move(src, h)
+        h.send(("verdict", token, code.name, why))
+
+    def _move(self, src: RemoteSource, to: _Handle) -> None:
+        """Make ``to`` the owner of ``src``'s node: its agent's stream is there now."""
+        old = self.handles[src.worker]
+        if old.nodes.get(src.node.id) is src:
+            del old.nodes[src.node.id]
+            old.send(("remove", src.node.id))
+        src.worker = to.index
+        to.nodes[src.node.id] = src
+        self.moves += 1
+        self._send_node(to, src)
+
+    def _stream(self, h: _Handle, node_id: str, opened: bool) -> None:
+        """An agent's stream on worker ``h`` began or ended."""
+        h.streams[node_id] += 1 if opened else -1
+        if h.streams[node_id] <= 0:
+            del h.streams[node_id]
+        if self._hub is not None:
+            self._hub().streamed(node_id, opened)
 
     def restarts_by_worker(self) -> dict[int, int]:
         """Worker index -> times its process exited and was started again."""

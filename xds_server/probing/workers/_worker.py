@@ -1,5 +1,7 @@
 """A probe worker process: holds its share of the agents' probe streams
-(:class:`~xds_server.probing.session.ProbeSession`, unchanged) and feeds them into its
+(:class:`~xds_server.probing.session.ProbeSession` for a node it dials,
+:class:`~xds_server.probing.dial_in.DialInSession` for one whose agent dials in, accepted on
+``probe.dial_in.listen`` by :mod:`._inbound`; both unchanged) and feeds them into its
 :class:`~xds_server.probing.workers._detector.Detector`; sends the main process only changes.
 
 Started by :class:`~xds_server.probing.workers._pool.WorkerPool` as
@@ -22,13 +24,19 @@ import socket
 import sys
 import time
 
+import grpc
+
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
 from xds_server.health import model as hm
+from xds_server.probing.claims import Claim
+from xds_server.probing.dial_in import DialInSession
 from xds_server.probing.session import ProbeSession
 from xds_server.probing.workers._channel import encode, read_frame
 from xds_server.probing.workers._detector import Detector
+from xds_server.probing.workers._inbound import WorkerHub
 from xds_server.process import event_loop
 from xds_server.process.counters import Counters
+from xds_server.process.identity import PeerIdentity
 
 __all__ = ["Worker", "main"]
 
@@ -65,6 +73,8 @@ class Worker:
         self._links: dict[str, tuple] = {}
         self._stopping: set[asyncio.Task] = set()  # sessions of removed nodes, stopping (a reference each)
         self._flush_pending = False
+        self._asks: dict[int, asyncio.Future[tuple[grpc.StatusCode, str]]] = {}  # claims awaiting a verdict
+        self._next_ask = 0
 
     def _ident(self, ident: tuple) -> None:
         """(replica id the agents see, ``tls.agents``, ``xds.ramp_anchor``) from the main process."""
@@ -99,6 +109,10 @@ class Worker:
         elif kind == "fail_static_ended":
             self.detector.fail_static_ended(msg[1], now)
             self.flush(False)
+        elif kind == "verdict":
+            fut = self._asks.pop(msg[1], None)
+            if fut is not None and not fut.done():
+                fut.set_result((grpc.StatusCode[msg[2]], msg[3]))
         elif kind == "stop":
             return False
         else:
@@ -110,7 +124,8 @@ class Worker:
         self._remove(node.id)
         self.detector.add(node.id, mirror, kept, now, self.grace_s)
         s = ProbeSession(node, self.health, self.sink, self.replica_id, probe=self.probe, counters=self.counters,
-                         tls=self.agents_tls.client(node.id))
+                         tls=self.agents_tls.client(node.id)) if node.probe_address is not None else \
+            DialInSession(node, self.health, self.sink, self.replica_id, probe=self.probe, counters=self.counters)
         self.sessions[node.id] = s
         s.start()
         # the handed-over node's first Tick: at the end of its grace, unless a heartbeat comes first
@@ -124,6 +139,21 @@ class Worker:
             task.add_done_callback(self._stopping.discard)
         self.detector.remove(node_id)
         self._links.pop(node_id, None)
+
+    def send(self, msg: tuple) -> None:
+        """One message to the main process."""
+        self.writer.write(encode(msg))
+
+    async def ask(self, claim: Claim, ident: PeerIdentity, peer: str) -> tuple[grpc.StatusCode, str]:
+        """The main process's verdict on an agent's claim (:mod:`._inbound`): (status, why)."""
+        self._next_ask += 1
+        token = self._next_ask
+        fut = self._asks[token] = self._loop.create_future()
+        self.send(("claim", token, claim, ident, peer))
+        try:
+            return await fut
+        finally:
+            self._asks.pop(token, None)
 
     def _link(self, s: ProbeSession) -> tuple:
         return (s.connected, s.failed_dials, s.last_error, s.last_probe_failure, s.lag_deferrals,
@@ -148,8 +178,8 @@ class Worker:
             self.detector.probe_results.clear()
             c = self.counters
             counters = {"malformed": dict(c.malformed), "bad_fields": dict(c.bad_fields),
-                        "handler_errors": dict(c.handler_errors)}
-            for part in (c.malformed, c.bad_fields, c.handler_errors):
+                        "handler_errors": dict(c.handler_errors), "transport_drops": dict(c.transport_drops)}
+            for part in (c.malformed, c.bad_fields, c.handler_errors, c.transport_drops):
                 part.clear()
             if not any(counters.values()):
                 counters = {}
@@ -181,16 +211,27 @@ async def serve(fd: int) -> None:
     init = await read_frame(reader)
     if init is None or init[0] != "init":
         return
-    _, index, health, probe, ident, grace_s, level = init
+    _, index, health, probe, ident, grace_s, level, accept = init
     logging.getLogger().setLevel(level)
     w = Worker(index, health, probe, ident, grace_s, writer)
     reports = asyncio.create_task(w.report_loop())
+    server = None
     try:
+        if accept is not None:  # agents dial in here, this worker beside the others (SO_REUSEPORT)
+            hub = WorkerHub(ask=w.ask, session_of=w.sessions.get, tell=w.send, probe=lambda: w.probe,
+                            counters=w.counters, now=asyncio.get_running_loop().time)
+            try:
+                server, _ = await hub.serve(accept)
+            except OSError as e:
+                log.error("probe worker %d: %s; exiting (the main process starts another)", index, e)
+                return
         while (msg := await read_frame(reader)) is not None:
             if not w.handle(msg):
                 break
     finally:
         reports.cancel()
+        if server is not None:
+            await server.stop(grace=0.2)
         await w.stop()
         writer.close()
 
