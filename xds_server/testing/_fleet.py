@@ -1,5 +1,6 @@
 """A local fleet on free 127.0.0.1 ports: N simulated engines, N node_probe agents, one
-xds-server and one real Envoy (:class:`Fleet`), and :func:`restart_control_plane`."""
+xds-server (or several replicas of it) and one real Envoy (:class:`Fleet`), and
+:func:`restart_control_plane`."""
 from __future__ import annotations
 
 import asyncio
@@ -83,6 +84,13 @@ class Fleet:
     envoy_xds_tls: dict[str, Any] | None = None
     engine_args: list[str] = field(default_factory=list)  # more `sim-engine` arguments ("--byte-token-rate", ...)
     agent_args: list[list[str]] = field(default_factory=list)  # more agent arguments, by node index
+    # The module each agent runs with ``python -m``, by node index (default node_probe.cli; a
+    # wrapper such as xds_server.testing._blockable_agent runs node_probe.cli's main itself).
+    agent_modules: list[str] = field(default_factory=list)
+    # Control-plane replicas (docs/replicas.md): each its own xds-server with its own ports,
+    # ``xds.replica_id`` cp-0, cp-1 ... and state file, the same clusters; every agent meets every
+    # replica, Envoy's xds_cluster lists them all. 1: one xds-server, no replica_id set.
+    replicas: int = 1
     # How the agents and the control plane meet: "dial" (the control plane dials each agent's
     # probe_address), "dial-in" (each agent dials the xDS port; nodes listed without probe_address)
     # or "register" (no node list: the cluster takes registrations, each agent says its node).
@@ -93,8 +101,11 @@ class Fleet:
     def __post_init__(self) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.xds_port = self.admin_port = self.envoy_port = self.envoy_admin_port = 0
+        self.xds_ports: list[int] = []     # by replica; xds_port is replica 0's
+        self.admin_ports: list[int] = []   # by replica; admin_port is replica 0's
         self.envoy: ManagedProcess | None = None
-        self.control_plane: ManagedProcess | None = None
+        self.control_plane: ManagedProcess | None = None   # replica 0
+        self.control_planes: list[ManagedProcess] = []     # by replica
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -127,26 +138,30 @@ class Fleet:
                              "--replica-id", n.node_id, "--token-interval-ms", str(self.token_interval_ms),
                              *self.engine_args),
                     wd / f"engine-{n.node_id}.log", ready_pattern="listening"))
-            self.xds_port, self.admin_port = free_port(), free_port()
+            self.xds_ports = [free_port() for _ in range(self.replicas)]
+            self.admin_ports = [free_port() for _ in range(self.replicas)]
+            self.xds_port, self.admin_port = self.xds_ports[0], self.admin_ports[0]
             for i, n in enumerate(self.nodes):
+                module = self.agent_modules[i] if i < len(self.agent_modules) else "node_probe.cli"
                 n.agent = self._spawn(ManagedProcess(
                     f"agent-{n.node_id}",
-                    self._py("-m", "node_probe.cli", "--engine-url", n.engine_url, *self._meeting(n),
+                    self._py("-m", module, "--engine-url", n.engine_url, *self._meeting(n),
                              "--node-id", n.node_id,
                              "--heartbeat-interval-ms", str(self.heartbeat_interval_ms),
                              "--probe-interval-s", str(self.probe_interval_s),
                              "--probe-timeout-ms", str(self.probe_timeout_ms),
                              *(self.agent_args[i] if i < len(self.agent_args) else [])),
                     wd / f"agent-{n.node_id}.log", ready_pattern="listening|dialling"))
-            cfg = self.config_dict()
-            cfg_path = wd / "xds.yaml"
-            cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-            self.control_plane = self._spawn(self._control_plane_process())
+            for r in range(self.replicas):
+                self._config_path(r).write_text(yaml.safe_dump(self.config_dict(r), sort_keys=False))
+                self.control_planes.append(self._spawn(self._control_plane_process(r)))
+            self.control_plane = self.control_planes[0]
             self.envoy_port, self.envoy_admin_port = free_port(), free_port()
             doc = render_bootstrap(
                 xds_port=self.xds_port, listener_port=self.envoy_port, admin_port=self.envoy_admin_port,
                 cluster=self.cluster, api_type=self.api_type, per_try_timeout_s=self.per_try_timeout_s,
-                per_try_idle_timeout_s=self.per_try_idle_timeout_s)
+                per_try_idle_timeout_s=self.per_try_idle_timeout_s,
+                xds_replicas=[f"127.0.0.1:{p}" for p in self.xds_ports] if self.replicas > 1 else ())
             if self.envoy_xds_tls is not None:
                 add_xds_tls(doc, self.envoy_xds_tls)
             boot = write_bootstrap(wd / "envoy.yaml", doc)
@@ -160,16 +175,24 @@ class Fleet:
         """The agent's arguments that say how it meets the control plane (``agents``)."""
         if self.agents == "dial":
             return ["--listen", f"127.0.0.1:{n.agent_port}"]
-        out = ["--control-plane", f"127.0.0.1:{self.xds_port}"]
+        out = ["--control-plane", ",".join(f"127.0.0.1:{p}" for p in self.xds_ports)]
         return out + (["--cluster", self.cluster, "--serving-address", n.address] if self.agents == "register" else [])
 
-    def _control_plane_process(self) -> ManagedProcess:
-        """The xds-server process (not started) on ``workdir/xds.yaml``."""
+    def _config_path(self, replica: int = 0) -> Path:
+        """Where replica ``replica``'s config is written: ``workdir/xds.yaml`` (replica 0),
+        ``workdir/xds-cp-N.yaml``."""
         assert self.workdir is not None
+        return self.workdir / ("xds.yaml" if replica == 0 else f"xds-cp-{replica}.yaml")
+
+    def _control_plane_process(self, replica: int = 0) -> ManagedProcess:
+        """Replica ``replica``'s xds-server process (not started) on its config file
+        (:meth:`_config_path`)."""
+        assert self.workdir is not None
+        name = "xds-server" if replica == 0 else f"xds-server-cp-{replica}"
         return ManagedProcess(
-            "xds-server", self._py("-m", "xds_server.cli", "serve", "--config", str(self.workdir / "xds.yaml"),
-                                   *self.serve_args),
-            self.workdir / "xds-server.log", ready_pattern="admin listening")
+            name, self._py("-m", "xds_server.cli", "serve", "--config", str(self._config_path(replica)),
+                           *self.serve_args),
+            self.workdir / f"{name}.log", ready_pattern="admin listening")
 
     def _spawn(self, p: ManagedProcess) -> ManagedProcess:
         self.procs.append(p)
@@ -184,18 +207,32 @@ class Fleet:
             self._tmp.cleanup()
             self._tmp = None
 
-    def config_dict(self) -> dict[str, Any]:
-        """The xds-server config this fleet runs with."""
+    def config_dict(self, replica: int = 0) -> dict[str, Any]:
+        """The xds-server config replica ``replica`` runs with (the only one's: 0). With
+        ``replicas`` > 1 each has its own ``xds.replica_id`` (cp-N), ports and ``state.path``
+        (``NAME-cp-N.EXT`` beside replica 0's, when a state section is given), and
+        ``health.score.rtt_weight`` 0 unless ``health`` says otherwise (docs/replicas.md: each
+        replica measures RTT on its own path)."""
         given, _ = move_old_names(self.health, RENAMED, "health")  # flat names a test may still write
         health: dict[str, Any] = {**given, "heartbeat": {"interval": f"{self.heartbeat_interval_ms}ms",
                                                          **given.get("heartbeat", {})}}
+        extra = dict(self.config_options)
+        xds: dict[str, Any] = {"listen": f"127.0.0.1:{self.xds_ports[replica] if self.xds_ports else 0}"}
+        if self.replicas > 1:
+            health["score"] = {"rtt_weight": 0, **given.get("score", {})}
+            xds["replica_id"] = f"cp-{replica}"
+            state = extra.get("state")
+            if replica > 0 and isinstance(state, dict) and "path" in state:
+                path = Path(state["path"])
+                extra["state"] = {**state, "path": str(path.with_name(f"{path.stem}-cp-{replica}{path.suffix}"))}
+        admin_port = self.admin_ports[replica] if self.admin_ports else 0
 
         def node_opts(i: int) -> dict[str, Any]:
             return self.node_options[i] if i < len(self.node_options) else {}
 
         return {
-            "xds": {"listen": f"127.0.0.1:{self.xds_port}", **self.xds_options},
-            "admin": {"listen": f"127.0.0.1:{self.admin_port}", **self.admin_options},
+            "xds": {**xds, **self.xds_options},
+            "admin": {"listen": f"127.0.0.1:{admin_port}", **self.admin_options},
             "health": health,
             "clusters": [{
                 **self.cluster_options,
@@ -206,7 +243,7 @@ class Fleet:
                     for i, n in enumerate(self.nodes)],
                 **({"discovery": {"agents": {"allow": ["*"]}}} if self.agents == "register" else {}),
             }],
-            **self.config_options,
+            **extra,
         }
 
     def addresses(self) -> list[tuple[str, str]]:
@@ -291,21 +328,22 @@ class Fleet:
 
 
 async def restart_control_plane(fleet: Fleet, down_s: float = 0.5, timeout_s: float = 20.0,
-                                kill: bool = False) -> float:
-    """Stop the fleet's xds-server (SIGTERM; SIGKILL at once when ``kill``: no shutdown code
-    runs), wait ``down_s``, start it again with the same config and ports; blocking steps run in
-    a thread so the caller's load keeps flowing. Returns the seconds the control plane was
-    unreachable. Raises RuntimeError if it does not come back."""
-    assert fleet.control_plane is not None and fleet.workdir is not None
-    old = fleet.control_plane
+                                kill: bool = False, replica: int = 0) -> float:
+    """Stop the fleet's xds-server (replica ``replica`` of ``Fleet.replicas``; SIGTERM, SIGKILL at
+    once when ``kill``: no shutdown code runs), wait ``down_s``, start it again with the same
+    config and ports; blocking steps run in a thread so the caller's load keeps flowing. Returns
+    the seconds the control plane was unreachable. Raises RuntimeError if it does not come back."""
+    assert fleet.control_planes and fleet.workdir is not None
+    old = fleet.control_planes[replica]
     t0 = time.monotonic()
     if kill:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(old.pid, signal.SIGKILL)
     await asyncio.to_thread(old.stop)
     await asyncio.sleep(down_s)
-    new = fleet._control_plane_process()
+    new = fleet._control_plane_process(replica)
     fleet.procs[fleet.procs.index(old)] = new
-    fleet.control_plane = new
+    fleet.control_planes[replica] = new
+    fleet.control_plane = fleet.control_planes[0]
     await asyncio.to_thread(new.start, timeout_s)
     return time.monotonic() - t0
