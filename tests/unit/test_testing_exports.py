@@ -13,6 +13,8 @@ PUBLIC = {
     # the fault matrix: its rig, rows, traffic and one coroutine per fault
     "FaultRig", "FaultRow", "TrafficLoad", "TrafficStats", "ads_stream_churn", "agent_kill_restart",
     "cp_kill_restart", "cp_sigstop", "engine_kill_restart", "envoy_restart", "format_table", "slow_ads_reader",
+    # dial-in rows: CPU burners, a hung agent loop, a control-plane replica killed
+    "agent_loop_block", "cpu_burners", "replica_kill",
 }
 
 

@@ -22,8 +22,11 @@ only; the underscored modules may move):
   over a Prometheus text exposition, for hosts without promtool.
 - mixed traffic (``_traffic``): :class:`TrafficLoad`, non-streaming and SSE completions counting
   failed requests, cut streams and refused connects per phase (:class:`TrafficStats`).
-- the fault matrix (``_fault_rig``, ``_faults``, ``_ads_faults``): :class:`FaultRig` (a fleet with the relay in
-  front) and one coroutine per fault returning :class:`FaultRow` values; :func:`format_table`.
+- the fault matrix (``_fault_rig``, ``_faults``, ``_ads_faults``, ``_agent_faults``, ``_replica_faults``):
+  :class:`FaultRig` (a fleet with the relay in front; its first agent runs ``_blockable_agent``,
+  whose event loop SIGUSR1 blocks) and one coroutine per fault returning :class:`FaultRow` values;
+  :func:`format_table`. ``_fleet_watch`` polls what Envoy and each control-plane replica show
+  while a fault runs.
 - polling (``_wait``): :func:`wait_for` a condition with a deadline.
 - certificates (``_certs``; ``cryptography`` from the ``dev`` extra, imported when a CA is made):
   :class:`TestCA` issues server and client certificates (DNS, IP and URI SANs) as PEM files;
@@ -39,6 +42,7 @@ from xds_server.probing.memory import InMemoryProbes, InMemoryProbeSource
 from xds_server.process.clock import ManualClock
 from xds_server.testing._ads_clients import ScriptedAdsClient, ScriptedDeltaAdsClient
 from xds_server.testing._ads_faults import ads_stream_churn, slow_ads_reader
+from xds_server.testing._agent_faults import agent_loop_block, cpu_burners
 from xds_server.testing._certs import CertPair, TestCA
 from xds_server.testing._envoy import (
     EnvoyHost,
@@ -59,6 +63,7 @@ from xds_server.testing._fleet import Fleet, NodeProcs, restart_control_plane
 from xds_server.testing._load import LoadGenerator, LoadStats
 from xds_server.testing._process import ManagedProcess, free_port
 from xds_server.testing._promlint import lint_exposition
+from xds_server.testing._replica_faults import replica_kill
 from xds_server.testing._traffic import TrafficLoad, TrafficStats
 from xds_server.testing._wait import wait_for
 
@@ -83,8 +88,10 @@ __all__ = [
     "TrafficStats",
     "ads_stream_churn",
     "agent_kill_restart",
+    "agent_loop_block",
     "cp_kill_restart",
     "cp_sigstop",
+    "cpu_burners",
     "engine_kill_restart",
     "envoy_restart",
     "fetch_envoy_hosts",
@@ -93,6 +100,7 @@ __all__ = [
     "lint_exposition",
     "parse_envoy_clusters",
     "parse_envoy_stats",
+    "replica_kill",
     "restart_control_plane",
     "slow_ads_reader",
     "wait_for",

@@ -1,7 +1,8 @@
 """The fault matrix's rig (:class:`FaultRig`: a local fleet with a state file and
 ``sentinel-relay`` in front of its Envoy), its rows (:class:`FaultRow`, :func:`format_table`) and
-the traffic helpers the faults share. The faults are in :mod:`xds_server.testing._faults` and
-:mod:`xds_server.testing._ads_faults`."""
+the traffic helpers the faults share. The faults are in :mod:`xds_server.testing._faults`,
+:mod:`xds_server.testing._ads_faults`, :mod:`xds_server.testing._agent_faults` and
+:mod:`xds_server.testing._replica_faults`."""
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +28,9 @@ TOKEN = "fault-matrix"
 #: poller on a loaded 2-core host (Envoy's and the control plane's admin, ~3 requests a round)
 #: missed 0.2 s steps.
 FAST_HEALTH = {"probation_clean_s": 1.5, "ramp_step_percent": 50, "ramp_step_s": 0.5}
+#: The module the rig's first agent runs (``python -m``): node-probe whose event loop SIGUSR1 blocks
+#: for the seconds in :attr:`FaultRig.block_file` (the other agents run node_probe.cli itself).
+BLOCKABLE_AGENT = "xds_server.testing._blockable_agent"
 #: Envoy's own passive outlier ejection stays on, with a 1 s base ejection time (default 10 s):
 #: the connect failures of a killed engine trip it, and a test should not wait 10 s for it.
 OUTLIER = {"outlier_detection": {"base_ejection_time_ms": 1000}}
@@ -80,6 +84,7 @@ class FaultRig:
     api_type: str = "GRPC"  # Envoy's ADS: GRPC (SotW) or DELTA_GRPC
     config_options: dict[str, Any] = field(default_factory=dict)  # more config sections ({"probe": {...}})
     agents: str = "dial"  # how agents and control plane meet (Fleet.agents: dial, dial-in, register)
+    replicas: int = 1  # control-plane replicas (Fleet.replicas); the relay's routing feed lists each
     fleet: Fleet | None = None
     relay: ManagedProcess | None = None
     relay_port: int = 0
@@ -92,7 +97,8 @@ class FaultRig:
         wd = Path(self._tmp.name)
         self.fleet = Fleet(
             n_nodes=self.n_nodes, workdir=wd, probe_interval_s=0.3, token_interval_ms=self.token_interval_ms,
-            api_type=self.api_type, agents=self.agents,
+            api_type=self.api_type, agents=self.agents, replicas=self.replicas,
+            agent_modules=[BLOCKABLE_AGENT], agent_args=[["--block-file", str(wd / "agent-block-s")]],
             health=FAST_HEALTH, per_try_timeout_s=None, per_try_idle_timeout_s=2.0,
             admin_options={"token": TOKEN}, cluster_options=OUTLIER,
             config_options={"state": {"path": str(wd / "state.json"), "write_interval_s": 0.2},
@@ -103,7 +109,8 @@ class FaultRig:
             self.relay_port, self.relay_admin_port = free_port(), free_port()
             self.relay = ManagedProcess("relay", [
                 sys.executable, "-m", "sentinel_relay.cli", "--listen", f"127.0.0.1:{self.relay_port}",
-                "--upstream", self.fleet.url, "--routing-feed", f"127.0.0.1:{self.fleet.xds_port}",
+                "--upstream", self.fleet.url,
+                *(a for port in self.fleet.xds_ports for a in ("--routing-feed", f"127.0.0.1:{port}")),
                 "--admin-listen", f"127.0.0.1:{self.relay_admin_port}", "--ping-interval-s", "0.1",
                 "--log-level", "WARNING"], wd / "relay.log", ready_pattern="ready").start()
         except BaseException:
@@ -125,6 +132,13 @@ class FaultRig:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+    @property
+    def block_file(self) -> Path:
+        """The file whose number (s) says how long a SIGUSR1 blocks the first node's agent loop
+        (:data:`BLOCKABLE_AGENT`)."""
+        assert self._tmp is not None
+        return Path(self._tmp.name) / "agent-block-s"
 
     @property
     def relay_url(self) -> str:
@@ -155,12 +169,12 @@ class FaultRig:
         nodes = await self.fleet.cp_nodes(http)
         return all(v["state"] == "HEALTHY" for v in nodes.values())
 
-    async def envoy_synced(self, http: aiohttp.ClientSession) -> bool:
-        """True when the control plane has an Envoy stream that asked for CDS and EDS and ACKed
-        everything sent to it."""
+    async def envoy_synced(self, http: aiohttp.ClientSession, admin_port: int | None = None) -> bool:
+        """True when the control plane (the replica with admin port ``admin_port``; default the
+        first) has an Envoy stream that asked for CDS and EDS and ACKed everything sent to it."""
         assert self.fleet is not None
         try:
-            async with http.get(f"http://127.0.0.1:{self.fleet.admin_port}/xds/clients") as r:
+            async with http.get(f"http://127.0.0.1:{admin_port or self.fleet.admin_port}/xds/clients") as r:
                 clients = (await r.json())["clients"]
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return False
