@@ -3,7 +3,7 @@ frozen-host detection, side by side.
 
 Usage: python benchmarks/dial_in.py [--nodes N ...] [--seconds S] [--freeze K] [--clients C]
            [--modes dial-in heartbeat [transport]] [--gpus G] [--settle S] [--refresh-ms M]
-           [--keepalive-ms P] [--ping-timeout-ms T] [--cp-cpu C] [--fleet-cpu F]
+           [--keepalive-ms P] [--ping-timeout-ms T] [--cp-cpu C] [--fleet-cpu F] [--workers W ...]
 
 The command (defaults: --nodes 300 1000 --seconds 20 --freeze 20 --clients 2 --modes dial-in
 heartbeat), and a smoke test of ~30 s:
@@ -26,6 +26,10 @@ the real ControlPlane, the modes one after another in one run):
   stream that ends is re-dialled. The server PINGs every connection every ``--keepalive-ms``
   (``probe.dial_in.keepalive``) and drops one whose PING is unanswered within
   ``--ping-timeout-ms`` (``probe.dial_in.ping_timeout``): the node is ejected.
+  With ``--workers W`` (dial-in only) the agents dial ``probe.dial_in.listen``, where W probe
+  worker processes accept them (``SO_REUSEPORT``) and hold the streams and per-node models; the
+  control plane's CPU is then its main process plus its workers (``main_process_cores``,
+  ``worker_cores``), and messages are not counted (they are read in the workers).
 - ``heartbeat``: the control plane dials every node (``probe.liveness`` heartbeat, a heartbeat
   every 100 ms judged by its gaps); the agents are ``liveness_modes.py``'s fake fleet (imported:
   its ``_Fleet``, one loopback address per node so each stream is its own TCP connection), again
@@ -243,10 +247,13 @@ class _Agents:
 # -- one measurement (in a fresh process) -----------------------------------------------------------
 
 def _config(mode: str, n: int, ips: list[str], port: int, keepalive_ms: int, ping_timeout_ms: int,
-            refresh_ms: int) -> SentinelConfig:
+            refresh_ms: int, workers: int = 0) -> SentinelConfig:
     probe: dict[str, Any] = {"transport": {"telemetry_refresh": f"{refresh_ms}ms"}}
     if mode == "dial-in":
         probe["dial_in"] = {"keepalive": f"{keepalive_ms}ms", "ping_timeout": f"{ping_timeout_ms}ms"}
+        if workers:  # the workers accept the agents on a port of their own (SO_REUSEPORT)
+            probe.update(workers=workers)
+            probe["dial_in"]["listen"] = f"127.0.0.1:{port}"
     else:
         probe["liveness"] = mode
         if mode == "transport":
@@ -274,7 +281,7 @@ def _split(xs: list[Any], parts: int) -> list[list[Any]]:
 
 async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, gpus: int, settle_s: float,
                   refresh_ms: int, keepalive_ms: int, ping_timeout_ms: int, cp_cpu: int | None,
-                  fleet_cpu: int | None) -> dict[str, Any]:
+                  fleet_cpu: int | None, workers: int = 0) -> dict[str, Any]:
     from xds_server.probing.session import ProbeSession
     from xds_server.server import ControlPlane
 
@@ -294,7 +301,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
     frozen = set(ids[:freeze])
     ips = [_ip(i) for i in range(n)]
     fleet_port = free_port()
-    cfg = _config(mode, n, ips, fleet_port, keepalive_ms, ping_timeout_ms, refresh_ms)
+    cfg = _config(mode, n, ips, fleet_port, keepalive_ms, ping_timeout_ms, refresh_ms, workers)
     addresses = {nd.id: nd.address for c in cfg.clusters for nd in c.nodes}
     procs: list[Any] = []  # _Agents or _Fleet: .proc, .stop()
     frozen_proc: Any = None  # the process of the nodes to freeze (none when K is 0)
@@ -317,9 +324,10 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         t_start = time.monotonic()
         if mode == "dial-in":
             nodes = [(i, addresses[i]) for i in ids]
-            procs = [_Agents(cp.xds_port, part, gpus, refresh_ms / 1000.0, fleet_cpu).start()
+            port = cp.agents_port or cp.xds_port
+            procs = [_Agents(port, part, gpus, refresh_ms / 1000.0, fleet_cpu).start()
                      for part in _split(nodes[freeze:], clients)]
-            frozen_proc = _Agents(cp.xds_port, nodes[:freeze], gpus, refresh_ms / 1000.0,
+            frozen_proc = _Agents(port, nodes[:freeze], gpus, refresh_ms / 1000.0,
                                   fleet_cpu).start() if freeze else None
         if frozen_proc is not None:
             procs.append(frozen_proc)
@@ -339,6 +347,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             import cProfile
             prof = cProfile.Profile()
             prof.enable()
+        worker_pids = [h.proc.pid for h in cp.probe_pool.handles if h.proc is not None] if cp.probe_pool else []
+        w0 = [_proc_cpu_s(pid) for pid in worker_pids]
         r0, th0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.monotonic()
         await asyncio.sleep(seconds / 2)
         states_at_freeze: dict[str, str] = {}
@@ -348,6 +358,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             os.kill(frozen_proc.proc.pid, signal.SIGSTOP)
         await asyncio.sleep(seconds / 2)
         r1, th1, dt = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.monotonic() - t0
+        w1 = [_proc_cpu_s(pid) for pid in worker_pids]
         if prof is not None:
             import pstats
             prof.disable()
@@ -368,17 +379,20 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         while len(first_detections()) < freeze and time.monotonic() < grace_end:
             await asyncio.sleep(0.1)
         first = first_detections()
-        cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        main_cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        worker_cpu = [b - a for a, b in zip(w0, w1, strict=True)]
+        cpu = main_cpu + sum(worker_cpu)  # the control plane: its main process and its probe workers
         py = th1 - th0
         detect = sorted((at - freeze_at) * 1000.0 for at in first.values())
         false_ej = [(i, r) for _, i, r in window if i not in frozen]
         out: dict[str, Any] = {
-            "mode": mode, "nodes": n, "clients": clients, "connected": connected,
+            "mode": mode, "nodes": n, "clients": clients, "workers": workers, "connected": connected,
+            "main_process_cores": main_cpu / dt, "worker_cores": [c / dt for c in worker_cpu],
             "all_connected_s": all_connected_s, "states": dict(states),
             "cpu_cores": cpu / dt, "py_thread_cores": py / dt, "other_threads_cores": (cpu - py) / dt,
             "cpu_us_per_node_s": cpu / dt / n * 1e6, "nodes_per_core": n / max(cpu / dt, 1e-9),
             "nodes_per_py_core": n / max(py / dt, 1e-9), "agents_cpu_cores": (agents1 - agents0) / dt,
-            "messages_per_s": msgs / dt, "false_ejections": len(false_ej),
+            "messages_per_s": None if workers else msgs / dt, "false_ejections": len(false_ej),
             "false_ejection_reasons": sorted({r[:120] for _, r in false_ej})[:3],
             "ejections_in_settle": e0, "frozen": freeze, "detected": len(detect),
             "window_s": dt, "load_avg": os.getloadavg()[0]}
@@ -456,14 +470,16 @@ def _summary(rows: list[dict[str, Any]]) -> str:
         if "error" in r:
             lines.append(f"{r['mode']:<10} {r['nodes']:>6} error: {r['error']}")
             continue
+        mode = f"{r['mode']}/w{r['workers']}" if r.get("workers") else r["mode"]  # w: probe workers
         lines.append(
-            f"{r['mode']:<10} {r['nodes']:>6} {r['clients']:>3} {r['connected']:>6} {r['cpu_cores']:>8.3f} "
+            f"{mode:<10} {r['nodes']:>6} {r['clients']:>3} {r['connected']:>6} {r['cpu_cores']:>8.3f} "
             f"{r['py_thread_cores']:>8.3f} {r['nodes_per_core']:>10.0f} {r['nodes_per_py_core']:>9.0f} "
             f"{r['agents_cpu_cores']:>6.2f} {r['false_ejections']:>8} {r['detected']:>4}/{r['frozen']:<4} "
             f"{_fmt(r.get('detect_p50_ms')):>7} {_fmt(r.get('detect_p90_ms')):>7} "
             f"{_fmt(r.get('detect_p99_ms')):>7} {_fmt(r.get('detect_max_ms')):>7}")
-    lines.append("cp cores: the control plane's process CPU (user+sys) / wall s; py cores: its event-loop "
-                 "thread's; agents: the fake agents' processes (same machine); detection: SIGSTOP -> UNHEALTHY")
+    lines.append("cp cores: the control plane's process CPU (user+sys) / wall s, its probe workers' included; "
+                 "py cores: its main event-loop thread's;\nagents: the fake agents' processes (same machine); "
+                 "detection: SIGSTOP -> UNHEALTHY")
     return "\n".join(lines)
 
 
@@ -482,6 +498,9 @@ def main() -> None:
     ap.add_argument("--ping-timeout-ms", type=int, default=100, help="PING answer deadline (dial-in, transport)")
     ap.add_argument("--cp-cpu", type=int, default=None, help="pin the control plane to this CPU")
     ap.add_argument("--fleet-cpu", type=int, default=None, help="pin the agent processes to this CPU")
+    ap.add_argument("--workers", type=int, nargs="+", default=[0],
+                    help="dial-in: probe workers that accept the agents (probe.workers, on probe.dial_in.listen; "
+                    "0: the main process does); several values: one dial-in measurement each")
     a = ap.parse_args()
 
     def terminate(signum: int, _frame: Any) -> None:
@@ -492,11 +511,11 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     try:
         for n in a.nodes:
-            for mode in a.modes:
+            for mode, workers in [(m, w) for m in a.modes for w in (a.workers if m == "dial-in" else [0])]:
                 q = ctx.Queue()
                 p = ctx.Process(target=_run_one, args=([mode, n, a.seconds, a.freeze, a.clients, a.gpus, a.settle,
                                                         a.refresh_ms, a.keepalive_ms, a.ping_timeout_ms, a.cp_cpu,
-                                                        a.fleet_cpu, os.getpid()], q))
+                                                        a.fleet_cpu, workers, os.getpid()], q))
                 p.start()  # a fresh process per measurement: no state carried between modes
                 try:
                     deadline = time.monotonic() + a.settle + a.seconds + _DETECT_GRACE_S + 300 + n / 10

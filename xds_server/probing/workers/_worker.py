@@ -141,8 +141,10 @@ class Worker:
         self._links.pop(node_id, None)
 
     def send(self, msg: tuple) -> None:
-        """One message to the main process."""
-        self.writer.write(encode(msg))
+        """One message to the main process; nothing once the channel is closing (the main
+        process is stopping or gone: this worker is about to exit)."""
+        if not self.writer.is_closing():
+            self.writer.write(encode(msg))
 
     async def ask(self, claim: Claim, ident: PeerIdentity, peer: str) -> tuple[grpc.StatusCode, str]:
         """The main process's verdict on an agent's claim (:mod:`._inbound`): (status, why)."""
@@ -189,7 +191,7 @@ class Worker:
                 if session is not None:
                     self._links[r.node_id] = links[r.node_id] = self._link(session)
         if nodes or links or hb or probes or counters:
-            self.writer.write(encode(("report", nodes, hb, probes, counters, links)))
+            self.send(("report", nodes, hb, probes, counters, links))
 
     async def report_loop(self) -> None:
         """A full report every ``probe.worker_report_interval``."""
