@@ -43,7 +43,8 @@ async def test_a_replica_killed_under_traffic_loses_nothing_and_its_agents_come_
     (kill,) = info["kills"]
     # the survivor judged on alone: every node HEALTHY throughout, nothing ejected
     assert all(states == ["HEALTHY"] for states in kill["survivor_states"].values()), kill
-    assert kill["survivor"]["ejections"] == 0 and kill["survivor_transitions"] == [], kill
+    assert kill["survivor"]["ejections"] == 0 and info["survivor_left_healthy"] == [], kill
+    assert kill["survivor"]["fail_static_episodes"] == 0, kill
     # Envoy moved to the survivor and routed every node throughout
     assert kill["envoy_moved_s"] < 5.0, kill
     assert info["unrouted"] == [], info

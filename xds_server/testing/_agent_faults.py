@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import sys
 import time
@@ -23,7 +24,7 @@ from xds_server.config import parse_config
 from xds_server.probing.liveness import silent_after_s
 from xds_server.testing._fault_rig import BLOCKABLE_AGENT, FaultRig, FaultRow, _loads, _paths, _warm
 from xds_server.testing._fleet import Fleet
-from xds_server.testing._fleet_watch import ENVOY, FleetWatch, counters_delta, cp_counters, cp_transitions
+from xds_server.testing._fleet_watch import ENVOY, FleetWatch, counters_delta, cp_counters, cp_events, left_healthy
 from xds_server.testing._process import ManagedProcess
 from xds_server.testing._traffic import TrafficStats
 from xds_server.testing._wait import wait_for
@@ -40,7 +41,8 @@ async def cpu_burners(rig: FaultRig, http: aiohttp.ClientSession, burn_s: float 
     :class:`~xds_server.testing._process.ManagedProcess`, stopped by its PID also on failure) run
     for ``burn_s`` seconds while mixed traffic flows through Envoy; on a 2-core host two of them
     leave the fleet, Envoy and the control plane a share of the cores. Afterwards the rig is healed
-    (every node HEALTHY and routed at full weight; raises AssertionError if not within 30 s).
+    (every node HEALTHY and routed at full weight; raises AssertionError if not within 30 s, or
+    after ``health.outlier.ejection_max`` more when a node was outlier-ejected).
 
     Expected: no node leaves HEALTHY on the control plane, Envoy routes every host throughout, no
     failed request, no fail-static episode. Returns the row and ``{"burn_s", "burners",
@@ -48,7 +50,8 @@ async def cpu_burners(rig: FaultRig, http: aiohttp.ClientSession, burn_s: float 
     order]}, "envoy_states_seen": {node: [statuses]}, "left_healthy": [nodes], "unrouted": [nodes],
     "ejections", "fail_static_episodes", "drops_node", "drops_redialled", "drops_burst"`` (the
     control plane's counters over the fault: dial-in streams ended under it, by verdict), and
-    ``"transitions"``: its state transitions from the first burner on, as :func:`cp_transitions`}``."""
+    ``"events"``: its health events from the first burner on, as :func:`cp_events`}``
+    (``left_healthy``: nodes that left HEALTHY or were ejected by the cluster policy)."""
     fleet = rig.fleet
     assert fleet is not None and fleet.workdir is not None
     port = fleet.admin_port
@@ -69,15 +72,13 @@ async def cpu_burners(rig: FaultRig, http: aiohttp.ClientSession, burn_s: float 
         finally:
             for p in procs:
                 p.stop(timeout_s=1.0)
-        await rig.heal(http)
-    transitions = await cp_transitions(http, port, wall0)
+        await _heal(rig, http, await cp_events(http, port, wall0))
+    events = await cp_events(http, port, wall0)
     info: dict = {"burn_s": burn_s, "burners": burners, "burner_cpu_s": used, "load_avg_1m": round(load_avg, 2),
                   "cp_states_seen": watch.seen(f"cp:{port}"), "envoy_states_seen": watch.seen(ENVOY),
-                  "left_healthy": sorted({e["node"] for e in transitions
-                                          if e["kind"] == "transition" and e["from"] == "HEALTHY"}
-                                         | set(watch.left(f"cp:{port}", "HEALTHY"))),
+                  "left_healthy": sorted(set(left_healthy(events)) | set(watch.left(f"cp:{port}", "HEALTHY"))),
                   "unrouted": watch.left(ENVOY, "HEALTHY"),
-                  **counters_delta(c0, await cp_counters(http, port)), "transitions": transitions}
+                  **counters_delta(c0, await cp_counters(http, port)), "events": events}
     rows = [FaultRow(f"{burners} CPU burners {burn_s:g} s", p, 1, ld.totals(),
                      notes=f"nodes left HEALTHY: {len(info['left_healthy'])}, unrouted by Envoy: "
                            f"{len(info['unrouted'])}; ejections {info['ejections']}, fail-static episodes "
@@ -124,14 +125,23 @@ async def agent_loop_block(rig: FaultRig, http: aiohttp.ClientSession, block_s: 
     silence (heartbeat misses count from then: UNHEALTHY after ``health.heartbeat.consecutive_misses``
     intervals unless the woken agent's new stream is heard first) and routed again after its
     half-open period; a block past the bound + those misses always does. No failed request
-    through Envoy either way.
+    through Envoy either way. Measured: a 0.5 s block keeps the stream, but its late samples change
+    the node in about one block of five (7 of 32): the control plane's RTT ping (every second) is
+    answered by the agent's loop, so one sent during the block measures it (EWMA RTT 60-110 ms
+    against a 2 ms median: ``health.outlier`` ejects the node, 30 s, doubling at each repeat), and
+    a probe in flight measures a TTFT of the block's length (DEGRADED until 3 good probes). The
+    rig is then healed after the ejection (given up to ``outlier.ejection_max`` more).
 
     Returns one row per block (the traffic while it was watched and healed) and ``{"bound_s",
     "blocks": [{"block_s", "left_healthy_s" (from the signal to the control plane's transition away
-    from HEALTHY, by its event time; None when it stayed), "to", "reason", "unrouted_s" (to Envoy
+    from HEALTHY or its outlier ejection, by its event time; None when neither), "to" (the state, or
+    ``outlier_ejected``), "reason", "unrouted_s" (to Envoy
     no longer routing the node, polled every 50 ms), "healthy_again_s", "routed_again_s",
-    "states": [control-plane states in order], "envoy_states", "stream_closed": bool (the control
-    plane showed the node's stream closed), "agent_dials": streams the agent opened meanwhile}]}``.
+    "states": [control-plane states in order], "envoy_states", "events": [the node's health
+    events, "T KIND FROM->TO: REASON"], "heal_s" (from the end of the watch to the rig healed),
+    "stream_ends": [why the control plane ended the node's stream meanwhile, from its log],
+    "stream_closed": bool (it ended one, or its /nodes showed none open), "agent_dials": streams
+    the agent opened meanwhile}]}``.
     Raises ValueError when the first node's agent does not run :data:`BLOCKABLE_AGENT`."""
     fleet = rig.fleet
     assert fleet is not None
@@ -163,19 +173,6 @@ async def agent_loop_block(rig: FaultRig, http: aiohttp.ClientSession, block_s: 
     return rows, {"bound_s": bound, "blocks": blocks}
 
 
-def _block_note(b: dict) -> str:
-    """A row's notes for one block of :func:`agent_loop_block`'s ``blocks``."""
-    if b["left_healthy_s"] is not None:
-        what = (f"{b['to']} after {b['left_healthy_s']} s ({b['reason']}); Envoy stopped routing after "
-                f"{b['unrouted_s']} s, routed again after {b['routed_again_s']} s; HEALTHY again after "
-                f"{b['healthy_again_s']} s")
-    elif b["stream_closed"]:
-        what = "stream ended by the control plane, node stayed HEALTHY and routed"
-    else:
-        what = "no state change, stream kept open"
-    return f"{what}; agent dialled again {b['agent_dials']} times"
-
-
 async def _block_once(rig: FaultRig, http: aiohttp.ClientSession, watch: FleetWatch, block_s: float,
                       bound_s: float) -> dict:
     """One block of ``block_s`` s on the first node's agent, watched by ``watch``; the dict of
@@ -185,25 +182,52 @@ async def _block_once(rig: FaultRig, http: aiohttp.ClientSession, watch: FleetWa
     node = fleet.nodes[0]
     assert node.agent is not None
     nid, port = node.node_id, fleet.admin_port
-    dials0 = _agent_dials(node.agent)
+    dials0, ends0 = _agent_dials(node.agent), len(_stream_ends(fleet, nid))
     rig.block_file.write_text(f"{block_s}")
     wall0, t0 = time.time(), time.monotonic()
     os.kill(node.agent.pid, signal.SIGUSR1)
     await asyncio.sleep(max(block_s, bound_s) + 1.5)
-    await rig.heal(http)
+    t_healed = time.monotonic()
+    await _heal(rig, http, await cp_events(http, port, wall0))
     await wait_for(lambda: _stream_open(fleet, http, nid), timeout_s=10.0, what=f"{nid}'s agent stream open")
     await watch.poll()
-    moves = [e for e in await cp_transitions(http, port, wall0) if e["node"] == nid and e["kind"] == "transition"]
-    left = next((e for e in moves if e["from"] == "HEALTHY"), None)
-    back = next((e for e in moves if left is not None and e["t"] >= left["t"] and e["to"] == "HEALTHY"), None)
+    events = [e for e in await cp_events(http, port, wall0) if e["node"] == nid]
+    left = next((e for e in events if left_healthy([e])), None)
+    back = next((e for e in events if left is not None and e["t"] >= left["t"] and (
+        (e["kind"] == "transition" and e["to"] == "HEALTHY") or e["kind"] == "outlier_returned")), None)
     unrouted = watch.first(ENVOY, nid, lambda s: s != "HEALTHY", t0)
     routed = watch.first(ENVOY, nid, lambda s: s == "HEALTHY", unrouted) if unrouted is not None else None
-    return {"block_s": block_s, "left_healthy_s": left["t"] if left else None, "to": left["to"] if left else None,
+    return {"block_s": block_s, "left_healthy_s": left["t"] if left else None,
+            "to": (left["to"] or left["kind"]) if left else None,
             "reason": left["reason"] if left else None, "unrouted_s": _since(unrouted, t0),
             "healthy_again_s": back["t"] if back else None, "routed_again_s": _since(routed, t0),
             "states": watch.seen(f"cp:{port}").get(nid, []), "envoy_states": watch.seen(ENVOY).get(nid, []),
-            "stream_closed": "closed" in watch.seen(f"stream:{port}").get(nid, []),
-            "agent_dials": _agent_dials(node.agent) - dials0}
+            "stream_ends": (ends := _stream_ends(fleet, nid)[ends0:]),
+            "stream_closed": bool(ends) or "closed" in watch.seen(f"stream:{port}").get(nid, []),
+            "agent_dials": _agent_dials(node.agent) - dials0, "heal_s": round(time.monotonic() - t_healed, 2),
+            "events": [f"{e['t']} {e['kind']} {e['from'] or ''}->{e['to'] or ''}: {e['reason']}" for e in events]}
+
+
+def _block_note(b: dict) -> str:
+    """A row's notes for one block of :func:`agent_loop_block`'s ``blocks``."""
+    parts = []
+    if b["left_healthy_s"] is not None:
+        parts.append(f"{b['to']} after {b['left_healthy_s']} s ({b['reason']}), back after {b['healthy_again_s']} s")
+    if b["unrouted_s"] is not None:
+        parts.append(f"Envoy stopped routing after {b['unrouted_s']} s, routed again after {b['routed_again_s']} s")
+    if b["stream_closed"]:
+        parts.append("stream ended by the control plane" + (f" ({b['stream_ends'][0]})" if b["stream_ends"] else ""))
+    return "; ".join(parts or ["no state change, stream kept open"]) + f"; agent dialled again {b['agent_dials']} times"
+
+
+async def _heal(rig: FaultRig, http: aiohttp.ClientSession, events: list[dict]) -> None:
+    """:meth:`FaultRig.heal`, given 30 s, and ``health.outlier.ejection_max`` more when ``events``
+    (:func:`cp_events`) have an outlier ejection: it holds the node out for
+    ``health.outlier.ejection`` (30 s by default), doubling at each repeat."""
+    assert rig.fleet is not None
+    outlier = any(e["kind"] == "outlier_ejected" for e in events)
+    extra_s = parse_config(rig.fleet.config_dict()).health.outlier.ejection_max.s if outlier else 0.0
+    await rig.heal(http, timeout_s=30.0 + extra_s)
 
 
 def _since(t: float | None, t0: float) -> float | None:
@@ -216,6 +240,20 @@ def _agent_dials(agent: ManagedProcess) -> int:
         return agent.log_path.read_text(errors="replace").count(": stream open")
     except OSError:
         return 0
+
+
+def _stream_ends(fleet: Fleet, node_id: str) -> list[str]:
+    """Why the control plane (replica 0) ended ``node_id``'s probe streams so far, oldest first:
+    its log's INFO lines ``agent stream of NODE closed: WHY`` (dial-in) or ``probe stream to NODE
+    (ADDRESS) closed: WHY`` (dialled)."""
+    assert fleet.control_plane is not None
+    pattern = re.compile(rf"(?:agent stream of|probe stream to) {re.escape(node_id)}\b.*? closed: (.*?)"
+                         r"(?: replica=\S+.*)?$")   # the line's fields follow its message
+    try:
+        text = fleet.control_plane.log_path.read_text(errors="replace")
+    except OSError:
+        return []
+    return [m.group(1)[:120] for line in text.splitlines() if (m := pattern.search(line))]
 
 
 async def _stream_open(fleet: Fleet, http: aiohttp.ClientSession, node_id: str) -> bool:

@@ -85,6 +85,7 @@ class FaultRig:
     config_options: dict[str, Any] = field(default_factory=dict)  # more config sections ({"probe": {...}})
     agents: str = "dial"  # how agents and control plane meet (Fleet.agents: dial, dial-in, register)
     replicas: int = 1  # control-plane replicas (Fleet.replicas); the relay's routing feed lists each
+    health: dict[str, Any] = field(default_factory=dict)  # health settings over FAST_HEALTH ({"outlier": {...}})
     fleet: Fleet | None = None
     relay: ManagedProcess | None = None
     relay_port: int = 0
@@ -99,7 +100,7 @@ class FaultRig:
             n_nodes=self.n_nodes, workdir=wd, probe_interval_s=0.3, token_interval_ms=self.token_interval_ms,
             api_type=self.api_type, agents=self.agents, replicas=self.replicas,
             agent_modules=[BLOCKABLE_AGENT], agent_args=[["--block-file", str(wd / "agent-block-s")]],
-            health=FAST_HEALTH, per_try_timeout_s=None, per_try_idle_timeout_s=2.0,
+            health={**FAST_HEALTH, **self.health}, per_try_timeout_s=None, per_try_idle_timeout_s=2.0,
             admin_options={"token": TOKEN}, cluster_options=OUTLIER,
             config_options={"state": {"path": str(wd / "state.json"), "write_interval_s": 0.2},
                             **self.config_options})

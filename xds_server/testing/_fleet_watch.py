@@ -1,6 +1,6 @@
 """What a fault did to the fleet, as the fault matrix's dial-in rows count it: :class:`FleetWatch`
 polls Envoy's host states and each control-plane replica's ``/nodes`` while a fault runs;
-:func:`cp_counters` and :func:`cp_transitions` read a replica's ``/metrics`` and ``/events``.
+:func:`cp_counters` and :func:`cp_events` read a replica's ``/metrics`` and ``/events``.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import aiohttp
 from xds_server.testing._fault_rig import prometheus_value
 from xds_server.testing._fleet import Fleet
 
-__all__ = ["FleetWatch", "counters_delta", "cp_counters", "cp_transitions"]
+__all__ = ["FleetWatch", "counters_delta", "cp_counters", "cp_events", "left_healthy"]
 
 ENVOY = "envoy"
 
@@ -117,13 +117,20 @@ def counters_delta(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {k: int(after[k] - before[k]) for k in before}
 
 
-async def cp_transitions(http: aiohttp.ClientSession, admin_port: int, since_wall_s: float) -> list[dict]:
-    """A replica's events since ``since_wall_s`` (unix s) that are state transitions or fail-static
-    episodes, oldest first, each ``{"t": seconds after since_wall_s, "node", "kind", "from", "to",
-    "reason"}`` (reason clipped to 120 characters)."""
+async def cp_events(http: aiohttp.ClientSession, admin_port: int, since_wall_s: float) -> list[dict]:
+    """A replica's health events since ``since_wall_s`` (unix s), oldest first: state transitions
+    (kind ``transition``) and the cluster policy's (``outlier_ejected``, ``outlier_returned``,
+    ``held_back``, ``fail_static_on``, ``fail_static_off``: a node ejected by policy keeps its
+    state), each ``{"t": seconds after since_wall_s, "node", "kind", "from", "to", "reason"}``
+    (reason clipped to 120 characters)."""
     async with http.get(f"http://127.0.0.1:{admin_port}/events", params={"limit": "500"}) as r:
         events = (await r.json())["events"]
     return [{"t": round(e["time"] - since_wall_s, 3), "node": e["node"], "kind": e["kind"],
              "from": e.get("from"), "to": e.get("to"), "reason": e["reason"][:120]}
-            for e in events
-            if e["time"] >= since_wall_s and e["kind"] in ("transition", "fail_static_on", "fail_static_off")]
+            for e in events if e["time"] >= since_wall_s]
+
+
+def left_healthy(events: list[dict]) -> list[str]:
+    """The nodes that ``events`` (:func:`cp_events`) show leaving HEALTHY or ejected by policy."""
+    return sorted({e["node"] for e in events
+                   if (e["kind"] == "transition" and e["from"] == "HEALTHY") or e["kind"] == "outlier_ejected"})

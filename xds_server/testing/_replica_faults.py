@@ -14,7 +14,7 @@ import aiohttp
 
 from xds_server.testing._fault_rig import FaultRig, FaultRow, _loads, _paths, _warm
 from xds_server.testing._fleet import Fleet, restart_control_plane
-from xds_server.testing._fleet_watch import ENVOY, FleetWatch, counters_delta, cp_counters, cp_transitions
+from xds_server.testing._fleet_watch import ENVOY, FleetWatch, counters_delta, cp_counters, cp_events, left_healthy
 from xds_server.testing._wait import wait_for
 
 __all__ = ["replica_kill"]
@@ -35,8 +35,8 @@ async def replica_kill(rig: FaultRig, http: aiohttp.ClientSession, times: int = 
     "envoy_moved_s" (from the kill to Envoy's stream ACKed on the survivor), "restarted_s" (from
     the kill to the restarted replica's admin up), "agents_back_s" (from then to every agent's stream open
     on it), "healthy_s" (to every node HEALTHY on it), "survivor_states": {node: [states]},
-    "survivor": {its counters over the kill, :func:`cp_counters`}, "survivor_transitions",
-    "restarted_transitions": [its transitions from its start, :func:`cp_transitions`]}],
+    "survivor": {its counters over the kill, :func:`cp_counters`}, "survivor_events",
+    "restarted_events": [its health events from its start, :func:`cp_events`]}],
     "envoy_states_seen": {node: [statuses]}, "unrouted": [nodes Envoy stopped routing],
     "survivor_left_healthy": [nodes]}``. Raises ValueError on a rig with fewer than 2 replicas."""
     fleet = rig.fleet
@@ -56,7 +56,8 @@ async def replica_kill(rig: FaultRig, http: aiohttp.ClientSession, times: int = 
         await rig.heal(http)
     info: dict = {"kills": kills, "envoy_states_seen": watch.seen(ENVOY), "unrouted": watch.left(ENVOY, "HEALTHY"),
                   "survivor_left_healthy": sorted({n for k in kills for n, states in k["survivor_states"].items()
-                                                   if states != ["HEALTHY"]})}
+                                                   if states != ["HEALTHY"]}
+                                                  | {n for k in kills for n in left_healthy(k["survivor_events"])})}
     moved = [k["envoy_moved_s"] for k in kills]
     back = [k["agents_back_s"] for k in kills]
     rows = [FaultRow("control-plane replica kill -9 + restart", p, times, ld.totals(),
@@ -97,8 +98,8 @@ async def _kill_once(rig: FaultRig, http: aiohttp.ClientSession, watch: FleetWat
             "agents_back_s": round(back, 3), "healthy_s": round(healthy, 3),
             "survivor_states": watch.during(f"cp:{sport}", t0, time.monotonic()),
             "survivor": counters_delta(c0, await cp_counters(http, sport)),
-            "survivor_transitions": await cp_transitions(http, sport, wall0),
-            "restarted_transitions": await cp_transitions(http, vport, wall0)}
+            "survivor_events": await cp_events(http, sport, wall0),
+            "restarted_events": await cp_events(http, vport, wall0)}
 
 
 async def _envoy_replica(rig: FaultRig, http: aiohttp.ClientSession) -> int | None:
