@@ -49,7 +49,8 @@ def _fleet(a: argparse.Namespace, shed: bool) -> Fleet:
                  per_try_idle_timeout_s=a.idle_timeout,
                  engine_args=["--max-num-seqs", str(a.max_num_seqs)],
                  health={**FAST, "load": {"queue_warning": a.queue_warning, "queue_critical": a.queue_critical}},
-                 config_options={"lrs": {"shed": {"enabled": shed, **json.loads(a.shed)}}})
+                 config_options={"lrs": {"shed": {"enabled": shed, **json.loads(a.shed)}}},
+                 cluster_options=json.loads(a.cluster))
 
 
 async def _phase(fleet: Fleet, http: aiohttp.ClientSession, rate: float, seconds: float, a: argparse.Namespace,
@@ -137,6 +138,7 @@ async def one(a: argparse.Namespace, shed: bool) -> dict:
                 "offered_rps": len(over) / max(1e-9, t_end - t_freeze - a.settle),
                 "completed_rps": done / max(1e-9, t_end - t_freeze - a.settle),
                 "shed_after_10s": summary(late)["shed_share"],
+                "ttft_after_10s_p50_p99_ms": (summary(late)["ttft_p50_ms"], summary(late)["ttft_p99_ms"]),
                 "survivors_waiting_max": max(waits, default=float("nan")),
                 "survivors_waiting_p95": pct(waits, 95),
                 "drop_max": max(drops, default=0.0), "survivor_states": {k: sorted(v) for k, v in states.items()},
@@ -182,6 +184,7 @@ async def main() -> None:
     p.add_argument("--queue-warning", type=float, default=50.0)
     p.add_argument("--queue-critical", type=float, default=100.0)
     p.add_argument("--shed", default="{}", help="more lrs.shed keys, JSON ('{\"step_percent\": 10}')")
+    p.add_argument("--cluster", default="{}", help="more clusters[0] keys, JSON ('{\"max_requests\": 32}')")
     p.add_argument("--modes", default="shed,no shed")
     p.add_argument("--sweep", default="", help="rates (rps, comma-separated) to measure TTFT at first")
     p.add_argument("--sweep-s", type=float, default=6.0)

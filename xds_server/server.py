@@ -103,7 +103,8 @@ class ControlPlane:
         self.load.shedder.read_sessions(self.sessions)  # KV usage and the engines' finished counts
         self.shifts = ShiftService(lambda: self._config, self.core, self.load)
         self.publisher = EnvoyPublisher(self.cache, lambda: self._config, layout=self.shifts.layout,  # CDS + EDS
-                                        closing=self.shifts.closing, drop=self.load.cla_args)
+                                        closing=self.shifts.closing, drop=self.load.cla_args,
+                                        admission=lambda n: self.load.shedder.admission_args(self._config, n))
         self.switchback = SwitchbackValidator(lambda: self._config, self.core, self.observe,  # replay before routing
                                               lambda n: self._config.tls.agents.client(n), config.xds.replica_id,
                                               sessions=self.sessions)
@@ -347,11 +348,8 @@ class ControlPlane:
     # -- observations -> core; core -> cache ---------------------------------------------------
 
     def observe(self, node_id: str, obs: hm.Observation, now_s: float) -> float | None:
-        """Feed one observation for a node (the probe sources' sink).
-
-        Returns when the node's next :class:`~xds_server.health.model.Tick` is due (the clock's
-        monotonic time, s), or None.
-        """
+        """Feed one observation for a node (the probe sources' sink); returns when its next
+        :class:`~xds_server.health.model.Tick` is due (the clock's monotonic time, s), or None."""
         return self.core.observe(node_id, obs, now_s)
 
     def drain(self, node_id: str, drain: bool, reason: str) -> dict:

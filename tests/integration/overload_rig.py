@@ -61,8 +61,8 @@ def waiting_of(text: str) -> float | None:
 
 @dataclass
 class Watch:
-    """Samples ``(t, {node id: waiting})`` and ``(t, commanded drop %)`` every ``period_s``, and
-    each new ``shed_reason``."""
+    """Samples ``(t, {node id: waiting})``, ``(t, commanded drop %)`` and ``(t, admission limit
+    per Envoy or None)`` every ``period_s``, and each new ``shed_reason``."""
 
     engines: dict[str, str]  # node id -> engine base URL
     admin_url: str
@@ -70,6 +70,8 @@ class Watch:
     waiting: list[tuple[float, dict[str, float]]] = field(default_factory=list)
     drops: list[tuple[float, float]] = field(default_factory=list)
     commanded: float = 0.0
+    limits: list[tuple[float, int | None]] = field(default_factory=list)
+    limit: int | None = None  # the admission cap now (admitting by slots), per Envoy
     reasons: list[tuple[float, str]] = field(default_factory=list)  # (t, shed_reason) at each change
 
     async def run(self, http: aiohttp.ClientSession, stop: asyncio.Event) -> None:
@@ -87,6 +89,8 @@ class Watch:
                 async with http.get(f"{self.admin_url}/clusters", timeout=aiohttp.ClientTimeout(total=0.5)) as r:
                     traffic = (await r.json())["clusters"][0]["traffic"]
                 self.commanded = float(traffic["shed_percent"] or 0.0)
+                self.limit = (traffic.get("admission") or {}).get("max_requests_per_envoy")
+                self.limits.append((t, self.limit))
                 why = traffic.get("shed_reason")
                 if why and (not self.reasons or self.reasons[-1][1] != why):
                     self.reasons.append((t, why))

@@ -4,11 +4,15 @@ protection on, on the real Envoy.
 Four simulated engines, each decoding at most 2 requests at once (``--max-num-seqs 2``; the rest
 wait FIFO and count in ``vllm:num_requests_waiting``, probes too), Poisson arrivals of streamed
 completions at about 1.5x what two engines complete. Two engines freeze (sim ``hang``): they are
-ejected, the survivors' queues grow, the control plane sheds. Asserted while it sheds: the
-survivors' waiting stays below ``health.load.queue_critical``, the shed share is within 5 points of
-the commanded drop, every shed client got 429 with Retry-After, and the survivors, whose probes
-now wait in their queues, are busy, never ejected. TTFT is the benchmark's
-(benchmarks/overload_shed.py, benchmarks/RESULTS.md), not asserted here.
+ejected, the survivors' queues grow, the control plane sheds: by default it admits by free slots
+(``lrs.shed.admission``: the Cluster's circuit breaker at the survivors' slots). Asserted while it
+sheds: the survivors' waiting stays below ``health.load.queue_critical``; the cap is the
+survivors' 4 slots; the shed share is what a loss system with 4 servers sheds at this load
+(Erlang B, within 12 points), not the random drop's overshoot; every shed client got 429 with
+Retry-After; and the survivors, whose probes now wait in their queues, are busy, never
+ejected. The random drop keeps its own test below (``admission.slots`` off): the share within 5
+points of the commanded drop. TTFT is the benchmark's (benchmarks/overload_shed.py,
+benchmarks/RESULTS.md), not asserted here.
 
 The queue thresholds are scaled to these small engines (2 decoding: 10 waiting is about a second
 of wait) and ``lrs.shed`` moves in 10 % steps; the relative trigger (``queue_wait_budget_s``,
@@ -37,9 +41,38 @@ SHED = {"enabled": True, "step_percent": 10, "window_s": 2.0, "lift_after_s": 10
 RATE_RPS = 27.0  # two engines complete ~18 rps (2 x 2 slots / ~0.22 s); four ~36
 
 
-async def test_half_frozen_under_open_loop_load_survivors_stay_under_critical_and_shed_get_429(make_fleet, http):
+def erlang_b(servers: int, erlangs: float) -> float:
+    """The share of arrivals a loss system with ``servers`` turns away at ``erlangs`` offered."""
+    b = 1.0
+    for k in range(1, servers + 1):
+        b = erlangs * b / (k + erlangs * b)
+    return b
+
+
+async def test_admitting_by_slots_caps_at_the_survivors_slots_and_sheds_what_a_loss_system_would(make_fleet, http):
+    s, watch, t0, t1 = await _half_frozen(make_fleet, http, SHED)
+    assert {lim for t, lim in watch.limits if t0 <= t < t1} == {4}  # 2 survivors x 2 slots, one Envoy
+    assert s["commanded"] == 0.0  # no random drop on top of the cap
+    # 27 rps of ~0.22 s requests on 4 slots: ~5.9 erlangs
+    expected = 100.0 * erlang_b(4, RATE_RPS * 0.22)
+    assert abs(s["shed_share"] - expected) <= 12.0, (s["shed_share"], expected)
+
+
+async def test_the_random_drop_sheds_its_commanded_share(make_fleet, http):
+    s, _, _, _ = await _half_frozen(make_fleet, http, {**SHED, "admission": {"slots": False}})
+    # Envoy drops each request at random: over these ~150 requests the share itself scatters
+    # by sqrt(p (1 - p) / n) (~4 points at 40 %), so the 5 points hold up to 3 of those here (the
+    # benchmark's 30 s phase has the sample for the 5 points themselves)
+    p = s["commanded"] / 100.0
+    assert abs(s["shed_share"] - s["commanded"]) <= max(5.0, 300.0 * math.sqrt(p * (1 - p) / s["n"]))
+
+
+async def _half_frozen(make_fleet, http, shed: dict):
+    """Two of four engines frozen under the open-loop load, ``lrs.shed`` = ``shed``; asserts what
+    both ways of shedding share and returns (the summary of the 5 s measured, the watch, its start
+    and end)."""
     fleet = make_fleet(n_nodes=4, token_interval_ms=25.0, per_try_timeout_s=None, health=HEALTH,
-                       engine_args=["--max-num-seqs", "2"], config_options={"lrs": {"shed": SHED}})
+                       engine_args=["--max-num-seqs", "2"], config_options={"lrs": {"shed": shed}})
     await fleet.wait_all_routed(http)
     frozen, survivors = ["gpu-a", "gpu-b"], ["gpu-c", "gpu-d"]
     watch = Watch({n.node_id: n.engine_url for n in fleet.nodes}, f"http://127.0.0.1:{fleet.admin_port}")
@@ -53,7 +86,7 @@ async def test_half_frozen_under_open_loop_load_survivors_stay_under_critical_an
             await fleet.set_fault(http, nid, "hang")
 
         async def shedding() -> bool:
-            return watch.commanded > 0
+            return watch.commanded > 0 or watch.limit is not None
 
         await wait_for(shedding, 12, what="shedding started after half the cluster froze")
         # The queues built before the first drop take a moment to drain (the drop starts on the
@@ -79,11 +112,6 @@ async def test_half_frozen_under_open_loop_load_survivors_stay_under_critical_an
           f"states {sorted(states)}; reasons {[w for _, w in watch.reasons][-3:]}")
     assert waits and max(waits) < HEALTH["load"]["queue_critical"]
     assert s["status"]["429+RA"] >= 10 and s["status"]["429"] == 0  # every shed client told when to come back
-    # Envoy drops each request at random: over these ~150 requests the share itself scatters
-    # by sqrt(p (1 - p) / n) (~4 points at 40 %), so the 5 points hold up to 3 of those here (the
-    # benchmark's 30 s phase has the sample for the 5 points themselves)
-    p = s["commanded"] / 100.0
-    assert abs(s["shed_share"] - s["commanded"]) <= max(5.0, 300.0 * math.sqrt(p * (1 - p) / s["n"]))
     # admitted while shedding: the drop stayed under its 90 % maximum (in this 5 s window it is 40-75 %:
     # the queues built before the first drop are drained first; the benchmark's 40 s show the level)
     assert s["status"]["200"] >= 20
@@ -93,5 +121,6 @@ async def test_half_frozen_under_open_loop_load_survivors_stay_under_critical_an
     assert not any(state == "UNHEALTHY" for _, state in states), states
     # the engines' counters reached the controller (the default capacity_source; the agents send
     # vllm:request_success_total): its reasons say so, and only it follows the offered load
-    assert any("(engines' counters)" in why or why.startswith("tracking") for _, why in watch.reasons), \
-        watch.reasons
+    assert any("(engines' counters)" in why or why.startswith(("tracking", "admitting by slots"))
+               for _, why in watch.reasons), watch.reasons
+    return s, watch, t0, t1

@@ -26,7 +26,7 @@ def test_lrs_on_by_default_to_the_control_plane_and_off_on_request(tmp_path):
     lsc = doc["cluster_manager"]["load_stats_config"]
     assert lsc["api_type"] == "GRPC" and lsc["grpc_services"][0]["envoy_grpc"]["cluster_name"] == "xds_cluster"
     mapper = _hcm(doc)["local_reply_config"]["mappers"][0]
-    assert mapper["filter"]["response_flag_filter"]["flags"] == ["DO", "UDO"] and mapper["status_code"] == 429
+    assert mapper["filter"]["response_flag_filter"]["flags"] == ["DO", "UDO", "UO"] and mapper["status_code"] == 429
     assert mapper["headers_to_add"][0]["header"] == {"key": "retry-after", "value": "5"}
     _validate(write_bootstrap(tmp_path / "on.yaml", doc))
     off = render_bootstrap(xds_port=18001, listener_port=10001, admin_port=9902, lrs=False)

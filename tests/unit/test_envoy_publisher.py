@@ -32,6 +32,7 @@ class _Decisions:
         self.lay: dict[str, Layout] = {}
         self.close: set[str] = set()
         self.drops: dict[str, DropArgs] = {}
+        self.limits: dict[str, tuple[int, int]] = {}
 
     def layout(self, c: ClusterConfig) -> Layout | None:
         return self.lay.get(c.name)
@@ -42,12 +43,16 @@ class _Decisions:
     def drop(self, name: str) -> DropArgs:
         return self.drops.get(name, {})
 
+    def admission(self, name: str) -> tuple[int, int] | None:
+        return self.limits.get(name)
+
 
 def _rig(cfg: SentinelConfig) -> tuple[EnvoyPublisher, SnapshotCache, _Decisions]:
     cache = SnapshotCache(validators={tu: t.validate for tu, t in RESOURCE_TYPES.items()})
     d = _Decisions()
     holder = {"cfg": cfg}
-    return EnvoyPublisher(cache, lambda: holder["cfg"], layout=d.layout, closing=d.closing, drop=d.drop), cache, d
+    return EnvoyPublisher(cache, lambda: holder["cfg"], layout=d.layout, closing=d.closing, drop=d.drop,
+                          admission=d.admission), cache, d
 
 
 def _get(cache: SnapshotCache, type_url: str, name: str, cls: type) -> object:
@@ -153,3 +158,33 @@ def test_an_assignment_envoy_would_nack_is_held_back_and_the_last_good_one_kept(
                           None)  # a priority Envoy refuses (over MAX_PRIORITY)
     assert pub.assignment(c, _routing(c)) is False
     assert cache.resources(CLA_TYPE_URL)["llm"].version == before
+
+
+def test_admission_by_slots_caps_only_requests_in_flight_and_republishes_the_cluster_when_it_changes() -> None:
+    cfg = _config()
+    pub, cache, d = _rig(cfg)
+    c = cfg.clusters[0]
+    pub.clusters(cfg)
+
+    def breaker() -> cluster_pb2.CircuitBreakers.Thresholds:
+        m = _get(cache, CLUSTER_TYPE_URL, "llm", cluster_pb2.Cluster)
+        assert isinstance(m, cluster_pb2.Cluster)
+        return m.circuit_breakers.thresholds[0]
+
+    configured = breaker().max_requests.value
+    assert configured == c.max_requests
+    d.limits["llm"] = (32, 10)
+    version = cache.type_generation(CLUSTER_TYPE_URL)
+    assert pub.assignment(c, _routing(c))
+    t = breaker()
+    assert t.max_requests.value == 32 and t.max_pending_requests.value == c.max_requests
+    lb = _get(cache, CLUSTER_TYPE_URL, "llm", cluster_pb2.Cluster)
+    assert isinstance(lb, cluster_pb2.Cluster) and lb.least_request_lb_config.choice_count.value == 10
+    assert t.max_connections.value == c.max_requests and cache.type_generation(CLUSTER_TYPE_URL) != version
+    version = cache.type_generation(CLUSTER_TYPE_URL)
+    assert pub.assignment(c, _routing(c))
+    assert cache.type_generation(CLUSTER_TYPE_URL) == version  # unchanged: not sent again
+    del d.limits["llm"]
+    assert pub.assignment(c, _routing(c)) and breaker().max_requests.value == configured
+    lb = _get(cache, CLUSTER_TYPE_URL, "llm", cluster_pb2.Cluster)
+    assert isinstance(lb, cluster_pb2.Cluster) and not lb.HasField("least_request_lb_config")

@@ -15,6 +15,7 @@ from xds_server.config import ShedConfig
 from xds_server.load.shedder import Shedder
 from xds_server.policy.overload_drop import ShedInputs, ShedState, shed_step
 from xds_server.policy.queueing import max_rate
+from xds_server.policy.slot_admission import Admission
 
 CFG = ShedConfig(enabled=True, lift_after_s=3.0, capacity_source="engines")
 
@@ -159,6 +160,9 @@ def test_the_budget_is_learned_from_unloaded_probes_only():
     sh.shed["llm"] = ShedState(20.0)
     assert probe(23, 5000.0) == 0.3                             # shedding: not unloaded
     del sh.shed["llm"]
+    sh.admission["llm"] = Admission(limit=32)
+    assert probe(24, 5000.0) == 0.3                             # admitting by slots: not unloaded
+    del sh.admission["llm"]
     sh2 = Shedder()
     for k in range(1, 31):
         node.probe = Probes(seen=k, last_ttft_ms=1.0, last_kind=ProbeResultKind.OK)

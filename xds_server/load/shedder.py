@@ -24,6 +24,7 @@ from xds_server.health.records import ProbeResultKind
 from xds_server.load.aggregate import LoadAggregator
 from xds_server.policy.overload_drop import ShedInputs, ShedState, shed_step
 from xds_server.policy.request_classes import class_percents
+from xds_server.policy.slot_admission import Admission, admission_step
 from xds_server.xds.resources import DropArgs
 
 __all__ = ["Shedder", "class_aliases", "finished_from_sessions", "kv_from_sessions"]
@@ -59,6 +60,7 @@ class Shedder:
     def __init__(self) -> None:
         self.shed: dict[str, ShedState] = {}
         self.classes: dict[str, ShedState] = {}
+        self.admission: dict[str, Admission] = {}  # cluster -> its admission by slots (limit None: off)
         self.kv_usage: Callable[[str], float | None] = lambda _node_id: None
         self.finished: Callable[[str], tuple[float, float] | None] = lambda _node_id: None
         self._inflight: dict[str, deque[tuple[float, float]]] = {}  # node -> (s, waiting + running) samples
@@ -132,14 +134,15 @@ class Shedder:
     def _learn_ttft(self, cluster: str, routable: list[str], core: ControlCore, cfg: SentinelConfig,
                     now: float) -> float | None:
         """Record the TTFT of each routable node's newest successful probe while the cluster is
-        unloaded (not shedding, no node with ``min_waiting`` waiting) and give the budget that
+        unloaded (not shedding nor admitting by slots, no node with ``min_waiting`` waiting) and give the budget that
         ``lrs.shed.ttft_budget_ratio`` sets from their p99 (s; None: off, or under
         :data:`_MIN_TTFT_SAMPLES` in the last :data:`_TTFT_KEEP_S`)."""
         sc = cfg.lrs.shed
         if sc.capacity_source != "engines" or sc.ttft_budget_ratio is None:
             return None
         q = self._ttft.setdefault(cluster, deque(maxlen=_TTFT_SAMPLES))
-        quiet = self.shed.get(cluster, ShedState()).percent <= 0 and all(
+        admitting = self.admission.get(cluster, Admission()).limit is not None
+        quiet = self.shed.get(cluster, ShedState()).percent <= 0 and not admitting and all(
             (core.health[i].engine.requests_waiting or 0.0) < max(sc.min_waiting, 1.0) for i in routable)
         for i in routable:
             p = core.health[i].probe
@@ -193,14 +196,23 @@ class Shedder:
             self._slots.pop(i, None)
             self._probes_seen.pop(i, None)
         growth = None if any(g is None for g in grown) else sum(g for g in grown if g is not None)
+        learned = self._learn_ttft(cluster, routable, core, cfg, now)
         inp = ShedInputs([health[i].engine.requests_waiting for i in routable], ages,
                          (t.issued + t.dropped) / sc.window.s, t.completed / sc.window.s, t.reporters,
                          [self.kv_usage(i) for i in routable], admitted / sc.window.s, growth, routable,
-                         finished, slots, service, self._learn_ttft(cluster, routable, core, cfg, now))
+                         finished, slots, service, learned)
         before = self.shed.get(cluster, ShedState())
         after = shed_step(before, inp, sc, hc.load.queue_warning, hc.load.queue_critical, now)
+        admitted_was = self.admission.get(cluster, Admission())
+        adm = self._admit(cfg, admitted_was, after.percent > 0, slots,
+                          [health[i].engine.requests_running for i in routable], service, learned, t.reporters, now)
+        self.admission[cluster] = adm
+        if adm.limit is not None:  # the slots shed the excess: no random drop on top
+            after = ShedState(0.0, before.flip if before.percent == 0 else not before.flip, None, adm.reason)
         self.shed[cluster] = after
-        changed = after.percent != before.percent
+        changed = after.percent != before.percent or adm.limit != admitted_was.limit
+        if adm.reason != admitted_was.reason and (adm.limit is not None or admitted_was.limit is not None):
+            log.warning("cluster %s: %s", cluster, adm.reason or "not admitting by slots")
         if changed:
             log.warning("cluster %s: %s", cluster, after.reason or "not shedding")
         order = sc.classes.lower_first(cluster)
@@ -220,6 +232,33 @@ class Shedder:
         if changed:
             core.mark_dirty(cluster)
 
+    @staticmethod
+    def _admit(cfg: SentinelConfig, was: Admission, overloaded: bool, slots: list[float | None],
+               running: list[float | None], service: list[float | None], learned: float | None, envoys: int,
+               now: float) -> Admission:
+        """The cluster's admission by slots (:func:`~xds_server.policy.slot_admission.admission_step`)
+        with this config: off when ``lrs.shed.admission.slots`` is, and with request classes (each
+        class has a drop of its own); the queue allowed is the one drained within
+        ``admission.queue_budget_ratio`` of the queue-wait budget (``queue_wait_budget``, or the
+        smaller learned one)."""
+        sc = cfg.lrs.shed
+        if not sc.admission.slots or sc.classes.enabled:
+            return Admission()
+        budget = None if sc.queue_wait_budget is None else sc.queue_wait_budget.s
+        if budget is not None and learned is not None:
+            budget = min(budget, learned)
+        budget = None if budget is None else budget * sc.admission.queue_budget_ratio
+        return admission_step(was, overloaded=overloaded, slots=slots, running=running, service_s=service,
+                              budget_s=budget, envoys=envoys, release_below=sc.admission.release_below,
+                              release_after_s=sc.admission.release_after.s, now_s=now)
+
+    def admission_args(self, cfg: SentinelConfig, name: str) -> tuple[int, int] | None:
+        """``(max_requests, choice_count)`` for each Envoy of the cluster ``name`` while it admits
+        by slots: the circuit breaker's limit and ``lrs.shed.admission.choice_count`` (None: not
+        admitting by slots; the Cluster keeps its configured ones)."""
+        adm = self.admission.get(name)
+        return None if adm is None or adm.limit is None else (adm.limit, cfg.lrs.shed.admission.choice_count)
+
     def cla_args(self, name: str) -> DropArgs:
         """``build_cla`` keyword arguments (``shed_percent``, ``shed_flip``) of the Envoy cluster
         ``name`` (a configured cluster or a class cluster)."""
@@ -232,7 +271,12 @@ class Shedder:
         classes each class's drop (%)."""
         st = self.shed.get(cluster, ShedState())
         cap = st.capacity_rps
+        adm = self.admission.get(cluster, Admission())
         out: dict[str, object] = {"shed_percent": st.percent, "shed_reason": st.reason or None,
+                                  "admission": None if adm.limit is None else {
+                                      "max_requests_per_envoy": adm.limit, "total": adm.total, "slots": adm.slots,
+                                      "queue": adm.queue, "envoys": adm.envoys,
+                                      "source": "engines' slots (the most running while a request waited)"},
                                   "shed_capacity": None if cap is None else {
                                       "rps_per_routable_node": round(cap, 3), "headroom": st.headroom,
                                       "source": "engines' counters (queueing model)" if st.capacity_exact

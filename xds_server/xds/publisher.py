@@ -9,16 +9,20 @@ sources of decisions made elsewhere:
   None: the config's own), from :class:`~xds_server.load.gated_shifts.ShiftService`;
 - ``closing(c)``: node ids whose responses close the client's connection (a finished hard switch);
 - ``drop(name)``: the overload drop of an Envoy cluster (:class:`~xds_server.xds.resources.DropArgs`),
-  from :class:`~xds_server.load.shedder.Shedder`.
+  from :class:`~xds_server.load.shedder.Shedder`;
+- ``admission(name)``: ``(max_requests, choice_count)`` of a cluster that admits by free slots:
+  its circuit breaker's limit and how many hosts least-request compares (None: its configured
+  ones), from the same shedder.
 
 Shape::
 
-    pub = EnvoyPublisher(cache, config_getter, layout=..., closing=..., drop=...)
+    pub = EnvoyPublisher(cache, config_getter, layout=..., closing=..., drop=..., admission=...)
     pub.clusters(config)          # CDS: every Cluster; assignments of clusters gone are removed
     pub.assignment(c, routing)    # EDS: the cluster's and its class copies'; False when held back
 
-A change of locality weighting (a shift between 0 and 100 %) republishes the Cluster before its
-assignment, in the same turn: Envoy warms the updated Cluster on that assignment.
+A change of locality weighting (a shift between 0 and 100 %) or of the admission limit
+republishes the Cluster before its assignment, in the same turn: Envoy warms the updated Cluster
+on that assignment.
 """
 from __future__ import annotations
 
@@ -46,15 +50,23 @@ class EnvoyPublisher:
     def __init__(self, cache: SnapshotCache, config: Callable[[], SentinelConfig], *,
                  layout: Callable[[ClusterConfig], Layout | None],
                  closing: Callable[[ClusterConfig], set[str]],
-                 drop: Callable[[str], DropArgs]) -> None:
+                 drop: Callable[[str], DropArgs],
+                 admission: Callable[[str], tuple[int, int] | None] = lambda _name: None) -> None:
         self._cache, self._config = cache, config
-        self._layout, self._closing, self._drop = layout, closing, drop
+        self._layout, self._closing, self._drop, self._admission = layout, closing, drop, admission
         self._weighted: dict[str, bool] = {}  # cluster -> locality weighting published in its Cluster
+        self._limits: dict[str, tuple[int, int] | None] = {}  # cluster -> admission published in its Cluster
 
     def _cluster(self, c: ClusterConfig, lay: Layout | None) -> cluster_pb2.Cluster:
         on = lay is not None and lay.locality_weights is not None
         self._weighted[c.name] = on
-        return shift_cluster(build_cluster(c), on)
+        adm = self._limits[c.name] = self._admission(c.name)
+        msg = build_cluster(c)
+        if adm is not None:  # admission by slots: only the requests in flight are capped
+            msg.circuit_breakers.thresholds[0].max_requests.value = adm[0]
+            if msg.lb_policy == cluster_pb2.Cluster.LEAST_REQUEST:
+                msg.least_request_lb_config.choice_count.value = adm[1]
+        return shift_cluster(msg, on)
 
     def _copies(self, c: ClusterConfig, msg: cluster_pb2.Cluster) -> dict[str, cluster_pb2.Cluster]:
         """Envoy cluster name -> Cluster: ``msg`` and, per request class of ``c``, a renamed copy."""
@@ -82,7 +94,8 @@ class EnvoyPublisher:
         -> Routing), placed by the shift layout, each with its own drop. False when one was held
         back because Envoy would NACK it (:class:`~xds_server.xds.cache.InvalidResource`, logged)."""
         lay = self._layout(c)
-        if self._weighted.get(c.name, False) != (lay is not None and lay.locality_weights is not None):
+        if self._weighted.get(c.name, False) != (lay is not None and lay.locality_weights is not None) or \
+                self._limits.get(c.name) != self._admission(c.name):
             for name, msg in self._copies(c, self._cluster(c, lay)).items():
                 self._cache.set_resource(CLUSTER_TYPE_URL, name, msg)
         close = self._closing(c) if lay is not None else set()
