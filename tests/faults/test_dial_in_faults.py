@@ -44,10 +44,10 @@ def no_loss(rows) -> None:
 
 
 async def test_two_cpu_burners_eject_and_unroute_no_node(rig, http):
-    rows, info = await cpu_burners(rig, http, burn_s=5.0)
+    rows, info = await cpu_burners(rig, http, burn_s=3.0)
     no_loss(rows)
     print(info)
-    assert sum(info["burner_cpu_s"]) > 2.5, info          # the burners really ran
+    assert sum(info["burner_cpu_s"]) > 1.5, info          # the burners really ran
     assert info["left_healthy"] == [] and info["unrouted"] == [], info
     assert info["ejections"] == 0 and info["fail_static_episodes"] == 0, info
     assert all(states == ["HEALTHY"] for states in info["envoy_states_seen"].values()), info
@@ -74,12 +74,8 @@ async def test_a_hung_agent_loop_is_judged_by_its_silence_and_a_short_hang_keeps
     # no silence verdict
     assert not short["stream_closed"] and short["stream_ends"] == [] and short["agent_dials"] == 0, short
     assert not any("consecutive misses" in e for e in short["events"]), short
-    late = [e for e in short["events"] if "EWMA RTT" in e or "probe TTFT" in e]
-    if late:
-        # Known false ejection (about one 0.5 s block in five): the agent's loop answers the
-        # control plane's RTT ping and times its probes, so a ping or probe caught by the block
-        # measures the block (EWMA RTT ~100 ms against a 2 ms median: health.outlier ejects;
-        # TTFT >= 200 ms: DEGRADED).
-        pytest.xfail(f"a 0.5 s agent loop block measured as RTT/TTFT: {late}")
+    # the block is the agent's, not the node's: a ping it answered late counts at most
+    # rtt.spike_factor x the EWMA (no RTT outlier), and a probe timed across it is run again
+    # (node_probe.prober.LoopPause: no TTFT of 500 ms, no DEGRADED)
     assert short["states"] == ["HEALTHY"] and short["envoy_states"] == ["HEALTHY"], short
     assert short["events"] == [], short

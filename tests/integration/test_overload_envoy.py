@@ -10,8 +10,8 @@ sheds: the survivors' waiting stays below ``health.load.queue_critical``; the ca
 survivors' 4 slots; the shed share is what a loss system with 4 servers sheds at this load
 (Erlang B, within 12 points), not the random drop's overshoot; every shed client got 429 with
 Retry-After; and the survivors, whose probes now wait in their queues, are busy, never
-ejected. The random drop keeps its own test below (``admission.slots`` off): the share within 5
-points of the commanded drop. TTFT is the benchmark's (benchmarks/overload_shed.py,
+ejected. The random drop's share against its command is tests/integration/test_shed_envoy.py's.
+TTFT is the benchmark's (benchmarks/overload_shed.py,
 benchmarks/RESULTS.md), not asserted here.
 
 The queue thresholds are scaled to these small engines (2 decoding: 10 waiting is about a second
@@ -25,7 +25,6 @@ the measured 5 s, so the share is compared with one commanded value. The LRS cap
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 
 import pytest
@@ -56,15 +55,6 @@ async def test_admitting_by_slots_caps_at_the_survivors_slots_and_sheds_what_a_l
     # 27 rps of ~0.22 s requests on 4 slots: ~5.9 erlangs
     expected = 100.0 * erlang_b(4, RATE_RPS * 0.22)
     assert abs(s["shed_share"] - expected) <= 12.0, (s["shed_share"], expected)
-
-
-async def test_the_random_drop_sheds_its_commanded_share(make_fleet, http):
-    s, _, _, _ = await _half_frozen(make_fleet, http, {**SHED, "admission": {"slots": False}})
-    # Envoy drops each request at random: over these ~150 requests the share itself scatters
-    # by sqrt(p (1 - p) / n) (~4 points at 40 %), so the 5 points hold up to 3 of those here (the
-    # benchmark's 30 s phase has the sample for the 5 points themselves)
-    p = s["commanded"] / 100.0
-    assert abs(s["shed_share"] - s["commanded"]) <= max(5.0, 300.0 * math.sqrt(p * (1 - p) / s["n"]))
 
 
 async def _half_frozen(make_fleet, http, shed: dict):

@@ -125,7 +125,8 @@ async def test_workers_hold_the_agents_streams_and_a_killed_worker_loses_no_node
             held = owners(accepted, [cp.pid, *workers])
             # the stray agent's connection stays open while it dials again after each refusal
             assert held[cp.pid] == 0 and held[workers[0]] + held[workers[1]] in (len(ALL), len(ALL) + 1), held
-            assert await metric(http, admin, r'sentinel_access_refused_total\{[^}]*reason="agent_claim"[^}]*\}') >= 1
+            refused = r'sentinel_access_refused_total\{[^}]*reason="agent_claim"[^}]*\}'
+            await wait_for(lambda: _at_least(http, admin, refused, 1), timeout_s=10, what="the stray claim refused")
             assert await metric(http, admin, r'sentinel_discovery_nodes\{cluster="llm",source="agents"\}') == 4
             assert "stray" not in await nodes(http, admin)
 
@@ -161,6 +162,10 @@ async def test_workers_hold_the_agents_streams_and_a_killed_worker_loses_no_node
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+async def _at_least(http: aiohttp.ClientSession, admin: int, pattern: str, n: float) -> bool:
+    return await metric(http, admin, pattern) >= n
 
 
 async def _state_is(http: aiohttp.ClientSession, admin: int, node: str, state: str) -> bool:

@@ -51,8 +51,10 @@ async def test_queues_over_warning_shed_the_excess_and_lift_with_hysteresis(make
     # the headroom kept free (10 %, at least one 5 % step), then held; it is lifted once the queues stay
     # low for lift_after_s. Envoy drops the commanded share (429 + Retry-After). The seed's thresholds
     # alone (queue_wait_budget_s null): the 70 are the sim's fake queue, which no drop shortens.
+    # The random drop: admission by slots is off (a fake queue says nothing of the nodes' slots).
     fleet = make_fleet(n_nodes=2, health=FAST, config_options={"lrs": {"shed": {
-        "enabled": True, "lift_after_s": 1.0, "window_s": 2.0, "queue_wait_budget_s": None}}})
+        "enabled": True, "lift_after_s": 1.0, "window_s": 2.0, "queue_wait_budget_s": None,
+        "admission": {"slots": False}}}})
     await fleet.wait_all_routed(http)
     load = LoadGenerator(fleet.url, concurrency=2, max_tokens=1)
     await load.start()

@@ -4,6 +4,8 @@ from __future__ import annotations
 from itertools import pairwise
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from xds_server.config import HealthConfig
 from xds_server.health.model import (
@@ -273,14 +275,46 @@ def test_rtt_ewma_alpha_02_and_the_baseline_learns_only_while_healthy():
     sim.apply(PingObserved(10.0), 4.01)
     before = sim.nh.rtt.ewma_ms
     base = sim.nh.rtt.baseline_ms
-    sim.apply(PingObserved(20.0), 4.02)
-    assert sim.nh.rtt.ewma_ms == pytest.approx(0.8 * before + 0.2 * 20.0) and sim.nh.rtt.last_ms == 20.0
+    sim.apply(PingObserved(4.0), 4.02)  # within rtt.spike_factor x the EWMA: counted as measured
+    assert sim.nh.rtt.ewma_ms == pytest.approx(0.8 * before + 0.2 * 4.0) and sim.nh.rtt.last_ms == 4.0
     assert sim.nh.rtt.baseline_ms == pytest.approx(0.95 * base + 0.05 * sim.nh.rtt.ewma_ms)  # alpha 0.05
     sim.apply(ProbeObserved(K.OK, ttft_ms=450), 4.03)  # DEGRADED: the baseline holds
     assert sim.nh.state is S.DEGRADED
     held = sim.nh.rtt.baseline_ms
     sim.apply(PingObserved(200.0), 4.04)
     assert sim.nh.rtt.baseline_ms == held and sim.nh.rtt.ewma_ms > held
+
+
+def test_one_late_ping_moves_the_rtt_ewma_a_little_and_a_lasting_rise_reaches_it_within_fifteen_pings():
+    sim = healthy_sim()
+    for k in range(10):
+        sim.apply(PingObserved(2.0), 4.0 + k * 0.01)
+    sim.apply(PingObserved(500.0), 4.2)  # the agent's loop paused 0.5 s: counted as 4 x 2 ms
+    assert sim.nh.rtt.last_ms == 500.0 and sim.nh.rtt.ewma_ms < 3.5
+    t = 4.3
+    for k in range(15):
+        sim.apply(PingObserved(100.0), t)
+        t += 0.01
+        if k == 9:
+            assert sim.nh.rtt.ewma_ms > 70.0  # a real rise: past 3 x a 2 ms median + 50 ms within ten pings
+    assert sim.nh.rtt.ewma_ms > 90.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.01, 5000.0), min_size=1, max_size=60))
+def test_the_rtt_ewma_stays_between_its_samples_and_one_sample_moves_it_at_most_by_its_cap(samples):
+    sim = healthy_sim()
+    first = sim.nh.rtt.ewma_ms
+    seen = [] if first is None else [first]
+    for k, v in enumerate(samples):
+        before = sim.nh.rtt.ewma_ms
+        sim.apply(PingObserved(v), 4.0 + k * 0.001)
+        seen.append(v)
+        e = sim.nh.rtt.ewma_ms
+        assert e is not None and min(seen) - 1e-9 <= e <= max(seen) + 1e-9
+        if before is not None:
+            cap = FAST_RAMP.rtt.spike_factor * max(before, FAST_RAMP.rtt.baseline_slack.ms)
+            assert e <= FAST_RAMP.rtt.ewma_alpha * cap + (1 - FAST_RAMP.rtt.ewma_alpha) * before + 1e-9
 
 
 def test_drain_overrides_everything_until_undrained():

@@ -94,6 +94,13 @@ class RttConfig(_Model):
     ping_interval: PositiveDuration = Field(
         Duration.parse("1s"), description="RTT ping cadence (docs/DESIGN.md section 3)")
     ewma_alpha: float = Field(0.2, gt=0, le=1, description="seed 000: EWMA alpha 0.2 for RTT")
+    spike_factor: float = Field(
+        4.0, ge=1, le=1000,
+        description="a ping's round trip counts into the EWMA as at most this many times the EWMA "
+        "(at least baseline_slack): one answer late by 0.5 s (the agent's own loop paused, a GC) "
+        "otherwise lifts a 2 ms EWMA to ~100 ms and outlier-ejects a healthy node for 30 s; a lasting "
+        "rise still grows the EWMA up to 1.6x per ping at alpha 0.2 (2 -> 100 ms: past 70 ms, an "
+        "outlier's 3x median + 50 ms, in 10 pings). Ours")
     baseline_alpha: float = Field(0.05, gt=0, le=1, description="slow EWMA of RTT while HEALTHY")
     baseline_tolerance: float = Field(
         1.5, ge=1, description="'EWMA RTT back under its baseline' means <= baseline x this + baseline_slack")

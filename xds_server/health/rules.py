@@ -221,8 +221,15 @@ def _r_silence(nh: NodeHealth, obs: Tick | StreamClosed, c: _StepCtx) -> Sequenc
 
 
 def _record_ping(nh: NodeHealth, obs: PingObserved, c: _StepCtx) -> NodeHealth:
-    a, r = c.cfg.rtt.ewma_alpha, nh.rtt
-    ewma = obs.rtt_ms if r.ewma_ms is None else a * obs.rtt_ms + (1 - a) * r.ewma_ms
+    """Fold a ping's round trip into the EWMA, the sample counting at most ``rtt.spike_factor``
+    x the EWMA (at least ``rtt.baseline_slack``): one late answer moves it a little, a lasting
+    rise still moves it by a factor per sample. ``last_ms`` keeps the sample as measured."""
+    rc, r = c.cfg.rtt, nh.rtt
+    if r.ewma_ms is None:
+        ewma = obs.rtt_ms
+    else:
+        sample = min(obs.rtt_ms, rc.spike_factor * max(r.ewma_ms, rc.baseline_slack.ms))
+        ewma = rc.ewma_alpha * sample + (1 - rc.ewma_alpha) * r.ewma_ms
     return replace(nh, rtt=replace(r, ewma_ms=ewma, last_ms=obs.rtt_ms))
 
 
