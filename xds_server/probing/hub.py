@@ -39,7 +39,7 @@ from xds_server.process.stream_refusal import refuse
 from xds_server.process.tls import add_port
 from xds_server.process.untrusted import RateLimitedLog, for_log
 
-__all__ = ["ProbeHub", "RegisterReader", "Registry"]
+__all__ = ["ProbeHub", "RegisterReader", "Registry", "serve_hub"]
 
 log = logging.getLogger("xds_server.probing")
 
@@ -83,18 +83,9 @@ class ProbeHub(probe_pb2_grpc.ProbeHubServicer):
         """Serve the hub alone on ``listen`` (``probe.dial_in.listen``) with the xDS port's
         credentials and the agents' keepalive; returns the server and its bound port. Raises
         OSError when the address cannot be bound."""
-        server = grpc.aio.server(options=[
+        return await serve_hub(self, listen, creds, [
             ("grpc.max_receive_message_length", cfg.xds.limits.max_receive_message_bytes),
             ("grpc.so_reuseport", 0), *cfg.probe.dial_in_options()])
-        self.add_to_server(server)
-        try:
-            port = add_port(server, listen, creds)
-        except RuntimeError as exc:  # grpc raises RuntimeError when the bind fails
-            raise OSError(f"cannot bind probe.dial_in.listen {listen}: in use or not permitted ({exc})") from exc
-        if not port:
-            raise OSError(f"cannot bind probe.dial_in.listen {listen}: in use or not permitted")
-        await server.start()
-        return server, port
 
     async def Connect(  # gRPC method name
         self, request_iterator: AsyncIterator[probe_pb2.AgentMessage], context: grpc.aio.ServicerContext,
@@ -159,6 +150,23 @@ class ProbeHub(probe_pb2_grpc.ProbeHubServicer):
             if self._now() >= deadline:
                 return None
             await asyncio.sleep(_SESSION_WAIT_STEP_S)
+
+
+async def serve_hub(servicer: probe_pb2_grpc.ProbeHubServicer, listen: str, creds: grpc.ServerCredentials | None,
+                    options: list[tuple[str, int]]) -> tuple[grpc.aio.Server, int]:
+    """A gRPC server of ``servicer`` alone on ``listen`` with ``options`` (plaintext when
+    ``creds`` is None), started; returns it and its bound port. Raises OSError when the address
+    cannot be bound."""
+    server = grpc.aio.server(options=options)
+    probe_pb2_grpc.add_ProbeHubServicer_to_server(servicer, server)
+    try:
+        port = add_port(server, listen, creds)
+    except RuntimeError as exc:  # grpc raises RuntimeError when the bind fails
+        raise OSError(f"cannot bind probe.dial_in.listen {listen}: in use or not permitted ({exc})") from exc
+    if not port:
+        raise OSError(f"cannot bind probe.dial_in.listen {listen}: in use or not permitted")
+    await server.start()
+    return server, port
 
 
 class RegisterReader:

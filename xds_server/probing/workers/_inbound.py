@@ -31,11 +31,11 @@ from xds_server.config import ProbeConfig
 from xds_server.config.tls import ListenerTls
 from xds_server.probing.claims import Claim
 from xds_server.probing.dial_in import DialInSession, InboundCall
-from xds_server.probing.hub import RegisterReader
+from xds_server.probing.hub import RegisterReader, serve_hub
 from xds_server.process.counters import Counters
 from xds_server.process.identity import PeerIdentity
 from xds_server.process.stream_refusal import refuse
-from xds_server.process.tls import add_port, listener_credentials
+from xds_server.process.tls import listener_credentials
 
 __all__ = ["AcceptSpec", "WorkerHub"]
 
@@ -76,17 +76,8 @@ class WorkerHub(probe_pb2_grpc.ProbeHubServicer):
         server and its port. Raises OSError when the address cannot be bound or the TLS files
         do not load."""
         creds, _ = listener_credentials(**accept.tls)
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", accept.max_receive_bytes),
-                                          ("grpc.so_reuseport", 1), *accept.options])
-        probe_pb2_grpc.add_ProbeHubServicer_to_server(self, server)
-        try:
-            port = add_port(server, accept.listen, creds)
-        except RuntimeError as exc:  # grpc raises RuntimeError when the bind fails
-            raise OSError(f"cannot bind probe.dial_in.listen {accept.listen}: {exc}") from exc
-        if not port:
-            raise OSError(f"cannot bind probe.dial_in.listen {accept.listen}: in use or not permitted")
-        await server.start()
-        return server, port
+        return await serve_hub(self, accept.listen, creds, [
+            ("grpc.max_receive_message_length", accept.max_receive_bytes), ("grpc.so_reuseport", 1), *accept.options])
 
     async def Connect(  # gRPC method name
         self, request_iterator: AsyncIterator[probe_pb2.AgentMessage], context: grpc.aio.ServicerContext,
