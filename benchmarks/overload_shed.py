@@ -48,7 +48,8 @@ def _fleet(a: argparse.Namespace, shed: bool) -> Fleet:
     return Fleet(n_nodes=a.nodes, token_interval_ms=a.token_ms, per_try_timeout_s=None,
                  per_try_idle_timeout_s=a.idle_timeout,
                  engine_args=["--max-num-seqs", str(a.max_num_seqs)],
-                 health={**FAST, "load": {"queue_warning": a.queue_warning, "queue_critical": a.queue_critical}},
+                 health={**FAST, "load": {"queue_warning": a.queue_warning, "queue_critical": a.queue_critical},
+                         **json.loads(a.health)},
                  config_options={"lrs": {"shed": {"enabled": shed, **json.loads(a.shed)}}},
                  cluster_options=json.loads(a.cluster))
 
@@ -185,6 +186,7 @@ async def main() -> None:
     p.add_argument("--queue-critical", type=float, default=100.0)
     p.add_argument("--shed", default="{}", help="more lrs.shed keys, JSON ('{\"step_percent\": 10}')")
     p.add_argument("--cluster", default="{}", help="more clusters[0] keys, JSON ('{\"max_requests\": 32}')")
+    p.add_argument("--health", default="{}", help="more health sections, JSON ('{\"probes\": {...}}')")
     p.add_argument("--modes", default="shed,no shed")
     p.add_argument("--sweep", default="", help="rates (rps, comma-separated) to measure TTFT at first")
     p.add_argument("--sweep-s", type=float, default=6.0)

@@ -104,7 +104,7 @@ class ControlPlane:
         self.shifts = ShiftService(lambda: self._config, self.core, self.load)
         self.publisher = EnvoyPublisher(self.cache, lambda: self._config, layout=self.shifts.layout,  # CDS + EDS
                                         closing=self.shifts.closing, drop=self.load.cla_args,
-                                        admission=lambda n: self.load.shedder.admission_args(self._config, n))
+                                        admission=self.load.admission)
         self.switchback = SwitchbackValidator(lambda: self._config, self.core, self.observe,  # replay before routing
                                               lambda n: self._config.tls.agents.client(n), config.xds.replica_id,
                                               sessions=self.sessions)

@@ -7,11 +7,11 @@ completions at about 1.5x what two engines complete. Two engines freeze (sim ``h
 ejected, the survivors' queues grow, the control plane sheds: by default it admits by free slots
 (``lrs.shed.admission``: the Cluster's circuit breaker at the survivors' slots). Asserted while it
 sheds: the survivors' waiting stays below ``health.load.queue_critical``; the cap is the
-survivors' 4 slots; the shed share is what a loss system with 4 servers sheds at this load
-(Erlang B, within 12 points), not the random drop's overshoot; every shed client got 429 with
-Retry-After; and the survivors, whose probes now wait in their queues, are busy, never
-ejected. The random drop's share against its command is tests/integration/test_shed_envoy.py's.
-TTFT is the benchmark's (benchmarks/overload_shed.py,
+survivors' 4 slots (and a spare place each in its first seconds); the shed share is what a queue
+with 4 servers and 6 places turns away at this load (within 12 points), not the random drop's
+overshoot; every shed client got 429 with Retry-After; and the survivors, whose probes now wait
+in their queues, are busy, never ejected. The random drop's share against its command is
+tests/integration/test_shed_envoy.py's. TTFT is the benchmark's (benchmarks/overload_shed.py,
 benchmarks/RESULTS.md), not asserted here.
 
 The queue thresholds are scaled to these small engines (2 decoding: 10 waiting is about a second
@@ -25,6 +25,7 @@ the measured 5 s, so the share is compared with one commanded value. The LRS cap
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -40,20 +41,22 @@ SHED = {"enabled": True, "step_percent": 10, "window_s": 2.0, "lift_after_s": 10
 RATE_RPS = 27.0  # two engines complete ~18 rps (2 x 2 slots / ~0.22 s); four ~36
 
 
-def erlang_b(servers: int, erlangs: float) -> float:
-    """The share of arrivals a loss system with ``servers`` turns away at ``erlangs`` offered."""
-    b = 1.0
-    for k in range(1, servers + 1):
-        b = erlangs * b / (k + erlangs * b)
-    return b
+def turned_away(servers: int, places: int, erlangs: float) -> float:
+    """The share of arrivals an M/M/servers/places system turns away at ``erlangs`` offered: a
+    loss system (Erlang B) when ``places`` == ``servers``."""
+    terms = [erlangs ** n / math.factorial(min(n, servers)) / servers ** max(0, n - servers)
+             for n in range(places + 1)]
+    return terms[-1] / sum(terms)
 
 
 async def test_admitting_by_slots_caps_at_the_survivors_slots_and_sheds_what_a_loss_system_would(make_fleet, http):
     s, watch, t0, t1 = await _half_frozen(make_fleet, http, SHED)
-    assert {lim for t, lim in watch.limits if t0 <= t < t1} == {4}  # 2 survivors x 2 slots, one Envoy
+    # 2 survivors x 2 slots, and a spare place each for the first 4 s (slots read low can grow)
+    limits = {lim for t, lim in watch.limits if t0 <= t < t1}
+    assert limits and limits <= {4, 6}, limits
     assert s["commanded"] == 0.0  # no random drop on top of the cap
-    # 27 rps of ~0.22 s requests on 4 slots: ~5.9 erlangs
-    expected = 100.0 * erlang_b(4, RATE_RPS * 0.22)
+    # 27 rps of ~0.22 s requests on 4 slots with 6 admitted at most: ~5.9 erlangs
+    expected = 100.0 * turned_away(4, 6, RATE_RPS * 0.22)
     assert abs(s["shed_share"] - expected) <= 12.0, (s["shed_share"], expected)
 
 

@@ -12,7 +12,7 @@ from xds_server.health.model import Routing, RoutingStatus
 from xds_server.policy.shift_layout import Layout, NodeSpot, layout
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.publisher import EnvoyPublisher
-from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL, RESOURCE_TYPES, DropArgs
+from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL, RESOURCE_TYPES, AdmissionArgs, DropArgs
 
 
 def _config(classes: bool = False, clusters: tuple[str, ...] = ("llm",)) -> SentinelConfig:
@@ -32,7 +32,7 @@ class _Decisions:
         self.lay: dict[str, Layout] = {}
         self.close: set[str] = set()
         self.drops: dict[str, DropArgs] = {}
-        self.limits: dict[str, tuple[int, int]] = {}
+        self.limits: dict[str, AdmissionArgs] = {}
 
     def layout(self, c: ClusterConfig) -> Layout | None:
         return self.lay.get(c.name)
@@ -43,7 +43,7 @@ class _Decisions:
     def drop(self, name: str) -> DropArgs:
         return self.drops.get(name, {})
 
-    def admission(self, name: str) -> tuple[int, int] | None:
+    def admission(self, name: str) -> AdmissionArgs | None:
         return self.limits.get(name)
 
 
@@ -173,13 +173,17 @@ def test_admission_by_slots_caps_only_requests_in_flight_and_republishes_the_clu
 
     configured = breaker().max_requests.value
     assert configured == c.max_requests
-    d.limits["llm"] = (32, 10)
+    d.limits["llm"] = AdmissionArgs(32, 10, {"llm-b": 77})
     version = cache.type_generation(CLUSTER_TYPE_URL)
     assert pub.assignment(c, _routing(c))
     t = breaker()
     assert t.max_requests.value == 32 and t.max_pending_requests.value == c.max_requests
     lb = _get(cache, CLUSTER_TYPE_URL, "llm", cluster_pb2.Cluster)
     assert isinstance(lb, cluster_pb2.Cluster) and lb.least_request_lb_config.choice_count.value == 10
+    weights = {e.endpoint.hostname or e.endpoint.address.socket_address.port_value: e.load_balancing_weight.value
+               for loc in _get(cache, CLA_TYPE_URL, "llm", endpoint_pb2.ClusterLoadAssignment).endpoints
+               for e in loc.lb_endpoints}
+    assert sorted(weights.values()) == [77, 100]  # the busy node's weight given back, the other as decided
     assert t.max_connections.value == c.max_requests and cache.type_generation(CLUSTER_TYPE_URL) != version
     version = cache.type_generation(CLUSTER_TYPE_URL)
     assert pub.assignment(c, _routing(c))

@@ -211,3 +211,30 @@ def test_a_nodes_slots_outlive_other_clusters_evaluations_and_go_after_10_min_un
     for t in range(300, 620, 10):
         sh.step(cfg, core, agg, "b", ["gpu-b"], float(t))
     assert "gpu-a" not in sh._slots and "gpu-b" in sh._slots  # unseen for 10 min: forgotten
+
+
+def test_admitting_by_slots_gives_a_node_degraded_only_for_being_busy_its_full_weight_back():
+    from types import SimpleNamespace
+
+    from xds_server.config import parse_config
+    from xds_server.health.records import NodeState, Probes
+    from xds_server.health.routing import Routing
+    from xds_server.xds.resources import AdmissionArgs
+
+    cfg = parse_config({"xds": {"listen": "127.0.0.1:0"}, "lrs": {"shed": {"enabled": True}}, "clusters": [
+        {"name": "llm", "nodes": [{"id": n, "address": f"127.0.0.1:{9001 + k}"} for k, n in enumerate("abc")]}]})
+
+    def node(state: NodeState, not_busy: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(state=state, probe=Probes(degraded_not_busy=not_busy))
+
+    core = SimpleNamespace(
+        routing={"a": Routing(30, "HEALTHY"), "b": Routing(30, "HEALTHY"), "c": Routing(100, "HEALTHY"),
+                 "d": Routing(30, "HEALTHY")},
+        health={"a": node(NodeState.DEGRADED), "b": node(NodeState.DEGRADED, not_busy=True),
+                "c": node(NodeState.HEALTHY), "d": node(NodeState.DEGRADED)},
+        node_cluster={"a": "llm", "b": "llm", "c": "llm", "d": "other"})
+    sh = Shedder()
+    assert sh.admission_args(cfg, "llm", core) is None  # not admitting: the decided weights stand
+    sh.admission["llm"] = Admission(limit=32)
+    # a: busy only, back to 30 / 0.3; b: slow without load, keeps its cut; c: HEALTHY; d: another cluster
+    assert sh.admission_args(cfg, "llm", core) == AdmissionArgs(32, 10, {"a": 100})

@@ -55,7 +55,7 @@ from xds_server.process.stream_refusal import refuse
 from xds_server.process.tls import peer_identities
 from xds_server.process.untrusted import clip, for_log
 from xds_server.xds.budget import RequestBudget
-from xds_server.xds.resources import DropArgs
+from xds_server.xds.resources import AdmissionArgs, DropArgs
 
 __all__ = ["LoadReportingService", "node_map"]
 
@@ -246,6 +246,11 @@ class LoadReportingService:
     def cla_args(self, cluster: str) -> DropArgs:
         """``build_cla`` keyword arguments of an Envoy cluster's overload drop (``shed_percent``, ``shed_flip``)."""
         return self.shedder.cla_args(cluster)
+
+    def admission(self, cluster: str) -> AdmissionArgs | None:
+        """The Envoy cluster's admission by free slots (:meth:`Shedder.admission_args`; None:
+        not admitting)."""
+        return None if self.core is None else self.shedder.admission_args(self._config(), cluster, self.core)
 
     async def _admit(self, cfg: SentinelConfig, context: grpc.aio.ServicerContext[bytes, bytes], reporter: str,
                      marker: str | None) -> str | None:

@@ -20,12 +20,12 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from xds_server.config import SentinelConfig
 from xds_server.control.core import ControlCore
-from xds_server.health.records import ProbeResultKind
+from xds_server.health.records import NodeState, ProbeResultKind
 from xds_server.load.aggregate import LoadAggregator
 from xds_server.policy.overload_drop import ShedInputs, ShedState, shed_step
 from xds_server.policy.request_classes import class_percents
 from xds_server.policy.slot_admission import Admission, admission_step
-from xds_server.xds.resources import DropArgs
+from xds_server.xds.resources import AdmissionArgs, DropArgs
 
 __all__ = ["Shedder", "class_aliases", "finished_from_sessions", "kv_from_sessions"]
 
@@ -250,14 +250,25 @@ class Shedder:
         budget = None if budget is None else budget * sc.admission.queue_budget_ratio
         return admission_step(was, overloaded=overloaded, slots=slots, running=running, service_s=service,
                               budget_s=budget, envoys=envoys, release_below=sc.admission.release_below,
-                              release_after_s=sc.admission.release_after.s, now_s=now)
+                              release_after_s=sc.admission.release_after.s, now_s=now,
+                              explore_s=sc.admission.explore.s)
 
-    def admission_args(self, cfg: SentinelConfig, name: str) -> tuple[int, int] | None:
-        """``(max_requests, choice_count)`` for each Envoy of the cluster ``name`` while it admits
-        by slots: the circuit breaker's limit and ``lrs.shed.admission.choice_count`` (None: not
-        admitting by slots; the Cluster keeps its configured ones)."""
+    def admission_args(self, cfg: SentinelConfig, name: str, core: ControlCore) -> AdmissionArgs | None:
+        """What Envoy gets for the cluster ``name`` while it admits by slots (None: not admitting;
+        the Cluster keeps its configured ones): the circuit breaker's limit,
+        ``lrs.shed.admission.choice_count``, and for each node DEGRADED only for being busy its
+        weight without ``probes.degraded_weight_factor``. The cap already holds every node at its
+        slots, so a cut weight only sends requests to a node as full, where they wait
+        (measured at 200 %: admitted TTFT p99 4.3-5.2x with the cut, 1.8x without)."""
         adm = self.admission.get(name)
-        return None if adm is None or adm.limit is None else (adm.limit, cfg.lrs.shed.admission.choice_count)
+        if adm is None or adm.limit is None:
+            return None
+        factor = cfg.health.probes.degraded_weight_factor
+        weights = {i: max(1, round(r.weight / factor)) for i, r in core.routing.items()
+                   if r.health_status == "HEALTHY" and (nh := core.health.get(i)) is not None
+                   and nh.state is NodeState.DEGRADED and not nh.probe.degraded_not_busy
+                   and core.node_cluster.get(i) == name}
+        return AdmissionArgs(adm.limit, cfg.lrs.shed.admission.choice_count, weights)
 
     def cla_args(self, name: str) -> DropArgs:
         """``build_cla`` keyword arguments (``shed_percent``, ``shed_flip``) of the Envoy cluster

@@ -14,8 +14,14 @@ Envoy enforces it with its circuit breaker. The published Cluster carries ``max_
 each Envoy's share of the admission total; an arrival over it gets a local reply with flag UO,
 mapped to 429 + Retry-After like the drop's. The total is:
 
-- the routable nodes' slots (each the most requests seen running, which is exact while a
-  request waits, which is when shedding starts);
+- the routable nodes' slots (each the most requests seen running: exact once a request waited
+  while the node was full, which is about when shedding starts, but a node not quite full at
+  that moment reads low);
+- plus, for ``explore_s`` (4 s) after the cap came or the slots last grew, one spare place per
+  node, so a node read low can show one more running request and its slots grow (measured at
+  110 %: 29 of 32 slots read when the cap came). Then no spare: a spare place is a request
+  queued at a full node, and equal-length requests complete in bursts (TTFT p99 2.2-3.4x with
+  it kept);
 - plus a queue allowance: the requests the nodes finish within a wait budget,
   ``floor(budget x sum(slots_i / service_i))`` (``lrs.shed.admission.queue_budget_ratio`` of the
   queue-wait budget; 0 by default: on engines whose requests all run as long, completions come
@@ -32,7 +38,8 @@ are the table :data:`TRANSITIONS`, keyed (admitting now?, what the inputs say):
 
 The mark is a ratio because a slot cap hides the queues that started it: while admitting, only
 the nodes' occupancy says whether demand still fills them. While admitting, the limit changes
-only with the number of Envoys or a total that moved by :data:`_KEEP_WITHIN` or more.
+with the number of Envoys, the slots, or a queue allowance that moved by :data:`_KEEP_WITHIN` or
+more.
 """
 from __future__ import annotations
 
@@ -60,10 +67,11 @@ TRANSITIONS: dict[tuple[bool, Event], bool] = {
 """(admitting now, event) -> admitting next."""
 
 _KEEP_WITHIN = 0.1
-"""While admitting, a new total within this share of the published one keeps the published limit
-(ours): Envoy replaces a Cluster whose circuit breakers change, with fresh counts, so each change
-lets in up to a full set of slots again (docs/xds_protocol.md section 6); the service-time
-estimate moves the queue allowance a little at every report."""
+"""While admitting with the same slots, a queue allowance within this share of the published
+total keeps the published limit (ours): Envoy replaces a Cluster whose circuit breakers change,
+with fresh counts, so each change lets in up to a full set of slots again (docs/xds_protocol.md
+section 6); the service-time estimate moves the allowance a little at every report. A change of
+the slots always republishes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +80,8 @@ class Admission:
     admission total over all Envoys, of which ``slots`` are the routable nodes' slots and
     ``queue`` the requests their budget drains; ``envoys``: the Envoys it is shared by;
     ``low_since_s``: since when occupancy is under the release mark (s); ``reason``: why, for
-    the views."""
+    the views; ``grown_s``: when the slots last grew or the cap came (s), and ``spare`` the
+    places over the slots admitted until ``explore_s`` after it."""
 
     limit: int | None = None
     total: int = 0
@@ -81,18 +90,21 @@ class Admission:
     envoys: int = 1
     low_since_s: float | None = None
     reason: str = ""
+    grown_s: float | None = None  # when the slots last grew (or the cap came), s
+    spare: int = 0  # places over the slots while they may still grow (one a node)
 
 
 def admission_step(state: Admission, *, overloaded: bool, slots: Sequence[float | None],
                    running: Sequence[float | None], service_s: Sequence[float | None],
                    budget_s: float | None, envoys: int, release_below: float, release_after_s: float,
-                   now_s: float) -> Admission:
+                   now_s: float, explore_s: float = 4.0) -> Admission:
     """The admission after one report: ``overloaded``, the drop controller sheds now;
     per routable node its ``slots``, ``running`` requests and ``service_s``, the time a request
     runs (s; None: unknown); ``budget_s``: the wait the queue allowance may cost (s; None or 0:
     no queue allowed);
     ``envoys``: Envoys reporting load (at least 1 counted); ``release_below`` (0..1) and
-    ``release_after_s``: the occupancy mark and how long under it lifts the cap."""
+    ``release_after_s``: the occupancy mark and how long under it lifts the cap; ``explore_s``:
+    how long after the cap came or the slots last grew one place a node is admitted over them."""
     on = state.limit is not None
     known = bool(slots) and all(s is not None and s > 0 for s in slots) and all(r is not None for r in running)
     if not known:
@@ -117,11 +129,15 @@ def admission_step(state: Admission, *, overloaded: bool, slots: Sequence[float 
     rates = [s / t for s, t in zip(slots, service_s, strict=True) if s is not None and t is not None and t > 0]
     drains = budget_s is not None and len(rates) == len(slots)
     queue = math.floor(budget_s * sum(rates)) if drains and budget_s is not None else 0
-    total = n_slots + queue
+    grown = now_s if not on or state.grown_s is None or n_slots > state.slots else state.grown_s
+    spare = len(slots) if now_s - grown < explore_s else 0  # slots read low can show more meanwhile
+    total = n_slots + spare + queue
     n = max(1, envoys)
-    if on and n == state.envoys and abs(total - state.total) < max(1.0, _KEEP_WITHIN * state.total):
-        return Admission(state.limit, state.total, state.slots, state.queue, n, low_since, state.reason)
+    if on and n == state.envoys and n_slots == state.slots and spare == state.spare and abs(
+            total - state.total) < max(1.0, _KEEP_WITHIN * state.total):
+        return Admission(state.limit, state.total, state.slots, state.queue, n, low_since, state.reason,
+                         grown, spare)
     limit = max(1, math.ceil(total / n))
-    reason = (f"admitting by slots: {n_slots} slots + {queue} queued within the budget = {total}, "
-              f"{limit} per Envoy ({n})")
-    return Admission(limit, total, n_slots, queue, n, low_since, reason)
+    reason = (f"admitting by slots: {n_slots} slots + {spare} spare + {queue} queued within the budget "
+              f"= {total}, {limit} per Envoy ({n})")
+    return Admission(limit, total, n_slots, queue, n, low_since, reason, grown, spare)

@@ -10,9 +10,9 @@ sources of decisions made elsewhere:
 - ``closing(c)``: node ids whose responses close the client's connection (a finished hard switch);
 - ``drop(name)``: the overload drop of an Envoy cluster (:class:`~xds_server.xds.resources.DropArgs`),
   from :class:`~xds_server.load.shedder.Shedder`;
-- ``admission(name)``: ``(max_requests, choice_count)`` of a cluster that admits by free slots:
-  its circuit breaker's limit and how many hosts least-request compares (None: its configured
-  ones), from the same shedder.
+- ``admission(name)``: :class:`~xds_server.xds.resources.AdmissionArgs` of a cluster that admits
+  by free slots: its circuit breaker's limit, how many hosts least-request compares and the
+  weights that replace decided ones (None: its configured ones), from the same shedder.
 
 Shape::
 
@@ -36,7 +36,14 @@ from xds_server.config import ClusterConfig, SentinelConfig, class_clusters
 from xds_server.health.model import Routing
 from xds_server.policy.shift_layout import Layout
 from xds_server.xds.cache import InvalidResource, SnapshotCache, set_cla
-from xds_server.xds.resources import CLA_TYPE_URL, CLUSTER_TYPE_URL, DropArgs, build_cla, build_cluster
+from xds_server.xds.resources import (
+    CLA_TYPE_URL,
+    CLUSTER_TYPE_URL,
+    AdmissionArgs,
+    DropArgs,
+    build_cla,
+    build_cluster,
+)
 from xds_server.xds.shift_cla import shift_cla, shift_cluster
 
 __all__ = ["EnvoyPublisher"]
@@ -51,21 +58,22 @@ class EnvoyPublisher:
                  layout: Callable[[ClusterConfig], Layout | None],
                  closing: Callable[[ClusterConfig], set[str]],
                  drop: Callable[[str], DropArgs],
-                 admission: Callable[[str], tuple[int, int] | None] = lambda _name: None) -> None:
+                 admission: Callable[[str], AdmissionArgs | None] = lambda _name: None) -> None:
         self._cache, self._config = cache, config
         self._layout, self._closing, self._drop, self._admission = layout, closing, drop, admission
         self._weighted: dict[str, bool] = {}  # cluster -> locality weighting published in its Cluster
-        self._limits: dict[str, tuple[int, int] | None] = {}  # cluster -> admission published in its Cluster
+        self._limits: dict[str, tuple[int, int] | None] = {}  # cluster -> (limit, choices) in its Cluster
 
     def _cluster(self, c: ClusterConfig, lay: Layout | None) -> cluster_pb2.Cluster:
         on = lay is not None and lay.locality_weights is not None
         self._weighted[c.name] = on
-        adm = self._limits[c.name] = self._admission(c.name)
+        adm = self._admission(c.name)
+        cap = self._limits[c.name] = None if adm is None else (adm.max_requests, adm.choice_count)
         msg = build_cluster(c)
-        if adm is not None:  # admission by slots: only the requests in flight are capped
-            msg.circuit_breakers.thresholds[0].max_requests.value = adm[0]
+        if cap is not None:  # admission by slots: only the requests in flight are capped
+            msg.circuit_breakers.thresholds[0].max_requests.value = cap[0]
             if msg.lb_policy == cluster_pb2.Cluster.LEAST_REQUEST:
-                msg.least_request_lb_config.choice_count.value = adm[1]
+                msg.least_request_lb_config.choice_count.value = cap[1]
         return shift_cluster(msg, on)
 
     def _copies(self, c: ClusterConfig, msg: cluster_pb2.Cluster) -> dict[str, cluster_pb2.Cluster]:
@@ -94,8 +102,12 @@ class EnvoyPublisher:
         -> Routing), placed by the shift layout, each with its own drop. False when one was held
         back because Envoy would NACK it (:class:`~xds_server.xds.cache.InvalidResource`, logged)."""
         lay = self._layout(c)
+        adm = self._admission(c.name)
+        if adm is not None and adm.weights:
+            routing = {i: Routing(adm.weights[i], r.health_status) if i in adm.weights else r
+                       for i, r in routing.items()}
         if self._weighted.get(c.name, False) != (lay is not None and lay.locality_weights is not None) or \
-                self._limits.get(c.name) != self._admission(c.name):
+                self._limits.get(c.name) != (None if adm is None else (adm.max_requests, adm.choice_count)):
             for name, msg in self._copies(c, self._cluster(c, lay)).items():
                 self._cache.set_resource(CLUSTER_TYPE_URL, name, msg)
         close = self._closing(c) if lay is not None else set()

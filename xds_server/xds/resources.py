@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import NamedTuple, TypedDict
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, health_check_pb2, protocol_pb2
@@ -43,6 +43,7 @@ __all__ = [
     "MAX_LOCALITY_WEIGHT_SUM",
     "MAX_PRIORITY",
     "RESOURCE_TYPES",
+    "AdmissionArgs",
     "DropArgs",
     "ResourceType",
     "build_cla",
@@ -175,6 +176,17 @@ class DropArgs(TypedDict, total=False):
 
     shed_percent: float
     shed_flip: bool
+
+
+class AdmissionArgs(NamedTuple):
+    """An Envoy cluster that admits by free slots (:mod:`xds_server.policy.slot_admission`): its
+    circuit breaker's ``max_requests``, least-request's ``choice_count``, and ``weights``: node
+    id -> the weight published instead of the decided one (a node DEGRADED only for being busy
+    keeps its full weight: the cap already holds every node at its slots)."""
+
+    max_requests: int
+    choice_count: int
+    weights: Mapping[str, int]
 
 
 def build_cla(
