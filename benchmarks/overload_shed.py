@@ -51,7 +51,8 @@ def _fleet(a: argparse.Namespace, shed: bool) -> Fleet:
                  health={**FAST, "load": {"queue_warning": a.queue_warning, "queue_critical": a.queue_critical},
                          **json.loads(a.health)},
                  config_options={"lrs": {"shed": {"enabled": shed, **json.loads(a.shed)}}},
-                 cluster_options=json.loads(a.cluster))
+                 cluster_options=json.loads(a.cluster),
+                 agent_args=[a.agent_args.split()] * a.nodes if a.agent_args else [])
 
 
 async def _phase(fleet: Fleet, http: aiohttp.ClientSession, rate: float, seconds: float, a: argparse.Namespace,
@@ -186,6 +187,8 @@ async def main() -> None:
     p.add_argument("--queue-critical", type=float, default=100.0)
     p.add_argument("--shed", default="{}", help="more lrs.shed keys, JSON ('{\"step_percent\": 10}')")
     p.add_argument("--cluster", default="{}", help="more clusters[0] keys, JSON ('{\"max_requests\": 32}')")
+    p.add_argument("--agent-args", default="",
+                   help="more node-probe arguments, every agent ('--probe-idle-interval-s 3')")
     p.add_argument("--health", default="{}", help="more health sections, JSON ('{\"probes\": {...}}')")
     p.add_argument("--modes", default="shed,no shed")
     p.add_argument("--sweep", default="", help="rates (rps, comma-separated) to measure TTFT at first")
