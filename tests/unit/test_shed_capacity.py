@@ -213,7 +213,7 @@ def test_a_nodes_slots_outlive_other_clusters_evaluations_and_go_after_10_min_un
     assert "gpu-a" not in sh._slots and "gpu-b" in sh._slots  # unseen for 10 min: forgotten
 
 
-def test_admitting_by_slots_gives_a_node_degraded_only_for_being_busy_its_full_weight_back():
+def test_admitting_by_slots_weighs_fully_routed_nodes_by_their_slots_and_a_busy_node_is_one_of_them():
     from types import SimpleNamespace
 
     from xds_server.config import parse_config
@@ -237,4 +237,7 @@ def test_admitting_by_slots_gives_a_node_degraded_only_for_being_busy_its_full_w
     assert sh.admission_args(cfg, "llm", core) is None  # not admitting: the decided weights stand
     sh.admission["llm"] = Admission(limit=32)
     # a: busy only, back to 30 / 0.3; b: slow without load, keeps its cut; c: HEALTHY; d: another cluster
-    assert sh.admission_args(cfg, "llm", core) == AdmissionArgs(32, 10, {"a": 100})
+    assert sh.admission_args(cfg, "llm", core) == AdmissionArgs(32, 10, {"a": 100, "c": 100})
+    core.routing["c"] = Routing(80, "HEALTHY")   # a score from RTT: equal weights all the same
+    sh._slots.update(a=8.0, c=16.0)               # by slots: the 8-slot node gets half the weight
+    assert sh.admission_args(cfg, "llm", core) == AdmissionArgs(32, 10, {"a": 50, "c": 100})

@@ -33,8 +33,8 @@ class ShedAdmissionConfig(_Model):
 
     slots: bool = Field(
         True, description="admit by slots while shedding (off: the random drop alone). Measured on two "
-        "16-slot survivors at 110, 130 and 200 % of their capacity: 8.4, 6.6 and 2.4 points shed over "
-        "the bare excess (the random drop: 18-37), admitted TTFT p99 1.7x, 1.8x and 2.5x the "
+        "16-slot survivors at 110, 130 and 200 % of their capacity: 9.1, 6.5 and 1.9 points shed over "
+        "the bare excess (the random drop: 18-37), admitted TTFT p99 1.3x, 1.5x and 1.7x the "
         "unloaded one (benchmarks/RESULTS.md)")
     queue_budget_ratio: float = Field(
         0.0, ge=0, le=1, description="admit also the requests the nodes finish within this share of "

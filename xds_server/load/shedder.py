@@ -256,18 +256,32 @@ class Shedder:
     def admission_args(self, cfg: SentinelConfig, name: str, core: ControlCore) -> AdmissionArgs | None:
         """What Envoy gets for the cluster ``name`` while it admits by slots (None: not admitting;
         the Cluster keeps its configured ones): the circuit breaker's limit,
-        ``lrs.shed.admission.choice_count``, and for each node DEGRADED only for being busy its
-        weight without ``probes.degraded_weight_factor``. The cap already holds every node at its
-        slots, so a cut weight only sends requests to a node as full, where they wait
-        (measured at 200 %: admitted TTFT p99 4.3-5.2x with the cut, 1.8x without)."""
+        ``lrs.shed.admission.choice_count``, and the weights of its fully routed nodes (HEALTHY, or
+        DEGRADED only for being busy) in proportion to their slots, the largest at the largest
+        of their decided full weights (a busy node's without ``probes.degraded_weight_factor``).
+        The cap already holds the nodes at their slots: a weight cut for being busy, or a score
+        from RTT, only sends requests to a node as full, where they wait (measured at 200 %: one
+        survivor at 16 running and 1-4 waiting while the other ran 12-14). A node in PROBATION
+        keeps its ramp."""
         adm = self.admission.get(name)
         if adm is None or adm.limit is None:
             return None
         factor = cfg.health.probes.degraded_weight_factor
-        weights = {i: max(1, round(r.weight / factor)) for i, r in core.routing.items()
-                   if r.health_status == "HEALTHY" and (nh := core.health.get(i)) is not None
-                   and nh.state is NodeState.DEGRADED and not nh.probe.degraded_not_busy
-                   and core.node_cluster.get(i) == name}
+        full: dict[str, float] = {}
+        for i, r in core.routing.items():
+            nh = core.health.get(i)
+            if r.health_status != "HEALTHY" or nh is None or core.node_cluster.get(i) != name:
+                continue
+            if nh.state is NodeState.HEALTHY:
+                full[i] = r.weight
+            elif nh.state is NodeState.DEGRADED and not nh.probe.degraded_not_busy:
+                full[i] = r.weight / factor
+        if not full:
+            return AdmissionArgs(adm.limit, cfg.lrs.shed.admission.choice_count, {})
+        top = max(full.values())
+        slots = {i: self._slots.get(i) for i in full}
+        most = max((v for v in slots.values() if v), default=None)
+        weights = {i: max(1, round(top * ((slots[i] or most or 1.0) / (most or 1.0)))) for i in full}
         return AdmissionArgs(adm.limit, cfg.lrs.shed.admission.choice_count, weights)
 
     def cla_args(self, name: str) -> DropArgs:

@@ -181,8 +181,8 @@ class DropArgs(TypedDict, total=False):
 class AdmissionArgs(NamedTuple):
     """An Envoy cluster that admits by free slots (:mod:`xds_server.policy.slot_admission`): its
     circuit breaker's ``max_requests``, least-request's ``choice_count``, and ``weights``: node
-    id -> the weight published instead of the decided one (a node DEGRADED only for being busy
-    keeps its full weight: the cap already holds every node at its slots)."""
+    id -> the weight published instead of the decided one (the fully routed nodes by their slots:
+    the cap already holds every node at its slots)."""
 
     max_requests: int
     choice_count: int
