@@ -21,10 +21,10 @@ def rig():
 
 
 async def test_two_cpu_burners_eject_and_unroute_no_node(rig, http):
-    rows, info = await cpu_burners(rig, http, burn_s=3.0)
+    rows, info = await cpu_burners(rig, http, burn_s=2.0)
     no_loss(rows)
     print(info)
-    assert sum(info["burner_cpu_s"]) > 1.5, info          # the burners really ran
+    assert sum(info["burner_cpu_s"]) > 1.0, info          # the burners really ran
     assert info["left_healthy"] == [] and info["unrouted"] == [], info
     assert info["ejections"] == 0 and info["fail_static_episodes"] == 0, info
     assert all(states == ["HEALTHY"] for states in info["envoy_states_seen"].values()), info
