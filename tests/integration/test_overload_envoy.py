@@ -51,9 +51,10 @@ def turned_away(servers: int, places: int, erlangs: float) -> float:
 
 async def test_admitting_by_slots_caps_at_the_survivors_slots_and_sheds_what_a_loss_system_would(make_fleet, http):
     s, watch, t0, t1 = await _half_frozen(make_fleet, http, SHED)
-    # 2 survivors x 2 slots, and a spare place each for the first 4 s (slots read low can grow)
+    # 2 survivors x 2 slots, and a spare place each for the first 4 s after the slots last grew
+    # (one read low at first: 3 + 2, then 4 + 2, then 4)
     limits = {lim for t, lim in watch.limits if t0 <= t < t1}
-    assert limits and limits <= {4, 6}, limits
+    assert limits and limits <= {4, 5, 6}, limits
     assert s["commanded"] == 0.0  # no random drop on top of the cap
     # 27 rps of ~0.22 s requests on 4 slots with 6 admitted at most: ~5.9 erlangs
     expected = 100.0 * turned_away(4, 6, RATE_RPS * 0.22)

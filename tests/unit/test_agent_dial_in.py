@@ -201,7 +201,10 @@ async def test_a_stream_the_control_plane_ends_is_redialled_at_once(hub_server, 
     assert len(hub.open) == 1
     assert agent.dialer is not None
     state = agent.dialer.states()[target]
-    assert state.dials == 2 and state.last_error == "the control plane ended the stream"
+    # the clean end; on a loaded machine grpcio 1.85 sometimes reports the same server-side end as
+    # INTERNAL ("Internal error from Core"): either way the agent dialled again at once
+    assert state.dials == 2 and state.last_error in (
+        "the control plane ended the stream", "INTERNAL: Internal error from Core"), state
     await wait_for(lambda: agent.dialer.states()[target].connected, 3.0, 0.01, "connected again")
 
 
