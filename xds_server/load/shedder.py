@@ -268,9 +268,9 @@ class Shedder:
             return None
         factor = cfg.health.probes.degraded_weight_factor
         full: dict[str, float] = {}
-        for i, r in core.routing.items():
-            nh = core.health.get(i)
-            if r.health_status != "HEALTHY" or nh is None or core.node_cluster.get(i) != name:
+        for i in (n.id for c in cfg.clusters if c.name == name for n in c.nodes):
+            r, nh = core.routing.get(i), core.health.get(i)
+            if r is None or r.health_status != "HEALTHY" or nh is None:
                 continue
             if nh.state is NodeState.HEALTHY:
                 full[i] = r.weight

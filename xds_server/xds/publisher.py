@@ -64,11 +64,15 @@ class EnvoyPublisher:
         self._weighted: dict[str, bool] = {}  # cluster -> locality weighting published in its Cluster
         self._limits: dict[str, tuple[int, int] | None] = {}  # cluster -> (limit, choices) in its Cluster
 
-    def _cluster(self, c: ClusterConfig, lay: Layout | None) -> cluster_pb2.Cluster:
+    @staticmethod
+    def _cap(adm: AdmissionArgs | None) -> tuple[int, int] | None:
+        """What of an admission the Cluster carries: (max_requests, choice_count)."""
+        return None if adm is None else (adm.max_requests, adm.choice_count)
+
+    def _cluster(self, c: ClusterConfig, lay: Layout | None, adm: AdmissionArgs | None) -> cluster_pb2.Cluster:
         on = lay is not None and lay.locality_weights is not None
         self._weighted[c.name] = on
-        adm = self._admission(c.name)
-        cap = self._limits[c.name] = None if adm is None else (adm.max_requests, adm.choice_count)
+        cap = self._limits[c.name] = self._cap(adm)
         msg = build_cluster(c)
         if cap is not None:  # admission by slots: only the requests in flight are capped
             msg.circuit_breakers.thresholds[0].max_requests.value = cap[0]
@@ -91,7 +95,7 @@ class EnvoyPublisher:
         clusters it no longer has. Returns the Envoy cluster names published."""
         cds: dict[str, cluster_pb2.Cluster] = {}
         for c in config.clusters:
-            cds.update(self._copies(c, self._cluster(c, self._layout(c))))
+            cds.update(self._copies(c, self._cluster(c, self._layout(c), self._admission(c.name))))
         self._cache.set_resources(CLUSTER_TYPE_URL, cds)
         for name in [n for n in self._cache.resources(CLA_TYPE_URL) if n not in cds]:
             self._cache.remove_resource(CLA_TYPE_URL, name)
@@ -107,8 +111,8 @@ class EnvoyPublisher:
             routing = {i: Routing(adm.weights[i], r.health_status) if i in adm.weights else r
                        for i, r in routing.items()}
         if self._weighted.get(c.name, False) != (lay is not None and lay.locality_weights is not None) or \
-                self._limits.get(c.name) != (None if adm is None else (adm.max_requests, adm.choice_count)):
-            for name, msg in self._copies(c, self._cluster(c, lay)).items():
+                self._limits.get(c.name) != self._cap(adm):
+            for name, msg in self._copies(c, self._cluster(c, lay, adm)).items():
                 self._cache.set_resource(CLUSTER_TYPE_URL, name, msg)
         close = self._closing(c) if lay is not None else set()
         try:
