@@ -4,6 +4,7 @@ frozen-host detection, side by side.
 Usage: python benchmarks/dial_in.py [--nodes N ...] [--seconds S] [--freeze K] [--clients C]
            [--modes dial-in heartbeat [transport]] [--gpus G] [--settle S] [--refresh-ms M]
            [--keepalive-ms P] [--ping-timeout-ms T] [--cp-cpu C] [--fleet-cpu F] [--workers W ...]
+           [--loop asyncio|uvloop|auto ...]
 
 The command (defaults: --nodes 300 1000 --seconds 20 --freeze 20 --clients 2 --modes dial-in
 heartbeat), and a smoke test of ~30 s:
@@ -43,9 +44,11 @@ default ramp takes 100 s), so the fleet is HEALTHY when the window starts (``sta
 every node's stream is open and ``--settle`` more seconds, over ``--seconds`` S: the control
 plane's process CPU (``resource.getrusage``, user + sys, gRPC's C threads included) and, apart,
 its event-loop (Python) thread's (``time.thread_time`` sampled in the loop thread at the window's
-ends), as cores and nodes per core; the agent processes' CPU (``/proc/PID/stat``; they share the
+ends), as cores and nodes per core, and every thread's by name (``thread_cores``, /proc/self/task:
+gRPC's C-core threads apart from the loop); the agent processes' CPU (``/proc/PID/stat``; they share the
 machine); messages received (``ProbeSession.on_message`` calls); false ejections (moves to
-UNHEALTHY of nodes not frozen, from the event log's ``record``). In the window's middle the K-node
+UNHEALTHY and outlier ejections of nodes not frozen, from the event log's ``record``; the settle's
+are ``ejections_in_settle``). In the window's middle the K-node
 process is SIGSTOPped (a host freeze: no FIN, no PING answered, no heartbeat) and each frozen
 node's detection time, SIGSTOP -> its move to UNHEALTHY (wall clock), is reported as median, p90,
 p99 and max (nodes not detected when the window ends get up to 5 s more, reported as ``detected``
@@ -81,6 +84,7 @@ import grpc
 from node_probe.dial_stream import CHANNEL_OPTIONS, METADATA
 from node_probe.proto import probe_pb2
 from xds_server.config import SentinelConfig, parse_config
+from xds_server.process import event_loop
 from xds_server.testing import free_port
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -124,6 +128,44 @@ def _proc_cpu_s(pid: int | None) -> float:
     except (OSError, IndexError):
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _GcTime:
+    """Wall time spent in the garbage collector's collections, per generation (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.collections = [0, 0, 0]
+        self._t0 = 0.0
+
+    def _cb(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._t0
+            self.collections[info["generation"]] += 1
+
+    def start(self) -> _GcTime:
+        gc.callbacks.append(self._cb)
+        return self
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._cb)
+
+
+def _threads_cpu_s() -> dict[int, tuple[str, float]]:
+    """This process's threads: thread id -> (name, CPU seconds so far, user + sys)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                head, rest = f.read().rsplit(")", 1)
+        except OSError:
+            continue  # the thread ended
+        fields = rest.split()
+        out[int(tid)] = (head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / tick)
+    return out
 
 
 # -- the dial-in agents (a client process) ---------------------------------------------------------
@@ -312,11 +354,14 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             frozen_proc = _Fleet(fleet_port, ips[:freeze], gpus, fleet_cpu).start() if freeze else None
         cp = ControlPlane(cfg)
         ejected: list[tuple[float, str, str]] = []  # (wall s, node id, reason) of every move to UNHEALTHY
+        outliers: list[tuple[float, str, str]] = []  # (wall s, node id, reason) of every outlier ejection
         rec = cp.core.events.record
 
         def record(wall_s: float, cluster: str, node_id: str, kind: str, reason: str, *a: Any, **k: Any) -> Any:
             if (a[1] if len(a) > 1 else k.get("to_state")) == "UNHEALTHY":
                 ejected.append((wall_s, node_id, reason))
+            elif kind == "outlier_ejected":
+                outliers.append((wall_s, node_id, reason))
             return rec(wall_s, cluster, node_id, kind, reason, *a, **k)
 
         cp.core.events.record = record  # type: ignore[method-assign]  # the hook of this measurement
@@ -339,7 +384,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
 
         connected = sum(1 for i in ids if cp.sessions[i].connected)
         states = Counter(cp.core.health[i].state.name for i in ids)
-        e0, m0 = len(ejected), received[0]
+        e0, o0, m0 = len(ejected), len(outliers), received[0]
         streams0 = sum(p.streams.value for p in procs if isinstance(p, _Agents))
         agents0 = sum(_proc_cpu_s(p.proc.pid) for p in procs)
         prof = None
@@ -350,6 +395,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         worker_pids = [h.proc.pid for h in cp.probe_pool.handles if h.proc is not None] if cp.probe_pool else []
         w0 = [_proc_cpu_s(pid) for pid in worker_pids]
         r0, th0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.monotonic()
+        threads0 = _threads_cpu_s()
+        gc_time = _GcTime().start()
         await asyncio.sleep(seconds / 2)
         states_at_freeze: dict[str, str] = {}
         freeze_at = time.time()
@@ -358,6 +405,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             os.kill(frozen_proc.proc.pid, signal.SIGSTOP)
         await asyncio.sleep(seconds / 2)
         r1, th1, dt = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.monotonic() - t0
+        threads1 = _threads_cpu_s()
+        gc_time.stop()
         w1 = [_proc_cpu_s(pid) for pid in worker_pids]
         if prof is not None:
             import pstats
@@ -384,7 +433,10 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         cpu = main_cpu + sum(worker_cpu)  # the control plane: its main process and its probe workers
         py = th1 - th0
         detect = sorted((at - freeze_at) * 1000.0 for at in first.values())
-        false_ej = [(i, r) for _, i, r in window if i not in frozen]
+        false_ej = [(i, r) for _, i, r in window + outliers[o0:] if i not in frozen]
+        by_name: Counter[str] = Counter()  # the process's threads by name (gRPC's: grpc_*, default-executo...)
+        for tid, (name, cpu_s) in threads1.items():
+            by_name[name] += cpu_s - threads0.get(tid, (name, 0.0))[1]
         out: dict[str, Any] = {
             "mode": mode, "nodes": n, "clients": clients, "workers": workers, "connected": connected,
             "main_process_cores": main_cpu / dt, "worker_cores": [c / dt for c in worker_cpu],
@@ -394,7 +446,11 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             "nodes_per_py_core": n / max(py / dt, 1e-9), "agents_cpu_cores": (agents1 - agents0) / dt,
             "messages_per_s": None if workers else msgs / dt, "false_ejections": len(false_ej),
             "false_ejection_reasons": sorted({r[:120] for _, r in false_ej})[:3],
-            "ejections_in_settle": e0, "frozen": freeze, "detected": len(detect),
+            "outlier_ejections": len(outliers) - o0,
+            "gc_cores": {g: round(s / dt, 4) for g, s in enumerate(gc_time.seconds)},
+            "gc_collections": gc_time.collections,
+            "thread_cores": {k: round(v / dt, 3) for k, v in by_name.most_common() if v / dt >= 0.005},
+            "ejections_in_settle": e0 + o0, "frozen": freeze, "detected": len(detect),
             "window_s": dt, "load_avg": os.getloadavg()[0]}
         if mode == "dial-in":
             out["redials"] = streams1 - streams0  # streams opened in the window (a drop and its re-dial)
@@ -431,10 +487,10 @@ def _run_one(args: list[Any], q: Any) -> None:
                 loop.default_exception_handler(context)
 
         loop.set_exception_handler(counted)
-        return await measure(*args[:-1])
+        return await measure(*args[:-2])
 
     try:
-        q.put(asyncio.run(run()))
+        q.put(event_loop.run(run(), args[-2]))
     except BaseException as e:
         q.put({"mode": args[0], "nodes": args[1], "error": f"{type(e).__name__}: {e}"})
         raise
@@ -471,6 +527,7 @@ def _summary(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{r['mode']:<10} {r['nodes']:>6} error: {r['error']}")
             continue
         mode = f"{r['mode']}/w{r['workers']}" if r.get("workers") else r["mode"]  # w: probe workers
+        mode += "/uv" if r.get("loop") == "uvloop" else ""
         lines.append(
             f"{mode:<10} {r['nodes']:>6} {r['clients']:>3} {r['connected']:>6} {r['cpu_cores']:>8.3f} "
             f"{r['py_thread_cores']:>8.3f} {r['nodes_per_core']:>10.0f} {r['nodes_per_py_core']:>9.0f} "
@@ -498,6 +555,8 @@ def main() -> None:
     ap.add_argument("--ping-timeout-ms", type=int, default=100, help="PING answer deadline (dial-in, transport)")
     ap.add_argument("--cp-cpu", type=int, default=None, help="pin the control plane to this CPU")
     ap.add_argument("--fleet-cpu", type=int, default=None, help="pin the agent processes to this CPU")
+    ap.add_argument("--loop", nargs="+", default=["asyncio"], choices=event_loop.LOOPS,
+                    help="the control plane's event loop (xds-server serve --loop); several: one measurement each")
     ap.add_argument("--workers", type=int, nargs="+", default=[0],
                     help="dial-in: probe workers that accept the agents (probe.workers, on probe.dial_in.listen; "
                     "0: the main process does); several values: one dial-in measurement each")
@@ -511,11 +570,12 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     try:
         for n in a.nodes:
-            for mode, workers in [(m, w) for m in a.modes for w in (a.workers if m == "dial-in" else [0])]:
+            for mode, workers, loop in [(m, w, lp) for m in a.modes for w in (a.workers if m == "dial-in" else [0])
+                                        for lp in a.loop]:
                 q = ctx.Queue()
                 p = ctx.Process(target=_run_one, args=([mode, n, a.seconds, a.freeze, a.clients, a.gpus, a.settle,
                                                         a.refresh_ms, a.keepalive_ms, a.ping_timeout_ms, a.cp_cpu,
-                                                        a.fleet_cpu, workers, os.getpid()], q))
+                                                        a.fleet_cpu, workers, loop, os.getpid()], q))
                 p.start()  # a fresh process per measurement: no state carried between modes
                 try:
                     deadline = time.monotonic() + a.settle + a.seconds + _DETECT_GRACE_S + 300 + n / 10
@@ -531,6 +591,7 @@ def main() -> None:
                     p.join(30)
                 finally:
                     _end_group(p)
+                res["loop"] = loop
                 rows.append(res)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}), flush=True)
     except KeyboardInterrupt:

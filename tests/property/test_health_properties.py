@@ -186,7 +186,8 @@ def test_prop_jittery_heartbeats_are_not_a_flapping_source(gaps):
 
 node_health = st.builds(
     lambda state, rtt, ttft, free, waiting: NodeHealth(
-        node_id="x", state=state, rtt=Rtt(ewma_ms=rtt), probe=Probes(ewma_ttft_ms=ttft),
+        node_id="x", state=state, rtt=Rtt(ewma_ms=rtt, samples=0 if rtt is None else 5),
+        probe=Probes(ewma_ttft_ms=ttft),
         engine=Engine(gpu_free_ratio=free, requests_waiting=waiting), ramp=Ramp(percent=37.0),
         heartbeat=Heartbeats(last_s=0.0)),
     st.sampled_from(list(S)), st.one_of(st.none(), st.floats(0, 1000)), st.one_of(st.none(), st.floats(0, 3000)),

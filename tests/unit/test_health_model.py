@@ -304,13 +304,14 @@ def test_one_late_ping_moves_the_rtt_ewma_a_little_and_a_lasting_rise_reaches_it
 @given(st.lists(st.floats(0.01, 5000.0), min_size=1, max_size=60))
 def test_the_rtt_ewma_stays_between_its_samples_and_one_sample_moves_it_at_most_by_its_cap(samples):
     sim = healthy_sim()
-    first = sim.nh.rtt.ewma_ms
+    first, counted = sim.nh.rtt.ewma_ms, sim.nh.rtt.samples
     seen = [] if first is None else [first]
     for k, v in enumerate(samples):
         before = sim.nh.rtt.ewma_ms
         sim.apply(PingObserved(v), 4.0 + k * 0.001)
         seen.append(v)
         e = sim.nh.rtt.ewma_ms
+        assert sim.nh.rtt.samples == counted + k + 1  # every ping counts toward outlier.min_rtt_samples
         assert e is not None and min(seen) - 1e-9 <= e <= max(seen) + 1e-9
         if before is not None:
             cap = FAST_RAMP.rtt.spike_factor * max(before, FAST_RAMP.rtt.baseline_slack.ms)

@@ -36,10 +36,11 @@ CFG = HealthConfig()
 
 
 def node(nid, state=S.HEALTHY, reason=None, last_heartbeat_s=0.0, ewma_rtt_ms=None, ewma_ttft_ms=None,
-         gpu_free_ratio=None, requests_waiting=None):
+         gpu_free_ratio=None, requests_waiting=None, rtt_samples=CFG.outlier.min_rtt_samples):
     nh = initial(nid, 0.0)
     return replace(nh, state=state, reason=nh.reason if reason is None else reason,
-                   heartbeat=Heartbeats(last_s=last_heartbeat_s), rtt=Rtt(ewma_ms=ewma_rtt_ms),
+                   heartbeat=Heartbeats(last_s=last_heartbeat_s),
+                   rtt=Rtt(ewma_ms=ewma_rtt_ms, samples=0 if ewma_rtt_ms is None else rtt_samples),
                    probe=Probes(ewma_ttft_ms=ewma_ttft_ms),
                    engine=Engine(gpu_free_ratio=gpu_free_ratio, requests_waiting=requests_waiting))
 
@@ -117,6 +118,25 @@ def test_outlier_ttft_far_above_median_is_ejected_and_returns_after_ejection_tim
     # a second ejection lasts twice as long
     d4 = cluster_routing(nodes, d3.outliers, 50.0, CFG)
     assert d4.outliers["d"].until_s == 110.0
+
+
+def test_rtt_is_judged_only_after_enough_pings():
+    """The first round trips of a stream measure its setup (our connect storm): a node's EWMA RTT
+    is neither an outlier nor a weight until it has ``outlier.min_rtt_samples`` pings behind it."""
+    need = CFG.outlier.min_rtt_samples
+    assert need > 1
+
+    def fleet(samples):
+        return [(n, 1, node(n, ewma_rtt_ms=r, rtt_samples=need, gpu_free_ratio=0.9))
+                for n, r in (("a", 10), ("b", 12), ("c", 11))] + [
+            ("d", 1, node("d", ewma_rtt_ms=120.0, rtt_samples=samples, gpu_free_ratio=0.9))]
+
+    early = cluster_routing(fleet(need - 1), {}, 10.0, CFG)
+    assert not early.events and early.routing["d"].health_status == "HEALTHY"
+    assert early.routing["d"].weight == early.routing["c"].weight  # unknown: scored at the median (c)
+    judged = cluster_routing(fleet(need), {}, 10.0, CFG)
+    assert judged.routing["d"].health_status == "UNHEALTHY"
+    assert "outlier: EWMA RTT 120 ms vs cluster median 12 ms" in judged.why_not_routed["d"]
 
 
 def test_max_ejection_percent_holds_back_soft_ejections_and_says_so():

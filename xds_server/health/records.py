@@ -248,11 +248,13 @@ class Heartbeats:
 @fast_init
 @dataclass(frozen=True, slots=True)
 class Rtt:
-    """Ping round trips (ms): EWMA, last sample and the slow baseline learned while HEALTHY."""
+    """Ping round trips (ms): EWMA, last sample, the slow baseline learned while HEALTHY, and the
+    samples folded into the EWMA since this control plane started (not persisted)."""
 
     ewma_ms: float | None = None
     last_ms: float | None = None
     baseline_ms: float | None = None
+    samples: int = 0
 
 
 @fast_init

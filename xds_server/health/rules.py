@@ -230,7 +230,7 @@ def _record_ping(nh: NodeHealth, obs: PingObserved, c: _StepCtx) -> NodeHealth:
     else:
         sample = min(obs.rtt_ms, rc.spike_factor * max(r.ewma_ms, rc.baseline_slack.ms))
         ewma = rc.ewma_alpha * sample + (1 - rc.ewma_alpha) * r.ewma_ms
-    return replace(nh, rtt=replace(r, ewma_ms=ewma, last_ms=obs.rtt_ms))
+    return replace(nh, rtt=replace(r, ewma_ms=ewma, last_ms=obs.rtt_ms, samples=r.samples + 1))
 
 
 def _r_ping(nh: NodeHealth, obs: PingObserved, c: _StepCtx) -> Sequence[Fired]:

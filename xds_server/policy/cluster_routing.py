@@ -112,7 +112,13 @@ def score(ewma_rtt_ms: float, gpu_free_ratio: float, cfg: HealthConfig) -> float
 def _outlier_metrics(cfg: HealthConfig) -> tuple[tuple[Callable[[NodeHealth], float | None], float, str], ...]:
     """(EWMA metric of a node, minimum gap above the median in ms, label) for outlier detection."""
     return ((lambda nh: nh.probe.ewma_ttft_ms, cfg.outlier.min_gap_ttft.ms, "TTFT"),
-            (lambda nh: nh.rtt.ewma_ms, cfg.outlier.min_gap_rtt.ms, "RTT"))
+            (lambda nh: judged_rtt_ms(nh, cfg), cfg.outlier.min_gap_rtt.ms, "RTT"))
+
+
+def judged_rtt_ms(nh: NodeHealth, cfg: HealthConfig) -> float | None:
+    """The node's EWMA RTT (ms) once it has ``outlier.min_rtt_samples`` pings behind it, else None
+    (judged as unknown, for outliers and for the score's weights alike)."""
+    return nh.rtt.ewma_ms if nh.rtt.samples >= cfg.outlier.min_rtt_samples else None
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -213,14 +219,15 @@ def cluster_routing(
                                       "traffic decided"))
 
     # 4. weights among routable nodes from the seed score.
-    rtts = [v for nid in routable if (v := health[nid].rtt.ewma_ms) is not None]
+    judged = {nid: judged_rtt_ms(health[nid], cfg) for nid in routable}
+    rtts = [v for v in judged.values() if v is not None]
     frees = [v for nid in routable if (v := health[nid].engine.gpu_free_ratio) is not None]
     rtt_mid = _median(rtts) or 0.0
     free_mid = _median(frees)
     scores: dict[str, float] = {}
     for nid in routable:
         nh = health[nid]
-        rtt = nh.rtt.ewma_ms if nh.rtt.ewma_ms is not None else rtt_mid
+        rtt = judged[nid] if judged[nid] is not None else rtt_mid
         gpu_free = nh.engine.gpu_free_ratio
         free = gpu_free if gpu_free is not None else (free_mid if free_mid is not None else 1.0)
         scores[nid] = score(rtt, free, cfg)

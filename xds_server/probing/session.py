@@ -275,9 +275,13 @@ class ProbeSession:
         silent_s = silent_after_s(self.probe_cfg)
 
         async def writer() -> None:
-            # The only writer of this stream: grpc.aio allows one write in flight at a time.
+            # The only writer of this stream: grpc.aio allows one write in flight at a time. A ping's
+            # round trip starts when it is written, not while it waited in the queue behind others.
             while True:
-                await call.write(await outq.get())
+                m = await outq.get()
+                if m.HasField("ping") and m.ping.seq in pings:
+                    pings[m.ping.seq] = monotonic()
+                await call.write(m)
 
         async def pinger() -> None:
             outq.put_nowait(hello(self.control_plane_id, self.probe_cfg))
