@@ -285,6 +285,20 @@ def test_rtt_ewma_alpha_02_and_the_baseline_learns_only_while_healthy():
     assert sim.nh.rtt.baseline_ms == held and sim.nh.rtt.ewma_ms > held
 
 
+def test_until_enough_pings_the_rtt_ewma_is_the_smallest_round_trip_seen():
+    """A fleet dialling in at once: the first pings read our backlog (here 250 ms, then 120), the
+    node's own round trip is 5 ms. Seeded with the backlog, alpha 0.2 would still hold ~80 ms
+    after five pings (an outlier against a 5 ms median); the smallest sample is the node's."""
+    sim = NodeSim(cfg=FAST_RAMP)
+    need = FAST_RAMP.outlier.min_rtt_samples
+    samples = [250.0, 120.0, 5.0, 9.0, 6.0][:need] + [7.0] * max(0, need - 5)
+    for k, v in enumerate(samples):
+        sim.apply(PingObserved(v), 0.01 + k * 0.01)
+    assert sim.nh.rtt.samples == need and sim.nh.rtt.ewma_ms == pytest.approx(5.0)
+    sim.apply(PingObserved(10.0), 0.5)  # from here on an EWMA (alpha 0.2)
+    assert sim.nh.rtt.ewma_ms == pytest.approx(0.8 * 5.0 + 0.2 * 10.0)
+
+
 def test_one_late_ping_moves_the_rtt_ewma_a_little_and_a_lasting_rise_reaches_it_within_fifteen_pings():
     sim = healthy_sim()
     for k in range(10):

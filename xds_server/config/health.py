@@ -275,10 +275,10 @@ class OutlierConfig(_Model):
     min_rtt_samples: int = Field(
         5, ge=1,
         description="a node's EWMA RTT is judged (and counts toward the median) only after this many "
-        "pings since this control plane started: the first round trips of a stream measure its setup "
-        "and our own connect storm (1,000 agents dialling at once read 60-130 ms against a 13 ms "
-        "median, and 79 healthy nodes were outlier-ejected); Envoy's outlier detection likewise "
-        "waits for success_rate_request_volume. Ours")
+        "pings since this control plane started, and until then it is the smallest round trip seen: "
+        "the first round trips of a stream measure its setup and our own connect storm (1,000 agents "
+        "dialling at once read 60-130 ms against a 13 ms median, and 79 healthy nodes were "
+        "outlier-ejected); Envoy's outlier detection likewise waits for success_rate_request_volume. Ours")
     ejection: PositiveDuration = Field(Duration.parse("30s"), description="first outlier ejection; doubles each time")
     ejection_max: PositiveDuration = Field(Duration.parse("300s"), description="cap of the doubled outlier ejection")
     max_ejection_percent: float = Field(
