@@ -4,7 +4,7 @@ frozen-host detection, side by side.
 Usage: python benchmarks/dial_in.py [--nodes N ...] [--seconds S] [--freeze K] [--clients C]
            [--modes dial-in heartbeat [transport]] [--gpus G] [--settle S] [--refresh-ms M]
            [--keepalive-ms P] [--ping-timeout-ms T] [--cp-cpu C] [--fleet-cpu F] [--workers W ...]
-           [--loop asyncio|uvloop|auto ...]
+           [--loop asyncio|uvloop|auto ...] [--agent-kind grpcio|h2] [--gc tuned|default ...]
 
 The command (defaults: --nodes 300 1000 --seconds 20 --freeze 20 --clients 2 --modes dial-in
 heartbeat), and a smoke test of ~30 s:
@@ -87,7 +87,7 @@ import grpc
 from node_probe.dial_stream import CHANNEL_OPTIONS, METADATA
 from node_probe.proto import probe_pb2
 from xds_server.config import SentinelConfig, parse_config
-from xds_server.process import event_loop
+from xds_server.process import event_loop, gc_tuning
 from xds_server.testing import free_port
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -135,18 +135,22 @@ def _proc_cpu_s(pid: int | None) -> float:
 
 
 class _GcTime:
-    """Wall time spent in the garbage collector's collections, per generation (``gc.callbacks``)."""
+    """Wall time spent in the garbage collector's collections, per generation, and the longest
+    (``gc.callbacks``)."""
 
     def __init__(self) -> None:
         self.seconds = [0.0, 0.0, 0.0]
         self.collections = [0, 0, 0]
+        self.max_ms = 0.0
         self._t0 = 0.0
 
     def _cb(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
         else:
-            self.seconds[info["generation"]] += time.perf_counter() - self._t0
+            took = time.perf_counter() - self._t0
+            self.seconds[info["generation"]] += took
+            self.max_ms = max(self.max_ms, took * 1000.0)
             self.collections[info["generation"]] += 1
 
     def start(self) -> _GcTime:
@@ -351,13 +355,16 @@ def _split(xs: list[Any], parts: int) -> list[list[Any]]:
 
 async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, gpus: int, settle_s: float,
                   refresh_ms: int, keepalive_ms: int, ping_timeout_ms: int, cp_cpu: int | None,
-                  fleet_cpu: int | None, workers: int = 0, agent_kind: str = "grpcio") -> dict[str, Any]:
+                  fleet_cpu: int | None, workers: int = 0, agent_kind: str = "grpcio",
+                  gc_mode: str = "tuned") -> dict[str, Any]:
     from xds_server.probing.session import ProbeSession
     from xds_server.server import ControlPlane
 
     _raise_nofile()
     if cp_cpu is not None:
         os.sched_setaffinity(0, {cp_cpu})
+    if gc_mode == "tuned":  # as xds-server serve runs (xds_server.process.gc_tuning)
+        gc_tuning.tune()
     received = [0]  # agent messages read off the streams
     on_message = ProbeSession.on_message
 
@@ -477,7 +484,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             "false_ejection_reasons": sorted({r[:120] for _, r in false_ej})[:3],
             "outlier_ejections": len(outliers) - o0, "detect_reasons": detect_reasons,
             "gc_cores": {g: round(s / dt, 4) for g, s in enumerate(gc_time.seconds)},
-            "gc_collections": gc_time.collections,
+            "gc_collections": gc_time.collections, "gc_max_ms": gc_time.max_ms,
             "thread_cores": {k: round(v / dt, 3) for k, v in by_name.most_common() if v / dt >= 0.005},
             "ejections_in_settle": e0 + o0, "frozen": freeze, "detected": len(detect),
             "window_s": dt, "load_avg": os.getloadavg()[0]}
@@ -547,25 +554,27 @@ def _fmt(v: Any, spec: str = ".0f") -> str:
 
 
 def _summary(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'mode':<10} {'nodes':>6} {'cl':>3} {'conn':>6} {'cp cores':>8} {'py cores':>8} {'nodes/core':>10} "
-            f"{'nodes/py':>9} {'agents':>6} {'false ej':>8} {'detected':>9} {'p50 ms':>7} {'p90 ms':>7} "
+    head = (f"{'mode':<14} {'nodes':>6} {'cl':>3} {'conn':>6} {'cp cores':>8} {'py cores':>8} {'nodes/core':>10} "
+            f"{'nodes/py':>9} {'agents':>6} {'gc max':>6} {'false ej':>8} {'detected':>9} {'p50 ms':>7} {'p90 ms':>7} "
             f"{'p99 ms':>7} {'max ms':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['mode']:<10} {r['nodes']:>6} error: {r['error']}")
+            lines.append(f"{r['mode']:<14} {r['nodes']:>6} error: {r['error']}")
             continue
         mode = f"{r['mode']}/w{r['workers']}" if r.get("workers") else r["mode"]  # w: probe workers
         mode += "/uv" if r.get("loop") == "uvloop" else ""
+        mode += "/gc0" if r.get("gc") == "default" else ""  # CPython's GC thresholds
         lines.append(
-            f"{mode:<10} {r['nodes']:>6} {r['clients']:>3} {r['connected']:>6} {r['cpu_cores']:>8.3f} "
+            f"{mode:<14} {r['nodes']:>6} {r['clients']:>3} {r['connected']:>6} {r['cpu_cores']:>8.3f} "
             f"{r['py_thread_cores']:>8.3f} {r['nodes_per_core']:>10.0f} {r['nodes_per_py_core']:>9.0f} "
-            f"{r['agents_cpu_cores']:>6.2f} {r['false_ejections']:>8} {r['detected']:>4}/{r['frozen']:<4} "
+            f"{r['agents_cpu_cores']:>6.2f} {r.get('gc_max_ms', 0):>6.0f} {r['false_ejections']:>8} "
+            f"{r['detected']:>4}/{r['frozen']:<4} "
             f"{_fmt(r.get('detect_p50_ms')):>7} {_fmt(r.get('detect_p90_ms')):>7} "
             f"{_fmt(r.get('detect_p99_ms')):>7} {_fmt(r.get('detect_max_ms')):>7}")
     lines.append("cp cores: the control plane's process CPU (user+sys) / wall s, its probe workers' included; "
                  "py cores: its main event-loop thread's;\nagents: the fake agents' processes (same machine); "
-                 "detection: SIGSTOP -> UNHEALTHY")
+                 "gc max: the longest collection, ms (/gc0: CPython's thresholds); detection: SIGSTOP -> UNHEALTHY")
     return "\n".join(lines)
 
 
@@ -587,6 +596,9 @@ def main() -> None:
     ap.add_argument("--agent-kind", choices=("grpcio", "h2"), default="grpcio",
                     help="dial-in: the simulated agents, a grpc.aio channel each, or HTTP/2 by hand (h2_agents.py; "
                     "~40 %% less CPU, so 2,000 fit beside the control plane)")
+    ap.add_argument("--gc", nargs="+", default=["tuned"], choices=("tuned", "default"),
+                    help="the control plane's garbage collector thresholds: xds-server serve's (tuned, "
+                    "xds_server/process/gc_tuning.py) or CPython's; several: one measurement each")
     ap.add_argument("--loop", nargs="+", default=["asyncio"], choices=event_loop.LOOPS,
                     help="the control plane's event loop (xds-server serve --loop); several: one measurement each")
     ap.add_argument("--workers", type=int, nargs="+", default=[0],
@@ -602,12 +614,14 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     try:
         for n in a.nodes:
-            for mode, workers, loop in [(m, w, lp) for m in a.modes for w in (a.workers if m == "dial-in" else [0])
-                                        for lp in a.loop]:
+            for mode, workers, loop, gc_mode in [
+                    (m, w, lp, g) for m in a.modes for w in (a.workers if m == "dial-in" else [0])
+                    for lp in a.loop for g in a.gc]:
                 q = ctx.Queue()
                 p = ctx.Process(target=_run_one, args=([mode, n, a.seconds, a.freeze, a.clients, a.gpus, a.settle,
                                                         a.refresh_ms, a.keepalive_ms, a.ping_timeout_ms, a.cp_cpu,
-                                                        a.fleet_cpu, workers, a.agent_kind, loop, os.getpid()], q))
+                                                        a.fleet_cpu, workers, a.agent_kind, gc_mode, loop,
+                                                        os.getpid()], q))
                 p.start()  # a fresh process per measurement: no state carried between modes
                 try:
                     deadline = time.monotonic() + a.settle + a.seconds + _DETECT_GRACE_S + 300 + n / 10
@@ -623,7 +637,7 @@ def main() -> None:
                     p.join(30)
                 finally:
                     _end_group(p)
-                res["loop"] = loop
+                res["loop"], res["gc"] = loop, gc_mode
                 rows.append(res)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}), flush=True)
     except KeyboardInterrupt:

@@ -23,7 +23,7 @@ from xds_server.admin.client import AdminError, admin_base_url, drain_line, get_
 from xds_server.admin.shift_client import add_shift_parser
 from xds_server.admin.status_text import format_status
 from xds_server.envoy.bootstrap_command import add_bootstrap_parser
-from xds_server.process import event_loop
+from xds_server.process import event_loop, gc_tuning
 from xds_server.process.commandline import add_common_options, run_main, version
 from xds_server.process.logs import configure_logging, quiet_grpc_core, set_replica
 
@@ -68,6 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger("xds_server.server").warning("%s", note)
 
     async def run() -> int:
+        gc_tuning.tune()  # long pauses of full collections at thousands of nodes (the module's docstring)
         cp = ControlPlane(cfg, config_path=path)
         stop, started = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()

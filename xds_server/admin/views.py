@@ -288,12 +288,20 @@ class ControlPlaneView:
     def nodes(self) -> list[dict]:
         return [self.node(n) for n in self._core.node_cfg]
 
-    def history_rows(self) -> list[HistoryRow]:
-        """Every node as the dashboard's history samples it (shown state and weight, RTT, TTFT):
-        lighter than :meth:`node`."""
+    def node_ids(self) -> list[str]:
+        """Every watched node's id, in the health table's order."""
+        return list(self._core.health)
+
+    def history_rows(self, node_ids: list[str] | None = None) -> list[HistoryRow]:
+        """The nodes ``node_ids`` (default every node; an id no longer watched is skipped) as the
+        dashboard's history samples them (shown state and weight, RTT, TTFT): lighter than
+        :meth:`node`."""
         core = self._core
         rows = []
-        for node_id, nh in core.health.items():
+        for node_id in core.health if node_ids is None else node_ids:
+            nh = core.health.get(node_id)
+            if nh is None:
+                continue
             shown = self.display(node_id)
             rows.append(HistoryRow(node_id, core.node_cluster[node_id], shown.state, shown.shown_weight,
                                    hm.full_weight(core.node_cfg[node_id].capacity), nh.rtt.ewma_ms,

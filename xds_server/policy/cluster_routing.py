@@ -227,7 +227,7 @@ def cluster_routing(
     scores: dict[str, float] = {}
     for nid in routable:
         nh = health[nid]
-        rtt = judged[nid] if judged[nid] is not None else rtt_mid
+        rtt = rtt_mid if (own := judged[nid]) is None else own
         gpu_free = nh.engine.gpu_free_ratio
         free = gpu_free if gpu_free is not None else (free_mid if free_mid is not None else 1.0)
         scores[nid] = score(rtt, free, cfg)

@@ -34,7 +34,7 @@ from xds_server.probing.session import ProbeSession
 from xds_server.probing.workers._channel import encode, read_frame
 from xds_server.probing.workers._detector import Detector
 from xds_server.probing.workers._inbound import WorkerHub
-from xds_server.process import event_loop
+from xds_server.process import event_loop, gc_tuning
 from xds_server.process.counters import Counters
 from xds_server.process.identity import PeerIdentity
 
@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     from xds_server.process.logs import configure_logging, quiet_grpc_core
     quiet_grpc_core()
     configure_logging("INFO", args[2] if len(args) > 2 else "text")
+    gc_tuning.tune()  # the main process's thresholds (xds_server.process.gc_tuning)
     event_loop.run(serve(fd), args[4] if len(args) > 4 else "asyncio")
     return 0
 
