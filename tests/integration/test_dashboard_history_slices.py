@@ -29,7 +29,7 @@ async def test_a_history_sample_runs_in_slices_with_the_loop_free_between_and_ho
         calls.append((NODES if node_ids is None else len(node_ids), turns[0]))
         return rows(node_ids)
 
-    cp.view.history_rows = spied  # type: ignore[method-assign]
+    cp.view.history_rows = spied  # type: ignore[method-assign]  # the spy of this test, on its own instance
 
     async def spin() -> None:
         while True:
