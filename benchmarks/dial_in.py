@@ -5,6 +5,7 @@ Usage: python benchmarks/dial_in.py [--nodes N ...] [--seconds S] [--freeze K] [
            [--modes dial-in heartbeat [transport]] [--gpus G] [--settle S] [--refresh-ms M]
            [--keepalive-ms P] [--ping-timeout-ms T] [--cp-cpu C] [--fleet-cpu F] [--workers W ...]
            [--loop asyncio|uvloop|auto ...] [--agent-kind grpcio|h2] [--gc tuned|default ...]
+           [--freeze-groups G]
 
 The command (defaults: --nodes 300 1000 --seconds 20 --freeze 20 --clients 2 --modes dial-in
 heartbeat), and a smoke test of ~30 s:
@@ -55,7 +56,9 @@ are ``ejections_in_settle``). In the window's middle the K-node
 process is SIGSTOPped (a host freeze: no FIN, no PING answered, no heartbeat) and each frozen
 node's detection time, SIGSTOP -> its move to UNHEALTHY (wall clock), is reported as median, p90,
 p99 and max (nodes not detected when the window ends get up to 5 s more, reported as ``detected``
-< ``frozen``).
+< ``frozen``). With ``--freeze-groups G`` the K nodes are in G processes, SIGSTOPped one after
+another at even steps over the window: G independent freezes (the nodes of one freeze are
+detected within milliseconds of each other), each one's slowest node in ``group_detect_max_ms``.
 
 Output: one JSON line per measurement, then a table. Every process started (the measurement's
 child, its agents) is stopped at the end, on failure and on Ctrl-C: the child runs in a process
@@ -356,7 +359,7 @@ def _split(xs: list[Any], parts: int) -> list[list[Any]]:
 async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, gpus: int, settle_s: float,
                   refresh_ms: int, keepalive_ms: int, ping_timeout_ms: int, cp_cpu: int | None,
                   fleet_cpu: int | None, workers: int = 0, agent_kind: str = "grpcio",
-                  gc_mode: str = "tuned") -> dict[str, Any]:
+                  gc_mode: str = "tuned", freeze_groups: int = 1) -> dict[str, Any]:
     from xds_server.probing.session import ProbeSession
     from xds_server.server import ControlPlane
 
@@ -381,12 +384,13 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
     cfg = _config(mode, n, ips, fleet_port, keepalive_ms, ping_timeout_ms, refresh_ms, workers)
     addresses = {nd.id: nd.address for c in cfg.clusters for nd in c.nodes}
     procs: list[Any] = []  # _Agents or _Fleet: .proc, .stop()
-    frozen_proc: Any = None  # the process of the nodes to freeze (none when K is 0)
+    groups = [g for g in _split(list(range(freeze)), freeze_groups) if g]  # node indices per freeze
+    frozen_procs: list[Any] = []  # a process per group of nodes to freeze (none when K is 0)
     cp = None
     try:
         if mode != "dial-in":  # the agents listen before the control plane dials them
             procs = [_Fleet(fleet_port, part, gpus, fleet_cpu).start() for part in _split(ips[freeze:], clients)]
-            frozen_proc = _Fleet(fleet_port, ips[:freeze], gpus, fleet_cpu).start() if freeze else None
+            frozen_procs = [_Fleet(fleet_port, [ips[k] for k in g], gpus, fleet_cpu).start() for g in groups]
         cp = ControlPlane(cfg)
         ejected: list[tuple[float, str, str]] = []  # (wall s, node id, reason) of every move to UNHEALTHY
         outliers: list[tuple[float, str, str]] = []  # (wall s, node id, reason) of every outlier ejection
@@ -407,10 +411,9 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             port = cp.agents_port or cp.xds_port
             procs = [_Agents(port, part, gpus, refresh_ms / 1000.0, fleet_cpu, agent_kind).start()
                      for part in _split(nodes[freeze:], clients)]
-            frozen_proc = _Agents(port, nodes[:freeze], gpus, refresh_ms / 1000.0,
-                                  fleet_cpu, agent_kind).start() if freeze else None
-        if frozen_proc is not None:
-            procs.append(frozen_proc)
+            frozen_procs = [_Agents(port, [nodes[k] for k in g], gpus, refresh_ms / 1000.0,
+                                    fleet_cpu, agent_kind).start() for g in groups]
+        procs.extend(frozen_procs)
         deadline = time.monotonic() + 60.0 + n / 50.0
         while time.monotonic() < deadline and not all(cp.sessions[i].connected for i in ids):
             await asyncio.sleep(0.1)
@@ -432,13 +435,16 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         r0, th0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.monotonic()
         threads0 = _threads_cpu_s()
         gc_time = _GcTime().start()
-        await asyncio.sleep(seconds / 2)
         states_at_freeze: dict[str, str] = {}
-        freeze_at = time.time()
-        if frozen_proc is not None:
-            states_at_freeze = {i: cp.core.health[i].state.name for i in sorted(frozen)}
-            os.kill(frozen_proc.proc.pid, signal.SIGSTOP)
-        await asyncio.sleep(seconds / 2)
+        freeze_at: dict[str, float] = {}  # a frozen node -> wall time of its process's SIGSTOP
+        for g, (grp, proc) in enumerate(zip(groups, frozen_procs, strict=True)):
+            await asyncio.sleep(max(0.0, t0 + seconds * (g + 1) / (len(groups) + 1) - time.monotonic()))
+            at = time.time()
+            for k in grp:
+                states_at_freeze[ids[k]] = cp.core.health[ids[k]].state.name
+                freeze_at[ids[k]] = at
+            os.kill(proc.proc.pid, signal.SIGSTOP)
+        await asyncio.sleep(max(0.0, t0 + seconds - time.monotonic()))
         r1, th1, dt = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.monotonic() - t0
         threads1 = _threads_cpu_s()
         gc_time.stop()
@@ -455,7 +461,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         def first_detections() -> dict[str, float]:
             first: dict[str, float] = {}
             for at, i, _ in ejected[e0:]:
-                if i in frozen and at >= freeze_at:
+                if i in freeze_at and at >= freeze_at[i]:
                     first.setdefault(i, at)
             return first
 
@@ -467,9 +473,11 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         worker_cpu = [b - a for a, b in zip(w0, w1, strict=True)]
         cpu = main_cpu + sum(worker_cpu)  # the control plane: its main process and its probe workers
         py = th1 - th0
-        detect = sorted((at - freeze_at) * 1000.0 for at in first.values())
+        detect = sorted((at - freeze_at[i]) * 1000.0 for i, at in first.items())
+        group_max = [round(max((first[ids[k]] - freeze_at[ids[k]]) * 1000.0 for k in g if ids[k] in first), 1)
+                     for g in groups if any(ids[k] in first for k in g)]
         false_ej = [(i, r) for _, i, r in window + outliers[o0:] if i not in frozen]
-        detect_reasons = sorted({r[:160] for at, i, r in ejected[e0:] if i in frozen and at >= freeze_at})[:2]
+        detect_reasons = sorted({r[:160] for at, i, r in ejected[e0:] if i in freeze_at and at >= freeze_at[i]})[:2]
         by_name: Counter[str] = Counter()  # the process's threads by name (gRPC's: grpc_*, default-executo...)
         for tid, (name, cpu_s) in threads1.items():
             by_name[name] += cpu_s - threads0.get(tid, (name, 0.0))[1]
@@ -486,7 +494,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             "gc_cores": {g: round(s / dt, 4) for g, s in enumerate(gc_time.seconds)},
             "gc_collections": gc_time.collections, "gc_max_ms": gc_time.max_ms,
             "thread_cores": {k: round(v / dt, 3) for k, v in by_name.most_common() if v / dt >= 0.005},
-            "ejections_in_settle": e0 + o0, "frozen": freeze, "detected": len(detect),
+            "ejections_in_settle": e0 + o0, "frozen": freeze, "freeze_groups": len(groups),
+            "group_detect_max_ms": group_max, "detected": len(detect),
             "window_s": dt, "load_avg": os.getloadavg()[0]}
         if mode == "dial-in":
             out["redials"] = streams1 - streams0  # streams opened in the window (a drop and its re-dial)
@@ -583,6 +592,9 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[300, 1000])
     ap.add_argument("--seconds", type=float, default=20.0, help="measurement window (the freeze is in its middle)")
     ap.add_argument("--freeze", type=int, default=20, help="nodes whose agent process is SIGSTOPped")
+    ap.add_argument("--freeze-groups", type=int, default=1,
+                    help="the frozen nodes in this many processes, SIGSTOPped one after another spread over the "
+                    "window (independent freezes; default 1: all at its middle)")
     ap.add_argument("--clients", type=int, default=2, choices=range(1, 5), metavar="{1..4}",
                     help="agent processes for the nodes not frozen (the frozen ones get one more)")
     ap.add_argument("--modes", nargs="+", default=["dial-in", "heartbeat"], choices=MODES)
@@ -620,8 +632,8 @@ def main() -> None:
                 q = ctx.Queue()
                 p = ctx.Process(target=_run_one, args=([mode, n, a.seconds, a.freeze, a.clients, a.gpus, a.settle,
                                                         a.refresh_ms, a.keepalive_ms, a.ping_timeout_ms, a.cp_cpu,
-                                                        a.fleet_cpu, workers, a.agent_kind, gc_mode, loop,
-                                                        os.getpid()], q))
+                                                        a.fleet_cpu, workers, a.agent_kind, gc_mode,
+                                                        a.freeze_groups, loop, os.getpid()], q))
                 p.start()  # a fresh process per measurement: no state carried between modes
                 try:
                     deadline = time.monotonic() + a.settle + a.seconds + _DETECT_GRACE_S + 300 + n / 10
