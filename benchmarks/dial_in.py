@@ -59,6 +59,9 @@ p99 and max (nodes not detected when the window ends get up to 5 s more, reporte
 < ``frozen``). With ``--freeze-groups G`` the K nodes are in G processes, SIGSTOPped one after
 another at even steps over the window: G independent freezes (the nodes of one freeze are
 detected within milliseconds of each other), each one's slowest node in ``group_detect_max_ms``.
+In dial-in mode without workers each detection is split (median, p90, max): ``end_read_ms``,
+SIGSTOP -> our loop reads the stream's lost transport (gRPC's PING deadline, then the read), and
+``after_read_ms``, that read -> UNHEALTHY (``probe.dial_in.drop_confirm``, then the verdict).
 
 Output: one JSON line per measurement, then a table. Every process started (the measurement's
 child, its agents) is stopped at the end, on failure and on Ctrl-C: the child runs in a process
@@ -376,6 +379,15 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         on_message(self, msg, now)
 
     ProbeSession.on_message = counted  # type: ignore[method-assign]  # this process measures one run
+    from xds_server.probing.dial_in import DialInSession
+    ends: dict[str, list[float]] = {}  # node -> wall times its stream's lost transport was read
+    confirm_lost = DialInSession._confirm_lost
+
+    async def timed_confirm(self: DialInSession, detail: str) -> tuple[bool, str]:
+        ends.setdefault(self.node.id, []).append(time.time())
+        return await confirm_lost(self, detail)
+
+    DialInSession._confirm_lost = timed_confirm  # type: ignore[method-assign]  # the same: one run
     freeze = min(freeze, n)
     ids = [f"n{i}" for i in range(n)]
     frozen = set(ids[:freeze])
@@ -474,6 +486,11 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         cpu = main_cpu + sum(worker_cpu)  # the control plane: its main process and its probe workers
         py = th1 - th0
         detect = sorted((at - freeze_at[i]) * 1000.0 for i, at in first.items())
+        read_ms: dict[str, float] = {}  # a detected node: SIGSTOP -> its stream's end read by our loop
+        for i in first:
+            after = [t for t in ends.get(i, []) if t >= freeze_at[i]]
+            if after:
+                read_ms[i] = (after[0] - freeze_at[i]) * 1000.0
         group_max = [round(max((first[ids[k]] - freeze_at[ids[k]]) * 1000.0 for k in g if ids[k] in first), 1)
                      for g in groups if any(ids[k] in first for k in g)]
         false_ej = [(i, r) for _, i, r in window + outliers[o0:] if i not in frozen]
@@ -495,7 +512,12 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             "gc_collections": gc_time.collections, "gc_max_ms": gc_time.max_ms,
             "thread_cores": {k: round(v / dt, 3) for k, v in by_name.most_common() if v / dt >= 0.005},
             "ejections_in_settle": e0 + o0, "frozen": freeze, "freeze_groups": len(groups),
-            "group_detect_max_ms": group_max, "detected": len(detect),
+            "group_detect_max_ms": group_max,
+            # the split of a detection (dial-in, no workers): gRPC's PING deadline and our read of the
+            # stream's end, then our confirmation and verdict
+            "end_read_ms": _spread(sorted(read_ms.values())),
+            "after_read_ms": _spread(sorted((first[i] - freeze_at[i]) * 1000.0 - r for i, r in read_ms.items())),
+            "detected": len(detect),
             "window_s": dt, "load_avg": os.getloadavg()[0]}
         if mode == "dial-in":
             out["redials"] = streams1 - streams0  # streams opened in the window (a drop and its re-dial)
@@ -557,6 +579,13 @@ def _end_group(p: Any) -> None:
 
 
 # -- the run ---------------------------------------------------------------------------------------
+
+def _spread(xs: list[float]) -> dict[str, float] | None:
+    """Median, p90 and max of sorted ``xs`` (ms, rounded), None when empty."""
+    if not xs:
+        return None
+    return {"p50": round(statistics.median(xs), 1), "p90": round(_q(xs, 0.90), 1), "max": round(xs[-1], 1)}
+
 
 def _fmt(v: Any, spec: str = ".0f") -> str:
     return "-" if v is None else format(v, spec)
