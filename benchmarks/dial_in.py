@@ -97,7 +97,7 @@ from xds_server.process import event_loop, gc_tuning
 from xds_server.testing import free_port
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from h2_agents import run_agents, run_loop  # simulated agents that speak HTTP/2 by hand
+from h2_agents import run_agents  # simulated agents that speak HTTP/2 by hand
 from heartbeat_capacity import _q, telemetry  # the sibling benchmarks' fleet telemetry
 from liveness_modes import _Fleet, _ip  # the dialled fleet (heartbeat, transport)
 
@@ -128,16 +128,22 @@ def _raise_nofile() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def _stat_cpu_s(path: str) -> tuple[str, float] | None:
+    """(name, CPU seconds so far, user + sys) from a /proc ``stat`` file (a process's, all its
+    threads, or one thread's); None when it is gone."""
+    try:
+        with open(path) as f:
+            head, rest = f.read().rsplit(")", 1)
+    except (OSError, ValueError):
+        return None
+    fields = rest.split()
+    return head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _proc_cpu_s(pid: int | None) -> float:
     """CPU seconds (user + sys, all threads) of process ``pid`` so far; 0 when it is gone."""
-    if pid is None:
-        return 0.0
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    got = None if pid is None else _stat_cpu_s(f"/proc/{pid}/stat")
+    return 0.0 if got is None else got[1]
 
 
 class _GcTime:
@@ -169,17 +175,8 @@ class _GcTime:
 
 def _threads_cpu_s() -> dict[int, tuple[str, float]]:
     """This process's threads: thread id -> (name, CPU seconds so far, user + sys)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[int, tuple[str, float]] = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                head, rest = f.read().rsplit(")", 1)
-        except OSError:
-            continue  # the thread ended
-        fields = rest.split()
-        out[int(tid)] = (head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / tick)
-    return out
+    threads = {int(tid): _stat_cpu_s(f"/proc/self/task/{tid}/stat") for tid in os.listdir("/proc/self/task")}
+    return {tid: got for tid, got in threads.items() if got is not None}  # None: the thread ended
 
 
 # -- the dial-in agents (a client process) ---------------------------------------------------------
@@ -210,18 +207,20 @@ def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int
     ok = probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(
         seq=1, ok=True, ttft_ms=10.0, trigger="scheduled")).SerializeToString()
     target = f"127.0.0.1:{port}"
+    phase = {nid: random.randrange(100) for nid, _ in nodes}  # where in the telemetry cycle each node is
+
+    def beat(nid: str, seq: int) -> bytes:
+        return probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(
+            seq=seq, interval_ms=100, node_id=nid, telemetry=tels[(phase[nid] + seq) % 100],
+            liveness=probe_pb2.LIVENESS_TRANSPORT)).SerializeToString()
+
+    def register(nid: str, addr: str) -> bytes:
+        return probe_pb2.AgentMessage(register=probe_pb2.Register(
+            node_id=nid, cluster="llm", address=addr, agent_version="bench")).SerializeToString()
+
     if kind == "h2":
-        phase = {nid: random.randrange(100) for nid, _ in nodes}  # where in the telemetry cycle
-
-        def h2_beat(nid: str, seq: int) -> bytes:
-            return probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(
-                seq=seq, interval_ms=100, node_id=nid, telemetry=tels[(phase[nid] + seq) % 100],
-                liveness=probe_pb2.LIVENESS_TRANSPORT)).SerializeToString()
-
         def h2_first(nid: str, addr: str) -> list[bytes]:
-            return [probe_pb2.AgentMessage(register=probe_pb2.Register(
-                node_id=nid, cluster="llm", address=addr, agent_version="bench")).SerializeToString(),
-                h2_beat(nid, 1), ok]
+            return [register(nid, addr), beat(nid, 1), ok]
 
         def dialled() -> None:
             with streams.get_lock():
@@ -229,21 +228,14 @@ def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int
 
         async def run_h2() -> None:
             ready.set()
-            await run_agents(port, nodes, h2_first, h2_beat, refresh_s, dialled, lambda: os.getppid() == parent)
+            await run_agents(port, nodes, h2_first, beat, refresh_s, dialled, lambda: os.getppid() == parent)
 
-        run_loop(run_h2())
+        event_loop.run(run_h2(), "auto")
         os._exit(0)
 
     async def agent(nid: str, addr: str) -> None:
         loop = asyncio.get_running_loop()
-        reg = probe_pb2.AgentMessage(register=probe_pb2.Register(
-            node_id=nid, cluster="llm", address=addr, agent_version="bench")).SerializeToString()
-        k = random.randrange(100)  # where in the telemetry cycle this node is
-
-        def beat(seq: int) -> bytes:
-            return probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(
-                seq=seq, interval_ms=100, node_id=nid, telemetry=tels[(k + seq) % 100],
-                liveness=probe_pb2.LIVENESS_TRANSPORT)).SerializeToString()
+        reg = register(nid, addr)
 
         await asyncio.sleep(random.random() * _CONNECT_SPREAD_S)
         fails = 0
@@ -258,7 +250,7 @@ def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int
                     streams.value += 1
                 seq = 1
                 await call.write(reg)
-                await call.write(beat(seq))  # the first heartbeat at once
+                await call.write(beat(nid, seq))  # the first heartbeat at once
                 await call.write(ok)
                 reader = asyncio.create_task(_answer_pings(call, out))
                 nxt = loop.time() + random.random() * refresh_s  # a random refresh phase per stream
@@ -267,7 +259,7 @@ def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int
                         item = await asyncio.wait_for(out.get(), max(0.0, nxt - loop.time()))
                     except TimeoutError:
                         seq += 1
-                        item = beat(seq)
+                        item = beat(nid, seq)
                         nxt += refresh_s
                     if item is None:
                         break  # the stream ended

@@ -15,7 +15,8 @@ a closed connection) is dialled again with a jittered back-off, as a real agent 
 Why not grpcio here: grpcio agents cost ~0.47 cores per 1,000 on this machine (their C-core
 threads answer ~11 PINGs a second per connection at ``dial_in.keepalive`` 90 ms), which with the
 control plane's own ~0.5 leaves no room for 2,000 nodes on 2 cores. Here an agent is a protocol
-object on one event loop (uvloop's when installed): a PING costs one read and one write of 17
+object on one event loop (the caller's; dial_in.py runs it on ``event_loop.run(..., "auto")``, uvloop's
+when installed): a PING costs one read and one write of 17
 bytes, ~0.28 cores per 1,000 agents measured beside the same control plane (whose CPU was the
 same with either kind). ``benchmarks/dial_in.py --agent-kind h2`` uses it.
 """
@@ -23,12 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import struct
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 from node_probe.dial_stream import METADATA
 from node_probe.proto import probe_pb2
@@ -232,13 +231,12 @@ async def run_agents(port: int, nodes: list[tuple[str, str]], first: Callable[[s
                     f.set_result(None)
 
             try:
-                tr, _ = await loop.create_connection(
+                await loop.create_connection(
                     lambda: H2Agent(first(nid, addr), lambda seq: beat(nid, seq), refresh_s, authority, on_end),
                     "127.0.0.1", port)
                 dialled()
                 opened = loop.time()
-                await ended
-                tr.close()
+                await ended  # the agent closed its transport
                 fails = 0 if loop.time() - opened > 1.0 else fails + 1
             except OSError:
                 fails += 1
@@ -253,17 +251,3 @@ async def run_agents(port: int, nodes: list[tuple[str, str]], first: Callable[[s
             t.cancel()
         with contextlib.suppress(BaseException):
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def run_loop(main: Any) -> None:
-    """Run coroutine ``main`` on uvloop's loop when installed, else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-        return
-    uvloop.run(main)
-
-
-if __name__ == "__main__":  # pragma: no cover - a module of the benchmarks, run through dial_in.py
-    raise SystemExit(f"{os.path.basename(__file__)}: used by benchmarks/dial_in.py --agent-kind h2")

@@ -25,8 +25,8 @@ async def test_a_history_sample_runs_in_slices_with_the_loop_free_between_and_ho
     calls: list[tuple[int, int]] = []  # (slice size, turns when it was taken)
     rows = cp.view.history_rows
 
-    def spied(node_ids=None):
-        calls.append((NODES if node_ids is None else len(node_ids), turns[0]))
+    def spied(node_ids):
+        calls.append((len(node_ids), turns[0]))
         return rows(node_ids)
 
     cp.view.history_rows = spied  # type: ignore[method-assign]  # the spy of this test, on its own instance

@@ -292,13 +292,13 @@ class ControlPlaneView:
         """Every watched node's id, in the health table's order."""
         return list(self._core.health)
 
-    def history_rows(self, node_ids: list[str] | None = None) -> list[HistoryRow]:
-        """The nodes ``node_ids`` (default every node; an id no longer watched is skipped) as the
+    def history_rows(self, node_ids: list[str]) -> list[HistoryRow]:
+        """The nodes ``node_ids`` (from :meth:`node_ids`; one no longer watched is skipped) as the
         dashboard's history samples them (shown state and weight, RTT, TTFT): lighter than
         :meth:`node`."""
         core = self._core
         rows = []
-        for node_id in core.health if node_ids is None else node_ids:
+        for node_id in node_ids:
             nh = core.health.get(node_id)
             if nh is None:
                 continue

@@ -276,12 +276,10 @@ class Shedder:
                 full[i] = r.weight
             elif nh.state is NodeState.DEGRADED and not nh.probe.degraded_not_busy:
                 full[i] = r.weight / factor
-        if not full:
-            return AdmissionArgs(adm.limit, cfg.lrs.shed.admission.choice_count, {})
-        top = max(full.values())
-        slots = {i: self._slots.get(i) for i in full}
-        most = max((v for v in slots.values() if v), default=None)
-        weights = {i: max(1, round(top * ((slots[i] or most or 1.0) / (most or 1.0)))) for i in full}
+        top = max(full.values(), default=0.0)
+        known = {i: s for i in full if (s := self._slots.get(i))}  # a node whose slots are unknown: the top
+        most = max(known.values(), default=1.0)
+        weights = {i: max(1, round(top * known[i] / most if i in known else top)) for i in full}
         return AdmissionArgs(adm.limit, cfg.lrs.shed.admission.choice_count, weights)
 
     def cla_args(self, name: str) -> DropArgs:
