@@ -408,6 +408,24 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             return rec(wall_s, cluster, node_id, kind, reason, *a, **k)
 
         cp.core.events.record = record  # type: ignore[method-assign]  # the hook of this measurement
+        publishes: list[tuple[float, float]] = []  # (wall s at its end, ms it took) of every publish
+        unrouted_at: dict[str, float] = {}  # a frozen node -> wall s of the first publish not routing it
+        core_publish = cp.core.publish
+
+        def timed_publish() -> Any:
+            t = time.perf_counter()
+            out = core_publish()
+            end = time.time()
+            publishes.append((end, (time.perf_counter() - t) * 1000.0))
+            for pub in out:
+                for i in freeze_at:
+                    r = pub.routing.get(i)
+                    if i not in unrouted_at and r is not None and r.health_status != "HEALTHY":
+                        unrouted_at[i] = end
+            return out
+
+        cp.core.publish = timed_publish  # type: ignore[method-assign]  # the same: one run
+        freeze_at: dict[str, float] = {}  # a frozen node -> wall time of its process's SIGSTOP
         await cp.start()
         t_start = time.monotonic()
         if mode == "dial-in":
@@ -440,7 +458,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         threads0 = _threads_cpu_s()
         gc_time = _GcTime().start()
         states_at_freeze: dict[str, str] = {}
-        freeze_at: dict[str, float] = {}  # a frozen node -> wall time of its process's SIGSTOP
+        wall0, p0 = time.time(), len(publishes)
         for g, (grp, proc) in enumerate(zip(groups, frozen_procs, strict=True)):
             await asyncio.sleep(max(0.0, t0 + seconds * (g + 1) / (len(groups) + 1) - time.monotonic()))
             at = time.time()
@@ -473,6 +491,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         while len(first_detections()) < freeze and time.monotonic() < grace_end:
             await asyncio.sleep(0.1)
         first = first_detections()
+        window_publishes = [ms for at, ms in publishes[p0:] if at <= wall0 + dt]
+        published = {i: (at - freeze_at[i]) * 1000.0 for i, at in unrouted_at.items()}
         main_cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
         worker_cpu = [b - a for a, b in zip(w0, w1, strict=True)]
         cpu = main_cpu + sum(worker_cpu)  # the control plane: its main process and its probe workers
@@ -510,6 +530,12 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             "end_read_ms": _spread(sorted(read_ms.values())),
             "after_read_ms": _spread(sorted((first[i] - freeze_at[i]) * 1000.0 - r for i, r in read_ms.items())),
             "detected": len(detect),
+            # the time Envoy is sent the news: publishes in the window (count, build ms), and SIGSTOP ->
+            # the first publish that stops routing a frozen node (slowest node per freeze too)
+            "publishes": len(window_publishes), "publish_ms": _spread(sorted(window_publishes)),
+            "published_ms": _spread(sorted(published.values())),
+            "group_published_max_ms": [round(max(published[ids[k]] for k in g if ids[k] in published), 1)
+                                       for g in groups if any(ids[k] in published for k in g)],
             "window_s": dt, "load_avg": os.getloadavg()[0]}
         if mode == "dial-in":
             out["redials"] = streams1 - streams0  # streams opened in the window (a drop and its re-dial)

@@ -30,6 +30,7 @@ from xds_server.health.pipeline import (
     Advanced,
     RoutingKey,
     advance,
+    leaves_routing,
     probe_result_key,
     routing_key,
     same_routing_inputs,
@@ -156,10 +157,9 @@ class ControlCore:
         return round(self.clock.wall() - self.clock.now(), 3)
 
     def _steady(self, node_id: str, prev: hm.NodeHealth, adv: Advanced) -> None:
-        """Store a quiet heartbeat's record (:attr:`Advanced.steady`): it changed no state, ramp,
-        miss count or stream record, so of :meth:`_settle` only the routing key and the queue
-        level are left; its run folds the node's next repeated heartbeats
-        (:class:`~xds_server.control.node_table.HealthTable`)."""
+        """Store a quiet heartbeat's record (:attr:`Advanced.steady`): it changed no state, ramp, miss count
+        or stream record, so of :meth:`_settle` only the routing key and the queue level are left; its run
+        folds the node's next repeated heartbeats (:class:`~xds_server.control.node_table.HealthTable`)."""
         nh = adv.nh
         self.health[node_id] = nh
         if adv.run is not None:
@@ -167,10 +167,7 @@ class ControlCore:
         self.steady_beats += 1
         self._queue_level(node_id, prev, nh)
         if not (node_id in self._keys and same_routing_inputs(prev, nh)):
-            key = self._routing_key(nh)
-            if key != self._keys.get(node_id):
-                self._keys[node_id] = key
-                self.mark_dirty(self.node_cluster[node_id])
+            self._rekey(node_id, nh, self.node_cluster[node_id])
 
     def adopt(self, node_id: str, nh: hm.NodeHealth, events: list[hm.Event], now_s: float) -> None:
         """Take a node's health as a probe worker's model decided it (with the transitions since
@@ -203,10 +200,7 @@ class ControlCore:
             if ev.to_state is hm.NodeState.UNHEALTHY and nh.ejection.cause is not None:
                 self.counters.ejections[(node_id, nh.ejection.cause.value)] += 1
         if not (node_id in self._keys and same_routing_inputs(prev, nh)):
-            key = self._routing_key(nh)
-            if key != self._keys.get(node_id):
-                self._keys[node_id] = key
-                self.mark_dirty(cluster)
+            self._rekey(node_id, nh, cluster)
         if ((prev.heartbeat.consecutive_misses > 0) != (nh.heartbeat.consecutive_misses > 0)
                 or prev.heartbeat.stream_closed != nh.heartbeat.stream_closed
                 or (self.fail_static.active and self._silent_by_time(prev, now_s)
@@ -220,6 +214,14 @@ class ControlCore:
             else:
                 self._counted_silent.discard(node_id)
             self._check_fail_static(now_s)
+
+    def _rekey(self, node_id: str, nh: hm.NodeHealth, cluster: str) -> None:
+        """A changed routing key marks the cluster dirty, urgently when the node :func:`leaves_routing`."""
+        key = routing_key(nh, self.config.health)
+        old = self._keys.get(node_id)
+        if key != old:
+            self._keys[node_id] = key
+            self.mark_dirty(cluster, urgent=leaves_routing(old, key))
 
     def _queue_level(self, node_id: str, prev: hm.NodeHealth, nh: hm.NodeHealth) -> None:
         """Record a ``queue_*`` event when new engine telemetry changed the node's queue level."""
@@ -284,14 +286,11 @@ class ControlCore:
         self.events.record(self.clock.wall(), cluster, ev.node_id, "transition", ev.reason,
                            ev.from_state.value, ev.to_state.value)
 
-    def _routing_key(self, nh: hm.NodeHealth) -> RoutingKey:
-        return routing_key(nh, self.config.health)
-
     def fail_static_floor_s(self) -> float:
         """The earliest look-back limit a fail-static episode starting from now can use: the
         oldest last heartbeat of any node + interval + grace (-inf before any heartbeat)."""
-        hbs = [nh.heartbeat.last_s for nh in self.health.values() if nh.heartbeat.last_s is not None]
-        return (min(hbs) + hm.miss_after_s(self.config.health)) if hbs else float("-inf")
+        oldest = self.health.oldest_heartbeat_s()
+        return float("-inf") if oldest is None else oldest + hm.miss_after_s(self.config.health)
 
     def _check_fail_static(self, now_s: float) -> None:
         if not hp.fail_static_may_change(self.fail_static, len(self.health), len(self._counted_silent),
@@ -315,7 +314,7 @@ class ControlCore:
                 self.health[node_id] = nh
                 for ev in events:
                     self._transition(self.node_cluster[node_id], ev)
-                self._keys[node_id] = self._routing_key(nh)
+                self._keys[node_id] = routing_key(nh, self.config.health)
             self._recount_silent()
         for c in self.config.clusters:
             self.mark_dirty(c.name)
@@ -325,14 +324,16 @@ class ControlCore:
 
     # -- publishing ----------------------------------------------------------------------------
 
-    def mark_dirty(self, cluster: str) -> None:
-        """Rebuild ``cluster`` at the next publish (held by the warm-up gate until warm)."""
+    def mark_dirty(self, cluster: str, urgent: bool = False) -> None:
+        """Rebuild ``cluster`` at the next publish (held by the warm-up gate until warm; ``urgent``: sooner)."""
         # warmth only matters while the warm-up gate holds the cluster (it opens once)
         warm = cluster in self.planner.gate_open or all(
             self.health[n].state not in _NOT_WARM for n in self._cluster_nodes[cluster])
-        at = self.planner.mark_dirty(cluster, warm, self.clock.now())
+        at = self.planner.mark_dirty(cluster, warm, self.clock.now(), urgent)
         if at is not None:
             if self._running:
+                if self._publish_timer is not None:  # armed for later: an urgent change comes first
+                    self._publish_timer.cancel()
                 self._publish_timer = self.clock.call_at(at, self.publish)
             else:
                 self.planner.scheduled = False
@@ -354,7 +355,7 @@ class ControlCore:
             self._publish_timer.cancel()
             self._publish_timer = None
         now = self.clock.now()
-        out = self.planner.publish(now, self.health, self.fail_static, self.fail_static_floor_s())
+        out = self.planner.publish(now, self.health.unsettled, self.fail_static, self.fail_static_floor_s())
         try:
             self._hand_over(out)
         finally:

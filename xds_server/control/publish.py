@@ -7,7 +7,7 @@ for and writes the results into the snapshot cache.
 Shape::
 
     p = PublishPlanner(config)
-    at = p.mark_dirty("llm", warm=True, now_s=t)    # when to call publish(); None: nothing to arm
+    at = p.mark_dirty("llm", warm=True, now_s=t)    # when to call publish(); None: keep what is armed
     out = p.publish(now_s, health, fail_static, floor_s)   # -> [ClusterPublish], one per dirty cluster
     p.outlier_wake_s["llm"]                         # when an outlier ejection ends (re-mark dirty)
 
@@ -19,6 +19,11 @@ Rules (from the old ``ControlPlane``, behaviour unchanged):
   once; changes within the window after a publish are due at its end, as one publish; the window
   is stretched to ``xds.publish.build_ratio`` x the last publish's build time (``last_build_s``,
   measured by the caller) when that is longer (a large cluster in a burst of changes);
+- a node leaving routing on hard evidence (``urgent``: lost, failed probes, engine fatal) is due
+  after the window alone, not the stretched gap, unless the last publish already came early that
+  way: Envoy must stop routing to a dead node now, and a burst of them still leaves the loop at
+  least half of its time (an early build, then one after the gap, in turn). At 2,000 endpoints a
+  build takes ~45 ms, so the gap alone kept a frozen node routed up to ~135 ms past its verdict;
 - fail-static: while active, a cluster keeps the last assignment published before the burst of
   losses began (:class:`LastGoodHistory`);
 - outlier ejections: one wake-up time per cluster, the earliest ejection end (+1 ms).
@@ -99,7 +104,9 @@ class PublishPlanner:
         self.gate_open: set[str] = set()
         self.dirty: set[str] = set()
         self.scheduled = False          # a publish is due and the caller has armed it
+        self.due_s = float("inf")       # when the armed publish is due (while ``scheduled``)
         self.last_publish_s = float("-inf")
+        self.last_early = False         # the last publish came before min_gap_s() for an urgent change
         self.outliers: dict[str, dict[str, hp.OutlierState]] = {}
         self.why_not_routed: dict[str, str] = {}
         # node id -> the soft ejection the max-ejection cap held back (the node stays routed)
@@ -148,21 +155,25 @@ class PublishPlanner:
             for outs in self.outliers.values():
                 outs.pop(node_id, None)
 
-    def mark_dirty(self, cluster: str, warm: bool, now_s: float) -> float | None:
-        """Note that ``cluster`` must be rebuilt. ``warm``: none of its nodes is COLD/WARMING.
+    def mark_dirty(self, cluster: str, warm: bool, now_s: float, urgent: bool = False) -> float | None:
+        """Note that ``cluster`` must be rebuilt. ``warm``: none of its nodes is COLD/WARMING;
+        ``urgent``: a node of it left routing on hard evidence (module docstring).
 
         Returns the time (s) at which the caller must call :meth:`publish`, when a publish has
-        to be scheduled now; None when the gate holds the cluster or one is already scheduled.
+        to be armed now (replacing one armed for later: an urgent change moves it earlier);
+        None when the gate holds the cluster or the armed one is due soon enough.
         """
         if cluster not in self.gate_open:
             if not warm:
                 return None
             self.gate_open.add(cluster)
         self.dirty.add(cluster)
-        if self.scheduled:
+        gap = self.window_s if urgent and not self.last_early else self.min_gap_s()
+        due = max(now_s, self.last_publish_s + gap)
+        if self.scheduled and due >= self.due_s:
             return None
-        self.scheduled = True
-        return max(now_s, self.last_publish_s + self.min_gap_s())
+        self.scheduled, self.due_s = True, due
+        return due
 
     def min_gap_s(self) -> float:
         """The least time (s) from one publish to the next: the coalescing window, or
@@ -184,10 +195,13 @@ class PublishPlanner:
                 floor_s: float) -> list[ClusterPublish]:
         """Build the assignment of every dirty cluster (in config order) and clear the dirty set.
 
+        ``health``: node id -> NodeHealth; its ``heartbeat`` records are not read (the caller may
+        pass records whose folded heartbeats are not settled: ``HealthTable.unsettled``).
         ``floor_s``: the earliest fail-static look-back limit still possible (passed to
         :meth:`LastGoodHistory.record`).
         """
-        self.scheduled = False
+        self.last_early = now_s < self.last_publish_s + self.min_gap_s() - 1e-9
+        self.scheduled, self.due_s = False, float("inf")
         self.last_publish_s = now_s
         dirty, self.dirty = self.dirty, set()
         cfg = self.config.health

@@ -25,8 +25,8 @@ from xds_server.config import HealthConfig
 from xds_server.health import model as hm
 from xds_server.health.anchor import anchor_ramp
 
-__all__ = ["Advanced", "RoutingKey", "advance", "probe_result_key", "resume_kept", "routing_key",
-           "same_routing_inputs"]
+__all__ = ["Advanced", "RoutingKey", "advance", "leaves_routing", "probe_result_key", "resume_kept",
+           "routing_key", "same_routing_inputs"]
 
 RoutingKey = tuple[hm.NodeRouting, hm.NodeState, int | None, int | None, float | None]
 """What :func:`routing_key` gives: node routing, state, RTT and TTFT buckets, GPU free ratio."""
@@ -43,6 +43,13 @@ def routing_key(nh: hm.NodeHealth, cfg: HealthConfig) -> RoutingKey:
     free = nh.engine.gpu_free_ratio
     return (nr, nh.state, bucket(nh.rtt.ewma_ms), bucket(nh.probe.ewma_ttft_ms),
             None if free is None else round(free, 2))
+
+
+def leaves_routing(prev: RoutingKey | None, key: RoutingKey) -> bool:
+    """A node routable by its own view under ``prev`` is out on hard evidence under ``key`` (lost,
+    failed probes, engine fatal: :attr:`~xds_server.health.model.NodeRouting.hard`): cluster policy
+    never holds that back, so the publish is urgent. Soft blocks and drains are not."""
+    return prev is not None and prev[0].status is hm.RoutingStatus.HEALTHY and key[0].hard
 
 
 def same_routing_inputs(prev: hm.NodeHealth, nh: hm.NodeHealth) -> bool:

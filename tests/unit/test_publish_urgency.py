@@ -1,0 +1,176 @@
+"""A node leaving routing on hard evidence is published after the coalescing window, not after the
+build-ratio gap a large cluster's publishes are otherwise spaced by; early publishes never follow
+each other, so a burst of them still leaves the loop half of its time. Publishing reads the
+health table without settling its folded heartbeats."""
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_control_core import all_healthy, config, in_memory, published
+
+from xds_server.config import HealthConfig, parse_config
+from xds_server.control.publish import PublishPlanner
+from xds_server.health import model as hm
+from xds_server.health.pipeline import leaves_routing, routing_key
+from xds_server.policy.cluster_routing import FailStaticState
+
+CFG = HealthConfig()
+
+
+def _planner(window_ms: float = 5, ratio: float = 3) -> PublishPlanner:
+    p = PublishPlanner(parse_config(config(xds={"coalesce_window_ms": window_ms, "publish_build_ratio": ratio})))
+    p.gate_open.add("llm")
+    return p
+
+
+def _publish(p: PublishPlanner, now_s: float, build_s: float) -> None:
+    """What ControlCore.publish does to the planner: publish, then record the build time."""
+    health = {n.id: hm.initial(n.id, 0.0) for n in p.config.clusters[0].nodes}
+    p.publish(now_s, health, FailStaticState(), 0.0)
+    p.last_build_s = build_s
+
+
+def test_an_urgent_change_is_due_after_the_window_and_an_ordinary_one_after_the_gap():
+    p = _planner()
+    _publish(p, 1.0, 0.02)                                      # a 20 ms build: gap 60 ms
+    assert abs(p.mark_dirty("llm", warm=True, now_s=1.021) - 1.06) < 1e-9
+    p.scheduled = False
+    assert p.mark_dirty("llm", warm=True, now_s=1.021, urgent=True) == 1.021  # past the window: now
+    p.scheduled = False
+    assert abs(p.mark_dirty("llm", warm=True, now_s=1.002, urgent=True) - 1.005) < 1e-9  # inside it: its end
+
+
+def test_an_urgent_change_moves_an_armed_publish_earlier_and_an_ordinary_one_never_does():
+    p = _planner()
+    _publish(p, 1.0, 0.02)
+    assert abs(p.mark_dirty("llm", warm=True, now_s=1.021) - 1.06) < 1e-9
+    assert p.mark_dirty("llm", warm=True, now_s=1.022) is None               # armed soon enough
+    assert p.mark_dirty("llm", warm=True, now_s=1.03, urgent=True) == 1.03    # re-armed earlier
+    assert p.mark_dirty("llm", warm=True, now_s=1.031, urgent=True) is None   # already as early
+
+
+def test_after_an_early_publish_the_next_urgent_change_waits_for_the_gap():
+    p = _planner()
+    _publish(p, 1.0, 0.02)
+    assert p.mark_dirty("llm", warm=True, now_s=1.021, urgent=True) == 1.021
+    _publish(p, 1.021, 0.02)                                    # early: 21 ms after the last, gap 60
+    assert p.last_early
+    assert abs(p.mark_dirty("llm", warm=True, now_s=1.042, urgent=True) - 1.081) < 1e-9
+    _publish(p, 1.081, 0.02)                                    # on the gap: not early
+    assert not p.last_early
+    p.scheduled = False
+    assert p.mark_dirty("llm", warm=True, now_s=1.102, urgent=True) == 1.102
+
+
+def test_the_warm_up_gate_holds_an_urgent_change_too():
+    p = PublishPlanner(parse_config(config()))
+    assert p.mark_dirty("llm", warm=False, now_s=1.0, urgent=True) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(marks=st.lists(st.tuples(st.floats(0.0, 0.15), st.booleans()), min_size=1, max_size=60),
+       build_s=st.floats(0.001, 0.06))
+def test_prop_every_change_is_published_and_early_publishes_never_follow_each_other(marks, build_s):
+    """Changes at arbitrary times (each urgent or not), every publish taking ``build_s`` of the
+    loop (nothing else runs meanwhile). Every change is published; no two early publishes in a
+    row, so publishing takes at most half the loop in any burst; an urgent change after a
+    publish on the gap is published within the window (or as soon as the loop is free)."""
+    p = _planner()
+    window, ratio = p.window_s, p.build_ratio
+    due: float | None = None
+    starts: list[tuple[float, bool]] = []   # (publish start, early)
+    t, free_at = 0.0, 0.0
+    pending: list[tuple[float, bool, bool]] = []  # (mark time, urgent, previous publish was early)
+
+    def run_until(limit: float) -> None:
+        nonlocal due, free_at
+        while due is not None and due <= limit:
+            start = max(due, free_at)
+            prev = starts[-1][0] if starts else float("-inf")
+            starts.append((start, start < prev + max(window, ratio * p.last_build_s) - 1e-9))
+            due = None
+            _publish(p, start, build_s)
+            free_at = start + build_s
+            for m, urgent, prev_early in pending:
+                if urgent and not prev_early:
+                    assert start <= max(m, prev + window) + 1e-9
+                assert start >= m - 1e-9
+            pending.clear()
+
+    for gap, urgent in marks:
+        t += gap
+        run_until(t)
+        now = max(t, free_at)  # a change made while a build runs is seen once it ends
+        prev_early = starts[-1][1] if starts else False
+        at = p.mark_dirty("llm", warm=True, now_s=now, urgent=urgent)
+        if at is not None:
+            assert due is None or at < due
+            due = at
+        assert due is not None and p.scheduled
+        pending.append((now, urgent, prev_early))
+    run_until(float("inf"))
+    assert not pending and not p.dirty
+    assert all(not (a[1] and b[1]) for a, b in itertools.pairwise(starts))
+
+
+def test_leaves_routing_only_on_hard_evidence_from_a_routable_node():
+    healthy = hm.NodeHealth("n", hm.NodeState.HEALTHY, "ok", 0.0)
+    lost = hm.NodeHealth("n", hm.NodeState.UNHEALTHY, "lost", 1.0)
+    queued = hm.NodeHealth("n", hm.NodeState.HEALTHY, "ok", 0.0,
+                           engine=hm.Engine(requests_waiting=CFG.load.queue_critical + 1))
+    drained = hm.NodeHealth("n", hm.NodeState.HEALTHY, "ok", 0.0, drain=hm.Drain(True, 1.0))
+    key = {name: routing_key(nh, CFG) for name, nh in
+           {"healthy": healthy, "lost": lost, "queued": queued, "drained": drained}.items()}
+    assert leaves_routing(key["healthy"], key["lost"])
+    assert leaves_routing(key["queued"], key["lost"])      # soft-blocked, still routable by its own view
+    assert not leaves_routing(key["healthy"], key["queued"])  # a soft block: the cap may hold it back
+    assert not leaves_routing(key["healthy"], key["drained"])
+    assert not leaves_routing(key["lost"], key["lost"])
+    assert not leaves_routing(None, key["lost"])
+
+
+def test_a_node_lost_right_after_a_slow_publish_reaches_envoy_after_the_window():
+    """A 2,000-endpoint cluster builds in ~45 ms; at the ratio's 3x a frozen node would stay routed
+    up to ~135 ms past its verdict. Lost on hard evidence, it is published 5 ms after the last
+    publish; a soft change in the same spot waits for the gap."""
+    cp, clock, probes = in_memory(config(xds={"coalesce_window_ms": 5, "warmup_timeout_ms": 0}))
+    all_healthy(cp, clock, probes)
+    write = cp.core.on_publish
+    at: list[float] = []
+
+    def slow_write(p):
+        at.append(clock.now())
+        write(p)
+        clock._now += 0.02  # the build took 20 ms
+
+    cp.core.on_publish = slow_write
+    cp.core.drain("n0", True, "t")                          # published at once; the next gap: 60 ms
+    probes["n1"].heartbeat(requests_waiting=CFG.load.queue_critical + 1)  # soft: armed for the gap
+    clock.advance(0.001)
+    assert len(at) == 1
+    probes["n2"].heartbeat(gpu_fatal="Xid 79")              # hard: engine fatal
+    assert cp.health["n2"].state is hm.NodeState.UNHEALTHY
+    clock.advance(0.001)
+    assert len(at) == 2 and at[1] - at[0] <= 0.02 + 0.005
+    assert published(cp)["n2"] == "UNHEALTHY"
+
+
+def test_a_publish_leaves_the_steady_heartbeat_runs_open():
+    cp, clock, probes = in_memory(config(n=4, xds={"coalesce_window_ms": 0, "warmup_timeout_ms": 0}))
+    all_healthy(cp, clock, probes)
+    for _ in range(3):
+        for nid in cp.core.node_cfg:
+            probes[nid].heartbeat()
+        clock.advance(0.1)
+    runs = dict(cp.core.health.runs)
+    assert runs, "steady heartbeats fold into runs"
+    oldest = min(r.last_s for r in runs.values())
+    assert cp.core.health.oldest_heartbeat_s() == oldest
+    cp.core.mark_dirty("llm")
+    cp.core.publish()
+    assert cp.core.health.runs == runs                      # nothing settled
+    settled = [cp.core.health[n].heartbeat.last_s for n in cp.core.node_cfg]  # reads settle them
+    assert oldest == min(x for x in settled if x is not None)
+    assert not cp.core.health.runs
