@@ -319,7 +319,7 @@ class _Agents:
 # -- one measurement (in a fresh process) -----------------------------------------------------------
 
 def _config(mode: str, n: int, ips: list[str], port: int, keepalive_ms: int, ping_timeout_ms: int,
-            refresh_ms: int, workers: int = 0) -> SentinelConfig:
+            refresh_ms: int, workers: int = 0, rtt_ping_s: float = 60.0, measure_refresh: str = "1s") -> SentinelConfig:
     probe: dict[str, Any] = {"transport": {"telemetry_refresh": f"{refresh_ms}ms"}}
     if mode == "dial-in":
         probe["dial_in"] = {"keepalive": f"{keepalive_ms}ms", "ping_timeout": f"{ping_timeout_ms}ms"}
@@ -336,11 +336,12 @@ def _config(mode: str, n: int, ips: list[str], port: int, keepalive_ms: int, pin
         return d if mode == "dial-in" else {**d, "probe_address": f"{ips[i]}:{port}"}
 
     return parse_config({
-        "xds": {"listen": "127.0.0.1:0", "warmup_timeout_ms": 0},
+        "xds": {"listen": "127.0.0.1:0", "warmup_timeout_ms": 0, "publish": {"measure_refresh": measure_refresh}},
         "admin": {"listen": "127.0.0.1:0"},
-        # RTT pings off in every mode; a node's first good probe routes it at full weight (HEALTHY a
-        # ramp step later), not the default 1 %-per-second ramp: the fleet is HEALTHY within the settle
-        "health": {"rtt": {"ping_interval": "60s"},
+        # RTT pings every --rtt-ping-s (60 s: as good as off; the default config's is 1 s); a node's
+        # first good probe routes it at full weight (HEALTHY a ramp step later), not the default
+        # 1 %-per-second ramp: the fleet is HEALTHY within the settle
+        "health": {"rtt": {"ping_interval": f"{rtt_ping_s}s"},
                    "probation": {"ramp_start_percent": 100.0, "ramp_step": "100ms"}},
         "probe": probe,
         "clusters": [{"name": "llm", "nodes": [node(i) for i in range(n)]}]})
@@ -354,7 +355,8 @@ def _split(xs: list[Any], parts: int) -> list[list[Any]]:
 async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, gpus: int, settle_s: float,
                   refresh_ms: int, keepalive_ms: int, ping_timeout_ms: int, cp_cpu: int | None,
                   fleet_cpu: int | None, workers: int = 0, agent_kind: str = "grpcio",
-                  gc_mode: str = "tuned", freeze_groups: int = 1) -> dict[str, Any]:
+                  gc_mode: str = "tuned", freeze_groups: int = 1, rtt_ping_s: float = 60.0,
+                  measure_refresh: str = "1s") -> dict[str, Any]:
     from xds_server.probing.session import ProbeSession
     from xds_server.server import ControlPlane
 
@@ -385,7 +387,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
     frozen = set(ids[:freeze])
     ips = [_ip(i) for i in range(n)]
     fleet_port = free_port()
-    cfg = _config(mode, n, ips, fleet_port, keepalive_ms, ping_timeout_ms, refresh_ms, workers)
+    cfg = _config(mode, n, ips, fleet_port, keepalive_ms, ping_timeout_ms, refresh_ms, workers, rtt_ping_s,
+                  measure_refresh)
     addresses = {nd.id: nd.address for c in cfg.clusters for nd in c.nodes}
     procs: list[Any] = []  # _Agents or _Fleet: .proc, .stop()
     groups = [g for g in _split(list(range(freeze)), freeze_groups) if g]  # node indices per freeze
@@ -663,6 +666,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[0],
                     help="dial-in: probe workers that accept the agents (probe.workers, on probe.dial_in.listen; "
                     "0: the main process does); several values: one dial-in measurement each")
+    ap.add_argument("--rtt-ping-s", type=float, default=60.0,
+                    help="health.rtt.ping_interval, s (default 60: as good as off; the config's default is 1)")
+    ap.add_argument("--measure-refresh", nargs="+", default=["1s"],
+                    help="xds.publish.measure_refresh; several: one measurement each")
     a = ap.parse_args()
 
     def terminate(signum: int, _frame: Any) -> None:
@@ -673,14 +680,15 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     try:
         for n in a.nodes:
-            for mode, workers, loop, gc_mode in [
-                    (m, w, lp, g) for m in a.modes for w in (a.workers if m == "dial-in" else [0])
-                    for lp in a.loop for g in a.gc]:
+            for mode, workers, loop, gc_mode, refresh in [
+                    (m, w, lp, g, r) for m in a.modes for w in (a.workers if m == "dial-in" else [0])
+                    for lp in a.loop for g in a.gc for r in a.measure_refresh]:
                 q = ctx.Queue()
                 p = ctx.Process(target=_run_one, args=([mode, n, a.seconds, a.freeze, a.clients, a.gpus, a.settle,
                                                         a.refresh_ms, a.keepalive_ms, a.ping_timeout_ms, a.cp_cpu,
                                                         a.fleet_cpu, workers, a.agent_kind, gc_mode,
-                                                        a.freeze_groups, loop, os.getpid()], q))
+                                                        a.freeze_groups, a.rtt_ping_s, refresh, loop,
+                                                        os.getpid()], q))
                 p.start()  # a fresh process per measurement: no state carried between modes
                 try:
                     deadline = time.monotonic() + a.settle + a.seconds + _DETECT_GRACE_S + 300 + n / 10
@@ -696,7 +704,7 @@ def main() -> None:
                     p.join(30)
                 finally:
                     _end_group(p)
-                res["loop"], res["gc"] = loop, gc_mode
+                res["loop"], res["gc"], res["measure_refresh"], res["rtt_ping_s"] = loop, gc_mode, refresh, a.rtt_ping_s
                 rows.append(res)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}), flush=True)
     except KeyboardInterrupt:

@@ -155,10 +155,12 @@ def test_fail_static_keeps_last_good_assignment_after_more_publishes_than_the_ol
     start and fail-static left no good one, so the bad state was published. Now the last good
     assignment itself is always kept (here with a history cap of 8)."""
     cp, clock, probes = in_memory(config(
-        5, xds={"fail_static_history_max": 8}, consecutive_misses=1, fail_static_window_ms=400))
+        5, xds={"fail_static_history_max": 8, "publish": {"measure_refresh": "0s"}}, consecutive_misses=1,
+        fail_static_window_ms=400))
     all_healthy(cp, clock, probes)
     # n2, n3, n4 (3 of 5: most) go silent 300 ms apart in total; n2 is ejected at +180 ms, before
-    # fail-static starts (when n4's first miss is seen at +480 ms); meanwhile n0 publishes every 1 ms.
+    # fail-static starts (when n4's first miss is seen at +480 ms); meanwhile n0 publishes every 1 ms
+    # (its GPU free memory, a measure: published at once with measure_refresh 0).
     for nid in cp.core.node_cfg:
         probes[nid].heartbeat()
     bad_publishes = []

@@ -1,17 +1,20 @@
-"""A node leaving routing on hard evidence is published after the coalescing window, not after the
-build-ratio gap a large cluster's publishes are otherwise spaced by; early publishes never follow
-each other, so a burst of them still leaves the loop half of its time. Publishing reads the
-health table without settling its folded heartbeats."""
+"""How soon a change is published. A node leaving routing on hard evidence: after the coalescing
+window, not after the build-ratio gap a large cluster's publishes are otherwise spaced by; early
+publishes never follow each other, so a burst of them still leaves the loop half of its time. A
+change of a node's measures alone (RTT, TTFT, GPU free memory): at most every
+``xds.publish.measure_refresh``. Publishing reads the health table without settling its folded
+heartbeats."""
 from __future__ import annotations
 
 import itertools
+import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_control_core import all_healthy, config, in_memory, published
 
 from xds_server.config import HealthConfig, parse_config
-from xds_server.control.publish import PublishPlanner
+from xds_server.control.publish import PublishPlanner, Urgency
 from xds_server.health import model as hm
 from xds_server.health.pipeline import leaves_routing, routing_key
 from xds_server.policy.cluster_routing import FailStaticState
@@ -19,8 +22,9 @@ from xds_server.policy.cluster_routing import FailStaticState
 CFG = HealthConfig()
 
 
-def _planner(window_ms: float = 5, ratio: float = 3) -> PublishPlanner:
-    p = PublishPlanner(parse_config(config(xds={"coalesce_window_ms": window_ms, "publish_build_ratio": ratio})))
+def _planner(window_ms: float = 5, ratio: float = 3, refresh: str = "1s") -> PublishPlanner:
+    p = PublishPlanner(parse_config(config(xds={"coalesce_window_ms": window_ms, "publish_build_ratio": ratio,
+                                                "publish": {"measure_refresh": refresh}})))
     p.gate_open.add("llm")
     return p
 
@@ -37,9 +41,9 @@ def test_an_urgent_change_is_due_after_the_window_and_an_ordinary_one_after_the_
     _publish(p, 1.0, 0.02)                                      # a 20 ms build: gap 60 ms
     assert abs(p.mark_dirty("llm", warm=True, now_s=1.021) - 1.06) < 1e-9
     p.scheduled = False
-    assert p.mark_dirty("llm", warm=True, now_s=1.021, urgent=True) == 1.021  # past the window: now
+    assert p.mark_dirty("llm", warm=True, now_s=1.021, urgency=Urgency.URGENT) == 1.021  # past the window: now
     p.scheduled = False
-    assert abs(p.mark_dirty("llm", warm=True, now_s=1.002, urgent=True) - 1.005) < 1e-9  # inside it: its end
+    assert abs(p.mark_dirty("llm", warm=True, now_s=1.002, urgency=Urgency.URGENT) - 1.005) < 1e-9  # inside it: its end
 
 
 def test_an_urgent_change_moves_an_armed_publish_earlier_and_an_ordinary_one_never_does():
@@ -47,42 +51,57 @@ def test_an_urgent_change_moves_an_armed_publish_earlier_and_an_ordinary_one_nev
     _publish(p, 1.0, 0.02)
     assert abs(p.mark_dirty("llm", warm=True, now_s=1.021) - 1.06) < 1e-9
     assert p.mark_dirty("llm", warm=True, now_s=1.022) is None               # armed soon enough
-    assert p.mark_dirty("llm", warm=True, now_s=1.03, urgent=True) == 1.03    # re-armed earlier
-    assert p.mark_dirty("llm", warm=True, now_s=1.031, urgent=True) is None   # already as early
+    assert p.mark_dirty("llm", warm=True, now_s=1.03, urgency=Urgency.URGENT) == 1.03    # re-armed earlier
+    assert p.mark_dirty("llm", warm=True, now_s=1.031, urgency=Urgency.URGENT) is None   # already as early
 
 
 def test_after_an_early_publish_the_next_urgent_change_waits_for_the_gap():
     p = _planner()
     _publish(p, 1.0, 0.02)
-    assert p.mark_dirty("llm", warm=True, now_s=1.021, urgent=True) == 1.021
+    assert p.mark_dirty("llm", warm=True, now_s=1.021, urgency=Urgency.URGENT) == 1.021
     _publish(p, 1.021, 0.02)                                    # early: 21 ms after the last, gap 60
     assert p.last_early
-    assert abs(p.mark_dirty("llm", warm=True, now_s=1.042, urgent=True) - 1.081) < 1e-9
+    assert abs(p.mark_dirty("llm", warm=True, now_s=1.042, urgency=Urgency.URGENT) - 1.081) < 1e-9
     _publish(p, 1.081, 0.02)                                    # on the gap: not early
     assert not p.last_early
     p.scheduled = False
-    assert p.mark_dirty("llm", warm=True, now_s=1.102, urgent=True) == 1.102
+    assert p.mark_dirty("llm", warm=True, now_s=1.102, urgency=Urgency.URGENT) == 1.102
+
+
+def test_a_change_of_measures_alone_waits_for_the_refresh_and_rides_along_with_any_other():
+    p = _planner(refresh="1s")
+    _publish(p, 1.0, 0.02)
+    assert p.mark_dirty("llm", warm=True, now_s=1.1, urgency=Urgency.REFRESH) == 2.0  # a second after
+    assert p.mark_dirty("llm", warm=True, now_s=1.2, urgency=Urgency.REFRESH) is None
+    assert p.mark_dirty("llm", warm=True, now_s=1.3) == 1.3                        # a state change: now
+    _publish(p, 2.5, 0.02)
+    p.scheduled = False
+    assert p.mark_dirty("llm", warm=True, now_s=4.0, urgency=Urgency.REFRESH) == 4.0  # after a quiet second
+    off = _planner(refresh="0s")
+    _publish(off, 1.0, 0.02)
+    assert abs(off.mark_dirty("llm", warm=True, now_s=1.01, urgency=Urgency.REFRESH) - 1.06) < 1e-9  # the gap
 
 
 def test_the_warm_up_gate_holds_an_urgent_change_too():
     p = PublishPlanner(parse_config(config()))
-    assert p.mark_dirty("llm", warm=False, now_s=1.0, urgent=True) is None
+    assert p.mark_dirty("llm", warm=False, now_s=1.0, urgency=Urgency.URGENT) is None
 
 
 @settings(max_examples=200, deadline=None)
-@given(marks=st.lists(st.tuples(st.floats(0.0, 0.15), st.booleans()), min_size=1, max_size=60),
+@given(marks=st.lists(st.tuples(st.floats(0.0, 0.15), st.sampled_from(list(Urgency))), min_size=1, max_size=60),
        build_s=st.floats(0.001, 0.06))
 def test_prop_every_change_is_published_and_early_publishes_never_follow_each_other(marks, build_s):
-    """Changes at arbitrary times (each urgent or not), every publish taking ``build_s`` of the
-    loop (nothing else runs meanwhile). Every change is published; no two early publishes in a
-    row, so publishing takes at most half the loop in any burst; an urgent change after a
-    publish on the gap is published within the window (or as soon as the loop is free)."""
+    """Changes of any urgency at arbitrary times, every publish taking ``build_s`` of the loop
+    (nothing else runs meanwhile). Every change is published, never before it was made and never
+    later than its urgency allows; no two early publishes in a row, so publishing takes at most
+    half the loop in any burst; an urgent change after a publish on the gap is published within
+    the window (or as soon as the loop is free)."""
     p = _planner()
     window, ratio = p.window_s, p.build_ratio
     due: float | None = None
     starts: list[tuple[float, bool]] = []   # (publish start, early)
     t, free_at = 0.0, 0.0
-    pending: list[tuple[float, bool, bool]] = []  # (mark time, urgent, previous publish was early)
+    pending: list[tuple[float, Urgency, bool, float]] = []  # (mark time, urgency, previous early, latest start)
 
     def run_until(limit: float) -> None:
         nonlocal due, free_at
@@ -93,23 +112,24 @@ def test_prop_every_change_is_published_and_early_publishes_never_follow_each_ot
             due = None
             _publish(p, start, build_s)
             free_at = start + build_s
-            for m, urgent, prev_early in pending:
-                if urgent and not prev_early:
+            for m, urgency, prev_early, latest in pending:
+                if urgency is Urgency.URGENT and not prev_early:
                     assert start <= max(m, prev + window) + 1e-9
-                assert start >= m - 1e-9
+                assert m - 1e-9 <= start <= latest + 1e-9
             pending.clear()
 
-    for gap, urgent in marks:
+    for gap, urgency in marks:
         t += gap
         run_until(t)
         now = max(t, free_at)  # a change made while a build runs is seen once it ends
-        prev_early = starts[-1][1] if starts else False
-        at = p.mark_dirty("llm", warm=True, now_s=now, urgent=urgent)
+        prev = starts[-1] if starts else (float("-inf"), False)
+        slowest = max(window, ratio * p.last_build_s, p.refresh_s if urgency is Urgency.REFRESH else 0.0)
+        at = p.mark_dirty("llm", warm=True, now_s=now, urgency=urgency)
         if at is not None:
             assert due is None or at < due
             due = at
         assert due is not None and p.scheduled
-        pending.append((now, urgent, prev_early))
+        pending.append((now, urgency, prev[1], max(now, prev[0] + slowest)))
     run_until(float("inf"))
     assert not pending and not p.dirty
     assert all(not (a[1] and b[1]) for a, b in itertools.pairwise(starts))
@@ -174,3 +194,33 @@ def test_a_publish_leaves_the_steady_heartbeat_runs_open():
     settled = [cp.core.health[n].heartbeat.last_s for n in cp.core.node_cfg]  # reads settle them
     assert oldest == min(x for x in settled if x is not None)
     assert not cp.core.health.runs
+
+
+def test_noisy_rtt_pings_publish_about_once_a_refresh_not_at_every_bucket_change():
+    """50 nodes pinged every 100 ms with RTTs of 1-30 ms (their EWMA buckets move at most pings):
+    at the default 1 s refresh a few publishes in 3 s; with the refresh off, about one per step."""
+    def publishes(refresh: str) -> tuple[int, dict[str, str]]:
+        cp, clock, probes = in_memory(config(n=50, xds={"coalesce_window_ms": 5, "warmup_timeout_ms": 0,
+                                                        "publish": {"measure_refresh": refresh}}))
+        all_healthy(cp, clock, probes)
+        rng = random.Random(7)
+        write, count = cp.core.on_publish, [0]
+
+        def counted(p):
+            count[0] += 1
+            write(p)
+
+        cp.core.on_publish = counted
+        for step in range(40):  # the first 10: past outlier.min_rtt_samples, the RTTs are judged
+            if step == 10:
+                count[0] = 0
+            for nid in cp.core.node_cfg:
+                probes[nid].heartbeat()
+                probes[nid].ping(rtt_ms=rng.uniform(1, 30))
+            clock.advance(0.1)
+        return count[0], published(cp)
+
+    slow, routed = publishes("1s")
+    fast, _ = publishes("0s")
+    assert set(routed.values()) == {"HEALTHY"}
+    assert 1 <= slow <= 4 and fast >= 20

@@ -24,13 +24,12 @@ from collections.abc import Callable, Collection, Sequence
 from xds_server.config import NodeConfig, SentinelConfig
 from xds_server.control.events import EventLog
 from xds_server.control.node_table import HealthTable
-from xds_server.control.publish import ClusterPublish, PublishPlanner
+from xds_server.control.publish import ClusterPublish, PublishPlanner, Urgency, change_urgency
 from xds_server.health import model as hm
 from xds_server.health.pipeline import (
     Advanced,
     RoutingKey,
     advance,
-    leaves_routing,
     probe_result_key,
     routing_key,
     same_routing_inputs,
@@ -216,12 +215,12 @@ class ControlCore:
             self._check_fail_static(now_s)
 
     def _rekey(self, node_id: str, nh: hm.NodeHealth, cluster: str) -> None:
-        """A changed routing key marks the cluster dirty, urgently when the node :func:`leaves_routing`."""
+        """A changed routing key marks the cluster dirty, as soon as :func:`change_urgency` says."""
         key = routing_key(nh, self.config.health)
         old = self._keys.get(node_id)
         if key != old:
             self._keys[node_id] = key
-            self.mark_dirty(cluster, urgent=leaves_routing(old, key))
+            self.mark_dirty(cluster, change_urgency(old, key))
 
     def _queue_level(self, node_id: str, prev: hm.NodeHealth, nh: hm.NodeHealth) -> None:
         """Record a ``queue_*`` event when new engine telemetry changed the node's queue level."""
@@ -324,12 +323,12 @@ class ControlCore:
 
     # -- publishing ----------------------------------------------------------------------------
 
-    def mark_dirty(self, cluster: str, urgent: bool = False) -> None:
-        """Rebuild ``cluster`` at the next publish (held by the warm-up gate until warm; ``urgent``: sooner)."""
+    def mark_dirty(self, cluster: str, urgency: Urgency = Urgency.NEXT) -> None:
+        """Rebuild ``cluster`` at the next publish (held by the warm-up gate until warm; :class:`Urgency`)."""
         # warmth only matters while the warm-up gate holds the cluster (it opens once)
         warm = cluster in self.planner.gate_open or all(
             self.health[n].state not in _NOT_WARM for n in self._cluster_nodes[cluster])
-        at = self.planner.mark_dirty(cluster, warm, self.clock.now(), urgent)
+        at = self.planner.mark_dirty(cluster, warm, self.clock.now(), urgency)
         if at is not None:
             if self._running:
                 if self._publish_timer is not None:  # armed for later: an urgent change comes first

@@ -19,11 +19,14 @@ Rules (from the old ``ControlPlane``, behaviour unchanged):
   once; changes within the window after a publish are due at its end, as one publish; the window
   is stretched to ``xds.publish.build_ratio`` x the last publish's build time (``last_build_s``,
   measured by the caller) when that is longer (a large cluster in a burst of changes);
-- a node leaving routing on hard evidence (``urgent``: lost, failed probes, engine fatal) is due
-  after the window alone, not the stretched gap, unless the last publish already came early that
-  way: Envoy must stop routing to a dead node now, and a burst of them still leaves the loop at
-  least half of its time (an early build, then one after the gap, in turn). At 2,000 endpoints a
-  build takes ~45 ms, so the gap alone kept a frozen node routed up to ~135 ms past its verdict;
+- how soon a change is due depends on its :class:`Urgency`: a node leaving routing on hard
+  evidence (lost, failed probes, engine fatal: ``URGENT``) after the window alone, not the
+  stretched gap, unless the last publish already came early that way: Envoy must stop routing to
+  a dead node now, and a burst of them still leaves the loop at least half of its time (an early
+  build, then one after the gap, in turn; at 2,000 endpoints a build takes ~45 ms, so the gap
+  alone kept a frozen node routed up to ~135 ms past its verdict). A change of measures alone
+  (``REFRESH``: RTT, TTFT, GPU free memory) after ``xds.publish.measure_refresh``; any other
+  (``NEXT``) after the gap. A sooner change moves an armed publish earlier;
 - fail-static: while active, a cluster keeps the last assignment published before the burst of
   losses began (:class:`LastGoodHistory`);
 - outlier ejections: one wake-up time per cluster, the earliest ejection end (+1 ms).
@@ -31,14 +34,31 @@ Rules (from the old ``ControlPlane``, behaviour unchanged):
 from __future__ import annotations
 
 import collections
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from xds_server.config import SentinelConfig
 from xds_server.health import model as hm
+from xds_server.health.pipeline import RoutingKey, leaves_routing, measures_only
 from xds_server.policy import cluster_routing as hp
 
-__all__ = ["ClusterPublish", "LastGoodHistory", "PublishPlanner"]
+__all__ = ["ClusterPublish", "LastGoodHistory", "PublishPlanner", "Urgency", "change_urgency"]
+
+
+class Urgency(enum.Enum):
+    """How soon a change must reach Envoy (module docstring)."""
+
+    URGENT = "urgent"    # a node left routing on hard evidence: after the window
+    NEXT = "next"        # a change of state or routing: after the gap
+    REFRESH = "refresh"  # measures alone (weights, outlier judgement): after measure_refresh
+
+
+def change_urgency(prev: RoutingKey | None, key: RoutingKey) -> Urgency:
+    """How soon a node's routing key moving from ``prev`` (None: none yet) to ``key`` is due."""
+    if leaves_routing(prev, key):
+        return Urgency.URGENT
+    return Urgency.REFRESH if measures_only(prev, key) else Urgency.NEXT
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,13 +120,14 @@ class PublishPlanner:
         self._clusters = {c.name: c for c in config.clusters}
         self.window_s = config.xds.publish.coalesce_window.s
         self.build_ratio = config.xds.publish.build_ratio
+        self.refresh_s = config.xds.publish.measure_refresh.s
         self.last_build_s = 0.0         # how long the last publish took to build (s; the caller's clock)
         self.gate_open: set[str] = set()
         self.dirty: set[str] = set()
         self.scheduled = False          # a publish is due and the caller has armed it
         self.due_s = float("inf")       # when the armed publish is due (while ``scheduled``)
         self.last_publish_s = float("-inf")
-        self.last_early = False         # the last publish came before min_gap_s() for an urgent change
+        self.last_early = False         # the last publish came before min_gap_s() (an URGENT change)
         self.outliers: dict[str, dict[str, hp.OutlierState]] = {}
         self.why_not_routed: dict[str, str] = {}
         # node id -> the soft ejection the max-ejection cap held back (the node stays routed)
@@ -139,6 +160,7 @@ class PublishPlanner:
         self._clusters = {c.name: c for c in config.clusters}
         self.window_s = config.xds.publish.coalesce_window.s
         self.build_ratio = config.xds.publish.build_ratio
+        self.refresh_s = config.xds.publish.measure_refresh.s
         n = config.xds.publish.fail_static_history_max
         # a look-back recorded for another node set cannot be published for this one
         self._history = {name: self._history[name] if old_ids.get(name) == [x.id for x in c.nodes]
@@ -155,9 +177,9 @@ class PublishPlanner:
             for outs in self.outliers.values():
                 outs.pop(node_id, None)
 
-    def mark_dirty(self, cluster: str, warm: bool, now_s: float, urgent: bool = False) -> float | None:
+    def mark_dirty(self, cluster: str, warm: bool, now_s: float, urgency: Urgency = Urgency.NEXT) -> float | None:
         """Note that ``cluster`` must be rebuilt. ``warm``: none of its nodes is COLD/WARMING;
-        ``urgent``: a node of it left routing on hard evidence (module docstring).
+        ``urgency``: how soon (module docstring).
 
         Returns the time (s) at which the caller must call :meth:`publish`, when a publish has
         to be armed now (replacing one armed for later: an urgent change moves it earlier);
@@ -168,7 +190,12 @@ class PublishPlanner:
                 return None
             self.gate_open.add(cluster)
         self.dirty.add(cluster)
-        gap = self.window_s if urgent and not self.last_early else self.min_gap_s()
+        if urgency is Urgency.URGENT and not self.last_early:
+            gap = self.window_s
+        elif urgency is Urgency.REFRESH:
+            gap = max(self.refresh_s, self.min_gap_s())
+        else:
+            gap = self.min_gap_s()
         due = max(now_s, self.last_publish_s + gap)
         if self.scheduled and due >= self.due_s:
             return None

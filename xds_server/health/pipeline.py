@@ -25,8 +25,8 @@ from xds_server.config import HealthConfig
 from xds_server.health import model as hm
 from xds_server.health.anchor import anchor_ramp
 
-__all__ = ["Advanced", "RoutingKey", "advance", "leaves_routing", "probe_result_key", "resume_kept",
-           "routing_key", "same_routing_inputs"]
+__all__ = ["Advanced", "RoutingKey", "advance", "leaves_routing", "measures_only", "probe_result_key",
+           "resume_kept", "routing_key", "same_routing_inputs"]
 
 RoutingKey = tuple[hm.NodeRouting, hm.NodeState, int | None, int | None, float | None]
 """What :func:`routing_key` gives: node routing, state, RTT and TTFT buckets, GPU free ratio."""
@@ -50,6 +50,13 @@ def leaves_routing(prev: RoutingKey | None, key: RoutingKey) -> bool:
     failed probes, engine fatal: :attr:`~xds_server.health.model.NodeRouting.hard`): cluster policy
     never holds that back, so the publish is urgent. Soft blocks and drains are not."""
     return prev is not None and prev[0].status is hm.RoutingStatus.HEALTHY and key[0].hard
+
+
+def measures_only(prev: RoutingKey | None, key: RoutingKey) -> bool:
+    """Only the node's measures moved between ``prev`` and ``key`` (RTT or TTFT bucket, GPU free
+    ratio): its own routing view and state are the same, so only weights and outlier judgement
+    can change (published at ``xds.publish.measure_refresh``)."""
+    return prev is not None and prev[0] == key[0] and prev[1] is key[1]
 
 
 def same_routing_inputs(prev: hm.NodeHealth, nh: hm.NodeHealth) -> bool:

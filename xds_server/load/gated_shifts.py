@@ -133,13 +133,12 @@ class ShiftService:
     def layout(self, c: ClusterConfig) -> Layout | None:
         """The cluster's placement now; None when it is the config's own (no shift, no base)."""
         st = self.shifts.get(c.name)
-        spots = self._spots(c)
         if st is not None and st.phase not in hs.TERMINAL and c.nodes:
             try:
-                return layout(spots, self._target(c, st.spec), st.share_percent)
+                return layout(self._spots(c), self._target(c, st.spec), st.share_percent)
             except ValueError:  # the target left the config (a reload): the base layout
                 pass
-        return layout(spots, set(), 0.0) if c.name in self.base and c.nodes else None
+        return layout(self._spots(c), set(), 0.0) if c.name in self.base and c.nodes else None
 
     def closing(self, c: ClusterConfig) -> set[str]:
         """Node ids whose responses close the client's connection: the source of a finished hard switch."""

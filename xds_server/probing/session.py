@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import sys
 from collections.abc import Callable
 from time import monotonic
@@ -288,7 +289,7 @@ class ProbeSession:
             # A (re)connected control plane has no probe result yet: ask for one now rather than
             # waiting up to the agent's busy cadence (3-5 s); keeps the warm-up gate short.
             outq.put_nowait(probe_pb2.ControlMessage(probe_now=probe_pb2.ProbeNow(reason="connected")))
-            interval = self.cfg.rtt.ping_interval.s
+            interval, jitter = self.cfg.rtt.ping_interval.s, self.cfg.rtt.ping_jitter
             keep = self.probe_cfg.channel.max_unanswered_pings
             while True:
                 st.ping_seq += 1
@@ -298,7 +299,7 @@ class ProbeSession:
                     for k in sorted(pings)[:-keep]:
                         del pings[k]
                 outq.put_nowait(probe_pb2.ControlMessage(ping=probe_pb2.Ping(seq=seq)))
-                await asyncio.sleep(interval)
+                await asyncio.sleep(interval * random.uniform(1.0 - jitter, 1.0 + jitter))
 
         silent = [False]
 
