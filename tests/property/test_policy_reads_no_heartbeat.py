@@ -9,6 +9,7 @@ from test_health_table import records
 from xds_server.config import HealthConfig
 from xds_server.health.phi import ArrivalStats
 from xds_server.health.records import Heartbeats, NodeHealth, NodeState
+from xds_server.health.routing import node_routing
 from xds_server.policy.cluster_routing import cluster_routing
 
 CFG = HealthConfig()
@@ -29,3 +30,12 @@ def test_prop_cluster_routing_is_the_same_whatever_the_heartbeat_records(nodes, 
     a = cluster_routing([(nid, 1, nh) for nid, nh in built], {}, now_s, CFG)
     b = cluster_routing([(nid, 1, nh) for nid, nh in other], {}, now_s, CFG)
     assert a == b
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(list(NodeState)), records, heartbeats), min_size=1, max_size=6),
+       st.floats(0, 1000))
+def test_prop_cluster_routing_with_the_callers_views_is_the_same_decision(nodes, now_s):
+    built = [(f"n{i}", 1, NodeHealth(f"n{i}", state, **rec)) for i, (state, rec, _) in enumerate(nodes)]
+    views = {nid: node_routing(nh, CFG) for nid, _, nh in built}
+    assert cluster_routing(built, {}, now_s, CFG, views=views) == cluster_routing(built, {}, now_s, CFG)

@@ -224,3 +224,19 @@ def test_noisy_rtt_pings_publish_about_once_a_refresh_not_at_every_bucket_change
     fast, _ = publishes("0s")
     assert set(routed.values()) == {"HEALTHY"}
     assert 1 <= slow <= 4 and fast >= 20
+
+
+def test_a_publish_computes_a_node_view_again_only_for_a_new_record_or_config():
+    cp, clock, probes = in_memory(config(n=4, xds={"coalesce_window_ms": 0, "warmup_timeout_ms": 0}))
+    all_healthy(cp, clock, probes)
+    planner = cp.core.planner
+    cp.core.mark_dirty("llm")
+    cp.core.publish()
+    before = dict(planner._views)
+    probes["n1"].heartbeat(requests_waiting=CFG.load.queue_critical + 1)  # n1: a new record
+    cp.core.mark_dirty("llm")
+    cp.core.publish()
+    after = planner._views
+    assert after["n0"] is before["n0"] and after["n1"] is not before["n1"]
+    assert after["n1"][2].soft_block.startswith("queue: ")
+    assert published(cp)["n1"] == "UNHEALTHY"  # the soft block, published from the new view

@@ -38,7 +38,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from xds_server.config import SentinelConfig
+from xds_server.config import HealthConfig, NodeConfig, SentinelConfig
 from xds_server.health import model as hm
 from xds_server.health.pipeline import RoutingKey, leaves_routing, measures_only
 from xds_server.policy import cluster_routing as hp
@@ -141,6 +141,8 @@ class PublishPlanner:
         self.outlier_wake_s: dict[str, float] = {}
         n = history_max_entries if history_max_entries is not None else config.xds.publish.fail_static_history_max
         self._history = {c: LastGoodHistory(n) for c in self._clusters}
+        # node id -> (record, health config, its node_routing): recomputed only for a new record
+        self._views: dict[str, tuple[hm.NodeHealth, HealthConfig, hm.NodeRouting]] = {}
 
     def set_serving(self, cluster: str, node_ids: frozenset[str]) -> bool:
         """The nodes of ``cluster`` whose latest real traffic succeeds; True when the set changed
@@ -174,6 +176,7 @@ class PublishPlanner:
         self.dirty &= set(self._clusters)
         for node_id in dropped_nodes:
             self.why_not_routed.pop(node_id, None)
+            self._views.pop(node_id, None)
             for outs in self.outliers.values():
                 outs.pop(node_id, None)
 
@@ -214,6 +217,20 @@ class PublishPlanner:
         self.gate_open.add(cluster)
         return True
 
+    def _views_of(self, nodes: list[NodeConfig], health: Mapping[str, hm.NodeHealth],
+                  cfg: HealthConfig) -> dict[str, hm.NodeRouting]:
+        """Each node's own routing view (:func:`~xds_server.health.routing.node_routing`), computed
+        again only for a record or config that is not the one it was computed from (records are
+        immutable; a steady node's stays the same object between publishes)."""
+        cache, out = self._views, {}
+        for n in nodes:
+            nh = health[n.id]
+            c = cache.get(n.id)
+            if c is None or c[0] is not nh or c[1] is not cfg:
+                c = cache[n.id] = (nh, cfg, hm.node_routing(nh, cfg))
+            out[n.id] = c[2]
+        return out
+
     def history(self, cluster: str) -> LastGoodHistory:
         """The fail-static look-back of one cluster."""
         return self._history[cluster]
@@ -236,10 +253,11 @@ class PublishPlanner:
         for c in self.config.clusters:
             if c.name not in dirty:
                 continue
+            views = self._views_of(c.nodes, health, cfg)
             decision = hp.cluster_routing(
                 [(n.id, n.capacity, health[n.id]) for n in c.nodes],
                 self.outliers.get(c.name, {}), now_s, cfg, [n.id for n in c.nodes if n.id in self.held_back],
-                self.serving.get(c.name, frozenset()), self.kept_silent.get(c.name, ()))
+                self.serving.get(c.name, frozenset()), self.kept_silent.get(c.name, ()), views)
             if decision.kept_silent:
                 self.kept_silent[c.name] = decision.kept_silent
             else:
@@ -250,7 +268,7 @@ class PublishPlanner:
                 self.held_back.pop(n.id, None)
             for nid in decision.held_back:
                 out_st = decision.outliers.get(nid)
-                self.held_back[nid] = (hm.node_routing(health[nid], cfg).soft_block
+                self.held_back[nid] = (views[nid].soft_block
                                        or (out_st.reason if out_st is not None else "") or "soft ejection")
             routing: Mapping[str, hm.Routing] = dict(decision.routing)
             held = False

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from xds_server.config import HealthConfig
 from xds_server.health.clocks import miss_after_s
 from xds_server.health.records import EjectionCause, NodeHealth, NodeState
-from xds_server.health.routing import Routing, RoutingStatus, full_weight, node_routing, weight
+from xds_server.health.routing import NodeRouting, Routing, RoutingStatus, full_weight, node_routing, weight
 
 __all__ = [
     "ClusterDecision",
@@ -79,6 +79,9 @@ class PolicyEventKind(enum.StrEnum):
     FAIL_STATIC_OFF = "fail_static_off"
     KEPT_SILENT = "fail_static_kept"
     KEPT_SILENT_ENDED = "fail_static_kept_ended"
+
+
+_NO_OUTLIER = OutlierState()
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +136,7 @@ def cluster_routing(
     held_before: Collection[str] = (),
     serving: Collection[str] = (),
     kept_before: Collection[str] = (),
+    views: Mapping[str, NodeRouting] | None = None,
 ) -> ClusterDecision:
     """Routing for one cluster. ``nodes``: (node id, capacity, health). Deterministic.
 
@@ -141,13 +145,16 @@ def cluster_routing(
     every recompute while it stays held (that was 4 events a second for one node).
     ``serving``: nodes whose latest real traffic succeeds (load reports); ``kept_before``: the
     silent nodes the previous decision kept routed (``ClusterDecision.kept_silent``).
+    ``views``: each node's :func:`~xds_server.health.routing.node_routing` under ``cfg``, when the
+    caller keeps them (a publish recomputes only the changed records'); computed here when None.
     """
-    views = {nid: node_routing(nh, cfg) for nid, _, nh in nodes}
+    if views is None:
+        views = {nid: node_routing(nh, cfg) for nid, _, nh in nodes}
     health = {nid: nh for nid, _, nh in nodes}
     n = len(nodes)
     events: list[PolicyEvent] = []
     why: dict[str, str] = {}
-    new_out: dict[str, OutlierState] = {nid: outliers.get(nid, OutlierState()) for nid, _, _ in nodes}
+    new_out: dict[str, OutlierState] = {nid: outliers.get(nid, _NO_OUTLIER) for nid, _, _ in nodes}
 
     routed = [nid for nid, _, nh in nodes
               if views[nid].status is RoutingStatus.HEALTHY and nh.state in (NodeState.HEALTHY, NodeState.DEGRADED)]
@@ -233,20 +240,23 @@ def cluster_routing(
         scores[nid] = score(rtt, free, cfg)
     best = min(scores.values()) if scores else 0.0
     routing: dict[str, Routing] = {}
+    made: dict[tuple[int, RoutingStatus], Routing] = {}  # equal Routings are one object (immutable)
     for nid, cap_units, _ in nodes:
         view = views[nid]
         if view.status is RoutingStatus.DRAINING:
-            routing[nid] = Routing(full_weight(cap_units), RoutingStatus.DRAINING)
+            key = (full_weight(cap_units), RoutingStatus.DRAINING)
         elif nid in kept:
-            routing[nid] = Routing(full_weight(cap_units), RoutingStatus.HEALTHY)
+            key = (full_weight(cap_units), RoutingStatus.HEALTHY)
         elif nid in why or view.status is not RoutingStatus.HEALTHY:
-            routing[nid] = Routing(full_weight(cap_units), RoutingStatus.UNHEALTHY)
+            key = (full_weight(cap_units), RoutingStatus.UNHEALTHY)
         else:
             sf = ((best + cfg.score.slack) / (scores[nid] + cfg.score.slack)
                   if scores[nid] + cfg.score.slack > 0 else 1.0)
             sf = min(1.0, max(cfg.score.min_factor, sf))
             sf = max(cfg.score.min_factor, round(sf / cfg.score.step) * cfg.score.step)
-            routing[nid] = Routing(weight(cap_units, view.factor, min(sf, 1.0)), RoutingStatus.HEALTHY)
+            key = (weight(cap_units, view.factor, min(sf, 1.0)), RoutingStatus.HEALTHY)
+        r = made.get(key)
+        routing[nid] = r if r is not None else made.setdefault(key, Routing(*key))
     return ClusterDecision(routing, why, new_out, tuple(events), held, kept)
 
 
