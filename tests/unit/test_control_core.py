@@ -62,6 +62,21 @@ def published(cp: ControlPlane) -> dict[str, str]:
     return {e.endpoint.hostname: names[e.health_status] for lle in m.endpoints for e in lle.lb_endpoints}
 
 
+def slow_builds(cp: ControlPlane, clock: ManualClock, build_s: float) -> list[float]:
+    """Make every publish take ``build_s`` of the clock (moved inside on_publish, as the loop's
+    clock moves while a large cluster is built); returns the list each publish's start is added to."""
+    write = cp.core.on_publish
+    at: list[float] = []
+
+    def slow_write(p):
+        at.append(clock.now())
+        write(p)
+        clock._now += build_s
+
+    cp.core.on_publish = slow_write
+    return at
+
+
 def metric_samples(cp: ControlPlane, name: str) -> dict:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(ControlPlaneCollector(cp.view))
@@ -102,15 +117,7 @@ def test_core_measures_each_publish_build_on_its_clock_and_spaces_the_next_by_it
     after it; every publish still happens (none is lost)."""
     cp, clock, probes = in_memory(config(xds={"coalesce_window_ms": 5, "warmup_timeout_ms": 0}))
     all_healthy(cp, clock, probes)
-    write = cp.core.on_publish
-    at: list[float] = []
-
-    def slow_write(p):
-        at.append(clock.now())
-        write(p)
-        clock._now += 0.02  # the build took 20 ms
-
-    cp.core.on_publish = slow_write
+    at = slow_builds(cp, clock, 0.02)
     cp.core.drain("n0", True, "t")  # published at once (an operator action)
     assert len(at) == 1 and abs(cp.core.planner.last_build_s - 0.02) < 1e-9
     t0 = at[0]

@@ -11,7 +11,7 @@ import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_control_core import all_healthy, config, in_memory, published
+from test_control_core import all_healthy, config, in_memory, published, slow_builds
 
 from xds_server.config import HealthConfig, parse_config
 from xds_server.control.publish import PublishPlanner, Urgency
@@ -154,18 +154,10 @@ def test_leaves_routing_only_on_hard_evidence_from_a_routable_node():
 def test_a_node_lost_right_after_a_slow_publish_reaches_envoy_after_the_window():
     """A 2,000-endpoint cluster builds in ~45 ms; at the ratio's 3x a frozen node would stay routed
     up to ~135 ms past its verdict. Lost on hard evidence, it is published 5 ms after the last
-    publish; a soft change in the same spot waits for the gap."""
+    publish, and a soft change armed for the gap rides along."""
     cp, clock, probes = in_memory(config(xds={"coalesce_window_ms": 5, "warmup_timeout_ms": 0}))
     all_healthy(cp, clock, probes)
-    write = cp.core.on_publish
-    at: list[float] = []
-
-    def slow_write(p):
-        at.append(clock.now())
-        write(p)
-        clock._now += 0.02  # the build took 20 ms
-
-    cp.core.on_publish = slow_write
+    at = slow_builds(cp, clock, 0.02)                       # every build takes 20 ms
     cp.core.drain("n0", True, "t")                          # published at once; the next gap: 60 ms
     probes["n1"].heartbeat(requests_waiting=CFG.load.queue_critical + 1)  # soft: armed for the gap
     clock.advance(0.001)
@@ -175,6 +167,7 @@ def test_a_node_lost_right_after_a_slow_publish_reaches_envoy_after_the_window()
     clock.advance(0.001)
     assert len(at) == 2 and at[1] - at[0] <= 0.02 + 0.005
     assert published(cp)["n2"] == "UNHEALTHY"
+    assert "n1" in cp.core.planner.held_back  # judged in the same publish (held back: n2 fills the cap)
 
 
 def test_a_publish_leaves_the_steady_heartbeat_runs_open():
