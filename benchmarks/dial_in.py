@@ -411,15 +411,15 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             return rec(wall_s, cluster, node_id, kind, reason, *a, **k)
 
         cp.core.events.record = record  # type: ignore[method-assign]  # the hook of this measurement
-        publishes: list[tuple[float, float]] = []  # (wall s at its end, ms it took) of every publish
+        publishes: list[tuple[float, float, float]] = []  # (wall s at its end, ms it took, loop CPU ms)
         unrouted_at: dict[str, float] = {}  # a frozen node -> wall s of the first publish not routing it
         core_publish = cp.core.publish
 
         def timed_publish() -> Any:
-            t = time.perf_counter()
+            t, th = time.perf_counter(), time.thread_time()
             out = core_publish()
             end = time.time()
-            publishes.append((end, (time.perf_counter() - t) * 1000.0))
+            publishes.append((end, (time.perf_counter() - t) * 1000.0, (time.thread_time() - th) * 1000.0))
             for pub in out:
                 for i in freeze_at:
                     r = pub.routing.get(i)
@@ -494,7 +494,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         while len(first_detections()) < freeze and time.monotonic() < grace_end:
             await asyncio.sleep(0.1)
         first = first_detections()
-        window_publishes = [ms for at, ms in publishes[p0:] if at <= wall0 + dt]
+        window_publishes = [ms for at, ms, _ in publishes[p0:] if at <= wall0 + dt]
+        window_publish_cpu = [cpu for at, _, cpu in publishes[p0:] if at <= wall0 + dt]
         published = {i: (at - freeze_at[i]) * 1000.0 for i, at in unrouted_at.items()}
         main_cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
         worker_cpu = [b - a for a, b in zip(w0, w1, strict=True)]
@@ -536,6 +537,11 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             # the time Envoy is sent the news: publishes in the window (count, build ms), and SIGSTOP ->
             # the first publish that stops routing a frozen node (slowest node per freeze too)
             "publishes": len(window_publishes), "publish_ms": _spread(sorted(window_publishes)),
+            "publish_cpu_ms": _spread(sorted(window_publish_cpu)),  # the loop thread's CPU in them
+            # RTT round trips not taken as samples (our own stall or queue: health.rtt.self_lag_max), and
+            # those taken, since the start
+            "rtt_dropped": sum(getattr(cp.sessions[i], "rtt_samples_dropped", 0) for i in ids),
+            "rtt_samples": sum(cp.core.health[i].rtt.samples for i in ids),
             "published_ms": _spread(sorted(published.values())),
             "group_published_max_ms": [round(max(published[ids[k]] for k in g if ids[k] in published), 1)
                                        for g in groups if any(ids[k] in published for k in g)],

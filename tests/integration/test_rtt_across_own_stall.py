@@ -8,6 +8,7 @@ plane's loop is blocked (here: ``time.sleep`` on the loop, what a SIGSTOP looks 
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -77,5 +78,42 @@ async def test_a_pong_that_waited_through_our_stall_gives_no_rtt_sample(agent_th
         before = rtt.last_ms
         agent.heartbeats, agent.pong_delay_s = True, 0.0
         await wait_for(lambda: cp.health["a"].rtt.last_ms != before, timeout_s=5, what="a new RTT sample")
+    finally:
+        await cp.stop()
+
+
+async def test_pongs_read_behind_a_queue_of_our_own_give_no_rtt_sample(agent_thread):
+    """Our loop never stops but runs every callback up to 45 ms late (no stall: the loop watch records
+    those from 50 ms): a round trip read meanwhile waited on our queue, and is not a sample
+    (``health.rtt.self_lag_max``, 20 ms); once the queue is gone, samples are taken again."""
+    agent = agent_thread.agent
+    cp = ControlPlane(parse_config({
+        "xds": {"listen": "127.0.0.1:0"}, "admin": {"listen": "127.0.0.1:0"},
+        "health": {"rtt": {"ping_interval": "100ms"}}, "probe": {"workers": 0},
+        "clusters": [{"name": "llm", "nodes": [
+            {"id": "a", "address": "127.0.0.1:8001", "probe_address": f"127.0.0.1:{agent.port}"}]}],
+    }))
+    await cp.start()
+    try:
+        await wait_for(lambda: cp.health["a"].rtt.samples >= 2, timeout_s=10, what="RTT samples")
+        session = cp.sessions["a"]
+        dropped, samples = session.rtt_samples_dropped, cp.health["a"].rtt.samples
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 1.5
+
+        rng = random.Random(3)
+
+        def busy() -> None:  # 25-45 ms of work, 1-10 ms free, again: a queue, never a stall
+            time.sleep(rng.uniform(0.025, 0.045))
+            if loop.time() < end:
+                loop.call_later(rng.uniform(0.001, 0.01), busy)
+
+        loop.call_soon(busy)
+        await asyncio.sleep(1.6)
+        queued_drops = session.rtt_samples_dropped - dropped
+        queued_samples = cp.health["a"].rtt.samples - samples
+        assert queued_drops >= 5 and queued_drops > queued_samples, (queued_drops, queued_samples)
+        after = cp.health["a"].rtt.samples
+        await wait_for(lambda: cp.health["a"].rtt.samples >= after + 3, timeout_s=5, what="samples again")
     finally:
         await cp.stop()

@@ -9,7 +9,15 @@ from itertools import pairwise
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xds_server.probing.stall_hold import Stall, StallHistory, held_until, ran, stalled_between, stalls_at
+from xds_server.probing.stall_hold import (
+    Stall,
+    StallHistory,
+    held_until,
+    late_between,
+    ran,
+    stalled_between,
+    stalls_at,
+)
 
 U = 1 / 1024  # times are whole multiples of this (s), so sums are exact in binary floating point
 PERIOD, MIN_GAP, KEEP = 64 * U, 64 * U, 60.0
@@ -117,3 +125,36 @@ def test_the_five_second_sigstop_pong_is_dropped_and_a_round_trip_after_it_is_ke
     # a late run shorter than the sampler's period is no stall
     h2 = ran(StallHistory(alive_s=0.0), PERIOD + PERIOD / 2, PERIOD, MIN_GAP, KEEP)
     assert not stalled_between(h2, 0.0, h2.alive_s + 0.001, PERIOD)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_runs, st.integers(0, 3000), st.integers(0, 12000), st.integers(1, 200))
+def test_a_round_trip_waited_on_our_queue_exactly_when_a_late_run_overlaps_it(runs, later_u, rtt_u, min_late_u):
+    """``late_between`` over the late runs kept (oldest first) equals a walk over every run: one at
+    least ``min_late`` late that woke within a period before the ping or after it and before the
+    pong's read, or the run due and pending."""
+    h, late_runs, last = StallHistory(alive_s=0.0), [], 0.0
+    for late in runs:
+        last = h.alive_s + PERIOD + late * U
+        h = ran(h, last, PERIOD, MIN_GAP, KEEP)
+        if late:
+            late_runs.append((last, late * U))
+    now = last + later_u * U
+    since = now - rtt_u * U
+    min_late = min_late_u * U
+    want = (now - h.alive_s - PERIOD >= min_late
+            or any(w > since - PERIOD and lt >= min_late and w - lt < now for w, lt in late_runs))
+    assert late_between(late_runs, h, since, now, PERIOD, min_late) == want
+
+
+def test_a_pong_read_behind_a_30_ms_queue_is_dropped_and_one_on_an_idle_loop_is_kept():
+    h = StallHistory(alive_s=1.0)
+    runs = [(1.0 + PERIOD + 0.03, 0.03)]  # the sampler ran 30 ms late: a queue, no stall
+    h = ran(h, runs[0][0], PERIOD, MIN_GAP, KEEP)
+    woke = runs[0][0]
+    assert not stalled_between(h, woke - 0.02, woke + 0.001, PERIOD)
+    assert late_between(runs, h, woke - 0.02, woke + 0.001, PERIOD, 0.02)       # in flight meanwhile
+    assert not late_between(runs, h, woke - 0.02, woke + 0.001, PERIOD, 0.04)   # under the bound
+    assert late_between(runs, h, woke + 0.005, woke + 0.01, PERIOD, 0.02)       # sent just after it
+    assert not late_between(runs, h, woke + PERIOD + 0.005, woke + PERIOD + 0.01, PERIOD, 0.02)  # a period on
+    assert late_between([], h, woke + PERIOD, woke + PERIOD + 0.03, PERIOD, 0.02)  # the next run 30 ms overdue

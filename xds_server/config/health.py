@@ -91,7 +91,7 @@ class PhiConfig(_Model):
 class RttConfig(_Model):
     """Round-trip time of the probe stream, and the baseline PROBATION waits for."""
 
-    ADVANCED: ClassVar[frozenset[str]] = frozenset({"ping_jitter"})
+    ADVANCED: ClassVar[frozenset[str]] = frozenset({"ping_jitter", "self_lag_max"})
 
     ping_interval: PositiveDuration = Field(
         Duration.parse("1s"), description="RTT ping cadence (docs/DESIGN.md section 3)")
@@ -102,6 +102,13 @@ class RttConfig(_Model):
         "add its length to every round trip of the same nodes. Ours: at 2,000 nodes, pings at exactly 1 s "
         "met the 1 s weight publish (~40 ms) every time, and three healthy nodes read EWMA RTT 65 ms "
         "against a median of 11 ms and were outlier-ejected (benchmarks/RESULTS.md)")
+    self_lag_max: PositiveDuration = Field(
+        Duration.parse("20ms"),
+        description="a round trip during which our own event loop ran this late or later (its loop watch, "
+        "probe.stalls.loop_watch_interval) is not a sample: it waited on our queue, not on the node. "
+        "Ours: at 2,000 nodes with 1 s pings on two busy cores the median round trip read 11-30 ms and "
+        "healthy nodes at 65-90 ms were outlier-ejected (benchmarks/RESULTS.md); a sustained queue of "
+        "our own leaves the EWMAs where they were")
     ewma_alpha: float = Field(0.2, gt=0, le=1, description="seed 000: EWMA alpha 0.2 for RTT")
     spike_factor: float = Field(
         4.0, ge=1, le=1000,

@@ -17,11 +17,13 @@ Shape::
     gate.due(now_s, heard_s)            # the detection timer is due: a hold's end, or Tick / StreamClosed
     gate.closed(now_s, detail, heard_s)  # the stream ended: a hold's end (kept), or StreamClosed
     gate.stalled_since(sent_s, now_s)   # a ping's round trip spans our own stall: no RTT sample
+    gate.late_since(sent_s, now_s, 0.02)  # ... or waited on our own queue (loop 20 ms late)
     await gate.silent_for(loop, silent_s, ...)    # returns once the open stream is silent
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import weakref
 from collections.abc import Callable
 from typing import ClassVar
@@ -29,7 +31,7 @@ from typing import ClassVar
 from xds_server.config import HealthConfig, ProbeConfig
 from xds_server.health.clocks import miss_after_s
 from xds_server.health.records import StreamClosed, Tick
-from xds_server.probing.stall_hold import StallHistory, held_until, ran, stalled_between
+from xds_server.probing.stall_hold import StallHistory, held_until, late_between, ran, stalled_between
 from xds_server.probing.timers import recheck_after_s
 
 __all__ = ["LoopStallWatch", "SilenceGate", "SilentStream"]
@@ -38,6 +40,9 @@ _KEEP_S = 60.0
 """Stalls are remembered this long (s): the largest ``probe.stalls.stall_hold`` allowed."""
 _EARLY_S = 1e-6
 """A hold ending within this (s) of now counts as ended (a timer may run a clock tick early)."""
+_LATE_S = 0.002
+"""Sampler runs at least this late (s) are kept for :meth:`SilenceGate.late_since` (a few seconds' worth)."""
+_LATE_RUNS = 256
 
 
 class SilentStream(Exception):
@@ -59,6 +64,7 @@ class LoopStallWatch:
         self.loop = loop
         self.period_s = period_s
         self.history = StallHistory(alive_s=loop.time())
+        self.late_runs: collections.deque[tuple[float, float]] = collections.deque(maxlen=_LATE_RUNS)  # (woke, late)
         self._holders = 0
         self._handle: asyncio.TimerHandle | None = None
 
@@ -82,7 +88,11 @@ class LoopStallWatch:
             self._handle = None
 
     def _run(self) -> None:
-        self.history = ran(self.history, self.loop.time(), self.period_s, self.period_s, _KEEP_S)
+        now = self.loop.time()
+        late = now - self.history.alive_s - self.period_s
+        if late >= _LATE_S:
+            self.late_runs.append((now, late))
+        self.history = ran(self.history, now, self.period_s, self.period_s, _KEEP_S)
         self._handle = self.loop.call_later(self.period_s, self._run)
 
     @property
@@ -127,6 +137,13 @@ class SilenceGate:
             return None
         self.held += 1
         return at
+
+    def late_since(self, since_s: float, now_s: float, min_late_s: float) -> bool:
+        """Whether our own loop ran ``min_late_s`` late or more between ``since_s`` and ``now_s``
+        (loop times, s): a ping's round trip over that span waited on our queue
+        (:func:`~xds_server.probing.stall_hold.late_between`)."""
+        w = self._watch
+        return w is not None and late_between(w.late_runs, w.history, since_s, now_s, w.period_s, min_late_s)
 
     def stalled_since(self, since_s: float, now_s: float) -> bool:
         """Whether our own loop stalled between ``since_s`` and ``now_s`` (loop times, s): a
