@@ -527,7 +527,9 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             "gc_cores": {g: round(s / dt, 4) for g, s in enumerate(gc_time.seconds)},
             "gc_collections": gc_time.collections, "gc_max_ms": gc_time.max_ms,
             "thread_cores": {k: round(v / dt, 3) for k, v in by_name.most_common() if v / dt >= 0.005},
-            "ejections_in_settle": e0 + o0, "frozen": freeze, "freeze_groups": len(groups),
+            "ejections_in_settle": e0 + o0,
+            "settle_ejection_reasons": sorted({r[:120] for _, _, r in ejected[:e0] + outliers[:o0]})[:4],
+            "frozen": freeze, "freeze_groups": len(groups),
             "group_detect_max_ms": group_max,
             # the split of a detection (dial-in, no workers): gRPC's PING deadline and our read of the
             # stream's end, then our confirmation and verdict

@@ -56,6 +56,8 @@ from xds_server.process.untrusted import RateLimitedLog, clip, for_log
 
 __all__ = ["ProbeSession", "SilentStream", "grpc_probe_source"]
 
+_JITTER = random.Random()  # the RTT pings' waits (health.rtt.ping_jitter); the global generator is left alone
+
 log = logging.getLogger("xds_server.probing")  # the stage's name, as before the package
 
 class ProbeSession:
@@ -299,7 +301,7 @@ class ProbeSession:
                     for k in sorted(pings)[:-keep]:
                         del pings[k]
                 outq.put_nowait(probe_pb2.ControlMessage(ping=probe_pb2.Ping(seq=seq)))
-                await asyncio.sleep(interval * random.uniform(1.0 - jitter, 1.0 + jitter))
+                await asyncio.sleep(interval * _JITTER.uniform(1.0 - jitter, 1.0 + jitter))
 
         silent = [False]
 
