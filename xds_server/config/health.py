@@ -12,13 +12,13 @@ one line (``check-config`` prints them; ``check-config --rewrite`` the file with
 """
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from node_probe.xids import FATAL_XIDS
 from xds_server.config.base import _Model
-from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration
+from xds_server.config.duration import Duration, NonNegativeDuration, PositiveDuration, at_least
 from xds_server.config.health_names import RENAMED
 from xds_server.config.renames import Moves, _Renaming
 from xds_server.config.validation import ValidationConfig
@@ -102,7 +102,7 @@ class RttConfig(_Model):
         "add its length to every round trip of the same nodes. Ours: at 2,000 nodes, pings at exactly 1 s "
         "met the 1 s weight publish (~40 ms) every time, and three healthy nodes read EWMA RTT 65 ms "
         "against a median of 11 ms and were outlier-ejected (benchmarks/RESULTS.md)")
-    self_lag_max: PositiveDuration = Field(
+    self_lag_max: Annotated[PositiveDuration, at_least("5ms")] = Field(
         Duration.parse("20ms"),
         description="a round trip during which our own event loop ran this late or later (its loop watch, "
         "probe.stalls.loop_watch_interval) is not a sample: it waited on our queue, not on the node. "

@@ -331,7 +331,7 @@ class ControlCore:
         at = self.planner.mark_dirty(cluster, warm, self.clock.now(), urgency)
         if at is not None:
             if self._running:
-                if self._publish_timer is not None:  # armed for later: an urgent change comes first
+                if self._publish_timer is not None:  # armed for later: a sooner change re-arms it
                     self._publish_timer.cancel()
                 self._publish_timer = self.clock.call_at(at, self.publish)
             else:

@@ -11,7 +11,7 @@ Shape::
     out = p.publish(now_s, health, fail_static, floor_s)   # -> [ClusterPublish], one per dirty cluster
     p.outlier_wake_s["llm"]                         # when an outlier ejection ends (re-mark dirty)
 
-Rules (from the old ``ControlPlane``, behaviour unchanged):
+Rules:
 
 - warm-up gate: a cluster is held back until none of its nodes is COLD or WARMING (``warm``),
   or until :meth:`open_gate` (the ``xds.publish.warmup_timeout`` timer) opens it;

@@ -41,8 +41,9 @@ _KEEP_S = 60.0
 _EARLY_S = 1e-6
 """A hold ending within this (s) of now counts as ended (a timer may run a clock tick early)."""
 _LATE_S = 0.002
-"""Sampler runs at least this late (s) are kept for :meth:`SilenceGate.late_since` (a few seconds' worth)."""
 _LATE_RUNS = 256
+"""Sampler runs at least ``_LATE_S`` late (s) are kept for :meth:`SilenceGate.late_since`, the last
+``_LATE_RUNS`` of them (>= 12 s at the 50 ms default period; a round trip needs one period before it)."""
 
 
 class SilentStream(Exception):
@@ -139,9 +140,9 @@ class SilenceGate:
         return at
 
     def late_since(self, since_s: float, now_s: float, min_late_s: float) -> bool:
-        """Whether our own loop ran ``min_late_s`` late or more between ``since_s`` and ``now_s``
-        (loop times, s): a ping's round trip over that span waited on our queue
-        (:func:`~xds_server.probing.stall_hold.late_between`)."""
+        """Whether our own loop ran ``min_late_s`` late or more around a round trip from ``since_s``
+        to ``now_s`` (loop times, s): a ping's round trip then waited on our queue
+        (:func:`~xds_server.probing.stall_hold.late_between`; ``min_late_s`` >= ``_LATE_S``)."""
         w = self._watch
         return w is not None and late_between(w.late_runs, w.history, since_s, now_s, w.period_s, min_late_s)
 
