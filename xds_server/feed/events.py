@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from xds_server.config import NodeConfig
+from xds_server.health.records import NodeHealth
+from xds_server.health.routing import Routing
 
 __all__ = ["RoutingChange", "RoutingListener", "RoutingNotifier"]
 
@@ -69,8 +70,8 @@ class RoutingNotifier:
         self._announced[node_id] = key
         return True
 
-    def announce_changes(self, cluster: str, nodes: Sequence[NodeConfig], routing: Mapping[str, Any],
-                         health: Mapping[str, Any], version: str, wall: float) -> None:
+    def announce_changes(self, cluster: str, nodes: Sequence[NodeConfig], routing: Mapping[str, Routing],
+                         health: Mapping[str, NodeHealth], version: str, wall: float) -> None:
         """Tell the listeners of each node of ``cluster`` whose published status or state changed
         (``routing``/``health``: node id -> Routing / NodeHealth; ``version``: the CLA's)."""
         if not self.listeners:
