@@ -92,7 +92,8 @@ def test_planner_publishes_an_isolated_change_at_once_and_coalesces_within_the_w
     assert p.mark_dirty("llm", warm=False, now_s=1.0) is None  # gate closed: held
     assert p.mark_dirty("llm", warm=True, now_s=1.0) == 1.0     # quiet: at once
     assert p.mark_dirty("llm", warm=True, now_s=1.0) is None    # already scheduled
-    p.last_publish_s, p.scheduled, p.dirty = 1.0, False, set()
+    p.last_publish_s, p.dirty = 1.0, set()
+    p.disarm()
     assert p.mark_dirty("llm", warm=True, now_s=1.03) == 1.1    # within the window: at its end
 
 
@@ -102,9 +103,10 @@ def test_planner_spaces_publishes_by_the_build_ratio_when_a_build_is_longer_than
     p.last_publish_s, p.last_build_s = 1.0, 0.02  # a 20 ms build: the next one >= 60 ms later
     assert p.min_gap_s() == 0.06
     assert abs(p.mark_dirty("llm", warm=True, now_s=1.01) - 1.06) < 1e-9
-    p.scheduled = False
+    p.disarm()
     assert p.mark_dirty("llm", warm=True, now_s=1.5) == 1.5     # after a quiet gap: at once
-    p.scheduled, p.last_build_s = False, 0.001                  # a 1 ms build: the window decides
+    p.disarm()
+    p.last_build_s = 0.001                                      # a 1 ms build: the window decides
     assert abs(p.mark_dirty("llm", warm=True, now_s=1.001) - 1.005) < 1e-9
     off = PublishPlanner(parse_config(config(xds={"coalesce_window_ms": 5, "publish_build_ratio": 0})))
     off.last_build_s = 0.02

@@ -40,9 +40,9 @@ def test_an_urgent_change_is_due_after_the_window_and_an_ordinary_one_after_the_
     p = _planner()
     _publish(p, 1.0, 0.02)                                      # a 20 ms build: gap 60 ms
     assert abs(p.mark_dirty("llm", warm=True, now_s=1.021) - 1.06) < 1e-9
-    p.scheduled = False
+    p.disarm()
     assert p.mark_dirty("llm", warm=True, now_s=1.021, urgency=Urgency.URGENT) == 1.021  # past the window: now
-    p.scheduled = False
+    p.disarm()
     assert abs(p.mark_dirty("llm", warm=True, now_s=1.002, urgency=Urgency.URGENT) - 1.005) < 1e-9  # inside it: its end
 
 
@@ -64,7 +64,7 @@ def test_after_an_early_publish_the_next_urgent_change_waits_for_the_gap():
     assert abs(p.mark_dirty("llm", warm=True, now_s=1.042, urgency=Urgency.URGENT) - 1.081) < 1e-9
     _publish(p, 1.081, 0.02)                                    # on the gap: not early
     assert not p.last_early
-    p.scheduled = False
+    p.disarm()
     assert p.mark_dirty("llm", warm=True, now_s=1.102, urgency=Urgency.URGENT) == 1.102
 
 
@@ -75,7 +75,7 @@ def test_a_change_of_measures_alone_waits_for_the_refresh_and_rides_along_with_a
     assert p.mark_dirty("llm", warm=True, now_s=1.2, urgency=Urgency.REFRESH) is None
     assert p.mark_dirty("llm", warm=True, now_s=1.3) == 1.3                        # a state change: now
     _publish(p, 2.5, 0.02)
-    p.scheduled = False
+    p.disarm()
     assert p.mark_dirty("llm", warm=True, now_s=4.0, urgency=Urgency.REFRESH) == 4.0  # after a quiet second
     off = _planner(refresh="0s")
     _publish(off, 1.0, 0.02)

@@ -88,6 +88,7 @@ class HttpErrorLog(logging.LoggerAdapter):
                 return
         self.logger.log(level, msg, *args)
 
+
 _HISTORY_SLICE = 200
 """Nodes per slice of a history sample (~5 ms of the event loop on the test machine)."""
 

@@ -335,7 +335,7 @@ class ControlCore:
                     self._publish_timer.cancel()
                 self._publish_timer = self.clock.call_at(at, self.publish)
             else:
-                self.planner.scheduled = False
+                self.planner.disarm()
 
     def _open_all_gates(self) -> None:
         self._gate_timer = None

@@ -124,8 +124,7 @@ class PublishPlanner:
         self.last_build_s = 0.0         # how long the last publish took to build (s; the caller's clock)
         self.gate_open: set[str] = set()
         self.dirty: set[str] = set()
-        self.scheduled = False          # a publish is due and the caller has armed it
-        self.due_s = float("inf")       # when the armed publish is due (while ``scheduled``)
+        self.due_s = float("inf")       # when the publish the caller armed is due (inf: none armed)
         self.last_publish_s = float("-inf")
         self.last_early = False         # the last publish came before min_gap_s() (an URGENT change)
         self.outliers: dict[str, dict[str, hp.OutlierState]] = {}
@@ -200,10 +199,20 @@ class PublishPlanner:
         else:
             gap = self.min_gap_s()
         due = max(now_s, self.last_publish_s + gap)
-        if self.scheduled and due >= self.due_s:
+        if due >= self.due_s:
             return None
-        self.scheduled, self.due_s = True, due
+        self.due_s = due
         return due
+
+    @property
+    def scheduled(self) -> bool:
+        """A publish is due and the caller has armed it."""
+        return self.due_s != float("inf")
+
+    def disarm(self) -> None:
+        """The caller will not call :meth:`publish` for the armed time (no timer to arm): the next
+        change asks again."""
+        self.due_s = float("inf")
 
     def min_gap_s(self) -> float:
         """The least time (s) from one publish to the next: the coalescing window, or
@@ -245,7 +254,7 @@ class PublishPlanner:
         :meth:`LastGoodHistory.record`).
         """
         self.last_early = now_s < self.last_publish_s + self.min_gap_s() - 1e-9
-        self.scheduled, self.due_s = False, float("inf")
+        self.due_s = float("inf")
         self.last_publish_s = now_s
         dirty, self.dirty = self.dirty, set()
         cfg = self.config.health

@@ -380,8 +380,7 @@ class ProbeSession:
                     # else: a ping dropped after a heartbeat gap or past max_unanswered_pings: no fault
                     return
                 rtt_s = monotonic() - sent
-                if (self.silence_gate.stalled_since(now - rtt_s, now)  # it measured our own stall,
-                        or self.silence_gate.late_since(now - rtt_s, now, self.cfg.rtt.self_lag_max.s)):  # queue
+                if self.silence_gate.measured_us(now - rtt_s, now, self.cfg.rtt.self_lag_max.s):  # our stall or queue
                     self.rtt_samples_dropped += 1
                     return
                 self._arm(self.sink(self.node.id, PingObserved(rtt_ms=rtt_s * 1000.0), now))

@@ -16,8 +16,7 @@ Shape::
     gate.until(now_s, heard_s)          # None: judge now; else the loop time (s) to judge at
     gate.due(now_s, heard_s)            # the detection timer is due: a hold's end, or Tick / StreamClosed
     gate.closed(now_s, detail, heard_s)  # the stream ended: a hold's end (kept), or StreamClosed
-    gate.stalled_since(sent_s, now_s)   # a ping's round trip spans our own stall: no RTT sample
-    gate.late_since(sent_s, now_s, 0.02)  # ... or waited on our own queue (loop 20 ms late)
+    gate.measured_us(sent_s, now_s, 0.02)  # a ping's round trip spans our stall or queue: no RTT sample
     await gate.silent_for(loop, silent_s, ...)    # returns once the open stream is silent
 """
 from __future__ import annotations
@@ -42,7 +41,7 @@ _EARLY_S = 1e-6
 """A hold ending within this (s) of now counts as ended (a timer may run a clock tick early)."""
 _LATE_S = 0.002
 _LATE_RUNS = 256
-"""Sampler runs at least ``_LATE_S`` late (s) are kept for :meth:`SilenceGate.late_since`, the last
+"""Sampler runs at least ``_LATE_S`` late (s) are kept for :meth:`SilenceGate.measured_us`, the last
 ``_LATE_RUNS`` of them (>= 12 s at the 50 ms default period; a round trip needs one period before it)."""
 
 
@@ -139,19 +138,14 @@ class SilenceGate:
         self.held += 1
         return at
 
-    def late_since(self, since_s: float, now_s: float, min_late_s: float) -> bool:
-        """Whether our own loop ran ``min_late_s`` late or more around a round trip from ``since_s``
-        to ``now_s`` (loop times, s): a ping's round trip then waited on our queue
-        (:func:`~xds_server.probing.stall_hold.late_between`; ``min_late_s`` >= ``_LATE_S``)."""
+    def measured_us(self, since_s: float, now_s: float, max_lag_s: float) -> bool:
+        """Whether a ping's round trip from ``since_s`` to ``now_s`` (loop times, s) measured us,
+        not the network: our loop stalled in it (:func:`~xds_server.probing.stall_hold.stalled_between`),
+        or ran ``max_lag_s`` late or more around it, a queue of our own
+        (:func:`~xds_server.probing.stall_hold.late_between`; ``max_lag_s`` >= ``_LATE_S``)."""
         w = self._watch
-        return w is not None and late_between(w.late_runs, w.history, since_s, now_s, w.period_s, min_late_s)
-
-    def stalled_since(self, since_s: float, now_s: float) -> bool:
-        """Whether our own loop stalled between ``since_s`` and ``now_s`` (loop times, s): a
-        ping's round trip over that span measured us, not the network
-        (:func:`~xds_server.probing.stall_hold.stalled_between`)."""
-        w = self._watch
-        return w is not None and stalled_between(w.history, since_s, now_s, w.period_s)
+        return w is not None and (stalled_between(w.history, since_s, now_s, w.period_s)
+                                  or late_between(w.late_runs, w.history, since_s, now_s, w.period_s, max_lag_s))
 
     def due(self, now_s: float, heard_s: float | None) -> float | Tick | StreamClosed:
         """The session's detection timer is due at ``now_s``: the end of a running hold (a loop
