@@ -105,3 +105,26 @@ def test_type_label_is_the_short_name_of_served_types_and_unknown_otherwise():
     assert type_label(CLA_TYPE_URL) == "ClusterLoadAssignment"
     assert type_label("type.googleapis.com/envoy.config.listener.v3.Listener") == "unknown"
     assert type_label("x" * 10_000) == "unknown"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.dictionaries(st.sampled_from(["a", "b", "c"]),
+                                st.tuples(st.integers(1, 400), st.sampled_from(["HEALTHY", "UNHEALTHY", "DRAINING"]))),
+                min_size=2, max_size=6))
+def test_prop_each_assignment_carries_its_own_routing_whatever_was_built_before(routings):
+    # endpoints are built once per (node, status, weight) and copied: one build must never leak
+    # into another, nor a later build change what an earlier assignment holds
+    c = cfg(NODES).clusters[0]
+    statuses = {"HEALTHY": health_check_pb2.HEALTHY, "UNHEALTHY": health_check_pb2.UNHEALTHY,
+                "DRAINING": health_check_pb2.DRAINING}
+    caps = {"a": 1, "b": 1, "c": 3}
+    built = []
+    for raw in routings:
+        r = {nid: Routing(w, s) for nid, (w, s) in raw.items()}
+        built.append((build_cla(c, r), r))
+    for cla, r in built:
+        got = {e.endpoint.hostname: (e.load_balancing_weight.value, e.health_status)
+               for lle in cla.endpoints for e in lle.lb_endpoints}
+        want = {nid: (r[nid].weight, statuses[r[nid].health_status]) if nid in r
+                else (caps[nid] * 100, health_check_pb2.UNHEALTHY) for nid in caps}
+        assert got == want

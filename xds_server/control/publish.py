@@ -140,6 +140,10 @@ class PublishPlanner:
         self.outlier_wake_s: dict[str, float] = {}
         n = history_max_entries if history_max_entries is not None else config.xds.publish.fail_static_history_max
         self._history = {c: LastGoodHistory(n) for c in self._clusters}
+        # cluster -> its nodes the last publish did not route / held back (the entries of
+        # why_not_routed and held_back to change at its next publish, not every node's)
+        self._not_routed: dict[str, tuple[str, ...]] = {}
+        self._held: dict[str, tuple[str, ...]] = {}
         # node id -> (record, health config, its node_routing): recomputed only for a new record
         self._views: dict[str, tuple[hm.NodeHealth, HealthConfig, hm.NodeRouting]] = {}
 
@@ -168,13 +172,14 @@ class PublishPlanner:
                          else LastGoodHistory(n) for name, c in self._clusters.items()}
         for name in [c for c in self.outliers if c not in self._clusters]:
             del self.outliers[name]
-        for store in (self.outlier_wake_s, self.serving, self.kept_silent):
+        for store in (self.outlier_wake_s, self.serving, self.kept_silent, self._not_routed, self._held):
             for name in [c for c in store if c not in self._clusters]:
                 del store[name]
         self.gate_open &= set(self._clusters)
         self.dirty &= set(self._clusters)
         for node_id in dropped_nodes:
             self.why_not_routed.pop(node_id, None)
+            self.held_back.pop(node_id, None)
             self._views.pop(node_id, None)
             for outs in self.outliers.values():
                 outs.pop(node_id, None)
@@ -226,19 +231,23 @@ class PublishPlanner:
         self.gate_open.add(cluster)
         return True
 
-    def _views_of(self, nodes: list[NodeConfig], health: Mapping[str, hm.NodeHealth],
-                  cfg: HealthConfig) -> dict[str, hm.NodeRouting]:
-        """Each node's own routing view (:func:`~xds_server.health.routing.node_routing`), computed
-        again only for a record or config that is not the one it was computed from (records are
-        immutable; a steady node's stays the same object between publishes)."""
-        cache, out = self._views, {}
+    def _views_of(self, nodes: list[NodeConfig], health: Mapping[str, hm.NodeHealth], cfg: HealthConfig,
+                  ) -> tuple[list[tuple[str, int, hm.NodeHealth]], dict[str, hm.NodeRouting]]:
+        """The policy's input rows ``(node id, capacity, record)`` and each node's own routing view
+        (:func:`~xds_server.health.routing.node_routing`), computed again only for a record or config
+        that is not the one it was computed from (records are immutable; a steady node's stays the
+        same object between publishes)."""
+        cache: dict[str, tuple[hm.NodeHealth, HealthConfig, hm.NodeRouting]] = self._views
+        rows, out = [], {}
         for n in nodes:
-            nh = health[n.id]
-            c = cache.get(n.id)
+            nid = n.id
+            nh = health[nid]
+            rows.append((nid, n.capacity, nh))
+            c = cache.get(nid)
             if c is None or c[0] is not nh or c[1] is not cfg:
-                c = cache[n.id] = (nh, cfg, hm.node_routing(nh, cfg))
-            out[n.id] = c[2]
-        return out
+                c = cache[nid] = (nh, cfg, hm.node_routing(nh, cfg))
+            out[nid] = c[2]
+        return rows, out
 
     def history(self, cluster: str) -> LastGoodHistory:
         """The fail-static look-back of one cluster."""
@@ -262,19 +271,23 @@ class PublishPlanner:
         for c in self.config.clusters:
             if c.name not in dirty:
                 continue
-            views = self._views_of(c.nodes, health, cfg)
+            rows, views = self._views_of(c.nodes, health, cfg)
+            held_before = self._held.get(c.name, ())
             decision = hp.cluster_routing(
-                [(n.id, n.capacity, health[n.id]) for n in c.nodes],
-                self.outliers.get(c.name, {}), now_s, cfg, [n.id for n in c.nodes if n.id in self.held_back],
+                rows, self.outliers.get(c.name, {}), now_s, cfg, held_before,
                 self.serving.get(c.name, frozenset()), self.kept_silent.get(c.name, ()), views)
             if decision.kept_silent:
                 self.kept_silent[c.name] = decision.kept_silent
             else:
                 self.kept_silent.pop(c.name, None)
             self.outliers[c.name] = dict(decision.outliers)
-            self.why_not_routed.update({n.id: decision.why_not_routed.get(n.id, "") for n in c.nodes})
-            for n in c.nodes:
-                self.held_back.pop(n.id, None)
+            for nid in self._not_routed.get(c.name, ()):
+                self.why_not_routed[nid] = ""  # routable again, unless the update below says otherwise
+            self.why_not_routed.update(decision.why_not_routed)
+            self._not_routed[c.name] = tuple(decision.why_not_routed)
+            for nid in held_before:
+                self.held_back.pop(nid, None)
+            self._held[c.name] = decision.held_back
             for nid in decision.held_back:
                 out_st = decision.outliers.get(nid)
                 self.held_back[nid] = (views[nid].soft_block

@@ -97,7 +97,8 @@ class PolicyEvent:
 
 @dataclass(frozen=True, slots=True)
 class ClusterDecision:
-    """Result of :func:`cluster_routing`: routing per node, why each is not routed, new outlier state."""
+    """Result of :func:`cluster_routing`: routing per node, why each unrouted node is not routed,
+    and the outlier state of the nodes ever outlier-ejected (a node absent never was)."""
 
     routing: Mapping[str, Routing]
     why_not_routed: Mapping[str, str]
@@ -140,105 +141,127 @@ def cluster_routing(
 ) -> ClusterDecision:
     """Routing for one cluster. ``nodes``: (node id, capacity, health). Deterministic.
 
-    ``held_before``: the nodes the previous decision held back (``ClusterDecision.held_back``);
-    a HELD_BACK event is given once per episode, when a node starts being held back, not at
-    every recompute while it stays held (that was 4 events a second for one node).
-    ``serving``: nodes whose latest real traffic succeeds (load reports); ``kept_before``: the
-    silent nodes the previous decision kept routed (``ClusterDecision.kept_silent``).
-    ``views``: each node's :func:`~xds_server.health.routing.node_routing` under ``cfg``, when the
-    caller keeps them (a publish recomputes only the changed records'); computed here when None.
+    ``outliers``: the previous decision's :attr:`ClusterDecision.outliers` (node id -> state; a
+    node absent has never been outlier-ejected). ``held_before``: the nodes the previous decision
+    held back (``ClusterDecision.held_back``); a HELD_BACK event is given once per episode, when a
+    node starts being held back, not at every recompute while it stays held (that was 4 events a
+    second for one node). ``serving``: nodes whose latest real traffic succeeds (load reports);
+    ``kept_before``: the silent nodes the previous decision kept routed
+    (``ClusterDecision.kept_silent``). ``views``: each node's
+    :func:`~xds_server.health.routing.node_routing` under ``cfg``, when the caller keeps them (a
+    publish recomputes only the changed records'); computed here when None.
+
+    One publish of a 2,000-node cluster walks it a few times, so the steps below share their
+    passes: per node, what later steps read is read once.
     """
     if views is None:
         views = {nid: node_routing(nh, cfg) for nid, _, nh in nodes}
-    health = {nid: nh for nid, _, nh in nodes}
     n = len(nodes)
     events: list[PolicyEvent] = []
     why: dict[str, str] = {}
-    new_out: dict[str, OutlierState] = {nid: outliers.get(nid, _NO_OUTLIER) for nid, _, _ in nodes}
+    min_rtt = cfg.outlier.min_rtt_samples
 
-    routed = [nid for nid, _, nh in nodes
-              if views[nid].status is RoutingStatus.HEALTHY and nh.state in (NodeState.HEALTHY, NodeState.DEGRADED)]
+    # 1. one pass: the routable candidates (their judged RTT kept for step 4), the metrics of the
+    # routed ones for step 2, hard ejections for step 3.
+    candidates: list[tuple[str, int, NodeHealth, NodeRouting, float | None]] = []
+    ttfts: dict[str, float] = {}
+    rtts_routed: dict[str, float] = {}
+    hard_n = 0
+    for nid, cap_units, nh in nodes:
+        view = views[nid]
+        if view.status is RoutingStatus.HEALTHY:
+            rt = nh.rtt
+            rtt = rt.ewma_ms if rt.samples >= min_rtt else None  # judged_rtt_ms
+            candidates.append((nid, cap_units, nh, view, rtt))
+            if nh.state is NodeState.HEALTHY or nh.state is NodeState.DEGRADED:
+                if (ttft := nh.probe.ewma_ttft_ms) is not None:
+                    ttfts[nid] = ttft
+                if rtt is not None:
+                    rtts_routed[nid] = rtt
+        elif view.hard:  # UNHEALTHY (counted against the cap) or COLD/WARMING (not counted)
+            why[nid] = f"{nh.state.value}: {nh.reason}"
+            if nh.state is NodeState.UNHEALTHY:
+                hard_n += 1
 
-    # 2. outlier detection against the cluster median.
+    # 2. outlier detection against the cluster median (TTFT first: its reason wins).
     outlier_now: dict[str, str] = {}
-    for metric, gap, label in _outlier_metrics(cfg):
-        vals = {nid: v for nid in routed if (v := metric(health[nid])) is not None}
+    for vals, gap, label in ((ttfts, cfg.outlier.min_gap_ttft.ms, "TTFT"),
+                             (rtts_routed, cfg.outlier.min_gap_rtt.ms, "RTT")):
         if len(vals) < cfg.outlier.min_nodes:
             continue
-        med = _median(list(vals.values()))
-        assert med is not None
+        med = statistics.median(vals.values())
+        over = med * cfg.outlier.factor
         for nid, v in vals.items():
-            if v > med * cfg.outlier.factor and v - med >= gap and nid not in outlier_now:
+            if v > over and v - med >= gap and nid not in outlier_now:
                 outlier_now[nid] = f"outlier: EWMA {label} {v:.0f} ms vs cluster median {med:.0f} ms"
-    for nid, st in list(new_out.items()):
+    new_out: dict[str, OutlierState] = {}
+    for nid, _, _ in nodes:
+        st = outliers.get(nid)
+        if st is None:
+            if nid not in outlier_now:
+                continue
+            st = _NO_OUTLIER
         if st.until_s > now_s:
-            continue  # still serving its ejection time
-        if nid in outlier_now:
+            new_out[nid] = st  # still serving its ejection time
+        elif nid in outlier_now:
             dur = min(cfg.outlier.ejection.s * (2 ** st.count), cfg.outlier.ejection_max.s)
             new_out[nid] = OutlierState(now_s + dur, st.count + 1, f"{outlier_now[nid]}; ejected {dur:.0f} s")
             events.append(PolicyEvent(now_s, nid, PolicyEventKind.OUTLIER_EJECTED, new_out[nid].reason))
         elif st.reason:
             new_out[nid] = replace(st, reason="")
             events.append(PolicyEvent(now_s, nid, PolicyEventKind.OUTLIER_RETURNED, "outlier ejection time over"))
+        elif st.count or st.until_s:
+            new_out[nid] = st  # its count doubles the next ejection
 
     # 3. max ejection percent: hard ejections count first, soft ones fill the rest of the cap.
-    hard = [nid for nid, _, nh in nodes if views[nid].hard and nh.state is NodeState.UNHEALTHY]
-    for nid, _, nh in nodes:
-        if views[nid].hard:  # UNHEALTHY (counted against the cap) or COLD/WARMING (not counted)
-            why[nid] = f"{nh.state.value}: {nh.reason}"
     soft: list[tuple[str, str]] = []
-    for nid, _, _ in nodes:
-        view = views[nid]
-        if view.status is not RoutingStatus.HEALTHY:
-            continue
+    for nid, _, _, view, _ in candidates:
         if view.soft_block:
             soft.append((nid, view.soft_block))
-        elif new_out[nid].reason and new_out[nid].until_s > now_s:
-            soft.append((nid, new_out[nid].reason))
+        elif (o := new_out.get(nid)) is not None and o.reason and o.until_s > now_s:
+            soft.append((nid, o.reason))
     cap = math.floor(n * cfg.outlier.max_ejection_percent / 100.0 + 1e-9)
-    room = max(0, cap - len(hard))
+    room = max(0, cap - hard_n)
     soft.sort(key=lambda x: x[0])
-    ejected_soft = {nid for nid, _ in soft[:room]}
     held = tuple(nid for nid, _ in soft[room:])
-    for nid, reason in soft:
-        if nid in ejected_soft:
+    for i, (nid, reason) in enumerate(soft):
+        if i < room:
             why[nid] = reason
         elif nid not in held_before:
             events.append(PolicyEvent(now_s, nid, PolicyEventKind.HELD_BACK,
-                                      f"{reason}; not ejected: {len(hard) + len(ejected_soft)} of {n} already out "
+                                      f"{reason}; not ejected: {hard_n + min(room, len(soft))} of {n} already out "
                                       f"(max_ejection_percent {cfg.outlier.max_ejection_percent:g})"))
 
     # 3b. never nothing because of silence (module docstring).
-    routable = [nid for nid, _, _ in nodes if views[nid].status is RoutingStatus.HEALTHY and nid not in why]
+    routable = [c for c in candidates if c[0] not in why]
     kept: tuple[str, ...] = ()
-    if not routable and serving:
-        kept = tuple(nid for nid, _, nh in nodes if nid in serving and _silent_only(nh) and not nh.drain.active)
-        for nid in kept:
-            del why[nid]
-            if nid not in kept_before:
-                events.append(PolicyEvent(now_s, nid, PolicyEventKind.KEPT_SILENT,
-                                          f"no node of the cluster is routable: kept routed while its agent is silent "
-                                          f"and its real traffic succeeds (fail-static; {health[nid].reason})"))
-    for nid in kept_before:
-        if nid not in kept and nid in health:
-            events.append(PolicyEvent(now_s, nid, PolicyEventKind.KEPT_SILENT_ENDED,
-                                      "no longer kept: another node is routable, or its agent, a probe or its real "
-                                      "traffic decided"))
+    if (not routable and serving) or kept_before:
+        health = {nid: nh for nid, _, nh in nodes}
+        if not routable and serving:
+            kept = tuple(nid for nid, _, nh in nodes if nid in serving and _silent_only(nh) and not nh.drain.active)
+            for nid in kept:
+                del why[nid]
+                if nid not in kept_before:
+                    events.append(PolicyEvent(
+                        now_s, nid, PolicyEventKind.KEPT_SILENT,
+                        f"no node of the cluster is routable: kept routed while its agent is silent and its "
+                        f"real traffic succeeds (fail-static; {health[nid].reason})"))
+        for nid in kept_before:
+            if nid not in kept and nid in health:
+                events.append(PolicyEvent(now_s, nid, PolicyEventKind.KEPT_SILENT_ENDED,
+                                          "no longer kept: another node is routable, or its agent, a probe or its "
+                                          "real traffic decided"))
 
     # 4. weights among routable nodes from the seed score.
-    judged = {nid: judged_rtt_ms(health[nid], cfg) for nid in routable}
-    rtts = [v for v in judged.values() if v is not None]
-    frees = [v for nid in routable if (v := health[nid].engine.gpu_free_ratio) is not None]
-    rtt_mid = _median(rtts) or 0.0
-    free_mid = _median(frees)
+    rtt_mid = _median([own for c in routable if (own := c[4]) is not None]) or 0.0
+    free_mid = _median([free for c in routable if (free := c[2].engine.gpu_free_ratio) is not None])
+    free_unknown = free_mid if free_mid is not None else 1.0
     scores: dict[str, float] = {}
-    for nid in routable:
-        nh = health[nid]
-        rtt = rtt_mid if (own := judged[nid]) is None else own
+    for nid, _, nh, _, own in routable:
         gpu_free = nh.engine.gpu_free_ratio
-        free = gpu_free if gpu_free is not None else (free_mid if free_mid is not None else 1.0)
-        scores[nid] = score(rtt, free, cfg)
+        scores[nid] = score(rtt_mid if own is None else own, free_unknown if gpu_free is None else gpu_free, cfg)
     best = min(scores.values()) if scores else 0.0
+    slack, min_factor, step = cfg.score.slack, cfg.score.min_factor, cfg.score.step
     routing: dict[str, Routing] = {}
     made: dict[tuple[int, RoutingStatus], Routing] = {}  # equal Routings are one object (immutable)
     for nid, cap_units, _ in nodes:
@@ -247,13 +270,12 @@ def cluster_routing(
             key = (full_weight(cap_units), RoutingStatus.DRAINING)
         elif nid in kept:
             key = (full_weight(cap_units), RoutingStatus.HEALTHY)
-        elif nid in why or view.status is not RoutingStatus.HEALTHY:
+        elif (sc := scores.get(nid)) is None:  # not routable: ejected, held out, or not routed
             key = (full_weight(cap_units), RoutingStatus.UNHEALTHY)
         else:
-            sf = ((best + cfg.score.slack) / (scores[nid] + cfg.score.slack)
-                  if scores[nid] + cfg.score.slack > 0 else 1.0)
-            sf = min(1.0, max(cfg.score.min_factor, sf))
-            sf = max(cfg.score.min_factor, round(sf / cfg.score.step) * cfg.score.step)
+            sf = (best + slack) / (sc + slack) if sc + slack > 0 else 1.0
+            sf = min(1.0, max(min_factor, sf))
+            sf = max(min_factor, round(sf / step) * step)
             key = (weight(cap_units, view.factor, min(sf, 1.0)), RoutingStatus.HEALTHY)
         r = made.get(key)
         routing[nid] = r if r is not None else made.setdefault(key, Routing(*key))
