@@ -2,8 +2,7 @@
 window, not after the build-ratio gap a large cluster's publishes are otherwise spaced by; early
 publishes never follow each other, so a burst of them still leaves the loop half of its time. A
 change of a node's measures alone (RTT, TTFT, GPU free memory): at most every
-``xds.publish.measure_refresh``. Publishing reads the health table without settling its folded
-heartbeats."""
+``xds.publish.measure_refresh``."""
 from __future__ import annotations
 
 import itertools
@@ -168,25 +167,6 @@ def test_a_node_lost_right_after_a_slow_publish_reaches_envoy_after_the_window()
     assert len(at) == 2 and at[1] - at[0] <= 0.02 + 0.005
     assert published(cp)["n2"] == "UNHEALTHY"
     assert "n1" in cp.core.planner.held_back  # judged in the same publish (held back: n2 fills the cap)
-
-
-def test_a_publish_leaves_the_steady_heartbeat_runs_open():
-    cp, clock, probes = in_memory(config(n=4, xds={"coalesce_window_ms": 0, "warmup_timeout_ms": 0}))
-    all_healthy(cp, clock, probes)
-    for _ in range(3):
-        for nid in cp.core.node_cfg:
-            probes[nid].heartbeat()
-        clock.advance(0.1)
-    runs = dict(cp.core.health.runs)
-    assert runs, "steady heartbeats fold into runs"
-    oldest = min(r.last_s for r in runs.values())
-    assert cp.core.health.oldest_heartbeat_s() == oldest
-    cp.core.mark_dirty("llm")
-    cp.core.publish()
-    assert cp.core.health.runs == runs                      # nothing settled
-    settled = [cp.core.health[n].heartbeat.last_s for n in cp.core.node_cfg]  # reads settle them
-    assert oldest == min(x for x in settled if x is not None)
-    assert not cp.core.health.runs
 
 
 def test_noisy_rtt_pings_publish_about_once_a_refresh_not_at_every_bucket_change():

@@ -257,8 +257,11 @@ class ControlPlaneView:
     def display(self, node_id: str) -> NodeDisplay:
         """The shown state of one node (:func:`~xds_server.admin.display.node_display`).
         KeyError for a node id not in the config."""
+        return self._display(node_id, self._core.health[node_id])
+
+    def _display(self, node_id: str, nh: hm.NodeHealth) -> NodeDisplay:
+        """:meth:`display` from the node's record ``nh`` (its ``heartbeat`` is not read)."""
         core = self._core
-        nh = core.health[node_id]
         sess = self._sources.get(node_id)
         tel = getattr(sess, "last_telemetry", None)
         metrics_error = getattr(getattr(tel, "load", None), "metrics_error", "") if tel is not None else ""
@@ -295,14 +298,16 @@ class ControlPlaneView:
     def history_rows(self, node_ids: list[str]) -> list[HistoryRow]:
         """The nodes ``node_ids`` (from :meth:`node_ids`; one no longer watched is skipped) as the
         dashboard's history samples them (shown state and weight, RTT, TTFT): lighter than
-        :meth:`node`."""
+        :meth:`node`. Reads the records with their folded heartbeats not settled (no heartbeat
+        is shown), so a sample leaves every steady node's run open."""
         core = self._core
+        table = core.health.unsettled
         rows = []
         for node_id in node_ids:
-            nh = core.health.get(node_id)
+            nh = table.get(node_id)
             if nh is None:
                 continue
-            shown = self.display(node_id)
+            shown = self._display(node_id, nh)
             rows.append(HistoryRow(node_id, core.node_cluster[node_id], shown.state, shown.shown_weight,
                                    hm.full_weight(core.node_cfg[node_id].capacity), nh.rtt.ewma_ms,
                                    nh.probe.last_ttft_ms))
