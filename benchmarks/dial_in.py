@@ -415,9 +415,9 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         unrouted_at: dict[str, float] = {}  # a frozen node -> wall s of the first publish not routing it
         core_publish = cp.core.publish
 
-        def timed_publish() -> Any:
+        def timed_publish(*args: Any) -> Any:
             t, th = time.perf_counter(), time.thread_time()
-            out = core_publish()
+            out = core_publish(*args)
             end = time.time()
             publishes.append((end, (time.perf_counter() - t) * 1000.0, (time.thread_time() - th) * 1000.0))
             for pub in out:

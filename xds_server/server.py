@@ -368,7 +368,8 @@ class ControlPlane:
     def _write(self, p: ClusterPublish) -> None:
         c = next(c for c in self.config.clusters if c.name == p.cluster)
         if self.publisher.assignment(c, p.routing) and self.routing_listeners:
-            self._notifier.announce_changes(c.name, c.nodes, p.routing, self.core.health.unsettled,
+            nodes = [self.core.node_cfg[i] for i in p.patched] if p.patched else c.nodes  # a patch changed only these
+            self._notifier.announce_changes(c.name, nodes, p.routing, self.core.health.unsettled,
                                             self.cla_version(c.name), self.clock.wall())
 
     # -- read-only shortcuts (benchmarks and tests read these) ---------------------------------

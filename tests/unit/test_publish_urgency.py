@@ -150,10 +150,11 @@ def test_leaves_routing_only_on_hard_evidence_from_a_routable_node():
     assert not leaves_routing(None, key["lost"])
 
 
-def test_a_node_lost_right_after_a_slow_publish_reaches_envoy_after_the_window():
+def test_a_node_lost_right_after_a_slow_publish_reaches_envoy_after_the_window_the_decision_a_gap_later():
     """A 2,000-endpoint cluster builds in ~45 ms; at the ratio's 3x a frozen node would stay routed
-    up to ~135 ms past its verdict. Lost on hard evidence, it is published 5 ms after the last
-    publish, and a soft change armed for the gap rides along."""
+    up to ~135 ms past its verdict. Lost on hard evidence, it is taken out of the last assignment
+    5 ms after the last publish; cluster policy decides everything else (a soft change armed for
+    the gap, the cap the lost node now fills) one gap after that."""
     cp, clock, probes = in_memory(config(xds={"coalesce_window_ms": 5, "warmup_timeout_ms": 0}))
     all_healthy(cp, clock, probes)
     at = slow_builds(cp, clock, 0.02)                       # every build takes 20 ms
@@ -165,8 +166,12 @@ def test_a_node_lost_right_after_a_slow_publish_reaches_envoy_after_the_window()
     assert cp.health["n2"].state is hm.NodeState.UNHEALTHY
     clock.advance(0.001)
     assert len(at) == 2 and at[1] - at[0] <= 0.02 + 0.005
-    assert published(cp)["n2"] == "UNHEALTHY"
-    assert "n1" in cp.core.planner.held_back  # judged in the same publish (held back: n2 fills the cap)
+    assert published(cp) == {"n0": "DRAINING", "n1": "HEALTHY", "n2": "UNHEALTHY"}
+    assert cp.core.planner.held_back == {}                  # n1 not judged yet: the last assignment, n2 out
+    clock.advance(0.1)
+    assert len(at) == 3 and 0.06 - 1e-9 <= at[2] - at[1] <= 0.06 + 0.005
+    assert "n1" in cp.core.planner.held_back                # held back: n2 fills the cap
+    assert published(cp) == {"n0": "DRAINING", "n1": "HEALTHY", "n2": "UNHEALTHY"}
 
 
 def test_noisy_rtt_pings_publish_about_once_a_refresh_not_at_every_bucket_change():

@@ -25,6 +25,7 @@ from xds_server.config import NodeConfig, SentinelConfig
 from xds_server.control.events import EventLog
 from xds_server.control.node_table import HealthTable
 from xds_server.control.publish import ClusterPublish, PublishPlanner, Urgency, change_urgency
+from xds_server.control.wakes import OutlierWakes
 from xds_server.health import model as hm
 from xds_server.health.pipeline import (
     Advanced,
@@ -78,7 +79,7 @@ class ControlCore:
         self._keys: dict[str, RoutingKey] = {}
         self._publish_timer: Timer | None = None
         self._gate_timer: Timer | None = None
-        self._wake_timers: dict[str, tuple[float, Timer]] = {}
+        self._wakes = OutlierWakes(clock, self.mark_dirty)
         self._running = False
         self.started_s = 0.0
         self.restored: dict[str, hm.NodeHealth] = {}  # resumed at the node's first heartbeat
@@ -113,9 +114,7 @@ class ControlCore:
             if t is not None:
                 t.cancel()
         self._gate_timer = self._publish_timer = None
-        for _, t in self._wake_timers.values():
-            t.cancel()
-        self._wake_timers.clear()
+        self._wakes.cancel_all()
 
     # -- observations -> health ----------------------------------------------------------------
 
@@ -220,7 +219,7 @@ class ControlCore:
         old = self._keys.get(node_id)
         if key != old:
             self._keys[node_id] = key
-            self.mark_dirty(cluster, change_urgency(old, key))
+            self.mark_dirty(cluster, change_urgency(old, key), node_id)
 
     def _queue_level(self, node_id: str, prev: hm.NodeHealth, nh: hm.NodeHealth) -> None:
         """Record a ``queue_*`` event when new engine telemetry changed the node's queue level."""
@@ -323,17 +322,21 @@ class ControlCore:
 
     # -- publishing ----------------------------------------------------------------------------
 
-    def mark_dirty(self, cluster: str, urgency: Urgency = Urgency.NEXT) -> None:
-        """Rebuild ``cluster`` at the next publish (held by the warm-up gate until warm; :class:`Urgency`)."""
+    def mark_dirty(self, cluster: str, urgency: Urgency = Urgency.NEXT, node_id: str | None = None) -> None:
+        """Rebuild ``cluster`` at the next publish (held by the warm-up gate until warm; :class:`Urgency`;
+        ``node_id``: whose change it is)."""
         # warmth only matters while the warm-up gate holds the cluster (it opens once)
         warm = cluster in self.planner.gate_open or all(
             self.health[n].state not in _NOT_WARM for n in self._cluster_nodes[cluster])
-        at = self.planner.mark_dirty(cluster, warm, self.clock.now(), urgency)
+        self._arm(self.planner.mark_dirty(cluster, warm, self.clock.now(), urgency, node_id))
+
+    def _arm(self, at: float | None) -> None:
+        """Arm the planner's publish for ``at`` (None: keep what is armed)."""
         if at is not None:
             if self._running:
                 if self._publish_timer is not None:  # armed for later: a sooner change re-arms it
                     self._publish_timer.cancel()
-                self._publish_timer = self.clock.call_at(at, self.publish)
+                self._publish_timer = self.clock.call_at(at, self.publish, True)
             else:
                 self.planner.disarm()
 
@@ -348,19 +351,24 @@ class ControlCore:
             self.planner.open_gate(c.name)
             self.mark_dirty(c.name)
 
-    def publish(self) -> list[ClusterPublish]:
-        """Build every dirty cluster now; hand each to ``on_publish``; (re)arm outlier wake-ups."""
+    def publish(self, armed: bool = False) -> list[ClusterPublish]:
+        """Build every dirty cluster now; hand each to ``on_publish``; (re)arm outlier wake-ups.
+        ``armed``: the planner's armed publish (the timer), which may take the urgent lane
+        (:meth:`PublishPlanner.publish`: lost nodes out of the last assignment, the rest one gap later)."""
         if self._publish_timer is not None:
             self._publish_timer.cancel()
             self._publish_timer = None
         now = self.clock.now()
-        out = self.planner.publish(now, self.health.unsettled, self.fail_static, self.fail_static_floor_s())
+        out = self.planner.publish(now, self.health.unsettled, self.fail_static, self.fail_static_floor_s(),
+                                   self.routing if armed else None)
         try:
             self._hand_over(out)
         finally:
-            # the build time spaces the next publish (xds.publish.build_ratio); the loop's clock
+            # a full build's time spaces the next publish (xds.publish.build_ratio); the loop's clock
             # moves while we compute (a ManualClock does not: 0)
-            self.planner.last_build_s = max(0.0, self.clock.now() - now)
+            if not out or any(not p.patched for p in out):
+                self.planner.last_build_s = max(0.0, self.clock.now() - now)
+        self._arm(self.planner.follow_up())
         return out
 
     def _hand_over(self, out: list[ClusterPublish]) -> None:
@@ -375,25 +383,9 @@ class ControlCore:
                 self.routing[n] = p.routing[n]
             if self.on_publish is not None:
                 self.on_publish(p)
-            self._arm_wake(p.cluster)
-
-    def _arm_wake(self, cluster: str) -> None:
-        """One timer per cluster at its earliest outlier-ejection end: re-armed when that time
-        changes, cancelled when no ejection is pending."""
-        want = self.planner.outlier_wake_s.get(cluster)
-        cur = self._wake_timers.get(cluster)
-        if cur is not None and cur[0] == want:
-            return
-        if cur is not None:
-            cur[1].cancel()
-            del self._wake_timers[cluster]
-        if want is not None and self._running:
-            self._wake_timers[cluster] = (want, self.clock.call_at(want, self._wake, cluster))
-
-    def _wake(self, cluster: str) -> None:
-        self._wake_timers.pop(cluster, None)
-        self.mark_dirty(cluster)
+            if self._running:
+                self._wakes.arm(p.cluster, self.planner.outlier_wake_s.get(p.cluster))
 
     def wake_timer_count(self) -> int:
         """Outlier wake-up timers armed (at most one per cluster)."""
-        return len(self._wake_timers)
+        return len(self._wakes)

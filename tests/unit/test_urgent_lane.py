@@ -1,0 +1,142 @@
+"""The urgent lane: a publish that comes early for a node out on hard evidence takes that node
+out of the last assignment (no policy walk over the cluster); cluster policy decides the rest one
+gap later. Never while fail-static holds, nor when no node would stay routed."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_control_core import all_healthy, config, in_memory, slow_builds
+
+from xds_server.config import parse_config
+from xds_server.control.publish import PublishPlanner, Urgency
+from xds_server.health import model as hm
+from xds_server.policy.cluster_routing import FailStaticState
+
+IDS = ["n0", "n1", "n2"]
+
+
+def healthy(nid: str) -> hm.NodeHealth:
+    return replace(hm.initial(nid, 0.0), state=hm.NodeState.HEALTHY, reason="ok")
+
+
+def lost(nid: str) -> hm.NodeHealth:
+    return replace(hm.initial(nid, 0.0), state=hm.NodeState.UNHEALTHY, reason="GPU fatal event: Xid 79")
+
+
+def planner_after_a_publish() -> tuple[PublishPlanner, dict[str, hm.NodeHealth], dict[str, hm.Routing]]:
+    """A planner that published all three nodes HEALTHY at t=1.0 in a 20 ms build (gap 60 ms)."""
+    p = PublishPlanner(parse_config(config(xds={"coalesce_window_ms": 5})))
+    p.gate_open.add("llm")
+    health = {i: healthy(i) for i in IDS}
+    p.mark_dirty("llm", True, 1.0)
+    out = p.publish(1.0, health, FailStaticState(), 0.0)
+    p.last_build_s = 0.02
+    return p, health, dict(out[0].routing)
+
+
+def test_an_early_publish_is_the_last_assignment_with_the_lost_node_out_and_the_decision_follows_a_gap_later():
+    p, health, published = planner_after_a_publish()
+    health["n2"] = lost("n2")
+    assert p.mark_dirty("llm", True, 1.01, Urgency.URGENT, "n2") == 1.01
+    [patch] = p.publish(1.01, health, FailStaticState(), 0.0, published)
+    assert patch.patched == ("n2",) and patch.events == ()
+    assert patch.routing["n2"] == hm.Routing(100, hm.RoutingStatus.UNHEALTHY)
+    assert all(patch.routing[i] is published[i] for i in ("n0", "n1"))
+    assert p.why_not_routed["n2"] == "UNHEALTHY: GPU fatal event: Xid 79"
+    assert p.history("llm").before(1.02) is patch.routing          # what Envoy had, for fail-static
+    assert p.dirty == {"llm"} and abs(p.follow_up() - 1.07) < 1e-9  # the decision: one gap after the patch
+    [full] = p.publish(1.07, health, FailStaticState(), 0.0, dict(patch.routing))
+    assert full.patched == () and full.routing["n2"].health_status == "UNHEALTHY" and not p.dirty
+
+
+def test_the_full_decision_is_taken_at_once_under_fail_static_when_none_would_stay_routed_or_when_asked_directly():
+    fs = FailStaticState(active=True, since_s=1.0, reason="burst", burst_start_s=1.0)
+    for case in ("fail_static", "none_left", "direct", "late"):
+        p, health, published = planner_after_a_publish()
+        if case == "none_left":
+            published = {**published, "n0": hm.Routing(100, "UNHEALTHY"), "n1": hm.Routing(100, "DRAINING")}
+        health["n2"] = lost("n2")
+        now = 1.2 if case == "late" else 1.01                       # late: past the gap, due anyway
+        p.mark_dirty("llm", True, now, Urgency.URGENT, "n2")
+        [out] = p.publish(now, health, fs if case == "fail_static" else FailStaticState(), 0.0,
+                          None if case == "direct" else published)
+        assert out.patched == () and not p.dirty, case
+        assert out.held is (case == "fail_static"), case
+
+
+def test_an_early_publish_leaves_clusters_without_a_lost_node_for_the_gap_and_skips_one_already_out():
+    p, health, published = planner_after_a_publish()
+    p.mark_dirty("llm", True, 1.01, Urgency.NEXT)
+    health["n2"] = lost("n2")
+    p.mark_dirty("llm", True, 1.01, Urgency.URGENT, "n2")
+    already_out = {**published, "n2": hm.Routing(100, "UNHEALTHY")}
+    assert p.publish(1.01, health, FailStaticState(), 0.0, already_out) == []  # nothing to take out now
+    assert p.dirty == {"llm"} and abs(p.follow_up() - 1.07) < 1e-9
+
+
+def test_the_relay_feed_hears_the_lost_node_from_the_patch():
+    cp, clock, probes = in_memory(config(n=3, xds={"coalesce_window_ms": 5, "warmup_timeout_ms": 0}))
+    all_healthy(cp, clock, probes)
+    heard = []
+    cp.routing_listeners.append(heard.append)
+    patches = []
+    write = cp.core.on_publish
+
+    def recorded(p):
+        patches.append(p.patched)
+        write(p)
+
+    cp.core.on_publish = recorded
+    slow_builds(cp, clock, 0.02)                           # the gap: 60 ms, so the next one comes early
+    cp.core.mark_dirty("llm")
+    cp.core.publish()
+    heard.clear()
+    probes["n1"].heartbeat(gpu_fatal="Xid 79")
+    clock.advance(0.01)
+    assert patches[-1] == ("n1",)
+    assert [(c.node_id, c.routable, c.eds_health_status) for c in heard] == [("n1", False, "UNHEALTHY")]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["lose", "soft", "clear", "wait"]), st.integers(0, 4),
+                          st.floats(0.0, 0.08)), min_size=1, max_size=25),
+       st.floats(0.0, 0.05))
+def test_prop_a_patch_only_takes_nodes_out_and_once_quiet_envoy_has_the_policy_decision(ops, build_s):
+    cp, clock, probes = in_memory(config(n=5, xds={"coalesce_window_ms": 5, "warmup_timeout_ms": 0}))
+    all_healthy(cp, clock, probes)
+    write = cp.core.on_publish
+    seen: list[tuple[tuple[str, ...], set[str], set[str]]] = []
+
+    def checked(p):
+        before = {i for i, r in cp.core.routing.items() if r.health_status == "HEALTHY"}
+        seen.append((p.patched, before, {i for i, r in p.routing.items() if r.health_status == "HEALTHY"}))
+        write(p)
+        clock._now += build_s                                # a build takes the loop's time
+
+    cp.core.on_publish = checked
+    fields: dict[str, dict] = {}
+    for op, i, dt in ops:
+        nid = f"n{i}"
+        if op == "lose":
+            fields[nid] = {"gpu_fatal": "Xid 79"}
+        elif op == "soft":
+            fields[nid] = {"requests_waiting": 500.0}
+        elif op == "clear":
+            fields.pop(nid, None)
+        for n in cp.core.node_cfg:
+            probes[n].heartbeat(**fields.get(n, {}))
+        clock.advance(dt)
+    for _ in range(10):                                      # quiet: heartbeats only
+        for n in cp.core.node_cfg:
+            probes[n].heartbeat(**fields.get(n, {}))
+        clock.advance(0.1)
+    for patched, before, after in seen:
+        if patched:
+            assert after == before - set(patched) and after, (patched, before, after)
+    assert not cp.core.planner.dirty
+    published = dict(cp.core.routing)
+    cp.core.mark_dirty("llm")
+    cp.core.publish()                                        # the full decision, asked directly
+    assert cp.core.routing == published
