@@ -15,7 +15,8 @@ from xds_server.config import parse_config
 from xds_server.envoy.bootstrap import EnvoyNotFound, find_envoy
 from xds_server.health.model import Routing
 from xds_server.testing import StandaloneEnvoy, wait_for
-from xds_server.xds.resources import MAX_LOCALITY_WEIGHT_SUM, build_cla
+from xds_server.xds.resources import build_cla
+from xds_server.xds.validation import MAX_LOCALITY_WEIGHT_SUM
 
 pytestmark = [pytest.mark.envoy, pytest.mark.parametrize("api_type", ["GRPC", "DELTA_GRPC"])]
 

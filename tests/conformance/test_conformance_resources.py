@@ -9,7 +9,8 @@ from envoy.type.v3 import percent_pb2
 
 from xds_server.config import ConfigError, parse_config
 from xds_server.health.model import Routing
-from xds_server.xds.resources import build_cla, routable_capacity_ratio, validate_cla
+from xds_server.xds.resources import build_cla, routable_capacity_ratio
+from xds_server.xds.validation import validate_cla
 
 
 def cluster(**extra):

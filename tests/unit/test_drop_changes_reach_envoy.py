@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from xds_server.config import parse_config
 from xds_server.config.cluster import DropOverloadConfig
 from xds_server.health.model import Routing
-from xds_server.xds.resources import build_cla, carry_drop_change, validate_cla
+from xds_server.xds.resources import build_cla, carry_drop_change
+from xds_server.xds.validation import validate_cla
 
 BASE = parse_config({"clusters": [{"name": "llm", "nodes": [
     {"id": "a", "address": "127.0.0.1:8001", "probe_address": "127.0.0.1:1"},

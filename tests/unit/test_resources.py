@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from xds_server.config import parse_config
 from xds_server.health.model import Routing
-from xds_server.xds.resources import MAX_LOCALITY_WEIGHT_SUM, build_cla, build_cluster, clamp_weights
+from xds_server.xds.resources import build_cla, build_cluster, clamp_weights
+from xds_server.xds.validation import MAX_LOCALITY_WEIGHT_SUM
 
 
 def cfg(nodes, **cluster):

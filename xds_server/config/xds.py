@@ -47,7 +47,8 @@ class XdsPublishConfig(_Model):
         "starved the heartbeats (benchmarks/RESULTS.md). An isolated change after "
         "a quiet gap is still published at once, and a node leaving routing on hard evidence after "
         "coalesce_window alone, at most every other publish (2,000 endpoints build in ~45 ms: the gap "
-        "kept a frozen node routed up to ~135 ms past its verdict). 0 = the window alone",
+        "kept a frozen node routed up to ~135 ms past its verdict), as the last assignment with "
+        "the node out, the full decision one gap later. 0 = the window alone",
     )
     measure_refresh: Annotated[NonNegativeDuration, at_most("60s")] = Field(
         Duration.parse("1s"),

@@ -24,7 +24,10 @@ Rules:
   stretched gap, unless the last publish already came early that way: Envoy must stop routing to
   a dead node now, and a burst of them still leaves the loop at least half of its time (an early
   build, then one after the gap, in turn; at 2,000 endpoints a build takes ~45 ms, so the gap
-  alone kept a frozen node routed up to ~135 ms past its verdict). A change of measures alone
+  alone kept a frozen node routed up to ~135 ms past its verdict). That early publish (given
+  ``published``, the caller's armed one) is the last assignment with the lost nodes UNHEALTHY, not
+  a policy walk over the cluster (the walk is most of a ~45 ms build under load); the decision
+  follows one gap later (:meth:`PublishPlanner.follow_up`). A change of measures alone
   (``REFRESH``: RTT, TTFT, GPU free memory) after ``xds.publish.measure_refresh``; any other
   (``NEXT``) after the gap. A sooner change moves an armed publish earlier;
 - fail-static: while active, a cluster keeps the last assignment published before the burst of

@@ -11,8 +11,8 @@ Envoy rules encoded here (docs/xds_protocol.md, checked on Envoy 1.40):
   ``update_merge_window`` defaults to 1 s, which delays ejection. Both come from config.
 - priorities are contiguous from 0 and at most 128; a locality appears once per priority;
   ``policy.overprovisioning_factor`` comes from config; ``drop_overloads`` has at most one
-  category (Envoy NACKs two). :func:`validate_cla` checks all of it before anything is cached,
-  so a bad assignment is held back instead of being NACKed by every Envoy.
+  category (Envoy NACKs two). :mod:`~xds_server.xds.validation` checks all of it before
+  anything is cached, so a bad assignment is held back instead of being NACKed by every Envoy.
 - the control plane never takes an assignment away: a configured cluster always has one, with
   every node listed (a delta ``removed_resources`` does not clear endpoints in Envoy).
 
@@ -36,13 +36,11 @@ from google.protobuf.message import Message
 
 from xds_server.config import ClusterConfig, NodeConfig, parse_hostport
 from xds_server.health.model import Routing, RoutingStatus
-from xds_server.xds.validation import MAX_LOCALITY_WEIGHT_SUM, MAX_PRIORITY, validate_cla, validate_cluster
+from xds_server.xds.validation import MAX_LOCALITY_WEIGHT_SUM, validate_cla, validate_cluster
 
 __all__ = [
     "CLA_TYPE_URL",
     "CLUSTER_TYPE_URL",
-    "MAX_LOCALITY_WEIGHT_SUM",
-    "MAX_PRIORITY",
     "RESOURCE_TYPES",
     "AdmissionArgs",
     "DropArgs",
@@ -53,8 +51,6 @@ __all__ = [
     "clamp_weights",
     "routable_capacity_ratio",
     "type_label",
-    "validate_cla",
-    "validate_cluster",
 ]
 
 CLUSTER_TYPE_URL = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
