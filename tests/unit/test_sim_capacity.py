@@ -120,10 +120,12 @@ async def test_two_slots_four_streams_two_wait_and_the_gauges_tell_the_truth() -
         assert await _gauges(client) == (2.0, 3.0)
         results = sorted(await asyncio.gather(*tasks))
         probe_ttft, _ = await probe
-        # the first two start at once; the next two after a whole generation (~0.2 s); the
-        # probe after the second pair's
-        assert results[0][0] < 0.1 and results[1][0] < 0.1
-        assert results[2][0] >= 0.18 and results[3][0] >= 0.18
+        # the first two start at once (both stream before either ends); the next two only once
+        # one of them ended (a whole generation, ~0.2 s); the probe after the second pair's.
+        # Orderings, not wall-clock bounds: a loaded machine delays every stream
+        first_end = min(results[0][1], results[1][1])
+        assert results[1][0] < first_end
+        assert results[2][0] >= first_end - 0.05 and results[2][0] >= 0.18 and results[3][0] >= 0.18
         assert probe_ttft >= 0.3
         assert await _gauges(client) == (0.0, 0.0)
     finally:
@@ -136,7 +138,8 @@ async def test_unlimited_by_default_nothing_waits() -> None:
         tasks = [asyncio.create_task(_ttft_s(client, 5)) for _ in range(6)]
         await asyncio.sleep(0.05)
         assert await _gauges(client) == (6.0, 0.0)
-        assert all(first < 0.1 for first, _ in await asyncio.gather(*tasks))
+        results = await asyncio.gather(*tasks)
+        assert max(first for first, _ in results) < min(done for _, done in results)  # all at once
     finally:
         await client.close()
 
