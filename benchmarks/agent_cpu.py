@@ -34,10 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from node_probe.proto import probe_pb2, probe_pb2_grpc  # noqa: E402 - after the sys.path setup
-from xds_server.testing import free_port  # noqa: E402 - after the sys.path setup
+from xds_server.testing import free_port, process_cpu_s  # noqa: E402 - after the sys.path setup
 
 FIXTURE = ROOT / "tests" / "fixtures" / "vllm-0.32.0-cpu" / "13_metrics_during_load.raw"
-TICK = os.sysconf("SC_CLK_TCK")
 TOKEN = (b'data: {"id":"cmpl-1","object":"text_completion","model":"m","choices":[{"index":0,'
          b'"text":"a","finish_reason":"length"}]}\n\ndata: [DONE]\n\n')
 
@@ -79,12 +78,6 @@ async def start_engine() -> tuple[web.AppRunner, str, dict]:
     return runner, f"http://{host}:{port}", counts
 
 
-def cpu_seconds(pid: int) -> float:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
 
 async def measure(engine_url: str, counts: dict, streams: int, seconds: float, extra: list[str]) -> dict:
     port = free_port()
@@ -116,10 +109,10 @@ async def measure(engine_url: str, counts: dict, streams: int, seconds: float, e
             await call.write(probe_pb2.ControlMessage(hello=probe_pb2.Hello(control_plane_id=f"cp-{i}")))
             tasks.append(asyncio.create_task(read(call)))
         await asyncio.sleep(2.0)  # warm-up: connections, model discovery, first probes
-        c0, b0, r0, m0, p0, t0 = (cpu_seconds(proc.pid), beats, results, counts["metrics"], counts["probes"],
+        c0, b0, r0, m0, p0, t0 = (process_cpu_s(proc.pid), beats, results, counts["metrics"], counts["probes"],
                                   time.monotonic())
         await asyncio.sleep(seconds)
-        c1, b1, r1, m1, p1, t1 = (cpu_seconds(proc.pid), beats, results, counts["metrics"], counts["probes"],
+        c1, b1, r1, m1, p1, t1 = (process_cpu_s(proc.pid), beats, results, counts["metrics"], counts["probes"],
                                   time.monotonic())
     finally:
         for t in tasks:

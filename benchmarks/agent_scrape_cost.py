@@ -12,23 +12,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import time
 
 import aiohttp
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    stat = open(f"/proc/{pid}/stat").read()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+from xds_server.testing import process_cpu_s
 
 
 async def run(url: str, pid: int, hz: float, seconds: float) -> tuple[float, int]:
     async with aiohttp.ClientSession() as s:
-        c0, t0, n = cpu_seconds(pid), time.monotonic(), 0
+        c0, t0, n = process_cpu_s(pid), time.monotonic(), 0
         while time.monotonic() - t0 < seconds:
             if hz:
                 async with s.get(url.rstrip("/") + "/metrics") as r:
@@ -37,7 +30,7 @@ async def run(url: str, pid: int, hz: float, seconds: float) -> tuple[float, int
                 await asyncio.sleep(max(0.0, t0 + n / hz - time.monotonic()))
             else:
                 await asyncio.sleep(0.5)
-        return 100 * (cpu_seconds(pid) - c0) / (time.monotonic() - t0), n
+        return 100 * (process_cpu_s(pid) - c0) / (time.monotonic() - t0), n
 
 
 async def main(url: str, pid: int, seconds: float, rates: list[float]) -> None:

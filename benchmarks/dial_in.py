@@ -94,7 +94,7 @@ from node_probe.dial_stream import CHANNEL_OPTIONS, METADATA
 from node_probe.proto import probe_pb2
 from xds_server.config import SentinelConfig, parse_config
 from xds_server.process import event_loop, gc_tuning
-from xds_server.testing import free_port
+from xds_server.testing import free_port, process_cpu_s, threads_cpu_s
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from h2_agents import run_agents  # simulated agents that speak HTTP/2 by hand
@@ -128,24 +128,6 @@ def _raise_nofile() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _stat_cpu_s(path: str) -> tuple[str, float] | None:
-    """(name, CPU seconds so far, user + sys) from a /proc ``stat`` file (a process's, all its
-    threads, or one thread's); None when it is gone."""
-    try:
-        with open(path) as f:
-            head, rest = f.read().rsplit(")", 1)
-    except (OSError, ValueError):
-        return None
-    fields = rest.split()
-    return head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _proc_cpu_s(pid: int | None) -> float:
-    """CPU seconds (user + sys, all threads) of process ``pid`` so far; 0 when it is gone."""
-    got = None if pid is None else _stat_cpu_s(f"/proc/{pid}/stat")
-    return 0.0 if got is None else got[1]
-
-
 class _GcTime:
     """Wall time spent in the garbage collector's collections, per generation, and the longest
     (``gc.callbacks``)."""
@@ -171,12 +153,6 @@ class _GcTime:
 
     def stop(self) -> None:
         gc.callbacks.remove(self._cb)
-
-
-def _threads_cpu_s() -> dict[int, tuple[str, float]]:
-    """This process's threads: thread id -> (name, CPU seconds so far, user + sys)."""
-    threads = {int(tid): _stat_cpu_s(f"/proc/self/task/{tid}/stat") for tid in os.listdir("/proc/self/task")}
-    return {tid: got for tid, got in threads.items() if got is not None}  # None: the thread ended
 
 
 # -- the dial-in agents (a client process) ---------------------------------------------------------
@@ -449,16 +425,16 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         states = Counter(cp.core.health[i].state.name for i in ids)
         e0, o0, m0 = len(ejected), len(outliers), received[0]
         streams0 = sum(p.streams.value for p in procs if isinstance(p, _Agents))
-        agents0 = sum(_proc_cpu_s(p.proc.pid) for p in procs)
+        agents0 = sum(process_cpu_s(p.proc.pid) for p in procs)
         prof = None
         if os.environ.get("DIAL_IN_PROFILE"):  # where the loop thread's time goes (cProfile, top 25)
             import cProfile
             prof = cProfile.Profile()
             prof.enable()
         worker_pids = [h.proc.pid for h in cp.probe_pool.handles if h.proc is not None] if cp.probe_pool else []
-        w0 = [_proc_cpu_s(pid) for pid in worker_pids]
+        w0 = [process_cpu_s(pid) for pid in worker_pids]
         r0, th0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.monotonic()
-        threads0 = _threads_cpu_s()
+        threads0 = threads_cpu_s()
         gc_time = _GcTime().start()
         states_at_freeze: dict[str, str] = {}
         wall0, p0 = time.time(), len(publishes)
@@ -471,14 +447,14 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             os.kill(proc.proc.pid, signal.SIGSTOP)
         await asyncio.sleep(max(0.0, t0 + seconds - time.monotonic()))
         r1, th1, dt = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.monotonic() - t0
-        threads1 = _threads_cpu_s()
+        threads1 = threads_cpu_s()
         gc_time.stop()
-        w1 = [_proc_cpu_s(pid) for pid in worker_pids]
+        w1 = [process_cpu_s(pid) for pid in worker_pids]
         if prof is not None:
             import pstats
             prof.disable()
             pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
-        agents1 = sum(_proc_cpu_s(p.proc.pid) for p in procs)
+        agents1 = sum(process_cpu_s(p.proc.pid) for p in procs)
         msgs = received[0] - m0
         streams1 = sum(p.streams.value for p in procs if isinstance(p, _Agents))
         window = ejected[e0:]

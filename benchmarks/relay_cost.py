@@ -22,23 +22,13 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from xds_server.testing import ManagedProcess, free_port
+from xds_server.testing import ManagedProcess, ProcCpu, free_port
 
 T_RE = re.compile(rb'"t":(\d+)')
-TICK = os.sysconf("SC_CLK_TCK")
-
-
 def cpu_s(pids: list[int]) -> tuple[float, float]:
-    """(user, system) CPU seconds of ``pids`` so far."""
-    user = system = 0.0
-    for pid in pids:
-        try:
-            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            user += int(f[11]) / TICK
-            system += int(f[12]) / TICK
-        except (OSError, IndexError):
-            pass
-    return user, system
+    """(user, system) CPU seconds of ``pids`` so far (a process gone counts 0)."""
+    got = [c for pid in pids if (c := ProcCpu.of(pid)) is not None]
+    return sum(c.user_s for c in got), sum(c.system_s for c in got)
 
 
 def group_pids(pgid: int) -> list[int]:

@@ -38,7 +38,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # the C core's GOAWAY notes, pe
 
 import grpc  # after the environment above
 
-from xds_server.testing import free_port
+from xds_server.testing import free_port, threads_cpu_s
 
 _METHOD = "/bench.Liveness/Beat"
 
@@ -168,13 +168,6 @@ async def blocked_trial(keepalive_ms: int, ping_timeout_ms: int, block_s: float 
         await srv.stop()
 
 
-def _thread_cpu_s(tid: int) -> float:
-    """CPU seconds (user + system) of one thread of this process, from /proc."""
-    with open(f"/proc/self/task/{tid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def cpu_case(keepalive_ms: int | None, ping_timeout_ms: int, beat_s: float, streams: int, clients: int,
                    seconds: float) -> tuple[float, float]:
     """(process cores, Python-thread cores) per 1,000 streams over ``seconds``, once all are open."""
@@ -187,10 +180,10 @@ async def cpu_case(keepalive_ms: int | None, ping_timeout_ms: int, beat_s: float
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.0)
         tid = threading.get_native_id()
-        t0, c0, p0 = time.monotonic(), time.process_time(), _thread_cpu_s(tid)
+        t0, c0, p0 = time.monotonic(), time.process_time(), threads_cpu_s()[tid][1]
         await asyncio.sleep(seconds)
         dt = time.monotonic() - t0
-        total, python = (time.process_time() - c0) / dt, (_thread_cpu_s(tid) - p0) / dt
+        total, python = (time.process_time() - c0) / dt, (threads_cpu_s()[tid][1] - p0) / dt
         return 1000.0 * total / max(1, srv.open), 1000.0 * python / max(1, srv.open)
     finally:
         for p in procs:

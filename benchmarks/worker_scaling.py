@@ -38,9 +38,7 @@ from collections.abc import Callable
 from xds_server.config import parse_config
 from xds_server.process import event_loop
 from xds_server.server import ControlPlane
-from xds_server.testing import free_port
-
-_TICK = os.sysconf("SC_CLK_TCK")
+from xds_server.testing import free_port, process_cpu_s
 
 
 def _start_fleet() -> tuple[int, Callable[[], None]]:
@@ -73,13 +71,6 @@ def _wait_listening(port: int, timeout_s: float) -> None:
     raise RuntimeError(f"fake agent fleet not listening on {port} after {timeout_s} s")
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (from /proc/PID/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
 async def measure(n: int, workers: int, seconds: float) -> dict:
     port, stop_fleet = _start_fleet()
     cfg = parse_config({
@@ -106,10 +97,10 @@ async def measure(n: int, workers: int, seconds: float) -> dict:
         hb0 = sum(cp.heartbeats.values())
         ev0 = cp.event_counts["to_UNHEALTHY"]
         rep0 = pool.reports if pool else 0
-        main0, w0 = cpu_s(os.getpid()), [cpu_s(p) for p in pids]
+        main0, w0 = process_cpu_s(os.getpid()), [process_cpu_s(p) for p in pids]
         t0 = time.monotonic()
         await asyncio.sleep(seconds)
-        main1, w1 = cpu_s(os.getpid()), [cpu_s(p) for p in pids]
+        main1, w1 = process_cpu_s(os.getpid()), [process_cpu_s(p) for p in pids]
         dt = time.monotonic() - t0
         hb = sum(cp.heartbeats.values()) - hb0
         routed = sum(1 for r in cp.routing.values() if r.health_status == "HEALTHY")

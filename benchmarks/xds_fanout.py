@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from xds_server.config import XdsConfig, parse_config
 from xds_server.health.model import Routing
+from xds_server.testing import process_cpu_s
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.resources import (
     CLA_TYPE_URL,
@@ -63,13 +64,6 @@ def pct(xs: list[float], p: float) -> float:
         return float("nan")
     k = min(len(xs) - 1, max(0, round(p / 100.0 * (len(xs) - 1))))
     return xs[k]
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_bytes() -> int:
@@ -280,13 +274,13 @@ def bench_fanout(streams: int, endpoints: int, variant: str, changes: int, windo
             time.sleep(0.2)
         time.sleep(1.0)
         rss1 = srv_cmd("status")["rss"]
-        cpu0 = {"server": cpu_s(srv.pid), "clients": cpu_s(cli.pid)}
+        cpu0 = {"server": process_cpu_s(srv.pid), "clients": process_cpu_s(cli.pid)}
         events = []
         for _ in range(changes):
             events.append(srv_cmd("change"))
             time.sleep(gap_s)
         time.sleep(1.0)
-        cpu1 = {"server": cpu_s(srv.pid), "clients": cpu_s(cli.pid)}
+        cpu1 = {"server": process_cpu_s(srv.pid), "clients": process_cpu_s(cli.pid)}
         cli.stdin.write("dump\n")
         cli.stdin.flush()
         received = json.loads(cli.stdout.readline())["received"]

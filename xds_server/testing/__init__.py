@@ -28,6 +28,8 @@ only; the underscored modules may move):
   :func:`format_table`. ``_fleet_watch`` polls what Envoy and each control-plane replica show
   while a fault runs.
 - polling (``_wait``): :func:`wait_for` a condition with a deadline.
+- CPU time (``_proc_cpu``): :func:`process_cpu_s` of a process, :func:`threads_cpu_s` of this
+  process's threads, :class:`ProcCpu` (name, user and system seconds of one ``/proc`` stat file).
 - certificates (``_certs``; ``cryptography`` from the ``dev`` extra, imported when a CA is made):
   :class:`TestCA` issues server and client certificates (DNS, IP and URI SANs) as PEM files;
   :class:`CertPair` holds the paths.
@@ -61,6 +63,7 @@ from xds_server.testing._faults import (
 )
 from xds_server.testing._fleet import Fleet, NodeProcs, restart_control_plane
 from xds_server.testing._load import LoadGenerator, LoadStats
+from xds_server.testing._proc_cpu import ProcCpu, process_cpu_s, threads_cpu_s
 from xds_server.testing._process import ManagedProcess, free_port
 from xds_server.testing._promlint import lint_exposition
 from xds_server.testing._replica_faults import replica_kill
@@ -80,6 +83,7 @@ __all__ = [
     "ManagedProcess",
     "ManualClock",
     "NodeProcs",
+    "ProcCpu",
     "ScriptedAdsClient",
     "ScriptedDeltaAdsClient",
     "StandaloneEnvoy",
@@ -100,9 +104,11 @@ __all__ = [
     "lint_exposition",
     "parse_envoy_clusters",
     "parse_envoy_stats",
+    "process_cpu_s",
     "replica_kill",
     "restart_control_plane",
     "slow_ads_reader",
+    "threads_cpu_s",
     "wait_for",
 ]
 

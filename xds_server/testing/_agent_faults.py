@@ -15,7 +15,6 @@ import re
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -25,6 +24,7 @@ from xds_server.probing.liveness import silent_after_s
 from xds_server.testing._fault_rig import BLOCKABLE_AGENT, FaultRig, FaultRow, _loads, _paths, _warm
 from xds_server.testing._fleet import Fleet
 from xds_server.testing._fleet_watch import ENVOY, FleetWatch, counters_delta, cp_counters, cp_events, left_healthy
+from xds_server.testing._proc_cpu import process_cpu_s
 from xds_server.testing._process import ManagedProcess
 from xds_server.testing._traffic import TrafficStats
 from xds_server.testing._wait import wait_for
@@ -67,7 +67,7 @@ async def cpu_burners(rig: FaultRig, http: aiohttp.ClientSession, burn_s: float 
                 procs.append(ManagedProcess(f"cpu-burner-{i}", [sys.executable, "-c", BURNER],
                                             fleet.workdir / f"cpu-burner-{i}.log").start())
             await asyncio.sleep(burn_s)
-            used = [round(_cpu_s(p.pid), 1) for p in procs]
+            used = [round(process_cpu_s(p.pid), 1) for p in procs]
             load_avg = os.getloadavg()[0]
         finally:
             for p in procs:
@@ -89,13 +89,6 @@ async def cpu_burners(rig: FaultRig, http: aiohttp.ClientSession, burn_s: float 
     return rows, info
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds process ``pid`` used so far (``/proc/PID/stat``); 0 when gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def silence_bound_s(fleet: Fleet) -> float:
