@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from xds_server.admin.metrics import ControlPlaneCollector
 from xds_server.config import parse_config
-from xds_server.control.publish import LastGoodHistory, PublishPlanner
+from xds_server.control.last_good import LastGoodHistory
+from xds_server.control.publish import PublishPlanner
 from xds_server.health import model as hm
 from xds_server.policy.cluster_routing import counted_silent
 from xds_server.probing.memory import InMemoryProbes

@@ -15,6 +15,8 @@ PUBLIC = {
     "cp_kill_restart", "cp_sigstop", "engine_kill_restart", "envoy_restart", "format_table", "slow_ads_reader",
     # dial-in rows: CPU burners, a hung agent loop, a control-plane replica killed
     "agent_loop_block", "cpu_burners", "replica_kill",
+    # CPU time from /proc, for benchmarks and rigs
+    "ProcCpu", "process_cpu_s", "threads_cpu_s",
 }
 
 

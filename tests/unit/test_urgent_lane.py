@@ -51,6 +51,24 @@ def test_an_early_publish_is_the_last_assignment_with_the_lost_node_out_and_the_
     assert full.patched == () and full.routing["n2"].health_status == "UNHEALTHY" and not p.dirty
 
 
+def test_a_second_loss_is_patched_after_the_patch_s_own_gap_and_the_decision_stays_anchored_at_the_first():
+    p, health, published = planner_after_a_publish()               # full at 1.0, 20 ms: gap 60 ms
+    health["n1"] = lost("n1")
+    p.mark_dirty("llm", True, 1.01, Urgency.URGENT, "n1")
+    [a] = p.publish(1.01, health, FailStaticState(), 0.0, published)
+    p.built(0.002)                                                  # a patch of 2 ms
+    assert a.patched == ("n1",) and abs(p.follow_up() - 1.07) < 1e-9
+    health["n2"] = lost("n2")
+    at = p.mark_dirty("llm", True, 1.012, Urgency.URGENT, "n2")
+    assert abs(at - 1.016) < 1e-9                                   # 3 x 2 ms after the patch, not 60 ms
+    [b] = p.publish(1.016, health, FailStaticState(), 0.0, dict(a.routing))
+    p.built(0.002)
+    assert b.patched == ("n2",) and b.routing["n0"].health_status == "HEALTHY"
+    assert abs(p.follow_up() - 1.07) < 1e-9                         # a later patch never pushes the decision
+    [full] = p.publish(1.07, health, FailStaticState(), 0.0, dict(b.routing))  # early to b, but due
+    assert full.patched == () and not p.dirty and p.last_build_s == 0.02
+
+
 def test_the_full_decision_is_taken_at_once_under_fail_static_when_none_would_stay_routed_or_when_asked_directly():
     fs = FailStaticState(active=True, since_s=1.0, reason="burst", burst_start_s=1.0)
     for case in ("fail_static", "none_left", "direct", "late"):
@@ -109,9 +127,12 @@ def test_prop_a_patch_only_takes_nodes_out_and_once_quiet_envoy_has_the_policy_d
     write = cp.core.on_publish
     seen: list[tuple[tuple[str, ...], set[str], set[str]]] = []
 
+    starts: list[tuple[float, bool]] = []                   # (publish time, a patch)
+
     def checked(p):
         before = {i for i, r in cp.core.routing.items() if r.health_status == "HEALTHY"}
         seen.append((p.patched, before, {i for i, r in p.routing.items() if r.health_status == "HEALTHY"}))
+        starts.append((clock.now(), bool(p.patched)))
         write(p)
         clock._now += build_s                                # a build takes the loop's time
 
@@ -135,6 +156,13 @@ def test_prop_a_patch_only_takes_nodes_out_and_once_quiet_envoy_has_the_policy_d
     for patched, before, after in seen:
         if patched:
             assert after == before - set(patched) and after, (patched, before, after)
+    first_patch = None                                       # the decision follows the first patch within a gap
+    for at, patch in starts:
+        if patch and first_patch is None:
+            first_patch = at
+        elif not patch and first_patch is not None:
+            assert at <= first_patch + max(0.005, 3 * build_s) + build_s + 1e-6, (first_patch, at)
+            first_patch = None
     assert not cp.core.planner.dirty
     published = dict(cp.core.routing)
     cp.core.mark_dirty("llm")

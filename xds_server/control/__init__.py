@@ -3,7 +3,9 @@ shell that wires it is :mod:`xds_server.server`).
 
 - :mod:`~xds_server.control.core`: observations -> health, events, fail-static, publish timing;
 - :mod:`~xds_server.control.node_table`: node health with folded heartbeats settled on read;
-- :mod:`~xds_server.control.publish`: what to publish and when (pure, time passed in);
+- :mod:`~xds_server.control.publish`: what to publish and when (pure, time passed in), with
+  :mod:`~xds_server.control.last_good` (the fail-static look-back) and
+  :mod:`~xds_server.control.wakes` (the outlier wake-up timers);
 - :mod:`~xds_server.control.events`: the event ring; :mod:`~xds_server.control.reload`: what a
   new config changes;
 - :mod:`~xds_server.control.state`, :mod:`~xds_server.control.state_file`: the kept state a
@@ -15,7 +17,8 @@ and imports nothing of probing or of xDS; the views the admin endpoint reads liv
 """
 from xds_server.control.core import ControlCore
 from xds_server.control.events import EventLog, EventRecord
-from xds_server.control.publish import ClusterPublish, LastGoodHistory, PublishPlanner
+from xds_server.control.last_good import LastGoodHistory
+from xds_server.control.publish import ClusterPublish, PublishPlanner
 
 __all__ = [
     "ClusterPublish",

@@ -364,10 +364,9 @@ class ControlCore:
         try:
             self._hand_over(out)
         finally:
-            # a full build's time spaces the next publish (xds.publish.build_ratio); the loop's clock
+            # the build time spaces the next publish (xds.publish.build_ratio); the loop's clock
             # moves while we compute (a ManualClock does not: 0)
-            if not out or any(not p.patched for p in out):
-                self.planner.last_build_s = max(0.0, self.clock.now() - now)
+            self.planner.built(max(0.0, self.clock.now() - now))
         self._arm(self.planner.follow_up())
         return out
 

@@ -27,7 +27,10 @@ Rules:
   alone kept a frozen node routed up to ~135 ms past its verdict). That early publish (given
   ``published``, the caller's armed one) is the last assignment with the lost nodes UNHEALTHY, not
   a policy walk over the cluster (the walk is most of a ~45 ms build under load); the decision
-  follows one gap later (:meth:`PublishPlanner.follow_up`). A change of measures alone
+  follows one gap after the first such patch (:meth:`PublishPlanner.follow_up`), however many
+  follow it. A patch costs a few ms, so the next lost node is patched after the window or
+  ``build_ratio`` x the last patch's time, not after the full gap (measured: the second node of a
+  frozen pair waited ~170 ms for it). A change of measures alone
   (``REFRESH``: RTT, TTFT, GPU free memory) after ``xds.publish.measure_refresh``; any other
   (``NEXT``) after the gap. A sooner change moves an armed publish earlier;
 - fail-static: while active, a cluster keeps the last assignment published before the burst of
@@ -36,17 +39,17 @@ Rules:
 """
 from __future__ import annotations
 
-import collections
 import enum
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from xds_server.config import ClusterConfig, HealthConfig, NodeConfig, SentinelConfig
+from xds_server.control.last_good import LastGoodHistory
 from xds_server.health import model as hm
 from xds_server.health.pipeline import RoutingKey, leaves_routing, measures_only
 from xds_server.policy import cluster_routing as hp
 
-__all__ = ["ClusterPublish", "LastGoodHistory", "PublishPlanner", "Urgency", "change_urgency"]
+__all__ = ["ClusterPublish", "PublishPlanner", "Urgency", "change_urgency"]
 
 
 class Urgency(enum.Enum):
@@ -79,45 +82,6 @@ class ClusterPublish:
     patched: tuple[str, ...] = ()
 
 
-class LastGoodHistory:
-    """Assignments of one cluster published outside fail-static, as ``(time_s, routing)``.
-
-    :meth:`before` answers "the last assignment published before ``limit_s``" (strictly: one
-    published at the very instant a node can first be judged missing may already carry that
-    judgment). Only entries that can still be that answer are kept: ``floor_s`` passed to
-    :meth:`record` is the earliest limit any future fail-static can ask for (see
-    :meth:`ControlCore.fail_static_floor_s`), so of the entries before it only the newest is kept.
-    Beyond ``max_entries`` the oldest *newer* entries are dropped, never the oldest one: a long
-    burst of publishes can make the answer older, never make it missing (the bug where a bounded
-    look-back of 64 publishes let a long burst publish the bad state).
-    """
-
-    def __init__(self, max_entries: int) -> None:
-        if max_entries < 2:
-            raise ValueError(f"max_entries must be >= 2, got {max_entries}")
-        self.max_entries = max_entries
-        self._entries: collections.deque[tuple[float, Mapping[str, hm.Routing]]] = collections.deque()
-
-    def record(self, now_s: float, routing: Mapping[str, hm.Routing], floor_s: float) -> None:
-        """Remember ``routing`` published at ``now_s``."""
-        e = self._entries
-        e.append((now_s, routing))
-        while len(e) >= 2 and e[1][0] < floor_s:
-            e.popleft()
-        while len(e) > self.max_entries:
-            del e[1]
-
-    def before(self, limit_s: float) -> Mapping[str, hm.Routing] | None:
-        """The newest routing recorded before ``limit_s`` (None if there is none)."""
-        for t, r in reversed(self._entries):
-            if t < limit_s:
-                return r
-        return None
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
 class PublishPlanner:
     """Publish bookkeeping for every cluster of a config (see module docstring)."""
 
@@ -133,6 +97,9 @@ class PublishPlanner:
         self.due_s = float("inf")       # when the publish the caller armed is due (inf: none armed)
         self.last_publish_s = float("-inf")
         self.last_early = False         # the last publish came before min_gap_s() (an URGENT change)
+        self.last_patched = False       # the last publish only took lost nodes out (the urgent lane)
+        self.last_patch_build_s = 0.0   # how long that took (s; the caller's clock)
+        self._decide_by = float("inf")  # the decision the first patch since the last one deferred is due
         self.outliers: dict[str, dict[str, hp.OutlierState]] = {}
         self.why_not_routed: dict[str, str] = {}
         # node id -> the soft ejection the max-ejection cap held back (the node stays routed)
@@ -209,7 +176,9 @@ class PublishPlanner:
         self.dirty.add(cluster)
         if urgency is Urgency.URGENT and node_id is not None:
             self._leaving.setdefault(cluster, set()).add(node_id)
-        if urgency is Urgency.URGENT and not self.last_early:
+        if urgency is Urgency.URGENT and self.last_patched:  # a patch after a patch: spaced by its own cost
+            gap = max(self.window_s, self.build_ratio * self.last_patch_build_s)
+        elif urgency is Urgency.URGENT and not self.last_early:
             gap = self.window_s
         elif urgency is Urgency.REFRESH:
             gap = max(self.refresh_s, self.min_gap_s())
@@ -233,12 +202,21 @@ class PublishPlanner:
 
     def follow_up(self) -> float | None:
         """After a publish that left clusters dirty (the urgent lane patched, the rest waits): the
-        time (s) the caller must arm the next :meth:`publish` for, one gap after it; None when
-        nothing is dirty or one is armed already."""
+        time (s) the caller must arm the next :meth:`publish` for, one gap after the first patch
+        since the last decision (later patches never push the decision further); None when nothing
+        is dirty or one is armed already."""
         if not self.dirty or self.scheduled:
             return None
-        self.due_s = self.last_publish_s + self.min_gap_s()
+        self.due_s = min(self._decide_by, self.last_publish_s + self.min_gap_s())
         return self.due_s
+
+    def built(self, seconds: float) -> None:
+        """The caller's measure of the publish it just made (s): a full one's spaces the next
+        publish (:meth:`min_gap_s`), a patch's the next patch."""
+        if self.last_patched:
+            self.last_patch_build_s = seconds
+        else:
+            self.last_build_s = seconds
 
     def min_gap_s(self) -> float:
         """The least time (s) from one publish to the next: the coalescing window, or
@@ -292,8 +270,9 @@ class PublishPlanner:
             if r is None:  # never published whole: decide
                 return None
             routing[n.id] = r
+        out_now = set(lost)
         for n in c.nodes:
-            if n.id in lost:
+            if n.id in out_now:
                 routing[n.id] = hm.Routing(hm.full_weight(n.capacity), hm.RoutingStatus.UNHEALTHY)
         if not any(r.health_status is hm.RoutingStatus.HEALTHY for r in routing.values()):
             return None
@@ -324,13 +303,14 @@ class PublishPlanner:
         with nodes out on hard evidence gets its last assignment with those nodes UNHEALTHY
         (``ClusterPublish.patched``): the policy walk over every node is skipped (at 2,000 endpoints
         a full publish holds the loop ~45 ms under load, a patch a few ms) and the full decision
-        follows one gap later (the cluster stays dirty: :meth:`follow_up`); other dirty clusters
-        wait for it too. A full decision is taken at once instead when fail-static holds or keeps
+        follows one gap after the first patch (the cluster stays dirty: :meth:`follow_up`); other
+        dirty clusters wait for it too. A full decision is taken at once instead when fail-static holds or keeps
         silent nodes routed, or when no node would stay routed (cluster policy's "never nothing
         because of silence" may keep one).
         """
         early = now_s < self.last_publish_s + self.min_gap_s() - 1e-9
         self.last_early = early
+        patch_from = published if early and now_s < self._decide_by - 1e-9 else None
         self.due_s = float("inf")
         self.last_publish_s = now_s
         dirty, self.dirty = self.dirty, set()
@@ -340,9 +320,9 @@ class PublishPlanner:
         for c in self.config.clusters:
             if c.name not in dirty:
                 continue
-            if early and published is not None:
-                lost = self._lost(c, leaving.get(c.name, ()), health, published)
-                patch = self._patch(c, lost, health, fail_static, published, now_s, floor_s) if lost else None
+            if patch_from is not None:
+                lost = self._lost(c, leaving.get(c.name, ()), health, patch_from)
+                patch = self._patch(c, lost, health, fail_static, patch_from, now_s, floor_s) if lost else None
                 if patch is not None or not lost:  # taken out now, or nothing urgent here: the rest at the gap
                     self.dirty.add(c.name)
                     if patch is not None:
@@ -389,5 +369,10 @@ class PublishPlanner:
             else:
                 self.outlier_wake_s.pop(c.name, None)
             out.append(ClusterPublish(c.name, routing, dict(decision.why_not_routed), decision.events, held))
+        self.last_patched = bool(out) and all(p.patched for p in out)
+        if not self.dirty:
+            self._decide_by = float("inf")
+        elif self.last_patched and self._decide_by == float("inf"):
+            self._decide_by = now_s + self.min_gap_s()
         return out
 
