@@ -84,14 +84,32 @@ def test_the_full_decision_is_taken_at_once_under_fail_static_when_none_would_st
         assert out.held is (case == "fail_static"), case
 
 
-def test_an_early_publish_leaves_clusters_without_a_lost_node_for_the_gap_and_skips_one_already_out():
+def test_an_early_publish_with_nothing_to_take_out_is_the_full_decision_never_an_empty_publish():
     p, health, published = planner_after_a_publish()
-    p.mark_dirty("llm", True, 1.01, Urgency.NEXT)
     health["n2"] = lost("n2")
     p.mark_dirty("llm", True, 1.01, Urgency.URGENT, "n2")
     already_out = {**published, "n2": hm.Routing(100, "UNHEALTHY")}
-    assert p.publish(1.01, health, FailStaticState(), 0.0, already_out) == []  # nothing to take out now
-    assert p.dirty == {"llm"} and abs(p.follow_up() - 1.07) < 1e-9
+    [out] = p.publish(1.01, health, FailStaticState(), 0.0, already_out)
+    assert out.patched == () and out.routing["n2"].health_status == "UNHEALTHY" and not p.dirty
+
+
+def test_a_cluster_without_a_lost_node_waits_for_the_decision_while_another_is_patched():
+    cfg = config(xds={"coalesce_window_ms": 5})
+    cfg["clusters"].append({"name": "other", "nodes": [
+        {"id": f"m{i}", "address": f"127.0.0.1:{8101 + i}"} for i in range(2)]})
+    p = PublishPlanner(parse_config(cfg))
+    health = {i: healthy(i) for i in (*IDS, "m0", "m1")}
+    for c in ("llm", "other"):
+        p.mark_dirty(c, True, 1.0)
+    published = {k: v for cp in p.publish(1.0, health, FailStaticState(), 0.0) for k, v in cp.routing.items()}
+    p.built(0.02)
+    p.mark_dirty("other", True, 1.01)                               # a change of another kind
+    health["n2"] = lost("n2")
+    p.mark_dirty("llm", True, 1.01, Urgency.URGENT, "n2")
+    [patch] = p.publish(1.01, health, FailStaticState(), 0.0, published)
+    assert patch.cluster == "llm" and patch.patched == ("n2",)
+    assert p.dirty == {"llm", "other"} and abs(p.follow_up() - 1.07) < 1e-9
+    assert {out.cluster for out in p.publish(1.07, health, FailStaticState(), 0.0, published)} == {"llm", "other"}
 
 
 def test_the_relay_feed_hears_the_lost_node_from_the_patch():

@@ -264,17 +264,16 @@ class PublishPlanner:
         (:meth:`publish`)."""
         if fail_static.active or c.name in self.fail_static_held or c.name in self.kept_silent:
             return None
-        routing: dict[str, hm.Routing] = {}
+        out_now, routing, routed = set(lost), {}, False
         for n in c.nodes:
             r = published.get(n.id)
             if r is None:  # never published whole: decide
                 return None
-            routing[n.id] = r
-        out_now = set(lost)
-        for n in c.nodes:
             if n.id in out_now:
-                routing[n.id] = hm.Routing(hm.full_weight(n.capacity), hm.RoutingStatus.UNHEALTHY)
-        if not any(r.health_status is hm.RoutingStatus.HEALTHY for r in routing.values()):
+                r = hm.Routing(hm.full_weight(n.capacity), hm.RoutingStatus.UNHEALTHY)
+            routing[n.id] = r
+            routed = routed or r.health_status is hm.RoutingStatus.HEALTHY
+        if not routed:
             return None
         for nid in lost:
             nh = health[nid]
@@ -304,9 +303,10 @@ class PublishPlanner:
         (``ClusterPublish.patched``): the policy walk over every node is skipped (at 2,000 endpoints
         a full publish holds the loop ~45 ms under load, a patch a few ms) and the full decision
         follows one gap after the first patch (the cluster stays dirty: :meth:`follow_up`); other
-        dirty clusters wait for it too. A full decision is taken at once instead when fail-static holds or keeps
-        silent nodes routed, or when no node would stay routed (cluster policy's "never nothing
-        because of silence" may keep one).
+        dirty clusters wait for it too. A full decision is taken at once instead when fail-static
+        holds or keeps silent nodes routed, when no node would stay routed (cluster policy's "never
+        nothing because of silence" may keep one), or when there is nothing to take out (the node
+        is out already): an early publish never publishes nothing.
         """
         early = now_s < self.last_publish_s + self.min_gap_s() - 1e-9
         self.last_early = early
@@ -316,18 +316,23 @@ class PublishPlanner:
         dirty, self.dirty = self.dirty, set()
         leaving, self._leaving = self._leaving, {}
         cfg = self.config.health
+        # cluster with nodes to take out -> its patch (None: decide it now)
+        patches: dict[str, ClusterPublish | None] = {}
+        if patch_from is not None:
+            for c in self.config.clusters:
+                if c.name in dirty and (lost := self._lost(c, leaving.get(c.name, ()), health, patch_from)):
+                    patches[c.name] = self._patch(c, lost, health, fail_static, patch_from, now_s, floor_s)
+        taking_out = any(p is not None for p in patches.values())
         out: list[ClusterPublish] = []
         for c in self.config.clusters:
             if c.name not in dirty:
                 continue
-            if patch_from is not None:
-                lost = self._lost(c, leaving.get(c.name, ()), health, patch_from)
-                patch = self._patch(c, lost, health, fail_static, patch_from, now_s, floor_s) if lost else None
-                if patch is not None or not lost:  # taken out now, or nothing urgent here: the rest at the gap
-                    self.dirty.add(c.name)
-                    if patch is not None:
-                        out.append(patch)
-                    continue
+            patch = patches.get(c.name)
+            if patch is not None or (taking_out and c.name not in patches):  # the rest at the decision
+                self.dirty.add(c.name)
+                if patch is not None:
+                    out.append(patch)
+                continue
             rows, views = self._views_of(c.nodes, health, cfg)
             held_before = self._held.get(c.name, ())
             decision = hp.cluster_routing(
