@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 from node_probe.dial_stream import METADATA
 from node_probe.proto import probe_pb2
+from node_probe.targets import STABLE_S, backoff_s, failures_after
 
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _DATA, _HEADERS, _RST, _SETTINGS, _PING, _GOAWAY, _WINDOW = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7, 0x8
@@ -213,10 +214,12 @@ class H2Agent(asyncio.Protocol):
 
 async def run_agents(port: int, nodes: list[tuple[str, str]], first: Callable[[str, str], list[bytes]],
                      beat: Callable[[str, int], bytes], refresh_s: float, dialled: Callable[[], None],
-                     alive: Callable[[], bool]) -> None:
+                     alive: Callable[[], bool], stable_s: float = STABLE_S) -> None:
     """Run one simulated agent per ``(node_id, address)`` against 127.0.0.1:``port`` until
     ``alive()`` is False (checked every 0.5 s). ``first(node_id, address)``: the messages a stream
-    starts with; ``beat(node_id, seq)``: a heartbeat; ``dialled()`` is called per connection made."""
+    starts with; ``beat(node_id, seq)``: a heartbeat; ``dialled()`` is called per connection made. A closed
+    connection is dialled again as node_probe's dialer does (``stable_s``:
+    :func:`~node_probe.targets.failures_after`)."""
     loop = asyncio.get_running_loop()
     authority = f"127.0.0.1:{port}"
 
@@ -237,10 +240,10 @@ async def run_agents(port: int, nodes: list[tuple[str, str]], first: Callable[[s
                 dialled()
                 opened = loop.time()
                 await ended  # the agent closed its transport
-                fails = 0 if loop.time() - opened > 1.0 else fails + 1
+                fails = failures_after(fails, loop.time() - opened, stable_s)
             except OSError:
-                fails += 1
-            await asyncio.sleep(min(2.0, 0.05 * 2 ** min(fails, 6)) * random.random())
+                fails = failures_after(fails, None, stable_s)
+            await asyncio.sleep(backoff_s(fails))  # as node_probe's dialer
 
     tasks = [asyncio.create_task(agent(nid, addr)) for nid, addr in nodes]
     try:

@@ -16,9 +16,11 @@ Shape::
       stop(grace_s)           half-closes every stream (done_writing), waits up to grace_s for the
                               control plane to end it, then cancels it; closes the channels
 
-Re-dial: at once after a stream ends; after consecutive ends without a message, full-jitter
-exponential back-off (:func:`~node_probe.targets.backoff_s`: uniform in [0, 50 ms], [0, 100 ms],
-... up to [0, 5 s]); a stream that received a message resets it. Nothing ends a link but
+Re-dial: at once after a stream that the control plane held :data:`~node_probe.targets.STABLE_S`
+(10 s) ends; after consecutive ends of streams held less or never up, full-jitter exponential
+back-off (:func:`~node_probe.targets.backoff_s`: uniform in [0, 50 ms], [0, 100 ms], ... up to
+[0, 5 s]; :func:`~node_probe.targets.failures_after`). An overloaded control plane that drops
+streams soon after it takes them is dialled back spread out, not by the whole fleet in step. Nothing ends a link but
 :meth:`~ControlPlaneDialer.stop` and its address leaving the target's resolution: every error is
 recorded and logged, never raised.
 
@@ -45,7 +47,15 @@ from typing import Any
 from node_probe.dial_stream import CHANNEL_OPTIONS, run_stream
 from node_probe.proto import probe_pb2
 from node_probe.streams import StreamHub
-from node_probe.targets import FailureLog, backoff_s, is_ip_literal, join_host_port, split_target
+from node_probe.targets import (
+    STABLE_S,
+    FailureLog,
+    backoff_s,
+    failures_after,
+    is_ip_literal,
+    join_host_port,
+    split_target,
+)
 from xds_server.process.tls import ClientTls
 
 __all__ = ["ControlPlaneDialer", "TargetState"]
@@ -111,6 +121,8 @@ class ControlPlaneDialer:
             (unless ``tls.server_name`` says otherwise). None: plaintext.
         backoff_base_s, backoff_max_s: re-dial back-off bounds, s
             (:func:`~node_probe.targets.backoff_s`).
+        stable_s: a stream held this long (s) starts the back-off over
+            (:func:`~node_probe.targets.failures_after`).
         resolve_interval_s: a DNS name is resolved again this often (s), so new replicas are
             dialled while every stream stays up.
 
@@ -120,7 +132,7 @@ class ControlPlaneDialer:
 
     def __init__(self, targets: Sequence[str], hub: StreamHub, register: Callable[[], probe_pb2.Register], *,
                  tls: ClientTls | None = None, backoff_base_s: float = 0.05, backoff_max_s: float = 5.0,
-                 resolve_interval_s: float = 30.0) -> None:
+                 stable_s: float = STABLE_S, resolve_interval_s: float = 30.0) -> None:
         self._targets: list[_Target] = []
         for text in targets:
             host, port = split_target(text)
@@ -131,6 +143,7 @@ class ControlPlaneDialer:
         self._register = register
         self._tls = tls
         self._backoff = (backoff_base_s, backoff_max_s)
+        self._stable_s = stable_s
         self._resolve_interval_s = resolve_interval_s
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop_event = asyncio.Event()
@@ -253,13 +266,13 @@ class ControlPlaneDialer:
         try:
             while not self._stopping:
                 try:
-                    up = await self._session(t, link)
+                    held_s = await self._session(t, link)
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # a bug of ours: the loop goes on
                     log.exception("control plane %s: dial failed unexpectedly", link.what)
-                    up = False
-                failures = 1 if up else failures + 1
+                    held_s = None
+                failures = failures_after(failures, held_s, self._stable_s)
                 if await self._sleep(backoff_s(failures, *self._backoff)):
                     return
                 if not t.literal and await self._resolve(t) and link.address not in t.addresses:
@@ -274,14 +287,17 @@ class ControlPlaneDialer:
             return self._tls
         return dataclasses.replace(self._tls, server_name=t.host)  # the name, not the address dialled
 
-    async def _session(self, t: _Target, link: _Link) -> bool:
+    async def _session(self, t: _Target, link: _Link) -> float | None:
         """One stream to ``link``'s address (:func:`~node_probe.dial_stream.run_stream`), until it ends
-        or :meth:`stop`: True when the control plane sent a message on it (the stream was up). Its
-        error is recorded and logged, not raised."""
+        or :meth:`stop`: the seconds from the control plane's first message on it to its end, None
+        when it sent none (the stream was never up). Its error is recorded and logged, not raised."""
         t.dials += 1
         link.connected = False
+        loop = asyncio.get_running_loop()
+        opened_at: list[float] = []
 
         def opened(first: probe_pb2.ControlMessage) -> None:
+            opened_at.append(loop.time())
             link.connected = True
             failed = link.flog.recovered()
             cp = f", control plane {first.hello.control_plane_id!r}" if first.WhichOneof("msg") == "hello" else ""
@@ -298,4 +314,4 @@ class ControlPlaneDialer:
             log.info("control plane %s: stream closed: %s", link.what, error)
         elif not self._stopping:
             link.flog.failed(error)
-        return up
+        return loop.time() - opened_at[0] if opened_at else None

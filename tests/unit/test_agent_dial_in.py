@@ -11,6 +11,8 @@ from typing import Any
 
 import grpc
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from test_agent import engine  # noqa: F401 - fixture
 
 from node_probe import cli
@@ -18,7 +20,7 @@ from node_probe.agent import AgentConfig, ProbeAgent
 from node_probe.dialer import ControlPlaneDialer
 from node_probe.proto import probe_pb2, probe_pb2_grpc
 from node_probe.streams import StreamHub
-from node_probe.targets import backoff_s, split_target
+from node_probe.targets import STABLE_S, backoff_s, failures_after, split_target
 from xds_server.process.tls import peer_identities, server_credentials
 from xds_server.testing import TestCA, free_port, wait_for
 
@@ -287,6 +289,63 @@ def test_backoff_is_immediate_first_then_full_jitter_doubling_to_its_cap():
     assert [backoff_s(n, rng=lambda: 1.0) for n in (2, 3, 4)] == [0.05, 0.1, 0.2]
     assert backoff_s(10_000, rng=lambda: 1.0) == 5.0
     assert backoff_s(5, rng=lambda: 0.0) == 0.0
+
+
+@given(failures=st.integers(0, 100), held_s=st.one_of(st.none(), st.floats(0.0, 1e6)),
+       stable_s=st.floats(0.001, 1e3))
+def test_a_stream_held_long_enough_starts_the_backoff_over_any_other_end_adds_a_failure(failures, held_s, stable_s):
+    after = failures_after(failures, held_s, stable_s)
+    if held_s is not None and held_s >= stable_s:
+        assert after == 1 and backoff_s(after) == 0.0  # the next dial at once
+    else:
+        assert after == failures + 1  # never up, or dropped soon after it opened
+
+
+def test_streams_dropped_soon_after_they_open_spread_the_redials_out_to_the_cap():
+    failures, bounds = 0, []
+    for _ in range(12):  # a control plane that drops each stream a second after taking it
+        failures = failures_after(failures, 1.0)
+        bounds.append(backoff_s(failures, rng=lambda: 1.0))
+    assert bounds[:5] == [0.0, 0.05, 0.1, 0.2, 0.4] and bounds[-1] == 5.0
+    assert failures_after(failures, STABLE_S) == 1  # one stream held 10 s: at once again
+
+
+async def test_an_agent_whose_streams_keep_being_dropped_dials_later_and_later(hub_server, monkeypatch):
+    """A control plane that ends every stream right after its first message: each re-dial waits
+    on a growing back-off; a stream held ``stable_s`` starts it over (the next dial at once)."""
+    counts: list[int] = []
+    monkeypatch.setattr("node_probe.dialer.backoff_s", lambda n, *a: counts.append(n) or 0.0)
+    hub, port = await hub_server()
+    hold = [0.0]
+
+    async def ender() -> None:  # ends each stream ``hold`` s after its Register
+        seen = 0
+        while True:
+            await asyncio.sleep(0.005)
+            for c in hub.conns[seen:]:
+                if c.received and time.monotonic() - c.arrived >= hold[0]:
+                    c.send(probe_pb2.ControlMessage(hello=probe_pb2.Hello(control_plane_id="cp")))
+                    await asyncio.sleep(0.02 + hold[0])
+                    c.end()
+                    seen += 1
+
+    streams = StreamHub(node_id="gpu-a", heartbeat_interval_ms=100, queue_max=16, telemetry=probe_pb2.Telemetry,
+                        on_probe_now=lambda reason: None)
+    dialer = ControlPlaneDialer([f"127.0.0.1:{port}"], streams, lambda: probe_pb2.Register(node_id="gpu-a"),
+                                stable_s=0.3)
+    task = asyncio.create_task(ender())
+    dialer.start()
+    try:
+        await wait_for(lambda: len(counts) >= 4, 5.0, 0.01, "four re-dials")
+        assert counts[:4] == [1, 2, 3, 4]  # held 20 ms each: a failure more each time
+        hold[0] = 0.35  # now each stream is held past stable_s
+        n = len(counts)
+        await wait_for(lambda: len(counts) >= n + 2, 5.0, 0.01, "two more re-dials")
+        assert counts[n + 1] == 1  # held 0.35 s >= 0.3 s: started over
+    finally:
+        task.cancel()
+        await dialer.stop()
+        await streams.close()
 
 
 # -- (g) stop ------------------------------------------------------------------------------------
