@@ -129,6 +129,15 @@ def test_channel_keepalive_enforced_only_in_transport_liveness():
     assert tr["grpc.keepalive_timeout_ms"] == tr["grpc.http2.ping_timeout_ms"] == 150
 
 
+def test_the_agents_port_holds_the_accept_backlog_before_grpc_refuses_a_stream():
+    opts = dict(ProbeConfig().dial_in_options())
+    assert opts["grpc.server.max_pending_requests"] == opts["grpc.server.max_pending_requests_hard_limit"] == 20_000
+    small = dict(ProbeConfig(dial_in={"accept_backlog": 5000}).dial_in_options())
+    assert small["grpc.server.max_pending_requests"] == small["grpc.server.max_pending_requests_hard_limit"] == 5000
+    with pytest.raises(ValueError, match="accept_backlog"):
+        ProbeConfig(dial_in={"accept_backlog": 10})  # under gRPC's own default: refused
+
+
 def test_probe_liveness_config_is_checked():
     assert ProbeConfig().liveness == "heartbeat"
     for bad, where in (({"liveness": "pings"}, "liveness"), ({"transport": {"telemetry_refresh": "2m"}},

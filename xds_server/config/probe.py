@@ -75,7 +75,8 @@ class ProbeDialInConfig(_Model):
     """Agents that dial in (``ProbeHub.Connect``, nodes without ``probe_address``): the control
     plane is the gRPC server and judges each agent's liveness from its own HTTP/2 PINGs."""
 
-    ADVANCED: ClassVar[frozenset[str]] = frozenset({"register_timeout", "burst_min", "burst_share", "burst_window"})
+    ADVANCED: ClassVar[frozenset[str]] = frozenset({"register_timeout", "burst_min", "burst_share", "burst_window",
+                                                    "accept_backlog"})
 
     listen: str | None = Field(
         None,
@@ -102,16 +103,28 @@ class ProbeDialInConfig(_Model):
         description="a stream whose transport ended under us is judged this much later: an agent that "
         "dialled again meanwhile is alive (our starved process dropped it), and a drop that is one "
         "of a burst (burst_min, burst_share within burst_window) is ours. Ours: a live agent "
-        "re-dials on loopback or a LAN within a few ms; 0 = judge at once",
+        "re-dials on loopback or a LAN within a few ms; 0 = judge at once. A stream found silent "
+        "(no heartbeat for three telemetry refreshes) is judged this much later by the same burst rule",
     )
-    burst_min: int = Field(3, ge=2, le=100_000, description="drops that make a burst, at least (ours)")
+    burst_min: int = Field(3, ge=2, le=100_000,
+                           description="drops (or silent streams) that make a burst, at least (ours)")
     burst_share: float = Field(
         0.1, ge=0.0, le=1.0,
-        description="share of the open agent streams that must drop within burst_window for a burst "
+        description="share of the open agent streams that must drop (or fall silent) within burst_window "
+        "for a burst "
         "(ours: one rack losing power is a few % of a fleet; our own stall drops most streams)")
     burst_window: Annotated[PositiveDuration, at_most("10s")] = Field(
         Duration.parse("200ms"),
         description="drops this close to each other count together (ours: two ping timeouts apart)")
+    accept_backlog: int = Field(
+        20_000, ge=1_000, le=1_000_000,
+        description="new streams gRPC holds while our loop has not taken them yet, before it refuses "
+        "more (grpc.server.max_pending_requests and its hard limit: gRPC's defaults 1,000 and 3,000, "
+        "refused at random between them with RESOURCE_EXHAUSTED). Ours: 2,000 agents dialling a "
+        "(re)started control plane at once were refused by the hundreds, dialled again and kept it "
+        "starved (benchmarks/RESULTS.md); a stream waiting costs a few KB, a refused one a new "
+        "connection",
+    )
     register_timeout: Annotated[PositiveDuration, at_most("60s")] = Field(
         Duration.parse("5s"),
         description="an agent's stream must bring its Register within this, else it is ended "
@@ -180,7 +193,8 @@ class ProbeStallsConfig(_Model):
     stall_hold: Annotated[PositiveDuration, at_most("60s")] = Field(
         Duration.parse("1s"),
         description="after a stall of our own event loop at least one heartbeat miss window long (a "
-        "SIGSTOP, a VM pause, a long GC), no verdict on a node's silence (misses, a closed or silent "
+        "SIGSTOP, a VM pause, a long GC; and after a burst of agent streams dropped or silent at once, "
+        "counted as a stall this long), no verdict on a node's silence (misses, a closed or silent "
         "stream) is made until its first heartbeat after we woke, or for as long as the stall lasted "
         "but at most this long, whichever comes first (ours: a stream cut during a long stall is "
         "redialled after health.heartbeat.reconnect_backoff_initial, 100 ms, and heartbeats within one "
@@ -296,10 +310,13 @@ class ProbeConfig(_Renaming):
         ]
 
     def dial_in_options(self) -> list[tuple[str, int]]:
-        """The gRPC server options that carry dial-in liveness: PINGs every ``dial_in.keepalive``
-        with or without streams, each answered within ``dial_in.ping_timeout``."""
+        """The gRPC server options of the port agents dial: PINGs every ``dial_in.keepalive`` with or
+        without streams, each answered within ``dial_in.ping_timeout``, and ``dial_in.accept_backlog``
+        streams held before any is refused."""
         d = self.dial_in
-        return [("grpc.keepalive_time_ms", round(d.keepalive.ms)),
+        return [("grpc.server.max_pending_requests", d.accept_backlog),
+                ("grpc.server.max_pending_requests_hard_limit", d.accept_backlog),
+                ("grpc.keepalive_time_ms", round(d.keepalive.ms)),
                 ("grpc.keepalive_timeout_ms", round(d.ping_timeout.ms)),
                 ("grpc.http2.ping_timeout_ms", round(d.ping_timeout.ms)),
                 ("grpc.keepalive_permit_without_calls", 1),
