@@ -14,6 +14,7 @@ from xds_server.probing.stall_hold import (
     StallHistory,
     held_until,
     late_between,
+    noted,
     ran,
     stalled_between,
     stalls_at,
@@ -158,3 +159,30 @@ def test_a_pong_read_behind_a_30_ms_queue_is_dropped_and_one_on_an_idle_loop_is_
     assert late_between(runs, h, woke + 0.005, woke + 0.01, PERIOD, 0.02)       # sent just after it
     assert not late_between(runs, h, woke + PERIOD + 0.005, woke + PERIOD + 0.01, PERIOD, 0.02)  # a period on
     assert late_between([], h, woke + PERIOD, woke + PERIOD + 0.03, PERIOD, 0.02)  # the next run 30 ms overdue
+
+
+@settings(max_examples=300, deadline=None)
+@given(_runs, st.lists(st.tuples(st.integers(1, 3000), st.integers(1, 3000)), max_size=12), st.integers(1, 2000),
+       st.one_of(st.none(), st.integers(-8000, 3000)))
+def test_bursts_noted_as_stalls_hold_as_the_full_record_would(runs, bursts, hold_u, heard_rel_u):
+    """A burst of drops or silences judged ours is noted as a stall of ``gap`` at its time: the
+    compact history then answers as one that keeps it with every sampler stall."""
+    h, every, now = _replay(runs)
+    for after_u, gap_u in bursts:  # bursts after the sampler's last run, in time order
+        now += after_u * U
+        h = noted(h, now, gap_u * U, KEEP)
+        every.append(Stall(now, gap_u * U))
+    hold_s, stall_s = hold_u * U, 180 * U
+    heard = None if heard_rel_u is None else now + heard_rel_u * U
+    assert held_until(h, now, PERIOD, stall_s, hold_s, heard) == _reference(every, h, now, now, stall_s, hold_s, heard)
+    assert all(a.woke_s <= b.woke_s and a.gap_s > b.gap_s for a, b in pairwise(h.stalls))
+
+
+def test_a_burst_noted_at_t_holds_a_node_not_heard_since_for_hold_s_and_a_later_burst_extends_it():
+    h = StallHistory(alive_s=10.0)
+    h = noted(h, 10.0, 1.0, KEEP)
+    assert held_until(h, 10.0, PERIOD, 0.18, 1.0, heard_s=9.9) == 11.0
+    assert held_until(h, 10.0, PERIOD, 0.18, 1.0, heard_s=10.01) is None  # heard after it: no hold
+    h = noted(StallHistory(10.04, h.stalls, h.count), 10.04, 1.0, KEEP)  # the sampler ran; a second burst
+    assert held_until(h, 10.05, PERIOD, 0.18, 1.0, heard_s=9.9) == 11.04
+    assert len(h.stalls) == 1 and h.count == 2

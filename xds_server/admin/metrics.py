@@ -134,6 +134,12 @@ class ControlPlaneCollector:
         for verdict in ("node", "redialled", "burst"):
             drops.add_metric([verdict], c.transport_drops[verdict])
         yield drops
+        silent = CounterMetricFamily("sentinel_agent_silent_streams", "dial-in streams open without a "
+                                     "heartbeat for their silence bound, by verdict: node (ended, the agent "
+                                     "judged), burst (many at once: ours, kept open)", labels=["verdict"])
+        for verdict in ("node", "burst"):
+            silent.add_metric([verdict], c.silent_streams[verdict])
+        yield silent
         lag = CounterMetricFamily("sentinel_detection_timer_lag_deferrals",
                                   "detection timers deferred because our own event loop was late")
         lag.add_metric([], view.lag_deferrals())

@@ -16,8 +16,9 @@ our own stall, or, judged ``probe.dial_in.drop_confirm`` later, the agent dialle
 the drop was one of a burst (:mod:`~xds_server.probing.drop_burst`): then it is a plain end.
 The agent's heartbeats (on change, and every ``probe.transport.telemetry_refresh``)
 prove its own event loop alive: a stream without one for ``silent_after_s`` is ended, and the
-agent dials again. A new stream from the same agent replaces the open one (it re-dialled before we
-saw the old one end).
+agent dials again, unless many streams fell silent at once (the same burst rule: ours, kept open).
+A new stream from the same agent replaces the open one (it re-dialled before we saw the old one
+end).
 
 Shape::
 
@@ -200,6 +201,7 @@ class DialInSession(ProbeSession):
         if is_burst(w.drops, at, d.burst_window.s, streams, d.burst_min, d.burst_share):
             w.bursts += 1
             self.drops_held += 1
+            self.silence_gate.ours(at)  # every node not heard since: held as after a stall of ours
             self.counters.transport_drops["burst"] += 1
             self._rl.warning(self._now(), "burst", "agent stream of %s dropped with %d others within %g ms: "
                              "judged ours (a starved control plane), not the node's death", for_log(self.node.id),
@@ -208,6 +210,30 @@ class DialInSession(ProbeSession):
             return False, f"{detail}; one of a burst of agent streams dropped at once: ours, not the node's"
         self.counters.transport_drops["node"] += 1
         return True, detail
+
+    async def _silence_ours(self, silent_s: float, since_s: float) -> bool:
+        """The open stream brought no heartbeat since ``since_s`` (loop s; ``silent_s`` or more ago):
+        ours when, ``drop_confirm`` later, its silence began with a burst of others' (the drops'
+        rule, :mod:`~xds_server.probing.drop_burst`, over a window as long as the bound: a starved
+        control plane reads every stream late, and drains its backlog for seconds). Then it is kept
+        open, every node not heard since is held as after a stall of ours, and it is looked at again
+        one bound later (counted, said); else the stream is ended (counted)."""
+        d = self.probe_cfg.dial_in
+        w, at = self._drops, self._now()
+        streams = w.fell_silent(self.node.id, since_s, at)
+        await asyncio.sleep(d.drop_confirm.s)
+        silences = w.silences
+        if not is_burst(silences, since_s, silent_s, streams, d.burst_min, d.burst_share):
+            self.counters.silent_streams["node"] += 1
+            return False
+        self.counters.silent_streams["burst"] += 1
+        self.silence_gate.ours(at)
+        self._rl.warning(self._now(), "silent", "agent stream of %s silent with %d others, their silences begun "
+                         "within %g s: judged ours (a starved control plane reads them late), kept open",
+                         for_log(self.node.id), sum(1 for t in silences.times if abs(t - since_s) <= silent_s) - 1,
+                         silent_s)
+        await asyncio.sleep(silent_s)  # a full bound more for its heartbeats to be read
+        return True
 
     def start(self) -> None:
         super().start()

@@ -14,6 +14,14 @@ wait (``probe.dial_in.drop_confirm``):
   miss, counted and said), the node's next heartbeat clearing it;
 - else the node's transport died: the whole miss threshold.
 
+The same rule judges streams that fell silent (open, no heartbeat for ``silent_after_s``): one
+alone is the agent's (its own loop hung), many at once are ours: a control plane starved of CPU
+reads every stream late, and the heartbeats wait unread in gRPC's queues (measured: 1,000 agents,
+two CPU burners on the control plane's core for 10 s: 979 streams ended as silent, 989 healthy
+nodes ejected). :meth:`DropWatch.fell_silent` keeps them apart from the drops, one per node and by when its
+silence began (its last heartbeat): a node still silent when the rest are heard again was silent
+with them, and a stream looked at again never makes a burst of itself.
+
 Shape::
 
     d = Drops()
@@ -28,7 +36,11 @@ import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
-__all__ = ["DropWatch", "Drops", "dropped", "is_burst"]
+__all__ = ["SILENCE_KEEP_S", "DropWatch", "Drops", "dropped", "is_burst"]
+
+SILENCE_KEEP_S = 60.0
+"""A silence is remembered this long after it began (s): a starvation of ours as long keeps the
+nodes silent through it judged with the burst they fell silent in (ours)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,14 +64,15 @@ def is_burst(d: Drops, at_s: float, window_s: float, streams: int, min_drops: in
 
 
 class DropWatch:
-    """The drops and open dial-in streams of one event loop (:meth:`of`). ``bursts``: drops
-    judged ours so far; ``redialled``: drops after which the agent dialled again in time."""
+    """The drops, silences and open dial-in streams of one event loop (:meth:`of`). ``bursts``:
+    drops judged ours so far; ``redialled``: drops after which the agent dialled again in time."""
 
     _by_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, DropWatch]] = (
         weakref.WeakKeyDictionary())
 
     def __init__(self) -> None:
         self.drops = Drops()
+        self._silent_at: dict[str, float] = {}  # node -> when its stream was last found silent
         self.open = 0
         self.bursts = 0
         self.redialled = 0
@@ -75,3 +88,17 @@ class DropWatch:
         """Record a drop at ``now_s``; returns the streams open just before it."""
         self.drops = dropped(self.drops, now_s, keep_s)
         return self.open + 1
+
+    def fell_silent(self, node_id: str, since_s: float, now_s: float) -> int:
+        """Record that ``node_id``'s stream has been silent since ``since_s`` (its last heartbeat):
+        a node counts once, by when its silence began; silences begun more than
+        :data:`SILENCE_KEEP_S` before ``now_s`` are forgotten. Returns the streams open now."""
+        self._silent_at[node_id] = since_s
+        for k in [k for k, t in self._silent_at.items() if t < now_s - SILENCE_KEEP_S]:
+            del self._silent_at[k]
+        return self.open
+
+    @property
+    def silences(self) -> Drops:
+        """When the recorded silences began, one per node (:func:`is_burst` judges them as drops)."""
+        return Drops(tuple(sorted(self._silent_at.values())))

@@ -304,12 +304,14 @@ class ProbeSession:
                 await asyncio.sleep(interval * _JITTER.uniform(1.0 - jitter, 1.0 + jitter))
 
         silent = [False]
-
         async def watchdog() -> None:
-            # A stream open but without heartbeats is cancelled here; the read below then ends.
-            await self.silence_gate.silent_for(loop, silent_s, lambda: st.last_hb, self._heard_s,
-                                               self.cfg.heartbeat.self_lag_tolerance.s,
-                                               self.probe_cfg.stalls.lag_recheck.s)
+            # A stream silent too long is cancelled here (unless that is ours); the read below then ends.
+            while True:
+                await self.silence_gate.silent_for(loop, silent_s, lambda: st.last_hb, self._heard_s,
+                                                   self.cfg.heartbeat.self_lag_tolerance.s,
+                                                   self.probe_cfg.stalls.lag_recheck.s)
+                if not await self._silence_ours(silent_s, st.last_hb):
+                    break
             silent[0] = True
             call.cancel()
 
@@ -336,6 +338,10 @@ class ProbeSession:
             write_task.cancel()
             dog_task.cancel()
             call.cancel()
+
+    async def _silence_ours(self, silent_s: float, since_s: float) -> bool:
+        """Whether the open stream's silence (since ``since_s``) is our fault: no (dial-in judges bursts)."""
+        return False
 
     def on_message(self, msg: probe_pb2.AgentMessage, now: float) -> None:
         """Handle one message read from the open stream at loop time ``now`` (s): check it at the

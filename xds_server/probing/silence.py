@@ -30,7 +30,7 @@ from typing import ClassVar
 from xds_server.config import HealthConfig, ProbeConfig
 from xds_server.health.clocks import miss_after_s
 from xds_server.health.records import StreamClosed, Tick
-from xds_server.probing.stall_hold import StallHistory, held_until, late_between, ran, stalled_between
+from xds_server.probing.stall_hold import StallHistory, held_until, late_between, noted, ran, stalled_between
 from xds_server.probing.timers import recheck_after_s
 
 __all__ = ["LoopStallWatch", "SilenceGate", "SilentStream"]
@@ -95,6 +95,10 @@ class LoopStallWatch:
         self.history = ran(self.history, now, self.period_s, self.period_s, _KEEP_S)
         self._handle = self.loop.call_later(self.period_s, self._run)
 
+    def ours(self, now_s: float, gap_s: float) -> None:
+        """Record a stall of ours the sampler cannot see (:func:`~xds_server.probing.stall_hold.noted`)."""
+        self.history = noted(self.history, now_s, gap_s, _KEEP_S)
+
     @property
     def stalls(self) -> int:
         """Stalls recorded on this loop so far."""
@@ -124,6 +128,12 @@ class SilenceGate:
         if self._watch is not None:
             self._watch.release()
             self._watch = None
+
+    def ours(self, now_s: float) -> None:
+        """A burst of agent streams dropped or silent at once was judged ours at ``now_s``: every
+        node not heard since is held as after a stall of ``hold_s`` (its agent dials again meanwhile)."""
+        if self._watch is not None:
+            self._watch.ours(now_s, self.hold_s)
 
     def until(self, now_s: float, heard_s: float | None) -> float | None:
         """None: a verdict on the node's silence may be made at ``now_s``; else the loop time (s)

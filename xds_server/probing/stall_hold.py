@@ -2,12 +2,16 @@
 times are arguments (the event loop's monotonic clock, s); nothing here reads a clock.
 
 A *stall* is a stretch in which our event loop ran nothing: a SIGSTOP, a VM pause, a long GC, a
-starved CPU. A sampler (:class:`~xds_server.probing.silence.LoopStallWatch`) runs every
-``period_s``; when it runs ``gap_s`` later than due, the loop stalled that long and woke at that
-run. During our stall the agents kept sending: their heartbeats wait unread in our sockets, and a
-stream cut meanwhile (a keepalive that we could not answer) is found cut only when we wake, to be
-redialled. So a node's silence across our own stall is no evidence about the node: after a stall
-at least ``stall_s`` long (one heartbeat miss window: ``health.heartbeat.interval`` +
+starved CPU. A burst of agent streams dropped or silent at once, judged ours
+(:mod:`~xds_server.probing.drop_burst`), is noted as one too (:func:`noted`): a process starved
+while its loop kept running shows no late sampler run.
+
+A sampler (:class:`~xds_server.probing.silence.LoopStallWatch`) runs every ``period_s``; when it
+runs ``gap_s`` later than due, the loop stalled that long and woke at that run. During our stall
+the agents kept sending: their heartbeats wait unread in our sockets, and a stream cut meanwhile
+(a keepalive that we could not answer) is found cut only when we wake, to be redialled. So a
+node's silence across our own stall is no evidence about the node: after a stall at least
+``stall_s`` long (one heartbeat miss window: ``health.heartbeat.interval`` +
 ``heartbeat.grace``), a verdict on a node's silence (a Tick counting misses, a closed or
 silent stream) is held until the node's first heartbeat after we woke, or for as long as the
 stall lasted, at most ``hold_s`` (``probe.stalls.stall_hold``), whichever comes first. A node that
@@ -24,6 +28,7 @@ Shape::
 
     h = StallHistory(alive_s=now_s)
     h = ran(h, now_s, period_s=0.05, min_gap_s=0.05, keep_s=60.0)   # each sampler run
+    h = noted(h, now_s, gap_s=1.0, keep_s=60.0)     # a burst of drops or silences: ours too
     held_until(h, now_s, period_s=0.05, stall_s=0.18, hold_s=1.0, heard_s=last_hb_s)  # s or None
     stalled_between(h, sent_s, now_s, period_s=0.05)   # a ping's RTT spans our own stall: drop it
     late_between(runs, h, sent_s, now_s, period_s=0.05, min_late_s=0.02)  # ... or our own queue
@@ -42,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Stall", "StallHistory", "held_until", "late_between", "ran", "stalled_between", "stalls_at"]
+__all__ = ["Stall", "StallHistory", "held_until", "late_between", "noted", "ran", "stalled_between", "stalls_at"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +79,14 @@ def ran(h: StallHistory, now_s: float, period_s: float, min_gap_s: float, keep_s
         kept = tuple(s for s in kept if s.gap_s > gap) + (Stall(now_s, gap),)
         return StallHistory(now_s, kept, h.count + 1)
     return StallHistory(max(h.alive_s, now_s), kept, h.count)
+
+
+def noted(h: StallHistory, now_s: float, gap_s: float, keep_s: float) -> StallHistory:
+    """``h`` with a stall of ours that the sampler cannot see recorded at ``now_s`` as ``gap_s``
+    long: a burst of agent streams dropped or silent at once (our process starved while its loop
+    kept running). Stalls that woke more than ``keep_s`` ago, or no longer than it, are dropped."""
+    kept = tuple(s for s in h.stalls if s.woke_s >= now_s - keep_s and s.gap_s > gap_s)
+    return StallHistory(h.alive_s, kept + (Stall(now_s, gap_s),), h.count + 1)
 
 
 def stalls_at(h: StallHistory, now_s: float, period_s: float) -> tuple[Stall, ...]:

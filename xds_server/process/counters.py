@@ -32,6 +32,8 @@ class Counters:
     ``transport_drops``: dial-in streams whose transport ended under us, per verdict: "node" (its
     node's whole miss threshold), "redialled" (the agent dialled again within
     ``probe.dial_in.drop_confirm``: no verdict), "burst" (one of many at once: ours, one miss).
+    ``silent_streams``: dial-in streams open without a heartbeat for their silence bound, per
+    verdict: "node" (ended: the agent's own loop is judged), "burst" (many at once: ours, kept open).
     """
 
     heartbeats: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -43,6 +45,7 @@ class Counters:
     probe_results: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
     ejections: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
     transport_drops: collections.Counter[str] = field(default_factory=collections.Counter)
+    silent_streams: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def probe_failures(self, node_id: str) -> dict[tuple[str, str], int]:
         """The node's probe results that were failures, per (kind, outcome): any kind but OK

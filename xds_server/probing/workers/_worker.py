@@ -180,8 +180,9 @@ class Worker:
             self.detector.probe_results.clear()
             c = self.counters
             counters = {"malformed": dict(c.malformed), "bad_fields": dict(c.bad_fields),
-                        "handler_errors": dict(c.handler_errors), "transport_drops": dict(c.transport_drops)}
-            for part in (c.malformed, c.bad_fields, c.handler_errors, c.transport_drops):
+                        "handler_errors": dict(c.handler_errors), "transport_drops": dict(c.transport_drops),
+                        "silent_streams": dict(c.silent_streams)}
+            for part in (c.malformed, c.bad_fields, c.handler_errors, c.transport_drops, c.silent_streams):
                 part.clear()
             if not any(counters.values()):
                 counters = {}
