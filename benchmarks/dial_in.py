@@ -76,13 +76,16 @@ import contextlib
 import ctypes
 import gc
 import json
+import logging
 import multiprocessing
 import os
 import queue
 import random
+import re
 import resource
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -92,6 +95,7 @@ import grpc
 
 from node_probe.dial_stream import CHANNEL_OPTIONS, METADATA
 from node_probe.proto import probe_pb2
+from node_probe.targets import STABLE_S, backoff_s, failures_after
 from xds_server.config import SentinelConfig, parse_config
 from xds_server.process import event_loop, gc_tuning
 from xds_server.testing import free_port, process_cpu_s, threads_cpu_s
@@ -171,7 +175,7 @@ async def _answer_pings(call: Any, out: asyncio.Queue[bytes | None]) -> None:
 
 
 def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int, refresh_s: float,
-                 streams: Any, ready: Any, cpu: int | None, kind: str = "grpcio") -> None:
+                 streams: Any, ready: Any, cpu: int | None, kind: str = "grpcio", stable_s: float = STABLE_S) -> None:
     """One client process: a fake dial-in agent per ``(node_id, address)`` (see the module
     docstring); ``streams`` counts the streams opened (re-dials show as more than the nodes).
     ``kind``: ``grpcio`` (a grpc.aio channel each) or ``h2`` (:mod:`h2_agents`, by hand)."""
@@ -204,7 +208,8 @@ def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int
 
         async def run_h2() -> None:
             ready.set()
-            await run_agents(port, nodes, h2_first, beat, refresh_s, dialled, lambda: os.getppid() == parent)
+            await run_agents(port, nodes, h2_first, beat, refresh_s, dialled, lambda: os.getppid() == parent,
+                             stable_s)
 
         event_loop.run(run_h2(), "auto")
         os._exit(0)
@@ -216,6 +221,7 @@ def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int
         await asyncio.sleep(random.random() * _CONNECT_SPREAD_S)
         fails = 0
         while True:
+            opened = loop.time()
             channel = grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS))
             out: asyncio.Queue[bytes | None] = asyncio.Queue()
             reader: asyncio.Task[None] | None = None
@@ -240,7 +246,6 @@ def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int
                     if item is None:
                         break  # the stream ended
                     await call.write(item)
-                    fails = 0
             except asyncio.CancelledError:
                 raise
             except Exception:  # the stream failed: re-dial, as a real agent does
@@ -249,8 +254,8 @@ def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int
                 if reader is not None:
                     reader.cancel()
                 await channel.close(None)
-            fails += 1
-            await asyncio.sleep(min(2.0, 0.05 * 2 ** min(fails, 6)) * random.random())
+            fails = failures_after(fails, loop.time() - opened, stable_s)  # as node_probe's dialer
+            await asyncio.sleep(backoff_s(fails))
 
     async def run() -> None:
         tasks = [asyncio.create_task(agent(nid, addr)) for nid, addr in nodes]
@@ -268,12 +273,12 @@ class _Agents:
     """A client process of fake dial-in agents (spawned: a forked child of a gRPC process hangs)."""
 
     def __init__(self, port: int, nodes: list[tuple[str, str]], gpus: int, refresh_s: float,
-                 cpu: int | None, kind: str = "grpcio") -> None:
+                 cpu: int | None, kind: str = "grpcio", stable_s: float = STABLE_S) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._ready = ctx.Event()
         self.streams = ctx.Value("i", 0)
         self.proc = ctx.Process(target=_agents_main, daemon=True, args=(
-            os.getpid(), port, nodes, gpus, refresh_s, self.streams, self._ready, cpu, kind))
+            os.getpid(), port, nodes, gpus, refresh_s, self.streams, self._ready, cpu, kind, stable_s))
 
     def start(self) -> _Agents:
         self.proc.start()
@@ -332,7 +337,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
                   refresh_ms: int, keepalive_ms: int, ping_timeout_ms: int, cp_cpu: int | None,
                   fleet_cpu: int | None, workers: int = 0, agent_kind: str = "grpcio",
                   gc_mode: str = "tuned", freeze_groups: int = 1, rtt_ping_s: float = 60.0,
-                  measure_refresh: str = "1s") -> dict[str, Any]:
+                  measure_refresh: str = "1s", cp_stop_s: float = 0.0, burn_s: float = 0.0,
+                  agent_stable_s: float = STABLE_S, burners_n: int = 2) -> dict[str, Any]:
     from xds_server.probing.session import ProbeSession
     from xds_server.server import ControlPlane
 
@@ -375,6 +381,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             procs = [_Fleet(fleet_port, part, gpus, fleet_cpu).start() for part in _split(ips[freeze:], clients)]
             frozen_procs = [_Fleet(fleet_port, [ips[k] for k in g], gpus, fleet_cpu).start() for g in groups]
         cp = ControlPlane(cfg)
+        end_why = _StreamEnds().attach()
         ejected: list[tuple[float, str, str]] = []  # (wall s, node id, reason) of every move to UNHEALTHY
         outliers: list[tuple[float, str, str]] = []  # (wall s, node id, reason) of every outlier ejection
         rec = cp.core.events.record
@@ -410,10 +417,10 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         if mode == "dial-in":
             nodes = [(i, addresses[i]) for i in ids]
             port = cp.agents_port or cp.xds_port
-            procs = [_Agents(port, part, gpus, refresh_ms / 1000.0, fleet_cpu, agent_kind).start()
+            procs = [_Agents(port, part, gpus, refresh_ms / 1000.0, fleet_cpu, agent_kind, agent_stable_s).start()
                      for part in _split(nodes[freeze:], clients)]
             frozen_procs = [_Agents(port, [nodes[k] for k in g], gpus, refresh_ms / 1000.0,
-                                    fleet_cpu, agent_kind).start() for g in groups]
+                                    fleet_cpu, agent_kind, agent_stable_s).start() for g in groups]
         procs.extend(frozen_procs)
         deadline = time.monotonic() + 60.0 + n / 50.0
         while time.monotonic() < deadline and not all(cp.sessions[i].connected for i in ids):
@@ -424,6 +431,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         connected = sum(1 for i in ids if cp.sessions[i].connected)
         states = Counter(cp.core.health[i].state.name for i in ids)
         e0, o0, m0 = len(ejected), len(outliers), received[0]
+        ends0, drops0 = Counter(end_why.reasons), Counter(cp.counters.transport_drops)
+        silent0 = Counter(getattr(cp.counters, "silent_streams", {}))  # (before this counter: none)
         streams0 = sum(p.streams.value for p in procs if isinstance(p, _Agents))
         agents0 = sum(process_cpu_s(p.proc.pid) for p in procs)
         prof = None
@@ -438,6 +447,39 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         gc_time = _GcTime().start()
         states_at_freeze: dict[str, str] = {}
         wall0, p0 = time.time(), len(publishes)
+        async def disturb(at: float, stop_s: float, burn_s: float) -> dict[str, Any]:
+            # An outside process SIGSTOPs this one (the control plane) and continues it stop_s later,
+            # or busy processes burn the machine's CPU for burn_s; then: how long until every
+            # stream is open again, the fewest open meanwhile, the dials and ejections it cost.
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+            cold = set(ids[:freeze])  # the nodes frozen in the window
+            e_at, s_at = len(ejected) + len(outliers), sum(p.streams.value for p in procs if isinstance(p, _Agents))
+            fewest = n
+            if stop_s > 0:
+                subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep {stop_s}; kill -CONT {os.getpid()}"])
+                await asyncio.sleep(stop_s + 0.05)  # we are stopped in here; woken past its end
+            else:
+                pin = f"import os\nos.sched_setaffinity(0, {{{cp_cpu}}})\n" if cp_cpu is not None else ""
+                burn = f"{pin}import time\nt = time.monotonic() + {burn_s}\nwhile time.monotonic() < t: pass"
+                burners = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(burners_n)]
+                while any(b.poll() is None for b in burners):
+                    fewest = min(fewest, sum(1 for i in ids[freeze:] if cp.sessions[i].connected))
+                    await asyncio.sleep(0.05)
+            woke = time.monotonic()
+            while time.monotonic() < t0 + seconds:
+                up = sum(1 for i in ids[freeze:] if cp.sessions[i].connected)
+                fewest = min(fewest, up)
+                if up == n - freeze and time.monotonic() > woke + 2.0:  # the drops are read by then
+                    break
+                await asyncio.sleep(0.05)
+            return {"stop_s": stop_s, "burn_s": burn_s, "fewest_open": fewest,
+                    "all_open_again_s": round(time.monotonic() - woke, 2) if fewest < n - freeze else 0.0,
+                    "redials": sum(p.streams.value for p in procs if isinstance(p, _Agents)) - s_at,
+                    "false_ejections": sorted({r[:90] for _, i, r in (ejected + outliers)[e_at:] if i not in cold})[:3],
+                    "false_ejections_n": sum(1 for _, i, _ in (ejected + outliers)[e_at:] if i not in cold)}
+
+        stopped = asyncio.create_task(disturb(t0 + seconds / 5.0, cp_stop_s, burn_s)) \
+            if cp_stop_s > 0 or burn_s > 0 else None
         for g, (grp, proc) in enumerate(zip(groups, frozen_procs, strict=True)):
             await asyncio.sleep(max(0.0, t0 + seconds * (g + 1) / (len(groups) + 1) - time.monotonic()))
             at = time.time()
@@ -446,6 +488,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
                 freeze_at[ids[k]] = at
             os.kill(proc.proc.pid, signal.SIGSTOP)
         await asyncio.sleep(max(0.0, t0 + seconds - time.monotonic()))
+        recovery = await stopped if stopped is not None else None
         r1, th1, dt = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.monotonic() - t0
         threads1 = threads_cpu_s()
         gc_time.stop()
@@ -524,8 +567,13 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             "group_published_max_ms": [round(max(published[ids[k]] for k in g if ids[k] in published), 1)
                                        for g in groups if any(ids[k] in published for k in g)],
             "window_s": dt, "load_avg": os.getloadavg()[0]}
+        if recovery is not None:
+            out["disturbance"] = recovery
         if mode == "dial-in":
             out["redials"] = streams1 - streams0  # streams opened in the window (a drop and its re-dial)
+            out["stream_ends"] = dict((end_why.reasons - ends0).most_common(6))  # why streams ended, in the window
+            out["transport_drops"] = dict(Counter(cp.counters.transport_drops) - drops0)
+            out["silent_streams"] = dict(Counter(getattr(cp.counters, "silent_streams", {})) - silent0)
         missed = {i: states_at_freeze.get(i) for i in sorted(frozen) if i not in first}
         if missed:  # frozen nodes with no move to UNHEALTHY: their state when frozen
             out["undetected_states_at_freeze"] = missed
@@ -535,9 +583,36 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         return out
     finally:
         if cp is not None:
+            end_why.detach()
             await cp.stop()
         for p in procs:
             p.stop()
+
+
+class _StreamEnds(logging.Handler):
+    """Why agent streams ended (the control plane's "agent stream of N closed: ..." lines), the
+    reason's first clause with its numbers taken out, counted."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.reasons: Counter[str] = Counter()
+        self._log = logging.getLogger("xds_server.probing")
+        self._level = self._log.level
+
+    def attach(self) -> _StreamEnds:
+        self._log.addHandler(self)
+        if not self._log.isEnabledFor(logging.INFO):
+            self._log.setLevel(logging.INFO)
+        return self
+
+    def detach(self) -> None:
+        self._log.removeHandler(self)
+        self._log.setLevel(self._level)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        reason = getattr(record, "reason", None)
+        if isinstance(reason, str) and record.getMessage().startswith("agent stream of"):
+            self.reasons[re.sub(r"[0-9.]+", "N", reason.split(";")[0])[:80]] += 1
 
 
 def _run_one(args: list[Any], q: Any) -> None:
@@ -652,6 +727,16 @@ def main() -> None:
                     "0: the main process does); several values: one dial-in measurement each")
     ap.add_argument("--rtt-ping-s", type=float, default=60.0,
                     help="health.rtt.ping_interval, s (default 60: as good as off; the config's default is 1)")
+    ap.add_argument("--cp-stop-s", type=float, default=0.0,
+                    help="dial-in: SIGSTOP the control plane this long, a fifth into the window (every PING "
+                    "deadline passes while it is stopped): how it comes back")
+    ap.add_argument("--burn-s", type=float, default=0.0,
+                    help="dial-in: --burners processes burn the machine's CPU (the control plane's, with "
+                    "--cp-cpu) this long, a fifth into the window: how it comes back")
+    ap.add_argument("--burners", type=int, default=2, help="dial-in: the busy processes of --burn-s")
+    ap.add_argument("--agent-stable-s", type=float, default=STABLE_S,
+                    help="the fake agents start their re-dial back-off over after a stream held this long "
+                    "(node_probe.targets.failures_after; 0: any stream that came up, the rule before it)")
     ap.add_argument("--measure-refresh", nargs="+", default=["1s"],
                     help="xds.publish.measure_refresh; several: one measurement each")
     a = ap.parse_args()
@@ -671,7 +756,8 @@ def main() -> None:
                 p = ctx.Process(target=_run_one, args=([mode, n, a.seconds, a.freeze, a.clients, a.gpus, a.settle,
                                                         a.refresh_ms, a.keepalive_ms, a.ping_timeout_ms, a.cp_cpu,
                                                         a.fleet_cpu, workers, a.agent_kind, gc_mode,
-                                                        a.freeze_groups, a.rtt_ping_s, refresh, loop,
+                                                        a.freeze_groups, a.rtt_ping_s, refresh, a.cp_stop_s,
+                                                        a.burn_s, a.agent_stable_s, a.burners, loop,
                                                         os.getpid()], q))
                 p.start()  # a fresh process per measurement: no state carried between modes
                 try:
