@@ -62,6 +62,15 @@ detected within milliseconds of each other), each one's slowest node in ``group_
 In dial-in mode without workers each detection is split (median, p90, max): ``end_read_ms``,
 SIGSTOP -> our loop reads the stream's lost transport (gRPC's PING deadline, then the read), and
 ``after_read_ms``, that read -> UNHEALTHY (``probe.dial_in.drop_confirm``, then the verdict).
+In dial-in mode, also why the streams ended in the window (``stream_ends``, the control plane's
+reasons) and its verdicts on them (``transport_drops``, ``silent_streams``: node or burst).
+
+A disturbance a fifth into the window (dial-in): ``--burn-s S`` runs ``--burners`` busy processes
+for S seconds (on the control plane's CPU with ``--cp-cpu``: only it starves, the agents pinned
+elsewhere with ``--fleet-cpu``), ``--cp-stop-s S`` SIGSTOPs the control plane for S seconds; then
+``disturbance``: the fewest streams open, how long until all were open again, the dials and the
+false ejections it cost. ``--agent-stable-s`` sets the simulated agents' back-off rule
+(:func:`node_probe.targets.failures_after`; 0: any stream that came up starts it over).
 
 Output: one JSON line per measurement, then a table. Every process started (the measurement's
 child, its agents) is stopped at the end, on failure and on Ctrl-C: the child runs in a process
@@ -453,7 +462,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             # stream is open again, the fewest open meanwhile, the dials and ejections it cost.
             await asyncio.sleep(max(0.0, at - time.monotonic()))
             cold = set(ids[:freeze])  # the nodes frozen in the window
-            e_at, s_at = len(ejected) + len(outliers), sum(p.streams.value for p in procs if isinstance(p, _Agents))
+            e_at, o_at = len(ejected), len(outliers)
+            s_at = sum(p.streams.value for p in procs if isinstance(p, _Agents))
             fewest = n
             if stop_s > 0:
                 subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep {stop_s}; kill -CONT {os.getpid()}"])
@@ -472,11 +482,11 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
                 if up == n - freeze and time.monotonic() > woke + 2.0:  # the drops are read by then
                     break
                 await asyncio.sleep(0.05)
+            gone = [(i, r) for _, i, r in ejected[e_at:] + outliers[o_at:] if i not in cold]
             return {"stop_s": stop_s, "burn_s": burn_s, "fewest_open": fewest,
                     "all_open_again_s": round(time.monotonic() - woke, 2) if fewest < n - freeze else 0.0,
                     "redials": sum(p.streams.value for p in procs if isinstance(p, _Agents)) - s_at,
-                    "false_ejections": sorted({r[:90] for _, i, r in (ejected + outliers)[e_at:] if i not in cold})[:3],
-                    "false_ejections_n": sum(1 for _, i, _ in (ejected + outliers)[e_at:] if i not in cold)}
+                    "false_ejections": sorted({r[:90] for _, r in gone})[:3], "false_ejections_n": len(gone)}
 
         stopped = asyncio.create_task(disturb(t0 + seconds / 5.0, cp_stop_s, burn_s)) \
             if cp_stop_s > 0 or burn_s > 0 else None
