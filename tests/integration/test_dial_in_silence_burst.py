@@ -93,7 +93,8 @@ async def test_many_streams_silent_at_once_are_ours_and_kept_one_alone_is_its_ag
         for a in agents:
             a.talking = True
         await asyncio.sleep(0.5)
-        assert silent["burst"] >= NODES and silent["node"] == 0, dict(silent)
+        # judged ours (the first ones looked at; the rest held as after a stall of ours), none alone
+        assert silent["burst"] >= 1 and silent["node"] == 0, dict(silent)
         assert {i: cp.core.health[i].state for i in ids} == dict.fromkeys(ids, NodeState.HEALTHY)
         assert {i: cp.sessions[i].connects for i in ids} == connects  # no stream ended, none redialled
         assert cp.counters.ejections == {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from xds_server.probing.drop_burst import Drops, DropWatch, dropped, is_burst
+from xds_server.probing.drop_burst import Drops, burst_size, dropped, is_burst, silent_with
 
 
 def _drops(*times: float) -> Drops:
@@ -49,22 +49,17 @@ def test_a_burst_needs_both_bounds_and_adding_drops_never_undoes_one(times, stre
         assert is_burst(dropped(d, at, 10.0), at, 0.2, streams, min_drops, share)
 
 
-def test_silences_are_kept_apart_from_drops_one_per_node_by_when_they_began():
-    w = DropWatch()
-    w.open = 20
-    assert w.fell_silent("a", 1.0, now_s=4.0) == 20  # silent streams are still open
-    assert w.dropped(4.0, keep_s=1.0) == 21  # a dropped one was open just before
-    assert w.silences.times == (1.0,) and w.drops.times == (4.0,)
-    for now in (4.2, 4.4, 6.0):
-        w.fell_silent("a", 1.0, now)  # the same silence looked at again: still one, still begun at 1.0
-    assert w.silences.times == (1.0,)
-    assert not is_burst(w.silences, 1.0, 3.0, streams=w.open, min_drops=3, share=0.1)
-    w.fell_silent("b", 1.5, now_s=6.1)  # still silent when the rest are heard: with the others that began then
-    w.fell_silent("c", 2.9, now_s=6.2)
-    assert is_burst(w.silences, 1.5, 3.0, streams=w.open, min_drops=3, share=0.1)  # 3 of 20 began within 3 s
-    assert not is_burst(w.drops, 4.0, 0.2, streams=w.open, min_drops=3, share=0.1)  # 1 drop alone
-    w.fell_silent("a", 9.0, now_s=12.0)  # heard since, silent again: its new silence replaces the old
-    assert w.silences.times == (1.5, 2.9, 9.0)
-    assert not is_burst(w.silences, 9.0, 3.0, streams=w.open, min_drops=3, share=0.1)
-    w.fell_silent("d", 68.0, now_s=70.0)
-    assert w.silences.times == (68.0,)  # begun more than SILENCE_KEEP_S (60 s) ago: forgotten
+def test_a_silence_is_ours_when_enough_open_streams_have_missed_their_refresh_too():
+    # now 10.0, a refresh every 1 s: streams heard nothing since 8.5 have missed theirs
+    assert silent_with(8.5, [7.0, 7.5, 8.4, 8.5, 9.9, None]) == 4  # one not serving
+    assert silent_with(8.5, [7.0, 9.2, 9.6, 9.9]) == 1  # the rest heard in time: alone
+    assert burst_size(streams=20, min_drops=3, share=0.1) == 3
+    assert burst_size(streams=1000, min_drops=3, share=0.1) == 100
+
+
+@given(st.floats(0, 100), st.lists(st.one_of(st.none(), st.floats(0, 100)), max_size=50), st.floats(0, 5))
+def test_a_stream_heard_later_never_adds_to_the_silent_and_an_earlier_mark_never_counts_more(before, heard, later):
+    n = silent_with(before, heard)
+    moved = [None if t is None else t + later for t in heard]  # every stream heard later (or as late)
+    assert silent_with(before, moved) <= n
+    assert silent_with(before - later, heard) <= n

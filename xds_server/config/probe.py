@@ -103,15 +103,15 @@ class ProbeDialInConfig(_Model):
         description="a stream whose transport ended under us is judged this much later: an agent that "
         "dialled again meanwhile is alive (our starved process dropped it), and a drop that is one "
         "of a burst (burst_min, burst_share within burst_window) is ours. Ours: a live agent "
-        "re-dials on loopback or a LAN within a few ms; 0 = judge at once. A stream found silent "
-        "(no heartbeat for three telemetry refreshes) is judged this much later by the same burst rule",
+        "re-dials on loopback or a LAN within a few ms; 0 = judge at once",
     )
     burst_min: int = Field(3, ge=2, le=100_000,
-                           description="drops (or silent streams) that make a burst, at least (ours)")
+                           description="drops (or streams silent for 1.5 telemetry refreshes) that make a burst, "
+                           "at least (ours)")
     burst_share: float = Field(
         0.1, ge=0.0, le=1.0,
-        description="share of the open agent streams that must drop (or fall silent) within burst_window "
-        "for a burst "
+        description="share of the open agent streams that must drop within burst_window (or be silent 1.5 "
+        "telemetry refreshes) for a burst "
         "(ours: one rack losing power is a few % of a fleet; our own stall drops most streams)")
     burst_window: Annotated[PositiveDuration, at_most("10s")] = Field(
         Duration.parse("200ms"),

@@ -39,7 +39,7 @@ import grpc
 
 from node_probe.proto import probe_pb2
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig, SentinelConfig
-from xds_server.probing.drop_burst import DropWatch, is_burst
+from xds_server.probing.drop_burst import DropWatch, burst_size, is_burst, silent_with
 from xds_server.probing.session import ProbeSession, SilentStream
 from xds_server.probing.sources import ObservationSink, ProbeSource, ProbeSourceContext, ProbeSourceFactory
 from xds_server.process.counters import Counters
@@ -213,27 +213,30 @@ class DialInSession(ProbeSession):
 
     async def _silence_ours(self, silent_s: float, since_s: float) -> bool:
         """The open stream brought no heartbeat since ``since_s`` (loop s; ``silent_s`` or more ago):
-        ours when, ``drop_confirm`` later, its silence began with a burst of others' (the drops'
-        rule, :mod:`~xds_server.probing.drop_burst`, over a window as long as the bound: a starved
-        control plane reads every stream late, and drains its backlog for seconds). Then it is kept
-        open, every node not heard since is held as after a stall of ours, and it is looked at again
-        one bound later (counted, said); else the stream is ended (counted)."""
-        d = self.probe_cfg.dial_in
-        w, at = self._drops, self._now()
-        streams = w.fell_silent(self.node.id, since_s, at)
-        await asyncio.sleep(d.drop_confirm.s)
-        silences = w.silences
-        if not is_burst(silences, since_s, silent_s, streams, d.burst_min, d.burst_share):
+        ours when as many open streams as make a burst (``burst_min``, ``burst_share``) have heard
+        nothing for one and a half telemetry refreshes (:func:`~xds_server.probing.drop_burst.silent_with`:
+        a starved control plane reads every stream late; one read in time hears a refresh a
+        refresh). Then it is kept open, every node not heard since is held as after a stall of
+        ours, and it is looked at again one bound later (counted, said); else the stream is ended
+        (counted)."""
+        d, w, at = self.probe_cfg.dial_in, self._drops, self._now()
+        late = at - 1.5 * self.probe_cfg.transport.telemetry_refresh.s
+        quiet = silent_with(late, (s.last_heard() for s in w.serving))
+        if quiet < burst_size(w.open, d.burst_min, d.burst_share):
             self.counters.silent_streams["node"] += 1
             return False
         self.counters.silent_streams["burst"] += 1
         self.silence_gate.ours(at)
-        self._rl.warning(self._now(), "silent", "agent stream of %s silent with %d others, their silences begun "
-                         "within %g s: judged ours (a starved control plane reads them late), kept open",
-                         for_log(self.node.id), sum(1 for t in silences.times if abs(t - since_s) <= silent_s) - 1,
-                         silent_s)
+        self._rl.warning(at, "silent", "agent stream of %s silent %.1f s with %d of %d others past their refresh: "
+                         "judged ours (a starved control plane reads them late), kept open", for_log(self.node.id),
+                         at - since_s, quiet - 1, w.open - 1)
         await asyncio.sleep(silent_s)  # a full bound more for its heartbeats to be read
         return True
+
+    def last_heard(self) -> float | None:
+        """The open stream's last heartbeat's arrival (or its opening), loop s; None: no stream."""
+        st = self._stream
+        return st.last_hb if st is not None else None
 
     def start(self) -> None:
         super().start()
@@ -262,6 +265,7 @@ class DialInSession(ProbeSession):
             self._current = call
             lost = False
             self._drops.open += 1
+            self._drops.serving.add(self)
             try:
                 await self._serve(call)
                 lost = call.transport_lost()
@@ -277,6 +281,7 @@ class DialInSession(ProbeSession):
                              for_log(self.node.id), for_log(detail, 256))
             finally:
                 self._drops.open -= 1
+                self._drops.serving.discard(self)
                 self.connected = False
                 self._current = None
                 call.finish()

@@ -14,33 +14,40 @@ wait (``probe.dial_in.drop_confirm``):
   miss, counted and said), the node's next heartbeat clearing it;
 - else the node's transport died: the whole miss threshold.
 
-The same rule judges streams that fell silent (open, no heartbeat for ``silent_after_s``): one
-alone is the agent's (its own loop hung), many at once are ours: a control plane starved of CPU
-reads every stream late, and the heartbeats wait unread in gRPC's queues (measured: 1,000 agents,
-two CPU burners on the control plane's core for 10 s: 979 streams ended as silent, 989 healthy
-nodes ejected). :meth:`DropWatch.fell_silent` keeps them apart from the drops, one per node and by when its
-silence began (its last heartbeat): a node still silent when the rest are heard again was silent
-with them, and a stream looked at again never makes a burst of itself.
+The same threshold judges a stream found silent (open, no heartbeat for ``silent_after_s``): one
+alone is the agent's (its own loop hung), one silent while many others have missed their refresh
+too is ours: a control plane starved of CPU reads every stream late, and the heartbeats wait
+unread in gRPC's queues (measured: 1,000 agents, two CPU burners on the control plane's core for
+10 s: 979 streams ended as silent, 989 healthy nodes ejected). :func:`silent_with` counts the
+open streams (:attr:`DropWatch.serving`) that heard nothing for one and a half refreshes, at once:
+no wait for their own timers, which a starved loop runs late.
 
 Shape::
 
     d = Drops()
     d = dropped(d, now_s, keep_s=1.0)                     # one transport drop at now_s
     is_burst(d, at_s, window_s=0.2, streams=300, min_drops=3, share=0.1)   # bool
+    silent_with(now_s - 1.5, (s.last_heard() for s in w.serving))          # streams past a refresh
+    burst_size(streams=300, min_drops=3, share=0.1)                          # 30: what makes a burst
 """
 from __future__ import annotations
 
 import asyncio
 import math
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
-__all__ = ["SILENCE_KEEP_S", "DropWatch", "Drops", "dropped", "is_burst"]
+__all__ = ["DropWatch", "Drops", "Heard", "burst_size", "dropped", "is_burst", "silent_with"]
 
-SILENCE_KEEP_S = 60.0
-"""A silence is remembered this long after it began (s): a starvation of ours as long keeps the
-nodes silent through it judged with the burst they fell silent in (ours)."""
+
+class Heard(Protocol):
+    """An open stream, as the silence rule reads it."""
+
+    def last_heard(self) -> float | None:
+        """Its last heartbeat's arrival (or its opening), loop s; None when not serving one."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,24 +62,37 @@ def dropped(d: Drops, now_s: float, keep_s: float) -> Drops:
     return Drops(tuple(t for t in d.times if t >= now_s - keep_s) + (now_s,))
 
 
+def burst_size(streams: int, min_drops: int, share: float) -> int:
+    """How many make a burst among ``streams`` open: at least ``min_drops`` and ``share`` of them
+    (rounded up)."""
+    return max(min_drops, math.ceil(share * streams))
+
+
 def is_burst(d: Drops, at_s: float, window_s: float, streams: int, min_drops: int, share: float) -> bool:
     """Whether the drop at ``at_s`` is one of a burst: drops within ``window_s`` of it (either
-    side, itself included) number at least ``min_drops`` and ``share`` of the ``streams`` that
-    were open (rounded up)."""
+    side, itself included) number at least :func:`burst_size` of the ``streams`` that were open."""
     n = sum(1 for t in d.times if abs(t - at_s) <= window_s)
-    return n >= max(min_drops, math.ceil(share * streams))
+    return n >= burst_size(streams, min_drops, share)
+
+
+def silent_with(before_s: float, last_heard: Iterable[float | None]) -> int:
+    """How many open streams (``last_heard``: each one's last heartbeat, None: not serving) have
+    heard nothing since ``before_s`` (the caller's: now less one and a half telemetry refreshes,
+    which a stream read in time never is)."""
+    return sum(1 for t in last_heard if t is not None and t <= before_s)
 
 
 class DropWatch:
-    """The drops, silences and open dial-in streams of one event loop (:meth:`of`). ``bursts``:
-    drops judged ours so far; ``redialled``: drops after which the agent dialled again in time."""
+    """The drops and open dial-in streams of one event loop (:meth:`of`; ``serving``: their
+    sessions). ``bursts``: drops judged ours so far; ``redialled``: drops after which the agent
+    dialled again in time."""
 
     _by_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, DropWatch]] = (
         weakref.WeakKeyDictionary())
 
     def __init__(self) -> None:
         self.drops = Drops()
-        self._silent_at: dict[str, float] = {}  # node -> when its stream was last found silent
+        self.serving: set[Heard] = set()  # the sessions serving a stream now
         self.open = 0
         self.bursts = 0
         self.redialled = 0
@@ -88,17 +108,3 @@ class DropWatch:
         """Record a drop at ``now_s``; returns the streams open just before it."""
         self.drops = dropped(self.drops, now_s, keep_s)
         return self.open + 1
-
-    def fell_silent(self, node_id: str, since_s: float, now_s: float) -> int:
-        """Record that ``node_id``'s stream has been silent since ``since_s`` (its last heartbeat):
-        a node counts once, by when its silence began; silences begun more than
-        :data:`SILENCE_KEEP_S` before ``now_s`` are forgotten. Returns the streams open now."""
-        self._silent_at[node_id] = since_s
-        for k in [k for k, t in self._silent_at.items() if t < now_s - SILENCE_KEEP_S]:
-            del self._silent_at[k]
-        return self.open
-
-    @property
-    def silences(self) -> Drops:
-        """When the recorded silences began, one per node (:func:`is_burst` judges them as drops)."""
-        return Drops(tuple(sorted(self._silent_at.values())))
