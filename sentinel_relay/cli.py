@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from aiohttp import web
 
@@ -34,6 +35,11 @@ log = logging.getLogger("sentinel_relay")
 DEFAULT_SAMPLE_RATIO = 0.05
 
 SIGHUP_IGNORED = "SIGHUP: nothing to reload, still running (the config is read at start: restart to change it)"
+_REAP_EVERY_S = 0.1
+"""The supervisor looks for exited workers this often (s). A signal that lands between Python's
+check for pending signals and a blocking ``waitpid`` leaves its handler waiting until a worker
+exits: on a loaded machine a SIGHUP sent on the ready line was logged only at shutdown, 30 s later
+(tests/integration/test_three_programs_cli.py). A short wait bounds that to this."""
 
 
 class StartFailure(Exception):
@@ -272,10 +278,15 @@ def _supervise(pids: list[int], ready_r: int, cfg: RelayConfig) -> int:
                 pass
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    rc = 0
-    for pid in pids:
-        _, status = os.waitpid(pid, 0)
-        rc = rc or os.waitstatus_to_exitcode(status)
+    rc, left = 0, list(pids)
+    while left:  # polled: a signal's Python handler runs within one wait, never only at a worker's exit
+        for pid in list(left):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                left.remove(pid)
+                rc = rc or os.waitstatus_to_exitcode(status)
+        if left:
+            time.sleep(_REAP_EVERY_S)
     return rc
 
 
