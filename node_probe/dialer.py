@@ -20,9 +20,9 @@ Re-dial: at once after a stream that the control plane held :data:`~node_probe.t
 (10 s) ends; after consecutive ends of streams held less or never up, full-jitter exponential
 back-off (:func:`~node_probe.targets.backoff_s`: uniform in [0, 50 ms], [0, 100 ms], ... up to
 [0, 5 s]; :func:`~node_probe.targets.failures_after`). An overloaded control plane that drops
-streams soon after it takes them is dialled back spread out, not by the whole fleet in step. Nothing ends a link but
-:meth:`~ControlPlaneDialer.stop` and its address leaving the target's resolution: every error is
-recorded and logged, never raised.
+streams soon after it takes them is dialled back spread out, not by the whole fleet in step.
+Nothing ends a link but :meth:`~ControlPlaneDialer.stop` and its address leaving the target's
+resolution: every error is recorded and logged, never raised.
 
 Logs per link, and per target for its resolution (:class:`~node_probe.targets.FailureLog`): one
 warning at the first failure of a run, then at most one a minute with the count; one info line
@@ -294,10 +294,11 @@ class ControlPlaneDialer:
         t.dials += 1
         link.connected = False
         loop = asyncio.get_running_loop()
-        opened_at: list[float] = []
+        opened_at: float | None = None
 
         def opened(first: probe_pb2.ControlMessage) -> None:
-            opened_at.append(loop.time())
+            nonlocal opened_at
+            opened_at = loop.time()
             link.connected = True
             failed = link.flog.recovered()
             cp = f", control plane {first.hello.control_plane_id!r}" if first.WhichOneof("msg") == "hello" else ""
@@ -314,4 +315,4 @@ class ControlPlaneDialer:
             log.info("control plane %s: stream closed: %s", link.what, error)
         elif not self._stopping:
             link.flog.failed(error)
-        return loop.time() - opened_at[0] if opened_at else None
+        return None if opened_at is None else loop.time() - opened_at

@@ -264,7 +264,6 @@ class DialInSession(ProbeSession):
                 continue
             self._current = call
             lost = False
-            self._drops.open += 1
             self._drops.serving.add(self)
             try:
                 await self._serve(call)
@@ -280,7 +279,6 @@ class DialInSession(ProbeSession):
                 self._rl.log(logging.ERROR, self._now(), "session", "probe session %s failed: %s",
                              for_log(self.node.id), for_log(detail, 256))
             finally:
-                self._drops.open -= 1
                 self._drops.serving.discard(self)
                 self.connected = False
                 self._current = None

@@ -93,7 +93,6 @@ class DropWatch:
     def __init__(self) -> None:
         self.drops = Drops()
         self.serving: set[Heard] = set()  # the sessions serving a stream now
-        self.open = 0
         self.bursts = 0
         self.redialled = 0
 
@@ -103,6 +102,11 @@ class DropWatch:
         if w is None:
             w = cls._by_loop[loop] = cls()
         return w
+
+    @property
+    def open(self) -> int:
+        """Dial-in streams being served now."""
+        return len(self.serving)
 
     def dropped(self, now_s: float, keep_s: float) -> int:
         """Record a drop at ``now_s``; returns the streams open just before it."""
