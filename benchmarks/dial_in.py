@@ -71,6 +71,8 @@ elsewhere with ``--fleet-cpu``), ``--cp-stop-s S`` SIGSTOPs the control plane fo
 ``disturbance``: the fewest streams open, how long until all were open again, the dials and the
 false ejections it cost. ``--agent-stable-s`` sets the simulated agents' back-off rule
 (:func:`node_probe.targets.failures_after`; 0: any stream that came up starts it over).
+``DIAL_IN_TRACE=S`` prints a line to stderr every S s from the control plane's start (streams
+connected, nodes HEALTHY, ejections so far, dials, verdicts, the loop's lateness): how a run fell.
 
 Output: one JSON line per measurement, then a table. Every process started (the measurement's
 child, its agents) is stopped at the end, on failure and on Ctrl-C: the child runs in a process
@@ -98,6 +100,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -422,6 +425,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         cp.core.publish = timed_publish  # type: ignore[method-assign]  # the same: one run
         freeze_at: dict[str, float] = {}  # a frozen node -> wall time of its process's SIGSTOP
         await cp.start()
+        tracer = asyncio.create_task(_trace(cp, ids, ejected, outliers, lambda: procs, float(trace_s))) \
+            if (trace_s := os.environ.get("DIAL_IN_TRACE")) else None
         t_start = time.monotonic()
         if mode == "dial-in":
             nodes = [(i, addresses[i]) for i in ids]
@@ -499,6 +504,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             os.kill(proc.proc.pid, signal.SIGSTOP)
         await asyncio.sleep(max(0.0, t0 + seconds - time.monotonic()))
         recovery = await stopped if stopped is not None else None
+        if tracer is not None:
+            tracer.cancel()
         r1, th1, dt = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.monotonic() - t0
         threads1 = threads_cpu_s()
         gc_time.stop()
@@ -569,9 +576,9 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             # the first publish that stops routing a frozen node (slowest node per freeze too)
             "publishes": len(window_publishes), "publish_ms": _spread(sorted(window_publishes)),
             "publish_cpu_ms": _spread(sorted(window_publish_cpu)),  # the loop thread's CPU in them
-            # RTT round trips not taken as samples (our own stall or queue: health.rtt.self_lag_max), and
-            # those taken, since the start
-            "rtt_dropped": sum(getattr(cp.sessions[i], "rtt_samples_dropped", 0) for i in ids),
+            # RTT pings that gave no sample (not sent while our loop ran late, a round trip across our
+            # own stall or queue: health.rtt.self_lag_max), and the samples taken, since the start
+            "rtt_not_taken": _rtt_not_taken(cp, ids),
             "rtt_samples": sum(cp.core.health[i].rtt.samples for i in ids),
             "published_ms": _spread(sorted(published.values())),
             "group_published_max_ms": [round(max(published[ids[k]] for k in g if ids[k] in published), 1)
@@ -669,6 +676,36 @@ def _end_group(p: Any) -> None:
 
 
 # -- the run ---------------------------------------------------------------------------------------
+
+async def _trace(cp: Any, ids: list[str], ejected: list[Any], outliers: list[Any],
+                 procs: Callable[[], list[Any]], every_s: float) -> None:
+    """``DIAL_IN_TRACE=S``: one line to stderr every S s from the control plane's start: streams
+    connected, nodes HEALTHY, ejections and outlier ejections so far, the agents' dials, our verdicts
+    on drops and silences, and how late this task's own wake-up ran (the loop's queue)."""
+    t0 = time.monotonic()
+    while True:
+        due = time.monotonic() + every_s
+        await asyncio.sleep(every_s)
+        late_ms = (time.monotonic() - due) * 1000.0
+        healthy = sum(1 for i in ids if cp.core.health[i].state.name == "HEALTHY")
+        connected = sum(1 for i in ids if cp.sessions[i].connected)
+        print(json.dumps({"t": round(time.monotonic() - t0, 1), "connected": connected, "healthy": healthy,
+                          "ejected": len(ejected), "outliers": len(outliers),
+                          "dials": sum(p.streams.value for p in procs() if isinstance(p, _Agents)),
+                          "drops": dict(cp.counters.transport_drops),
+                          "silent": dict(getattr(cp.counters, "silent_streams", {})),
+                          "rtt_not_taken": _rtt_not_taken(cp, ids), "late_ms": round(late_ms, 1),
+                          "load": os.getloadavg()[0]}), file=sys.stderr, flush=True)
+
+
+def _rtt_not_taken(cp: Any, ids: list[str]) -> dict[str, int]:
+    """RTT pings that gave no sample since the start, per why (``Counters.rtt_not_taken``); an older
+    tree (a side-by-side base) counted only the round trips it dropped, per session."""
+    c = getattr(cp.counters, "rtt_not_taken", None)
+    if c is not None:
+        return dict(c)
+    return {"ours": sum(getattr(cp.sessions[i], "rtt_samples_dropped", 0) for i in ids)}
+
 
 def _spread(xs: list[float]) -> dict[str, float] | None:
     """Median, p90 and max of sorted ``xs`` (ms, rounded), None when empty."""

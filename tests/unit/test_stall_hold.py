@@ -148,6 +148,35 @@ def test_a_round_trip_waited_on_our_queue_exactly_when_a_late_run_overlaps_it(ru
     assert late_between(late_runs, h, since, now, PERIOD, min_late) == want
 
 
+@settings(max_examples=400, deadline=None)
+@given(_runs, st.integers(0, 3000), _runs, st.integers(0, 12000), st.integers(1, 200))
+def test_a_ping_not_sent_while_our_loop_runs_late_would_have_given_no_sample(runs, later_u, more, rtt_u, min_late_u):
+    """The pinger asks ``late_between(runs, h, now, now, ...)`` before it sends: when that says our
+    loop runs late, the round trip of a ping sent now would be dropped at its pong, whatever the
+    sampler records meanwhile (``more``: its runs after ``now``) and however long the trip."""
+    h, late_runs, last = StallHistory(alive_s=0.0), [], 0.0
+    for late in runs:
+        last = h.alive_s + PERIOD + late * U
+        h = ran(h, last, PERIOD, MIN_GAP, KEEP)
+        if late:
+            late_runs.append((last, late * U))
+    now = last + later_u * U  # the pinger wakes; the sampler has not run since ``last``
+    if now >= h.alive_s + PERIOD:  # it is due by now: its run wakes no earlier than now
+        more = [max(more[0] if more else 0, round((now - h.alive_s - PERIOD) / U))] + more[1:]
+    min_late = min_late_u * U
+    if not late_between(late_runs, h, now, now, PERIOD, min_late):
+        return
+    pong = now + rtt_u * U
+    for late in more:  # the sampler's runs up to the pong's read
+        woke = h.alive_s + PERIOD + late * U
+        if woke > pong:
+            break
+        h = ran(h, woke, PERIOD, MIN_GAP, KEEP)
+        if late:
+            late_runs.append((woke, late * U))
+    assert late_between(late_runs, h, now, pong, PERIOD, min_late)
+
+
 def test_a_pong_read_behind_a_30_ms_queue_is_dropped_and_one_on_an_idle_loop_is_kept():
     h = StallHistory(alive_s=1.0)
     runs = [(1.0 + PERIOD + 0.03, 0.03)]  # the sampler ran 30 ms late: a queue, no stall

@@ -140,6 +140,13 @@ class ControlPlaneCollector:
         for verdict in ("node", "burst"):
             silent.add_metric([verdict], c.silent_streams[verdict])
         yield silent
+        rtt = CounterMetricFamily("sentinel_rtt_pings_not_taken", "RTT pings that gave no sample, by why: "
+                                  "late (not sent: our own loop ran late), ours (the round trip spanned a "
+                                  "stall or queue of ours), gap (outstanding across a heartbeat gap)",
+                                  labels=["why"])
+        for why in ("late", "ours", "gap"):
+            rtt.add_metric([why], c.rtt_not_taken[why])
+        yield rtt
         lag = CounterMetricFamily("sentinel_detection_timer_lag_deferrals",
                                   "detection timers deferred because our own event loop was late")
         lag.add_metric([], view.lag_deferrals())

@@ -108,7 +108,9 @@ class RttConfig(_Model):
         "probe.stalls.loop_watch_interval) is not a sample: it waited on our queue, not on the node. "
         "Ours: at 2,000 nodes with 1 s pings on two busy cores the median round trip read 11-30 ms and "
         "healthy nodes at 65-90 ms were outlier-ejected (benchmarks/RESULTS.md); a sustained queue of "
-        "our own leaves the EWMAs where they were")
+        "our own leaves the EWMAs where they were. A ping due while the loop has run this late within one "
+        "loop-watch period is not sent (its round trip would not count): an overloaded control plane sheds "
+        "that work first")
     ewma_alpha: float = Field(0.2, gt=0, le=1, description="seed 000: EWMA alpha 0.2 for RTT")
     spike_factor: float = Field(
         4.0, ge=1, le=1000,

@@ -7,7 +7,8 @@ arrives into health-model observations, timed on the control plane's own monoton
 - each Heartbeat -> :class:`HeartbeatObserved`; a timer armed at last arrival + interval + grace
   (and every interval after) delivers :class:`Tick`, so missed heartbeats are counted unpolled;
 - Ping{seq} every ``rtt.ping_interval``; its Pong gives the RTT -> :class:`PingObserved` (none
-  across a heartbeat gap or a stall of our own loop: counted in ``rtt_samples_dropped``);
+  across a heartbeat gap or a stall or queue of our own loop, and no ping sent while our loop runs
+  late: counted in ``Counters.rtt_not_taken``);
 - each InferenceResult -> :class:`ProbeObserved`;
 - the stream ending, failing to open, or bringing no heartbeat for ``probe.channel.silent_stream_redial``
   -> :class:`StreamClosed`, then redial with exponential backoff
@@ -36,7 +37,7 @@ from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
 from xds_server.health.clocks import miss_after_s
 from xds_server.health.outcome import is_refusal
-from xds_server.health.records import Observation, PingObserved, ProbeObserved, ProbeResultKind, StreamClosed, Tick
+from xds_server.health.records import Observation, PingObserved, ProbeResultKind, StreamClosed, Tick
 from xds_server.probing.edge import AgentEdge, BadField, CheckedHeartbeat, CheckedPong, CheckedResult, TelemetrySummary
 from xds_server.probing.liveness import (
     ProbeCall,
@@ -104,7 +105,6 @@ class ProbeSession:
         self._task: asyncio.Task | None = None
         self._timer: TickTimer | None = None
         self._outq: asyncio.Queue[probe_pb2.ControlMessage] | None = None
-        self.probe_now_sent = self.rtt_samples_dropped = 0
         self._stalled = False
         self._rl = RateLimitedLog(log, self.probe_cfg.logs.malformed_interval.s, max_keys=256)
         self._unreachable_rl = RateLimitedLog(log, self.probe_cfg.logs.unreachable_interval.s, max_keys=1)
@@ -153,12 +153,6 @@ class ProbeSession:
         assert self._loop is not None
         self._arm(self.sink(self.node.id, obs, self._loop.time()))
 
-    def _note_probe(self, obs: ProbeObserved) -> None:
-        """Keep the last probe failure's text for /nodes ("" after a success)."""
-        self.last_probe_failure = "" if obs.kind is ProbeResultKind.OK else clip(
-            f"{obs.kind.value}{f' {obs.http_status}' if obs.http_status else ''}: {obs.detail}",
-            self.probe_cfg.limits.max_text_chars)
-
     def _arm(self, at_s: float | None) -> None:
         """The next Tick is due at ``at_s`` (loop clock, s), None: none pending."""
         if self._timer is None:
@@ -197,7 +191,6 @@ class ProbeSession:
     def _probe_now(self, reason: str) -> None:
         """Ask the agent for an immediate micro-probe (the agent rate-limits these)."""
         if self._outq is not None:
-            self.probe_now_sent += 1
             self._outq.put_nowait(probe_pb2.ControlMessage(
                 probe_now=probe_pb2.ProbeNow(reason=clip(reason, self.probe_cfg.limits.max_text_chars))))
 
@@ -294,13 +287,16 @@ class ProbeSession:
             interval, jitter = self.cfg.rtt.ping_interval.s, self.cfg.rtt.ping_jitter
             keep = self.probe_cfg.channel.max_unanswered_pings
             while True:
-                st.ping_seq += 1
-                seq = st.ping_seq
-                pings[seq] = monotonic()
-                if len(pings) > keep:  # unanswered pings: keep the map bounded
-                    for k in sorted(pings)[:-keep]:
-                        del pings[k]
-                outq.put_nowait(probe_pb2.ControlMessage(ping=probe_pb2.Ping(seq=seq)))
+                now = loop.time()
+                if self.silence_gate.measured_us(now, now, self.cfg.rtt.self_lag_max.s):
+                    self.counters.rtt_not_taken["late"] += 1  # our loop runs late: its round trip would not count
+                else:
+                    st.ping_seq += 1
+                    pings[st.ping_seq] = monotonic()
+                    if len(pings) > keep:  # unanswered pings: keep the map bounded
+                        for k in sorted(pings)[:-keep]:
+                            del pings[k]
+                    outq.put_nowait(probe_pb2.ControlMessage(ping=probe_pb2.Ping(seq=st.ping_seq)))
                 await asyncio.sleep(interval * _JITTER.uniform(1.0 - jitter, 1.0 + jitter))
 
         silent = [False]
@@ -367,7 +363,7 @@ class ProbeSession:
                 if st.had_hb and now - st.last_hb > self._gap_limit and not st.transport:
                     # Pings outstanding across a heartbeat gap would measure the silence (a
                     # frozen host), which the heartbeat rules already judged, not the network.
-                    self.rtt_samples_dropped += len(st.pings)
+                    self.counters.rtt_not_taken["gap"] += len(st.pings)
                     st.pings.clear()
                 st.last_hb = st.obs_s = now
                 st.had_hb = True
@@ -387,12 +383,14 @@ class ProbeSession:
                     return
                 rtt_s = monotonic() - sent
                 if self.silence_gate.measured_us(now - rtt_s, now, self.cfg.rtt.self_lag_max.s):  # our stall or queue
-                    self.rtt_samples_dropped += 1
+                    self.counters.rtt_not_taken["ours"] += 1
                     return
                 self._arm(self.sink(self.node.id, PingObserved(rtt_ms=rtt_s * 1000.0), now))
             elif isinstance(checked, CheckedResult):
                 obs = checked.observation
-                self._note_probe(obs)
+                self.last_probe_failure = "" if obs.kind is ProbeResultKind.OK else clip(  # for /nodes
+                    f"{obs.kind.value}{f' {obs.http_status}' if obs.http_status else ''}: {obs.detail}",
+                    self.probe_cfg.limits.max_text_chars)
                 if obs.kind is not ProbeResultKind.OK and not is_refusal(obs, self.cfg):  # a 429 is an answer
                     self._probe_now(f"confirm probe failure: {obs.kind.value}")
                 self._arm(self.sink(self.node.id, obs, now))

@@ -34,6 +34,10 @@ class Counters:
     ``probe.dial_in.drop_confirm``: no verdict), "burst" (one of many at once: ours, one miss).
     ``silent_streams``: dial-in streams open without a heartbeat for their silence bound, per
     verdict: "node" (ended: the agent's own loop is judged), "burst" (many at once: ours, kept open).
+    ``rtt_not_taken``: RTT pings that gave no sample, per why: "late" (not sent: our loop ran
+    ``health.rtt.self_lag_max`` late within one loop-watch period, so the round trip would time our
+    queue), "ours" (the round trip spanned a stall or queue of ours), "gap" (outstanding across a
+    heartbeat gap).
     """
 
     heartbeats: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -46,6 +50,7 @@ class Counters:
     ejections: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
     transport_drops: collections.Counter[str] = field(default_factory=collections.Counter)
     silent_streams: collections.Counter[str] = field(default_factory=collections.Counter)
+    rtt_not_taken: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def probe_failures(self, node_id: str) -> dict[tuple[str, str], int]:
         """The node's probe results that were failures, per (kind, outcome): any kind but OK

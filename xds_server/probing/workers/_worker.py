@@ -181,8 +181,9 @@ class Worker:
             c = self.counters
             counters = {"malformed": dict(c.malformed), "bad_fields": dict(c.bad_fields),
                         "handler_errors": dict(c.handler_errors), "transport_drops": dict(c.transport_drops),
-                        "silent_streams": dict(c.silent_streams)}
-            for part in (c.malformed, c.bad_fields, c.handler_errors, c.transport_drops, c.silent_streams):
+                        "silent_streams": dict(c.silent_streams), "rtt_not_taken": dict(c.rtt_not_taken)}
+            for part in (c.malformed, c.bad_fields, c.handler_errors, c.transport_drops, c.silent_streams,
+                         c.rtt_not_taken):
                 part.clear()
             if not any(counters.values()):
                 counters = {}
