@@ -691,6 +691,9 @@ async def _trace(cp: Any, ids: list[str], ejected: list[Any], outliers: list[Any
         connected = sum(1 for i in ids if cp.sessions[i].connected)
         print(json.dumps({"t": round(time.monotonic() - t0, 1), "connected": connected, "healthy": healthy,
                           "ejected": len(ejected), "outliers": len(outliers),
+                          "ejected_by": dict(Counter("misses" if "consecutive misses" in r else
+                                                     "transport" if "transport lost" in r else "other"
+                                                     for _, _, r in ejected)),
                           "dials": sum(p.streams.value for p in procs() if isinstance(p, _Agents)),
                           "drops": dict(cp.counters.transport_drops),
                           "silent": dict(getattr(cp.counters, "silent_streams", {})),

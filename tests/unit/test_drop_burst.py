@@ -1,10 +1,10 @@
 """Dropped agent streams judged as ours when many drop at once (xds_server.probing.drop_burst, pure)."""
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xds_server.probing.drop_burst import Drops, burst_size, dropped, is_burst, silent_with
+from xds_server.probing.drop_burst import Drops, burst_size, dropped, is_burst, returns_hold, silent_with
 
 
 def _drops(*times: float) -> Drops:
@@ -63,3 +63,30 @@ def test_a_stream_heard_later_never_adds_to_the_silent_and_an_earlier_mark_never
     moved = [None if t is None else t + later for t in heard]  # every stream heard later (or as late)
     assert silent_with(before, moved) <= n
     assert silent_with(before - later, heard) <= n
+
+
+def test_agents_coming_back_after_a_burst_of_ours_hold_again_one_agent_alone_does_not():
+    back = Drops()
+    for t in (10.6, 10.9, 11.5):  # three agents dialled back after the burst judged ours at 10.0
+        back = dropped(back, t, 1.0)
+    assert returns_hold(back, 11.5, 1.0, min_returns=3, ours_s=10.0, horizon_s=30.0)
+    assert not returns_hold(back, 11.5, 1.0, min_returns=3, ours_s=None, horizon_s=30.0)   # no burst of ours
+    assert not returns_hold(back, 11.5, 1.0, min_returns=3, ours_s=-20.0, horizon_s=30.0)  # long past it
+    assert not returns_hold(back, 11.5, 0.5, min_returns=3, ours_s=10.0, horizon_s=30.0)   # too far apart
+    assert not returns_hold(dropped(Drops(), 10.7, 1.0), 10.7, 1.0, min_returns=3, ours_s=10.0, horizon_s=30.0)
+
+
+@settings(max_examples=300)
+@given(st.lists(st.integers(0, 4000), max_size=30), st.integers(0, 4000), st.integers(1, 2000),
+       st.integers(1, 6), st.one_of(st.none(), st.integers(-4000, 4000)), st.integers(0, 8000))
+def test_a_return_holds_exactly_with_a_recent_burst_and_enough_returns_in_the_window(
+        times_ms, at_ms, window_ms, min_returns, ours_ms, horizon_ms):
+    ts = sorted(t / 1000 for t in times_ms if t <= at_ms) + [at_ms / 1000]
+    back = Drops()
+    for t in ts:
+        back = dropped(back, t, window_ms / 1000)
+    at, window, horizon = at_ms / 1000, window_ms / 1000, horizon_ms / 1000
+    ours = None if ours_ms is None else ours_ms / 1000
+    want = (ours is not None and at - ours <= horizon
+            and sum(1 for t in ts if at - window <= t <= at) >= min_returns)
+    assert returns_hold(back, at, window, min_returns, ours, horizon) == want

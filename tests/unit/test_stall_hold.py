@@ -102,15 +102,19 @@ def test_a_shorter_stall_after_a_long_one_keeps_both_and_a_longer_one_replaces_t
 
 
 @settings(max_examples=400, deadline=None)
-@given(_runs, st.integers(0, 3000), st.integers(0, 12000))
-def test_a_round_trip_spans_a_stall_exactly_when_one_of_every_recorded_stall_woke_inside_it(runs, later_u, rtt_u):
+@given(_runs, st.integers(0, 3000), st.integers(0, 12000), st.integers(1, 3000))
+def test_a_round_trip_spans_a_stall_exactly_when_one_of_every_recorded_stall_woke_inside_it(runs, later_u, rtt_u,
+                                                                                          least_u):
     h, every, last = _replay(runs)
     now = last + later_u * U
     since = now - rtt_u * U
     cands = [s for s in every if s.woke_s >= last - KEEP]
-    if now - h.alive_s - PERIOD >= PERIOD:  # the stall we are waking from, not sampled yet
+    if now - h.alive_s - PERIOD > 0:  # the stall we are waking from, not sampled yet
         cands.append(Stall(now, now - h.alive_s - PERIOD))
-    assert stalled_between(h, since, now, PERIOD) == any(s.woke_s > since for s in cands)
+    assert stalled_between(h, since, now, PERIOD) == any(s.woke_s > since and s.gap_s >= PERIOD for s in cands)
+    least = least_u * U  # a stall at least this long (a transport drop asks for the PING timeout)
+    assert stalled_between(h, since, now, PERIOD, least) == any(s.woke_s > since and s.gap_s >= least
+                                                                for s in cands)
 
 
 def test_the_five_second_sigstop_pong_is_dropped_and_a_round_trip_after_it_is_kept():

@@ -129,9 +129,10 @@ class ControlPlaneCollector:
         yield herr
         drops = CounterMetricFamily("sentinel_agent_transport_drops", "dial-in streams whose transport "
                                     "ended under us, by verdict: node (its whole miss threshold), redialled "
-                                    "(the agent dialled again at once), burst (many at once: ours)",
-                                    labels=["verdict"])
-        for verdict in ("node", "redialled", "burst"):
+                                    "(the agent dialled again at once), stall (cut by a stall of ours), burst "
+                                    "(many at once: ours), returned (its agent dialled back during a burst's "
+                                    "recovery: the hold goes on)", labels=["verdict"])
+        for verdict in ("node", "redialled", "stall", "burst", "returned"):
             drops.add_metric([verdict], c.transport_drops[verdict])
         yield drops
         silent = CounterMetricFamily("sentinel_agent_silent_streams", "dial-in streams open without a "

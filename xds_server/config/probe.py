@@ -76,7 +76,7 @@ class ProbeDialInConfig(_Model):
     plane is the gRPC server and judges each agent's liveness from its own HTTP/2 PINGs."""
 
     ADVANCED: ClassVar[frozenset[str]] = frozenset({"register_timeout", "burst_min", "burst_share", "burst_window",
-                                                    "accept_backlog"})
+                                                    "burst_recovery", "accept_backlog"})
 
     listen: str | None = Field(
         None,
@@ -116,6 +116,13 @@ class ProbeDialInConfig(_Model):
     burst_window: Annotated[PositiveDuration, at_most("10s")] = Field(
         Duration.parse("200ms"),
         description="drops this close to each other count together (ours: two ping timeouts apart)")
+    burst_recovery: Annotated[PositiveDuration, at_most("10m")] = Field(
+        Duration.parse("30s"),
+        description="after a burst of drops or silences judged ours, agents of lost streams dialling "
+        "back in (at least burst_min within stalls.stall_hold) hold the nodes not heard since again, "
+        "up to this long after the latest burst. Ours: a control plane stopped 5 s with 1,000 agents had "
+        "407 streams cut and took 4.9 s to take them all back; a hold of stall_hold alone ejected 261 "
+        "healthy nodes (benchmarks/RESULTS.md). 2,000 agents on two loaded cores took 30-90 s to dial in")
     accept_backlog: int = Field(
         20_000, ge=1_000, le=1_000_000,
         description="new streams gRPC holds while our loop has not taken them yet, before it refuses "

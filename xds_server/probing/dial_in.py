@@ -12,8 +12,11 @@ Liveness is the transport's, always: the server sends HTTP/2 PINGs every
 ``probe.dial_in.ping_timeout`` (gRPC's C core; no Python per PING). A stream that ends that way
 (:meth:`InboundCall.transport_lost`: the call was cancelled under us, not half-closed) is the whole
 miss threshold at once (``StreamClosed(liveness_lost=True)``), unless it ended during a hold after
-our own stall, or, judged ``probe.dial_in.drop_confirm`` later, the agent dialled again meanwhile or
-the drop was one of a burst (:mod:`~xds_server.probing.drop_burst`): then it is a plain end.
+our own stall, or, judged ``probe.dial_in.drop_confirm`` later, the agent dialled again meanwhile,
+our loop had stalled at least ``ping_timeout`` within a hold before it (the node's heartbeats
+queued during our stall are read before the cut) or the drop was one of a burst
+(:mod:`~xds_server.probing.drop_burst`): then it is a plain end, and the nodes not heard since are
+held (longer while agents of lost streams keep dialling back: ``probe.dial_in.burst_recovery``).
 The agent's heartbeats (on change, and every ``probe.transport.telemetry_refresh``)
 prove its own event loop alive: a stream without one for ``silent_after_s`` is ended, and the
 agent dials again, unless many streams fell silent at once (the same burst rule: ours, kept open).
@@ -39,7 +42,7 @@ import grpc
 
 from node_probe.proto import probe_pb2
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig, SentinelConfig
-from xds_server.probing.drop_burst import DropWatch, burst_size, is_burst, silent_with
+from xds_server.probing.drop_burst import DropWatch, burst_size, dropped, is_burst, returns_hold, silent_with
 from xds_server.probing.session import ProbeSession, SilentStream
 from xds_server.probing.sources import ObservationSink, ProbeSource, ProbeSourceContext, ProbeSourceFactory
 from xds_server.process.counters import Counters
@@ -146,6 +149,8 @@ class DialInSession(ProbeSession):
         self._redial = asyncio.Event()  # a stream was attached (the agent dialled)
         self._drops = DropWatch()  # the loop's, from start()
         self.drops_held = 0  # transport drops judged ours (a burst), not the node's
+        self._lost_s: float | None = None  # the last stream's transport lost under us (loop s), until a new one
+        self._returned_s = float("-inf")  # the agent's last return counted (loop s): one per node per hold
         self.replay_max_prompts = 0  # the agent's last heartbeat's (0: none yet, or it does not replay)
         self._replays: dict[str, asyncio.Future[probe_pb2.ReplayResult]] = {}
 
@@ -180,14 +185,31 @@ class DialInSession(ProbeSession):
         ended first: the agent dialled again."""
         if self._current is not None and self._current.cancel("replaced by a new stream from the agent"):
             self.streams_replaced += 1
+        if self._lost_s is not None:
+            self._returned(self._now())
         self._calls.put_nowait(call)
         self._redial.set()
         await call.finished
 
+    def _returned(self, now_s: float) -> None:
+        """The agent of a stream lost under us dialled again at ``now_s``: while agents keep coming
+        back after a burst judged ours (:func:`~xds_server.probing.drop_burst.returns_hold`), every
+        node not heard since is held again, as after the burst (counted: ``returned``)."""
+        d, w = self.probe_cfg.dial_in, self._drops
+        self._lost_s = None
+        hold_s = self.silence_gate.hold_s
+        if now_s - self._returned_s >= hold_s:  # an agent that drops and returns again is counted once
+            self._returned_s = now_s
+            w.returns = dropped(w.returns, now_s, hold_s)
+        if returns_hold(w.returns, now_s, hold_s, d.burst_min, w.ours_s, d.burst_recovery.s):
+            self.silence_gate.ours(now_s)
+            self.counters.transport_drops["returned"] += 1
+
     async def _confirm_lost(self, detail: str) -> tuple[bool, str]:
         """A stream's transport ended under us: after ``dial_in.drop_confirm``, (still lost?,
-        detail). Not lost when the agent dialled again meanwhile, or the drop is one of a burst
-        (:mod:`~xds_server.probing.drop_burst`)."""
+        detail). Not lost when the agent dialled again meanwhile, when our loop stalled at least
+        ``dial_in.ping_timeout`` within a PING's span (``keepalive`` + ``ping_timeout``) and one
+        hold before the drop, or when the drop is one of a burst (:mod:`~xds_server.probing.drop_burst`)."""
         d = self.probe_cfg.dial_in
         w, at = self._drops, self._now()
         streams = w.dropped(at, max(d.burst_window.s * 2, d.drop_confirm.s + d.burst_window.s))
@@ -198,8 +220,17 @@ class DialInSession(ProbeSession):
             w.redialled += 1
             self.counters.transport_drops["redialled"] += 1
             return False, f"{detail}; the agent dialled again at once"
+        if self.silence_gate.stalled_since(at - d.keepalive.s - d.ping_timeout.s - self.silence_gate.hold_s,
+                                           at, d.ping_timeout.s):
+            # a PING deadline that ran out while our whole process was stopped, read after the
+            # node's heartbeats queued meanwhile: its agent is heard after our stall, and cut by it
+            w.ours_s = at
+            self.silence_gate.ours(at)
+            self.counters.transport_drops["stall"] += 1
+            return False, f"{detail}; cut within a hold after a stall of ours: ours, not the node's"
         if is_burst(w.drops, at, d.burst_window.s, streams, d.burst_min, d.burst_share):
             w.bursts += 1
+            w.ours_s = at
             self.drops_held += 1
             self.silence_gate.ours(at)  # every node not heard since: held as after a stall of ours
             self.counters.transport_drops["burst"] += 1
@@ -226,6 +257,7 @@ class DialInSession(ProbeSession):
             self.counters.silent_streams["node"] += 1
             return False
         self.counters.silent_streams["burst"] += 1
+        w.ours_s = at
         self.silence_gate.ours(at)
         self._rl.warning(at, "silent", "agent stream of %s silent %.1f s with %d of %d others past their refresh: "
                          "judged ours (a starved control plane reads them late), kept open", for_log(self.node.id),
@@ -284,7 +316,10 @@ class DialInSession(ProbeSession):
                 self._current = None
                 call.finish()
             if lost:
+                lost_s = self._now()
                 lost, detail = await self._confirm_lost(detail)
+                if self._calls.empty():  # (not dialled again within drop_confirm: a return is still to come)
+                    self._lost_s = lost_s
             if call.ended_by.startswith("replaced"):
                 continue  # the agent's new stream follows at once: no verdict on this one
             self._ended(detail, lost)

@@ -17,6 +17,7 @@ Shape::
     gate.due(now_s, heard_s)            # the detection timer is due: a hold's end, or Tick / StreamClosed
     gate.closed(now_s, detail, heard_s)  # the stream ended: a hold's end (kept), or StreamClosed
     gate.measured_us(sent_s, now_s, 0.02)  # a ping's round trip spans our stall or queue: no RTT sample
+    gate.stalled_since(since_s, now_s, 0.08)  # we stalled 80 ms or more since then
     await gate.silent_for(loop, silent_s, ...)    # returns once the open stream is silent
 """
 from __future__ import annotations
@@ -156,6 +157,12 @@ class SilenceGate:
         w = self._watch
         return w is not None and (stalled_between(w.history, since_s, now_s, w.period_s)
                                   or late_between(w.late_runs, w.history, since_s, now_s, w.period_s, max_lag_s))
+
+    def stalled_since(self, since_s: float, now_s: float, min_gap_s: float) -> bool:
+        """Whether our loop stalled at least ``min_gap_s`` and woke after ``since_s`` (loop s; the
+        stall we are waking from at ``now_s`` included)."""
+        w = self._watch
+        return w is not None and stalled_between(w.history, since_s, now_s, w.period_s, min_gap_s)
 
     def due(self, now_s: float, heard_s: float | None) -> float | Tick | StreamClosed:
         """The session's detection timer is due at ``now_s``: the end of a running hold (a loop

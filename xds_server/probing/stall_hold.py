@@ -111,13 +111,15 @@ def held_until(h: StallHistory, now_s: float, period_s: float, stall_s: float, h
     return end
 
 
-def stalled_between(h: StallHistory, since_s: float, now_s: float, period_s: float) -> bool:
-    """Whether our loop stalled at least ``period_s`` (the sampler's own period, what it records)
-    between ``since_s`` and ``now_s`` (s): a stall that woke after ``since_s``, recorded or the
-    one we are waking from at ``now_s``. The latest recorded stall is always kept (a later stall
-    drops only the earlier ones no longer than it), so a stall in the span is never forgotten
-    while it is younger than the history's ``keep_s``."""
-    return any(s.woke_s > since_s and s.gap_s >= period_s for s in stalls_at(h, now_s, period_s))
+def stalled_between(h: StallHistory, since_s: float, now_s: float, period_s: float,
+                    min_gap_s: float | None = None) -> bool:
+    """Whether our loop stalled at least ``min_gap_s`` (default ``period_s``: the sampler's own
+    period, what it records) between ``since_s`` and ``now_s`` (s): a stall that woke after
+    ``since_s``, recorded or the one we are waking from at ``now_s``. The latest recorded stall is
+    always kept (a later stall drops only the earlier ones no longer than it), so a stall in the
+    span is never forgotten while it is younger than the history's ``keep_s``."""
+    least = period_s if min_gap_s is None else min_gap_s
+    return any(s.woke_s > since_s and s.gap_s >= least for s in stalls_at(h, now_s, period_s))
 
 
 def late_between(runs: Sequence[tuple[float, float]], h: StallHistory, since_s: float, now_s: float,

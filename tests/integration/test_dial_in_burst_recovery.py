@@ -1,0 +1,214 @@
+"""Agents dialling back after a burst of drops judged ours: while they keep coming back, the nodes
+whose agents are not back yet stay held (a starved control plane takes its time to take their new
+streams); a node whose agent is not back by one hold after the last return is judged. Real control
+plane, real gRPC streams: every agent's transport is cut at once (its channel closed: the call
+ends under the server, as a PING timeout does), then the agents dial back one by one.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from node_probe.dial_stream import METADATA
+from node_probe.proto import probe_pb2, probe_pb2_grpc
+from xds_server.config import parse_config
+from xds_server.health.records import NodeState
+from xds_server.server import ControlPlane
+from xds_server.testing import free_port, wait_for
+
+NODES = 12
+REFRESH_MS = 200
+BACK_EVERY_S = 0.35  # an agent back every 0.35 s: the last one ~3.9 s after the burst (the hold: 1 s)
+
+
+class Agent:
+    """One dial-in agent: a stream with a Register, a good probe result and a heartbeat every
+    REFRESH_MS; :meth:`cut` closes its channel (the call ends under the server), :meth:`dial` opens
+    a new one."""
+
+    def __init__(self, node_id: str, port: int) -> None:
+        self.node_id, self.port = node_id, port
+        self._channel: grpc.aio.Channel | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def dial(self) -> None:
+        self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+        self._task = asyncio.create_task(self._run(self._channel))
+
+    async def _run(self, channel: grpc.aio.Channel) -> None:
+        call = probe_pb2_grpc.ProbeHubStub(channel).Connect(metadata=METADATA)
+        await call.write(probe_pb2.AgentMessage(register=probe_pb2.Register(node_id=self.node_id)))
+        reader = asyncio.create_task(self._drain(call))
+        seq = 0
+        try:
+            while True:
+                seq += 1
+                await call.write(probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(
+                    seq=seq, interval_ms=100, node_id=self.node_id, liveness=probe_pb2.LIVENESS_TRANSPORT,
+                    telemetry=probe_pb2.Telemetry(engine_state=probe_pb2.ENGINE_STATE_READY))))
+                if seq == 1:
+                    await call.write(probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(
+                        seq=1, ok=True, ttft_ms=10.0, trigger="scheduled")))
+                await asyncio.sleep(REFRESH_MS / 1000.0)
+        finally:
+            reader.cancel()
+
+    @staticmethod
+    async def _drain(call: grpc.aio.StreamStreamCall) -> None:
+        async for _ in call:  # Hello, ProbeNow, pings: read, not answered
+            pass
+
+    async def cut(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        if self._channel is not None:
+            await self._channel.close(None)
+        self._task = self._channel = None
+
+
+async def _burst_then_back_one_by_one(recovery: str) -> tuple[ControlPlane, list[Agent], list[str]]:
+    port = free_port()
+    ids = [f"n{i}" for i in range(NODES)]
+    cp = ControlPlane(parse_config({
+        "xds": {"listen": f"127.0.0.1:{port}"}, "admin": {"listen": "127.0.0.1:0"},
+        "probe": {"transport": {"telemetry_refresh": f"{REFRESH_MS}ms"},
+                  "dial_in": {"burst_recovery": recovery}},
+        "health": {"rtt": {"ping_interval": "60s"},
+                   "probation": {"ramp_start_percent": 100, "ramp_step": "100ms", "clean": "1s"}},
+        "clusters": [{"name": "llm", "nodes": [{"id": i, "address": f"127.0.0.{k + 1}:8000"}
+                                               for k, i in enumerate(ids)]}]}))
+    agents = [Agent(i, port) for i in ids]
+    await cp.start()
+    for a in agents:
+        a.dial()
+    await wait_for(lambda: all(cp.core.health[i].state is NodeState.HEALTHY for i in ids), timeout_s=15)
+    await asyncio.gather(*(a.cut() for a in agents))  # every transport at once: a burst, ours
+    drops = cp.counters.transport_drops
+    # the first drops make a burst; the rest follow it within a hold (a stall of ours): all ours
+    await wait_for(lambda: drops["burst"] + drops["stall"] == NODES, timeout_s=3, what="the drops judged ours")
+    assert drops["burst"] >= 1 and drops["node"] == 0, dict(drops)
+    for a in agents[:-1]:  # back one by one; the last agent never comes back
+        await asyncio.sleep(BACK_EVERY_S)
+        a.dial()
+    return cp, agents, ids
+
+
+async def test_nodes_not_back_yet_stay_held_while_agents_keep_coming_back_after_a_burst_of_ours():
+    cp, agents, ids = await _burst_then_back_one_by_one("30s")
+    try:
+        await wait_for(lambda: all(cp.sessions[i].connected for i in ids[:-1]), timeout_s=5, what="agents back")
+        # every agent that came back, even ~3.5 s after the burst, found its node still HEALTHY
+        assert {i: cp.core.health[i].state for i in ids[:-1]} == dict.fromkeys(ids[:-1], NodeState.HEALTHY)
+        assert not any(nid in ids[:-1] for nid, _ in cp.counters.ejections)
+        assert cp.counters.transport_drops["returned"] >= 3
+        # the one that never came back is judged one hold after the last return
+        await wait_for(lambda: cp.core.health[ids[-1]].state is NodeState.UNHEALTHY, timeout_s=4)
+    finally:
+        for a in agents:
+            await a.cut()
+        await cp.stop()
+
+
+async def test_without_the_recovery_rule_agents_slower_than_one_hold_find_their_nodes_ejected():
+    cp, agents, ids = await _burst_then_back_one_by_one("1ms")  # returns never hold again
+    try:
+        await wait_for(lambda: all(cp.sessions[i].connected for i in ids[:-1]), timeout_s=5, what="agents back")
+        late = {nid for nid, _ in cp.counters.ejections} & set(ids[:-1])
+        assert len(late) >= 3, sorted(late)  # those back more than ~1.2 s after the burst
+        assert cp.counters.transport_drops["returned"] == 0
+    finally:
+        for a in agents:
+            await a.cut()
+        await cp.stop()
+
+
+
+class ThreadAgent:
+    """A dial-in agent on threads of its own (gRPC's blocking API), so it talks while our event
+    loop stands still: a Register, a good probe result, a heartbeat every REFRESH_MS."""
+
+    def __init__(self, node_id: str, port: int) -> None:
+        self.node_id = node_id
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self._stop = threading.Event()
+        self._call: Any = None
+
+    def _requests(self, stop: threading.Event) -> Iterator[probe_pb2.AgentMessage]:
+        yield probe_pb2.AgentMessage(register=probe_pb2.Register(node_id=self.node_id))
+        seq = 0
+        while not stop.is_set():
+            seq += 1
+            yield probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(
+                seq=seq, interval_ms=100, node_id=self.node_id, liveness=probe_pb2.LIVENESS_TRANSPORT,
+                telemetry=probe_pb2.Telemetry(engine_state=probe_pb2.ENGINE_STATE_READY)))
+            if seq == 1:
+                yield probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(
+                    seq=1, ok=True, ttft_ms=10.0, trigger="scheduled"))
+            stop.wait(REFRESH_MS / 1000.0)
+
+    def dial(self) -> None:
+        self._stop = threading.Event()
+        self._call = probe_pb2_grpc.ProbeHubStub(self._channel).Connect(self._requests(self._stop),
+                                                                        metadata=METADATA)
+        threading.Thread(target=self._drain, args=(self._call,), daemon=True).start()
+
+    @staticmethod
+    def _drain(call: Any) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            for _ in call:  # Hello, ProbeNow, pings: read, not answered
+                pass
+
+    def cut(self) -> None:
+        """Cancel the stream: it ends under the server."""
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+
+    def close(self) -> None:
+        self.cut()
+        self._channel.close()
+
+
+async def test_a_stream_cut_just_after_our_loop_stood_still_is_ours_though_its_node_was_heard_after():
+    """Our loop stands still 0.4 s (what a SIGSTOP looks like to it); the agent's heartbeats wait
+    unread meanwhile and are read when we wake (the node is heard after our stall); its stream is
+    cut 50 ms later. Within a hold after a stall of ours longer than the PING timeout, that drop is
+    ours: the node is held, its agent dials again, nobody is ejected. (Before: a lone drop after
+    the node was heard was its death, the whole miss threshold at once.)"""
+    port = free_port()
+    cp = ControlPlane(parse_config({
+        "xds": {"listen": f"127.0.0.1:{port}"}, "admin": {"listen": "127.0.0.1:0"},
+        "probe": {"transport": {"telemetry_refresh": f"{REFRESH_MS}ms"}},
+        "health": {"rtt": {"ping_interval": "60s"},
+                   "probation": {"ramp_start_percent": 100, "ramp_step": "100ms", "clean": "1s"}},
+        "clusters": [{"name": "llm", "nodes": [{"id": "n0", "address": "127.0.0.1:8000"}]}]}))
+    agent = ThreadAgent("n0", port)
+    try:
+        await cp.start()
+        agent.dial()
+        await wait_for(lambda: cp.core.health["n0"].state is NodeState.HEALTHY, timeout_s=15,
+                       what=f"HEALTHY ({cp.core.health['n0'].state.name}: {cp.core.health['n0'].reason})")
+        drops = cp.counters.transport_drops
+        cutter = threading.Timer(0.45, agent.cut)
+        cutter.start()
+        time.sleep(0.4)  # our loop stands still
+        heard = cp.counters.heartbeats["n0"]
+        await wait_for(lambda: drops.total() >= 1, timeout_s=3, what="the cut read")
+        assert cp.counters.heartbeats["n0"] > heard  # heard after the stall, then found cut
+        assert dict(drops) == {"stall": 1}, dict(drops)
+        agent.dial()  # the agent dials again, within the hold
+        await wait_for(lambda: cp.sessions["n0"].connected, timeout_s=5, what="the agent back")
+        await asyncio.sleep(1.5)  # past the hold
+        assert cp.core.health["n0"].state is NodeState.HEALTHY
+        assert cp.counters.ejections == {}
+    finally:
+        agent.close()
+        await cp.stop()
