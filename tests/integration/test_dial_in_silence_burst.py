@@ -6,12 +6,9 @@ transports stay up (gRPC's C core answers the PINGs) while their heartbeats stop
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
-import grpc
+from dial_in_agent import DialInAgent
 
-from node_probe.dial_stream import METADATA
-from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.config import parse_config
 from xds_server.health.records import NodeState
 from xds_server.server import ControlPlane
@@ -20,51 +17,6 @@ from xds_server.testing import free_port, wait_for
 NODES = 12
 REFRESH_MS = 200  # silent bound: max(silent_stream_redial 300 ms, 3 x 200 ms) = 600 ms
 QUIET_S = 1.5
-
-
-class Agent:
-    """One dial-in agent's stream: a Register, a good probe result, then a heartbeat every
-    REFRESH_MS while ``talking``."""
-
-    def __init__(self, node_id: str, port: int) -> None:
-        self.node_id = node_id
-        self.talking = True
-        self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        call = probe_pb2_grpc.ProbeHubStub(self._channel).Connect(metadata=METADATA)
-        await call.write(probe_pb2.AgentMessage(register=probe_pb2.Register(node_id=self.node_id)))
-        reader = asyncio.create_task(self._drain(call))
-        seq = 0
-        try:
-            while True:
-                if self.talking:
-                    seq += 1
-                    await call.write(probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(
-                        seq=seq, interval_ms=100, node_id=self.node_id, liveness=probe_pb2.LIVENESS_TRANSPORT,
-                        telemetry=probe_pb2.Telemetry(engine_state=probe_pb2.ENGINE_STATE_READY))))
-                    if seq == 1:
-                        await call.write(probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(
-                            seq=1, ok=True, ttft_ms=10.0, trigger="scheduled")))
-                await asyncio.sleep(REFRESH_MS / 1000.0)
-        finally:
-            reader.cancel()
-
-    @staticmethod
-    async def _drain(call: grpc.aio.StreamStreamCall) -> None:
-        async for _ in call:  # Hello, ProbeNow, pings: read, not answered
-            pass
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
-        await self._channel.close(None)
 
 
 async def test_many_streams_silent_at_once_are_ours_and_kept_one_alone_is_its_agents():
@@ -78,11 +30,11 @@ async def test_many_streams_silent_at_once_are_ours_and_kept_one_alone_is_its_ag
                    "probation": {"ramp_start_percent": 100, "ramp_step": "100ms", "clean": "1s"}},
         "clusters": [{"name": "llm", "nodes": [{"id": i, "address": f"127.0.0.{k + 1}:8000"}
                                                for k, i in enumerate(ids)]}]}))
-    agents = [Agent(i, port) for i in ids]
+    agents = [DialInAgent(i, port, REFRESH_MS) for i in ids]
     try:
         await cp.start()
         for a in agents:
-            a.start()
+            a.dial()
         await wait_for(lambda: all(cp.core.health[i].state is NodeState.HEALTHY for i in ids), timeout_s=15)
         connects = {i: cp.sessions[i].connects for i in ids}
         silent = cp.counters.silent_streams
@@ -106,5 +58,5 @@ async def test_many_streams_silent_at_once_are_ours_and_kept_one_alone_is_its_ag
         assert all(cp.core.health[i].state is NodeState.HEALTHY for i in ids[1:])
     finally:
         for a in agents:
-            await a.stop()
+            await a.cut()
         await cp.stop()

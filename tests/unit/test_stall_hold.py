@@ -132,18 +132,25 @@ def test_the_five_second_sigstop_pong_is_dropped_and_a_round_trip_after_it_is_ke
     assert not stalled_between(h2, 0.0, h2.alive_s + 0.001, PERIOD)
 
 
-@settings(max_examples=400, deadline=None)
-@given(_runs, st.integers(0, 3000), st.integers(0, 12000), st.integers(1, 200))
-def test_a_round_trip_waited_on_our_queue_exactly_when_a_late_run_overlaps_it(runs, later_u, rtt_u, min_late_u):
-    """``late_between`` over the late runs kept (oldest first) equals a walk over every run: one at
-    least ``min_late`` late that woke within a period before the ping or after it and before the
-    pong's read, or the run due and pending."""
+def _replay_late(runs: list[int]) -> tuple[StallHistory, list[tuple[float, float]], float]:
+    """The history after ``runs``, the late runs as the sampler keeps them ((woke, late), oldest
+    first) and the last run's time."""
     h, late_runs, last = StallHistory(alive_s=0.0), [], 0.0
     for late in runs:
         last = h.alive_s + PERIOD + late * U
         h = ran(h, last, PERIOD, MIN_GAP, KEEP)
         if late:
             late_runs.append((last, late * U))
+    return h, late_runs, last
+
+
+@settings(max_examples=400, deadline=None)
+@given(_runs, st.integers(0, 3000), st.integers(0, 12000), st.integers(1, 200))
+def test_a_round_trip_waited_on_our_queue_exactly_when_a_late_run_overlaps_it(runs, later_u, rtt_u, min_late_u):
+    """``late_between`` over the late runs kept (oldest first) equals a walk over every run: one at
+    least ``min_late`` late that woke within a period before the ping or after it and before the
+    pong's read, or the run due and pending."""
+    h, late_runs, last = _replay_late(runs)
     now = last + later_u * U
     since = now - rtt_u * U
     min_late = min_late_u * U
@@ -158,12 +165,7 @@ def test_a_ping_not_sent_while_our_loop_runs_late_would_have_given_no_sample(run
     """The pinger asks ``late_between(runs, h, now, now, ...)`` before it sends: when that says our
     loop runs late, the round trip of a ping sent now would be dropped at its pong, whatever the
     sampler records meanwhile (``more``: its runs after ``now``) and however long the trip."""
-    h, late_runs, last = StallHistory(alive_s=0.0), [], 0.0
-    for late in runs:
-        last = h.alive_s + PERIOD + late * U
-        h = ran(h, last, PERIOD, MIN_GAP, KEEP)
-        if late:
-            late_runs.append((last, late * U))
+    h, late_runs, last = _replay_late(runs)
     now = last + later_u * U  # the pinger wakes; the sampler has not run since ``last``
     if now >= h.alive_s + PERIOD:  # it is due by now: its run wakes no earlier than now
         more = [max(more[0] if more else 0, round((now - h.alive_s - PERIOD) / U))] + more[1:]
