@@ -4,7 +4,17 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xds_server.probing.drop_burst import Drops, burst_size, dropped, is_burst, returns_hold, silent_with
+from xds_server.probing.drop_burst import (
+    Drops,
+    Stretch,
+    burst_size,
+    chain_holds,
+    dropped,
+    is_burst,
+    returns_hold,
+    silent_with,
+    stretched,
+)
 
 
 def _drops(*times: float) -> Drops:
@@ -69,24 +79,51 @@ def test_agents_coming_back_after_a_burst_of_ours_hold_again_one_agent_alone_doe
     back = Drops()
     for t in (10.6, 10.9, 11.5):  # three agents dialled back after the burst judged ours at 10.0
         back = dropped(back, t, 1.0)
-    assert returns_hold(back, 11.5, 1.0, min_returns=3, ours_s=10.0, horizon_s=30.0)
-    assert not returns_hold(back, 11.5, 1.0, min_returns=3, ours_s=None, horizon_s=30.0)   # no burst of ours
-    assert not returns_hold(back, 11.5, 1.0, min_returns=3, ours_s=-20.0, horizon_s=30.0)  # long past it
-    assert not returns_hold(back, 11.5, 0.5, min_returns=3, ours_s=10.0, horizon_s=30.0)   # too far apart
-    assert not returns_hold(dropped(Drops(), 10.7, 1.0), 10.7, 1.0, min_returns=3, ours_s=10.0, horizon_s=30.0)
+    burst = stretched(None, 10.0, 1.2)
+    assert returns_hold(back, 11.5, 1.0, min_returns=3, st=burst, horizon_s=30.0)
+    assert not returns_hold(back, 11.5, 1.0, min_returns=3, st=None, horizon_s=30.0)   # no burst of ours
+    assert not returns_hold(back, 11.5, 1.0, min_returns=3, st=stretched(None, -20.0, 1.2), horizon_s=30.0)
+    assert not returns_hold(back, 11.5, 0.5, min_returns=3, st=burst, horizon_s=30.0)   # too far apart
+    assert not returns_hold(dropped(Drops(), 10.7, 1.0), 10.7, 1.0, min_returns=3, st=burst, horizon_s=30.0)
+
+
+def test_verdicts_of_ours_that_hold_each_other_up_end_a_horizon_after_they_began():
+    run = None
+    for t in range(40):  # a verdict of ours every second, each within the 1.2 s gap of the last
+        run = stretched(run, float(t), 1.2)
+    assert run == Stretch(0.0, 39.0)
+    assert chain_holds(run, 20.5, 1.2, horizon_s=30.0) is True   # running since 0 s: 20 s in
+    assert chain_holds(run, 39.5, 1.2, horizon_s=30.0) is False  # past 30 s
+    assert chain_holds(run, 41.0, 1.2, horizon_s=30.0) is True   # none for 2 s: a new stall is the loop's own
+    assert chain_holds(None, 5.0, 1.2, horizon_s=30.0) is True
+    assert stretched(run, 41.0, 1.2) == Stretch(41.0, 41.0)      # and a verdict then starts a new stretch
 
 
 @settings(max_examples=300)
 @given(st.lists(st.integers(0, 4000), max_size=30), st.integers(0, 4000), st.integers(1, 2000),
-       st.integers(1, 6), st.one_of(st.none(), st.integers(-4000, 4000)), st.integers(0, 8000))
-def test_a_return_holds_exactly_with_a_recent_burst_and_enough_returns_in_the_window(
-        times_ms, at_ms, window_ms, min_returns, ours_ms, horizon_ms):
+       st.integers(1, 6), st.one_of(st.none(), st.tuples(st.integers(-4000, 4000), st.integers(0, 4000))),
+       st.integers(0, 8000))
+def test_a_return_holds_exactly_with_a_recent_stretch_and_enough_returns_in_the_window(
+        times_ms, at_ms, window_ms, min_returns, stretch_ms, horizon_ms):
     ts = sorted(t / 1000 for t in times_ms if t <= at_ms) + [at_ms / 1000]
     back = Drops()
     for t in ts:
         back = dropped(back, t, window_ms / 1000)
     at, window, horizon = at_ms / 1000, window_ms / 1000, horizon_ms / 1000
-    ours = None if ours_ms is None else ours_ms / 1000
-    want = (ours is not None and at - ours <= horizon
+    ours = None if stretch_ms is None else Stretch(stretch_ms[0] / 1000, (stretch_ms[0] + stretch_ms[1]) / 1000)
+    want = (ours is not None and at - ours.since_s <= horizon
             and sum(1 for t in ts if at - window <= t <= at) >= min_returns)
     assert returns_hold(back, at, window, min_returns, ours, horizon) == want
+
+
+@settings(max_examples=300)
+@given(st.lists(st.integers(0, 3000), max_size=30), st.integers(1, 2000))
+def test_a_stretch_begins_at_the_first_verdict_after_a_gap_and_ends_at_the_latest(gaps_ms, gap_ms):
+    u = 1 / 1024  # whole multiples of it: differences are exact in binary floating point
+    t, run, since = 0, None, 0
+    for g in gaps_ms:  # verdicts of ours, each g units after the one before
+        t += g
+        if run is None or g > gap_ms:
+            since = t
+        run = stretched(run, t * u, gap_ms * u)
+    assert run is None or run == Stretch(since * u, t * u)

@@ -120,7 +120,9 @@ class ProbeDialInConfig(_Model):
         Duration.parse("30s"),
         description="after a burst of drops or silences judged ours, agents of lost streams dialling "
         "back in (at least burst_min within stalls.stall_hold) hold the nodes not heard since again, "
-        "up to this long after the latest burst. Ours: a control plane stopped 5 s with 1,000 agents had "
+        "and a drop found within a hold after a stall noted for a burst is ours too, for at most this "
+        "long after such verdicts began (each within keepalive + ping_timeout + stall_hold of the "
+        "last): verdicts that hold each other up end then. Ours: a control plane stopped 5 s with 1,000 agents had "
         "407 streams cut and took 4.9 s to take them all back; a hold of stall_hold alone ejected 261 "
         "healthy nodes (benchmarks/RESULTS.md). 2,000 agents on two loaded cores took 30-90 s to dial in")
     accept_backlog: int = Field(

@@ -42,7 +42,15 @@ import grpc
 
 from node_probe.proto import probe_pb2
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig, SentinelConfig
-from xds_server.probing.drop_burst import DropWatch, burst_size, dropped, is_burst, returns_hold, silent_with
+from xds_server.probing.drop_burst import (
+    DropWatch,
+    burst_size,
+    chain_holds,
+    dropped,
+    is_burst,
+    returns_hold,
+    silent_with,
+)
 from xds_server.probing.session import ProbeSession, SilentStream
 from xds_server.probing.sources import ObservationSink, ProbeSource, ProbeSourceContext, ProbeSourceFactory
 from xds_server.process.counters import Counters
@@ -201,7 +209,7 @@ class DialInSession(ProbeSession):
         if now_s - self._returned_s >= hold_s:  # an agent that drops and returns again is counted once
             self._returned_s = now_s
             w.returns = dropped(w.returns, now_s, hold_s)
-        if returns_hold(w.returns, now_s, hold_s, d.burst_min, w.ours_s, d.burst_recovery.s):
+        if returns_hold(w.returns, now_s, hold_s, d.burst_min, w.stretch, d.burst_recovery.s):
             self.silence_gate.ours(now_s)
             self.counters.transport_drops["returned"] += 1
 
@@ -209,7 +217,9 @@ class DialInSession(ProbeSession):
         """A stream's transport ended under us: after ``dial_in.drop_confirm``, (still lost?,
         detail). Not lost when the agent dialled again meanwhile, when our loop stalled at least
         ``dial_in.ping_timeout`` within a PING's span (``keepalive`` + ``ping_timeout``) and one
-        hold before the drop, or when the drop is one of a burst (:mod:`~xds_server.probing.drop_burst`)."""
+        hold before the drop (a stall noted for a burst too, while that stretch of ours is younger
+        than ``dial_in.burst_recovery``: :func:`~xds_server.probing.drop_burst.chain_holds`), or when
+        the drop is one of a burst (:mod:`~xds_server.probing.drop_burst`)."""
         d = self.probe_cfg.dial_in
         w, at = self._drops, self._now()
         streams = w.dropped(at, max(d.burst_window.s * 2, d.drop_confirm.s + d.burst_window.s))
@@ -220,17 +230,18 @@ class DialInSession(ProbeSession):
             w.redialled += 1
             self.counters.transport_drops["redialled"] += 1
             return False, f"{detail}; the agent dialled again at once"
-        if self.silence_gate.stalled_since(at - d.keepalive.s - d.ping_timeout.s - self.silence_gate.hold_s,
-                                           at, d.ping_timeout.s):
+        span = d.keepalive.s + d.ping_timeout.s + self.silence_gate.hold_s
+        if (self.silence_gate.stalled_since(at - span, at, d.ping_timeout.s)
+                and chain_holds(w.stretch, at, span, d.burst_recovery.s)):
             # a PING deadline that ran out while our whole process was stopped, read after the
             # node's heartbeats queued meanwhile: its agent is heard after our stall, and cut by it
-            w.ours_s = at
+            w.ours(at, span)
             self.silence_gate.ours(at)
             self.counters.transport_drops["stall"] += 1
             return False, f"{detail}; cut within a hold after a stall of ours: ours, not the node's"
         if is_burst(w.drops, at, d.burst_window.s, streams, d.burst_min, d.burst_share):
             w.bursts += 1
-            w.ours_s = at
+            w.ours(at, span)
             self.drops_held += 1
             self.silence_gate.ours(at)  # every node not heard since: held as after a stall of ours
             self.counters.transport_drops["burst"] += 1
@@ -257,7 +268,7 @@ class DialInSession(ProbeSession):
             self.counters.silent_streams["node"] += 1
             return False
         self.counters.silent_streams["burst"] += 1
-        w.ours_s = at
+        w.ours(at, d.keepalive.s + d.ping_timeout.s + self.silence_gate.hold_s)
         self.silence_gate.ours(at)
         self._rl.warning(at, "silent", "agent stream of %s silent %.1f s with %d of %d others past their refresh: "
                          "judged ours (a starved control plane reads them late), kept open", for_log(self.node.id),

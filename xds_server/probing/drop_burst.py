@@ -18,9 +18,11 @@ A burst judged ours holds the nodes not heard since for ``probe.stalls.stall_hol
 control plane may take far longer than that to take their agents' new streams (measured: 407
 streams cut by a 5 s stop, all back 4.9 s later; 2,000 agents on two loaded cores, 30-90 s to
 dial in). While agents of lost streams keep coming back (at least ``burst_min`` within a hold,
-:func:`returns_hold`), up to ``probe.dial_in.burst_recovery`` after the latest burst, each return
-holds them again: an agent that came back was alive, and so, most likely, are the ones still
-queued behind it.
+:func:`returns_hold`), each return holds them again: an agent that came back was alive, and so,
+most likely, are the ones still queued behind it. Evidence that rests on earlier verdicts of ours
+(returns; a drop found within a hold after a stall noted for a burst) counts for at most
+``probe.dial_in.burst_recovery`` after the stretch of such verdicts began (:func:`chain_holds`):
+verdicts that hold each other up cannot hold a dead node for ever.
 
 The same threshold judges a stream found silent (open, no heartbeat for ``silent_after_s``): one
 alone is the agent's (its own loop hung), one silent while many others have missed their refresh
@@ -36,7 +38,9 @@ Shape::
     d = dropped(d, now_s, keep_s=1.0)                     # one transport drop at now_s
     is_burst(d, at_s, window_s=0.2, streams=300, min_drops=3, share=0.1)   # bool
     silent_with(now_s - 1.5, (s.last_heard() for s in w.serving))          # streams past a refresh
-    returns_hold(returns, now_s, window_s=1.0, min_returns=3, ours_s=t, horizon_s=30.0)  # hold again
+    st = stretched(st, now_s, gap_s=1.17)   # a verdict of ours at now_s, in the stretch before it or a new one
+    chain_holds(st, now_s, gap_s=1.17, horizon_s=30.0)   # a drop after a stall noted for one still ours?
+    returns_hold(returns, now_s, window_s=1.0, min_returns=3, st=st, horizon_s=30.0)  # hold again
     burst_size(streams=300, min_drops=3, share=0.1)                          # 30: what makes a burst
 """
 from __future__ import annotations
@@ -48,7 +52,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-__all__ = ["DropWatch", "Drops", "Heard", "burst_size", "dropped", "is_burst", "returns_hold", "silent_with"]
+__all__ = ["DropWatch", "Drops", "Heard", "Stretch", "burst_size", "chain_holds", "dropped", "is_burst", "returns_hold",
+           "silent_with", "stretched"]
 
 
 class Heard(Protocol):
@@ -84,15 +89,40 @@ def is_burst(d: Drops, at_s: float, window_s: float, streams: int, min_drops: in
     return n >= burst_size(streams, min_drops, share)
 
 
-def returns_hold(returns: Drops, at_s: float, window_s: float, min_returns: int, ours_s: float | None,
+@dataclass(frozen=True, slots=True)
+class Stretch:
+    """Verdicts of ours (bursts, drops after a stall of ours), each within a gap of the one before:
+    the first's time and the latest's (loop s)."""
+
+    since_s: float
+    last_s: float
+
+
+def stretched(st: Stretch | None, at_s: float, gap_s: float) -> Stretch:
+    """``st`` with a verdict of ours at ``at_s``: the same stretch when its latest came at most
+    ``gap_s`` before, else a new one from ``at_s``."""
+    if st is not None and at_s - st.last_s <= gap_s:
+        return Stretch(st.since_s, at_s)
+    return Stretch(at_s, at_s)
+
+
+def chain_holds(st: Stretch | None, at_s: float, gap_s: float, horizon_s: float) -> bool:
+    """Whether evidence that may rest on an earlier verdict of ours (a drop within a hold after a
+    stall of ours: the stall may be one noted for a burst) still counts at ``at_s``: no stretch is
+    running (none within ``gap_s``: the stall is the loop's own), or the running one began at most
+    ``horizon_s`` ago. So verdicts that hold each other up end ``horizon_s`` after they began."""
+    return st is None or at_s - st.last_s > gap_s or at_s - st.since_s <= horizon_s
+
+
+def returns_hold(returns: Drops, at_s: float, window_s: float, min_returns: int, st: Stretch | None,
                  horizon_s: float) -> bool:
     """Whether agents dialling back in (``returns``: when the agents of streams lost under us
-    dialled again, one per agent within ``window_s``, the one at ``at_s`` included) prove a burst
-    judged ours still going at ``at_s``:
-    one was judged at ``ours_s`` (None: never), no more than ``horizon_s`` ago, and at least
-    ``min_returns`` agents came back within ``window_s`` up to ``at_s``. One agent that keeps
-    dropping and dialling again is not enough; a fleet dialling back into a starved control plane is."""
-    if ours_s is None or at_s - ours_s > horizon_s:
+    dialled again, one per agent within ``window_s``, the one at ``at_s`` included) prove a stretch
+    of ours still going at ``at_s``: ``st`` (None: never one) began no more than ``horizon_s`` ago,
+    and at least ``min_returns`` agents came back within ``window_s`` up to ``at_s``. One agent
+    that keeps dropping and dialling again is not enough; a fleet dialling back into a starved
+    control plane is."""
+    if st is None or at_s - st.since_s > horizon_s:
         return False
     return sum(1 for t in returns.times if at_s - window_s <= t <= at_s) >= min_returns
 
@@ -115,7 +145,7 @@ class DropWatch:
     def __init__(self) -> None:
         self.drops = Drops()
         self.returns = Drops()  # when agents of streams lost under us dialled again
-        self.ours_s: float | None = None  # the latest burst of drops or silences judged ours (loop s)
+        self.stretch: Stretch | None = None  # the verdicts of ours (bursts, drops after our stalls) lately
         self.serving: set[Heard] = set()  # the sessions serving a stream now
         self.bursts = 0
         self.redialled = 0
@@ -131,6 +161,10 @@ class DropWatch:
     def open(self) -> int:
         """Dial-in streams being served now."""
         return len(self.serving)
+
+    def ours(self, now_s: float, gap_s: float) -> None:
+        """A verdict of ours at ``now_s`` (a burst, a drop after a stall of ours): :func:`stretched`."""
+        self.stretch = stretched(self.stretch, now_s, gap_s)
 
     def dropped(self, now_s: float, keep_s: float) -> int:
         """Record a drop at ``now_s``; returns the streams open just before it."""
