@@ -164,3 +164,42 @@ async def test_a_stream_cut_just_after_our_loop_stood_still_is_ours_though_its_n
     finally:
         agent.close()
         await cp.stop()
+
+
+async def test_a_stall_of_our_own_loop_stays_ours_when_a_stretch_of_ours_has_run_past_its_bound():
+    """``burst_recovery`` bounds verdicts of ours that rest on each other (a stall noted for one),
+    not the loop's own stalls: with the bound at 1 ms, a second stall of our loop 0.6 s after a
+    first one's verdict (a stretch running, begun long past the bound) still makes its drop ours."""
+    port = free_port()
+    cp = ControlPlane(parse_config({
+        "xds": {"listen": f"127.0.0.1:{port}"}, "admin": {"listen": "127.0.0.1:0"},
+        "probe": {"transport": {"telemetry_refresh": f"{REFRESH_MS}ms"}, "dial_in": {"burst_recovery": "1ms"}},
+        "health": {"rtt": {"ping_interval": "60s"},
+                   "probation": {"ramp_start_percent": 100, "ramp_step": "100ms", "clean": "1s"}},
+        "clusters": [{"name": "llm", "nodes": [{"id": i, "address": f"127.0.0.{k + 1}:8000"}
+                                               for k, i in enumerate(("n0", "n1"))]}]}))
+    agents = [ThreadAgent("n0", port), ThreadAgent("n1", port)]
+    try:
+        await cp.start()
+        for a in agents:
+            a.dial()
+        await wait_for(lambda: all(cp.core.health[i].state is NodeState.HEALTHY for i in ("n0", "n1")),
+                       timeout_s=15)
+        drops = cp.counters.transport_drops
+        for k, a in enumerate(agents):  # our loop stands still, the agent is cut just after we wake
+            cutter = threading.Timer(0.45, a.cut)
+            cutter.start()
+            time.sleep(0.4)
+            await wait_for(lambda k=k: drops.total() >= k + 1, timeout_s=3, what="the cut read")
+            if k == 0:
+                await asyncio.sleep(0.2)  # the second stall comes ~0.6 s after the first verdict
+        assert dict(drops) == {"stall": 2}, dict(drops)
+        for a in agents:
+            a.dial()
+        await wait_for(lambda: all(cp.sessions[i].connected for i in ("n0", "n1")), timeout_s=5, what="back")
+        await asyncio.sleep(1.5)  # past the hold
+        assert cp.counters.ejections == {}
+    finally:
+        for a in agents:
+            a.close()
+        await cp.stop()

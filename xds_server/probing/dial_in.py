@@ -217,9 +217,10 @@ class DialInSession(ProbeSession):
         """A stream's transport ended under us: after ``dial_in.drop_confirm``, (still lost?,
         detail). Not lost when the agent dialled again meanwhile, when our loop stalled at least
         ``dial_in.ping_timeout`` within a PING's span (``keepalive`` + ``ping_timeout``) and one
-        hold before the drop (a stall noted for a burst too, while that stretch of ours is younger
-        than ``dial_in.burst_recovery``: :func:`~xds_server.probing.drop_burst.chain_holds`), or when
-        the drop is one of a burst (:mod:`~xds_server.probing.drop_burst`)."""
+        hold before the drop (the loop's own stall always; one noted for a burst while that
+        stretch of ours is younger than ``dial_in.burst_recovery``:
+        :func:`~xds_server.probing.drop_burst.chain_holds`), or when the drop is one of a burst
+        (:mod:`~xds_server.probing.drop_burst`)."""
         d = self.probe_cfg.dial_in
         w, at = self._drops, self._now()
         streams = w.dropped(at, max(d.burst_window.s * 2, d.drop_confirm.s + d.burst_window.s))
@@ -231,8 +232,10 @@ class DialInSession(ProbeSession):
             self.counters.transport_drops["redialled"] += 1
             return False, f"{detail}; the agent dialled again at once"
         span = d.keepalive.s + d.ping_timeout.s + self.silence_gate.hold_s
-        if (self.silence_gate.stalled_since(at - span, at, d.ping_timeout.s)
-                and chain_holds(w.stretch, at, span, d.burst_recovery.s)):
+        gate = self.silence_gate
+        if (gate.stalled_since(at - span, at, d.ping_timeout.s, own=True)  # the loop's own: always ours
+                or (gate.stalled_since(at - span, at, d.ping_timeout.s)  # one noted for a burst of ours
+                    and chain_holds(w.stretch, at, span, d.burst_recovery.s))):
             # a PING deadline that ran out while our whole process was stopped, read after the
             # node's heartbeats queued meanwhile: its agent is heard after our stall, and cut by it
             w.ours(at, span)

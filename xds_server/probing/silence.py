@@ -158,11 +158,16 @@ class SilenceGate:
         return w is not None and (stalled_between(w.history, since_s, now_s, w.period_s)
                                   or late_between(w.late_runs, w.history, since_s, now_s, w.period_s, max_lag_s))
 
-    def stalled_since(self, since_s: float, now_s: float, min_gap_s: float) -> bool:
+    def stalled_since(self, since_s: float, now_s: float, min_gap_s: float, *, own: bool = False) -> bool:
         """Whether our loop stalled at least ``min_gap_s`` and woke after ``since_s`` (loop s; the
-        stall we are waking from at ``now_s`` included)."""
+        stall we are waking from at ``now_s`` included). ``own``: only the stalls the sampler
+        itself saw (its late runs), not those noted for a burst of ours."""
         w = self._watch
-        return w is not None and stalled_between(w.history, since_s, now_s, w.period_s, min_gap_s)
+        if w is None:
+            return False
+        if own:
+            return late_between(w.late_runs, w.history, since_s, now_s, w.period_s, min_gap_s)
+        return stalled_between(w.history, since_s, now_s, w.period_s, min_gap_s)
 
     def due(self, now_s: float, heard_s: float | None) -> float | Tick | StreamClosed:
         """The session's detection timer is due at ``now_s``: the end of a running hold (a loop
