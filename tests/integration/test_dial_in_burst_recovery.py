@@ -21,6 +21,7 @@ from node_probe.dial_stream import METADATA
 from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.config import parse_config
 from xds_server.health.records import NodeState
+from xds_server.probing.drop_burst import DropWatch
 from xds_server.server import ControlPlane
 from xds_server.testing import free_port, wait_for
 
@@ -64,6 +65,9 @@ async def test_nodes_not_back_yet_stay_held_while_agents_keep_coming_back_after_
         assert {i: cp.core.health[i].state for i in ids[:-1]} == dict.fromkeys(ids[:-1], NodeState.HEALTHY)
         assert not any(nid in ids[:-1] for nid, _ in cp.counters.ejections)
         assert cp.counters.transport_drops["returned"] >= 3
+        # the returns belong to the burst's stretch of verdicts of ours, so its bound holds for them
+        stretch = DropWatch.of(asyncio.get_running_loop()).stretch
+        assert stretch is not None and stretch.last_s - stretch.since_s >= 1.5, stretch
         # the one that never came back is judged one hold after the last return
         await wait_for(lambda: cp.core.health[ids[-1]].state is NodeState.UNHEALTHY, timeout_s=4)
     finally:

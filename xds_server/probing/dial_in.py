@@ -156,7 +156,6 @@ class DialInSession(ProbeSession):
         self.streams_replaced = 0
         self._redial = asyncio.Event()  # a stream was attached (the agent dialled)
         self._drops = DropWatch()  # the loop's, from start()
-        self.drops_held = 0  # transport drops judged ours (a burst), not the node's
         self._lost_s: float | None = None  # the last stream's transport lost under us (loop s), until a new one
         self._returned_s = float("-inf")  # the agent's last return counted (loop s): one per node per hold
         self.replay_max_prompts = 0  # the agent's last heartbeat's (0: none yet, or it does not replay)
@@ -210,8 +209,21 @@ class DialInSession(ProbeSession):
             self._returned_s = now_s
             w.returns = dropped(w.returns, now_s, hold_s)
         if returns_hold(w.returns, now_s, hold_s, d.burst_min, w.stretch, d.burst_recovery.s):
-            self.silence_gate.ours(now_s)
+            self._judged_ours(now_s)  # in the stretch too: its bound holds for returns as for drops
             self.counters.transport_drops["returned"] += 1
+
+    def _ours_gap_s(self) -> float:
+        """How close verdicts of ours follow each other to form one stretch, and how far back a
+        stall of ours makes a drop ours: a PING's span (``keepalive`` + ``ping_timeout``) and one hold."""
+        d = self.probe_cfg.dial_in
+        return d.keepalive.s + d.ping_timeout.s + self.silence_gate.hold_s
+
+    def _judged_ours(self, at_s: float) -> None:
+        """A verdict of ours at ``at_s`` (a burst of drops or silences, a drop after our stall, a
+        return that holds the rest again): it joins the loop's stretch of such verdicts, and every
+        node not heard since is held as after a stall of ours."""
+        self._drops.ours(at_s, self._ours_gap_s())
+        self.silence_gate.ours(at_s)
 
     async def _confirm_lost(self, detail: str) -> tuple[bool, str]:
         """A stream's transport ended under us: after ``dial_in.drop_confirm``, (still lost?,
@@ -228,25 +240,19 @@ class DialInSession(ProbeSession):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._redial.wait(), d.drop_confirm.s)
         if not self._calls.empty():
-            w.redialled += 1
             self.counters.transport_drops["redialled"] += 1
             return False, f"{detail}; the agent dialled again at once"
-        span = d.keepalive.s + d.ping_timeout.s + self.silence_gate.hold_s
-        gate = self.silence_gate
+        span, gate = self._ours_gap_s(), self.silence_gate
         if (gate.stalled_since(at - span, at, d.ping_timeout.s, own=True)  # the loop's own: always ours
                 or (gate.stalled_since(at - span, at, d.ping_timeout.s)  # one noted for a burst of ours
                     and chain_holds(w.stretch, at, span, d.burst_recovery.s))):
             # a PING deadline that ran out while our whole process was stopped, read after the
             # node's heartbeats queued meanwhile: its agent is heard after our stall, and cut by it
-            w.ours(at, span)
-            self.silence_gate.ours(at)
+            self._judged_ours(at)
             self.counters.transport_drops["stall"] += 1
             return False, f"{detail}; cut within a hold after a stall of ours: ours, not the node's"
         if is_burst(w.drops, at, d.burst_window.s, streams, d.burst_min, d.burst_share):
-            w.bursts += 1
-            w.ours(at, span)
-            self.drops_held += 1
-            self.silence_gate.ours(at)  # every node not heard since: held as after a stall of ours
+            self._judged_ours(at)
             self.counters.transport_drops["burst"] += 1
             self._rl.warning(self._now(), "burst", "agent stream of %s dropped with %d others within %g ms: "
                              "judged ours (a starved control plane), not the node's death", for_log(self.node.id),
@@ -271,8 +277,7 @@ class DialInSession(ProbeSession):
             self.counters.silent_streams["node"] += 1
             return False
         self.counters.silent_streams["burst"] += 1
-        w.ours(at, d.keepalive.s + d.ping_timeout.s + self.silence_gate.hold_s)
-        self.silence_gate.ours(at)
+        self._judged_ours(at)
         self._rl.warning(at, "silent", "agent stream of %s silent %.1f s with %d of %d others past their refresh: "
                          "judged ours (a starved control plane reads them late), kept open", for_log(self.node.id),
                          at - since_s, quiet - 1, w.open - 1)

@@ -91,8 +91,8 @@ def is_burst(d: Drops, at_s: float, window_s: float, streams: int, min_drops: in
 
 @dataclass(frozen=True, slots=True)
 class Stretch:
-    """Verdicts of ours (bursts, drops after a stall of ours), each within a gap of the one before:
-    the first's time and the latest's (loop s)."""
+    """Verdicts of ours (bursts, drops after a stall of ours, returns that held the rest again),
+    each within a gap of the one before: the first's time and the latest's (loop s)."""
 
     since_s: float
     last_s: float
@@ -136,8 +136,8 @@ def silent_with(before_s: float, last_heard: Iterable[float | None]) -> int:
 
 class DropWatch:
     """The drops and open dial-in streams of one event loop (:meth:`of`; ``serving``: their
-    sessions). ``bursts``: drops judged ours so far; ``redialled``: drops after which the agent
-    dialled again in time."""
+    sessions), the agents' returns and the stretch of verdicts of ours. What was judged is counted
+    in :class:`~xds_server.process.counters.Counters` (``transport_drops``, ``silent_streams``)."""
 
     _by_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, DropWatch]] = (
         weakref.WeakKeyDictionary())
@@ -147,8 +147,6 @@ class DropWatch:
         self.returns = Drops()  # when agents of streams lost under us dialled again
         self.stretch: Stretch | None = None  # the verdicts of ours (bursts, drops after our stalls) lately
         self.serving: set[Heard] = set()  # the sessions serving a stream now
-        self.bursts = 0
-        self.redialled = 0
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> DropWatch:
@@ -163,7 +161,8 @@ class DropWatch:
         return len(self.serving)
 
     def ours(self, now_s: float, gap_s: float) -> None:
-        """A verdict of ours at ``now_s`` (a burst, a drop after a stall of ours): :func:`stretched`."""
+        """A verdict of ours at ``now_s`` (a burst of drops or silences, a drop after a stall of
+        ours, a return that held the rest again): :func:`stretched`."""
         self.stretch = stretched(self.stretch, now_s, gap_s)
 
     def dropped(self, now_s: float, keep_s: float) -> int:
