@@ -8,6 +8,7 @@ status`` and /events say "cannot warm" with the last failure and the hint; the c
 """
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -76,8 +77,10 @@ async def test_agent_pointed_at_a_404_server_shows_cannot_warm_with_the_hint_in_
         reported = [e for e in events if e["reason"].startswith("cannot warm: ")]
         assert len(reported) == 1 and reported[0]["from"] == reported[0]["to"] == "WARMING"
         assert hint in reported[0]["reason"]
-        out = subprocess.run([sys.executable, "-m", "xds_server.cli", "status", "--admin", admin],
-                             capture_output=True, text=True, timeout=30)
+        # off the event loop: the 404 server above answers on it, and a probe it left unanswered
+        # while the CLI starts would time out and change the node's reason under us
+        out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "xds_server.cli", "status",
+                                                       "--admin", admin], capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
         row = next(line for line in out.stdout.splitlines() if line.startswith("wrong-url"))
         assert " WARMING " in row and "cannot warm: " in row and "is --engine-url an inference engine?" in row

@@ -26,13 +26,13 @@ GATES = {"min_requests": 20, "wilson_z": 1.0, "max_error_ratio": 0.05, "fail_win
 TARGET = ("gpu-c", "gpu-d")
 
 
-def _fleet(make_fleet, tmp_path):
+def _fleet(make_fleet, tmp_path, **gates):
     return make_fleet(
         n_nodes=4, node_options=[{"priority": 0}, {"priority": 0}, {"priority": 1}, {"priority": 1}],
         health={"ramp_start_percent": 100.0},
         cluster_options={"outlier_detection": {"enabled": False}, "lb_policy": "ROUND_ROBIN"},
         admin_options={"token": TOKEN},
-        config_options={"shift": {**GATES, "state_path": str(tmp_path / "shifts.json")},
+        config_options={"shift": {**GATES, **gates, "state_path": str(tmp_path / "shifts.json")},
                         "lrs": {"interval_s": 0.5, "traffic_ejection": {"enabled": False}}})
 
 
@@ -113,7 +113,9 @@ async def test_gated_shift_steps_on_time_rolls_back_and_cancels(make_fleet, http
 
 
 async def test_no_traffic_holds_restart_resumes_and_hard_switch(make_fleet, http, tmp_path):
-    fleet = _fleet(make_fleet, tmp_path)
+    # the gate never has data enough here, so the share measured after the restart is the resumed
+    # step's (with 20 requests a window, a loaded machine let it advance to 60 % mid-measurement)
+    fleet = _fleet(make_fleet, tmp_path, min_requests=1_000_000)
     await fleet.wait_all_routed(http)
     # bad input: each refused naming its field, nothing started
     for body, status, field in [({"to": "mars"}, 400, "to"), ({"to": 1, "step_percent": 0}, 400, "step_percent"),
@@ -142,6 +144,8 @@ async def test_no_traffic_holds_restart_resumes_and_hard_switch(make_fleet, http
         await asyncio.sleep(0.5)
         share, n = await _share(load, "resumed", 1.5)
         assert abs(share - 30) <= 3.0, (share, n)
+        v = await _view(fleet, http)
+        assert v["share_percent"] == 30 and v["phase"] == "holding" and "too little data" in v["reason"], v
         await _shift(fleet, http, "/cancel")
         await asyncio.sleep(0.5)
         # hard switch while a long generation runs on the source: it is not cut, and its response
