@@ -312,7 +312,8 @@ class _Agents:
 # -- one measurement (in a fresh process) -----------------------------------------------------------
 
 def _config(mode: str, n: int, ips: list[str], port: int, keepalive_ms: int, ping_timeout_ms: int,
-            refresh_ms: int, workers: int = 0, rtt_ping_s: float = 60.0, measure_refresh: str = "1s") -> SentinelConfig:
+            refresh_ms: int, workers: int = 0, rtt_ping_s: float = 60.0, measure_refresh: str = "1s",
+            rtt_ping_budget: float = 400.0) -> SentinelConfig:
     probe: dict[str, Any] = {"transport": {"telemetry_refresh": f"{refresh_ms}ms"}}
     if mode == "dial-in":
         probe["dial_in"] = {"keepalive": f"{keepalive_ms}ms", "ping_timeout": f"{ping_timeout_ms}ms"}
@@ -334,7 +335,7 @@ def _config(mode: str, n: int, ips: list[str], port: int, keepalive_ms: int, pin
         # RTT pings every --rtt-ping-s (60 s: as good as off; the default config's is 1 s); a node's
         # first good probe routes it at full weight (HEALTHY a ramp step later), not the default
         # 1 %-per-second ramp: the fleet is HEALTHY within the settle
-        "health": {"rtt": {"ping_interval": f"{rtt_ping_s}s"},
+        "health": {"rtt": {"ping_interval": f"{rtt_ping_s}s", "ping_budget": rtt_ping_budget},
                    "probation": {"ramp_start_percent": 100.0, "ramp_step": "100ms"}},
         "probe": probe,
         "clusters": [{"name": "llm", "nodes": [node(i) for i in range(n)]}]})
@@ -350,7 +351,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
                   fleet_cpu: int | None, workers: int = 0, agent_kind: str = "grpcio",
                   gc_mode: str = "tuned", freeze_groups: int = 1, rtt_ping_s: float = 60.0,
                   measure_refresh: str = "1s", cp_stop_s: float = 0.0, burn_s: float = 0.0,
-                  agent_stable_s: float = STABLE_S, burners_n: int = 2) -> dict[str, Any]:
+                  agent_stable_s: float = STABLE_S, burners_n: int = 2,
+                  rtt_ping_budget: float = 400.0) -> dict[str, Any]:
     from xds_server.probing.session import ProbeSession
     from xds_server.server import ControlPlane
 
@@ -382,7 +384,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
     ips = [_ip(i) for i in range(n)]
     fleet_port = free_port()
     cfg = _config(mode, n, ips, fleet_port, keepalive_ms, ping_timeout_ms, refresh_ms, workers, rtt_ping_s,
-                  measure_refresh)
+                  measure_refresh, rtt_ping_budget)
     addresses = {nd.id: nd.address for c in cfg.clusters for nd in c.nodes}
     procs: list[Any] = []  # _Agents or _Fleet: .proc, .stop()
     groups = [g for g in _split(list(range(freeze)), freeze_groups) if g]  # node indices per freeze
@@ -450,7 +452,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         streams0 = sum(p.streams.value for p in procs if isinstance(p, _Agents))
         agents0 = sum(process_cpu_s(p.proc.pid) for p in procs)
         prof = None
-        if os.environ.get("DIAL_IN_PROFILE"):  # where the loop thread's time goes (cProfile, top 25)
+        if os.environ.get("DIAL_IN_PROFILE"):  # where the loop thread's time goes (cProfile, top 25; F.prof: kept)
             import cProfile
             prof = cProfile.Profile()
             prof.enable()
@@ -514,6 +516,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             import pstats
             prof.disable()
             pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+            if os.environ["DIAL_IN_PROFILE"].endswith(".prof"):  # the whole profile, for pstats
+                prof.dump_stats(os.environ["DIAL_IN_PROFILE"])
         agents1 = sum(process_cpu_s(p.proc.pid) for p in procs)
         msgs = received[0] - m0
         streams1 = sum(p.streams.value for p in procs if isinstance(p, _Agents))
@@ -777,6 +781,9 @@ def main() -> None:
                     "0: the main process does); several values: one dial-in measurement each")
     ap.add_argument("--rtt-ping-s", type=float, default=60.0,
                     help="health.rtt.ping_interval, s (default 60: as good as off; the config's default is 1)")
+    ap.add_argument("--rtt-ping-budget", type=float, default=400.0,
+                    help="health.rtt.ping_budget: RTT pings a second, all nodes together (0: none; the config's "
+                    "default is 400)")
     ap.add_argument("--cp-stop-s", type=float, default=0.0,
                     help="dial-in: SIGSTOP the control plane this long, a fifth into the window (every PING "
                     "deadline passes while it is stopped): how it comes back")
@@ -807,7 +814,7 @@ def main() -> None:
                                                         a.refresh_ms, a.keepalive_ms, a.ping_timeout_ms, a.cp_cpu,
                                                         a.fleet_cpu, workers, a.agent_kind, gc_mode,
                                                         a.freeze_groups, a.rtt_ping_s, refresh, a.cp_stop_s,
-                                                        a.burn_s, a.agent_stable_s, a.burners, loop,
+                                                        a.burn_s, a.agent_stable_s, a.burners, a.rtt_ping_budget, loop,
                                                         os.getpid()], q))
                 p.start()  # a fresh process per measurement: no state carried between modes
                 try:
@@ -825,6 +832,7 @@ def main() -> None:
                 finally:
                     _end_group(p)
                 res["loop"], res["gc"], res["measure_refresh"], res["rtt_ping_s"] = loop, gc_mode, refresh, a.rtt_ping_s
+                res["rtt_ping_budget"] = a.rtt_ping_budget
                 rows.append(res)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}), flush=True)
     except KeyboardInterrupt:

@@ -6,7 +6,8 @@ arrives into health-model observations, timed on the control plane's own monoton
 
 - each Heartbeat -> :class:`HeartbeatObserved`; a timer armed at last arrival + interval + grace
   (and every interval after) delivers :class:`Tick`, so missed heartbeats are counted unpolled;
-- Ping{seq} every ``rtt.ping_interval``; its Pong gives the RTT -> :class:`PingObserved` (none
+- Ping{seq} every ``rtt.ping_interval``, less often past the process's ``rtt.ping_budget``
+  (:mod:`~xds_server.probing.rtt_pace`); its Pong gives the RTT -> :class:`PingObserved` (none
   across a heartbeat gap or a stall or queue of our own loop, and no ping sent while our loop runs
   late: counted in ``Counters.rtt_not_taken``);
 - each InferenceResult -> :class:`ProbeObserved`;
@@ -26,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import sys
 from collections.abc import Callable
 from time import monotonic
@@ -48,6 +48,7 @@ from xds_server.probing.liveness import (
     reasserted,
     silent_after_s,
 )
+from xds_server.probing.rtt_pace import PingPace
 from xds_server.probing.silence import SilenceGate, SilentStream
 from xds_server.probing.sources import ObservationSink, ProbeSource, ProbeSourceContext
 from xds_server.probing.timers import TickTimer
@@ -56,8 +57,6 @@ from xds_server.process.tls import ClientTls, dial
 from xds_server.process.untrusted import RateLimitedLog, clip, for_log
 
 __all__ = ["ProbeSession", "SilentStream", "grpc_probe_source"]
-
-_JITTER = random.Random()  # the RTT pings' waits (health.rtt.ping_jitter); the global generator is left alone
 
 log = logging.getLogger("xds_server.probing")  # the stage's name, as before the package
 
@@ -284,20 +283,22 @@ class ProbeSession:
             # A (re)connected control plane has no probe result yet: ask for one now rather than
             # waiting up to the agent's busy cadence (3-5 s); keeps the warm-up gate short.
             outq.put_nowait(probe_pb2.ControlMessage(probe_now=probe_pb2.ProbeNow(reason="connected")))
-            interval, jitter = self.cfg.rtt.ping_interval.s, self.cfg.rtt.ping_jitter
-            keep = self.probe_cfg.channel.max_unanswered_pings
-            while True:
-                now = loop.time()
-                if self.silence_gate.measured_us(now, now, self.cfg.rtt.self_lag_max.s):
-                    self.counters.rtt_not_taken["late"] += 1  # our loop runs late: its round trip would not count
-                else:
-                    st.ping_seq += 1
-                    pings[st.ping_seq] = monotonic()
-                    if len(pings) > keep:  # unanswered pings: keep the map bounded
-                        for k in sorted(pings)[:-keep]:
-                            del pings[k]
-                    outq.put_nowait(probe_pb2.ControlMessage(ping=probe_pb2.Ping(seq=st.ping_seq)))
-                await asyncio.sleep(interval * _JITTER.uniform(1.0 - jitter, 1.0 + jitter))
+            keep, pace = self.probe_cfg.channel.max_unanswered_pings, PingPace.acquire(loop)
+            try:
+                while True:
+                    now = loop.time()
+                    if self.silence_gate.measured_us(now, now, self.cfg.rtt.self_lag_max.s):
+                        self.counters.rtt_not_taken["late"] += 1  # our loop runs late: its round trip would not count
+                    else:
+                        st.ping_seq += 1
+                        pings[st.ping_seq] = monotonic()
+                        if len(pings) > keep:  # unanswered pings: keep the map bounded
+                            for k in sorted(pings)[:-keep]:
+                                del pings[k]
+                        outq.put_nowait(probe_pb2.ControlMessage(ping=probe_pb2.Ping(seq=st.ping_seq)))
+                    await asyncio.sleep(pace.wait_s(self.cfg.rtt))
+            finally:
+                pace.release()
 
         silent = [False]
         async def watchdog() -> None:
