@@ -61,6 +61,7 @@ from node_probe.prober import Prober
 from node_probe.proto import probe_pb2, probe_pb2_grpc
 from node_probe.replay import Replayer
 from node_probe.schedule import ProbeScheduler, Trigger, load_is_busy
+from node_probe.shutdown import bounded
 from node_probe.stall import StallDetector
 from node_probe.streams import StreamHub
 from node_probe.telemetry import GpuCollector, gpu_fatal_reason
@@ -246,26 +247,25 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
     async def stop(self, grace_s: float = 0.5) -> None:
         """Stop everything: background loops, open streams (ended cleanly, then cancelled after
         ``grace_s`` seconds), the gRPC server, the HTTP session and the NVML worker. Idempotent;
-        never raises for cleanup failures."""
+        never raises for cleanup failures, and never waits on one step longer than
+        :func:`~node_probe.shutdown.bounded` allows."""
         if self._stopped:
             return
         self._stopped = True
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await bounded(asyncio.gather(*self._tasks, return_exceptions=True), "background tasks")
         self._tasks.clear()
         if self.dialer is not None:
-            await self.dialer.stop(grace_s)  # half-closed: the control planes end them
+            # half-closed: the control planes end them
+            await bounded(self.dialer.stop(grace_s), "dialled streams", grace_s)
         self._hub.end_all()
         if self._server is not None:
-            try:
-                await self._server.stop(grace_s)
-            except Exception:
-                log.exception("grpc server stop failed")
-        await self._hub.close()
+            await bounded(self._server.stop(grace_s), "grpc server", grace_s)
+        await bounded(self._hub.close(), "served streams")
         if self._session is not None:
-            await self._session.close()
-        await self.metrics.close()
+            await bounded(self._session.close(), "engine HTTP session")
+        await bounded(self.metrics.close(), "metrics endpoint")
         if self._gpu_poller is not None:
             self._gpu_poller.close()
         log.info("node-probe %s stopped", self.cfg.node_id)

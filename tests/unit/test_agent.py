@@ -24,6 +24,7 @@ from aiohttp import web
 from node_probe.agent import AgentConfig, EngineLifecycle, ProbeAgent, run_agent
 from node_probe.engines import EngineLoadReading, EngineRequestError, GroupLoad, ProbeOutcome
 from node_probe.proto import probe_pb2, probe_pb2_grpc
+from node_probe.shutdown import bounded
 from xds_server.testing import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu"
@@ -242,10 +243,11 @@ async def open_watch():
         return watcher
 
     yield open_
+    # bounded as the agent's own stop is (node_probe.shutdown): a grpc.aio close that hangs is said, not waited on
     for watcher in watchers:
-        await watcher.close()
+        await bounded(watcher.close(), "watch call")
     for channel in channels:
-        await channel.close(grace=None)
+        await bounded(channel.close(grace=None), "watch channel")
 
 
 def _check(msg: Any) -> Any:
