@@ -26,14 +26,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's ``--dist loadgroup`` (the README's test command runs ``-n 4``):
+    """Groups for pytest-xdist's ``--dist loadgroup`` (the README's test command runs ``-n 2``):
     each test module is a group of its own, so its module fixtures (a shared fleet, a built
     table) are built once, on one worker, and the modules spread over the workers, the largest
     first (xdist orders groups by their number of tests). At most one fleet per worker runs at a
-    time. Four workers on two cores: most tests wait on real processes (the suite used ~1.1 of
-    2 cores with two workers, 625 s; ~1.8 with four, 413 s), and the timing bounds the fleet tests
-    assert hold with three other modules running beside them (measured in the suite's own runs,
-    not assumed).
+    time; the timing bounds the fleet tests assert hold with another fleet or a hypothesis run
+    on the other core (measured in the suite's own runs, not assumed).
 
     On a worker the group goes into the node id as ``ID@GROUP``, the form xdist's loadgroup
     scheduler splits on (its own hook, which should do this from ``xdist_group`` marks, left the

@@ -33,6 +33,22 @@ atexit.register(_kill_all_at_exit)
 
 
 _PORT_LOW, _PORT_HIGH = 21000, 32000
+
+
+def _slice(low: int, high: int, env: dict[str, str]) -> tuple[int, int]:
+    """This process's part of ``[low, high)``: under pytest-xdist (``PYTEST_XDIST_WORKER`` gwN of
+    ``PYTEST_XDIST_WORKER_COUNT``) the N-th of equal slices, so two workers never hand out the same
+    port (each checks only that a port is free now: two could pick it before either binds); else
+    the whole range."""
+    worker, count = env.get("PYTEST_XDIST_WORKER", ""), env.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 0):
+        return low, high
+    n, k = int(worker[2:]), int(count)
+    size = (high - low) // k
+    return (low + n * size, low + (n + 1) * size) if n < k else (low, high)
+
+
+_PORT_LOW, _PORT_HIGH = _slice(_PORT_LOW, _PORT_HIGH, dict(os.environ))
 _GIVEN: set[int] = set()
 _PORT_RNG = random.Random(os.getpid() ^ time.monotonic_ns())
 
@@ -40,10 +56,11 @@ _PORT_RNG = random.Random(os.getpid() ^ time.monotonic_ns())
 def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago and that this process has not handed out.
 
-    Ports come from 21000-32000, below Linux's ephemeral range (32768-60999 by default): a port
-    the kernel hands out for port 0 is also what it picks for the next outgoing connection, so
-    one chosen there can be taken by any client between this call and the server's bind (a
-    README run once lost its control plane's port that way and answered 503 for 30 s). Raises
+    Ports come from 21000-32000 (one slice of it per pytest-xdist worker), below Linux's ephemeral
+    range (32768-60999 by default): a port the kernel hands out for port 0 is also what it picks
+    for the next outgoing connection, so one chosen there can be taken by any client between this
+    call and the server's bind (a README run once lost its control plane's port that way and
+    answered 503 for 30 s). Raises
     RuntimeError if no port in the range binds.
     """
     for _ in range(2000):
