@@ -51,3 +51,28 @@ async def test_the_stop_itself_can_still_be_cancelled():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_an_agent_whose_grpc_server_never_stops_still_stops_and_says_which_step(monkeypatch, caplog):
+    from node_probe.agent import AgentConfig, ProbeAgent
+    from xds_server.testing import free_port
+
+    monkeypatch.setattr(shutdown, "STEP_S", 0.3)
+    caplog.set_level(logging.WARNING, logger="node_probe.agent")
+    agent = ProbeAgent(AgentConfig(engine_url=f"http://127.0.0.1:{free_port()}", listen="127.0.0.1:0",
+                                   node_id="node-a", probe_interval_s=30.0))
+    await agent.start()
+    server = agent._server
+    assert server is not None
+    real_stop = server.stop
+
+    async def never_stops(grace: float | None) -> None:
+        await asyncio.get_running_loop().create_future()
+
+    monkeypatch.setattr(server, "stop", never_stops)
+    t0 = time.monotonic()
+    await agent.stop(grace_s=0.1)
+    took = time.monotonic() - t0
+    await real_stop(None)
+    assert took < 2.0, took  # grace 0.1 + STEP_S 0.3, plus the other steps
+    assert "stop: grpc server did not end within 0.4 s; going on" in caplog.text

@@ -103,13 +103,6 @@ class RttConfig(_Model):
         "and one read on the event loop that also reads liveness; at 2,000 nodes, pings every 1 s took "
         "the control plane from 0.93 to 1.27 cores and pings every 5 s to 1.06 (benchmarks/RESULTS.md). "
         "The RTT moves weights and outlier ejection, not liveness")
-
-    @field_validator("ping_budget")
-    @classmethod
-    def _v_ping_budget(cls, v: float) -> float:
-        if 0 < v < 1:
-            raise ValueError(f"must be 0 (no budget) or at least 1 ping a second, got {v:g}")
-        return v
     ping_jitter: float = Field(
         0.2, ge=0, lt=1,
         description="each wait between pings is ping_interval x a random factor in [1 - this, 1 + this], "
@@ -142,6 +135,13 @@ class RttConfig(_Model):
         description="added to baseline x tolerance so sub-millisecond loopback RTTs (where 1.5 x "
                     "is a few microseconds) do not block PROBATION on noise (ours)",
     )
+
+    @field_validator("ping_budget")
+    @classmethod
+    def _v_ping_budget(cls, v: float) -> float:
+        if 0 < v < 1:
+            raise ValueError(f"must be 0 (no budget) or at least 1 ping a second, got {v:g}")
+        return v
 
 
 class ProbesConfig(_Model):

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 __all__ = ["ManagedProcess", "free_port"]
@@ -32,10 +33,7 @@ def _kill_all_at_exit() -> None:
 atexit.register(_kill_all_at_exit)
 
 
-_PORT_LOW, _PORT_HIGH = 21000, 32000
-
-
-def _slice(low: int, high: int, env: dict[str, str]) -> tuple[int, int]:
+def _slice(low: int, high: int, env: Mapping[str, str]) -> tuple[int, int]:
     """This process's part of ``[low, high)``: under pytest-xdist (``PYTEST_XDIST_WORKER`` gwN of
     ``PYTEST_XDIST_WORKER_COUNT``) the N-th of equal slices, so two workers never hand out the same
     port (each checks only that a port is free now: two could pick it before either binds); else
@@ -48,7 +46,7 @@ def _slice(low: int, high: int, env: dict[str, str]) -> tuple[int, int]:
     return (low + n * size, low + (n + 1) * size) if n < k else (low, high)
 
 
-_PORT_LOW, _PORT_HIGH = _slice(_PORT_LOW, _PORT_HIGH, dict(os.environ))
+_PORT_LOW, _PORT_HIGH = _slice(21000, 32000, os.environ)
 _GIVEN: set[int] = set()
 _PORT_RNG = random.Random(os.getpid() ^ time.monotonic_ns())
 
@@ -60,8 +58,7 @@ def free_port() -> int:
     range (32768-60999 by default): a port the kernel hands out for port 0 is also what it picks
     for the next outgoing connection, so one chosen there can be taken by any client between this
     call and the server's bind (a README run once lost its control plane's port that way and
-    answered 503 for 30 s). Raises
-    RuntimeError if no port in the range binds.
+    answered 503 for 30 s). Raises RuntimeError if no port in the range binds.
     """
     for _ in range(2000):
         port = _PORT_RNG.randrange(_PORT_LOW, _PORT_HIGH)
