@@ -24,14 +24,27 @@ settings.load_profile("suite")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+# Where a module goes in the workers' queue (``--no-loadscope-reorder``: in collection order, set
+# here): modules that start a real Envoy, then the other process tests, then the in-process ones.
+# The longest modules go out first and the many short ones fill the workers' ends, so no worker
+# starts a 40 s module while the others have run out of work.
+_QUEUE_ORDER = ("faults", "integration", "relay", "deploy", "unit", "conformance", "property")
+
+
+def _queue_rank(item: pytest.Item, tests_dir: Path) -> tuple[int, int]:
+    top = item.path.relative_to(tests_dir).parts[0]
+    envoy = item.get_closest_marker("envoy") is not None
+    return (0 if envoy else 1, _QUEUE_ORDER.index(top) if top in _QUEUE_ORDER else len(_QUEUE_ORDER))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's ``--dist loadgroup`` (the README's test command runs ``-n 2``):
+    """Groups for pytest-xdist's ``--dist loadgroup`` (the README's test command runs ``-n 3``):
     each test module is a group of its own, so its module fixtures (a shared fleet, a built
-    table) are built once, on one worker, and the modules spread over the workers, the largest
-    first (xdist orders groups by their number of tests). At most one fleet per worker runs at a
-    time; the timing bounds the fleet tests assert hold with another fleet or a hypothesis run
-    on the other core (measured in the suite's own runs, not assumed).
+    table) are built once, on one worker; the modules go out in :data:`_QUEUE_ORDER` (a
+    module's rank is its first test's, so a module stays whole). The timing bounds the fleet
+    tests assert hold with the other workers' fleets and hypothesis runs beside them (measured
+    in the suite's own runs, not assumed).
 
     On a worker the group goes into the node id as ``ID@GROUP``, the form xdist's loadgroup
     scheduler splits on (its own hook, which should do this from ``xdist_group`` marks, left the
@@ -39,6 +52,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not (hasattr(config, "workerinput") and getattr(config.option, "loadgroup", False)):
         return
     tests_dir = Path(__file__).parent
+    rank: dict[Path, tuple[int, int]] = {}
+    for item in items:
+        rank.setdefault(item.path, _queue_rank(item, tests_dir))
+    items.sort(key=lambda item: rank[item.path])  # stable: collection order within a rank
     for item in items:
         group = item.path.relative_to(tests_dir).as_posix()
         if not item.nodeid.endswith("@" + group):

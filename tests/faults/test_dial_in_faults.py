@@ -24,7 +24,9 @@ async def test_two_cpu_burners_eject_and_unroute_no_node(rig, http):
     rows, info = await cpu_burners(rig, http, burn_s=2.0)
     no_loss(rows)
     print(info)
-    assert sum(info["burner_cpu_s"]) > 1.0, info          # the burners really ran
+    # The burners really ran: each took at least a tenth of a core over the burn (beside the other
+    # test workers' fleets each gets a quarter to a half: 0.5 s of 2 s measured under three workers).
+    assert all(used >= 0.1 * info["burn_s"] for used in info["burner_cpu_s"]), info
     assert info["left_healthy"] == [] and info["unrouted"] == [], info
     assert info["ejections"] == 0 and info["fail_static_episodes"] == 0, info
     assert all(states == ["HEALTHY"] for states in info["envoy_states_seen"].values()), info

@@ -7,7 +7,8 @@ only; the underscored modules may move):
   a child process in its own process group, with its output captured, a "ready" line to wait
   for, freeze/thaw (SIGSTOP/SIGCONT) and a stop that always reaps it. Every process started
   here is killed at interpreter exit as a last resort, so a failed test never leaves an Envoy
-  behind.
+  behind. Our own ``python -m`` programs are forked from a zygote that imported them once
+  (``_zygote``; ``XDS_SENTINEL_TEST_FORK=0`` execs them instead).
 - fleet (``_fleet``): :class:`Fleet`, N simulated engines (:class:`NodeProcs`), N node_probe
   agents, one xds-server and one real Envoy on free 127.0.0.1 ports, with helpers to read
   Envoy's and the control plane's view; :func:`restart_control_plane`.

@@ -14,10 +14,13 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
+
+from ._zygote import ForkedChild, Zygote
 
 __all__ = ["ManagedProcess", "free_port"]
 
@@ -87,7 +90,7 @@ class ManagedProcess:
         self.log_path = log_path
         self.ready_re = re.compile(ready_pattern) if ready_pattern else None
         self.env = env
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | ForkedChild | None = None
         self._ready = threading.Event()
         self._lines: collections.deque[str] = collections.deque(maxlen=200)
         self.frozen = False
@@ -101,16 +104,38 @@ class ManagedProcess:
 
     def start(self, timeout_s: float = 20.0) -> ManagedProcess:
         """Start and wait for the ready line. Raises RuntimeError (with the output tail) on failure."""
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        if self.env:
-            env.update(self.env)
-        self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env=env,
-        )
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> ManagedProcess:
+        """Start the child without waiting for its ready line (:meth:`wait_ready` waits), so
+        several children start at once."""
+        zygote = Zygote.shared() if self._forkable() else None
+        if zygote is not None:
+            self.proc = zygote.start(self.argv[2], self.argv[3:])
+        else:
+            env = dict(os.environ)
+            env["PYTHONUNBUFFERED"] = "1"
+            if self.env:
+                env.update(self.env)
+            self.proc = subprocess.Popen(
+                self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, env=env,
+            )
         _LIVE.add(self)
         threading.Thread(target=self._pump, daemon=True, name=f"pump-{self.name}").start()
+        return self
+
+    def _forkable(self) -> bool:
+        """``python -m MODULE`` of this interpreter with no environment of its own: the zygote
+        starts it (:mod:`._zygote`); anything else is exec'd."""
+        return self.env is None and len(self.argv) >= 3 and self.argv[0] == sys.executable and self.argv[1] == "-m"
+
+    def wait_ready(self, timeout_s: float = 20.0) -> ManagedProcess:
+        """Wait up to ``timeout_s`` for the ready line (at once without a ``ready_pattern``).
+        Raises RuntimeError (with the output tail) if the child exits or stays silent; it is
+        stopped then."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} not started")
         if self.ready_re is None:
             return self
         deadline = time.monotonic() + timeout_s
