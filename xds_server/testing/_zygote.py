@@ -2,7 +2,7 @@
 
 A test fleet is a control plane, an engine and an agent per node: each ``python -m`` start spends
 0.5-1.5 s of CPU importing grpc, aiohttp, pydantic, the xDS protos and our own packages before its
-``main`` runs (~40 % of the suite's CPU on two cores, measured with the processes' own clocks). The
+``main`` runs (about a third of the suite's CPU, measured with the processes' own clocks). The
 zygote is one process per test process that imports all of that once, then forks a child per start
 and runs the module as ``python -m`` would (``runpy``, ``__main__``, ``sys.argv``), so a child
 costs only what its ``main`` does.
@@ -13,6 +13,12 @@ the test process at the time of the start, stdin from ``/dev/null``, stdout and 
 the test process reads, and the interpreter's own exit (atexit, thread joins, the exit status from
 ``SystemExit`` or a traceback and 1). The zygote creates no thread, event loop or gRPC object
 before it forks (it only imports), so the child starts as clean as an exec'd one.
+
+What differs from an exec: the children share the zygote's string-hash seed; ``sys.path[0]`` is
+the directory the zygote started in; the imports' objects are frozen out of the garbage
+collector's scans (``gc.freeze``, as a forking server does); settings a library reads once at
+import (gRPC's ``GRPC_*`` variables) are those of the test process when the zygote started; the
+child's parent is the zygote, which reaps it and keeps its exit code for ``status``.
 
 Used by :class:`~xds_server.testing.ManagedProcess` for ``[sys.executable, "-m", MODULE, ...]``
 without an environment of its own; anything else, or ``XDS_SENTINEL_TEST_FORK=0`` in the
