@@ -2,16 +2,8 @@
 and renders the bootstrap template beside it (``envoy.yaml``, package data) with given ports and
 every control-plane replica; :mod:`~xds_server.envoy.tls` adds TLS to its control-plane clusters;
 :mod:`~xds_server.envoy.class_routes` renders the request-class routes.
-"""
-from xds_server.envoy.bootstrap import (
-    BOOTSTRAP_TEMPLATE,
-    ROUTE_HEADER,
-    ControlPlaneGroup,
-    EnvoyNotFound,
-    find_envoy,
-    render_bootstrap,
-    write_bootstrap,
-)
 
-__all__ = ["BOOTSTRAP_TEMPLATE", "ROUTE_HEADER", "ControlPlaneGroup", "EnvoyNotFound", "find_envoy", "render_bootstrap",
-           "write_bootstrap"]
+Import from those modules: the package itself imports nothing, so a command that needs none of
+it (``xds-server status``, ``drain``, ``shift``) starts without loading the xDS protos (~0.5 s of
+CPU a start).
+"""
