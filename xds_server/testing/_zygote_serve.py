@@ -55,8 +55,9 @@ def _serve(path: str) -> None:
                 continue
             sync_r, sync_w = os.pipe()
             pid = os.fork()
-            if pid == 0:
+            if pid == 0:  # the child keeps none of the zygote's sockets
                 srv.close()
+                conn.close()
                 os.close(sync_r)
                 _run_child(msg["start"], fds[0], sync_w)
                 raise AssertionError("unreachable: _run_child exits")
