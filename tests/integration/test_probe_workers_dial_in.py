@@ -106,6 +106,10 @@ async def test_workers_hold_the_agents_streams_and_a_killed_worker_loses_no_node
         cp = ManagedProcess("cp", [PY, "-m", "xds_server.cli", "serve", str(cfg)], tmp_path / "cp.log",
                             ready_pattern="admin listening").start()
         procs.append(cp)
+        # The agents start once both workers listen: an agent whose first dials are refused backs
+        # off (up to 5 s, started over only by a stream held 10 s), and one that re-dials 5 s after
+        # the kill below is rightly judged silent (measured: 9 refused dials, back 4.9 s later).
+        await wait_for(lambda: len(tcp_sockets(agents_port)[0]) == 2, timeout_s=20, what="both workers listening")
         by_node = {n: agent(n) for n in LISTED}
         by_node.update({n: agent(n, "--cluster", "llm", "--serving-address", f"127.0.0.1:{free_port()}")
                         for n in REGISTERING})
