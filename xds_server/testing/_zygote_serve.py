@@ -84,6 +84,9 @@ def _run_child(start: dict[str, Any], out_fd: int, sync_fd: int) -> None:
     os.environ.clear()
     os.environ.update(start["env"])
     sys.argv = ["-m", *start["args"]]
+    # As under ``python -m``, the module runs only as __main__: the zygote's imported copy goes
+    # (runpy would warn that it is there, into the child's output).
+    sys.modules.pop(start["module"], None)
     runpy.run_module(start["module"], run_name="__main__", alter_sys=True)
     sys.exit(0)
 
