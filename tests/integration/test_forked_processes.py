@@ -80,3 +80,28 @@ def test_the_switch_off_execs_every_process(tmp_path, monkeypatch):
         assert isinstance(p.proc, subprocess.Popen) and p.proc.wait(20) == 0
     finally:
         p.stop()
+
+
+def test_a_zygote_that_cannot_start_is_said_once_and_processes_are_execd(tmp_path, monkeypatch, caplog):
+    from xds_server.testing import _zygote
+
+    monkeypatch.setattr(_zygote.Zygote, "_one", None)
+    monkeypatch.setattr(_zygote.Zygote, "_failed", False)
+    monkeypatch.setattr(_zygote, "SERVER", "xds_server.testing._no_such_module")
+    started = []
+    real_init = _zygote.Zygote.__init__
+
+    def counting_init(self: _zygote.Zygote) -> None:
+        started.append(1)
+        real_init(self)
+
+    monkeypatch.setattr(_zygote.Zygote, "__init__", counting_init)
+    for i in range(2):  # forkable, but the zygote is not there: exec'd, and tried only once
+        p = ManagedProcess(f"execd-{i}", [sys.executable, "-m", FACTS, "0"], tmp_path / f"execd-{i}.log")
+        p.start()
+        try:
+            assert isinstance(p.proc, subprocess.Popen) and p.proc.wait(20) == 0
+        finally:
+            p.stop()
+    assert started == [1]
+    assert [r.getMessage() for r in caplog.records if "zygote could not start" in r.getMessage()], caplog.text

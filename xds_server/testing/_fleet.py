@@ -168,7 +168,7 @@ class Fleet:
             if self.envoy_xds_tls is not None:
                 add_xds_tls(doc, self.envoy_xds_tls)
             boot = write_bootstrap(wd / "envoy.yaml", doc)
-            self.envoy = self._spawn(envoy_process(envoy_bin, boot, wd, concurrency=2))
+            self.envoy = self._launch(envoy_process(envoy_bin, boot, wd, concurrency=2))  # no ready line
         except BaseException:
             self.stop()
             raise
@@ -196,10 +196,6 @@ class Fleet:
             name, self._py("-m", "xds_server.cli", "serve", "--config", str(self._config_path(replica)),
                            *self.serve_args),
             self.workdir / f"{name}.log", ready_pattern="admin listening")
-
-    def _spawn(self, p: ManagedProcess) -> ManagedProcess:
-        self.procs.append(p)
-        return p.start()
 
     def _launch(self, p: ManagedProcess) -> ManagedProcess:
         """Start ``p`` without waiting for it: the processes of one stage (the engines, the

@@ -109,14 +109,11 @@ class ManagedProcess:
     def launch(self) -> ManagedProcess:
         """Start the child without waiting for its ready line (:meth:`wait_ready` waits), so
         several children start at once."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         zygote = Zygote.shared() if self._forkable() else None
         if zygote is not None:
-            self.proc = zygote.start(self.argv[2], self.argv[3:])
+            self.proc = zygote.start(self.argv[2], self.argv[3:], env)
         else:
-            env = dict(os.environ)
-            env["PYTHONUNBUFFERED"] = "1"
-            if self.env:
-                env.update(self.env)
             self.proc = subprocess.Popen(
                 self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, env=env,

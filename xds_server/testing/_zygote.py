@@ -30,6 +30,7 @@ or minus the signal, as :attr:`subprocess.Popen.returncode`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -38,6 +39,8 @@ import tempfile
 import threading
 import time
 from typing import IO, Any
+
+log = logging.getLogger(__name__)
 
 SWITCH = "XDS_SENTINEL_TEST_FORK"
 SERVER = "xds_server.testing._zygote_serve"  # the zygote's own side, run with -m
@@ -97,18 +100,21 @@ class Zygote:
 
     _lock = threading.Lock()
     _one: Zygote | None = None
+    _failed = False
 
     @classmethod
     def shared(cls) -> Zygote | None:
-        """This process's zygote, started on first use; None when ``XDS_SENTINEL_TEST_FORK=0``
-        or when it could not start (the caller execs then)."""
-        if os.environ.get(SWITCH, "1") == "0":
+        """This process's zygote, started on first use (again if it died); None when
+        ``XDS_SENTINEL_TEST_FORK=0`` or once it could not start (said once; the caller execs)."""
+        if os.environ.get(SWITCH, "1") == "0" or cls._failed:
             return None
         with cls._lock:
             if cls._one is None or cls._one.proc.poll() is not None:
                 try:
                     cls._one = cls()
-                except (OSError, RuntimeError):
+                except (OSError, RuntimeError) as e:
+                    cls._failed = True
+                    log.warning("zygote could not start (%s): test processes are exec'd", e)
                     return None
             return cls._one
 
@@ -123,12 +129,13 @@ class Zygote:
             self.proc.kill()
             raise RuntimeError(f"zygote did not start: {line!r}")
 
-    def start(self, module: str, args: list[str]) -> ForkedChild:
-        """Fork a child that runs ``python -m module *args``; its output on a new pipe."""
+    def start(self, module: str, args: list[str], env: dict[str, str]) -> ForkedChild:
+        """Fork a child that runs ``python -m module *args`` with environment ``env``; its output
+        on a new pipe."""
         r, w = os.pipe()
         try:
             reply = _request(self.path, {"start": {"module": module, "args": args, "cwd": os.getcwd(),
-                                                   "env": {**os.environ, "PYTHONUNBUFFERED": "1"}}}, (w,))
+                                                   "env": env}}, (w,))
         except BaseException:
             os.close(r)
             raise
