@@ -48,9 +48,13 @@ async def _burst_then_back_one_by_one(recovery: str) -> tuple[ControlPlane, list
     await wait_for(lambda: all(cp.core.health[i].state is NodeState.HEALTHY for i in ids), timeout_s=15)
     await asyncio.gather(*(a.cut() for a in agents))  # every transport at once: a burst, ours
     drops = cp.counters.transport_drops
-    # the first drops make a burst; the rest follow it within a hold (a stall of ours): all ours
+    # all ours: the first drops make a burst and the rest follow it within a hold (a stall noted
+    # for it), or, when this process's own loop ran a PING timeout late meanwhile (a loaded
+    # machine), every one is read after a stall of ours. Which rule claims which drop is the pure
+    # rules' business (test_drop_burst, test_stall_hold); here either starts the stretch of ours
+    # that the returns below rest on.
     await wait_for(lambda: drops["burst"] + drops["stall"] == NODES, timeout_s=3, what="the drops judged ours")
-    assert drops["burst"] >= 1 and drops["node"] == 0, dict(drops)
+    assert drops["node"] == 0, dict(drops)
     for a in agents[:-1]:  # back one by one; the last agent never comes back
         await asyncio.sleep(BACK_EVERY_S)
         a.dial()

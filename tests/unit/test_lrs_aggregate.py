@@ -99,6 +99,25 @@ def test_window_slides_and_in_progress_is_a_gauge_per_envoy():
     assert agg.slot_count() == 0 and agg.node("llm", "gpu-a", 100.0, 30.0).issued == 0
 
 
+@given(st.floats(0.0, 20.0), st.floats(0.0, 20.0), st.floats(0.1, 100.0))
+def test_a_read_never_sees_figures_past_retain_before_or_after_a_report_prunes_them(at_s, later_s, window_s):
+    """Reads and prune agree on what is kept: a window wider than ``retain_s`` read before the
+    next report (which prunes) sums what that report leaves, never slots it drops."""
+    agg = LoadAggregator(NODES, interval_s=1.0, retain_s=5.0, min_gap_s=0.5)
+    agg.ingest(report("e1", {"gpu-a": Counts(4, 3, 1, 0)}), at_s)
+    now = at_s + later_s
+    before = agg.node("llm", "gpu-a", now, window_s)
+    before_cluster = agg.cluster("llm", now, window_s)
+    agg.prune(now)
+    after = agg.node("llm", "gpu-a", now, window_s)
+    assert (before.issued, before.errored, before.reporters) == (after.issued, after.errored, after.reporters)
+    assert before_cluster.reporters == agg.cluster("llm", now, window_s).reporters
+    if later_s < 5.0 and window_s >= later_s + 1.0:  # its slot is within both the window and retain_s
+        assert before.issued == 4
+    if later_s >= 6.0:  # a whole retain_s and a slot past it: gone, whatever the window
+        assert (before.issued, before.reporters) == (0, 0)
+
+
 def test_drops_are_cluster_level_and_counted_per_category():
     agg = LoadAggregator(NODES)
     agg.ingest(report("e1", {"gpu-a": Counts(4, 4, 0, 0)}, dropped=6), 1.0)

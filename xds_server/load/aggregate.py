@@ -210,7 +210,7 @@ class LoadAggregator:
 
     def prune(self, now_s: float) -> None:
         """Drop slots older than ``retain`` and gauges of reporters silent past ``retain``."""
-        oldest = int((now_s - self.retain_s) // self.interval_s)
+        oldest = self._oldest(now_s)
         _prune(self._by_node, oldest)
         _prune(self._by_locality, oldest)
         _prune(self._drops, oldest)
@@ -246,7 +246,7 @@ class LoadAggregator:
         drops = self._window(self._drops.get((cluster, "")), now_s, window_s, 0)
         reporters: set[str] = set()
         for n in nodes:
-            reporters |= _reporters(self._by_node.get((cluster, n)), now_s, window_s, self.interval_s)
+            reporters |= _reporters(self._by_node.get((cluster, n)), self._first(now_s, window_s))
         return Traffic(sum(p.issued for p in parts), sum(p.succeeded for p in parts),
                        sum(p.errored for p in parts), sum(p.in_progress for p in parts), len(reporters),
                        window_s, drops.dropped)
@@ -287,8 +287,18 @@ class LoadAggregator:
     def _gauge(self, key: _NodeKey, now_s: float) -> int:
         return sum(n for at, n in self._in_progress.get(key, {}).values() if now_s - at <= self.stale_after_s)
 
+    def _first(self, now_s: float, window_s: float) -> int:
+        """The oldest slot a read of the last ``window_s`` (s) before ``now_s`` sums: none older
+        than :meth:`prune` keeps, whether or not a report has pruned since (a read never sees
+        figures past ``retain``)."""
+        return max(int((now_s - window_s) // self.interval_s) + 1, self._oldest(now_s))
+
+    def _oldest(self, now_s: float) -> int:
+        """The oldest slot kept at ``now_s``: the one ``retain`` ago."""
+        return int((now_s - self.retain_s) // self.interval_s)
+
     def _window(self, q: Iterable[_Slot] | None, now_s: float, window_s: float, in_progress: int) -> Traffic:
-        first = int((now_s - window_s) // self.interval_s) + 1
+        first = self._first(now_s, window_s)
         issued = succeeded = errored = dropped = 0
         reporters: set[str] = set()
         failing: set[str] = set()
@@ -308,8 +318,7 @@ def _values(c: Counts) -> tuple[int, int, int, int]:
     return c.issued, c.succeeded, c.errored, c.in_progress
 
 
-def _reporters(q: Iterable[_Slot] | None, now_s: float, window_s: float, interval_s: float) -> set[str]:
-    first = int((now_s - window_s) // interval_s) + 1
+def _reporters(q: Iterable[_Slot] | None, first: int) -> set[str]:
     out: set[str] = set()
     for s in q or ():
         if s.slot >= first:
