@@ -39,7 +39,7 @@ def _queue_rank(item: pytest.Item, tests_dir: Path) -> tuple[int, int]:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's ``--dist loadgroup`` (the README's test command runs ``-n 2``):
+    """Groups for pytest-xdist's ``--dist loadgroup`` (the README's test command runs ``-n 3``):
     each test module is a group of its own, so its module fixtures (a shared fleet, a built
     table) are built once, on one worker; the modules go out in :data:`_QUEUE_ORDER` (a
     module's rank is its first test's, so a module stays whole). The timing bounds the fleet
