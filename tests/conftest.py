@@ -31,10 +31,47 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _QUEUE_ORDER = ("faults", "integration", "relay", "deploy", "unit", "conformance", "property")
 
 
+_PROCESS_KINDS = _QUEUE_ORDER[:_QUEUE_ORDER.index("unit")]  # the kinds whose modules start processes
+
+# A module that starts processes (a real Envoy, or its kind's fleets) goes out as a group named
+# ``FLEET`` + its path; at most :data:`_FLEETS_AT_ONCE` such groups run at once
+# (:class:`_AtMostTwoFleets`).
+_FLEET = "fleet:"
+_FLEETS_AT_ONCE = 2
+
+
 def _queue_rank(item: pytest.Item, tests_dir: Path) -> tuple[int, int]:
     top = item.path.relative_to(tests_dir).parts[0]
     envoy = item.get_closest_marker("envoy") is not None
     return (0 if envoy else 1, _QUEUE_ORDER.index(top) if top in _QUEUE_ORDER else len(_QUEUE_ORDER))
+
+
+def _starts_processes(rank: tuple[int, int]) -> bool:
+    return rank[0] == 0 or rank[1] < len(_PROCESS_KINDS)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """Under ``--dist loadgroup``: xdist's loadgroup scheduler, where a worker that asks for work
+    while :data:`_FLEETS_AT_ONCE` others run a module that starts processes takes the queue's
+    first in-process module instead (while one is left). Three workers on two cores are then
+    two fleets and an in-process module at most, as two workers were at their worst, not three
+    fleets at once: the fleet tests' timing bounds were measured that way (three fleets at once
+    failed one timing test of a different module in about one run of two)."""
+    if config.getoption("dist", None) != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class _AtMostTwoFleets(LoadGroupScheduling):
+        def _assign_work_unit(self, node) -> None:  # type: ignore[no-untyped-def]
+            fleets = sum(1 for other, work in self.assigned_work.items() if other is not node
+                         for scope, tests in work.items() if scope.startswith(_FLEET) and not all(tests.values()))
+            if fleets >= _FLEETS_AT_ONCE:
+                light = next((scope for scope in self.workqueue if not scope.startswith(_FLEET)), None)
+                if light is not None:
+                    self.workqueue.move_to_end(light, last=False)
+            super()._assign_work_unit(node)
+
+    return _AtMostTwoFleets(config, log)  # type: ignore[arg-type]
 
 
 @pytest.hookimpl(trylast=True)
@@ -57,7 +94,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         rank.setdefault(item.path, _queue_rank(item, tests_dir))
     items.sort(key=lambda item: rank[item.path])  # stable: collection order within a rank
     for item in items:
-        group = item.path.relative_to(tests_dir).as_posix()
+        group = (_FLEET if _starts_processes(rank[item.path]) else "") + item.path.relative_to(tests_dir).as_posix()
         if not item.nodeid.endswith("@" + group):
             _set_nodeid(item, f"{item.nodeid}@{group}")
 

@@ -183,13 +183,21 @@ async def test_sse_hang_after_headers(rig, http, kind):
     ref = await reference(http, fleet, kind)
     victim = fleet.nodes[0]
 
+    seen: dict = {}
+
     async def routed_in_full() -> bool:  # the hang before (or an earlier test) may have lowered its share
-        return (await fleet.envoy_weights(http)).get(victim.node_id) == 100 and \
-            (await fleet.envoy_hosts(http)).get(victim.node_id) == "HEALTHY"
+        seen["weight"] = (await fleet.envoy_weights(http)).get(victim.node_id)
+        seen["envoy"] = (await fleet.envoy_hosts(http)).get(victim.node_id)
+        if seen["weight"] == 100 and seen["envoy"] == "HEALTHY":
+            return True
+        node = (await fleet.cp_nodes(http))[victim.node_id]
+        seen["control plane"] = {k: node.get(k) for k in ("state", "reason", "weight", "probe_stream_connected")}
+        return False
 
     async def on_victim(url):
         for _ in range(30):
-            await wait_for(routed_in_full, timeout_s=20, what="the victim routed at full weight")
+            await wait_for(routed_in_full, timeout_s=20,
+                           what=lambda: f"the victim routed at full weight (last seen {seen})")
             await fleet.set_fault(http, victim.node_id, "hang_after_headers", times=1)
             got = await run_stream(http, url, PATHS[kind], body_for(kind),
                                    on_node=lambda a: a == victim.address)
