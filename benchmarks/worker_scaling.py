@@ -136,7 +136,7 @@ def channel_cost(nodes: int = 100, rounds: int = 200) -> dict:
         d.observe(f"n{i}", hm.PingObserved(1.2), 4.0)
         d.observe(f"n{i}", hm.ProbeObserved(hm.ProbeResultKind.OK, ttft_ms=25.0), 4.0)
     reports = d.take(True)
-    msg = ("report", reports, {f"n{i}": 10 for i in range(nodes)}, {}, {}, {})
+    msg = ("report", reports, {f"n{i}": 10 for i in range(nodes)}, {}, {}, {}, nodes)
     frame = encode(msg)
     t0 = time.process_time()
     for _ in range(rounds):

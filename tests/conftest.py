@@ -60,9 +60,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     if config.getoption("dist", None) != "loadgroup":
         return None
     from xdist.scheduler import LoadGroupScheduling
+    from xdist.workermanage import WorkerController
 
     class _AtMostTwoFleets(LoadGroupScheduling):
-        def _assign_work_unit(self, node) -> None:  # type: ignore[no-untyped-def]
+        def _assign_work_unit(self, node: WorkerController) -> None:
             fleets = sum(1 for other, work in self.assigned_work.items() if other is not node
                          for scope, tests in work.items() if scope.startswith(_FLEET) and not all(tests.values()))
             if fleets >= _FLEETS_AT_ONCE:
@@ -71,7 +72,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
                     self.workqueue.move_to_end(light, last=False)
             super()._assign_work_unit(node)
 
-    return _AtMostTwoFleets(config, log)  # type: ignore[arg-type]
+    return _AtMostTwoFleets(config, log)
 
 
 @pytest.hookimpl(trylast=True)

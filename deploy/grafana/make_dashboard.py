@@ -176,6 +176,10 @@ def build() -> dict:
     L.add("timeseries", "Probe worker restarts",
           [(f"sum by (instance, worker) (increase(sentinel_probe_worker_restarts_total{{{CP}}}{RI}))",
             "{{instance}} worker {{worker}}")])
+    L.add("timeseries", "RTT ping interval per process",
+          [(f"sentinel_rtt_ping_interval_seconds{{{CP}}}", "{{instance}} {{process}}")], unit="s",
+          description="past health.rtt.ping_budget x ping_interval pinging streams in a process, each "
+          "node's RTT is sampled less often (liveness is not): add probe workers")
     L.row("Relay (sentinel-relay --admin-listen)")
     L.add("timeseries", "Relay requests by mode", [(f"sum by (mode) (rate(sentinel_relay_requests_total{RI}))",
                                                     "{{mode}}")], unit="ops", w=8)

@@ -292,7 +292,7 @@ async def test_frames_round_trip_and_end_of_stream_reads_none():
     a, b = socket.socketpair()
     _ra, wa = await asyncio.open_unix_connection(sock=a)
     rb, wb = await asyncio.open_unix_connection(sock=b)
-    msg = ("report", [hm.initial("n0", 1.0)], {"n0": 3}, {}, {}, {})
+    msg = ("report", [hm.initial("n0", 1.0)], {"n0": 3}, {}, {}, {}, 3)
     wa.write(encode(msg))
     wa.write(encode(("stop",)))
     await wa.drain()

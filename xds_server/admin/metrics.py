@@ -17,6 +17,7 @@ from xds_server.admin.display import DISPLAY_STATES
 from xds_server.admin.views import ControlPlaneView
 from xds_server.health.model import NodeState
 from xds_server.health.queue_levels import queue_level
+from xds_server.probing.rtt_pace import paced_interval_s
 
 __all__ = ["ControlPlaneCollector", "EventLoopCollector", "build_info_family", "package_version"]
 
@@ -148,10 +149,23 @@ class ControlPlaneCollector:
         for why in ("late", "ours", "gap"):
             rtt.add_metric([why], c.rtt_not_taken[why])
         yield rtt
+        yield from self._ping_pace()
         lag = CounterMetricFamily("sentinel_detection_timer_lag_deferrals",
                                   "detection timers deferred because our own event loop was late")
         lag.add_metric([], view.lag_deferrals())
         yield lag
+
+    def _ping_pace(self):
+        rtt = self.view.config.health.rtt
+        streams = GaugeMetricFamily("sentinel_rtt_pinging_streams", "probe streams sending RTT pings now, "
+                                    "per process (main; worker-N: probe workers)", labels=["process"])
+        interval = GaugeMetricFamily("sentinel_rtt_ping_interval_seconds", "the mean wait between one "
+                                     "stream's RTT pings now, per process: health.rtt.ping_interval, or "
+                                     "streams / health.rtt.ping_budget when that is longer", labels=["process"])
+        for process, n in self.view.pinging().items():
+            streams.add_metric([process], n)
+            interval.add_metric([process], paced_interval_s(rtt.ping_interval.s, n, rtt.ping_budget))
+        yield from (streams, interval)
 
     def _xds(self):
         yield from self.view.xds_metric_families()

@@ -9,6 +9,7 @@ Units: times in seconds, RTT/TTFT in ms, ratios 0..1.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from xds_server.config import ClusterConfig, SentinelConfig
 from xds_server.control.core import ControlCore
 from xds_server.control.events import EventRecord
 from xds_server.health import model as hm
+from xds_server.probing.rtt_pace import PingPace
 from xds_server.probing.sources import ProbeSource
 from xds_server.process.counters import Counters
 from xds_server.xds.ads import AdsServicer
@@ -131,6 +133,18 @@ class ControlPlaneView:
         core = self._core
         for node_id, nh in core.health.items():
             yield NodeRow(core.node_cluster[node_id], node_id, nh, core.routing.get(node_id))
+
+    def pinging(self) -> dict[str, int]:
+        """Streams sending RTT pings now, per process: ``main`` (this one's event loop; read on it)
+        and ``worker-N`` (as each probe worker last reported)."""
+        out: dict[str, int] = {}
+        try:
+            out["main"] = PingPace.pinging_on(asyncio.get_running_loop())
+        except RuntimeError:  # read off the loop: the main process's count is not known here
+            pass
+        if self.probe_pool is not None:
+            out.update((f"worker-{i}", n) for i, n in sorted(self.probe_pool.pinging_by_worker().items()))
+        return out
 
     def lag_deferrals(self) -> int:
         """Detection timers deferred by all probe sources (our own loop was late)."""

@@ -13,6 +13,7 @@ Shape::
     pace = PingPace.acquire(loop)       # one per event loop; this stream pings from now on
     await asyncio.sleep(pace.wait_s(rtt_cfg))  # the wait before this stream's next ping, jittered
     pace.release()                      # this stream stopped pinging
+    PingPace.pinging_on(loop)           # streams pinging on that loop now (the metrics read it)
 """
 from __future__ import annotations
 
@@ -56,6 +57,12 @@ class PingPace:
             pace = cls._by_loop[loop] = cls()
         pace.pinging += 1
         return pace
+
+    @classmethod
+    def pinging_on(cls, loop: asyncio.AbstractEventLoop) -> int:
+        """Streams pinging on ``loop`` now (0 when none has yet)."""
+        pace = cls._by_loop.get(loop)
+        return pace.pinging if pace is not None else 0
 
     def release(self) -> None:
         """One pinging stream less."""

@@ -15,7 +15,7 @@ main -> worker: ``("init", index, HealthConfig, ProbeConfig, ident, grace_s, log
 ``("add", NodeConfig, mirror NodeHealth, kept NodeHealth | None)``, ``("remove", node_id)``,
 ``("fail_static_ended", burst_start_s)``, ``("stop",)``.
 
-worker -> main: ``("report", nodes, heartbeats, probe_results, counters, links)`` (see
+worker -> main: ``("report", nodes, heartbeats, probe_results, counters, links, pinging)`` (see
 :meth:`xds_server.probing.workers._detector.Detector.take` and ``_worker.Worker.flush``).
 """
 from __future__ import annotations

@@ -106,6 +106,7 @@ class _Handle:
     streams: collections.Counter[str] = field(default_factory=collections.Counter)  # agent streams open here
     backoff_s: float = 0.1
     sent_cfg: SentinelConfig | None = None  # the config whose thresholds the worker has
+    pinging: int = 0  # streams sending RTT pings in the worker, as it last reported
 
     def send(self, msg: tuple) -> None:
         if self.writer is not None and not self.writer.is_closing():
@@ -219,7 +220,7 @@ class WorkerPool:
         finally:
             child.close()
         reader, h.writer = await asyncio.open_unix_connection(sock=parent)
-        h.started_at = time.monotonic()
+        h.started_at, h.pinging = time.monotonic(), 0
         cfg = h.sent_cfg = self.core.config
         h.writer.write(encode(("init", h.index, cfg.health, cfg.probe, _ident(cfg),
                                cfg.probe.worker_restart_grace.s,
@@ -284,7 +285,7 @@ class WorkerPool:
 
     def _apply(self, h: _Handle, msg: tuple) -> None:
         """Apply one report: health to the core, counts to the counters, links to the sources."""
-        _, nodes, hb, probes, counters, links = msg
+        _, nodes, hb, probes, counters, links, h.pinging = msg
         self.reports += 1
         self._sync_config(h)
         now = self.clock.now()
@@ -347,6 +348,11 @@ class WorkerPool:
             del h.streams[node_id]
         if self._hub is not None:
             self._hub().streamed(node_id, opened)
+
+    def pinging_by_worker(self) -> dict[int, int]:
+        """Worker index -> streams sending RTT pings there, as its process last reported (0 from
+        each start until its first report)."""
+        return {h.index: h.pinging for h in self.handles}
 
     def restarts_by_worker(self) -> dict[int, int]:
         """Worker index -> times its process exited and was started again."""

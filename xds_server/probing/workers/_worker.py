@@ -30,6 +30,7 @@ from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
 from xds_server.health import model as hm
 from xds_server.probing.claims import Claim
 from xds_server.probing.dial_in import DialInSession
+from xds_server.probing.rtt_pace import PingPace
 from xds_server.probing.session import ProbeSession
 from xds_server.probing.workers._channel import encode, read_frame
 from xds_server.probing.workers._detector import Detector
@@ -71,6 +72,7 @@ class Worker:
         self.counters = Counters()
         self.sessions: dict[str, ProbeSession] = {}
         self._links: dict[str, tuple] = {}
+        self._pinging = 0  # streams pinging here, as last reported
         self._stopping: set[asyncio.Task] = set()  # sessions of removed nodes, stopping (a reference each)
         self._flush_pending = False
         self._asks: dict[int, asyncio.Future[tuple[grpc.StatusCode, str]]] = {}  # claims awaiting a verdict
@@ -163,7 +165,7 @@ class Worker:
 
     def flush(self, full: bool) -> None:
         """Send one report frame: urgent nodes (``full``: every changed node, the counts, the
-        counters and the agents' links), if there is anything to send."""
+        counters, the agents' links and the streams pinging here), if there is anything to send."""
         self._flush_pending = False
         nodes = self.detector.take(full)
         links: dict[str, tuple] = {}
@@ -187,13 +189,16 @@ class Worker:
                 part.clear()
             if not any(counters.values()):
                 counters = {}
+            pinging, changed = PingPace.pinging_on(asyncio.get_running_loop()), False
+            if pinging != self._pinging:
+                self._pinging, changed = pinging, True
         else:
             for r in nodes:  # the link of a node reported now is sent with it (connected, error)
                 session = self.sessions.get(r.node_id)
                 if session is not None:
                     self._links[r.node_id] = links[r.node_id] = self._link(session)
-        if nodes or links or hb or probes or counters:
-            self.send(("report", nodes, hb, probes, counters, links))
+        if nodes or links or hb or probes or counters or (full and changed):
+            self.send(("report", nodes, hb, probes, counters, links, self._pinging))
 
     async def report_loop(self) -> None:
         """A full report every ``probe.worker_report_interval``."""
