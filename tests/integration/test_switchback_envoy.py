@@ -25,12 +25,20 @@ HEALTH = {"validation": {"enabled": True, "max_tokens": 16, "check_interval": "1
           "probes": {"ttft_healthy": "1s", "ttft_timeout": "3s"}}
 
 
-async def _restart_engine(fleet, node_id: str, seed: int) -> None:
-    """Stop ``node_id``'s engine and start it again on its port serving model ``seed``."""
+async def _restart_engine(fleet, node_id: str, seed: int, http) -> None:
+    """Stop ``node_id``'s engine and, once the control plane has seen it gone (a real engine takes
+    seconds to minutes to load a model; a forked one listens ~0.1 s after the old one stopped,
+    within one agent scrape, 100 ms, so nobody could see it go), start it again on its port
+    serving model ``seed``."""
     n = fleet.node(node_id)
     old = n.engine
     assert old is not None and fleet.workdir is not None
     await asyncio.to_thread(old.stop)
+
+    async def gone() -> bool:
+        return (await fleet.cp_nodes(http))[node_id]["state"] not in ("HEALTHY", "DEGRADED")
+
+    await wait_for(gone, 20, what=f"{node_id} out of the routed states once its engine stopped")
     new = ManagedProcess(f"engine-{node_id}-{seed}", [*fleet._py(
         "-m", "node_probe.cli", "sim-engine", "--port", str(n.engine_port), "--replica-id", node_id,
         "--token-interval-ms", str(fleet.token_interval_ms), "--model-seed", str(seed))],
@@ -59,13 +67,13 @@ async def test_a_node_back_with_another_model_never_serves_a_user_and_the_right_
     await load.start()
     try:
         bad = fleet.node("gpu-c")
-        await _restart_engine(fleet, "gpu-c", seed=7)
+        await _restart_engine(fleet, "gpu-c", seed=7, http=http)
         await wait_for(lambda: _episodes(http, fleet, 3), 90, step_s=0.2, what="three failed episodes")
         assert await _user_requests(http, bad) == 0  # not one user request across three episodes
         assert load.totals().ok > 0
         # back with the right model: validated, then ramped; the first user request comes after
         t0 = time.monotonic()
-        await _restart_engine(fleet, "gpu-c", seed=0)
+        await _restart_engine(fleet, "gpu-c", seed=0, http=http)
         await wait_for(lambda: _served(http, bad), 60, step_s=0.05, what="gpu-c serves users again")
         print(f"\nright model: first user request {time.monotonic() - t0:.2f} s after the engine came back")
         assert await _validated(http, fleet, "gpu-c")  # its ramp began on a passing verdict
@@ -102,7 +110,7 @@ async def test_a_shift_back_to_a_region_whose_node_serves_another_model_never_mo
     await load.start()
     try:
         eu = fleet.node("gpu-c")
-        await _restart_engine(fleet, "gpu-c", seed=7)  # the region comes back serving another model
+        await _restart_engine(fleet, "gpu-c", seed=7, http=http)  # the region comes back serving another model
         await wait_for(lambda: _episodes(http, fleet, 1), 60, step_s=0.2, what="its first failed validation")
         served_before = await _user_requests(http, eu)
         async with http.post(f"http://127.0.0.1:{fleet.admin_port}/clusters/llm/shift",
