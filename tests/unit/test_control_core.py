@@ -382,7 +382,7 @@ def test_fail_static_enters_once_misses_are_counted_rolls_back_and_ends_when_the
     assert cp.health["n3"].heartbeat.consecutive_misses == 0
     probes["n3"].emit(hm.Tick())  # the late Ticks run: 3 of 5 counted, silent within the window
     probes["n4"].emit(hm.Tick())
-    assert cp.core.fail_static.active and cp.core._counted_silent == {"n2", "n3", "n4"}
+    assert cp.core.fail_static.active and cp.core._counted_silent.nodes() == {"n2", "n3", "n4"}
     cp.core.publish()
     assert published(cp)["n2"] == "HEALTHY"  # the last good assignment, from before the burst
     t1 = clock.now()
@@ -393,7 +393,7 @@ def test_fail_static_enters_once_misses_are_counted_rolls_back_and_ends_when_the
     assert not cp.core.fail_static.active
     assert cp.health["n2"].state is hm.NodeState.UNHEALTHY
     assert published(cp)["n2"] == "UNHEALTHY"
-    assert cp.core._counted_silent == {n for n, nh in cp.health.items() if counted_silent(nh)} == {"n2"}
+    assert cp.core._counted_silent.nodes() == {n for n, nh in cp.health.items() if counted_silent(nh)} == {"n2"}
 
 
 def test_fail_static_ends_when_nodes_silent_only_by_time_heartbeat_again():

@@ -280,7 +280,7 @@ def test_fail_static_end_goes_to_the_workers_nodes_not_the_local_copy():
     core.forward_fail_static_end = lambda burst: asked.append(burst) or {"n0"}
     core.fail_static = dataclasses.replace(core.fail_static, active=True, burst_start_s=1.5)
     before = core.health["n0"]
-    core._check_fail_static(2.0)  # fewer than the fraction silent: the episode ends
+    core._check_fail_static(2.0, None)  # fewer than the fraction silent: the episode ends
     assert asked == [1.5]
     assert core.health["n0"] is before
 

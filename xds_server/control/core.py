@@ -37,6 +37,7 @@ from xds_server.health.pipeline import (
 )
 from xds_server.health.queue_levels import QueueWatch
 from xds_server.policy import cluster_routing as hp
+from xds_server.policy.silence_starts import SilenceStarts
 from xds_server.process.clock import Clock, Timer
 from xds_server.process.counters import Counters
 
@@ -74,7 +75,7 @@ class ControlCore:
         self.health = HealthTable()
         self.routing: dict[str, hm.Routing] = {}
         self.fail_static = hp.FailStaticState()
-        self._counted_silent: set[str] = set()  # nodes hp.counted_silent: the walk's lower bound
+        self._counted_silent = SilenceStarts()  # nodes hp.counted_silent: the walk's lower bound
         self.planner = PublishPlanner(config)
         self._keys: dict[str, RoutingKey] = {}
         self._publish_timer: Timer | None = None
@@ -207,11 +208,14 @@ class ControlCore:
             # is heard again; no miss count changes, but the episode may be over.
             # hp.counted_silent changes only with the first two (a heartbeat sets last_s and clears
             # both), so the set is kept here, off the quiet heartbeat's path
+            added = None
             if hp.counted_silent(nh):
-                self._counted_silent.add(node_id)
+                assert nh.heartbeat.last_s is not None  # counted silent: heard once
+                added = None if node_id in self._counted_silent else nh.heartbeat.last_s
+                self._counted_silent.add(node_id, nh.heartbeat.last_s)
             else:
                 self._counted_silent.discard(node_id)
-            self._check_fail_static(now_s)
+            self._check_fail_static(now_s, added)
 
     def _rekey(self, node_id: str, nh: hm.NodeHealth, cluster: str) -> None:
         """A changed routing key marks the cluster dirty, as soon as :func:`change_urgency` says."""
@@ -290,9 +294,17 @@ class ControlCore:
         oldest = self.health.oldest_heartbeat_s()
         return float("-inf") if oldest is None else oldest + hm.miss_after_s(self.config.health)
 
-    def _check_fail_static(self, now_s: float) -> None:
-        if not hp.fail_static_may_change(self.fail_static, len(self.health), len(self._counted_silent),
-                                         self.config.health):
+    def _check_fail_static(self, now_s: float, added_s: float | None) -> None:
+        """Run the fail-static walk where it may change the state. ``added_s``: the start of the
+        silence just counted (None: none was added). Off, a window of silences can only be
+        completed by one just counted (others silent by time alone count from their Tick on, as
+        in :func:`~xds_server.policy.cluster_routing.fail_static_may_change`), so the walk runs
+        only when one near it may be."""
+        cfg = self.config.health
+        if not hp.fail_static_may_change(self.fail_static, len(self.health), len(self._counted_silent), cfg):
+            return
+        if not self.fail_static.active and (added_s is None or not self._counted_silent.near_window(
+                added_s, hp.fail_static_need(len(self.health), cfg), cfg.fail_static.window.s)):
             return
         st, evs = hp.fail_static(self.fail_static, self.health, now_s, self.config.health)
         if st == self.fail_static:
@@ -318,7 +330,10 @@ class ControlCore:
             self.mark_dirty(c.name)
 
     def _recount_silent(self) -> None:
-        self._counted_silent = {node_id for node_id, nh in self.health.items() if hp.counted_silent(nh)}
+        self._counted_silent = SilenceStarts()
+        for node_id, nh in self.health.items():
+            if hp.counted_silent(nh) and nh.heartbeat.last_s is not None:
+                self._counted_silent.add(node_id, nh.heartbeat.last_s)
 
     # -- publishing ----------------------------------------------------------------------------
 

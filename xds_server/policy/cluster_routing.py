@@ -56,6 +56,7 @@ __all__ = [
     "counted_silent",
     "fail_static",
     "fail_static_may_change",
+    "fail_static_need",
     "score",
 ]
 
@@ -316,7 +317,7 @@ def fail_static(
     total = len(health)
     if total < cfg.fail_static.min_nodes:
         return (FailStaticState(), []) if state.active else (state, [])
-    need = _need(total, cfg)
+    need = fail_static_need(total, cfg)
     limit = miss_after_s(cfg)
     silent_since = sorted(
         last for nh in health.values()
@@ -341,7 +342,7 @@ def fail_static(
     return state, events
 
 
-def _need(total: int, cfg: HealthConfig) -> int:
+def fail_static_need(total: int, cfg: HealthConfig) -> int:
     """Silent nodes that make "more than ``fail_static_fraction``" of ``total``."""
     return math.floor(total * cfg.fail_static.fraction + 1e-9) + 1
 
@@ -369,5 +370,5 @@ def fail_static_may_change(state: FailStaticState, total: int, counted: int, cfg
     """
     if total < cfg.fail_static.min_nodes:
         return state.active
-    need = _need(total, cfg)
+    need = fail_static_need(total, cfg)
     return counted < need if state.active else counted >= need
