@@ -41,6 +41,9 @@ def test_near_window_says_what_the_walk_says_once_one_start_completes_a_window(o
         assert node_id in s
         assert s.near_window(start, 1, 0.0)
     assert not any(s.near_window(x, len(model) + 1, 10.0) for x in model.values())
+    built = SilenceStarts(model)  # built at once (a recount) answers as the one kept step by step
+    assert built.nodes() == s.nodes()
+    assert all(built.near_window(x, need, window_s) == s.near_window(x, need, window_s) for x in model.values())
 
 
 def test_a_burst_is_a_window_and_a_wave_is_not():

@@ -209,8 +209,7 @@ class ControlCore:
             # hp.counted_silent changes only with the first two (a heartbeat sets last_s and clears
             # both), so the set is kept here, off the quiet heartbeat's path
             added = None
-            if hp.counted_silent(nh):
-                assert nh.heartbeat.last_s is not None  # counted silent: heard once
+            if hp.counted_silent(nh) and nh.heartbeat.last_s is not None:  # (counted silent: heard once)
                 added = None if node_id in self._counted_silent else nh.heartbeat.last_s
                 self._counted_silent.add(node_id, nh.heartbeat.last_s)
             else:
@@ -295,11 +294,9 @@ class ControlCore:
         return float("-inf") if oldest is None else oldest + hm.miss_after_s(self.config.health)
 
     def _check_fail_static(self, now_s: float, added_s: float | None) -> None:
-        """Run the fail-static walk where it may change the state. ``added_s``: the start of the
-        silence just counted (None: none was added). Off, a window of silences can only be
-        completed by one just counted (others silent by time alone count from their Tick on, as
-        in :func:`~xds_server.policy.cluster_routing.fail_static_may_change`), so the walk runs
-        only when one near it may be."""
+        """The fail-static walk, where it may change the state. ``added_s``: the start of the silence
+        just counted, None if none; off, only it can complete a window (silences by time alone
+        count from their Tick on: ``hp.fail_static_may_change``), so the walk runs near it only."""
         cfg = self.config.health
         if not hp.fail_static_may_change(self.fail_static, len(self.health), len(self._counted_silent), cfg):
             return
@@ -330,10 +327,8 @@ class ControlCore:
             self.mark_dirty(c.name)
 
     def _recount_silent(self) -> None:
-        self._counted_silent = SilenceStarts()
-        for node_id, nh in self.health.items():
-            if hp.counted_silent(nh) and nh.heartbeat.last_s is not None:
-                self._counted_silent.add(node_id, nh.heartbeat.last_s)
+        self._counted_silent = SilenceStarts({node_id: nh.heartbeat.last_s for node_id, nh in self.health.items()
+                                              if hp.counted_silent(nh) and nh.heartbeat.last_s is not None})
 
     # -- publishing ----------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ before); it never says False where a window holds ``t``.
 
 Shape::
 
-    s = SilenceStarts()
+    s = SilenceStarts()     # or SilenceStarts({"n1": 10.02, ...})
     s.add("n1", 10.02)      # n1 counted silent; its silence began at its last heartbeat, 10.02 s
     s.discard("n1")         # heard again (or removed)
     len(s), "n1" in s, s.nodes()
@@ -24,6 +24,7 @@ Shape::
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 
 __all__ = ["SilenceStarts"]
 
@@ -34,9 +35,9 @@ class SilenceStarts:
 
     __slots__ = ("_at", "_sorted")
 
-    def __init__(self) -> None:
-        self._at: dict[str, float] = {}
-        self._sorted: list[float] = []
+    def __init__(self, starts: Mapping[str, float] | None = None) -> None:
+        self._at: dict[str, float] = dict(starts or {})
+        self._sorted: list[float] = sorted(self._at.values())
 
     def add(self, node_id: str, start_s: float) -> None:
         old = self._at.get(node_id)
