@@ -50,6 +50,7 @@ def _starts_processes(rank: tuple[int, int]) -> bool:
     return rank[0] == 0 or rank[1] < len(_PROCESS_KINDS)
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not loaded
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """Under ``--dist loadgroup``: xdist's loadgroup scheduler, where a worker that asks for work
     while :data:`_FLEETS_AT_ONCE` others run a module that starts processes takes the queue's
