@@ -10,6 +10,7 @@ from envoy.service.load_stats.v3 import lrs_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from xds_server.config import ConfigError, parse_config
 from xds_server.load.aggregate import ClusterReport, Counts, EndpointReport, LoadAggregator, LocalityReport, Report
 from xds_server.load.report import ReportRefused, decode_report, decode_request
 
@@ -215,3 +216,16 @@ def test_load_report_proto_fields_are_the_ones_read():
     names = set(load_report_pb2.UpstreamEndpointStats.DESCRIPTOR.fields_by_name)
     assert {"total_successful_requests", "total_error_requests", "total_issued_requests",
             "total_requests_in_progress", "address"} <= names
+
+
+@pytest.mark.parametrize(("lrs", "named"), [
+    ({"retain": "5s", "traffic_ejection": {"window": "10s"}},
+     r"lrs: retain \(5 s\) must be at least traffic_ejection\.window \(10 s\)"),
+    ({"retain": "3s", "interval": "2s", "traffic_ejection": {"window": "3s"}},
+     r"lrs: retain \(3 s\) must be at least 2 x interval"),
+])
+def test_a_window_longer_than_retain_is_refused_naming_both(lrs, named):
+    base = {"xds": {"listen": "127.0.0.1:0"}, "clusters": [{"name": "llm", "nodes": []}]}
+    with pytest.raises(ConfigError, match=named):
+        parse_config({**base, "lrs": lrs})
+    parse_config({**base, "lrs": {**lrs, "retain": "20s"}})  # retain long enough: accepted

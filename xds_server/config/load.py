@@ -209,6 +209,18 @@ class LrsConfig(_Renaming):
         return [p.address for p in self.peers]
 
     @model_validator(mode="after")
+    def _windows_kept(self) -> LrsConfig:
+        """Every window read from the kept reports fits in ``retain``: a longer one would read only
+        ``retain`` (xds_server.load.aggregate), less than it says."""
+        for name, s in (("traffic_ejection.window", self.traffic_ejection.window.s),
+                        ("2 x interval (a node's latest traffic, read for fail-static's serving check)",
+                         2 * self.interval.s)):
+            if s > self.retain.s:
+                raise ValueError(f"retain ({self.retain.s:g} s) must be at least {name} ({s:g} s): reports "
+                                 "older than retain are dropped, so a longer window would read less than it says")
+        return self
+
+    @model_validator(mode="after")
     def _peer_plaintext(self) -> LrsConfig:
         if self.peer_tls.mode is None:
             for i, p in enumerate(self.peer_addresses()):
