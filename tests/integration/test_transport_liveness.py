@@ -44,6 +44,7 @@ async def test_transport_liveness_excludes_a_frozen_host_and_an_old_agent_still_
         await asyncio.sleep(1.0)
         frozen = load.phase("frozen, excluded")
         await asyncio.sleep(1.5)
+        load.phase("thawed")  # ends the frozen phase: requests after the thaw may go to gpu-a again
     finally:
         node.agent.thaw()
         node.engine.thaw()
