@@ -76,6 +76,39 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     return _AtMostTwoFleets(config, log)
 
 
+# The in-process lane yields the CPU to the fleets: under three workers on two cores, a worker
+# running an in-process module (hypothesis, unit tests: a core's worth of CPU) at nice 10, the
+# fleet modules at nice 0, as their timing bounds were measured beside two workers. Only as root
+# (CI), where the niceness can be lowered again; the zygote, whose forks are the fleets' processes,
+# is started at session start, at nice 0.
+_IN_PROCESS_NICE = 10
+
+
+def _lanes(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput") and getattr(config.option, "loadgroup", False) and \
+        hasattr(os, "setpriority") and os.geteuid() == 0
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _lanes(session.config):
+        from xds_server.testing._zygote import Zygote
+        Zygote.shared()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Each test runs at its lane's niceness (see :data:`_IN_PROCESS_NICE`), set before its
+    module's fixtures start anything."""
+    if not _lanes(item.config):
+        return
+    want = 0 if "@" + _FLEET in item.nodeid else _IN_PROCESS_NICE
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) != want:
+            os.setpriority(os.PRIO_PROCESS, 0, want)
+    except OSError:  # not permitted here: one priority for all, as without lanes
+        pass
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for pytest-xdist's ``--dist loadgroup`` (the README's test command runs ``-n 3``):
