@@ -34,6 +34,8 @@ async def test_a_fleet_without_a_node_list_comes_up_from_registrations_and_a_fro
         await watch_exclusion(fleet, http, tl, t0, timeout_s=8.0)
         await asyncio.sleep(1.0)
         frozen = load.phase("frozen, excluded")
+        await asyncio.sleep(1.5)
+        load.phase("thawed")  # ends the frozen phase: requests after the thaw may go to gpu-a again
     finally:
         node.agent.thaw()
         node.engine.thaw()
