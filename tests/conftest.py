@@ -76,12 +76,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     return _AtMostTwoFleets(config, log)
 
 
-# The in-process lane yields the CPU to the fleets: under three workers on two cores, a worker
-# running an in-process module (hypothesis, unit tests: a core's worth of CPU) at nice 10, the
-# fleet modules at nice 0, as their timing bounds were measured beside two workers. Only as root
-# (CI), where the niceness can be lowered again; the zygote, whose forks are the fleets' processes,
-# is started at session start, at nice 0.
-_IN_PROCESS_NICE = 10
+# The property tests yield the CPU to the rest: under three workers on two cores, a worker running
+# a hypothesis module (pure computation, a core's worth of CPU, no timing asserted) at nice 10,
+# every other module at 0, so the fleets' and the in-process timing bounds hold as they were
+# measured beside two workers. Only as root (CI), where the niceness can be lowered again; the
+# zygote, whose forks are the fleets' processes, is started at session start, at nice 0.
+_PURE_NICE = 10
 
 
 def _lanes(config: pytest.Config) -> bool:
@@ -97,11 +97,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Each test runs at its lane's niceness (see :data:`_IN_PROCESS_NICE`), set before its
-    module's fixtures start anything."""
+    """Each test runs at its module's niceness (see :data:`_PURE_NICE`), set before its module's
+    fixtures start anything."""
     if not _lanes(item.config):
         return
-    want = 0 if "@" + _FLEET in item.nodeid else _IN_PROCESS_NICE
+    want = _PURE_NICE if "@property/" in item.nodeid else 0
     try:
         if os.getpriority(os.PRIO_PROCESS, 0) != want:
             os.setpriority(os.PRIO_PROCESS, 0, want)
