@@ -346,6 +346,10 @@ async def test_isolated_change_goes_out_at_once_and_a_burst_within_the_window_is
     from xds_server.testing import free_port
 
     cfg = control_plane_config(coalesce_window_ms=150)
+    # the nodes' agents do not exist: their first dial fails at start (nodes COLD, no verdict) and
+    # the next comes 10 s later, after the test. With 1 s, a re-dial failing inside the measured
+    # window turned a node heard by node_up() UNHEALTHY: a fifth publish (seen under load).
+    cfg["health"] = {**cfg["health"], "reconnect_backoff_initial_ms": 10000, "reconnect_backoff_max_ms": 10000}
     cfg["clusters"] = [{"name": "llm", "nodes": [
         {"id": nid, "address": f"127.0.0.1:{8001 + i}", "probe_address": f"127.0.0.1:{free_port()}"}
         for i, nid in enumerate("abcd")]}]
