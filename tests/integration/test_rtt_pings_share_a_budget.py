@@ -78,22 +78,17 @@ async def test_each_process_says_its_pinging_streams_and_their_ping_interval(wor
     await cp.start()
     holder, idle = ("main", None) if workers == 0 else ("worker-0", "main")
     try:
-        async def paced() -> dict | None:
+        async def pinging(n: int) -> dict | None:
             m = await _pace_metrics(cp.admin_port)
-            return m if m.get(("sentinel_rtt_pinging_streams", holder)) == 3 else None
+            return m if m.get(("sentinel_rtt_pinging_streams", holder)) == n else None
 
-        m = await wait_for(paced, timeout_s=10, what="three streams pinging")
+        m = await wait_for(lambda: pinging(3), timeout_s=10, what="three streams pinging")
         assert m[("sentinel_rtt_ping_interval_seconds", holder)] == pytest.approx(0.5)
         if idle is not None:
             assert m[("sentinel_rtt_pinging_streams", idle)] == 0
             assert m[("sentinel_rtt_ping_interval_seconds", idle)] == pytest.approx(0.05)
         await agents[0].stop()  # its stream ends: two left, each pinging every 2 / 6 s
-
-        async def two_left() -> dict | None:
-            m = await _pace_metrics(cp.admin_port)
-            return m if m.get(("sentinel_rtt_pinging_streams", holder)) == 2 else None
-
-        m = await wait_for(two_left, timeout_s=10, what="two streams pinging")
+        m = await wait_for(lambda: pinging(2), timeout_s=10, what="two streams pinging")
         assert m[("sentinel_rtt_ping_interval_seconds", holder)] == pytest.approx(2 / 6)
     finally:
         await cp.stop()

@@ -29,7 +29,7 @@ def test_near_window_says_what_the_walk_says_once_one_start_completes_a_window(o
             s.discard(node_id)
             model.pop(node_id, None)
             continue
-        s.add(node_id, start)
+        assert s.add(node_id, start) == (model.get(node_id) != start)  # new or moved: the core's "added"
         model[node_id] = start
         after = full_walk(list(model.values()), need, window_s)
         if not before:  # a window now is one the new start completed: the look near it finds it

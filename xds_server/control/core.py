@@ -209,9 +209,8 @@ class ControlCore:
             # hp.counted_silent changes only with the first two (a heartbeat sets last_s and clears
             # both), so the set is kept here, off the quiet heartbeat's path
             added = None
-            if hp.counted_silent(nh) and nh.heartbeat.last_s is not None:  # (counted silent: heard once)
-                added = None if node_id in self._counted_silent else nh.heartbeat.last_s
-                self._counted_silent.add(node_id, nh.heartbeat.last_s)
+            if hp.counted_silent(nh) and (start := nh.heartbeat.last_s) is not None:  # (counted: heard once)
+                added = start if self._counted_silent.add(node_id, start) else None
             else:
                 self._counted_silent.discard(node_id)
             self._check_fail_static(now_s, added)

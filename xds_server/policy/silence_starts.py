@@ -16,7 +16,7 @@ before); it never says False where a window holds ``t``.
 Shape::
 
     s = SilenceStarts()     # or SilenceStarts({"n1": 10.02, ...})
-    s.add("n1", 10.02)      # n1 counted silent; its silence began at its last heartbeat, 10.02 s
+    s.add("n1", 10.02)      # True: n1 counted silent, its silence began at its last heartbeat, 10.02 s
     s.discard("n1")         # heard again (or removed)
     len(s), "n1" in s, s.nodes()
     s.near_window(10.02, need=3, window_s=0.5)   # bool: 3 starts within 0.5 s, the first in [9.52, 10.02]
@@ -39,14 +39,16 @@ class SilenceStarts:
         self._at: dict[str, float] = dict(starts or {})
         self._sorted: list[float] = sorted(self._at.values())
 
-    def add(self, node_id: str, start_s: float) -> None:
+    def add(self, node_id: str, start_s: float) -> bool:
+        """Whether ``start_s`` is new here (the node was not in, or had another start)."""
         old = self._at.get(node_id)
         if old == start_s:
-            return
+            return False
         if old is not None:
             self._remove(old)
         self._at[node_id] = start_s
         bisect.insort(self._sorted, start_s)
+        return True
 
     def discard(self, node_id: str) -> None:
         old = self._at.pop(node_id, None)

@@ -172,6 +172,7 @@ class Worker:
         hb: dict[str, int] = {}
         probes: dict = {}
         counters: dict = {}
+        pinging_changed = False
         if full:
             for node_id, s in self.sessions.items():
                 link = self._link(s)
@@ -189,15 +190,14 @@ class Worker:
                 part.clear()
             if not any(counters.values()):
                 counters = {}
-            pinging, changed = PingPace.pinging_on(asyncio.get_running_loop()), False
-            if pinging != self._pinging:
-                self._pinging, changed = pinging, True
+            pinging = PingPace.pinging_on(asyncio.get_running_loop())
+            pinging_changed, self._pinging = pinging != self._pinging, pinging
         else:
             for r in nodes:  # the link of a node reported now is sent with it (connected, error)
                 session = self.sessions.get(r.node_id)
                 if session is not None:
                     self._links[r.node_id] = links[r.node_id] = self._link(session)
-        if nodes or links or hb or probes or counters or (full and changed):
+        if nodes or links or hb or probes or counters or pinging_changed:
             self.send(("report", nodes, hb, probes, counters, links, self._pinging))
 
     async def report_loop(self) -> None:
