@@ -26,7 +26,7 @@ HEALTH = {"validation": {"enabled": True, "max_tokens": 16, "check_interval": "1
 
 
 async def _restart_engine(fleet, node_id: str, seed: int, http) -> None:
-    """Stop ``node_id``'s engine and, once the control plane has seen it gone (a real engine takes
+    """Stop ``node_id``'s engine and, once Envoy no longer routes to it (a real engine takes
     seconds to minutes to load a model; a forked one listens ~0.1 s after the old one stopped,
     within one agent scrape, 100 ms, so nobody could see it go), start it again on its port
     serving model ``seed``."""
@@ -35,10 +35,10 @@ async def _restart_engine(fleet, node_id: str, seed: int, http) -> None:
     assert old is not None and fleet.workdir is not None
     await asyncio.to_thread(old.stop)
 
-    async def gone() -> bool:
-        return (await fleet.cp_nodes(http))[node_id]["state"] not in ("HEALTHY", "DEGRADED")
+    async def gone() -> bool:  # Envoy's own view: a PROBATION ramp is routed too
+        return (await fleet.envoy_hosts(http)).get(node_id) != "HEALTHY"
 
-    await wait_for(gone, 20, what=f"{node_id} out of the routed states once its engine stopped")
+    await wait_for(gone, 20, what=f"{node_id} no longer routed by Envoy once its engine stopped")
     new = ManagedProcess(f"engine-{node_id}-{seed}", [*fleet._py(
         "-m", "node_probe.cli", "sim-engine", "--port", str(n.engine_port), "--replica-id", node_id,
         "--token-interval-ms", str(fleet.token_interval_ms), "--model-seed", str(seed))],
@@ -51,6 +51,14 @@ async def _restart_engine(fleet, node_id: str, seed: int, http) -> None:
 async def _user_requests(http, node) -> int:
     async with http.get(f"{node.engine_url}/sim/stats") as r:
         return (await r.json())["requests_by_kind"]["user"]
+
+
+async def _story(http, fleet, node_id: str) -> str:
+    """``node_id``'s events, one per line (what a failing assertion shows)."""
+    async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events", params={"limit": "1000"}) as r:
+        events = (await r.json())["events"]
+    return "\n".join(f"{e['time']:.3f} {e['kind']} {e.get('from', '')}->{e.get('to', '')}: {e['reason']}"
+                     for e in events if e["node"] == node_id)
 
 
 async def _failed_validations(http, fleet, node_id: str) -> int:
@@ -69,7 +77,8 @@ async def test_a_node_back_with_another_model_never_serves_a_user_and_the_right_
         bad = fleet.node("gpu-c")
         await _restart_engine(fleet, "gpu-c", seed=7, http=http)
         await wait_for(lambda: _episodes(http, fleet, 3), 90, step_s=0.2, what="three failed episodes")
-        assert await _user_requests(http, bad) == 0  # not one user request across three episodes
+        # not one user request across three episodes
+        assert await _user_requests(http, bad) == 0, await _story(http, fleet, "gpu-c")
         assert load.totals().ok > 0
         # back with the right model: validated, then ramped; the first user request comes after
         t0 = time.monotonic()

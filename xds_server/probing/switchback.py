@@ -4,12 +4,14 @@ Every ``health.validation.check_interval`` (:meth:`SwitchbackValidator.check`) t
 looks for nodes the health model holds in PROBATION with a PENDING validation
 (:mod:`xds_server.health.switchback_rules`) and validates each (all due nodes at once, each check waiting for them):
 
-1. peers: the HEALTHY, undrained nodes of the same cluster (same model), by id;
+1. peers: the HEALTHY, undrained nodes of the same cluster (same model), the least queued first
+   (:mod:`xds_server.policy.validation_peers`, which also decides what too few of them means);
 2. it opens a replay stream to the candidate's agent and the peers' (:mod:`.replay`); an agent
    whose first heartbeat says ``replay_max_prompts`` 0 (older, or ``--no-replay``) cannot be
    replayed: a candidate like that is validated by probes alone and says so; fewer than two
    peers that replay: said, and probes alone decide (documented choice: refusing would keep a
-   recovered node out of a small cluster forever);
+   recovered node out of a small cluster forever), unless peers are out only for a moment (a
+   stream that failed to open, a phi suspicion not yet proven): then it is retried;
 3. the same ``ReplayRequest`` (``sample`` prompts from the configured JSONL file or the built-in
    set, with ``live_prompts`` some sampled from live traffic by relays (:mod:`.live_prompts`,
    :attr:`SwitchbackValidator.live`; only their count is shown), ``max_tokens`` each, greedy)
@@ -44,6 +46,7 @@ from xds_server.config import NodeConfig, SentinelConfig
 from xds_server.config.validation import DEFAULT_PROMPTS, ValidationConfig
 from xds_server.health import model as hm
 from xds_server.policy.replay_judge import Answer, Judgement, PromptAnswers, judge
+from xds_server.policy.validation_peers import choose_peers, plan_peers
 from xds_server.probing.dial_in import DialInSession
 from xds_server.probing.live_prompts import LivePromptPool, draw_prompts
 from xds_server.probing.replay import ReplayExchange, StreamReplay
@@ -206,9 +209,8 @@ class SwitchbackValidator:
         self._first_try = {k: t for k, t in self._first_try.items() if k[0] != nid or k == key}
         self._first_try.setdefault(key, core.clock.now())
         cluster = core.node_cluster[nid]
-        peers = [p for p, c in core.node_cluster.items() if c == cluster and p != nid
-                 and (h := core.health.get(p)) is not None and h.state is hm.NodeState.HEALTHY and not h.drain.active]
-        peers.sort(key=lambda p: (_queued(core.health[p]), p))  # the least queued first: they take a replay
+        plan = plan_peers(nid, {p: h for p, c in core.node_cluster.items()
+                                if c == cluster and (h := core.health.get(p)) is not None})
         try:
             pool = self._pool(cfg)
         except (OSError, ValueError) as e:  # the operator's file: named in the event, retried after a fix
@@ -217,7 +219,7 @@ class SwitchbackValidator:
         lp = cfg.live_prompts
         prompts, n_live = draw_prompts(pool, self.live.prompts(cluster) if lp.enabled else (), cfg.sample,
                                        lp.share, self._rng)
-        ids = [nid, *peers]
+        ids = [nid, *plan.peers]
         ex = {i: self._exchange(i) for i in ids}
         try:
             open_s = min(cfg.timeout.s, 5.0)
@@ -229,17 +231,22 @@ class SwitchbackValidator:
                 self._verdict(nid, since_s, V.PROBES_ONLY, "its agent does not replay (replay_max_prompts 0: an "
                               "older agent or --no-replay): validated by probes alone", {"peers": []})
                 return
-            able = [p for p in peers if caps[p] >= len(prompts)][:2]
-            if len(able) < 2 or caps[nid] < len(prompts):
-                why = (f"{len(able)} healthy peer(s) in cluster {cluster} that replay, 2 needed" if len(able) < 2
-                       else f"its agent replays at most {caps[nid]} prompts, {len(prompts)} asked")
-                self._verdict(nid, since_s, V.PROBES_ONLY, f"{why}: validated by probes alone", {"peers": able})
+            if caps[nid] < len(prompts):
+                self._verdict(nid, since_s, V.PROBES_ONLY, f"its agent replays at most {caps[nid]} prompts, "
+                              f"{len(prompts)} asked: validated by probes alone", {"peers": []})
+                return
+            choice = choose_peers(plan, caps, {p: ex[p].error for p in plan.peers}, len(prompts), cluster)
+            if choice.retry:
+                self._retry(nid, since_s, choice.retry)
+                return
+            if choice.probes_only:
+                self._verdict(nid, since_s, V.PROBES_ONLY, choice.probes_only, {"peers": list(choice.able)})
                 return
             req = probe_pb2.ReplayRequest(request_id=f"{nid}-{uuid.uuid4().hex[:12]}", prompts=prompts,
                                           max_tokens=cfg.max_tokens, timeout_ms=int(cfg.timeout.s * 1000))
             loop = asyncio.get_running_loop()
             deadline = loop.time() + cfg.timeout.s
-            trio = [nid, *able]
+            trio = [nid, *choice.run]
             got = await asyncio.gather(*(ex[i].ask(req, 64 * cfg.max_tokens, deadline) for i in trio))
         finally:
             await asyncio.gather(*(e.close() for e in ex.values()), return_exceptions=True)
@@ -256,7 +263,7 @@ class SwitchbackValidator:
         j = judge(answers, max_tokens=cfg.max_tokens, token_margin=cfg.token_margin,
                   similarity_margin=cfg.similarity_margin, min_prompt_ratio=cfg.min_prompt_ratio,
                   cosine_min=cfg.cosine_min)
-        numbers = {**self._numbers(j, able, res[0].model), "live_prompts": n_live}
+        numbers = {**self._numbers(j, choice.run, res[0].model), "live_prompts": n_live}
         detail = f"{j.detail}; {n_live} of {len(prompts)} prompts sampled live" if n_live else j.detail
         if j.verdict == "inconclusive":
             self._retry(nid, since_s, detail)
@@ -304,10 +311,6 @@ class SwitchbackValidator:
             c, a, b = vecs[3 * k:3 * k + 3]
             out.append(PromptAnswers(pa.candidate, pa.peer_a, pa.peer_b, (_cos(c, a), _cos(c, b), _cos(a, b))))
         return out
-
-
-def _queued(nh: hm.NodeHealth) -> float:
-    return nh.engine.requests_waiting or 0.0
 
 
 def _cos(x: Sequence[float], y: Sequence[float]) -> float:
