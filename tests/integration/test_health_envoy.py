@@ -71,12 +71,14 @@ async def test_slow_engine_gets_less_traffic_hung_engine_is_ejected_and_comes_ba
                 break
             await asyncio.sleep(0.05)
         after = load.phase("after")
+        b = (await fleet.cp_nodes(http))["gpu-b"]  # what held it, if the ramp was not seen
         await asyncio.sleep(1.5)
     finally:
         await load.stop()
     print("\nper-node requests per phase:\n" + "\n".join(
         f"  {name:<32} {json.dumps(dict(sorted(st.ok_by_node.items())))} failed={st.failed}"
         for name, st in load.phases.items() if st.ok or st.failed))
+    print(f"gpu-b when its ramp's wait ended: {b['state']}, {b['reason']}; {b.get('probation')}")
     print(f"Envoy weights while gpu-a was DEGRADED: {weights}; gpu-b ramp seen by Envoy: {seen}; "
           f"failures: {dict(load.totals().failures)}")
     share = lambda st, n: st.ok_by_node.get(n, 0) / max(1, st.ok)  # noqa: E731 - a one-line helper

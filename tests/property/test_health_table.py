@@ -140,4 +140,4 @@ def test_diagram_shows_the_edges_the_old_drawing_missed():
     for s in ("PROBATION", "HEALTHY", "DEGRADED"):
         assert any(line.startswith(s) and "──► WARMING" in line and "engine restarting" in line
                    for line in d.splitlines())
-    assert "UNHEALTHY  ──► (previous)  phi suspicion disproved | fail-static forgives" in d
+    assert "UNHEALTHY  ──► (previous)  suspicion disproved | fail-static forgives" in d

@@ -176,13 +176,76 @@ def test_liveness_lost_is_an_unanswered_ping_only():
 
 def test_a_stream_failed_by_an_unanswered_ping_ejects_at_once_a_plain_close_counts_one_miss():
     from xds_server.config import HealthConfig
-    from xds_server.health.model import NodeState, StreamClosed
+    from xds_server.health.model import EjectionCause, NodeState, StreamClosed
     from xds_server.health.sim import NodeSim
 
-    for lost, misses, state in ((True, 3, NodeState.UNHEALTHY), (False, 1, NodeState.HEALTHY)):
+    for lost, cause, state in ((True, EjectionCause.TRANSPORT, NodeState.UNHEALTHY), (False, None, NodeState.HEALTHY)):
         sim = NodeSim(cfg=HealthConfig(ramp_step_percent=50, ramp_step_s=1.0))
         sim.run_until(4.0)
         assert sim.nh.state is NodeState.HEALTHY
         last = sim.nh.heartbeat.last_s
         sim.apply(StreamClosed("UNAVAILABLE: Stream removed (ping timeout)", liveness_lost=lost), last + 0.01)
-        assert (sim.nh.heartbeat.consecutive_misses, sim.nh.state) == (misses, state)
+        assert (sim.nh.heartbeat.consecutive_misses, sim.nh.state, sim.nh.ejection.cause) == (1, state, cause)
+
+
+def _cut(*, back_after_s: float | None, max_suspicions: int = 6, cuts: int = 1):
+    """A HEALTHY node whose stream is failed by an unanswered PING ``cuts`` times, 1 s apart; its
+    agent's heartbeats resume ``back_after_s`` after each cut (None: never)."""
+    from xds_server.config import HealthConfig
+    from xds_server.health.model import StreamClosed
+    from xds_server.health.sim import NodeSim
+
+    cut_at: list[float] = []
+
+    def heartbeat(t: float):
+        silent = any(c <= t and (back_after_s is None or t < c + back_after_s) for c in cut_at)
+        return None if silent else _ready(t)
+
+    sim = NodeSim(cfg=HealthConfig(ramp_step_percent=50, ramp_step_s=1.0, phi={"max_suspicions": max_suspicions}),
+                  heartbeat=heartbeat)
+    sim.run_until(4.0)
+    for k in range(cuts):
+        t = 4.0 + k + 0.005
+        sim.run_until(t)
+        cut_at.append(t)
+        sim.apply(StreamClosed("UNAVAILABLE: Stream removed (ping timeout)", liveness_lost=True), t)
+        sim.run_until(t + 0.9)
+    return sim
+
+
+def _ready(t: float):
+    from xds_server.health.model import EngineState, HeartbeatObserved
+    return HeartbeatObserved(engine_state=EngineState.READY)
+
+
+def test_an_agent_back_before_the_count_rule_resumes_its_node_one_silent_past_it_is_proven():
+    from xds_server.health.model import EjectionCause, NodeState
+
+    # back 65 ms after the cut (an agent that dials again at once): out for those 65 ms, then HEALTHY
+    # as it was, with no probation
+    sim = _cut(back_after_s=0.065)
+    seen = [(round(t - 4.005, 3), s) for t, s in sim.states if t >= 4.0]
+    assert seen == [(0.0, NodeState.UNHEALTHY), (0.095, NodeState.HEALTHY)], seen  # the next heartbeat
+    assert "transport suspicion disproved: heartbeat arrived after" in sim.events[-1].reason
+    assert sim.nh.state is NodeState.HEALTHY and sim.nh.heartbeat.suspicion_clears
+    # silent past consecutive_misses: proven by the count rule, and back only through PROBATION
+    sim = _cut(back_after_s=0.5)
+    out = [e for e in sim.events if e.at_s >= 4.0]
+    assert out[0].to_state is NodeState.UNHEALTHY and "suspected until 3 consecutive misses" in out[0].reason
+    assert sim.nh.state is NodeState.UNHEALTHY and sim.nh.ejection.cause is EjectionCause.HEARTBEAT
+    assert sim.nh.reason.startswith("heartbeats resumed; clean period"), sim.nh.reason
+    assert [e.to_state for e in out] == [NodeState.UNHEALTHY]
+    # never back: proven at the third miss (~0.28 s), stays out
+    sim = _cut(back_after_s=None)
+    assert sim.nh.state is NodeState.UNHEALTHY and sim.nh.ejection.cause is EjectionCause.HEARTBEAT
+    assert sim.nh.reason.startswith("heartbeat: "), sim.nh.reason
+
+
+def test_a_node_whose_drops_keep_being_disproved_is_counted_out_by_the_next():
+    from xds_server.health.model import EjectionCause, NodeState
+
+    sim = _cut(back_after_s=0.065, max_suspicions=2, cuts=3)
+    assert len(sim.nh.heartbeat.suspicion_clears) == 2  # the first two were disproved
+    # the third: the whole miss threshold at once, proven, out until its clean period
+    assert sim.nh.state is NodeState.UNHEALTHY and sim.nh.ejection.cause is EjectionCause.HEARTBEAT
+    assert "3 consecutive misses" in next(e for e in sim.events if e.at_s >= 6.0).reason

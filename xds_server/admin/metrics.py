@@ -81,7 +81,8 @@ class ControlPlaneCollector:
                                      "deadline) and the model's outcome (good, slow, fail, busy, fatal)",
                                      labels=["cluster", "node", "kind", "outcome"])
         ejections = CounterMetricFamily("sentinel_node_ejections", "moves to UNHEALTHY by cause (heartbeat, "
-                                        "phi, probe, engine, gpu) and cluster-policy outlier ejections "
+                                        "phi, transport, probe, engine, gpu, traffic, validation) and "
+                                        "cluster-policy outlier ejections "
                                         "(outlier)", labels=["cluster", "node", "cause"])
         for row in view.node_rows():
             cl, nid, nh, r = row.cluster, row.node_id, row.health, row.routing

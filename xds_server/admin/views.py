@@ -188,7 +188,8 @@ class ControlPlaneView:
             clean = 0.0 if since is None else now - since
             return {"required_clean_s": need, "clean_for_s": round(clean, 3),
                     "next_recheck_in_s": round(max(0.0, need - clean), 3) if since is not None else None,
-                    "clean_probes": nh.probe.clean_probes}
+                    "clean_probes": nh.probe.clean_probes,
+                    "waiting_for": list(hm.clean_period_unmet(nh, cfg, now))}
         return None
 
     def _drain_view(self, nh: hm.NodeHealth, now: float) -> dict | None:

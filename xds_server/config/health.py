@@ -82,7 +82,8 @@ class PhiConfig(_Model):
         6, ge=0,
         description="suspicions that heartbeats later disproved, per suspicion_window, before phi is "
                     "ignored (count rule only) until the oldest leaves the window: bounds flapping; "
-                    "0 = unlimited. Ours",
+                    "shared with transport suspicions (a stream ended by an unanswered PING: then "
+                    "the whole miss threshold at once); 0 = unlimited. Ours",
     )
     suspicion_window: PositiveDuration = Field(
         Duration.parse("60s"), description="rolling window of max_suspicions (ours: one minute)")

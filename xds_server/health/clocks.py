@@ -10,7 +10,7 @@ import math
 
 from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
-from xds_server.health.records import ROUTED_STATES, EjectionCause, NodeHealth, NodeState
+from xds_server.health.records import ROUTED_STATES, SUSPICIONS, EjectionCause, NodeHealth, NodeState
 
 __all__ = [
     "EPS_S",
@@ -27,6 +27,7 @@ __all__ = [
     "stall_confirm_at_s",
     "tick_due_s",
     "ticks_backed_off",
+    "transport_suspected",
 ]
 
 EPS_S = 1e-9
@@ -72,8 +73,25 @@ def _phi_on(nh: NodeHealth, cfg: HealthConfig) -> bool:
     """phi is the failure detector and not rate-limited for this node (:func:`phi_delay_s`), and
     the node's transport does not vouch for it (``Heartbeats.vouched``: its heartbeats are a
     telemetry refresh, their gaps no evidence)."""
-    return cfg.heartbeat.failure_detector == "phi" and not nh.heartbeat.vouched and not (
-        cfg.phi.max_suspicions and len(nh.heartbeat.suspicion_clears) >= cfg.phi.max_suspicions)
+    return cfg.heartbeat.failure_detector == "phi" and not nh.heartbeat.vouched and not _suspicions_spent(nh, cfg)
+
+
+def _suspicions_spent(nh: NodeHealth, cfg: HealthConfig) -> bool:
+    """``phi.max_suspicions`` suspicions (phi or transport) disproved within ``phi.suspicion_window``."""
+    return bool(cfg.phi.max_suspicions and len(nh.heartbeat.suspicion_clears) >= cfg.phi.max_suspicions)
+
+
+def transport_suspected(nh: NodeHealth, cfg: HealthConfig) -> bool:
+    """Whether a stream ended by its transport's liveness check (an unanswered HTTP/2 PING) makes
+    the node suspected rather than counted out: it is routed, not suspected already, and fewer
+    than ``phi.max_suspicions`` suspicions were disproved within ``phi.suspicion_window`` (a node
+    whose drops keep being disproved is flapping: then the drop is proof, the whole miss threshold
+    at once). A suspect is out at once, as before; a heartbeat before the count rule proves it
+    (``heartbeat.consecutive_misses`` from the stream's end, ~0.28 s at the defaults) puts it back
+    as it was: an agent cut by a starved host that dials again at once (65 ms measured) resumes its
+    node's state, while a frozen host, silent past the count, is proven and comes back through
+    PROBATION. Ours, as phi's suspicion is (its disproval, its rate limit)."""
+    return nh.state in ROUTED_STATES and nh.ejection.cause not in SUSPICIONS and not _suspicions_spent(nh, cfg)
 
 
 def _phi_delay(arrivals: phimod.Arrivals | None, cfg: HealthConfig) -> float | None:
@@ -181,7 +199,7 @@ def due_plan(nh: NodeHealth, cfg: HealthConfig) -> DuePlan:
     """The parts of ``nh``'s next-check deadline that its heartbeat arrivals do not move: the
     miss boundary's spacing, whether phi may convict (routed, not ejected by phi, phi on and not
     rate-limited), the ramp step and the stall confirmation that apply."""
-    phi = nh.ejection.cause is not EjectionCause.PHI and nh.state in ROUTED_STATES and _phi_on(nh, cfg)
+    phi = nh.ejection.cause not in SUSPICIONS and nh.state in ROUTED_STATES and _phi_on(nh, cfg)
     ramp_at = None if nh.ramp.step_at_s is None else nh.ramp.step_at_s + cfg.probation.ramp_step.s
     stall_at = None
     if nh.engine.stalled and nh.engine.stall_counted == 1 and nh.state in ROUTED_STATES:

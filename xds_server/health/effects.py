@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from xds_server.health.clocks import required_clean_s
 from xds_server.health.outcome import refusal_evidence
-from xds_server.health.records import EjectionCause, Event, NodeHealth, NodeState, Ramp
+from xds_server.health.records import SUSPICIONS, EjectionCause, Event, NodeHealth, NodeState, Ramp
 from xds_server.health.signals import Ctx, Effect, Fired, Signal
 
 __all__ = [
@@ -221,7 +221,7 @@ def first_heartbeat(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str |
 
 
 def heartbeats_resumed(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
-    if nh.ejection.cause not in (EjectionCause.HEARTBEAT, EjectionCause.PHI):
+    if nh.ejection.cause is not EjectionCause.HEARTBEAT and nh.ejection.cause not in SUSPICIONS:
         return nh, None
     return nh, (f"heartbeats resumed; clean period {required_clean_s(nh, c.cfg):.0f} s "
                 "of good probes before PROBATION")

@@ -15,6 +15,7 @@ from xds_server.process.frozen import fast_init
 __all__ = [
     "MACHINE_STATES",
     "ROUTED_STATES",
+    "SUSPICIONS",
     "Drain",
     "DrainRequested",
     "Ejection",
@@ -94,11 +95,18 @@ class EjectionCause(enum.StrEnum):
 
     HEARTBEAT = "heartbeat"  # consecutive_misses heartbeats missed (the count rule)
     PHI = "phi"              # phi-accrual suspicion, not yet proven by the count rule
+    TRANSPORT = "transport"  # the stream's transport failed its liveness check (an unanswered HTTP/2 PING),
+    #                          not yet proven by the count rule
     PROBE = "probe"          # probe failures (or a stall counted as timeouts)
     ENGINE = "engine"        # engine fatal error or the agent reports the engine FAILED
     GPU = "gpu"              # a fatal GPU event (Xid, GPU lost)
     TRAFFIC = "traffic"      # real traffic fails across Envoys (LRS) while probes may pass
     VALIDATION = "validation"  # switch-back replay: answers unlike its healthy peers
+
+
+SUSPICIONS: frozenset[EjectionCause] = frozenset({EjectionCause.PHI, EjectionCause.TRANSPORT})
+"""Causes that are a suspicion, not proof: out at once, back to the state before (no probation) when
+a heartbeat arrives before the count rule proves them (``heartbeat.consecutive_misses``)."""
 
 
 class EngineState(enum.StrEnum):

@@ -20,10 +20,11 @@ from typing import TypeVar, cast
 from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
 from xds_server.health.beats import quiet_heartbeat, record_heartbeat
-from xds_server.health.clocks import EPS_S, misses_at, phi_delay_s
+from xds_server.health.clocks import EPS_S, misses_at, phi_delay_s, transport_suspected
 from xds_server.health.outcome import answered_failure, classify_probe, is_refusal, judge_busy_timeout, refusal_evidence
 from xds_server.health.records import (
     ROUTED_STATES,
+    SUSPICIONS,
     DrainRequested,
     EjectionCause,
     EngineState,
@@ -128,16 +129,17 @@ def _r_busy_judged(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequen
 
 
 def _r_disproved(nh: NodeHealth, hb: HeartbeatObserved, c: _StepCtx) -> Sequence[Fired]:
-    if nh.ejection.cause is EjectionCause.PHI and nh.ejection.from_state in ROUTED_STATES:
+    cause = nh.ejection.cause
+    if cause in SUSPICIONS and nh.ejection.from_state in ROUTED_STATES:
         return (Fired(Signal.SUSPICION_DISPROVED,
-                      f"phi suspicion disproved: heartbeat arrived after {c.gap_ms or 0.0:.0f} ms"),)
+                      f"{cause} suspicion disproved: heartbeat arrived after {c.gap_ms or 0.0:.0f} ms"),)
     return _NONE
 
 
 def _forgivable(nh: NodeHealth, burst_start_s: float) -> bool:
     """Ejected only for lost heartbeats, from a routed state, during the fail-static burst."""
     ej = nh.ejection
-    return (ej.cause in (EjectionCause.HEARTBEAT, EjectionCause.PHI) and ej.from_state in ROUTED_STATES
+    return ((ej.cause is EjectionCause.HEARTBEAT or ej.cause in SUSPICIONS) and ej.from_state in ROUTED_STATES
             and nh.since_s >= burst_start_s)
 
 
@@ -190,8 +192,8 @@ def _record_silence(nh: NodeHealth, obs: Tick | StreamClosed, c: _StepCtx) -> No
     closed = h.stream_closed or isinstance(obs, StreamClosed)
     # A closed stream counts as one miss at once, on top of the heartbeats not arrived.
     misses = max(misses_at(last, c.now_s, c.cfg) + (1 if closed else 0), h.consecutive_misses)
-    if isinstance(obs, StreamClosed) and obs.liveness_lost:  # the transport's own liveness failed
-        misses = max(misses, c.cfg.heartbeat.consecutive_misses)
+    if isinstance(obs, StreamClosed) and obs.liveness_lost and not transport_suspected(nh, c.cfg):
+        misses = max(misses, c.cfg.heartbeat.consecutive_misses)  # the transport's liveness failed: proof
     return replace(nh, heartbeat=replace(h, consecutive_misses=misses, stream_closed=closed))
 
 
@@ -204,8 +206,13 @@ def _r_silence(nh: NodeHealth, obs: Tick | StreamClosed, c: _StepCtx) -> Sequenc
         detail = f"; stream closed: {obs.detail}" if isinstance(obs, StreamClosed) and obs.detail else ""
         return (Fired(Signal.MISS_THRESHOLD, f"heartbeat: {h.consecutive_misses} consecutive misses "
                                              f"(last heartbeat {gap_ms:.0f} ms ago){detail}"),)
-    if nh.ejection.cause is EjectionCause.PHI:
+    if nh.ejection.cause in SUSPICIONS:
         return _NONE  # suspected already
+    if isinstance(obs, StreamClosed) and obs.liveness_lost:  # a suspicion (transport_suspected)
+        return (Fired(Signal.TRANSPORT_SUSPICION,
+                      f"stream closed: {obs.detail or 'transport lost'}; suspected until "
+                      f"{cfg.heartbeat.consecutive_misses} consecutive misses prove it "
+                      f"(last heartbeat {gap_ms:.0f} ms ago)"),)
     d = phi_delay_s(nh, cfg)
     if d is None or c.now_s - h.last_s < d - EPS_S:
         return _NONE

@@ -25,13 +25,16 @@ class Signal(enum.Enum):
     are missed (its stream closed, or ``consecutive_misses`` counted): the engine answers, its
     agent is not heard; HEALTHY_RUN_MET: HEALTHY for ``probation.clean_max`` (the
     doubled clean period is forgotten); FORGIVENESS_PENDING: fail-static ended while the node
-    was still silent.
+    was still silent; TRANSPORT_SUSPICION: the stream's transport failed its liveness check (an
+    unanswered HTTP/2 PING) while the count rule has not counted the node out (a suspicion, as
+    phi's: disproved by a heartbeat before ``consecutive_misses`` prove it).
     """
 
     HEARTBEAT = "heartbeat"
     MISS_THRESHOLD = "miss threshold"
     PHI_SUSPICION = "phi suspicion"
-    SUSPICION_DISPROVED = "phi suspicion disproved"
+    TRANSPORT_SUSPICION = "transport suspicion"
+    SUSPICION_DISPROVED = "suspicion disproved"
     PING = "ping"
     PROBE_GOOD = "probe good"
     GOOD_PROBES_RECOVER = "good probes to recover"

@@ -4,15 +4,15 @@ node's records, the config and the step's time (:mod:`xds_server.health.rules` r
 every observation's own rules)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from xds_server.config import HealthConfig
 from xds_server.health.clocks import EPS_S, required_clean_s, stall_confirm_at_s
-from xds_server.health.records import EjectionCause, EngineState, NodeHealth, Observation, ProbeResultKind
+from xds_server.health.records import SUSPICIONS, EngineState, NodeHealth, Observation, ProbeResultKind
 from xds_server.health.signals import Ctx, Fired, Signal
 from xds_server.health.switchback_rules import ramp_gate
 
-__all__ = ["TIME_RULES", "failure"]
+__all__ = ["TIME_RULES", "clean_period_unmet", "failure"]
 
 _NONE: tuple[Fired, ...] = ()
 _CLEAN_PERIOD_MET = (Fired(Signal.CLEAN_PERIOD_MET),)
@@ -48,21 +48,40 @@ def r_stall_confirmed(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fire
 
 
 def r_clean_period(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:
-    """Half-open entry (seed 000): a clean run of probes, heartbeats flowing, RTT back at baseline
-    (EWMA <= baseline x ``rtt_baseline_tolerance`` + ``rtt.baseline_slack``), engine READY."""
-    cfg, p, h, r = c.cfg, nh.probe, nh.heartbeat, nh.rtt
-    if p.clean_since_s is None or nh.ejection.cause is EjectionCause.PHI:
-        return _NONE
-    if c.now_s - p.clean_since_s < required_clean_s(nh, cfg) - EPS_S or p.clean_probes < cfg.probation.min_probes:
-        return _NONE
-    if h.last_s is None or h.consecutive_misses >= cfg.heartbeat.consecutive_misses:
-        return _NONE
-    if (r.baseline_ms is not None and r.ewma_ms is not None
-            and r.ewma_ms > r.baseline_ms * cfg.rtt.baseline_tolerance + cfg.rtt.baseline_slack.ms):
-        return _NONE
-    if nh.engine.state is not EngineState.READY or nh.engine.gpu_fatal:
+    """Half-open entry (seed 000): fires when nothing in :func:`clean_period_unmet` holds it."""
+    for _ in clean_period_unmet(nh, c.cfg, c.now_s):
         return _NONE
     return _CLEAN_PERIOD_MET
+
+
+def clean_period_unmet(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> Iterator[str]:
+    """What keeps an UNHEALTHY node out of PROBATION at ``now_s`` (s), each as a sentence, in the
+    order checked; nothing: it enters. Seed 000's half-open entry: a clean run of probes for the
+    (doubled) clean period with at least ``probation.min_probes``, heartbeats flowing, EWMA RTT
+    back at its baseline (<= baseline x ``rtt.baseline_tolerance`` + ``rtt.baseline_slack``),
+    engine READY; a suspicion waits for its heartbeat (back as it was) or its proof instead.
+    ``/nodes`` shows the whole list; the rule stops at the first."""
+    p, h, r = nh.probe, nh.heartbeat, nh.rtt
+    if nh.ejection.cause in SUSPICIONS:
+        yield (f"a {nh.ejection.cause} suspicion: back as it was at its next heartbeat, or proven by "
+               f"{cfg.heartbeat.consecutive_misses} consecutive misses")
+    need = required_clean_s(nh, cfg)
+    if p.clean_since_s is None:
+        yield f"no good probe since the last failure ({need:g} s of them needed)"
+    elif now_s - p.clean_since_s < need - EPS_S:
+        yield f"probes clean for {now_s - p.clean_since_s:.1f} of {need:g} s"
+    if p.clean_probes < cfg.probation.min_probes:
+        yield f"{p.clean_probes} of {cfg.probation.min_probes} good probes"
+    if h.last_s is None or h.consecutive_misses >= cfg.heartbeat.consecutive_misses:
+        yield f"heartbeats not flowing ({h.consecutive_misses} consecutive misses)"
+    if (r.baseline_ms is not None and r.ewma_ms is not None
+            and r.ewma_ms > r.baseline_ms * cfg.rtt.baseline_tolerance + cfg.rtt.baseline_slack.ms):
+        yield (f"EWMA RTT {r.ewma_ms:.1f} ms above its baseline {r.baseline_ms:.1f} ms x "
+               f"{cfg.rtt.baseline_tolerance:g} + {cfg.rtt.baseline_slack.ms:g} ms")
+    if nh.engine.state is not EngineState.READY:
+        yield f"engine {nh.engine.state.value}"
+    if nh.engine.gpu_fatal:
+        yield f"GPU fatal: {nh.engine.gpu_fatal}"
 
 
 def r_ramp(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:

@@ -52,8 +52,9 @@ _SPEC: tuple[tuple[tuple[NodeState, ...], tuple[Signal, ...], Effect, NodeState 
     (ROUTED, (G.MISS_THRESHOLD,), fx.eject(EjectionCause.HEARTBEAT), UNHEALTHY),
     ((UNHEALTHY,), (G.MISS_THRESHOLD,), fx.proven_by_count, _STAY),
     (ROUTED, (G.PHI_SUSPICION,), fx.eject(EjectionCause.PHI), UNHEALTHY),
-    ((WARMING,), (G.MISS_THRESHOLD, G.PHI_SUSPICION), fx.noop, _STAY),   # not routed: nothing to eject
-    ((UNHEALTHY,), (G.PHI_SUSPICION,), fx.noop, _STAY),                  # already out
+    (ROUTED, (G.TRANSPORT_SUSPICION,), fx.eject(EjectionCause.TRANSPORT), UNHEALTHY),
+    ((WARMING,), (G.MISS_THRESHOLD, G.PHI_SUSPICION, G.TRANSPORT_SUSPICION), fx.noop, _STAY),  # not routed
+    ((UNHEALTHY,), (G.PHI_SUSPICION, G.TRANSPORT_SUSPICION), fx.noop, _STAY),                 # already out
     ((UNHEALTHY,), (G.SUSPICION_DISPROVED,), fx.disproved, PREVIOUS),
     ((UNHEALTHY,), (G.FAIL_STATIC_FORGIVES,), fx.forgiven, PREVIOUS),
     ((UNHEALTHY,), (G.FORGIVENESS_PENDING,), fx.forgive_later, _STAY),

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 
 from xds_server.config import HealthConfig
 from xds_server.health.clocks import miss_after_s
-from xds_server.health.records import EjectionCause, NodeHealth, NodeState
+from xds_server.health.records import SUSPICIONS, EjectionCause, NodeHealth, NodeState
 from xds_server.health.routing import NodeRouting, Routing, RoutingStatus, full_weight, node_routing, weight
 
 __all__ = [
@@ -286,7 +286,8 @@ def cluster_routing(
 def _silent_only(nh: NodeHealth) -> bool:
     """Out only because its agent went silent: ejected for missed heartbeats (or their phi
     suspicion), with no probe failing."""
-    return (nh.state is NodeState.UNHEALTHY and nh.ejection.cause in (EjectionCause.HEARTBEAT, EjectionCause.PHI)
+    return (nh.state is NodeState.UNHEALTHY
+            and (nh.ejection.cause is EjectionCause.HEARTBEAT or nh.ejection.cause in SUSPICIONS)
             and nh.probe.consecutive_failures == 0)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from xds_server.health.records import ROUTED_STATES, EjectionCause, NodeHealth, NodeState
+from xds_server.health.records import ROUTED_STATES, SUSPICIONS, NodeHealth, NodeState
 
 __all__ = ["PeerChoice", "PeerPlan", "choose_peers", "plan_peers", "suspected"]
 
@@ -56,8 +56,9 @@ def _queued(nh: NodeHealth) -> float:
 
 
 def suspected(nh: NodeHealth) -> bool:
-    """UNHEALTHY on a phi suspicion not yet proven by the count rule, ejected from a routed state."""
-    return (nh.state is NodeState.UNHEALTHY and nh.ejection.cause is EjectionCause.PHI
+    """UNHEALTHY on a suspicion (phi's, or a transport's failed liveness check) not yet proven by
+    the count rule, ejected from a routed state."""
+    return (nh.state is NodeState.UNHEALTHY and nh.ejection.cause in SUSPICIONS
             and nh.ejection.from_state in ROUTED_STATES)
 
 
