@@ -37,8 +37,8 @@ def test_each_condition_is_named_with_its_numbers():
     assert list(clean_period_unmet(_out(engine=Engine(state=EngineState.WARMING)), CFG, 10.0)) == ["engine WARMING"]
     assert list(clean_period_unmet(_out(probe=Probes(clean_since_s=9.5, clean_probes=1)), CFG, 10.0)) == [
         "probes clean for 0.5 of 1 s", "1 of 3 good probes"]
-    assert list(clean_period_unmet(_out(probe=Probes()), CFG, 10.0))[0] == (
-        "no good probe since the last failure (1 s of them needed)")
+    assert list(clean_period_unmet(_out(probe=Probes()), CFG, 10.0)) == [
+        "no good probe since the last failure (1 s of them needed)", "0 of 3 good probes"]
     suspected = _out(ejection=Ejection(cause=EjectionCause.TRANSPORT, from_state=NodeState.HEALTHY))
     assert list(clean_period_unmet(suspected, CFG, 10.0)) == [
         "a transport suspicion: back as it was at its next heartbeat, or proven by 3 consecutive misses"]
