@@ -12,7 +12,8 @@ import pytest
 from envoy.service.load_stats.v3 import lrs_pb2
 from lrs_support import send_counted
 
-from xds_server.config import NodeAllowRule, parse_config
+from xds_server.config import NodeAllowRule, TrafficEjectionConfig, parse_config
+from xds_server.policy.traffic_ejection import failure_p_value
 from xds_server.server import ControlPlane
 from xds_server.testing import (
     InMemoryProbes,
@@ -171,6 +172,19 @@ async def _envoy_ejections(http, admin_url: str) -> int:
     return sum(int(line.rsplit(": ", 1)[1]) for line in text.strip().splitlines() if ": " in line)
 
 
+async def _host_counts(http, admin_url: str, port: int) -> tuple[int, int]:
+    """(requests, errors) one Envoy counted for the host on ``port`` (``/clusters``' per-host
+    ``rq_total`` and ``rq_error``)."""
+    async with http.get(f"{admin_url}/clusters") as r:
+        text = await r.text()
+    got = {}
+    for line in text.splitlines():
+        parts = line.split("::")
+        if len(parts) == 4 and parts[1].endswith(f":{port}") and parts[2] in ("rq_total", "rq_error"):
+            got[parts[2]] = int(parts[3])
+    return got.get("rq_total", 0), got.get("rq_error", 0)
+
+
 async def test_real_traffic_failures_eject_fleet_wide_before_any_envoy_could(make_fleet, http):
     # a node that answers 500 to every real request while its 1-token probes pass; three Envoys at
     # low volume each: none sees Envoy's consecutive_5xx (5) before the control plane, summing all
@@ -190,16 +204,22 @@ async def test_real_traffic_failures_eject_fleet_wide_before_any_envoy_could(mak
         await fleet.set_fault(http, "gpu-c", "user_error", rate=0.8)  # 4 of 5: runs of 4 at most
         gens = [LoadGenerator(u, concurrency=1, max_tokens=2, pause_s=0.6)
                 for u in (fleet.url, *(e.url for e in extra))]
-        bad = fleet.node("gpu-c").engine_url
+        te = TrafficEjectionConfig()  # the fleet runs its tolerance and confidence_p
+        port = fleet.node("gpu-c").engine_port
+        admins = [f"http://127.0.0.1:{fleet.envoy_admin_port}", *(e.admin_url for e in extra)]
         for g in gens:
             await g.start()
         t_volume = t_ejected = None
         t0 = asyncio.get_running_loop().time()
         while t_ejected is None and asyncio.get_running_loop().time() - t0 < 20:
-            async with http.get(f"{bad}/sim/stats") as r:
-                user = (await r.json())["requests_by_kind"]["user"]
+            counts = [await _host_counts(http, a, port) for a in admins]
             now = asyncio.get_running_loop().time()
-            if t_volume is None and user >= min_requests:
+            # the evidence exists in the Envoys: min_requests to gpu-c in all, failures seen by two
+            # (min_reporters), significant against the peers' 0 % + tolerance (the rule's own test);
+            # from here the bound is their next reports and our decision on them
+            done, errs = sum(t for t, _ in counts), sum(e for _, e in counts)
+            if (t_volume is None and done >= min_requests and sum(1 for _, e in counts if e) >= 2
+                    and failure_p_value(errs, done, te.tolerance) <= te.confidence_p):
                 t_volume = now
             nodes = await fleet.cp_nodes(http)
             if nodes["gpu-c"]["state"] == "UNHEALTHY":
@@ -209,7 +229,7 @@ async def test_real_traffic_failures_eject_fleet_wide_before_any_envoy_could(mak
                            *[await _envoy_ejections(http, e.admin_url) for e in extra]]
         for g in gens:
             await g.stop()
-        print(f"\nmin volume at {t_volume - t0:.2f} s, ejected at {t_ejected - t0:.2f} s "
+        print(f"\nsignificant in the Envoys at {t_volume - t0:.2f} s, ejected at {t_ejected - t0:.2f} s "
               f"({t_ejected - t_volume:.2f} s later); Envoy outlier ejections per Envoy {envoy_ejections}; "
               f"reason: {nodes['gpu-c']['reason']}")
         assert t_volume is not None and t_ejected is not None

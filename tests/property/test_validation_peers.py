@@ -1,5 +1,5 @@
-"""Which peers a switch-back validation replays against: a peer out for a moment (a phi
-suspicion not yet proven, a replay stream that failed to open) makes the validation wait, never
+"""Which peers a switch-back validation replays against: a peer out for a moment (a suspicion
+not yet proven, a replay stream that failed to open) makes the validation wait, never
 lets the candidate in on probes alone; a real shortage does."""
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_a_peer_suspected_for_a_moment_makes_the_candidate_wait():
     assert plan == PeerPlan(("a",), ("b",))
     ch = choose_peers(plan, {"a": 16}, {}, 8, "llm")
     assert ch.retry == ("1 healthy peer(s) in cluster llm that replay, 2 needed; out for now: "
-                        "peer b: phi suspicion not yet proven or disproved")
+                        "peer b: suspected, not yet proven or disproved")
     # proven by the count rule: a real shortage, probes alone decide
     c["b"] = NodeHealth(node_id="b", state=NodeState.UNHEALTHY,
                         ejection=Ej(cause=EjectionCause.HEARTBEAT, from_state=NodeState.HEALTHY))

@@ -249,7 +249,7 @@ class Heartbeats:
     consecutive_misses: int = 0
     stream_closed: bool = False
     arrivals: phimod.ArrivalStats | None = None
-    suspicion_clears: tuple[float, ...] = ()  # times of disproved phi suspicions (last window)
+    suspicion_clears: tuple[float, ...] = ()  # times of disproved suspicions, phi or transport (last window)
     vouched: bool = False                   # the last heartbeat's stream's transport carries liveness
 
 

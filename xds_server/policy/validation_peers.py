@@ -7,10 +7,10 @@ shortage is real, not a moment's:
 
 - **peers** (:func:`plan_peers`): the cluster's HEALTHY, undrained nodes but the candidate, the
   least queued first (an agent refuses a replay while its engine queues requests);
-- **held**: undrained nodes UNHEALTHY on a phi suspicion the count rule has not proven yet
-  (ejected from a routed state). The next heartbeat disproves it (the node is back as it was)
-  or ``heartbeat.consecutive_misses`` prove it (cause ``heartbeat``: no longer held), so each
-  is out for at most that long;
+- **held**: undrained nodes UNHEALTHY on a suspicion the count rule has not proven yet (phi's,
+  or a stream ended by an unanswered PING; ejected from a routed state). The next heartbeat
+  disproves it (the node is back as it was) or ``heartbeat.consecutive_misses`` prove it (cause
+  ``heartbeat``: no longer held), so each is out for at most that long;
 - after the peers' replay streams opened (:func:`choose_peers`): **able** peers replay at
   least the request's prompts; a peer whose stream failed to open (an error, not an agent
   that says it does not replay) may be able at the next try.
@@ -83,7 +83,7 @@ def choose_peers(plan: PeerPlan, caps: Mapping[str, int], errors: Mapping[str, s
     failed = [p for p in plan.peers if errors.get(p)]
     if len(able) + len(failed) + len(plan.held) >= NEEDED:
         out = [f"peer {p}: {errors[p]}" for p in failed] + [
-            f"peer {p}: phi suspicion not yet proven or disproved" for p in plan.held]
+            f"peer {p}: suspected, not yet proven or disproved" for p in plan.held]
         return PeerChoice(retry=f"{len(able)} healthy peer(s) in cluster {cluster_name} that replay, "
                                 f"{NEEDED} needed; out for now: {'; '.join(out)}", able=able)
     return PeerChoice(probes_only=f"{len(able)} healthy peer(s) in cluster {cluster_name} that replay, "

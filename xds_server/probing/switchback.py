@@ -11,7 +11,7 @@ looks for nodes the health model holds in PROBATION with a PENDING validation
    replayed: a candidate like that is validated by probes alone and says so; fewer than two
    peers that replay: said, and probes alone decide (documented choice: refusing would keep a
    recovered node out of a small cluster forever), unless peers are out only for a moment (a
-   stream that failed to open, a phi suspicion not yet proven): then it is retried;
+   stream that failed to open, a suspicion not yet proven): then it is retried;
 3. the same ``ReplayRequest`` (``sample`` prompts from the configured JSONL file or the built-in
    set, with ``live_prompts`` some sampled from live traffic by relays (:mod:`.live_prompts`,
    :attr:`SwitchbackValidator.live`; only their count is shown), ``max_tokens`` each, greedy)
