@@ -130,7 +130,8 @@ class ControlPlaneCollector:
             herr.add_metric([where], v)
         yield herr
         drops = CounterMetricFamily("sentinel_agent_transport_drops", "dial-in streams whose transport "
-                                    "ended under us, by verdict: node (its whole miss threshold), redialled "
+                                    "ended under us, by verdict: node (a transport suspicion: out at once, back "
+                                    "if its agent is heard before the count rule proves it), redialled "
                                     "(the agent dialled again at once), stall (cut by a stall of ours), burst "
                                     "(many at once: ours), returned (its agent dialled back during a burst's "
                                     "recovery: the hold goes on)", labels=["verdict"])
