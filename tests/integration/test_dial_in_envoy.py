@@ -29,7 +29,11 @@ async def _transport_drops(fleet, http) -> dict[str, float]:
 
 async def test_a_fleet_without_a_node_list_comes_up_from_registrations_and_a_frozen_host_is_excluded(
         make_fleet, http):
-    fleet = make_fleet(n_nodes=3, per_try_timeout_s=1.0, health=FAST, agents="register")
+    # PINGs unanswered for 300 ms end a stream (80 ms by default): beside two other test workers'
+    # fleets on two cores, a live agent process starved past 80 ms is cut, which is not what this
+    # test is about; the 80 ms deadline is measured in benchmarks/ and the dial-in fault rows
+    fleet = make_fleet(n_nodes=3, per_try_timeout_s=1.0, health=FAST, agents="register",
+                       config_options={"probe": {"dial_in": {"ping_timeout": "300ms"}}})
     await fleet.wait_all_routed(http)
     load = LoadGenerator(fleet.url, concurrency=3)
     await load.start()
@@ -57,8 +61,9 @@ async def test_a_fleet_without_a_node_list_comes_up_from_registrations_and_a_fro
     assert sorted(nodes) == ["gpu-a", "gpu-b", "gpu-c"]   # every node came from a registration
     assert tl.envoy_excluded_s is not None and tl.envoy_excluded_s < 2.0
     async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events", params={"limit": "1000"}) as r:
-        out = [e for e in (await r.json())["events"] if e["node"] == "gpu-a" and e.get("to") == "UNHEALTHY"
-               and e["time"] >= t_wall]
+        events = [e for e in (await r.json())["events"] if e["kind"] == "transition"]
+    out = [e for e in events if e["node"] == "gpu-a" and e.get("to") == "UNHEALTHY"
+           and e["time"] >= t_wall]
     why = out[0]["reason"]  # the ejection's own reason (the node's may have moved on: proven by the count)
     if "transport lost" not in why:  # the server's PINGs failed the stream, or:
         # our own process stalled around the cut (three test workers on two cores): the drop was
@@ -70,4 +75,5 @@ async def test_a_fleet_without_a_node_list_comes_up_from_registrations_and_a_fro
     assert routed_again is not None
     assert total.failed == 0, dict(total.failures)
     for nid in ("gpu-b", "gpu-c"):
-        assert nodes[nid]["state"] == "HEALTHY", nodes[nid]
+        assert nodes[nid]["state"] == "HEALTHY", (nid, nodes[nid]["reason"], [
+            (e["time"] - t_wall, e["from"], e["to"], e["reason"]) for e in events if e["node"] == nid])
