@@ -105,6 +105,9 @@ async def test_live_feed_sends_a_snapshot_then_a_node_turning_unhealthy(admin):
         assert n1["state"] == "UNHEALTHY" and n1["eds_health_status"] == "UNHEALTHY"
         # a failure in PROBATION doubles the clean period (60 s default, docs/DESIGN.md section 4)
         assert n1["probation"]["required_clean_s"] == (120.0 if before == "PROBATION" else 60.0)
+        # and what it waits for before PROBATION, in words (the half-open rule's own checks)
+        assert n1["probation"]["waiting_for"][0] == (
+            f"no good probe since the last failure ({n1['probation']['required_clean_s']:g} s of them needed)")
     body = json.dumps([first, data, backlog])
     assert TOKEN not in body
 

@@ -6,10 +6,10 @@ request fails, and the thawed node registers again and is routed."""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from xds_server.demo import FaultTimeline, wait_routed, watch_exclusion
 from xds_server.testing import LoadGenerator
@@ -23,8 +23,8 @@ async def _transport_drops(fleet, http) -> dict[str, float]:
     """The control plane's ``sentinel_agent_transport_drops_total`` by verdict."""
     async with http.get(f"http://127.0.0.1:{fleet.admin_port}/metrics") as r:
         text = await r.text()
-    found = re.findall(r'^sentinel_agent_transport_drops_total\{verdict="(\w+)"\} ([\d.e+]+)$', text, re.M)
-    return {verdict: float(n) for verdict, n in found}
+    return {s.labels["verdict"]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "sentinel_agent_transport_drops_total"}
 
 
 async def test_a_fleet_without_a_node_list_comes_up_from_registrations_and_a_frozen_host_is_excluded(
@@ -60,8 +60,7 @@ async def test_a_fleet_without_a_node_list_comes_up_from_registrations_and_a_fro
           f"({tl.cp_reason}); routed again {routed_again} s after thaw")
     assert sorted(nodes) == ["gpu-a", "gpu-b", "gpu-c"]   # every node came from a registration
     assert tl.envoy_excluded_s is not None and tl.envoy_excluded_s < 2.0
-    async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events", params={"limit": "1000"}) as r:
-        events = [e for e in (await r.json())["events"] if e["kind"] == "transition"]
+    events = [e for e in await fleet.cp_events(http) if e["kind"] == "transition"]
     out = [e for e in events if e["node"] == "gpu-a" and e.get("to") == "UNHEALTHY"
            and e["time"] >= t_wall]
     why = out[0]["reason"]  # the ejection's own reason (the node's may have moved on: proven by the count)

@@ -82,8 +82,7 @@ async def test_slow_engine_gets_less_traffic_hung_engine_is_ejected_and_comes_ba
     print(f"Envoy weights while gpu-a was DEGRADED: {weights}; gpu-b ramp seen by Envoy: {seen}; "
           f"failures: {dict(load.totals().failures)}")
     share = lambda st, n: st.ok_by_node.get(n, 0) / max(1, st.ok)  # noqa: E731 - a one-line helper
-    async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events?limit=1000") as r:
-        evs = [e for e in (await r.json())["events"] if e.get("node") == "gpu-b"]
+    evs = [e for e in await fleet.cp_events(http) if e.get("node") == "gpu-b"]
     print("gpu-b's transitions (a failure below shows the path its ramp took):\n" + "\n".join(
         f"  {e['time'] % 1000:.2f} {e['from']} -> {e['to']}: {e['reason'][:100]}"
         for e in evs if e["kind"] == "transition"))
@@ -129,8 +128,7 @@ async def test_fail_static_keeps_last_good_assignment_when_all_agents_go_silent_
         await asyncio.sleep(0.5)
     finally:
         await load.stop()
-    async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events?limit=1000") as r:
-        kinds = [e["kind"] for e in (await r.json())["events"]]
+    kinds = [e["kind"] for e in await fleet.cp_events(http)]
     print(f"\nEnvoy during the silence: {hosts}; events: {kinds[-8:]}; per phase: "
           + json.dumps({k: dict(v.ok_by_node) for k, v in load.phases.items()}))
     assert hosts == {"gpu-a": "HEALTHY", "gpu-b": "HEALTHY", "gpu-c": "HEALTHY"}
@@ -171,8 +169,7 @@ async def test_silent_survivors_whose_engines_serve_stay_routed_when_the_rest_is
         load.phase("after")
     finally:
         await load.stop()
-    async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events?limit=1000") as r:
-        kept = [e["node"] for e in (await r.json())["events"] if e["kind"] == "fail_static_kept"]
+    kept = [e["node"] for e in await fleet.cp_events(http) if e["kind"] == "fail_static_kept"]
     print(f"\nduring the silence: {silent.ok} ok, {silent.failed} failed; kept {kept}; states "
           f"{ {k: v['state'] for k, v in nodes.items()} }")
     assert nodes["gpu-c"]["state"] == nodes["gpu-d"]["state"] == "UNHEALTHY"  # out for silence, in the model

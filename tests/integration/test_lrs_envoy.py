@@ -19,6 +19,7 @@ from xds_server.testing import (
     InMemoryProbes,
     LoadGenerator,
     StandaloneEnvoy,
+    fetch_envoy_hosts,
     free_port,
     restart_control_plane,
     wait_for,
@@ -172,19 +173,6 @@ async def _envoy_ejections(http, admin_url: str) -> int:
     return sum(int(line.rsplit(": ", 1)[1]) for line in text.strip().splitlines() if ": " in line)
 
 
-async def _host_counts(http, admin_url: str, port: int) -> tuple[int, int]:
-    """(requests, errors) one Envoy counted for the host on ``port`` (``/clusters``' per-host
-    ``rq_total`` and ``rq_error``)."""
-    async with http.get(f"{admin_url}/clusters") as r:
-        text = await r.text()
-    got = {}
-    for line in text.splitlines():
-        parts = line.split("::")
-        if len(parts) == 4 and parts[1].endswith(f":{port}") and parts[2] in ("rq_total", "rq_error"):
-            got[parts[2]] = int(parts[3])
-    return got.get("rq_total", 0), got.get("rq_error", 0)
-
-
 async def test_real_traffic_failures_eject_fleet_wide_before_any_envoy_could(make_fleet, http):
     # a node that answers 500 to every real request while its 1-token probes pass; three Envoys at
     # low volume each: none sees Envoy's consecutive_5xx (5) before the control plane, summing all
@@ -212,7 +200,8 @@ async def test_real_traffic_failures_eject_fleet_wide_before_any_envoy_could(mak
         t_volume = t_ejected = None
         t0 = asyncio.get_running_loop().time()
         while t_ejected is None and asyncio.get_running_loop().time() - t0 < 20:
-            counts = [await _host_counts(http, a, port) for a in admins]
+            counts = [next(((h.requests, h.errors) for h in await fetch_envoy_hosts(http, a, fleet.cluster)
+                            if h.port == port), (0, 0)) for a in admins]
             now = asyncio.get_running_loop().time()
             # the evidence exists in the Envoys: min_requests to gpu-c in all, failures seen by two
             # (min_reporters), significant against the peers' 0 % + tolerance (the rule's own test);
@@ -302,8 +291,7 @@ async def test_a_query_of_death_on_every_node_ejects_none_and_raises_one_cluster
     try:
         await asyncio.sleep(6.0)  # 6 report intervals
         nodes = await fleet.cp_nodes(http)
-        async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events?limit=1000") as r:
-            events = (await r.json())["events"]
+        events = await fleet.cp_events(http)
         async with http.get(f"http://127.0.0.1:{fleet.admin_port}/clusters") as r:
             (llm,) = [c for c in (await r.json())["clusters"] if c["name"] == "llm"]
     finally:

@@ -55,15 +55,13 @@ async def _user_requests(http, node) -> int:
 
 async def _story(http, fleet, node_id: str) -> str:
     """``node_id``'s events, one per line (what a failing assertion shows)."""
-    async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events", params={"limit": "1000"}) as r:
-        events = (await r.json())["events"]
+    events = await fleet.cp_events(http)
     return "\n".join(f"{e['time']:.3f} {e['kind']} {e.get('from', '')}->{e.get('to', '')}: {e['reason']}"
                      for e in events if e["node"] == node_id)
 
 
 async def _failed_validations(http, fleet, node_id: str) -> int:
-    async with http.get(f"http://127.0.0.1:{fleet.admin_port}/events", params={"limit": "1000"}) as r:
-        events = (await r.json())["events"]
+    events = await fleet.cp_events(http)
     return sum(1 for e in events if e["node"] == node_id and e.get("to") == "UNHEALTHY"
                and "switch-back" in e["reason"])
 

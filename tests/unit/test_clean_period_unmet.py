@@ -19,6 +19,7 @@ from xds_server.health.model import (
     step,
 )
 from xds_server.health.records import Ejection, Probes, Rtt
+from xds_server.health.time_rules import clean_period_met
 
 CFG = HealthConfig(probation={"clean": "1s", "min_probes": 3})
 
@@ -54,5 +55,6 @@ def test_probation_is_entered_exactly_when_nothing_is_unmet(since, probes, misse
               heartbeat=Heartbeats(last_s=9.95, consecutive_misses=misses), rtt=Rtt(ewma_ms=ewma, baseline_ms=2.0),
               engine=Engine(state=engine), ejection=Ejection(cause=cause, from_state=NodeState.HEALTHY))
     unmet = list(clean_period_unmet(nh, CFG, 10.0))
+    assert clean_period_met(nh, CFG, 10.0) == (not unmet), unmet  # the rule's checks, said in words
     after, _ = step(nh, Tick(), 10.0, CFG)
     assert (after.state is NodeState.PROBATION) == (not unmet), unmet

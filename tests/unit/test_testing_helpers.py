@@ -16,7 +16,9 @@ def _host(port: int, **health: object) -> dict:
 CLUSTERS = {"cluster_statuses": [
     {"name": "other", "host_statuses": [_host(9000, eds_health_status="HEALTHY")]},
     {"name": "llm", "host_statuses": [
-        {**_host(8001, eds_health_status="HEALTHY"), "weight": 70, "priority": 1},
+        {**_host(8001, eds_health_status="HEALTHY"), "weight": 70, "priority": 1,
+         "stats": [{"name": "rq_total", "value": "5", "type": "COUNTER"}, {"name": "rq_error", "type": "COUNTER"},
+                   {"name": "cx_active", "value": "1", "type": "GAUGE"}]},
         _host(8002, eds_health_status="UNHEALTHY", failed_outlier_check=True),
         _host(8003, failed_outlier_check=True, pending_dynamic_removal=False),
         _host(8004),
@@ -27,7 +29,7 @@ CLUSTERS = {"cluster_statuses": [
 def test_parse_envoy_clusters_reads_one_cluster_with_defaults():
     hosts = parse_envoy_clusters(CLUSTERS, "llm")
     assert hosts == [
-        EnvoyHost(8001, "HEALTHY", (), 70, 1),
+        EnvoyHost(8001, "HEALTHY", (), 70, 1, requests=5, errors=0),
         EnvoyHost(8002, "UNHEALTHY", ("failed_outlier_check",), 1, 0),
         EnvoyHost(8003, "HEALTHY", ("failed_outlier_check",), 1, 0),
         EnvoyHost(8004, "HEALTHY", (), 1, 0),

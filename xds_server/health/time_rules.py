@@ -8,11 +8,11 @@ from collections.abc import Iterator, Sequence
 
 from xds_server.config import HealthConfig
 from xds_server.health.clocks import EPS_S, required_clean_s, stall_confirm_at_s
-from xds_server.health.records import SUSPICIONS, EngineState, NodeHealth, Observation, ProbeResultKind
+from xds_server.health.records import SUSPICIONS, EngineState, NodeHealth, Observation, ProbeResultKind, Rtt
 from xds_server.health.signals import Ctx, Fired, Signal
 from xds_server.health.switchback_rules import ramp_gate
 
-__all__ = ["TIME_RULES", "clean_period_unmet", "failure"]
+__all__ = ["TIME_RULES", "clean_period_met", "clean_period_unmet", "failure"]
 
 _NONE: tuple[Fired, ...] = ()
 _CLEAN_PERIOD_MET = (Fired(Signal.CLEAN_PERIOD_MET),)
@@ -48,19 +48,38 @@ def r_stall_confirmed(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fire
 
 
 def r_clean_period(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:
-    """Half-open entry (seed 000): fires when nothing in :func:`clean_period_unmet` holds it."""
-    for _ in clean_period_unmet(nh, c.cfg, c.now_s):
-        return _NONE
-    return _CLEAN_PERIOD_MET
+    """Half-open entry (seed 000): :func:`clean_period_met`."""
+    return _CLEAN_PERIOD_MET if clean_period_met(nh, c.cfg, c.now_s) else _NONE
+
+
+def clean_period_met(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> bool:
+    """Seed 000's half-open entry at ``now_s`` (s): a clean run of probes for the (doubled) clean
+    period with at least ``probation.min_probes``, heartbeats flowing, EWMA RTT back at its
+    baseline (<= baseline x ``rtt.baseline_tolerance`` + ``rtt.baseline_slack``), engine READY,
+    not a suspicion (back as it was at its next heartbeat, or proven). This rule runs after every
+    observation of every node, so it returns at the first unmet check and formats nothing;
+    :func:`clean_period_unmet` says the same checks in words (a test keeps the two equal)."""
+    p, h, r = nh.probe, nh.heartbeat, nh.rtt
+    if p.clean_since_s is None or nh.ejection.cause in SUSPICIONS:
+        return False
+    if now_s - p.clean_since_s < required_clean_s(nh, cfg) - EPS_S or p.clean_probes < cfg.probation.min_probes:
+        return False
+    if h.last_s is None or h.consecutive_misses >= cfg.heartbeat.consecutive_misses:
+        return False
+    if _rtt_above_baseline(r, cfg):
+        return False
+    return nh.engine.state is EngineState.READY and not nh.engine.gpu_fatal
+
+
+def _rtt_above_baseline(r: Rtt, cfg: HealthConfig) -> bool:
+    return (r.baseline_ms is not None and r.ewma_ms is not None
+            and r.ewma_ms > r.baseline_ms * cfg.rtt.baseline_tolerance + cfg.rtt.baseline_slack.ms)
 
 
 def clean_period_unmet(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> Iterator[str]:
-    """What keeps an UNHEALTHY node out of PROBATION at ``now_s`` (s), each as a sentence, in the
-    order checked; nothing: it enters. Seed 000's half-open entry: a clean run of probes for the
-    (doubled) clean period with at least ``probation.min_probes``, heartbeats flowing, EWMA RTT
-    back at its baseline (<= baseline x ``rtt.baseline_tolerance`` + ``rtt.baseline_slack``),
-    engine READY; a suspicion waits for its heartbeat (back as it was) or its proof instead.
-    ``/nodes`` shows the whole list; the rule stops at the first."""
+    """What keeps an UNHEALTHY node out of PROBATION at ``now_s`` (s): each check of
+    :func:`clean_period_met` that fails, as a sentence with its numbers, in the order checked;
+    nothing: it enters. ``/nodes`` shows the list."""
     p, h, r = nh.probe, nh.heartbeat, nh.rtt
     if nh.ejection.cause in SUSPICIONS:
         yield (f"a {nh.ejection.cause} suspicion: back as it was at its next heartbeat, or proven by "
@@ -74,8 +93,8 @@ def clean_period_unmet(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> Itera
         yield f"{p.clean_probes} of {cfg.probation.min_probes} good probes"
     if h.last_s is None or h.consecutive_misses >= cfg.heartbeat.consecutive_misses:
         yield f"heartbeats not flowing ({h.consecutive_misses} consecutive misses)"
-    if (r.baseline_ms is not None and r.ewma_ms is not None
-            and r.ewma_ms > r.baseline_ms * cfg.rtt.baseline_tolerance + cfg.rtt.baseline_slack.ms):
+    if _rtt_above_baseline(r, cfg):
+        assert r.ewma_ms is not None and r.baseline_ms is not None  # (both known to be above)
         yield (f"EWMA RTT {r.ewma_ms:.1f} ms above its baseline {r.baseline_ms:.1f} ms x "
                f"{cfg.rtt.baseline_tolerance:g} + {cfg.rtt.baseline_slack.ms:g} ms")
     if nh.engine.state is not EngineState.READY:

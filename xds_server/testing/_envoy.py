@@ -43,6 +43,8 @@ class EnvoyHost:
             ``"failed_outlier_check"``, ``"failed_active_health_check"``).
         weight: ``load_balancing_weight`` (1 when absent).
         priority: the host's priority (0 when absent).
+        requests, errors: the host's ``rq_total`` and ``rq_error`` counters (``stats``; 0 when
+            absent, as Envoy leaves a zero out).
     """
 
     port: int
@@ -50,6 +52,8 @@ class EnvoyHost:
     flags: tuple[str, ...]
     weight: int
     priority: int
+    requests: int = 0
+    errors: int = 0
 
     @property
     def status(self) -> str:
@@ -69,12 +73,15 @@ def parse_envoy_clusters(data: dict[str, Any], cluster: str) -> list[EnvoyHost]:
             continue
         for h in cs.get("host_statuses", []):
             hs = h.get("health_status", {})
+            stats = {st.get("name"): int(st.get("value", 0)) for st in h.get("stats", [])}
             out.append(EnvoyHost(
                 port=h["address"]["socket_address"]["port_value"],
                 health=hs.get("eds_health_status", "HEALTHY"),
                 flags=tuple(k for k, v in hs.items() if k != "eds_health_status" and v is True),
                 weight=int(h.get("weight", 1)),
                 priority=int(h.get("priority", 0)),
+                requests=stats.get("rq_total", 0),
+                errors=stats.get("rq_error", 0),
             ))
     return out
 

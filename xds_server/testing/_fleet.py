@@ -303,6 +303,11 @@ class Fleet:
             data = await r.json()
         return {v["id"]: v for v in data["nodes"]}
 
+    async def cp_events(self, session: aiohttp.ClientSession, limit: int = 1000) -> list[dict]:
+        """The control plane's newest ``limit`` events (/events), oldest first."""
+        async with session.get(f"http://127.0.0.1:{self.admin_port}/events", params={"limit": str(limit)}) as r:
+            return list((await r.json())["events"])
+
     async def wait_all_routed(self, session: aiohttp.ClientSession, timeout_s: float = 30.0) -> float:
         """Wait until Envoy routes to every node; returns seconds waited. Raises TimeoutError."""
         t0 = time.monotonic()
