@@ -130,6 +130,7 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         self._probe_seq = 0
         self._last_failure: probe_pb2.FailureKind | None = None
         self._load_reading: EngineLoadReading | None = None
+        self._tokens_seen: float | None = None  # the last generated-token counter read (kept across failed scrapes)
         self._load_msg = probe_pb2.EngineLoad(metrics_ok=False, metrics_error="no scrape yet")
         self._load_at: float | None = None
         self._stall = StallDetector(cfg.stall_window_ms / 1000.0)
@@ -319,12 +320,13 @@ class ProbeAgent(probe_pb2_grpc.NodeProbeServicer):
         elif not error and self._load_reading is None:
             log.info("metrics scrape ok")
         self.metrics.scrape(error)
-        previous = self._load_reading
-        if (reading is not None and previous is not None
-                and reading.generation_tokens_total is not None
-                and previous.generation_tokens_total is not None
-                and reading.generation_tokens_total < previous.generation_tokens_total):
-            self._lifecycle.observe_restart("generated-token counter went back: engine restarted")
+        tokens = None if reading is None else reading.generation_tokens_total
+        if tokens is not None:
+            # against the last counter read, across failed scrapes: an engine replaced between two
+            # scrapes that found it down still shows a counter that went back
+            if self._tokens_seen is not None and tokens < self._tokens_seen:
+                self._lifecycle.observe_restart("generated-token counter went back: engine restarted")
+            self._tokens_seen = tokens
         self._load_reading = reading
         self._load_msg = _load_message(reading, error)
         self._load_at = now

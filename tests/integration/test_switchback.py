@@ -83,6 +83,10 @@ async def _node(http: aiohttp.ClientSession, nid: str) -> dict:
         return next(n for n in (await r.json())["nodes"] if n["id"] == nid)
 
 
+async def _gone(http: aiohttp.ClientSession, nid: str) -> bool:
+    return (await _node(http, nid))["health_state"] != "HEALTHY"
+
+
 async def test_switchback_keeps_out_a_node_that_answers_unlike_its_peers(rig):
     cp, http, engines, ports, workdir = rig
 
@@ -118,8 +122,12 @@ async def test_switchback_keeps_out_a_node_that_answers_unlike_its_peers(rig):
                                             for i in range(4)]))
     assert (ack.accepted, ack.refused) == (4, 0)
 
-    # n3's engine restarts serving another model: probes still succeed, the replay diverges.
+    # n3's engine restarts serving another model: probes still succeed, the replay diverges. The
+    # new one starts once the control plane has seen the old one gone, as a real engine loading a
+    # model takes seconds to (docs/switchback.md: a replacement faster than the agent's heartbeat
+    # can go unseen).
     await asyncio.to_thread(engines["n3"].stop)
+    await wait_for(lambda: _gone(http, "n3"), 20, what="n3 out once its engine stopped")
     engines["n3"] = await asyncio.to_thread(_engine(workdir, "n3", ports["n3"], 7).start)
 
     async def kept_out():

@@ -981,3 +981,21 @@ def test_cli_runs_until_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_counter_that_went_back_across_failed_scrapes_is_a_restart():
+    # the engine replaced between two scrapes that found it down (CI: the old one stopped, a scrape
+    # refused, a probe reached the new one first): READY again, then its counter is below the last
+    # one read, a restart; the same counter after the gap is only a gap
+    def reading(tokens: float) -> EngineLoadReading:
+        return EngineLoadReading(requests_running=0, requests_waiting=0, generation_tokens_total=tokens)
+
+    for after, restarted in ((3.0, True), (120.0, False)):
+        agent = ProbeAgent(AgentConfig(engine_url="http://x"))
+        agent._lifecycle.observe_probe(_outcome(ok=True))
+        agent._on_reading(reading(120.0), "", 1.0)
+        agent._on_reading(None, "metrics: connection refused", 1.1)
+        agent._lifecycle.observe_probe(_outcome(ok=True))  # READY again before the next scrape
+        assert agent.engine_state == probe_pb2.ENGINE_STATE_READY
+        agent._on_reading(reading(after), "", 1.2)
+        assert (agent.engine_state == probe_pb2.ENGINE_STATE_WARMING) == restarted, after
