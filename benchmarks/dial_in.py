@@ -63,7 +63,9 @@ In dial-in mode without workers each detection is split (median, p90, max): ``en
 SIGSTOP -> our loop reads the stream's lost transport (gRPC's PING deadline, then the read), and
 ``after_read_ms``, that read -> UNHEALTHY (``probe.dial_in.drop_confirm``, then the verdict).
 In dial-in mode, also why the streams ended in the window (``stream_ends``, the control plane's
-reasons) and its verdicts on them (``transport_drops``, ``silent_streams``: node or burst).
+reasons) and its verdicts on them (``transport_drops``, ``silent_streams``: node or burst); the
+verdicts before the window, while the fleet dialled in and settled: ``connect_drops``,
+``connect_silent``.
 
 A disturbance a fifth into the window (dial-in): ``--burn-s S`` runs ``--burners`` busy processes
 for S seconds (on the control plane's CPU with ``--cp-cpu``: only it starves, the agents pinned
@@ -595,6 +597,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             out["stream_ends"] = dict((end_why.reasons - ends0).most_common(6))  # why streams ended, in the window
             out["transport_drops"] = dict(Counter(cp.counters.transport_drops) - drops0)
             out["silent_streams"] = dict(Counter(getattr(cp.counters, "silent_streams", {})) - silent0)
+            # the same before the window: while the fleet dialled in and settled
+            out["connect_drops"], out["connect_silent"] = dict(drops0), dict(silent0)
         missed = {i: states_at_freeze.get(i) for i in sorted(frozen) if i not in first}
         if missed:  # frozen nodes with no move to UNHEALTHY: their state when frozen
             out["undetected_states_at_freeze"] = missed

@@ -94,8 +94,8 @@ def test_verdicts_of_ours_that_hold_each_other_up_end_a_horizon_after_they_began
     assert run == Stretch(0.0, 39.0)
     assert chain_holds(run, 20.5, 1.2, horizon_s=30.0) is True   # running since 0 s: 20 s in
     assert chain_holds(run, 39.5, 1.2, horizon_s=30.0) is False  # past 30 s
-    assert chain_holds(run, 41.0, 1.2, horizon_s=30.0) is True   # none for 2 s: a new stall is the loop's own
-    assert chain_holds(None, 5.0, 1.2, horizon_s=30.0) is True
+    assert chain_holds(run, 41.0, 1.2, horizon_s=30.0) is False  # none for 2 s: nothing noted to rest on
+    assert chain_holds(None, 5.0, 1.2, horizon_s=30.0) is False
     assert stretched(run, 41.0, 1.2) == Stretch(41.0, 41.0)      # and a verdict then starts a new stretch
 
 

@@ -15,9 +15,11 @@ from xds_server.probing.stall_hold import (
     held_until,
     late_between,
     noted,
+    overdue_s,
     ran,
     stalled_between,
     stalls_at,
+    unscheduled_s,
 )
 
 U = 1 / 1024  # times are whole multiples of this (s), so sums are exact in binary floating point
@@ -156,13 +158,13 @@ def test_a_round_trip_waited_on_our_queue_exactly_when_a_late_run_overlaps_it(ru
     min_late = min_late_u * U
     want = (now - h.alive_s - PERIOD >= min_late
             or any(w > since - PERIOD and lt >= min_late and w - lt < now for w, lt in late_runs))
-    assert late_between(late_runs, h, since, now, PERIOD, min_late) == want
+    assert late_between(late_runs, overdue_s(h, now, PERIOD), since, now, PERIOD, min_late) == want
 
 
 @settings(max_examples=400, deadline=None)
 @given(_runs, st.integers(0, 3000), _runs, st.integers(0, 12000), st.integers(1, 200))
 def test_a_ping_not_sent_while_our_loop_runs_late_would_have_given_no_sample(runs, later_u, more, rtt_u, min_late_u):
-    """The pinger asks ``late_between(runs, h, now, now, ...)`` before it sends: when that says our
+    """The pinger asks ``late_between(runs, overdue_s(h, now, ...), now, now, ...)`` before it sends: when that says our
     loop runs late, the round trip of a ping sent now would be dropped at its pong, whatever the
     sampler records meanwhile (``more``: its runs after ``now``) and however long the trip."""
     h, late_runs, last = _replay_late(runs)
@@ -170,7 +172,7 @@ def test_a_ping_not_sent_while_our_loop_runs_late_would_have_given_no_sample(run
     if now >= h.alive_s + PERIOD:  # it is due by now: its run wakes no earlier than now
         more = [max(more[0] if more else 0, round((now - h.alive_s - PERIOD) / U))] + more[1:]
     min_late = min_late_u * U
-    if not late_between(late_runs, h, now, now, PERIOD, min_late):
+    if not late_between(late_runs, overdue_s(h, now, PERIOD), now, now, PERIOD, min_late):
         return
     pong = now + rtt_u * U
     for late in more:  # the sampler's runs up to the pong's read
@@ -180,7 +182,7 @@ def test_a_ping_not_sent_while_our_loop_runs_late_would_have_given_no_sample(run
         h = ran(h, woke, PERIOD, MIN_GAP, KEEP)
         if late:
             late_runs.append((woke, late * U))
-    assert late_between(late_runs, h, now, pong, PERIOD, min_late)
+    assert late_between(late_runs, overdue_s(h, pong, PERIOD), now, pong, PERIOD, min_late)
 
 
 def test_a_pong_read_behind_a_30_ms_queue_is_dropped_and_one_on_an_idle_loop_is_kept():
@@ -188,12 +190,26 @@ def test_a_pong_read_behind_a_30_ms_queue_is_dropped_and_one_on_an_idle_loop_is_
     runs = [(1.0 + PERIOD + 0.03, 0.03)]  # the sampler ran 30 ms late: a queue, no stall
     h = ran(h, runs[0][0], PERIOD, MIN_GAP, KEEP)
     woke = runs[0][0]
+
+    def late(runs: list[tuple[float, float]], since: float, now: float, min_late: float) -> bool:
+        return late_between(runs, overdue_s(h, now, PERIOD), since, now, PERIOD, min_late)
+
     assert not stalled_between(h, woke - 0.02, woke + 0.001, PERIOD)
-    assert late_between(runs, h, woke - 0.02, woke + 0.001, PERIOD, 0.02)       # in flight meanwhile
-    assert not late_between(runs, h, woke - 0.02, woke + 0.001, PERIOD, 0.04)   # under the bound
-    assert late_between(runs, h, woke + 0.005, woke + 0.01, PERIOD, 0.02)       # sent just after it
-    assert not late_between(runs, h, woke + PERIOD + 0.005, woke + PERIOD + 0.01, PERIOD, 0.02)  # a period on
-    assert late_between([], h, woke + PERIOD, woke + PERIOD + 0.03, PERIOD, 0.02)  # the next run 30 ms overdue
+    assert late(runs, woke - 0.02, woke + 0.001, 0.02)       # in flight meanwhile
+    assert not late(runs, woke - 0.02, woke + 0.001, 0.04)   # under the bound
+    assert late(runs, woke + 0.005, woke + 0.01, 0.02)       # sent just after it
+    assert not late(runs, woke + PERIOD + 0.005, woke + PERIOD + 0.01, 0.02)  # a period on
+    assert late([], woke + PERIOD, woke + PERIOD + 0.03, 0.02)  # the next run 30 ms overdue
+
+
+@given(st.integers(0, 10_000), st.integers(0, 10_000))
+def test_the_time_our_thread_surely_did_not_run_is_the_lateness_less_its_cpu(late_u, cpu_u):
+    """Never negative, never more than the lateness; all of it when the thread used no CPU (a
+    SIGSTOP), none when it used at least the lateness (a collection, a publish)."""
+    off = unscheduled_s(late_u * U, cpu_u * U)
+    assert 0.0 <= off <= late_u * U
+    assert off == max(0, late_u - cpu_u) * U
+    assert unscheduled_s(late_u * U, 0.0) == late_u * U
 
 
 @settings(max_examples=300, deadline=None)

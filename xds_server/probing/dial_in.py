@@ -11,12 +11,14 @@ Liveness is the transport's, always: the server sends HTTP/2 PINGs every
 ``probe.dial_in.keepalive`` and ends a connection whose PING is not answered within
 ``probe.dial_in.ping_timeout`` (gRPC's C core; no Python per PING). A stream that ends that way
 (:meth:`InboundCall.transport_lost`: the call was cancelled under us, not half-closed) is the whole
-miss threshold at once (``StreamClosed(liveness_lost=True)``), unless it ended during a hold after
-our own stall, or, judged ``probe.dial_in.drop_confirm`` later, the agent dialled again meanwhile,
-our loop had stalled at least ``ping_timeout`` within a hold before it (the node's heartbeats
-queued during our stall are read before the cut) or the drop was one of a burst
-(:mod:`~xds_server.probing.drop_burst`): then it is a plain end, and the nodes not heard since are
-held (longer while agents of lost streams keep dialling back: ``probe.dial_in.burst_recovery``).
+miss threshold at once (``StreamClosed(liveness_lost=True)``, with no further hold), unless, judged
+``probe.dial_in.drop_confirm`` later, the agent dialled again meanwhile,
+our process had stopped or starved (its loop's thread not running at all) at least
+``ping_timeout`` within a hold before it (the node's heartbeats queued during our stall are read
+before the cut; a loop busy with its own work does not count: gRPC's threads answer PINGs) or
+the drop was one of a burst (:mod:`~xds_server.probing.drop_burst`): then it is a plain end, and
+the nodes not heard since are held (longer while agents of lost streams keep dialling back:
+``probe.dial_in.burst_recovery``).
 The agent's heartbeats (on change, and every ``probe.transport.telemetry_refresh``)
 prove its own event loop alive: a stream without one for ``silent_after_s`` is ended, and the
 agent dials again, unless many streams fell silent at once (the same burst rule: ours, kept open).
@@ -229,10 +231,12 @@ class DialInSession(ProbeSession):
         """A stream's transport ended under us: after ``dial_in.drop_confirm``, (still lost?,
         detail). Not lost when the agent dialled again meanwhile, when our loop stalled at least
         ``dial_in.ping_timeout`` within a PING's span (``keepalive`` + ``ping_timeout``) and one
-        hold before the drop (the loop's own stall always; one noted for a burst while that
-        stretch of ours is younger than ``dial_in.burst_recovery``:
-        :func:`~xds_server.probing.drop_burst.chain_holds`), or when the drop is one of a burst
-        (:mod:`~xds_server.probing.drop_burst`)."""
+        hold before the drop (the loop's thread not running at all that long, always: a stopped or
+        starved process, :meth:`~xds_server.probing.silence.SilenceGate.unscheduled_since`, not a
+        loop busy with its own work while gRPC's threads answered the PINGs; any stall, one noted
+        for a burst included, while a stretch of verdicts of ours runs, younger than
+        ``dial_in.burst_recovery``: :func:`~xds_server.probing.drop_burst.chain_holds`), or when
+        the drop is one of a burst (:mod:`~xds_server.probing.drop_burst`)."""
         d = self.probe_cfg.dial_in
         w, at = self._drops, self._now()
         streams = w.dropped(at, max(d.burst_window.s * 2, d.drop_confirm.s + d.burst_window.s))
@@ -243,9 +247,9 @@ class DialInSession(ProbeSession):
             self.counters.transport_drops["redialled"] += 1
             return False, f"{detail}; the agent dialled again at once"
         span, gate = self._ours_gap_s(), self.silence_gate
-        if (gate.stalled_since(at - span, at, d.ping_timeout.s, own=True)  # the loop's own: always ours
-                or (gate.stalled_since(at - span, at, d.ping_timeout.s)  # one noted for a burst of ours
-                    and chain_holds(w.stretch, at, span, d.burst_recovery.s))):
+        if (gate.unscheduled_since(at - span, at, d.ping_timeout.s)  # our process stopped or starved: ours
+                or (chain_holds(w.stretch, at, span, d.burst_recovery.s)  # a stall noted for a burst of ours
+                    and gate.stalled_since(at - span, at, d.ping_timeout.s))):
             # a PING deadline that ran out while our whole process was stopped, read after the
             # node's heartbeats queued meanwhile: its agent is heard after our stall, and cut by it
             self._judged_ours(at)
@@ -341,7 +345,7 @@ class DialInSession(ProbeSession):
                     self._lost_s = lost_s
             if call.ended_by.startswith("replaced"):
                 continue  # the agent's new stream follows at once: no verdict on this one
-            self._ended(detail, lost)
+            self._ended(detail, lost, weighed=True)
             log.info("agent stream of %s closed: %s", for_log(self.node.id), for_log(detail, 256),
                      extra={"node": self.node.id, "reason": detail})
 

@@ -107,11 +107,12 @@ def stretched(st: Stretch | None, at_s: float, gap_s: float) -> Stretch:
 
 
 def chain_holds(st: Stretch | None, at_s: float, gap_s: float, horizon_s: float) -> bool:
-    """Whether evidence that may rest on an earlier verdict of ours (a drop within a hold after a
-    stall of ours: the stall may be one noted for a burst) still counts at ``at_s``: no stretch is
-    running (none within ``gap_s``: the stall is the loop's own), or the running one began at most
-    ``horizon_s`` ago. So verdicts that hold each other up end ``horizon_s`` after they began."""
-    return st is None or at_s - st.last_s > gap_s or at_s - st.since_s <= horizon_s
+    """Whether evidence that rests on an earlier verdict of ours (a drop within a hold after a
+    stall noted for a burst) still counts at ``at_s``: a stretch of such verdicts is running (its
+    latest within ``gap_s``) and began at most ``horizon_s`` ago. None running: no noted stall to
+    rest on (the loop's own stalls are judged apart, by how long its thread did not run). So
+    verdicts that hold each other up end ``horizon_s`` after they began."""
+    return st is not None and at_s - st.last_s <= gap_s and at_s - st.since_s <= horizon_s
 
 
 def returns_hold(returns: Drops, at_s: float, window_s: float, min_returns: int, st: Stretch | None,

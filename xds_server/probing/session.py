@@ -244,11 +244,12 @@ class ProbeSession:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.cfg.heartbeat.reconnect_backoff_max.s)
 
-    def _ended(self, detail: str, lost: bool) -> None:
-        """The stream ended (``detail``: why; ``lost``: its transport's liveness failed): judge
-        that now, or keep it for the end of a hold after our own stall."""
+    def _ended(self, detail: str, lost: bool, *, weighed: bool = False) -> None:
+        """The stream ended (``detail``: why; ``lost``: its transport's liveness failed): judged now, or
+        at the end of a hold after our own stall (none when ``weighed``: a dial-in drop, stalls weighed)."""
         try:
-            closed = self.silence_gate.closed(self._now(), detail, self._heard_s())
+            g = self.silence_gate
+            closed = g.lost(detail) if lost and weighed else g.closed(self._now(), detail, self._heard_s())
             lost = lost and type(closed) is StreamClosed  # (not a close kept during a hold)
             self._judge(StreamClosed(detail, liveness_lost=True) if lost else closed)
         except Exception:

@@ -16,14 +16,17 @@ Shape::
     gate.until(now_s, heard_s)          # None: judge now; else the loop time (s) to judge at
     gate.due(now_s, heard_s)            # the detection timer is due: a hold's end, or Tick / StreamClosed
     gate.closed(now_s, detail, heard_s)  # the stream ended: a hold's end (kept), or StreamClosed
+    gate.lost(detail)                   # ... its transport lost, already judged the node's: StreamClosed
     gate.measured_us(sent_s, now_s, 0.02)  # a ping's round trip spans our stall or queue: no RTT sample
     gate.stalled_since(since_s, now_s, 0.08)  # we stalled 80 ms or more since then
+    gate.unscheduled_since(since_s, now_s, 0.08)  # ... with our thread not running at all
     await gate.silent_for(loop, silent_s, ...)    # returns once the open stream is silent
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import time
 import weakref
 from collections.abc import Callable
 from typing import ClassVar
@@ -31,7 +34,16 @@ from typing import ClassVar
 from xds_server.config import HealthConfig, ProbeConfig
 from xds_server.health.clocks import miss_after_s
 from xds_server.health.records import StreamClosed, Tick
-from xds_server.probing.stall_hold import StallHistory, held_until, late_between, noted, ran, stalled_between
+from xds_server.probing.stall_hold import (
+    StallHistory,
+    held_until,
+    late_between,
+    noted,
+    overdue_s,
+    ran,
+    stalled_between,
+    unscheduled_s,
+)
 from xds_server.probing.timers import recheck_after_s
 
 __all__ = ["LoopStallWatch", "SilenceGate", "SilentStream"]
@@ -51,7 +63,9 @@ class SilentStream(Exception):
 
 
 class LoopStallWatch:
-    """Samples one event loop every ``period_s`` and records its stalls (:attr:`history`).
+    """Samples one event loop every ``period_s`` and records its stalls (:attr:`history`), its late
+    runs (:attr:`late_runs`: (woke, late) s) and the part of each lateness in which the loop's
+    thread did not run at all (:attr:`unscheduled_runs`: (woke, s), its CPU time read each run).
 
     One per loop (:meth:`acquire`), sampling while at least one holder has not called
     :meth:`release`. Stalls shorter than ``period_s`` are not recorded.
@@ -66,6 +80,8 @@ class LoopStallWatch:
         self.period_s = period_s
         self.history = StallHistory(alive_s=loop.time())
         self.late_runs: collections.deque[tuple[float, float]] = collections.deque(maxlen=_LATE_RUNS)  # (woke, late)
+        self.unscheduled_runs: collections.deque[tuple[float, float]] = collections.deque(maxlen=_LATE_RUNS)
+        self.cpu_s = time.thread_time()  # the loop thread's CPU time at the sampler's last run
         self._holders = 0
         self._handle: asyncio.TimerHandle | None = None
 
@@ -78,6 +94,7 @@ class LoopStallWatch:
         w._holders += 1
         if w._handle is None:
             w.history = StallHistory(loop.time(), w.history.stalls, w.history.count)
+            w.cpu_s = time.thread_time()
             w._handle = loop.call_later(w.period_s, w._run)
         return w
 
@@ -89,10 +106,14 @@ class LoopStallWatch:
             self._handle = None
 
     def _run(self) -> None:
-        now = self.loop.time()
-        late = now - self.history.alive_s - self.period_s
+        now, cpu = self.loop.time(), time.thread_time()
+        late = overdue_s(self.history, now, self.period_s)
         if late >= _LATE_S:
             self.late_runs.append((now, late))
+            off = unscheduled_s(late, cpu - self.cpu_s)
+            if off >= _LATE_S:
+                self.unscheduled_runs.append((now, off))
+        self.cpu_s = cpu
         self.history = ran(self.history, now, self.period_s, self.period_s, _KEEP_S)
         self._handle = self.loop.call_later(self.period_s, self._run)
 
@@ -155,19 +176,25 @@ class SilenceGate:
         or ran ``max_lag_s`` late or more around it, a queue of our own
         (:func:`~xds_server.probing.stall_hold.late_between`; ``max_lag_s`` >= ``_LATE_S``)."""
         w = self._watch
-        return w is not None and (stalled_between(w.history, since_s, now_s, w.period_s)
-                                  or late_between(w.late_runs, w.history, since_s, now_s, w.period_s, max_lag_s))
+        return w is not None and (stalled_between(w.history, since_s, now_s, w.period_s) or late_between(
+            w.late_runs, overdue_s(w.history, now_s, w.period_s), since_s, now_s, w.period_s, max_lag_s))
 
-    def stalled_since(self, since_s: float, now_s: float, min_gap_s: float, *, own: bool = False) -> bool:
+    def stalled_since(self, since_s: float, now_s: float, min_gap_s: float) -> bool:
         """Whether our loop stalled at least ``min_gap_s`` and woke after ``since_s`` (loop s; the
-        stall we are waking from at ``now_s`` included). ``own``: only the stalls the sampler
-        itself saw (its late runs), not those noted for a burst of ours."""
+        stall we are waking from at ``now_s`` included, and those noted for a burst of ours)."""
+        w = self._watch
+        return w is not None and stalled_between(w.history, since_s, now_s, w.period_s, min_gap_s)
+
+    def unscheduled_since(self, since_s: float, now_s: float, min_gap_s: float) -> bool:
+        """Whether our loop's thread did not run at all for at least ``min_gap_s`` around a late
+        sampler run that woke after ``since_s`` (loop s), or in the run due by ``now_s`` and still
+        pending (:func:`~xds_server.probing.stall_hold.unscheduled_s`): our process stopped or
+        starved, not busy with its own work."""
         w = self._watch
         if w is None:
             return False
-        if own:
-            return late_between(w.late_runs, w.history, since_s, now_s, w.period_s, min_gap_s)
-        return stalled_between(w.history, since_s, now_s, w.period_s, min_gap_s)
+        pending = unscheduled_s(overdue_s(w.history, now_s, w.period_s), time.thread_time() - w.cpu_s)
+        return late_between(w.unscheduled_runs, pending, since_s, now_s, w.period_s, min_gap_s)
 
     def due(self, now_s: float, heard_s: float | None) -> float | Tick | StreamClosed:
         """The session's detection timer is due at ``now_s``: the end of a running hold (a loop
@@ -188,6 +215,13 @@ class SilenceGate:
         held = self.until(now_s, heard_s)
         self.pending_close = (detail, now_s) if held is not None else None
         return held if held is not None else StreamClosed(detail)
+
+    def lost(self, detail: str) -> StreamClosed:
+        """The stream's transport was lost and that was already judged the node's, our own stalls
+        weighed (a dial-in drop): the StreamClosed to emit now (the whole miss threshold); a close
+        kept from before is dropped."""
+        self.pending_close = None
+        return StreamClosed(detail, liveness_lost=True)
 
     async def silent_for(self, loop: asyncio.AbstractEventLoop, silent_s: float, last_hb: Callable[[], float],
                          heard: Callable[[], float | None], lag_tolerance_s: float, lag_recheck_s: float) -> None:

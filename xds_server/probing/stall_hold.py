@@ -1,8 +1,8 @@
 """Our own event-loop stalls, and the hold they put on verdicts about a node's silence. Pure:
 times are arguments (the event loop's monotonic clock, s); nothing here reads a clock.
 
-A *stall* is a stretch in which our event loop ran nothing: a SIGSTOP, a VM pause, a long GC, a
-starved CPU. A burst of agent streams dropped or silent at once, judged ours
+A *stall* is a stretch in which our event loop ran nothing else: a SIGSTOP, a VM pause, a long GC,
+a starved CPU. A burst of agent streams dropped or silent at once, judged ours
 (:mod:`~xds_server.probing.drop_burst`), is noted as one too (:func:`noted`): a process starved
 while its loop kept running shows no late sampler run.
 
@@ -31,7 +31,8 @@ Shape::
     h = noted(h, now_s, gap_s=1.0, keep_s=60.0)     # a burst of drops or silences: ours too
     held_until(h, now_s, period_s=0.05, stall_s=0.18, hold_s=1.0, heard_s=last_hb_s)  # s or None
     stalled_between(h, sent_s, now_s, period_s=0.05)   # a ping's RTT spans our own stall: drop it
-    late_between(runs, h, sent_s, now_s, period_s=0.05, min_late_s=0.02)  # ... or our own queue
+    late_between(runs, overdue_s(h, now_s, 0.05), sent_s, now_s, period_s=0.05, min_late_s=0.02)  # ... or our queue
+    unscheduled_s(late_s=0.3, cpu_s=0.29)    # 0.01: a 300 ms collection was our work, not a stop
 
 A ping's round trip measured across our own stall measures the stall, not the network: a pong
 that waited unread while we were stopped for 5 s read as a 5,000 ms RTT, which lifted a healthy
@@ -41,13 +42,21 @@ round trips to drop. A loop that runs every callback late without ever stopping 
 trip it reads, unevenly: at 2,000 nodes the median round trip read 11-30 ms and healthy nodes at
 65-90 ms were outlier-ejected. :func:`late_between` says which round trips waited on that queue,
 from the sampler's late runs (``runs``: (woke_s, late_s), oldest first).
+
+A PING is answered, and its answer read, in gRPC's own threads, not on our loop. Whether a dropped
+agent stream was cut by a stall of ours (:mod:`~xds_server.probing.dial_in`) asks only how long
+our loop's thread did not run at all (:func:`unscheduled_s`: a run's lateness less the CPU the
+thread used meanwhile). A stopped or starved process misses its PINGs' answers; a loop busy with
+its own work (a collection, the 45 ms publish of 2,000 endpoints) does not, and a drop during it is
+the node's.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Stall", "StallHistory", "held_until", "late_between", "noted", "ran", "stalled_between", "stalls_at"]
+__all__ = ["Stall", "StallHistory", "held_until", "late_between", "noted", "overdue_s", "ran", "stalled_between",
+           "stalls_at", "unscheduled_s"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,14 +131,29 @@ def stalled_between(h: StallHistory, since_s: float, now_s: float, period_s: flo
     return any(s.woke_s > since_s and s.gap_s >= least for s in stalls_at(h, now_s, period_s))
 
 
-def late_between(runs: Sequence[tuple[float, float]], h: StallHistory, since_s: float, now_s: float,
+def overdue_s(h: StallHistory, now_s: float, period_s: float) -> float:
+    """How late the sampler's next run is at ``now_s`` (s; negative: not due yet): the lateness of
+    the stall we are waking from, before the sampler has run to record it."""
+    return now_s - h.alive_s - period_s
+
+
+def unscheduled_s(late_s: float, cpu_s: float) -> float:
+    """Of a sampler run ``late_s`` late, how long our loop's thread surely did not run (s, >= 0):
+    the lateness less all the CPU the thread used since the sampler's run before (``cpu_s``). A loop
+    busy with our own work (a collection, a publish) used the CPU it was late by; a process
+    stopped (SIGSTOP, a VM pause) or starved of CPU did not."""
+    return max(0.0, late_s - cpu_s)
+
+
+def late_between(runs: Sequence[tuple[float, float]], pending_s: float, since_s: float, now_s: float,
                  period_s: float, min_late_s: float) -> bool:
     """Whether our loop ran at least ``min_late_s`` late around a round trip from ``since_s`` to
     ``now_s`` (s): a sampler run (``runs``: (woke_s, late_s) of its late runs, oldest first) that
     woke within one ``period_s`` before the ping or after it, or the run due by ``now_s`` and still
-    pending. The sampler runs once a period, so a round trip shorter than that may have no run of
-    its own; a queue of ours lasts longer than one callback, and the run before it shows it."""
-    if now_s - h.alive_s - period_s >= min_late_s:
+    pending (``pending_s``: its lateness so far, :func:`overdue_s`). The sampler runs once a
+    period, so a round trip shorter than that may have no run of its own; a queue of ours lasts
+    longer than one callback, and the run before it shows it."""
+    if pending_s >= min_late_s:
         return True
     for woke_s, late_s in reversed(runs):
         if woke_s <= since_s - period_s:
