@@ -12,13 +12,12 @@ Liveness is the transport's, always: the server sends HTTP/2 PINGs every
 ``probe.dial_in.ping_timeout`` (gRPC's C core; no Python per PING). A stream that ends that way
 (:meth:`InboundCall.transport_lost`: the call was cancelled under us, not half-closed) is the whole
 miss threshold at once (``StreamClosed(liveness_lost=True)``, with no further hold), unless, judged
-``probe.dial_in.drop_confirm`` later, the agent dialled again meanwhile,
-our process had stopped or starved (its loop's thread not running at all) at least
-``ping_timeout`` within a hold before it (the node's heartbeats queued during our stall are read
-before the cut; a loop busy with its own work does not count: gRPC's threads answer PINGs) or
-the drop was one of a burst (:mod:`~xds_server.probing.drop_burst`): then it is a plain end, and
-the nodes not heard since are held (longer while agents of lost streams keep dialling back:
-``probe.dial_in.burst_recovery``).
+``probe.dial_in.drop_confirm`` later, the agent dialled again meanwhile, our process had stopped or
+starved (its loop's thread not running at all) at least ``ping_timeout`` within a hold before it
+(the node's heartbeats queued during our stall are read before the cut; a loop busy with its own
+work does not count: gRPC's threads answer PINGs) or the drop was one of a burst
+(:mod:`~xds_server.probing.drop_burst`): then it is a plain end, and the nodes not heard since are
+held (longer while agents of lost streams keep dialling back: ``probe.dial_in.burst_recovery``).
 The agent's heartbeats (on change, and every ``probe.transport.telemetry_refresh``)
 prove its own event loop alive: a stream without one for ``silent_after_s`` is ended, and the
 agent dials again, unless many streams fell silent at once (the same burst rule: ours, kept open).
