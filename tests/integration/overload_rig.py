@@ -176,7 +176,8 @@ def summary(shots: list[Shot]) -> dict[str, object]:
     (429 with Retry-After), "429", "503", other codes, or the end of an unanswered one),
     ``errors`` (200s cut or timed out), ``shed_share`` (429s over all, %), ``commanded`` (mean
     commanded drop at send time, %), ``ttft_p50_ms``/``ttft_p99_ms`` of the admitted (200 with a
-    token)."""
+    token), ``service_s``: how long an admitted request held its slot, unqueued (s: the mean from
+    its first token to its [DONE], plus the median time to a first token; NaN without one)."""
     st: Counter[str] = Counter()
     errors = 0
     for s in shots:
@@ -191,7 +192,10 @@ def summary(shots: list[Shot]) -> dict[str, object]:
     ttft = [s.ttft_s * 1000.0 for s in shots if s.status == 200 and s.ttft_s is not None]
     n = len(shots)
     shed = st["429+RA"] + st["429"]
-    return {"n": n, "status": st, "errors": errors,
+    decode = [s.done_t - s.t - s.ttft_s for s in shots if s.status == 200 and s.ttft_s is not None
+              and s.done_t is not None]
+    service = sum(decode) / len(decode) + pct(ttft, 50) / 1000.0 if decode else math.nan
+    return {"n": n, "status": st, "errors": errors, "service_s": service,
             "shed_share": 100.0 * shed / n if n else math.nan,
             "commanded": sum(s.commanded for s in shots) / n if n else math.nan,
             "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99)}

@@ -9,10 +9,11 @@ ejected, the survivors' queues grow, the control plane sheds: by default it admi
 sheds: the survivors' waiting stays below ``health.load.queue_critical``; the cap is the
 survivors' 4 slots (and a spare place each in its first seconds); the shed share is what a queue
 with 4 servers and 6 places turns away at this load (within 12 points), not the random drop's
-overshoot; every shed client got 429 with Retry-After; and the survivors, whose probes now wait
-in their queues, are busy, never ejected. The random drop's share against its command is
-tests/integration/test_shed_envoy.py's. TTFT is the benchmark's (benchmarks/overload_shed.py,
-benchmarks/RESULTS.md), not asserted here.
+overshoot; the load offered to it is measured (arrivals, and how long an admitted request held
+its slot: a loaded machine decodes slower); every shed client got 429 with Retry-After; and the
+survivors, whose probes now wait in their queues, are busy, never ejected. The random drop's
+share against its command is tests/integration/test_shed_envoy.py's. TTFT is the benchmark's
+(benchmarks/overload_shed.py, benchmarks/RESULTS.md), not asserted here.
 
 The queue thresholds are scaled to these small engines (2 decoding: 10 waiting is about a second
 of wait) and ``lrs.shed`` moves in 10 % steps; the relative trigger (``queue_wait_budget_s``,
@@ -56,9 +57,12 @@ async def test_admitting_by_slots_caps_at_the_survivors_slots_and_sheds_what_a_l
     limits = {lim for t, lim in watch.limits if t0 <= t < t1}
     assert limits and limits <= {4, 5, 6}, limits
     assert s["commanded"] == 0.0  # no random drop on top of the cap
-    # 27 rps of ~0.22 s requests on 4 slots with 6 admitted at most: ~5.9 erlangs
-    expected = 100.0 * turned_away(4, 6, RATE_RPS * 0.22)
-    assert abs(s["shed_share"] - expected) <= 12.0, (s["shed_share"], expected)
+    # ~27 rps of ~0.22 s requests on 4 slots with 6 admitted at most: ~5.9 erlangs on an idle
+    # machine; offered as measured (arrivals in the window, the admitted requests' service: a
+    # loaded machine decodes slower, and a loss system then turns more away)
+    erlangs = s["n"] / (t1 - t0) * s["service_s"]
+    expected = 100.0 * turned_away(4, 6, erlangs)
+    assert abs(s["shed_share"] - expected) <= 12.0, (s["shed_share"], expected, erlangs)
 
 
 async def _half_frozen(make_fleet, http, shed: dict):
