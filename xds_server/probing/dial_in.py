@@ -246,7 +246,8 @@ class DialInSession(ProbeSession):
             self.counters.transport_drops["redialled"] += 1
             return False, f"{detail}; the agent dialled again at once"
         span, gate = self._ours_gap_s(), self.silence_gate
-        if (gate.unscheduled_since(at - span, at, d.ping_timeout.s)  # our process stopped or starved: ours
+        # (up to now, not the drop's read: the sampler's run that records a stop may come after it)
+        if (gate.unscheduled_since(at - span, self._now(), d.ping_timeout.s)  # stopped or starved: ours
                 or (chain_holds(w.stretch, at, span, d.burst_recovery.s)  # a stall noted for a burst of ours
                     and gate.stalled_since(at - span, at, d.ping_timeout.s))):
             # a PING deadline that ran out while our whole process was stopped, read after the
