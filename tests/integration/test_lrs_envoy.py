@@ -133,9 +133,9 @@ async def test_lrs_edges_refused_per_protocol_and_counted():
             b = method()  # a stream that never sends a report and never closes: holds a slot
             await b.write(hello.SerializeToString())
             await _first(b)
-            c = method()  # beyond lrs.max_streams
-            await c.write(hello.SerializeToString())
+            c = method()  # beyond lrs.max_streams: refused as it opens, perhaps before our first write
             with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.write(hello.SerializeToString())
                 await asyncio.wait_for(c.read(), 10)
             assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
             # a report for an unknown cluster and an absurd one: counted, stream kept, nothing applied
