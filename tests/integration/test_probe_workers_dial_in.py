@@ -131,8 +131,9 @@ async def test_workers_hold_the_agents_streams_and_a_killed_worker_loses_no_node
             listening, accepted = tcp_sockets(agents_port)
             assert owners(listening, [cp.pid, *workers]) == {cp.pid: 0, workers[0]: 1, workers[1]: 1}
             held = owners(accepted, [cp.pid, *workers])
-            # the stray agent's connection stays open while it dials again after each refusal
-            assert held[cp.pid] == 0 and held[workers[0]] + held[workers[1]] in (len(ALL), len(ALL) + 1), held
+            # the stray agent's connection stays open while it dials again after each refusal (a
+            # channel per dial: the last one's close may not have reached the worker yet)
+            assert held[cp.pid] == 0 and len(ALL) <= held[workers[0]] + held[workers[1]] <= len(ALL) + 2, held
             refused = r'sentinel_access_refused_total\{[^}]*reason="agent_claim"[^}]*\}'
             await wait_for(lambda: _at_least(http, admin, refused, 1), timeout_s=10, what="the stray claim refused")
             assert await metric(http, admin, r'sentinel_discovery_nodes\{cluster="llm",source="agents"\}') == 4
