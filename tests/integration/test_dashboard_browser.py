@@ -56,7 +56,10 @@ async def test_dashboard_lists_the_nodes_and_shows_one_turning_unhealthy_live(ma
                               what=lambda: f"dashboard rows; console: {browser.console[-5:]}")
         assert sorted(seen) == sorted(ids)
         assert await browser.evaluate("document.getElementById('conn').textContent") == "live"
-        assert await browser.evaluate("document.getElementById('failstatic').hidden") is True
+        # the fleet's agents send heartbeats (dial mode): on a starved host two of three can pass their
+        # miss at once, and fail-static holds the assignment, rightly, until they resume
+        await wait_for(lambda: browser.evaluate("document.getElementById('failstatic').hidden"),
+                       timeout_s=10, step_s=0.2, what="the fail-static banner hidden")
         await wait_for(lambda: browser.evaluate(
             f"document.querySelectorAll('tr[data-node=\"{victim}\"] svg.spark polyline').length === 2"),
             timeout_s=10, step_s=0.2, what="RTT and TTFT sparklines drawn")
