@@ -4,6 +4,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from node_probe.dial_stream import CHANNEL_OPTIONS
+from xds_server.probing.dial_in import AGENT_PING_TIMEOUT_S, ours_after_s
 from xds_server.probing.drop_burst import (
     Drops,
     Stretch,
@@ -127,3 +129,11 @@ def test_a_stretch_begins_at_the_first_verdict_after_a_gap_and_ends_at_the_lates
             since = t
         run = stretched(run, t * u, gap_ms * u)
     assert run is None or run == Stretch(since * u, t * u)
+
+
+def test_a_stop_of_ours_as_long_as_the_agents_own_ping_deadline_is_ours_whatever_our_deadline():
+    """The agent cuts a stream whose PING we leave unanswered for its keepalive timeout: a stop that
+    long is ours even where probe.dial_in.ping_timeout is set longer (its maximum is 60 s)."""
+    assert AGENT_PING_TIMEOUT_S * 1000 == dict(CHANNEL_OPTIONS)["grpc.keepalive_timeout_ms"]
+    assert ours_after_s(0.08) == 0.08
+    assert ours_after_s(30.0) == AGENT_PING_TIMEOUT_S == 5.0

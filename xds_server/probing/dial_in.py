@@ -13,7 +13,8 @@ Liveness is the transport's, always: the server sends HTTP/2 PINGs every
 (:meth:`InboundCall.transport_lost`: the call was cancelled under us, not half-closed) is the whole
 miss threshold at once (``StreamClosed(liveness_lost=True)``, with no further hold), unless, judged
 ``probe.dial_in.drop_confirm`` later, the agent dialled again meanwhile, our process had stopped or
-starved (its loop's thread not running at all) at least ``ping_timeout`` within a hold before it
+starved (its loop's thread not running at all) at least ``ping_timeout`` (or the agent's own PING
+deadline, if shorter: :func:`ours_after_s`) within a hold before it
 (the node's heartbeats queued during our stall are read before the cut; a loop busy with its own
 work does not count: gRPC's threads answer PINGs) or the drop was one of a burst
 (:mod:`~xds_server.probing.drop_burst`): then it is a plain end, and the nodes not heard since are
@@ -57,13 +58,24 @@ from xds_server.probing.sources import ObservationSink, ProbeSource, ProbeSource
 from xds_server.process.counters import Counters
 from xds_server.process.untrusted import clip, for_log
 
-__all__ = ["DialInSession", "InboundCall", "dial_in_source", "dial_in_used", "probe_source"]
+__all__ = ["AGENT_PING_TIMEOUT_S", "DialInSession", "InboundCall", "dial_in_source", "dial_in_used", "ours_after_s",
+           "probe_source"]
 
 log = logging.getLogger("xds_server.probing")
 _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # grpc-stubs 1.53 lacks grpc.aio.EOF
+AGENT_PING_TIMEOUT_S = 5.0
+"""The agent's own PING deadline on its dial-in channel (s; node_probe's ``CHANNEL_OPTIONS``,
+``grpc.keepalive_timeout_ms``): a stop of ours this long can cut a stream from the agent's side,
+so it makes a drop ours even where ``probe.dial_in.ping_timeout`` is set longer."""
 _HALF_CLOSE_WAIT_S = 0.02
 """After a read's EOF, how long the call's end is waited for before the EOF counts as the agent's
 half-close (s; ours: the end of a dead transport follows its EOF within 1 ms, measured)."""
+
+
+def ours_after_s(ping_timeout_s: float) -> float:
+    """How long our loop's thread must not have run before a drop is ours (s): our PING deadline,
+    or the agent's (:data:`AGENT_PING_TIMEOUT_S`) where that is the shorter, as either cuts."""
+    return min(ping_timeout_s, AGENT_PING_TIMEOUT_S)
 
 
 class InboundCall:
@@ -229,7 +241,7 @@ class DialInSession(ProbeSession):
     async def _confirm_lost(self, detail: str) -> tuple[bool, str]:
         """A stream's transport ended under us: after ``dial_in.drop_confirm``, (still lost?,
         detail). Not lost when the agent dialled again meanwhile, when our loop stalled at least
-        ``dial_in.ping_timeout`` within a PING's span (``keepalive`` + ``ping_timeout``) and one
+        ``dial_in.ping_timeout`` (:func:`ours_after_s`) within a PING's span (``keepalive`` + ``ping_timeout``) and one
         hold before the drop (the loop's thread not running at all that long, always: a stopped or
         starved process, :meth:`~xds_server.probing.silence.SilenceGate.unscheduled_since`, not a
         loop busy with its own work while gRPC's threads answered the PINGs; any stall, one noted
@@ -247,7 +259,7 @@ class DialInSession(ProbeSession):
             return False, f"{detail}; the agent dialled again at once"
         span, gate = self._ours_gap_s(), self.silence_gate
         # (up to now, not the drop's read: the sampler's run that records a stop may come after it)
-        if (gate.unscheduled_since(at - span, self._now(), d.ping_timeout.s)  # stopped or starved: ours
+        if (gate.unscheduled_since(at - span, self._now(), ours_after_s(d.ping_timeout.s))  # stopped, starved
                 or (chain_holds(w.stretch, at, span, d.burst_recovery.s)  # a stall noted for a burst of ours
                     and gate.stalled_since(at - span, at, d.ping_timeout.s))):
             # a PING deadline that ran out while our whole process was stopped, read after the
