@@ -189,7 +189,8 @@ async def _answer_pings(call: Any, out: asyncio.Queue[bytes | None]) -> None:
 
 
 def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int, refresh_s: float,
-                 streams: Any, ready: Any, cpu: int | None, kind: str = "grpcio", stable_s: float = STABLE_S) -> None:
+                 streams: Any, ready: Any, cpu: int | None, kind: str = "grpcio", stable_s: float = STABLE_S,
+                 spread_s: float = _CONNECT_SPREAD_S) -> None:
     """One client process: a fake dial-in agent per ``(node_id, address)`` (see the module
     docstring); ``streams`` counts the streams opened (re-dials show as more than the nodes).
     ``kind``: ``grpcio`` (a grpc.aio channel each) or ``h2`` (:mod:`h2_agents`, by hand)."""
@@ -223,7 +224,7 @@ def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int
         async def run_h2() -> None:
             ready.set()
             await run_agents(port, nodes, h2_first, beat, refresh_s, dialled, lambda: os.getppid() == parent,
-                             stable_s)
+                             stable_s, spread_s)
 
         event_loop.run(run_h2(), "auto")
         os._exit(0)
@@ -232,7 +233,7 @@ def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int
         loop = asyncio.get_running_loop()
         reg = register(nid, addr)
 
-        await asyncio.sleep(random.random() * _CONNECT_SPREAD_S)
+        await asyncio.sleep(random.random() * spread_s)
         fails = 0
         while True:
             opened = loop.time()
@@ -287,12 +288,13 @@ class _Agents:
     """A client process of fake dial-in agents (spawned: a forked child of a gRPC process hangs)."""
 
     def __init__(self, port: int, nodes: list[tuple[str, str]], gpus: int, refresh_s: float,
-                 cpu: int | None, kind: str = "grpcio", stable_s: float = STABLE_S) -> None:
+                 cpu: int | None, kind: str = "grpcio", stable_s: float = STABLE_S,
+                 spread_s: float = _CONNECT_SPREAD_S) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._ready = ctx.Event()
         self.streams = ctx.Value("i", 0)
         self.proc = ctx.Process(target=_agents_main, daemon=True, args=(
-            os.getpid(), port, nodes, gpus, refresh_s, self.streams, self._ready, cpu, kind, stable_s))
+            os.getpid(), port, nodes, gpus, refresh_s, self.streams, self._ready, cpu, kind, stable_s, spread_s))
 
     def start(self) -> _Agents:
         self.proc.start()
@@ -354,7 +356,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
                   gc_mode: str = "tuned", freeze_groups: int = 1, rtt_ping_s: float = 60.0,
                   measure_refresh: str = "1s", cp_stop_s: float = 0.0, burn_s: float = 0.0,
                   agent_stable_s: float = STABLE_S, burners_n: int = 2,
-                  rtt_ping_budget: float = 400.0) -> dict[str, Any]:
+                  rtt_ping_budget: float = 400.0, connect_spread_s: float = _CONNECT_SPREAD_S) -> dict[str, Any]:
     from xds_server.probing.session import ProbeSession
     from xds_server.server import ControlPlane
 
@@ -435,10 +437,10 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         if mode == "dial-in":
             nodes = [(i, addresses[i]) for i in ids]
             port = cp.agents_port or cp.xds_port
-            procs = [_Agents(port, part, gpus, refresh_ms / 1000.0, fleet_cpu, agent_kind, agent_stable_s).start()
-                     for part in _split(nodes[freeze:], clients)]
+            procs = [_Agents(port, part, gpus, refresh_ms / 1000.0, fleet_cpu, agent_kind, agent_stable_s,
+                             connect_spread_s).start() for part in _split(nodes[freeze:], clients)]
             frozen_procs = [_Agents(port, [nodes[k] for k in g], gpus, refresh_ms / 1000.0,
-                                    fleet_cpu, agent_kind, agent_stable_s).start() for g in groups]
+                                    fleet_cpu, agent_kind, agent_stable_s, connect_spread_s).start() for g in groups]
         procs.extend(frozen_procs)
         deadline = time.monotonic() + 60.0 + n / 50.0
         while time.monotonic() < deadline and not all(cp.sessions[i].connected for i in ids):
@@ -798,6 +800,10 @@ def main() -> None:
     ap.add_argument("--agent-stable-s", type=float, default=STABLE_S,
                     help="the fake agents start their re-dial back-off over after a stream held this long "
                     "(node_probe.targets.failures_after; 0: any stream that came up, the rule before it)")
+    ap.add_argument("--connect-spread-s", type=float, default=_CONNECT_SPREAD_S,
+                    help="each fake agent dials first at a random moment in this many seconds (1: the "
+                    "whole fleet at once, as after a control-plane restart; longer: a fleet coming up "
+                    "gradually, so the agents' own processes, on the same cores, do not starve)")
     ap.add_argument("--measure-refresh", nargs="+", default=["1s"],
                     help="xds.publish.measure_refresh; several: one measurement each")
     a = ap.parse_args()
@@ -818,7 +824,8 @@ def main() -> None:
                                                         a.refresh_ms, a.keepalive_ms, a.ping_timeout_ms, a.cp_cpu,
                                                         a.fleet_cpu, workers, a.agent_kind, gc_mode,
                                                         a.freeze_groups, a.rtt_ping_s, refresh, a.cp_stop_s,
-                                                        a.burn_s, a.agent_stable_s, a.burners, a.rtt_ping_budget, loop,
+                                                        a.burn_s, a.agent_stable_s, a.burners, a.rtt_ping_budget,
+                                                        a.connect_spread_s, loop,
                                                         os.getpid()], q))
                 p.start()  # a fresh process per measurement: no state carried between modes
                 try:

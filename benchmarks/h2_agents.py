@@ -214,17 +214,19 @@ class H2Agent(asyncio.Protocol):
 
 async def run_agents(port: int, nodes: list[tuple[str, str]], first: Callable[[str, str], list[bytes]],
                      beat: Callable[[str, int], bytes], refresh_s: float, dialled: Callable[[], None],
-                     alive: Callable[[], bool], stable_s: float = STABLE_S) -> None:
+                     alive: Callable[[], bool], stable_s: float = STABLE_S,
+                     spread_s: float = _CONNECT_SPREAD_S) -> None:
     """Run one simulated agent per ``(node_id, address)`` against 127.0.0.1:``port`` until
     ``alive()`` is False (checked every 0.5 s). ``first(node_id, address)``: the messages a stream
     starts with; ``beat(node_id, seq)``: a heartbeat; ``dialled()`` is called per connection made. A closed
     connection is dialled again as node_probe's dialer does (``stable_s``:
-    :func:`~node_probe.targets.failures_after`)."""
+    :func:`~node_probe.targets.failures_after`); each agent first dials at a random moment within
+    ``spread_s`` seconds."""
     loop = asyncio.get_running_loop()
     authority = f"127.0.0.1:{port}"
 
     async def agent(nid: str, addr: str) -> None:
-        await asyncio.sleep(random.random() * _CONNECT_SPREAD_S)
+        await asyncio.sleep(random.random() * spread_s)
         fails = 0
         while True:
             ended = loop.create_future()
