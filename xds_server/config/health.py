@@ -136,6 +136,15 @@ class RttConfig(_Model):
         description="added to baseline x tolerance so sub-millisecond loopback RTTs (where 1.5 x "
                     "is a few microseconds) do not block PROBATION on noise (ours)",
     )
+    baseline_wait_ratio: float = Field(
+        1.0, ge=0, le=100,
+        description="the RTT check holds a node whose probes are otherwise clean at most this many "
+        "(doubled) clean periods more: past (1 + this) x the clean period it enters PROBATION with its "
+        "RTT as it is (the reason says so; the ramp, the score and the outlier rule judge it routed, and "
+        "its baseline follows its RTT while HEALTHY). 0: RTT never holds it. Ours: a baseline learned "
+        "while the host was idle (1.9 ms) held a recovered node out for good once it was busy (EWMA "
+        "4.6 ms after 48 clean probes over 15 s, two nodes serving its share)",
+    )
 
     @field_validator("ping_budget")
     @classmethod

@@ -10,7 +10,7 @@ import math
 
 from xds_server.config import HealthConfig
 from xds_server.health import phi as phimod
-from xds_server.health.records import ROUTED_STATES, SUSPICIONS, EjectionCause, NodeHealth, NodeState
+from xds_server.health.records import ROUTED_STATES, SUSPICIONS, EjectionCause, NodeHealth, NodeState, Rtt
 
 __all__ = [
     "EPS_S",
@@ -24,6 +24,9 @@ __all__ = [
     "phi_delay_s",
     "planned_due_s",
     "required_clean_s",
+    "rtt_above_baseline",
+    "rtt_held_until_s",
+    "rtt_wait_over",
     "stall_confirm_at_s",
     "tick_due_s",
     "ticks_backed_off",
@@ -58,6 +61,27 @@ def required_clean_s(nh: NodeHealth, cfg: HealthConfig) -> float:
     """Clean period (s) an UNHEALTHY node needs before PROBATION: ``probation.clean`` (seed 000:
     60 s), doubled after each failed probation up to ``probation.clean_max``."""
     return nh.ejection.clean_period_s or cfg.probation.clean.s
+
+
+def rtt_above_baseline(r: Rtt, cfg: HealthConfig) -> bool:
+    """Whether the EWMA RTT is above its baseline x ``rtt.baseline_tolerance`` + ``rtt.baseline_slack``
+    (both known; either unknown: not above)."""
+    return (r.baseline_ms is not None and r.ewma_ms is not None
+            and r.ewma_ms > r.baseline_ms * cfg.rtt.baseline_tolerance + cfg.rtt.baseline_slack.ms)
+
+
+def rtt_held_until_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
+    """Until when (s, the clock of ``clean_since_s``) an RTT above its baseline may hold a node whose
+    probes are clean: (1 + ``rtt.baseline_wait_ratio``) clean periods after its clean run began;
+    None without a clean run."""
+    since = nh.probe.clean_since_s
+    return None if since is None else since + required_clean_s(nh, cfg) * (1.0 + cfg.rtt.baseline_wait_ratio)
+
+
+def rtt_wait_over(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> bool:
+    """Whether the RTT check no longer holds the node at ``now_s`` (:func:`rtt_held_until_s` passed)."""
+    until = rtt_held_until_s(nh, cfg)
+    return until is not None and now_s >= until - EPS_S
 
 
 def phi_delay_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from xds_server.health.clocks import required_clean_s
+from xds_server.health.clocks import required_clean_s, rtt_above_baseline
 from xds_server.health.outcome import refusal_evidence
 from xds_server.health.records import SUSPICIONS, EjectionCause, Event, NodeHealth, NodeState, Ramp
 from xds_server.health.signals import Ctx, Effect, Fired, Signal
@@ -287,7 +287,10 @@ def ramp_complete(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | N
 def clean_period_met(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str | None]:
     p = nh.probe
     clean_for = c.now_s - (p.clean_since_s if p.clean_since_s is not None else c.now_s)
-    rtt = "" if nh.rtt.ewma_ms is None else f", EWMA RTT {nh.rtt.ewma_ms:.1f} ms"
+    r = nh.rtt
+    rtt = "" if r.ewma_ms is None else f", EWMA RTT {r.ewma_ms:.1f} ms"
+    if rtt_above_baseline(r, c.cfg):  # admitted past rtt.baseline_wait_ratio: the time rule's waiver
+        rtt += f", still above its baseline {r.baseline_ms:.1f} ms: admitted, the ramp judges it"
     return nh, (f"{clean_for:.0f} s of successful probes ({p.clean_probes} probes{rtt}); "
                 f"ramping from {c.cfg.probation.ramp_start_percent:g} %")
 

@@ -7,8 +7,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from xds_server.config import HealthConfig
-from xds_server.health.clocks import EPS_S, required_clean_s, stall_confirm_at_s
-from xds_server.health.records import SUSPICIONS, EngineState, NodeHealth, Observation, ProbeResultKind, Rtt
+from xds_server.health.clocks import (
+    EPS_S,
+    required_clean_s,
+    rtt_above_baseline,
+    rtt_held_until_s,
+    rtt_wait_over,
+    stall_confirm_at_s,
+)
+from xds_server.health.records import SUSPICIONS, EngineState, NodeHealth, Observation, ProbeResultKind
 from xds_server.health.signals import Ctx, Fired, Signal
 from xds_server.health.switchback_rules import ramp_gate
 
@@ -55,7 +62,8 @@ def r_clean_period(nh: NodeHealth, obs: Observation, c: Ctx) -> Sequence[Fired]:
 def clean_period_met(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> bool:
     """Seed 000's half-open entry at ``now_s`` (s): a clean run of probes for the (doubled) clean
     period with at least ``probation.min_probes``, heartbeats flowing, EWMA RTT back at its
-    baseline (<= baseline x ``rtt.baseline_tolerance`` + ``rtt.baseline_slack``), engine READY,
+    baseline (<= baseline x ``rtt.baseline_tolerance`` + ``rtt.baseline_slack``; for at most
+    ``rtt.baseline_wait_ratio`` clean periods more: :func:`rtt_wait_over`), engine READY,
     not a suspicion (back as it was at its next heartbeat, or proven). This rule runs after every
     observation of every node, so it returns at the first unmet check and formats nothing;
     :func:`clean_period_unmet` says the same checks in words (a test keeps the two equal)."""
@@ -66,14 +74,9 @@ def clean_period_met(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> bool:
         return False
     if h.last_s is None or h.consecutive_misses >= cfg.heartbeat.consecutive_misses:
         return False
-    if _rtt_above_baseline(r, cfg):
+    if rtt_above_baseline(r, cfg) and not rtt_wait_over(nh, cfg, now_s):
         return False
     return nh.engine.state is EngineState.READY and not nh.engine.gpu_fatal
-
-
-def _rtt_above_baseline(r: Rtt, cfg: HealthConfig) -> bool:
-    return (r.baseline_ms is not None and r.ewma_ms is not None
-            and r.ewma_ms > r.baseline_ms * cfg.rtt.baseline_tolerance + cfg.rtt.baseline_slack.ms)
 
 
 def clean_period_unmet(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> Iterator[str]:
@@ -93,10 +96,12 @@ def clean_period_unmet(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> Itera
         yield f"{p.clean_probes} of {cfg.probation.min_probes} good probes"
     if h.last_s is None or h.consecutive_misses >= cfg.heartbeat.consecutive_misses:
         yield f"heartbeats not flowing ({h.consecutive_misses} consecutive misses)"
-    if _rtt_above_baseline(r, cfg):
+    if rtt_above_baseline(r, cfg) and not rtt_wait_over(nh, cfg, now_s):
         assert r.ewma_ms is not None and r.baseline_ms is not None  # (both known to be above)
+        until = rtt_held_until_s(nh, cfg)
         yield (f"EWMA RTT {r.ewma_ms:.1f} ms above its baseline {r.baseline_ms:.1f} ms x "
-               f"{cfg.rtt.baseline_tolerance:g} + {cfg.rtt.baseline_slack.ms:g} ms")
+               f"{cfg.rtt.baseline_tolerance:g} + {cfg.rtt.baseline_slack.ms:g} ms"
+               + ("" if until is None else f" (it holds the node {until - now_s:.1f} s more at most)"))
     if nh.engine.state is not EngineState.READY:
         yield f"engine {nh.engine.state.value}"
     if nh.engine.gpu_fatal:
