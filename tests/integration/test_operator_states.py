@@ -53,7 +53,8 @@ async def plane():
 
 async def admin_state(url: str) -> tuple[dict, dict[tuple[str, str], float], list[str], int, dict]:
     """(/nodes, display-state gauge {(node, state): value}, status lines, /readyz status, /readyz body)."""
-    async with aiohttp.ClientSession(url) as http:
+    # each request bounded well under pytest's 300 s: a hang (seen once in CI) then names its request
+    async with aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=20)) as http:
         async with http.get("/nodes") as r:
             nodes = await r.json()
         async with http.get("/metrics") as r:
