@@ -46,9 +46,9 @@ def test_each_condition_is_named_with_its_numbers():
         "a transport suspicion: back as it was at its next heartbeat, or proven by 3 consecutive misses"]
 
 
-def test_an_rtt_above_its_baseline_holds_a_clean_node_at_most_baseline_wait_ratio_clean_periods_more():
+def test_an_rtt_above_its_baseline_holds_a_clean_node_at_most_baseline_wait_periods_more():
     """A baseline learned while the host was idle must not keep a recovered node out for good once
-    the host is busy: past (1 + rtt.baseline_wait_ratio) clean periods the node enters PROBATION with
+    the host is busy: past (1 + rtt.baseline_wait_periods) clean periods the node enters PROBATION with
     its RTT as it is, and the reason says so."""
     nh = _out(probe=Probes(clean_since_s=0.0, clean_probes=40), rtt=Rtt(ewma_ms=4.6, baseline_ms=1.9))
     assert not clean_period_met(nh, CFG, 1.99)  # clean 1 s, held 1 s more (ratio 1)
@@ -59,9 +59,9 @@ def test_an_rtt_above_its_baseline_holds_a_clean_node_at_most_baseline_wait_rati
     doubled = _out(probe=Probes(clean_since_s=0.0, clean_probes=40), rtt=Rtt(ewma_ms=4.6, baseline_ms=1.9),
                    ejection=Ejection(cause=EjectionCause.PROBE, from_state=NodeState.PROBATION, clean_period_s=4.0))
     assert not clean_period_met(doubled, CFG, 7.9) and clean_period_met(doubled, CFG, 8.0)  # 4 s x (1 + 1)
-    never = HealthConfig(probation={"clean": "1s", "min_probes": 3}, rtt={"baseline_wait_ratio": 0})
+    never = HealthConfig(probation={"clean": "1s", "min_probes": 3}, rtt={"baseline_wait_periods": 0})
     assert clean_period_met(nh, never, 1.0)  # 0: the RTT never holds a clean node
-    patient = HealthConfig(probation={"clean": "1s", "min_probes": 3}, rtt={"baseline_wait_ratio": 9})
+    patient = HealthConfig(probation={"clean": "1s", "min_probes": 3}, rtt={"baseline_wait_periods": 9})
     assert not clean_period_met(nh, patient, 9.9) and clean_period_met(nh, patient, 10.0)
     back = _out(probe=Probes(clean_since_s=0.0, clean_probes=40), rtt=Rtt(ewma_ms=3.0, baseline_ms=1.9))
     assert clean_period_met(back, CFG, 1.0)  # back under 1.9 x 1.5 + 1 ms: no wait at all
@@ -72,9 +72,9 @@ def test_an_rtt_above_its_baseline_holds_a_clean_node_at_most_baseline_wait_rati
        ewma=st.floats(0.1, 20), engine=st.sampled_from(EngineState),
        cause=st.sampled_from([EjectionCause.PROBE, EjectionCause.HEARTBEAT, EjectionCause.PHI,
                               EjectionCause.TRANSPORT]),
-       wait_ratio=st.sampled_from([0.0, 1.0, 4.5, 20.0]))
-def test_probation_is_entered_exactly_when_nothing_is_unmet(since, probes, misses, ewma, engine, cause, wait_ratio):
-    cfg = HealthConfig(probation={"clean": "1s", "min_probes": 3}, rtt={"baseline_wait_ratio": wait_ratio})
+       wait_periods=st.sampled_from([0.0, 1.0, 4.5, 20.0]))
+def test_probation_is_entered_exactly_when_nothing_is_unmet(since, probes, misses, ewma, engine, cause, wait_periods):
+    cfg = HealthConfig(probation={"clean": "1s", "min_probes": 3}, rtt={"baseline_wait_periods": wait_periods})
     nh = _out(probe=Probes(clean_since_s=since, clean_probes=probes),
               heartbeat=Heartbeats(last_s=9.95, consecutive_misses=misses), rtt=Rtt(ewma_ms=ewma, baseline_ms=2.0),
               engine=Engine(state=engine), ejection=Ejection(cause=cause, from_state=NodeState.HEALTHY))

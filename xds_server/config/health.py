@@ -136,7 +136,7 @@ class RttConfig(_Model):
         description="added to baseline x tolerance so sub-millisecond loopback RTTs (where 1.5 x "
                     "is a few microseconds) do not block PROBATION on noise (ours)",
     )
-    baseline_wait_ratio: float = Field(
+    baseline_wait_periods: float = Field(
         1.0, ge=0, le=100,
         description="the RTT check holds a node whose probes are otherwise clean at most this many "
         "(doubled) clean periods more: past (1 + this) x the clean period it enters PROBATION with its "

@@ -72,10 +72,10 @@ def rtt_above_baseline(r: Rtt, cfg: HealthConfig) -> bool:
 
 def rtt_held_until_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
     """Until when (s, the clock of ``clean_since_s``) an RTT above its baseline may hold a node whose
-    probes are clean: (1 + ``rtt.baseline_wait_ratio``) clean periods after its clean run began;
+    probes are clean: (1 + ``rtt.baseline_wait_periods``) clean periods after its clean run began;
     None without a clean run."""
     since = nh.probe.clean_since_s
-    return None if since is None else since + required_clean_s(nh, cfg) * (1.0 + cfg.rtt.baseline_wait_ratio)
+    return None if since is None else since + required_clean_s(nh, cfg) * (1.0 + cfg.rtt.baseline_wait_periods)
 
 
 def rtt_wait_over(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> bool:

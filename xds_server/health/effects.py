@@ -289,7 +289,7 @@ def clean_period_met(nh: NodeHealth, f: Fired, c: Ctx) -> tuple[NodeHealth, str 
     clean_for = c.now_s - (p.clean_since_s if p.clean_since_s is not None else c.now_s)
     r = nh.rtt
     rtt = "" if r.ewma_ms is None else f", EWMA RTT {r.ewma_ms:.1f} ms"
-    if rtt_above_baseline(r, c.cfg):  # admitted past rtt.baseline_wait_ratio: the time rule's waiver
+    if rtt_above_baseline(r, c.cfg):  # admitted past rtt.baseline_wait_periods: the time rule's waiver
         rtt += f", still above its baseline {r.baseline_ms:.1f} ms: admitted, the ramp judges it"
     return nh, (f"{clean_for:.0f} s of successful probes ({p.clean_probes} probes{rtt}); "
                 f"ramping from {c.cfg.probation.ramp_start_percent:g} %")

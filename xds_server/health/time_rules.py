@@ -63,7 +63,7 @@ def clean_period_met(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> bool:
     """Seed 000's half-open entry at ``now_s`` (s): a clean run of probes for the (doubled) clean
     period with at least ``probation.min_probes``, heartbeats flowing, EWMA RTT back at its
     baseline (<= baseline x ``rtt.baseline_tolerance`` + ``rtt.baseline_slack``; for at most
-    ``rtt.baseline_wait_ratio`` clean periods more: :func:`rtt_wait_over`), engine READY,
+    ``rtt.baseline_wait_periods`` clean periods more: :func:`rtt_wait_over`), engine READY,
     not a suspicion (back as it was at its next heartbeat, or proven). This rule runs after every
     observation of every node, so it returns at the first unmet check and formats nothing;
     :func:`clean_period_unmet` says the same checks in words (a test keeps the two equal)."""

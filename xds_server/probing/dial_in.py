@@ -241,10 +241,11 @@ class DialInSession(ProbeSession):
     async def _confirm_lost(self, detail: str) -> tuple[bool, str]:
         """A stream's transport ended under us: after ``dial_in.drop_confirm``, (still lost?,
         detail). Not lost when the agent dialled again meanwhile, when our loop stalled at least
-        ``dial_in.ping_timeout`` (:func:`ours_after_s`) within a PING's span (``keepalive`` + ``ping_timeout``) and one
-        hold before the drop (the loop's thread not running at all that long, always: a stopped or
-        starved process, :meth:`~xds_server.probing.silence.SilenceGate.unscheduled_since`, not a
-        loop busy with its own work while gRPC's threads answered the PINGs; any stall, one noted
+        ``dial_in.ping_timeout`` (at most the agent's own deadline: :func:`ours_after_s`) within a
+        PING's span (``keepalive`` + ``ping_timeout``) and one hold before the drop (the loop's
+        thread not running at all that long, always: a stopped or starved process,
+        :meth:`~xds_server.probing.silence.SilenceGate.unscheduled_since`, not a loop busy with its
+        own work while gRPC's threads answered the PINGs; any stall, one noted
         for a burst included, while a stretch of verdicts of ours runs, younger than
         ``dial_in.burst_recovery``: :func:`~xds_server.probing.drop_burst.chain_holds`), or when
         the drop is one of a burst (:mod:`~xds_server.probing.drop_burst`)."""
