@@ -183,9 +183,9 @@ def client_processes(streams: int, asked: int) -> int:
 
 async def cpu_case(keepalive_ms: int | None, ping_timeout_ms: int, beat_s: float, streams: int, clients: int,
                    seconds: float) -> tuple[float, float]:
-    """(process cores, Python-thread cores) per 1,000 streams over ``seconds``, once all are open."""
+    """(process cores, Python-thread cores) per 1,000 streams over ``seconds``, once all are open;
+    ``clients``: the client processes, as :func:`client_processes` gives them."""
     srv = await Server(keepalive_ms, ping_timeout_ms).start()
-    clients = client_processes(streams, clients)
     per = [streams // clients + (1 if k < streams % clients else 0) for k in range(clients)]
     procs = [_spawn(srv.port, n, beat_s, 0.0, 0.0) for n in per]
     try:
@@ -227,11 +227,11 @@ async def main() -> None:
     if "blocked" not in a.skip:
         print(f"client loop blocked 3 s, keepalive 100 ms: {await blocked_trial(100, a.ping_timeout_ms)}", flush=True)
     if "cpu" not in a.skip:
+        procs = client_processes(a.streams, a.clients)
         for name, k, beat in [(f"PINGs every {a.keepalive_ms[0]} ms + a message a second", a.keepalive_ms[0], 1.0),
                               (f"PINGs every {a.keepalive_ms[0]} ms alone", a.keepalive_ms[0], 3600.0),
                               ("no PINGs, a message every 100 ms", None, 0.1)]:
-            total, python = await cpu_case(k, a.ping_timeout_ms, beat, a.streams, a.clients, a.cpu_s)
-            procs = client_processes(a.streams, a.clients)
+            total, python = await cpu_case(k, a.ping_timeout_ms, beat, a.streams, procs, a.cpu_s)
             print(f"cpu, {a.streams} streams from {procs} processes, {name}: {total:.2f} cores per 1,000 "
                   f"streams (Python thread {python:.2f})", flush=True)
 

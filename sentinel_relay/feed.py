@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from xds_server.process.cancellation import raise_if_cancelled
 from xds_server.process.tls import ClientTls, dial
 from xds_server.process.untrusted import for_log
 from xds_server.proto import routing_pb2, routing_pb2_grpc
@@ -96,6 +97,7 @@ class FeedClient:
                 log.warning("routing feed %s: %r; reconnecting in %.1f s", self.target, e, backoff)
             finally:
                 self.channel = None
+            raise_if_cancelled()  # a stop's cancel that a failed call swallowed ends the loop too
             self.on_connected(False)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.reconnect_max_s)

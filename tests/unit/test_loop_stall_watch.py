@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from xds_server.config import HealthConfig, ProbeConfig
+from xds_server.health.records import StreamClosed
 from xds_server.probing.silence import SilenceGate
 
 _PERIOD_S = 0.05  # probe.stalls.loop_watch_interval's default
@@ -81,3 +82,17 @@ async def test_the_busy_loop_we_are_waking_from_is_not_unscheduled(gate: Silence
     off = _off_cpu_s(_spin)
     assert gate.stalled_since(before, loop.time(), 0.08)
     assert not gate.unscheduled_since(before, loop.time(), off + _SLACK_S), f"{off:.3f} s off-CPU"
+
+
+async def test_a_lost_transport_is_the_whole_threshold_unless_a_hold_keeps_it_as_a_plain_close(gate: SilenceGate):
+    loop = asyncio.get_running_loop()
+    now = loop.time()
+    assert gate.closed(now, "eof", None) == StreamClosed("eof")
+    assert gate.closed(now, "ping timeout", None, lost=True) == StreamClosed("ping timeout", liveness_lost=True)
+    gate.ours(now)  # a burst judged ours: every node not heard since is held
+    held = gate.closed(now, "ping timeout", None, lost=True)
+    assert isinstance(held, float) and held > now, held
+    await asyncio.sleep(held - loop.time() + 0.01)
+    # Kept through the hold and said at its end as a plain close: no longer the whole threshold.
+    assert gate.due(loop.time(), None) == StreamClosed("ping timeout")
+    assert gate.closed(loop.time(), "x", None, lost=True) == StreamClosed("x", liveness_lost=True)

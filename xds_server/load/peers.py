@@ -39,6 +39,7 @@ from envoy.service.load_stats.v3 import lrs_pb2
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from xds_server.config import LrsConfig, SentinelConfig, parse_hostport
+from xds_server.process.cancellation import raise_if_cancelled
 from xds_server.process.identity import PeerIdentity, refusal_reason
 from xds_server.process.tls import ClientTls, dial
 from xds_server.process.untrusted import clip
@@ -178,6 +179,7 @@ class PeerLink:
                 raise
             except Exception as e:  # any failure of one stream: redial
                 self.last_error = _describe(e)
+            raise_if_cancelled()  # a stop's cancel that a failed call swallowed ends the loop too
             if self.up or self.last_error != logged:  # once per change, not at every redial
                 log.warning("load reports to peer %s: stream %s (%s)", self.target,
                             "down" if self.up else "not up", self.last_error)

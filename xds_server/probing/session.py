@@ -37,7 +37,7 @@ from node_probe.proto import probe_pb2, probe_pb2_grpc
 from xds_server.config import HealthConfig, NodeConfig, ProbeConfig
 from xds_server.health.clocks import miss_after_s
 from xds_server.health.outcome import is_refusal
-from xds_server.health.records import Observation, PingObserved, ProbeResultKind, StreamClosed, Tick
+from xds_server.health.records import Observation, PingObserved, ProbeResultKind, Tick
 from xds_server.probing.edge import AgentEdge, BadField, CheckedHeartbeat, CheckedPong, CheckedResult, TelemetrySummary
 from xds_server.probing.liveness import (
     ProbeCall,
@@ -52,6 +52,7 @@ from xds_server.probing.rtt_pace import PingPace
 from xds_server.probing.silence import SilenceGate, SilentStream
 from xds_server.probing.sources import ObservationSink, ProbeSource, ProbeSourceContext
 from xds_server.probing.timers import TickTimer
+from xds_server.process.cancellation import raise_if_cancelled
 from xds_server.process.counters import Counters
 from xds_server.process.tls import ClientTls, dial
 from xds_server.process.untrusted import RateLimitedLog, clip, for_log
@@ -216,8 +217,7 @@ class ProbeSession:
                 finally:
                     self.connected = False
                     await channel.close(grace=None)
-            except asyncio.CancelledError:
-                raise
+                raise_if_cancelled()  # a stop's cancel that the failed call swallowed: no verdict, no redial
             except Exception as e:  # never let one node's session die
                 got_any = False
                 detail = f"{type(e).__name__}: {clip(str(e), pc.limits.max_text_chars)}"
@@ -249,9 +249,7 @@ class ProbeSession:
         at the end of a hold after our own stall (none when ``weighed``: a dial-in drop, stalls weighed)."""
         try:
             g = self.silence_gate
-            closed = g.lost(detail) if lost and weighed else g.closed(self._now(), detail, self._heard_s())
-            lost = lost and type(closed) is StreamClosed  # (not a close kept during a hold)
-            self._judge(StreamClosed(detail, liveness_lost=True) if lost else closed)
+            self._judge(g.lost(detail) if lost and weighed else g.closed(self._now(), detail, self._heard_s(), lost))
         except Exception:
             self._handler_failed("stream_closed")
 

@@ -208,13 +208,14 @@ class SilenceGate:
             return StreamClosed(close[0])
         return Tick()
 
-    def closed(self, now_s: float, detail: str, heard_s: float | None) -> float | StreamClosed:
+    def closed(self, now_s: float, detail: str, heard_s: float | None, lost: bool = False) -> float | StreamClosed:
         """The stream ended at ``now_s`` (``detail``: why; ``heard_s``: its last heartbeat's
-        arrival): the StreamClosed to emit now, or the end of a running hold (a loop time, s),
-        when :meth:`due` gives it back unless the node was heard again by then."""
+        arrival; ``lost``: its transport's liveness failed): the StreamClosed to emit now (the whole
+        miss threshold when ``lost``), or the end of a running hold (a loop time, s), when
+        :meth:`due` gives back a plain close unless the node was heard again by then."""
         held = self.until(now_s, heard_s)
         self.pending_close = (detail, now_s) if held is not None else None
-        return held if held is not None else StreamClosed(detail)
+        return held if held is not None else StreamClosed(detail, liveness_lost=lost)
 
     def lost(self, detail: str) -> StreamClosed:
         """The stream's transport was lost and that was already judged the node's, our own stalls

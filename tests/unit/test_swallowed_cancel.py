@@ -1,0 +1,68 @@
+"""A stop's cancel that an awaited task swallowed is raised again by :func:`raise_if_cancelled`
+(grpc.aio's call-starting task does this: :mod:`xds_server.process.cancellation`)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from xds_server.process.cancellation import raise_if_cancelled
+
+
+async def _swallows_a_cancel() -> str:
+    try:
+        await asyncio.sleep(10)
+    except asyncio.CancelledError:
+        return "the call's own end"
+    return "slept"
+
+
+async def test_a_cancel_swallowed_below_is_raised_again_and_a_loop_that_checks_ends():
+    turns = []
+
+    async def redial_loop() -> None:
+        while True:
+            turns.append(await asyncio.ensure_future(_swallows_a_cancel()))  # as a failed call ends
+            raise_if_cancelled()
+
+    task = asyncio.ensure_future(redial_loop())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=2.0)
+    assert done and task.cancelled(), turns
+    assert turns == ["the call's own end"]
+
+
+async def test_nothing_is_raised_without_a_cancel_or_after_one_taken_back():
+    async def check() -> str:
+        raise_if_cancelled()
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        task.uncancel()  # as asyncio.timeout() takes back its own cancel
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            pass  # the cancel still arrives once; taken back, it is not pending any more
+        raise_if_cancelled()
+        return "ran on"
+
+    assert await asyncio.ensure_future(check()) == "ran on"
+
+
+async def test_in_a_loop_callback_outside_any_task_nothing_happens():
+    loop = asyncio.get_running_loop()
+    ran = loop.create_future()
+    loop.call_soon(lambda: (raise_if_cancelled(), ran.set_result(True)))
+    assert await ran
+
+
+async def test_a_pending_cancel_is_raised():
+    async def check() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        raise_if_cancelled()  # before the cancel has been delivered at an await
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.ensure_future(check())
