@@ -1,14 +1,17 @@
 """Fixtures shared by every test package: tiny aiohttp servers on free 127.0.0.1 ports."""
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
+import sys
 from pathlib import Path
 
 # The gRPC C core's own stderr lines (GOAWAY notes and the like) are noise in test output: off
 # unless the environment asks for them. Set before any test module imports grpc.
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from aiohttp import web
@@ -164,3 +167,43 @@ async def serve():
     yield start
     for runner in runners:
         await runner.cleanup()
+
+
+# -- a hung async test shows its tasks --------------------------------------------------------
+
+_TASKS_SHOWN_BEFORE_S = 20.0
+"""How long before pytest-timeout ends an async test its loop's tasks are printed."""
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Every async test gets :func:`_tasks_shown_before_the_timeout` first, so that it is torn
+    down last and covers the other fixtures' teardown too."""
+    if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.obj):
+        item.fixturenames.insert(0, "_tasks_shown_before_the_timeout")
+
+
+@pytest.fixture
+async def _tasks_shown_before_the_timeout(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """An async test (with its fixtures) still running :data:`_TASKS_SHOWN_BEFORE_S` before
+    pytest-timeout ends it prints every task of its loop with its stack to stderr, shown with the
+    failure. A hang inside the loop (a stop awaiting a task that never ends) shows there; the
+    timeout's own dump shows the threads, where such a loop is only idle in ``select``."""
+    marker = request.node.get_closest_marker("timeout")
+    marked = marker is not None and marker.args
+    limit = float(marker.args[0]) if marked else float(request.config.getini("timeout") or 0)
+    if limit <= _TASKS_SHOWN_BEFORE_S:
+        yield
+        return
+    handle = asyncio.get_running_loop().call_later(limit - _TASKS_SHOWN_BEFORE_S, _print_tasks, request.node.nodeid)
+    try:
+        yield
+    finally:
+        handle.cancel()
+
+
+def _print_tasks(nodeid: str) -> None:
+    tasks = asyncio.all_tasks()
+    print(f"\n--- {nodeid}: still running {_TASKS_SHOWN_BEFORE_S:g} s before its timeout; "
+          f"its loop's {len(tasks)} tasks:", file=sys.stderr)
+    for task in tasks:
+        task.print_stack(limit=12, file=sys.stderr)
