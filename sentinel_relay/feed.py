@@ -91,13 +91,15 @@ class FeedClient:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as e:  # the details say what answered (an HTTP/1 server, nothing)
+                raise_if_cancelled()  # a stop's cancel that the failed call swallowed ends the loop too
                 log.warning("routing feed %s (--routing-feed, the control plane's xds.listen): %s: %s; "
                             "reconnecting in %.1f s", self.target, e.code().name, _why(e.details() or ""), backoff)
             except Exception as e:  # any failure: reconnect
+                raise_if_cancelled()
                 log.warning("routing feed %s: %r; reconnecting in %.1f s", self.target, e, backoff)
             finally:
                 self.channel = None
-            raise_if_cancelled()  # a stop's cancel that a failed call swallowed ends the loop too
+            raise_if_cancelled()
             self.on_connected(False)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.reconnect_max_s)

@@ -12,6 +12,7 @@ from pathlib import Path
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -174,6 +175,16 @@ async def serve():
 _TASKS_SHOWN_BEFORE_S = 20.0
 """How long before pytest-timeout ends an async test its loop's tasks are printed."""
 
+_TIMEOUT_S = pytest.StashKey[float]()
+"""The item's timeout as pytest-timeout resolved it (marker, ``--timeout``, ini), in s."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
+    """Note the timeout pytest-timeout is about to arm (before the item's fixtures are set up);
+    None: pytest-timeout arms it as usual."""
+    item.stash[_TIMEOUT_S] = float(settings.timeout or 0)
+
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     """Every async test gets :func:`_tasks_shown_before_the_timeout` first, so that it is torn
@@ -187,10 +198,10 @@ async def _tasks_shown_before_the_timeout(request: pytest.FixtureRequest) -> Asy
     """An async test (with its fixtures) still running :data:`_TASKS_SHOWN_BEFORE_S` before
     pytest-timeout ends it prints every task of its loop with its stack to stderr, shown with the
     failure. A hang inside the loop (a stop awaiting a task that never ends) shows there; the
-    timeout's own dump shows the threads, where such a loop is only idle in ``select``."""
-    marker = request.node.get_closest_marker("timeout")
-    marked = marker is not None and marker.args
-    limit = float(marker.args[0]) if marked else float(request.config.getini("timeout") or 0)
+    timeout's own dump shows the threads, where such a loop is only idle in ``select``. It
+    watches the test's function-scoped loop (the suite's scope); nothing without pytest-timeout,
+    or with its ``func_only``."""
+    limit = request.node.stash.get(_TIMEOUT_S, 0.0)
     if limit <= _TASKS_SHOWN_BEFORE_S:
         yield
         return

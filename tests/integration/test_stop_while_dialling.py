@@ -64,7 +64,6 @@ def _peer_links(dead: int) -> list[Loop]:
     for _ in range(_LOOPS):
         link = PeerLink(f"127.0.0.1:{dead}", "replica-a", queue_max=8, backoff_max_s=0.001)
         task: list[asyncio.Task[None]] = []
-        errors = [0]
 
         def start(link: PeerLink = link, task: list[asyncio.Task[None]] = task) -> None:
             task[:] = [asyncio.ensure_future(link.run())]
@@ -76,7 +75,7 @@ def _peer_links(dead: int) -> list[Loop]:
             except asyncio.CancelledError:
                 pass
 
-        def failed(link: PeerLink = link, errors: list[int] = errors) -> int:
+        def failed(link: PeerLink = link) -> int:
             return int(bool(link.last_error))  # the link keeps only its last error: at least one seen
 
         out.append((start, stop, failed))

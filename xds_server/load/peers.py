@@ -172,13 +172,15 @@ class PeerLink:
         backoff, logged = _BACKOFF_MIN_S, ""
         while True:
             try:
-                await self._stream()
-                self.last_error = "stream ended"
+                try:
+                    await self._stream()
+                    self.last_error = "stream ended"
+                except Exception as e:  # any failure of one stream: redial
+                    self.last_error = _describe(e)
+                raise_if_cancelled()  # a stop's cancel that a failed call swallowed ends the loop too
             except asyncio.CancelledError:
                 self.up = False
                 raise
-            except Exception as e:  # any failure of one stream: redial
-                self.last_error = _describe(e)
             if self.up or self.last_error != logged:  # once per change, not at every redial
                 log.warning("load reports to peer %s: stream %s (%s)", self.target,
                             "down" if self.up else "not up", self.last_error)
@@ -186,7 +188,6 @@ class PeerLink:
             if self.up:
                 backoff = _BACKOFF_MIN_S
             self.up = False
-            raise_if_cancelled()  # a stop's cancel that a failed call swallowed ends the loop too
             await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
             backoff = min(self.backoff_max_s, backoff * 2)
 

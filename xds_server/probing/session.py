@@ -217,12 +217,12 @@ class ProbeSession:
                 finally:
                     self.connected = False
                     await channel.close(grace=None)
-                raise_if_cancelled()  # a stop's cancel that the failed call swallowed: no verdict, no redial
             except Exception as e:  # never let one node's session die
                 got_any = False
                 detail = f"{type(e).__name__}: {clip(str(e), pc.limits.max_text_chars)}"
                 self._rl.log(logging.ERROR, self._now(), "session", "probe session %s failed: %s",
                              for_log(self.node.id), for_log(detail, 256))
+            raise_if_cancelled()  # a stop's cancel that the failed call swallowed: no verdict, no redial
             self._ended(detail, lost)
             extra = {"node": self.node.id, "reason": detail}
             if got_any:
