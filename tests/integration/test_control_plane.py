@@ -78,7 +78,7 @@ async def test_nodes_become_healthy_and_admin_shows_why(stack):
     nodes = await wait_for(all_healthy)
     n1 = nodes[0]
     assert n1["id"] == "n1" and n1["weight"] == 100 and n1["eds_health_status"] == "HEALTHY"
-    assert n1["reason"] == "ramp complete (100 %)" and n1["probation"] is None and n1["drain"] is None
+    assert n1["probation"] is None and n1["drain"] is None
     assert 0 < n1["last_ttft_ms"] < 200 and 0 < n1["ewma_rtt_ms"] < 100
     assert n1["probe_stream_connected"] and n1["heartbeats"] > 0 and n1["xds_version"]
     assert n1["engine_load"]["metrics_ok"] is True and n1["engine_load"]["requests_waiting"] == 0.0
@@ -87,8 +87,13 @@ async def test_nodes_become_healthy_and_admin_shows_why(stack):
         assert r.status == 200
     async with http.get("/events") as r:
         evs = (await r.json())["events"]
-    assert [(e["from"], e["to"]) for e in evs if e["node"] == "n1"] == [
+    n1_moves = [e for e in evs if e["node"] == "n1" and e["kind"] == "transition"]
+    assert [(e["from"], e["to"]) for e in n1_moves[:3]] == [
         ("COLD", "WARMING"), ("WARMING", "PROBATION"), ("PROBATION", "HEALTHY")]
+    assert n1_moves[2]["reason"] == "ramp complete (100 %)"
+    # A starved CI host may slow one probe past its bound once it is HEALTHY (DEGRADED, back after
+    # good probes: "3 consecutive good probes ..." seen once); /nodes then says the latest move's why.
+    assert n1["reason"] == n1_moves[-1]["reason"] and n1_moves[-1]["to"] == "HEALTHY"
     async with http.get("/config_dump") as r:
         dump = await r.json()
     cla = dump["endpoints"]["resources"][0]["resource"]

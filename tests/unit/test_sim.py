@@ -423,12 +423,13 @@ async def test_hang_stream_headers_then_nothing_then_resume(client: TestClient) 
     assert stuck.headers["x-served-by"] == REPLICA
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(stuck.content.readline(), 0.3)
-    # The running stream stopped too (it may have had at most one token on the wire).
+    # The running stream stopped too: what still arrives are tokens generated before the freeze
+    # (one every 20 ms while the fault was set: two on a starved CI host), then nothing.
     got_running: list[Any] = []
     with pytest.raises(asyncio.TimeoutError):
         while True:
             got_running.append(await asyncio.wait_for(read_event(running), 0.1))
-    assert len(got_running) <= 1
+    assert 2 + len(got_running) <= gen_before < 30, (len(got_running), gen_before)
 
     # /health and /metrics stay up; the token counter is frozen; both requests count as running.
     assert (await client.get("/health")).status == 200
