@@ -311,14 +311,20 @@ class Fleet:
     async def wait_all_routed(self, session: aiohttp.ClientSession, timeout_s: float = 30.0) -> float:
         """Wait until Envoy routes to every node; returns seconds waited. Raises TimeoutError."""
         t0 = time.monotonic()
+        hosts: dict[str, str] = {}
         while time.monotonic() - t0 < timeout_s:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
                 hosts = await self.envoy_hosts(session)
                 if len(hosts) == len(self.nodes) and all(v == "HEALTHY" for v in hosts.values()):
                     return time.monotonic() - t0
             await asyncio.sleep(0.1)
+        why = ""  # the control plane's own view: each node's state and why
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
+            async with session.get(f"http://127.0.0.1:{self.admin_port}/nodes") as r:
+                why = "\n".join(f"{n['id']}: {n['state']} ({n['reason']})" for n in (await r.json())["nodes"])
         tails = "\n".join(f"--- {p.name}\n{p.output_tail(10)}" for p in self.procs)
-        raise TimeoutError(f"Envoy did not route to all {len(self.nodes)} nodes in {timeout_s}s\n{tails}")
+        raise TimeoutError(f"Envoy did not route to all {len(self.nodes)} nodes in {timeout_s}s; Envoy's "
+                           f"hosts: {hosts}; the control plane's /nodes:\n{why}\n{tails}")
 
     async def wait_ejected(self, session: aiohttp.ClientSession, node_id: str, timeout_s: float = 5.0) -> float:
         """Wait until the control plane has ``node_id`` UNHEALTHY and Envoy no longer routes to it;
