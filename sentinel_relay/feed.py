@@ -71,6 +71,7 @@ class FeedClient:
         while True:
             self.target = self.targets[self._next]
             self._next = (self._next + 1) % len(self.targets)
+            failed = ""  # why the stream failed, for the log ("": it ended)
             try:
                 async with dial(self.target, options=self.channel_options, tls=self.tls) as ch:
                     self.channel = ch
@@ -91,15 +92,15 @@ class FeedClient:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as e:  # the details say what answered (an HTTP/1 server, nothing)
-                raise_if_cancelled()  # a stop's cancel that the failed call swallowed ends the loop too
-                log.warning("routing feed %s (--routing-feed, the control plane's xds.listen): %s: %s; "
-                            "reconnecting in %.1f s", self.target, e.code().name, _why(e.details() or ""), backoff)
+                failed = (f" (--routing-feed, the control plane's xds.listen): {e.code().name}: "
+                          f"{_why(e.details() or '')}")
             except Exception as e:  # any failure: reconnect
-                raise_if_cancelled()
-                log.warning("routing feed %s: %r; reconnecting in %.1f s", self.target, e, backoff)
+                failed = f": {e!r}"
             finally:
                 self.channel = None
-            raise_if_cancelled()
+            raise_if_cancelled()  # a stop's cancel that a failed call swallowed ends the loop too
+            if failed:
+                log.warning("routing feed %s%s; reconnecting in %.1f s", self.target, failed, backoff)
             self.on_connected(False)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.reconnect_max_s)

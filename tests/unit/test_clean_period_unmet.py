@@ -51,7 +51,7 @@ def test_an_rtt_above_its_baseline_holds_a_clean_node_at_most_baseline_wait_peri
     the host is busy: past (1 + rtt.baseline_wait_periods) clean periods the node enters PROBATION with
     its RTT as it is, and the reason says so."""
     nh = _out(probe=Probes(clean_since_s=0.0, clean_probes=40), rtt=Rtt(ewma_ms=4.6, baseline_ms=1.9))
-    assert not clean_period_met(nh, CFG, 1.99)  # clean 1 s, held 1 s more (ratio 1)
+    assert not clean_period_met(nh, CFG, 1.99)  # clean 1 s, held 1 s more (baseline_wait_periods 1)
     assert clean_period_met(nh, CFG, 2.0) and list(clean_period_unmet(nh, CFG, 2.0)) == []
     after, events = step(nh, Tick(), 2.0, CFG)
     assert after.state is NodeState.PROBATION

@@ -25,8 +25,7 @@ __all__ = [
     "planned_due_s",
     "required_clean_s",
     "rtt_above_baseline",
-    "rtt_held_until_s",
-    "rtt_wait_over",
+    "rtt_holds_until_s",
     "stall_confirm_at_s",
     "tick_due_s",
     "ticks_backed_off",
@@ -70,18 +69,18 @@ def rtt_above_baseline(r: Rtt, cfg: HealthConfig) -> bool:
             and r.ewma_ms > r.baseline_ms * cfg.rtt.baseline_tolerance + cfg.rtt.baseline_slack.ms)
 
 
-def rtt_held_until_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:
-    """Until when (s, the clock of ``clean_since_s``) an RTT above its baseline may hold a node whose
-    probes are clean: (1 + ``rtt.baseline_wait_periods``) clean periods after its clean run began;
-    None without a clean run."""
+def rtt_holds_until_s(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> float | None:
+    """Until when (s, the clock of ``clean_since_s``) an EWMA RTT above its baseline
+    (:func:`rtt_above_baseline`) holds an UNHEALTHY node out of PROBATION at ``now_s``: at most
+    (1 + ``rtt.baseline_wait_periods``) clean periods after its clean run began (``inf`` without a
+    clean run); None when it does not hold it (at or under its baseline, or held its longest)."""
+    if not rtt_above_baseline(nh.rtt, cfg):
+        return None
     since = nh.probe.clean_since_s
-    return None if since is None else since + required_clean_s(nh, cfg) * (1.0 + cfg.rtt.baseline_wait_periods)
-
-
-def rtt_wait_over(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> bool:
-    """Whether the RTT check no longer holds the node at ``now_s`` (:func:`rtt_held_until_s` passed)."""
-    until = rtt_held_until_s(nh, cfg)
-    return until is not None and now_s >= until - EPS_S
+    if since is None:
+        return math.inf
+    until = since + required_clean_s(nh, cfg) * (1.0 + cfg.rtt.baseline_wait_periods)
+    return None if now_s >= until - EPS_S else until
 
 
 def phi_delay_s(nh: NodeHealth, cfg: HealthConfig) -> float | None:

@@ -4,15 +4,14 @@ node's records, the config and the step's time (:mod:`xds_server.health.rules` r
 every observation's own rules)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 
 from xds_server.config import HealthConfig
 from xds_server.health.clocks import (
     EPS_S,
     required_clean_s,
-    rtt_above_baseline,
-    rtt_held_until_s,
-    rtt_wait_over,
+    rtt_holds_until_s,
     stall_confirm_at_s,
 )
 from xds_server.health.records import SUSPICIONS, EngineState, NodeHealth, Observation, ProbeResultKind
@@ -63,18 +62,18 @@ def clean_period_met(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> bool:
     """Seed 000's half-open entry at ``now_s`` (s): a clean run of probes for the (doubled) clean
     period with at least ``probation.min_probes``, heartbeats flowing, EWMA RTT back at its
     baseline (<= baseline x ``rtt.baseline_tolerance`` + ``rtt.baseline_slack``; for at most
-    ``rtt.baseline_wait_periods`` clean periods more: :func:`rtt_wait_over`), engine READY,
+    ``rtt.baseline_wait_periods`` clean periods more: :func:`rtt_holds_until_s`), engine READY,
     not a suspicion (back as it was at its next heartbeat, or proven). This rule runs after every
     observation of every node, so it returns at the first unmet check and formats nothing;
     :func:`clean_period_unmet` says the same checks in words (a test keeps the two equal)."""
-    p, h, r = nh.probe, nh.heartbeat, nh.rtt
+    p, h = nh.probe, nh.heartbeat
     if p.clean_since_s is None or nh.ejection.cause in SUSPICIONS:
         return False
     if now_s - p.clean_since_s < required_clean_s(nh, cfg) - EPS_S or p.clean_probes < cfg.probation.min_probes:
         return False
     if h.last_s is None or h.consecutive_misses >= cfg.heartbeat.consecutive_misses:
         return False
-    if rtt_above_baseline(r, cfg) and not rtt_wait_over(nh, cfg, now_s):
+    if rtt_holds_until_s(nh, cfg, now_s) is not None:
         return False
     return nh.engine.state is EngineState.READY and not nh.engine.gpu_fatal
 
@@ -96,12 +95,12 @@ def clean_period_unmet(nh: NodeHealth, cfg: HealthConfig, now_s: float) -> Itera
         yield f"{p.clean_probes} of {cfg.probation.min_probes} good probes"
     if h.last_s is None or h.consecutive_misses >= cfg.heartbeat.consecutive_misses:
         yield f"heartbeats not flowing ({h.consecutive_misses} consecutive misses)"
-    if rtt_above_baseline(r, cfg) and not rtt_wait_over(nh, cfg, now_s):
+    until = rtt_holds_until_s(nh, cfg, now_s)
+    if until is not None:
         assert r.ewma_ms is not None and r.baseline_ms is not None  # (both known to be above)
-        until = rtt_held_until_s(nh, cfg)
         yield (f"EWMA RTT {r.ewma_ms:.1f} ms above its baseline {r.baseline_ms:.1f} ms x "
                f"{cfg.rtt.baseline_tolerance:g} + {cfg.rtt.baseline_slack.ms:g} ms"
-               + ("" if until is None else f" (it holds the node {until - now_s:.1f} s more at most)"))
+               + ("" if math.isinf(until) else f" (it holds the node {until - now_s:.1f} s more at most)"))
     if nh.engine.state is not EngineState.READY:
         yield f"engine {nh.engine.state.value}"
     if nh.engine.gpu_fatal:

@@ -320,8 +320,7 @@ class Fleet:
             await asyncio.sleep(0.1)
         why = ""  # the control plane's own view: each node's state and why
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
-            async with session.get(f"http://127.0.0.1:{self.admin_port}/nodes") as r:
-                why = "\n".join(f"{n['id']}: {n['state']} ({n['reason']})" for n in (await r.json())["nodes"])
+            why = "\n".join(f"{i}: {n['state']} ({n['reason']})" for i, n in (await self.cp_nodes(session)).items())
         tails = "\n".join(f"--- {p.name}\n{p.output_tail(10)}" for p in self.procs)
         raise TimeoutError(f"Envoy did not route to all {len(self.nodes)} nodes in {timeout_s}s; Envoy's "
                            f"hosts: {hosts}; the control plane's /nodes:\n{why}\n{tails}")
