@@ -3,7 +3,7 @@ frozen-host detection, side by side.
 
 Usage: python benchmarks/dial_in.py [--nodes N ...] [--seconds S] [--freeze K] [--clients C]
            [--modes dial-in heartbeat [transport]] [--gpus G] [--settle S] [--refresh-ms M]
-           [--keepalive-ms P] [--ping-timeout-ms T] [--cp-cpu C] [--fleet-cpu F] [--workers W ...]
+           [--keepalive-ms P] [--ping-timeout-ms T] [--pings P/T ...] [--cp-cpu C] [--fleet-cpu F] [--workers W ...]
            [--loop asyncio|uvloop|auto ...] [--agent-kind grpcio|h2] [--gc tuned|default ...]
            [--freeze-groups G]
 
@@ -27,7 +27,8 @@ the real ControlPlane, the modes one after another in one run):
   ``--refresh-ms`` (the telemetry refresh), a ``Pong`` for each ``Ping``, and nothing else; a
   stream that ends is re-dialled. The server PINGs every connection every ``--keepalive-ms``
   (``probe.dial_in.keepalive``) and drops one whose PING is unanswered within
-  ``--ping-timeout-ms`` (``probe.dial_in.ping_timeout``): the node is ejected.
+  ``--ping-timeout-ms`` (``probe.dial_in.ping_timeout``): the node is ejected. ``--pings 90/80
+  100/40`` measures each pair (keepalive/ping timeout, ms) in turn, in the same run.
   With ``--agent-kind h2`` the fake agents are :mod:`h2_agents`' (HTTP/2 and gRPC's framing by
   hand, one protocol object per node on a uvloop loop, each its own TCP connection; the same
   messages): what the control plane reads is the same, the agents' own CPU ~40 % less.
@@ -60,7 +61,9 @@ p99 and max (nodes not detected when the window ends get up to 5 s more, reporte
 another at even steps over the window: G independent freezes (the nodes of one freeze are
 detected within milliseconds of each other), each one's slowest node in ``group_detect_max_ms``.
 In dial-in mode without workers each detection is split (median, p90, max): ``end_read_ms``,
-SIGSTOP -> our loop reads the stream's lost transport (gRPC's PING deadline, then the read), and
+SIGSTOP -> our loop reads the stream's lost transport (gRPC's PING deadline, then the read), itself
+split into ``closed_ms``, SIGSTOP -> gRPC closed the connection (its FIN, seen on a duplicate of the
+frozen agent's socket: ``pidfd_getfd``), and ``read_after_close_ms``, that close -> our read; and
 ``after_read_ms``, that read -> UNHEALTHY (``probe.dial_in.drop_confirm``, then the verdict).
 In dial-in mode, also why the streams ended in the window (``stream_ends``, the control plane's
 reasons) and its verdicts on them (``transport_drops``, ``silent_streams``: node or burst); the
@@ -96,10 +99,13 @@ import queue
 import random
 import re
 import resource
+import select
 import signal
+import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -129,6 +135,70 @@ MODES = ("dial-in", "heartbeat", "transport")
 
 
 # -- processes -----------------------------------------------------------------------------------
+
+_SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture (new system calls share one table)
+
+
+class _CloseWatch:
+    """When the control plane's gRPC closed each connection of an agent process we are about to
+    SIGSTOP: the kernel still takes the FIN for the stopped process, and a duplicate of each of its
+    sockets (``pidfd_getfd``, Linux 5.6+) held here shows it (``EPOLLRDHUP``), in a thread of its
+    own, so neither the stopped agents nor our event loop's lateness delays the reading. ``closed``:
+    wall times (s), one per connection closed so far; empty when the duplicates could not be taken
+    (an older kernel, no ptrace permission)."""
+
+    def __init__(self, pid: int, port: int) -> None:
+        self.closed: list[float] = []
+        self._socks: list[socket.socket] = []
+        self._stop = threading.Event()
+        libc = ctypes.CDLL(None, use_errno=True)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            return
+        try:
+            for name in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if not os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:"):
+                        continue
+                fd = libc.syscall(_SYS_PIDFD_GETFD, pidfd, int(name), 0)
+                if fd < 0:
+                    continue
+                s = socket.socket(fileno=fd)
+                try:
+                    peer = s.getpeername()
+                except OSError:
+                    peer = None
+                if isinstance(peer, tuple) and peer[1] == port:
+                    self._socks.append(s)
+                else:
+                    s.close()
+        finally:
+            os.close(pidfd)
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        ep = select.epoll()
+        try:
+            open_fds = {s.fileno() for s in self._socks}
+            for fd in open_fds:
+                ep.register(fd, select.EPOLLRDHUP)  # not EPOLLIN: the stopped agent's unread PINGs
+            while open_fds and not self._stop.is_set():
+                for fd, _ in ep.poll(0.05):
+                    self.closed.append(time.time())
+                    ep.unregister(fd)
+                    open_fds.discard(fd)
+        finally:
+            ep.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._socks:
+            self._thread.join(1.0)
+        for s in self._socks:
+            s.close()
+
 
 def _die_with_parent(parent: int) -> None:
     """Be SIGKILLed when the process that started us ends (Linux PR_SET_PDEATHSIG; a stopped
@@ -499,11 +569,13 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
                     "redials": sum(p.streams.value for p in procs if isinstance(p, _Agents)) - s_at,
                     "false_ejections": sorted({r[:90] for _, r in gone})[:3], "false_ejections_n": len(gone)}
 
+        watches: list[_CloseWatch | None] = []  # per freeze group (dial-in): when gRPC closed its connections
         stopped = asyncio.create_task(disturb(t0 + seconds / 5.0, cp_stop_s, burn_s)) \
             if cp_stop_s > 0 or burn_s > 0 else None
         for g, (grp, proc) in enumerate(zip(groups, frozen_procs, strict=True)):
             await asyncio.sleep(max(0.0, t0 + seconds * (g + 1) / (len(groups) + 1) - time.monotonic()))
             at = time.time()
+            watches.append(_CloseWatch(proc.proc.pid, port) if mode == "dial-in" else None)
             for k in grp:
                 states_at_freeze[ids[k]] = cp.core.health[ids[k]].state.name
                 freeze_at[ids[k]] = at
@@ -538,6 +610,18 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         while len(first_detections()) < freeze and time.monotonic() < grace_end:
             await asyncio.sleep(0.1)
         first = first_detections()
+        closed_ms: list[float] = []  # SIGSTOP -> gRPC closed the connection (seen on the frozen agent's socket)
+        read_after_close_ms: list[float] = []  # that close -> our loop read the stream's end (in order)
+        for members, w in zip(groups, watches, strict=False):
+            if w is None:
+                continue
+            w.stop()
+            stop_at = freeze_at[ids[members[0]]]
+            closes = sorted(w.closed)
+            reads = sorted(t for k in members
+                           if (t := next((e for e in ends.get(ids[k], []) if e >= stop_at), None)) is not None)
+            closed_ms += [(c - stop_at) * 1000.0 for c in closes]
+            read_after_close_ms += [(r - c) * 1000.0 for c, r in zip(closes, reads, strict=False)]
         window_publishes = [ms for at, ms, _ in publishes[p0:] if at <= wall0 + dt]
         window_publish_cpu = [cpu for at, _, cpu in publishes[p0:] if at <= wall0 + dt]
         published = {i: (at - freeze_at[i]) * 1000.0 for i, at in unrouted_at.items()}
@@ -578,6 +662,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             # the split of a detection (dial-in, no workers): gRPC's PING deadline and our read of the
             # stream's end, then our confirmation and verdict
             "end_read_ms": _spread(sorted(read_ms.values())),
+            "closed_ms": _spread(sorted(closed_ms)), "read_after_close_ms": _spread(sorted(read_after_close_ms)),
             "after_read_ms": _spread(sorted((first[i] - freeze_at[i]) * 1000.0 - r for i, r in read_ms.items())),
             "detected": len(detect),
             # the time Envoy is sent the news: publishes in the window (count, build ms), and SIGSTOP ->
@@ -734,7 +819,7 @@ def _fmt(v: Any, spec: str = ".0f") -> str:
 def _summary(rows: list[dict[str, Any]]) -> str:
     head = (f"{'mode':<14} {'nodes':>6} {'cl':>3} {'conn':>6} {'cp cores':>8} {'py cores':>8} {'nodes/core':>10} "
             f"{'nodes/py':>9} {'agents':>6} {'gc max':>6} {'false ej':>8} {'detected':>9} {'p50 ms':>7} {'p90 ms':>7} "
-            f"{'p99 ms':>7} {'max ms':>7}")
+            f"{'p99 ms':>7} {'max ms':>7} {'pings':>7} {'off max':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
@@ -749,10 +834,13 @@ def _summary(rows: list[dict[str, Any]]) -> str:
             f"{r['agents_cpu_cores']:>6.2f} {r.get('gc_max_ms', 0):>6.0f} {r['false_ejections']:>8} "
             f"{r['detected']:>4}/{r['frozen']:<4} "
             f"{_fmt(r.get('detect_p50_ms')):>7} {_fmt(r.get('detect_p90_ms')):>7} "
-            f"{_fmt(r.get('detect_p99_ms')):>7} {_fmt(r.get('detect_max_ms')):>7}")
+            f"{_fmt(r.get('detect_p99_ms')):>7} {_fmt(r.get('detect_max_ms')):>7} {r.get('pings', ''):>7} "
+            f"{_fmt((r.get('published_ms') or {}).get('max')):>7}")
     lines.append("cp cores: the control plane's process CPU (user+sys) / wall s, its probe workers' included; "
                  "py cores: its main event-loop thread's;\nagents: the fake agents' processes (same machine); "
-                 "gc max: the longest collection, ms (/gc0: CPython's thresholds); detection: SIGSTOP -> UNHEALTHY")
+                 "gc max: the longest collection, ms (/gc0: CPython's thresholds); detection: SIGSTOP -> UNHEALTHY;\n"
+                 "pings: keepalive/ping timeout, ms; off max: SIGSTOP -> the first publish with the node out, the "
+                 "slowest (ms)")
     return "\n".join(lines)
 
 
@@ -772,6 +860,9 @@ def main() -> None:
     ap.add_argument("--refresh-ms", type=int, default=1000, help="telemetry refresh (transport, dial-in)")
     ap.add_argument("--keepalive-ms", type=int, default=100, help="PING interval (dial-in, transport)")
     ap.add_argument("--ping-timeout-ms", type=int, default=100, help="PING answer deadline (dial-in, transport)")
+    ap.add_argument("--pings", nargs="+", default=None, metavar="KEEPALIVE/TIMEOUT",
+                    help="several PING settings in ms (e.g. 90/80 100/40): one measurement each, in place of "
+                    "--keepalive-ms and --ping-timeout-ms")
     ap.add_argument("--cp-cpu", type=int, default=None, help="pin the control plane to this CPU")
     ap.add_argument("--fleet-cpu", type=int, default=None, help="pin the agent processes to this CPU")
     ap.add_argument("--agent-kind", choices=("grpcio", "h2"), default="grpcio",
@@ -807,6 +898,11 @@ def main() -> None:
     ap.add_argument("--measure-refresh", nargs="+", default=["1s"],
                     help="xds.publish.measure_refresh; several: one measurement each")
     a = ap.parse_args()
+    try:
+        pings = [(a.keepalive_ms, a.ping_timeout_ms)] if a.pings is None else [
+            (int(k), int(t)) for k, t in (p.split("/") for p in a.pings)]
+    except ValueError:
+        ap.error(f"--pings: each value is KEEPALIVE_MS/TIMEOUT_MS, not {' '.join(a.pings)}")
 
     def terminate(signum: int, _frame: Any) -> None:
         raise SystemExit(128 + signum)
@@ -816,12 +912,12 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     try:
         for n in a.nodes:
-            for mode, workers, loop, gc_mode, refresh in [
-                    (m, w, lp, g, r) for m in a.modes for w in (a.workers if m == "dial-in" else [0])
-                    for lp in a.loop for g in a.gc for r in a.measure_refresh]:
+            for mode, workers, loop, gc_mode, refresh, (keepalive_ms, ping_timeout_ms) in [
+                    (m, w, lp, g, r, pg) for m in a.modes for w in (a.workers if m == "dial-in" else [0])
+                    for lp in a.loop for g in a.gc for r in a.measure_refresh for pg in pings]:
                 q = ctx.Queue()
                 p = ctx.Process(target=_run_one, args=([mode, n, a.seconds, a.freeze, a.clients, a.gpus, a.settle,
-                                                        a.refresh_ms, a.keepalive_ms, a.ping_timeout_ms, a.cp_cpu,
+                                                        a.refresh_ms, keepalive_ms, ping_timeout_ms, a.cp_cpu,
                                                         a.fleet_cpu, workers, a.agent_kind, gc_mode,
                                                         a.freeze_groups, a.rtt_ping_s, refresh, a.cp_stop_s,
                                                         a.burn_s, a.agent_stable_s, a.burners, a.rtt_ping_budget,
@@ -844,6 +940,7 @@ def main() -> None:
                     _end_group(p)
                 res["loop"], res["gc"], res["measure_refresh"], res["rtt_ping_s"] = loop, gc_mode, refresh, a.rtt_ping_s
                 res["rtt_ping_budget"] = a.rtt_ping_budget
+                res["pings"] = f"{keepalive_ms}/{ping_timeout_ms}"
                 rows.append(res)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}), flush=True)
     except KeyboardInterrupt:
