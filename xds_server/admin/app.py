@@ -19,7 +19,6 @@ through the ``drain`` command the server passes in.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -37,6 +36,7 @@ from xds_server.admin.history import History
 from xds_server.admin.live import LiveFeed
 from xds_server.admin.metrics import ControlPlaneCollector, EventLoopCollector
 from xds_server.admin.views import ControlPlaneView
+from xds_server.process.cancellation import cancel_and_wait
 from xds_server.process.untrusted import RateLimitedLog, clip, for_log
 
 __all__ = ["DrainCommand", "HttpErrorLog", "build_admin_app", "json_dumps"]
@@ -120,9 +120,7 @@ def _history(view: ControlPlaneView, app: web.Application) -> History | None:
     async def run(_app: web.Application):
         task = asyncio.get_running_loop().create_task(sample(), name="admin-history")
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)
 
     app.cleanup_ctx.append(run)
     return history

@@ -38,6 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from xds_server.admin.views import ControlPlaneView
 from xds_server.control.events import EventRecord
+from xds_server.process.cancellation import cancel_and_wait
 from xds_server.process.fanout import CLOSE_REASONS, FanOut, Subscriber
 from xds_server.process.untrusted import RateLimitedLog
 
@@ -200,9 +201,7 @@ class LiveFeed:
             if conn is not None:
                 conn.wake.set()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
     # -- the HTTP handler --------------------------------------------------------------------------

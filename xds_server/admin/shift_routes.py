@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,6 +25,7 @@ from aiohttp import web
 from xds_server.admin.access import refused_token
 from xds_server.admin.app import json_dumps
 from xds_server.load.gated_shifts import ShiftRequestError, ShiftService
+from xds_server.process.cancellation import cancel_and_wait
 
 __all__ = ["MAX_BODY_BYTES", "add_shift_routes"]
 
@@ -87,9 +87,7 @@ def add_shift_routes(app: web.Application, svc: ShiftService) -> None:
     async def ticking(_app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(svc.run())
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)
 
     app.router.add_post("/clusters/{name}/shift", post_shift)
     app.router.add_get("/clusters/{name}/shift", get_shift)

@@ -25,7 +25,6 @@ handling one message is counted and skipped: it never ends health checking.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 from collections.abc import Callable
@@ -52,7 +51,7 @@ from xds_server.probing.rtt_pace import PingPace
 from xds_server.probing.silence import SilenceGate, SilentStream
 from xds_server.probing.sources import ObservationSink, ProbeSource, ProbeSourceContext
 from xds_server.probing.timers import TickTimer
-from xds_server.process.cancellation import raise_if_cancelled
+from xds_server.process.cancellation import cancel_and_wait, raise_if_cancelled
 from xds_server.process.counters import Counters
 from xds_server.process.tls import ClientTls, dial
 from xds_server.process.untrusted import RateLimitedLog, clip, for_log
@@ -130,9 +129,7 @@ class ProbeSession:
         if self._timer:
             self._timer.cancel()
         if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         self.silence_gate.stop()
 

@@ -15,12 +15,19 @@ written to first swallowed none in 300 each.
 The task still counts the request (``Task.cancelling()``, Python 3.11). A loop that retries
 gRPC calls calls :func:`raise_if_cancelled` once per turn, after the call's end and before
 it logs, judges or waits to dial again.
+
+Stopping a task from another one has the opposite trap: ``task.cancel()`` then ``await task``
+under ``suppress(CancelledError)`` also swallows a cancel aimed at the task that waits, which then
+runs on as if nobody had asked it to stop. :func:`cancel_and_wait` passes that one on.
 """
 from __future__ import annotations
 
 import asyncio
+from typing import TypeVar
 
-__all__ = ["raise_if_cancelled"]
+__all__ = ["cancel_and_wait", "raise_if_cancelled"]
+
+_T = TypeVar("_T")
 
 
 def raise_if_cancelled() -> None:
@@ -30,3 +37,16 @@ def raise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+async def cancel_and_wait(task: asyncio.Future[_T]) -> None:
+    """Cancel ``task`` and wait until it has ended. Its own :class:`asyncio.CancelledError` ends the
+    wait quietly; a cancel of the waiting task is raised (``task`` is cancelled with it), as is any
+    other exception ``task`` ended with."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        waiting = asyncio.current_task()
+        if waiting is not None and waiting.cancelling():
+            raise

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 
 from xds_server.envoy.bootstrap import find_envoy
+from xds_server.process.cancellation import cancel_and_wait
 from xds_server.testing._envoy import envoy_process
 from xds_server.testing._fault_rig import FaultRig, FaultRow, _loads, _paths, _warm, prometheus_value
 from xds_server.testing._fleet import Fleet, restart_control_plane
@@ -159,9 +160,7 @@ async def _watch_envoy(fleet: Fleet, http: aiohttp.ClientSession, seen: dict[str
     try:
         yield seen
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)
 
 
 async def agent_kill_restart(rig: FaultRig, http: aiohttp.ClientSession, times: int = 1,

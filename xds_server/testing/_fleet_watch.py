@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 
+from xds_server.process.cancellation import cancel_and_wait
 from xds_server.testing._fault_rig import prometheus_value
 from xds_server.testing._fleet import Fleet
 
@@ -66,9 +67,7 @@ class FleetWatch:
         try:
             yield self
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
 
     def seen(self, source: str) -> dict[str, list[str]]:
         """Node -> the values ``source`` showed, in order, consecutive repeats merged."""
