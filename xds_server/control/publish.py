@@ -24,13 +24,16 @@ Rules:
   stretched gap, unless the last publish already came early that way: Envoy must stop routing to
   a dead node now, and a burst of them still leaves the loop at least half of its time (an early
   build, then one after the gap, in turn; at 2,000 endpoints a build takes ~45 ms, so the gap
-  alone kept a frozen node routed up to ~135 ms past its verdict). That early publish (given
-  ``published``, the caller's armed one) is the last assignment with the lost nodes UNHEALTHY, not
-  a policy walk over the cluster (the walk is most of a ~45 ms build under load); the decision
-  follows one gap after the first such patch (:meth:`PublishPlanner.follow_up`), however many
-  follow it. A patch costs a few ms, so the next lost node is patched after the window or
-  ``build_ratio`` x the last patch's time, not after the full gap (measured: the second node of a
-  frozen pair waited ~170 ms for it). A change of measures alone
+  alone kept a frozen node routed up to ~135 ms past its verdict). The publish armed for such a
+  change (given ``published``, the caller's armed one), early or after a quiet gap, is the last
+  assignment with the lost nodes UNHEALTHY, not a policy walk over the cluster (the walk is most of
+  a ~45 ms build under load: at 2,000 nodes, when a full publish after a quiet gap took a freeze's
+  first node out, it reached Envoy 51-103 ms after its stream's end was read, the freeze's second
+  node, patched, 25-50 ms after); the decision follows one gap after the first such patch
+  (:meth:`PublishPlanner.follow_up`), however many follow it. A patch costs a few ms, so the next
+  lost node is patched after the window or ``build_ratio`` x the last patch's time, not after the
+  full gap (measured: the second node of a frozen pair waited ~170 ms for it). A change of
+  measures alone
   (``REFRESH``: RTT, TTFT, GPU free memory) after ``xds.publish.measure_refresh``; any other
   (``NEXT``) after the gap. A sooner change moves an armed publish earlier;
 - fail-static: while active, a cluster keeps the last assignment published before the burst of
@@ -298,7 +301,7 @@ class PublishPlanner:
         :meth:`LastGoodHistory.record`).
 
         The urgent lane: ``published`` (node id -> Routing as last published) is given by the publish
-        the caller armed. When that one comes early (before the gap, for an URGENT change), a cluster
+        the caller armed. With it, early (before the gap, for an URGENT change) or not, a cluster
         with nodes out on hard evidence gets its last assignment with those nodes UNHEALTHY
         (``ClusterPublish.patched``): the policy walk over every node is skipped (at 2,000 endpoints
         a full publish holds the loop ~45 ms under load, a patch a few ms) and the full decision
@@ -306,11 +309,11 @@ class PublishPlanner:
         dirty clusters wait for it too. A full decision is taken at once instead when fail-static
         holds or keeps silent nodes routed, when no node would stay routed (cluster policy's "never
         nothing because of silence" may keep one), or when there is nothing to take out (the node
-        is out already): an early publish never publishes nothing.
+        is out already): the urgent lane never publishes nothing.
         """
         early = now_s < self.last_publish_s + self.min_gap_s() - 1e-9
         self.last_early = early
-        patch_from = published if early and now_s < self._decide_by - 1e-9 else None
+        patch_from = published if now_s < self._decide_by - 1e-9 else None
         self.due_s = float("inf")
         self.last_publish_s = now_s
         dirty, self.dirty = self.dirty, set()
