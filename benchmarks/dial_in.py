@@ -63,8 +63,9 @@ detected within milliseconds of each other), each one's slowest node in ``group_
 In dial-in mode without workers each detection is split (median, p90, max): ``end_read_ms``,
 SIGSTOP -> our loop reads the stream's lost transport (gRPC's PING deadline, then the read), itself
 split into ``closed_ms``, SIGSTOP -> gRPC closed the connection (its FIN, seen on a duplicate of the
-frozen agent's socket: ``pidfd_getfd``), and ``read_after_close_ms``, that close -> our read; and
-``after_read_ms``, that read -> UNHEALTHY (``probe.dial_in.drop_confirm``, then the verdict).
+frozen agent's socket: ``pidfd_getfd``), and ``read_after_close_ms``, that close -> our read;
+``off_after_read_ms``, that read -> the first publish with the node out; and ``after_read_ms``,
+that read -> UNHEALTHY (``probe.dial_in.drop_confirm``, then the verdict).
 In dial-in mode, also why the streams ended in the window (``stream_ends``, the control plane's
 reasons) and its verdicts on them (``transport_drops``, ``silent_streams``: node or burst); the
 verdicts before the window, while the fleet dialled in and settled: ``connect_drops``,
@@ -663,6 +664,9 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             # stream's end, then our confirmation and verdict
             "end_read_ms": _spread(sorted(read_ms.values())),
             "closed_ms": _spread(sorted(closed_ms)), "read_after_close_ms": _spread(sorted(read_after_close_ms)),
+            # that read -> the first publish with the node out (the verdict, then the urgent lane's patch)
+            "off_after_read_ms": _spread(sorted((unrouted_at[i] - freeze_at[i]) * 1000.0 - r
+                                                for i, r in read_ms.items() if i in unrouted_at)),
             "after_read_ms": _spread(sorted((first[i] - freeze_at[i]) * 1000.0 - r for i, r in read_ms.items())),
             "detected": len(detect),
             # the time Envoy is sent the news: publishes in the window (count, build ms), and SIGSTOP ->
