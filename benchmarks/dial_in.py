@@ -64,7 +64,8 @@ In dial-in mode without workers each detection is split (median, p90, max): ``en
 SIGSTOP -> our loop reads the stream's lost transport (gRPC's PING deadline, then the read), itself
 split into ``closed_ms``, SIGSTOP -> gRPC closed the connection (its FIN, seen on a duplicate of the
 frozen agent's socket: ``pidfd_getfd``), and ``read_after_close_ms``, that close -> our read;
-``off_after_read_ms``, that read -> the first publish with the node out; and ``after_read_ms``,
+``off_after_read_ms``, that read -> the first publish with the node out (``off_by_full_publish``:
+how many of those were a full decision, not the urgent lane's patch); and ``after_read_ms``,
 that read -> UNHEALTHY (``probe.dial_in.drop_confirm``, then the verdict).
 In dial-in mode, also why the streams ended in the window (``stream_ends``, the control plane's
 reasons) and its verdicts on them (``transport_drops``, ``silent_streams``: node or burst); the
@@ -137,14 +138,15 @@ MODES = ("dial-in", "heartbeat", "transport")
 
 # -- processes -----------------------------------------------------------------------------------
 
-_SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture (new system calls share one table)
+_SYS_PIDFD_GETFD = 438  # x86-64, arm64 and every architecture of the common table (not alpha, MIPS)
 
 
 class _CloseWatch:
     """When the control plane's gRPC closed each connection of an agent process we are about to
     SIGSTOP: the kernel still takes the FIN for the stopped process, and a duplicate of each of its
     sockets (``pidfd_getfd``, Linux 5.6+) held here shows it (``EPOLLRDHUP``), in a thread of its
-    own, so neither the stopped agents nor our event loop's lateness delays the reading. ``closed``:
+    own: the stopped agents do not delay the reading and our event loop's lateness does not either
+    (the thread waits for the GIL at most a switch interval, 5 ms, to take the time). ``closed``:
     wall times (s), one per connection closed so far; empty when the duplicates could not be taken
     (an older kernel, no ptrace permission)."""
 
@@ -159,13 +161,19 @@ class _CloseWatch:
             return
         try:
             for name in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
+                try:
                     if not os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:"):
                         continue
+                except OSError:  # closed meanwhile
+                    continue
                 fd = libc.syscall(_SYS_PIDFD_GETFD, pidfd, int(name), 0)
                 if fd < 0:
                     continue
-                s = socket.socket(fileno=fd)
+                try:
+                    s = socket.socket(fileno=fd)
+                except OSError:  # not a socket any more (its number reused)
+                    os.close(fd)
+                    continue
                 try:
                     peer = s.getpeername()
                 except OSError:
@@ -485,6 +493,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         cp.core.events.record = record  # type: ignore[method-assign]  # the hook of this measurement
         publishes: list[tuple[float, float, float]] = []  # (wall s at its end, ms it took, loop CPU ms)
         unrouted_at: dict[str, float] = {}  # a frozen node -> wall s of the first publish not routing it
+        unrouted_by_patch: dict[str, bool] = {}  # ... and whether that publish was the urgent lane's patch
         core_publish = cp.core.publish
 
         def timed_publish(*args: Any) -> Any:
@@ -497,6 +506,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
                     r = pub.routing.get(i)
                     if i not in unrouted_at and r is not None and r.health_status != "HEALTHY":
                         unrouted_at[i] = end
+                        unrouted_by_patch[i] = bool(pub.patched)
             return out
 
         cp.core.publish = timed_publish  # type: ignore[method-assign]  # the same: one run
@@ -575,8 +585,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             if cp_stop_s > 0 or burn_s > 0 else None
         for g, (grp, proc) in enumerate(zip(groups, frozen_procs, strict=True)):
             await asyncio.sleep(max(0.0, t0 + seconds * (g + 1) / (len(groups) + 1) - time.monotonic()))
-            at = time.time()
             watches.append(_CloseWatch(proc.proc.pid, port) if mode == "dial-in" else None)
+            at = time.time()  # after the watch is set up: its time is not the freeze's
             for k in grp:
                 states_at_freeze[ids[k]] = cp.core.health[ids[k]].state.name
                 freeze_at[ids[k]] = at
@@ -611,6 +621,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         while len(first_detections()) < freeze and time.monotonic() < grace_end:
             await asyncio.sleep(0.1)
         first = first_detections()
+        unpaired = 0  # freezes whose closes and reads differ in number (not in read_after_close_ms)
         closed_ms: list[float] = []  # SIGSTOP -> gRPC closed the connection (seen on the frozen agent's socket)
         read_after_close_ms: list[float] = []  # that close -> our loop read the stream's end (in order)
         for members, w in zip(groups, watches, strict=False):
@@ -622,7 +633,10 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             reads = sorted(t for k in members
                            if (t := next((e for e in ends.get(ids[k], []) if e >= stop_at), None)) is not None)
             closed_ms += [(c - stop_at) * 1000.0 for c in closes]
-            read_after_close_ms += [(r - c) * 1000.0 for c, r in zip(closes, reads, strict=False)]
+            if len(closes) == len(reads):  # paired in order; a freeze with a close or a read missing is not
+                read_after_close_ms += [(r - c) * 1000.0 for c, r in zip(closes, reads, strict=True)]
+            else:
+                unpaired += 1
         window_publishes = [ms for at, ms, _ in publishes[p0:] if at <= wall0 + dt]
         window_publish_cpu = [cpu for at, _, cpu in publishes[p0:] if at <= wall0 + dt]
         published = {i: (at - freeze_at[i]) * 1000.0 for i, at in unrouted_at.items()}
@@ -664,6 +678,9 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             # stream's end, then our confirmation and verdict
             "end_read_ms": _spread(sorted(read_ms.values())),
             "closed_ms": _spread(sorted(closed_ms)), "read_after_close_ms": _spread(sorted(read_after_close_ms)),
+            "close_read_unpaired": unpaired,
+            # frozen nodes whose first publish with them out was a full decision, not the urgent lane's patch
+            "off_by_full_publish": sum(1 for i in unrouted_at if not unrouted_by_patch.get(i, False)),
             # that read -> the first publish with the node out (the verdict, then the urgent lane's patch)
             "off_after_read_ms": _spread(sorted((unrouted_at[i] - freeze_at[i]) * 1000.0 - r
                                                 for i, r in read_ms.items() if i in unrouted_at)),
@@ -918,7 +935,8 @@ def main() -> None:
         for n in a.nodes:
             for mode, workers, loop, gc_mode, refresh, (keepalive_ms, ping_timeout_ms) in [
                     (m, w, lp, g, r, pg) for m in a.modes for w in (a.workers if m == "dial-in" else [0])
-                    for lp in a.loop for g in a.gc for r in a.measure_refresh for pg in pings]:
+                    for lp in a.loop for g in a.gc for r in a.measure_refresh
+                    for pg in (pings if m != "heartbeat" else pings[:1])]:  # heartbeat mode sends no PINGs
                 q = ctx.Queue()
                 p = ctx.Process(target=_run_one, args=([mode, n, a.seconds, a.freeze, a.clients, a.gpus, a.settle,
                                                         a.refresh_ms, keepalive_ms, ping_timeout_ms, a.cp_cpu,

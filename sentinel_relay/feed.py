@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from xds_server.process.cancellation import raise_if_cancelled
+from xds_server.process.cancellation import cancel_and_wait, raise_if_cancelled
 from xds_server.process.tls import ClientTls, dial
 from xds_server.process.untrusted import for_log
 from xds_server.proto import routing_pb2, routing_pb2_grpc
@@ -60,11 +60,7 @@ class FeedClient:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         backoff = 0.1

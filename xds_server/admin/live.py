@@ -200,9 +200,9 @@ class LiveFeed:
             conn = self._conns.pop(sub.sid, None)
             if conn is not None:
                 conn.wake.set()
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-            self._task = None
+        task, self._task = self._task, None
+        if task is not None:
+            await cancel_and_wait(task)
 
     # -- the HTTP handler --------------------------------------------------------------------------
 

@@ -27,13 +27,14 @@ Rules:
   alone kept a frozen node routed up to ~135 ms past its verdict). The publish armed for such a
   change (given ``published``, the caller's armed one), early or after a quiet gap, is the last
   assignment with the lost nodes UNHEALTHY, not a policy walk over the cluster (the walk is most of
-  a ~45 ms build under load: at 2,000 nodes, when a full publish after a quiet gap took a freeze's
-  first node out, it reached Envoy 51-103 ms after its stream's end was read, the freeze's second
-  node, patched, 25-50 ms after); the decision follows one gap after the first such patch
-  (:meth:`PublishPlanner.follow_up`), however many follow it. A patch costs a few ms, so the next
-  lost node is patched after the window or ``build_ratio`` x the last patch's time, not after the
-  full gap (measured: the second node of a frozen pair waited ~170 ms for it). A change of
-  measures alone
+  a ~45 ms build under load: at 2,000 nodes, our read of a lost stream -> the publish with the node
+  out took a median 55 ms while a full publish took a freeze's first node out after a quiet gap,
+  32 ms with the patch: benchmarks/RESULTS.md); the decision follows one gap after the first such
+  patch (:meth:`PublishPlanner.follow_up`), however many follow it, also when the patch came
+  beside full decisions of other clusters. Other changes dirty at that moment wait for the
+  decision too, one gap more. A patch costs a few ms, so the next lost node is patched after the
+  window or ``build_ratio`` x the last patch's time, not after the full gap (measured: the second
+  node of a frozen pair waited ~170 ms for it). A change of measures alone
   (``REFRESH``: RTT, TTFT, GPU free memory) after ``xds.publish.measure_refresh``; any other
   (``NEXT``) after the gap. A sooner change moves an armed publish earlier;
 - fail-static: while active, a cluster keeps the last assignment published before the burst of
@@ -166,7 +167,7 @@ class PublishPlanner:
                    node_id: str | None = None) -> float | None:
         """Note that ``cluster`` must be rebuilt. ``warm``: none of its nodes is COLD/WARMING;
         ``urgency``: how soon (module docstring); ``node_id``: the node whose change it is (an
-        URGENT one is remembered: an early publish takes it out of the last assignment).
+        URGENT one is remembered: the publish armed for it takes it out of the last assignment).
 
         Returns the time (s) at which the caller must call :meth:`publish`, when a publish has
         to be armed now (replacing one armed for later: an urgent change moves it earlier);
@@ -380,7 +381,7 @@ class PublishPlanner:
         self.last_patched = bool(out) and all(p.patched for p in out)
         if not self.dirty:
             self._decide_by = float("inf")
-        elif self.last_patched and self._decide_by == float("inf"):
+        elif any(p.patched for p in out) and self._decide_by == float("inf"):  # a patch, maybe beside decisions
             self._decide_by = now_s + self.min_gap_s()
         return out
 

@@ -312,11 +312,13 @@ class DialInSession(ProbeSession):
         self._drops = DropWatch.of(self._loop)
 
     async def stop(self) -> None:
-        await super().stop()
-        for call in [self._current, *self._drain()]:
-            if call is not None:
-                call.cancel("node no longer watched")
-                call.finish()
+        try:
+            await super().stop()
+        finally:  # also when our caller is cancelled meanwhile: the agents' streams end
+            for call in [self._current, *self._drain()]:
+                if call is not None:
+                    call.cancel("node no longer watched")
+                    call.finish()
 
     def _drain(self) -> list[InboundCall]:
         out = []

@@ -31,6 +31,7 @@ from typing import Protocol
 import grpc
 
 from node_probe.proto import probe_pb2, probe_pb2_grpc
+from xds_server.process.cancellation import cancel_and_wait
 from xds_server.process.counters import Counters
 from xds_server.process.tls import ClientTls, dial
 
@@ -134,14 +135,15 @@ class ReplayExchange:
     async def close(self) -> None:
         """End the stream and close the channel (idempotent)."""
         self._out.put_nowait(None)
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
-            self._reader = None
-        if self._channel is not None:
-            await self._channel.close(grace=None)
-            self._channel = None
+        reader, self._reader = self._reader, None
+        try:
+            if reader is not None:
+                with contextlib.suppress(Exception):  # the reader's own failure: closing anyway
+                    await cancel_and_wait(reader)
+        finally:  # also when our caller is cancelled meanwhile
+            channel, self._channel = self._channel, None
+            if channel is not None:
+                await channel.close(grace=None)
 
 
 class _StreamReplayer(Protocol):

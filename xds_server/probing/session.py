@@ -128,10 +128,12 @@ class ProbeSession:
         """Stop the session and wait for it to finish."""
         if self._timer:
             self._timer.cancel()
-        if self._task:
-            await cancel_and_wait(self._task)
+        try:
+            if self._task:
+                await cancel_and_wait(self._task)
+        finally:  # also when our caller is cancelled meanwhile
             self._task = None
-        self.silence_gate.stop()
+            self.silence_gate.stop()
 
     @property
     def finished(self) -> tuple[float, float] | None:

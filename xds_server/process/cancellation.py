@@ -41,12 +41,18 @@ def raise_if_cancelled() -> None:
 
 async def cancel_and_wait(task: asyncio.Future[_T]) -> None:
     """Cancel ``task`` and wait until it has ended. Its own :class:`asyncio.CancelledError` ends the
-    wait quietly; a cancel of the waiting task is raised (``task`` is cancelled with it), as is any
-    other exception ``task`` ended with."""
+    wait quietly; a cancel of the waiting task that arrives meanwhile is raised (``task`` is
+    cancelled with it), also when ``task`` swallowed that one and returned; any other exception
+    ``task`` ended with is raised. A cancel the waiting task was already handling when it called
+    this is its own business, not raised again here."""
+    waiting = asyncio.current_task()
+    before = waiting.cancelling() if waiting is not None else 0
     task.cancel()
     try:
         await task
     except asyncio.CancelledError:
-        waiting = asyncio.current_task()
-        if waiting is not None and waiting.cancelling():
+        if waiting is not None and waiting.cancelling() > before:
             raise
+        return
+    if waiting is not None and waiting.cancelling() > before:
+        raise asyncio.CancelledError  # task swallowed the cancel forwarded to it, and returned

@@ -13,6 +13,7 @@ import aiohttp
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
+from xds_server.process.cancellation import cancel_and_wait
 from xds_server.testing._fault_rig import TOKEN, FaultRig, FaultRow, _loads, _warm, prometheus_value
 from xds_server.testing._wait import wait_for
 
@@ -71,9 +72,8 @@ class _FastClient:
         if self.call is not None:
             self.call.cancel()
         if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError, Exception):
-                await asyncio.wait_for(self.task, 5.0)
+            with contextlib.suppress(Exception):  # its own failure or a task that will not end in 5 s
+                await asyncio.wait_for(cancel_and_wait(self.task), 5.0)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.channel.close(grace=None), 5.0)
 

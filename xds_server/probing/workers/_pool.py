@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import socket
@@ -43,6 +44,7 @@ from xds_server.probing.workers._assign import worker_for
 from xds_server.probing.workers._channel import encode, read_frame
 from xds_server.probing.workers._host import Admitter, HealthHost
 from xds_server.probing.workers._inbound import AcceptSpec
+from xds_server.process.cancellation import cancel_and_wait
 from xds_server.process.clock import Clock
 from xds_server.process.counters import Counters
 from xds_server.process.event_loop import running_loop_name
@@ -370,15 +372,15 @@ class WorkerPool:
         self._stopping = True
         for h in self.handles:
             h.send(("stop",))
-        for h in self.handles:
-            if h.task is not None:
-                h.task.cancel()
-                try:
-                    await h.task
-                except (asyncio.CancelledError, Exception):  # stopping anyway
-                    pass
-            if h.proc is not None and h.proc.poll() is None:
-                await asyncio.to_thread(self._reap, h)
+        try:
+            for h in self.handles:
+                if h.task is not None:
+                    with contextlib.suppress(Exception):  # its own failure: stopping anyway
+                        await cancel_and_wait(h.task)
+        finally:  # every worker reaped, also when our caller is cancelled meanwhile
+            for h in self.handles:
+                if h.proc is not None and h.proc.poll() is None:
+                    await asyncio.to_thread(self._reap, h)
 
 
 def _ident(cfg) -> tuple:
