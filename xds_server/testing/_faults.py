@@ -263,11 +263,14 @@ async def _victim(rig: FaultRig, http: aiohttp.ClientSession, direct: TrafficLoa
     """An engine address with a stream in flight from both paths: one of Envoy's clients (its
     upstream header) and one of the relay's (the relay's own count, ``sentinel_relay_in_flight``:
     its client sees only the header of a stream's first attempt, and a stream about to finish
-    was often counted there while none ran on the engine at the kill)."""
+    was often counted there while none ran on the engine at the kill). Envoy's client is read again
+    after the relay's answer: its stream may have ended while the relay was asked (CI once killed
+    an engine with no Envoy stream left on it)."""
     async def both() -> str | None:
         for addr, n in list(direct.in_flight.items()):
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                if n > 0 and addr != "?" and await rig.relay_in_flight(http, addr) >= 1:
+                if (n > 0 and addr != "?" and await rig.relay_in_flight(http, addr) >= 1
+                        and direct.in_flight.get(addr, 0) > 0):
                     return addr
         return None
     return await wait_for(both, timeout_s=timeout_s, step_s=0.005, what="an engine streaming to both paths")
