@@ -36,6 +36,21 @@ def planner_after_a_publish() -> tuple[PublishPlanner, dict[str, hm.NodeHealth],
     return p, health, dict(out[0].routing)
 
 
+def two_clusters_after_a_publish() -> tuple[PublishPlanner, dict[str, hm.NodeHealth], dict[str, hm.Routing]]:
+    """A planner of "llm" (n0-n2) and "other" (m0, m1) that published them all HEALTHY at t=1.0 in a
+    20 ms build (gap 60 ms)."""
+    cfg = config(xds={"coalesce_window_ms": 5})
+    cfg["clusters"].append({"name": "other", "nodes": [
+        {"id": f"m{i}", "address": f"127.0.0.1:{8101 + i}"} for i in range(2)]})
+    p = PublishPlanner(parse_config(cfg))
+    health = {i: healthy(i) for i in (*IDS, "m0", "m1")}
+    for c in ("llm", "other"):
+        p.mark_dirty(c, True, 1.0)
+    published = {k: v for cp in p.publish(1.0, health, FailStaticState(), 0.0) for k, v in cp.routing.items()}
+    p.built(0.02)
+    return p, health, published
+
+
 def test_an_early_publish_is_the_last_assignment_with_the_lost_node_out_and_the_decision_follows_a_gap_later():
     p, health, published = planner_after_a_publish()
     health["n2"] = lost("n2")
@@ -101,15 +116,7 @@ def test_a_loss_after_a_quiet_gap_is_patched_too_and_the_decision_follows_a_gap_
 def test_a_patch_beside_a_full_decision_anchors_the_decision_as_a_patch_alone_does():
     # cluster "other" loses its last routed node (no patch: the full decision at once) while "llm"
     # is patched: llm's decision still follows one gap after that patch, not after later patches
-    cfg = config(xds={"coalesce_window_ms": 5})
-    cfg["clusters"].append({"name": "other", "nodes": [
-        {"id": f"m{i}", "address": f"127.0.0.1:{8101 + i}"} for i in range(2)]})
-    p = PublishPlanner(parse_config(cfg))
-    health = {i: healthy(i) for i in (*IDS, "m0", "m1")}
-    for c in ("llm", "other"):
-        p.mark_dirty(c, True, 1.0)
-    published = {k: v for cp in p.publish(1.0, health, FailStaticState(), 0.0) for k, v in cp.routing.items()}
-    p.built(0.02)                                                   # gap 60 ms
+    p, health, published = two_clusters_after_a_publish()          # gap 60 ms
     published["m1"] = hm.Routing(100, hm.RoutingStatus.UNHEALTHY)   # m0 is other's last routed node
     health["m0"], health["n1"] = lost("m0"), lost("n1")
     p.mark_dirty("other", True, 1.01, Urgency.URGENT, "m0")
@@ -135,15 +142,7 @@ def test_an_early_publish_with_nothing_to_take_out_is_the_full_decision_never_an
 
 
 def test_a_cluster_without_a_lost_node_waits_for_the_decision_while_another_is_patched():
-    cfg = config(xds={"coalesce_window_ms": 5})
-    cfg["clusters"].append({"name": "other", "nodes": [
-        {"id": f"m{i}", "address": f"127.0.0.1:{8101 + i}"} for i in range(2)]})
-    p = PublishPlanner(parse_config(cfg))
-    health = {i: healthy(i) for i in (*IDS, "m0", "m1")}
-    for c in ("llm", "other"):
-        p.mark_dirty(c, True, 1.0)
-    published = {k: v for cp in p.publish(1.0, health, FailStaticState(), 0.0) for k, v in cp.routing.items()}
-    p.built(0.02)
+    p, health, published = two_clusters_after_a_publish()
     p.mark_dirty("other", True, 1.01)                               # a change of another kind
     health["n2"] = lost("n2")
     p.mark_dirty("llm", True, 1.01, Urgency.URGENT, "n2")
