@@ -624,7 +624,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         unpaired = 0  # freezes whose closes and reads differ in number (not in read_after_close_ms)
         closed_ms: list[float] = []  # SIGSTOP -> gRPC closed the connection (seen on the frozen agent's socket)
         read_after_close_ms: list[float] = []  # that close -> our loop read the stream's end (in order)
-        for members, w in zip(groups, watches, strict=False):
+        for members, w in zip(groups, watches, strict=True):
             if w is None:
                 continue
             w.stop()
@@ -680,7 +680,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             "closed_ms": _spread(sorted(closed_ms)), "read_after_close_ms": _spread(sorted(read_after_close_ms)),
             "close_read_unpaired": unpaired,
             # frozen nodes whose first publish with them out was a full decision, not the urgent lane's patch
-            "off_by_full_publish": sum(1 for i in unrouted_at if not unrouted_by_patch.get(i, False)),
+            "off_by_full_publish": sum(1 for patched in unrouted_by_patch.values() if not patched),
             # that read -> the first publish with the node out (the verdict, then the urgent lane's patch)
             "off_after_read_ms": _spread(sorted((unrouted_at[i] - freeze_at[i]) * 1000.0 - r
                                                 for i, r in read_ms.items() if i in unrouted_at)),

@@ -25,6 +25,7 @@ from sentinel_relay.feed import FeedClient
 from xds_server.config import parse_config
 from xds_server.load.peers import PeerLink
 from xds_server.probing.session import ProbeSession
+from xds_server.process.cancellation import cancel_and_wait
 from xds_server.testing import free_port
 
 _LOOPS = 10
@@ -69,11 +70,7 @@ def _peer_links(dead: int) -> list[Loop]:
             task[:] = [asyncio.ensure_future(link.run())]
 
         async def stop(task: list[asyncio.Task[None]] = task) -> None:
-            task[0].cancel()
-            try:
-                await task[0]
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(task[0])
 
         def failed(link: PeerLink = link) -> int:
             return int(bool(link.last_error))  # the link keeps only its last error: at least one seen

@@ -7,7 +7,11 @@ import asyncio
 
 import pytest
 
+from xds_server.config import parse_config
+from xds_server.probing.session import ProbeSession
+from xds_server.probing.silence import LoopStallWatch
 from xds_server.process.cancellation import cancel_and_wait
+from xds_server.testing import free_port
 
 
 async def test_the_stopped_task_ends_and_its_own_cancel_is_not_passed_on():
@@ -106,3 +110,22 @@ async def test_a_task_already_handling_a_cancel_stops_another_one_quietly():
     await asyncio.sleep(0)
     task.cancel()
     assert await asyncio.wait_for(task, 2.0) == "cleaned up"
+
+
+async def test_a_probe_session_stopped_by_a_task_that_is_cancelled_meanwhile_still_ends_its_stall_watch():
+    # the session's stop cleans up after the wait in a finally: its caller's cancel skips nothing
+    cfg = parse_config({"clusters": [{"name": "llm", "nodes": [
+        {"id": "n0", "address": "127.0.0.1:8001", "probe_address": f"127.0.0.1:{free_port()}"}]}]})
+    s = ProbeSession(cfg.clusters[0].nodes[0], cfg.health, lambda *_: None, probe=cfg.probe)
+    s.start()
+    await asyncio.sleep(0.05)  # dialling its dead agent
+    watch = LoopStallWatch.acquire(asyncio.get_running_loop(), cfg.probe.stalls.loop_watch_interval.s)
+    watch.release()  # (only to read the loop's watch: the session holds it)
+    stopper = asyncio.ensure_future(s.stop())
+    await asyncio.sleep(0)  # the stop is waiting for the session's task
+    stopper.cancel()
+    done, _ = await asyncio.wait({stopper}, timeout=2.0)
+    assert done and stopper.cancelled() and not s.alive
+    sampled = watch.history.alive_s
+    await asyncio.sleep(cfg.probe.stalls.loop_watch_interval.s * 3)
+    assert watch.history.alive_s == sampled  # nobody holds the watch: it samples no more

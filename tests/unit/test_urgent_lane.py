@@ -99,7 +99,7 @@ def test_the_full_decision_is_taken_at_once_under_fail_static_when_none_would_st
 
 
 def test_a_loss_after_a_quiet_gap_is_patched_too_and_the_decision_follows_a_gap_later():
-    # at 2,000 nodes a full decision holds the loop 40-64 ms under load: our read of a lost stream
+    # at 2,000 nodes a full decision holds the loop 34-69 ms under load: our read of a lost stream
     # -> the publish with the node out, median 55 ms that way, 32 ms patched (benchmarks/RESULTS.md)
     p, health, published = planner_after_a_publish()               # full at 1.0, 20 ms: gap 60 ms
     health["n2"] = lost("n2")

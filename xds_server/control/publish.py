@@ -27,9 +27,9 @@ Rules:
   alone kept a frozen node routed up to ~135 ms past its verdict). The publish armed for such a
   change (given ``published``, the caller's armed one), early or after a quiet gap, is the last
   assignment with the lost nodes UNHEALTHY, not a policy walk over the cluster (the walk is most of
-  a ~45 ms build under load: at 2,000 nodes, our read of a lost stream -> the publish with the node
-  out took a median 55 ms while a full publish took a freeze's first node out after a quiet gap,
-  32 ms with the patch: benchmarks/RESULTS.md); the decision follows one gap after the first such
+  a ~45 ms build under load; at 2,000 nodes, our read of a lost stream -> the publish with the node
+  out: median 55 ms when a full publish took it out after a quiet gap, 32 ms with the patch,
+  benchmarks/RESULTS.md); the decision follows one gap after the first such
   patch (:meth:`PublishPlanner.follow_up`), however many follow it, also when the patch came
   beside full decisions of other clusters. Other changes dirty at that moment wait for the
   decision too, one gap more. A patch costs a few ms, so the next lost node is patched after the
@@ -312,8 +312,7 @@ class PublishPlanner:
         nothing because of silence" may keep one), or when there is nothing to take out (the node
         is out already): the urgent lane never publishes nothing.
         """
-        early = now_s < self.last_publish_s + self.min_gap_s() - 1e-9
-        self.last_early = early
+        self.last_early = now_s < self.last_publish_s + self.min_gap_s() - 1e-9
         patch_from = published if now_s < self._decide_by - 1e-9 else None
         self.due_s = float("inf")
         self.last_publish_s = now_s
