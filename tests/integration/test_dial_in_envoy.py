@@ -29,9 +29,9 @@ async def _transport_drops(fleet, http) -> dict[str, float]:
 
 async def test_a_fleet_without_a_node_list_comes_up_from_registrations_and_a_frozen_host_is_excluded(
         make_fleet, http):
-    # PINGs unanswered for 300 ms end a stream (80 ms by default): beside two other test workers'
-    # fleets on two cores, a live agent process starved past 80 ms is cut, which is not what this
-    # test is about; the 80 ms deadline is measured in benchmarks/ and the dial-in fault rows
+    # PINGs unanswered for 300 ms end a stream (60 ms by default): beside two other test workers'
+    # fleets on two cores, a live agent process starved past 60 ms is cut, which is not what this
+    # test is about; the 60 ms deadline is measured in benchmarks/ and the dial-in fault rows
     fleet = make_fleet(n_nodes=3, per_try_timeout_s=1.0, health=FAST, agents="register",
                        config_options={"probe": {"dial_in": {"ping_timeout": "300ms"}}})
     await fleet.wait_all_routed(http)

@@ -93,10 +93,16 @@ class ProbeDialInConfig(_Model):
         "PINGs cost no Python time (benchmarks/server_keepalive.py)",
     )
     ping_timeout: Annotated[PositiveDuration, at_least("10ms"), at_most("60s")] = Field(
-        Duration.parse("80ms"),
+        Duration.parse("60ms"),
         description="a PING not answered within this ends the connection (grpc.http2.ping_timeout_ms: "
         "without it gRPC 1.85 waits 60 s). A stall of our own longer than this ends streams as we "
-        "wake: the stall hold (stalls.stall_hold) keeps that from being a verdict on the nodes",
+        "wake: the stall hold (stalls.stall_hold) keeps that from being a verdict on the nodes. "
+        "Ours: keepalive + ping_timeout + drop_confirm + reading, judging and publishing (~8 ms) is "
+        "the worst case of a host freeze; 90 + 60 + 15 + 8 = 173 ms leaves the loop of a large fleet "
+        "~25 ms under the 200 ms target, where 80 ms left none (benchmarks/RESULTS.md 'Agents dial "
+        "in'). An agent answers PINGs in its gRPC C core: a live one is late only when its host does "
+        "not run the thread this long (no CPU limit on the agent: CFS throttling stalls for up to its "
+        "100 ms period)",
     )
     drop_confirm: Annotated[NonNegativeDuration, at_most("1s")] = Field(
         Duration.parse("15ms"),
