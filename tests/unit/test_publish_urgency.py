@@ -155,7 +155,9 @@ def test_a_node_lost_right_after_a_slow_publish_reaches_envoy_after_the_window_t
     up to ~135 ms past its verdict. Lost on hard evidence, it is taken out of the last assignment
     5 ms after the last publish; cluster policy decides everything else (a soft change armed for
     the gap, the cap the lost node now fills) one gap after that."""
-    cp, clock, probes = in_memory(config(xds={"coalesce_window_ms": 5, "warmup_timeout_ms": 0}))
+    # a frozen host's streams all lost within 20 + 20 ms: under the gap, which alone places the decision
+    cp, clock, probes = in_memory({**config(xds={"coalesce_window_ms": 5, "warmup_timeout_ms": 0}),
+                                   "probe": {"dial_in": {"keepalive": "20ms", "ping_timeout": "20ms"}}})
     all_healthy(cp, clock, probes)
     at = slow_builds(cp, clock, 0.02)                       # every build takes 20 ms
     cp.core.drain("n0", True, "t")                          # published at once; the next gap: 60 ms

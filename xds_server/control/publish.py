@@ -53,7 +53,7 @@ from xds_server.health import model as hm
 from xds_server.health.pipeline import RoutingKey, leaves_routing, measures_only
 from xds_server.policy import cluster_routing as hp
 
-__all__ = ["ClusterPublish", "PublishPlanner", "Urgency", "change_urgency"]
+__all__ = ["ClusterPublish", "PublishPlanner", "Urgency", "change_urgency", "loss_spread_s"]
 
 
 class Urgency(enum.Enum):
@@ -62,6 +62,15 @@ class Urgency(enum.Enum):
     URGENT = "urgent"    # a node left routing on hard evidence: after the window
     NEXT = "next"        # a change of state or routing: after the gap
     REFRESH = "refresh"  # measures alone (weights, outlier judgement): after measure_refresh
+
+
+def loss_spread_s(config: SentinelConfig) -> float:
+    """How long a frozen host's streams are still being lost after its first (s): ``probe.dial_in.keepalive
+    + ping_timeout`` (each is cut at its own next PING: all within a keepalive; the timeout covers our
+    reads and patches). The decision after a patch waits this long, not to hold the loop while the
+    same freeze's next nodes are confirmed and patched (benchmarks/RESULTS.md)."""
+    d = config.probe.dial_in
+    return d.keepalive.s + d.ping_timeout.s
 
 
 def change_urgency(prev: RoutingKey | None, key: RoutingKey) -> Urgency:
@@ -95,6 +104,7 @@ class PublishPlanner:
         self.window_s = config.xds.publish.coalesce_window.s
         self.build_ratio = config.xds.publish.build_ratio
         self.refresh_s = config.xds.publish.measure_refresh.s
+        self.spread_s = loss_spread_s(config)
         self.last_build_s = 0.0         # how long the last publish took to build (s; the caller's clock)
         self.gate_open: set[str] = set()
         self.dirty: set[str] = set()
@@ -144,6 +154,7 @@ class PublishPlanner:
         self.window_s = config.xds.publish.coalesce_window.s
         self.build_ratio = config.xds.publish.build_ratio
         self.refresh_s = config.xds.publish.measure_refresh.s
+        self.spread_s = loss_spread_s(config)
         n = config.xds.publish.fail_static_history_max
         # a look-back recorded for another node set cannot be published for this one
         self._history = {name: self._history[name] if old_ids.get(name) == [x.id for x in c.nodes]
@@ -189,6 +200,8 @@ class PublishPlanner:
         else:
             gap = self.min_gap_s()
         due = max(now_s, self.last_publish_s + gap)
+        if urgency is not Urgency.URGENT and self._decide_by != float("inf"):  # the deferred decision takes it
+            due = max(due, self._decide_by)
         if due >= self.due_s:
             return None
         self.due_s = due
@@ -211,7 +224,7 @@ class PublishPlanner:
         is dirty or one is armed already."""
         if not self.dirty or self.scheduled:
             return None
-        self.due_s = min(self._decide_by, self.last_publish_s + self.min_gap_s())
+        self.due_s = self._decide_by if self._decide_by != float("inf") else self.last_publish_s + self.min_gap_s()
         return self.due_s
 
     def built(self, seconds: float) -> None:
@@ -381,6 +394,6 @@ class PublishPlanner:
         if not self.dirty:
             self._decide_by = float("inf")
         elif any(p.patched for p in out) and self._decide_by == float("inf"):  # a patch, maybe beside decisions
-            self._decide_by = now_s + self.min_gap_s()
+            self._decide_by = now_s + max(self.min_gap_s(), self.spread_s)
         return out
 
