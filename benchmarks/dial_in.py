@@ -494,22 +494,39 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         publishes: list[tuple[float, float, float]] = []  # (wall s at its end, ms it took, loop CPU ms)
         unrouted_at: dict[str, float] = {}  # a frozen node -> wall s of the first publish not routing it
         unrouted_by_patch: dict[str, bool] = {}  # ... and whether that publish was the urgent lane's patch
-        core_publish = cp.core.publish
+        depth = [0]
 
-        def timed_publish(*args: Any) -> Any:
-            t, th = time.perf_counter(), time.thread_time()
-            out = core_publish(*args)
-            end = time.time()
-            publishes.append((end, (time.perf_counter() - t) * 1000.0, (time.thread_time() - th) * 1000.0))
-            for pub in out:
-                for i in freeze_at:
-                    r = pub.routing.get(i)
-                    if i not in unrouted_at and r is not None and r.health_status != "HEALTHY":
-                        unrouted_at[i] = end
-                        unrouted_by_patch[i] = bool(pub.patched)
-            return out
+        def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+            """``fn``, each outermost call a hold of the loop in ``publishes``: a publish, or the
+            hand-over of a decision parked for the loop's next turn (control/publish_turns.py)."""
+            def hold(*args: Any) -> Any:
+                depth[0] += 1
+                t, th = time.perf_counter(), time.thread_time()
+                try:
+                    return fn(*args)
+                finally:
+                    depth[0] -= 1
+                    if depth[0] == 0:
+                        publishes.append((time.time(), (time.perf_counter() - t) * 1000.0,
+                                          (time.thread_time() - th) * 1000.0))
+            return hold
 
-        cp.core.publish = timed_publish  # type: ignore[method-assign]  # the same: one run
+        write = cp.core.on_publish
+        assert write is not None
+
+        def written(pub: Any) -> None:
+            write(pub)
+            end = time.time()  # the xDS cache has it
+            for i in freeze_at:
+                r = pub.routing.get(i)
+                if i not in unrouted_at and r is not None and r.health_status != "HEALTHY":
+                    unrouted_at[i] = end
+                    unrouted_by_patch[i] = bool(pub.patched)
+
+        cp.core.on_publish = written
+        cp.core.publish = timed(cp.core.publish)  # type: ignore[method-assign]  # the hooks of this measurement
+        turns = cp.core._turns
+        turns.flush = timed(turns.flush)  # type: ignore[method-assign]  # (one run each)
         freeze_at: dict[str, float] = {}  # a frozen node -> wall time of its process's SIGSTOP
         await cp.start()
         tracer = asyncio.create_task(_trace(cp, ids, ejected, outliers, lambda: procs, float(trace_s))) \

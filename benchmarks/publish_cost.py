@@ -69,6 +69,7 @@ def _plane(n: int) -> tuple[ControlPlane, ManualClock, InMemoryProbes]:
 
 def run(n: int, changed: int, publishes: int) -> dict[str, dict[str, float]]:
     cp, clock, probes = _plane(n)
+    _timed(cp.core.planner, "publish", "decision (planner)")  # the rest: the hand-over (control/publish_turns.py)
     _timed(planner_module.hp, "cluster_routing", "policy walk")
     _timed(publisher_module, "build_cla", "ClusterLoadAssignment")
     _timed(publisher_module, "set_cla", "cache (validate, encode)")

@@ -25,6 +25,7 @@ from xds_server.config import NodeConfig, SentinelConfig
 from xds_server.control.events import EventLog
 from xds_server.control.node_table import HealthTable
 from xds_server.control.publish import ClusterPublish, PublishPlanner, Urgency, change_urgency
+from xds_server.control.publish_turns import PublishTurns
 from xds_server.control.wakes import OutlierWakes
 from xds_server.health import model as hm
 from xds_server.health.pipeline import (
@@ -38,7 +39,7 @@ from xds_server.health.pipeline import (
 from xds_server.health.queue_levels import QueueWatch
 from xds_server.policy import cluster_routing as hp
 from xds_server.policy.silence_starts import SilenceStarts
-from xds_server.process.clock import Clock, Timer
+from xds_server.process.clock import Clock
 from xds_server.process.counters import Counters
 
 __all__ = ["ControlCore"]
@@ -78,9 +79,8 @@ class ControlCore:
         self._counted_silent = SilenceStarts()  # nodes hp.counted_silent: the walk's lower bound
         self.planner = PublishPlanner(config)
         self._keys: dict[str, RoutingKey] = {}
-        self._publish_timer: Timer | None = None
-        self._gate_timer: Timer | None = None
         self._wakes = OutlierWakes(clock, self.mark_dirty)
+        self._turns = PublishTurns(clock, lambda: self.publish(True), self._finish, self._open_all_gates)
         self._running = False
         self.started_s = 0.0
         self.restored: dict[str, hm.NodeHealth] = {}  # resumed at the node's first heartbeat
@@ -100,8 +100,7 @@ class ControlCore:
         for node_id in self.node_cfg:
             self.health[node_id] = hm.initial(node_id, now)
         self._running = True
-        self._gate_timer = self.clock.call_at(now + self.config.xds.publish.warmup_timeout.s,
-                                              self._open_all_gates)
+        self._turns.open_gates_at(now + self.config.xds.publish.warmup_timeout.s)
         # A cluster without nodes is warm at once (no node can leave COLD to mark it): publish it
         # now, not at the warm-up timeout.
         for name, ids in self._cluster_nodes.items():
@@ -111,10 +110,7 @@ class ControlCore:
     def end(self) -> None:
         """Cancel every timer; later observations still update state but schedule nothing."""
         self._running = False
-        for t in (self._gate_timer, self._publish_timer):
-            if t is not None:
-                t.cancel()
-        self._gate_timer = self._publish_timer = None
+        self._turns.end()
         self._wakes.cancel_all()
 
     # -- observations -> health ----------------------------------------------------------------
@@ -252,6 +248,7 @@ class ControlCore:
         cluster is rebuilt. Returns ``(added, dropped)`` node ids. Draining a node before it is
         dropped is the caller's job (:mod:`xds_server.control.reload`)."""
         now = self.clock.now()
+        self._turns.flush()  # decided for the config before
         old_ids = set(self.node_cfg)
         self.config = config
         self.node_cluster, self.node_cfg = {}, {}
@@ -274,10 +271,7 @@ class ControlCore:
         self._keys.clear()  # thresholds may have changed: every key is computed again
         self.planner.reconfigure(config, dropped)
         if self._running and any(c.name not in self.planner.gate_open for c in config.clusters):
-            if self._gate_timer is not None:
-                self._gate_timer.cancel()
-            self._gate_timer = self.clock.call_at(now + config.xds.publish.warmup_timeout.s,
-                                                  self._open_all_gates)
+            self._turns.open_gates_at(now + config.xds.publish.warmup_timeout.s)
         for c in config.clusters:
             self.mark_dirty(c.name)
         return added, dropped
@@ -343,14 +337,11 @@ class ControlCore:
         """Arm the planner's publish for ``at`` (None: keep what is armed)."""
         if at is not None:
             if self._running:
-                if self._publish_timer is not None:  # armed for later: a sooner change re-arms it
-                    self._publish_timer.cancel()
-                self._publish_timer = self.clock.call_at(at, self.publish, True)
+                self._turns.arm(at)  # armed for later: a sooner change re-arms it
             else:
                 self.planner.disarm()
 
     def _open_all_gates(self) -> None:
-        self._gate_timer = None
         for c in self.config.clusters:
             if c.name in self.planner.gate_open:
                 continue
@@ -363,21 +354,30 @@ class ControlCore:
     def publish(self, armed: bool = False) -> list[ClusterPublish]:
         """Build every dirty cluster now; hand each to ``on_publish``; (re)arm outlier wake-ups.
         ``armed``: the planner's armed publish (the timer), which may take the urgent lane
-        (:meth:`PublishPlanner.publish`: lost nodes out of the last assignment, the rest one gap later)."""
-        if self._publish_timer is not None:
-            self._publish_timer.cancel()
-            self._publish_timer = None
+        (:meth:`PublishPlanner.publish`: lost nodes out of the last assignment, the rest one gap
+        later), and whose decision, when it alone took longer than ``xds.publish.coalesce_window``,
+        is handed over in the loop's next turn (:mod:`~xds_server.control.publish_turns`)."""
+        self._turns.settle()  # a decision not handed over yet goes first
         now = self.clock.now()
         out = self.planner.publish(now, self.health.unsettled, self.fail_static, self.fail_static_floor_s(),
                                    self.routing if armed else None)
+        # the loop's clock moves while we compute (a ManualClock does not: 0)
+        decided = max(0.0, self.clock.now() - now)
+        if armed and self._running and out and decided > self.planner.window_s:
+            self._turns.park(out, decided)
+        else:
+            self._finish(out, decided)
+        return out
+
+    def _finish(self, out: list[ClusterPublish], decided_s: float) -> None:
+        """Hand ``out`` over, then arm what the planner asks next; the decision's time
+        (``decided_s``) and the hand-over's space the next publish (``xds.publish.build_ratio``)."""
+        start = self.clock.now()
         try:
             self._hand_over(out)
         finally:
-            # the build time spaces the next publish (xds.publish.build_ratio); the loop's clock
-            # moves while we compute (a ManualClock does not: 0)
-            self.planner.built(max(0.0, self.clock.now() - now))
+            self.planner.built(decided_s + max(0.0, self.clock.now() - start))
         self._arm(self.planner.follow_up())
-        return out
 
     def _hand_over(self, out: list[ClusterPublish]) -> None:
         """Record each publish's events and routing, hand it to ``on_publish``, arm wake-ups."""

@@ -1,0 +1,79 @@
+"""A cluster-policy decision that held the loop longer than the coalescing window is handed over in
+the loop's next turn: what the loop queued meanwhile runs first (a lost node's verdict is then taken
+out on top of the decision), and no publish, direct or armed, ever hands over before it."""
+from __future__ import annotations
+
+from test_control_core import all_healthy, config, in_memory
+
+from xds_server.control.publish import ClusterPublish
+
+
+def recording(cp) -> list[ClusterPublish]:
+    """Every publish handed to on_publish, in order."""
+    seen: list[ClusterPublish] = []
+    write = cp.core.on_publish
+
+    def rec(p: ClusterPublish) -> None:
+        seen.append(p)
+        write(p)
+
+    cp.core.on_publish = rec
+    return seen
+
+
+def slow_decisions(cp, clock, walk_s: float) -> None:
+    """Every full decision takes ``walk_s`` of the clock (the loop's clock moves while the policy
+    walks 2,000 nodes: ~11 ms idle, 20-60 ms loaded, benchmarks/RESULTS.md); patches take none."""
+    decide = cp.core.planner.publish
+
+    def slow(*a, **k):
+        out = decide(*a, **k)
+        if any(not p.patched for p in out):
+            clock._now += walk_s
+        return out
+
+    cp.core.planner.publish = slow
+
+
+def started(walk_s: float):
+    cp, clock, probes = in_memory(config(n=3, xds={"coalesce_window_ms": 5, "warmup_timeout_ms": 0}))
+    all_healthy(cp, clock, probes)
+    slow_decisions(cp, clock, walk_s)
+    return cp, clock, probes, recording(cp)
+
+
+def test_a_long_decision_is_handed_over_next_turn_and_a_node_lost_meanwhile_is_taken_out_on_top():
+    cp, clock, probes, seen = started(0.02)
+    before = dict(cp.core.routing)
+    cp.core.mark_dirty("llm")                    # after a quiet gap: due at once
+    clock.advance(0.0)                           # the armed publish decides; its walk moves the clock
+    assert seen == [] and cp.core.routing == before and cp.core._turns.parked  # decided, not handed over
+    probes["n1"].heartbeat(gpu_fatal="Xid 79")   # read in the same turn, before the hand-over
+    clock.advance(0.0)                           # the next turn
+    clock.advance(0.01)
+    assert [p.patched for p in seen][:2] == [(), ("n1",)]   # the decision first, the patch on top of it
+    assert cp.core.routing["n1"].health_status == "UNHEALTHY"
+    assert cp.core.routing["n0"].health_status == "HEALTHY"
+
+
+def test_a_short_decision_is_handed_over_at_once():
+    cp, clock, _probes, seen = started(0.004)    # under the 5 ms window
+    cp.core.mark_dirty("llm")
+    clock.advance(0.0)
+    assert len(seen) == 1 and not cp.core._turns.parked
+
+
+def test_a_direct_publish_and_the_end_hand_a_parked_decision_over_first():
+    for how in ("drain", "end"):
+        cp, clock, _probes, seen = started(0.02)
+        cp.core.mark_dirty("llm")
+        clock.advance(0.0)
+        assert seen == [] and cp.core._turns.parked, how
+        if how == "drain":
+            cp.core.drain("n2", True, "maintenance")         # publishes at once, as asked
+            assert len(seen) == 2 and seen[0].routing["n2"].health_status == "HEALTHY", how
+            assert seen[1].routing["n2"].health_status == "DRAINING", how
+        else:
+            cp.core.end()
+            assert len(seen) == 1 and seen[0].patched == (), how
+        assert not cp.core._turns.parked, how
