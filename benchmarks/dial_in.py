@@ -526,7 +526,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         cp.core.on_publish = written
         cp.core.publish = timed(cp.core.publish)  # type: ignore[method-assign]  # the hooks of this measurement
         turns = cp.core._turns
-        turns.flush = timed(turns.flush)  # type: ignore[method-assign]  # (one run each)
+        flush = timed(turns.flush)
+        turns.flush = lambda: flush() if turns.parked else None  # type: ignore[method-assign]  # (one run each)
         freeze_at: dict[str, float] = {}  # a frozen node -> wall time of its process's SIGSTOP
         await cp.start()
         tracer = asyncio.create_task(_trace(cp, ids, ejected, outliers, lambda: procs, float(trace_s))) \

@@ -98,11 +98,12 @@ class ProbeDialInConfig(_Model):
         "without it gRPC 1.85 waits 60 s). A stall of our own longer than this ends streams as we "
         "wake: the stall hold (stalls.stall_hold) keeps that from being a verdict on the nodes. "
         "Ours: keepalive + ping_timeout + drop_confirm + reading, judging and publishing (~8 ms) is "
-        "the worst case of a host freeze; 90 + 60 + 15 + 8 = 173 ms leaves the loop of a large fleet "
-        "~25 ms under the 200 ms target, where 80 ms left none (benchmarks/RESULTS.md 'Agents dial "
-        "in'). An agent answers PINGs in its gRPC C core: a live one is late only when its host does "
-        "not run the thread this long (no CPU limit on the agent: CFS throttling stalls for up to its "
-        "100 ms period)",
+        "the worst case of a host freeze: 90 + 60 + 15 + 8 = 173 ms, where 80 ms left a 2,000-node "
+        "control plane's loop nothing under the 200 ms target (benchmarks/RESULTS.md 'A 60 ms PING "
+        "deadline'). An agent answers PINGs in its gRPC C core: a live one is late when the round "
+        "trip or its host's scheduling of that thread takes this long (no CPU limit on the agent: CFS "
+        "throttling stalls for up to its 100 ms period). On the shared xDS port Envoy's ADS "
+        "connections get the same deadline",
     )
     drop_confirm: Annotated[NonNegativeDuration, at_most("1s")] = Field(
         Duration.parse("15ms"),

@@ -13,7 +13,7 @@ Shape::
     core.begin()                                   # nodes COLD, warm-up timer armed
     next_tick_s = core.observe("gpu-a", HeartbeatObserved(...), clock.now())
     core.drain("gpu-a", True, "maintenance")       # publishes at once
-    core.end()                                     # cancels every timer
+    core.end()                                     # a parked decision handed over, every timer cancelled
 """
 from __future__ import annotations
 
@@ -108,7 +108,8 @@ class ControlCore:
                 self.mark_dirty(name)
 
     def end(self) -> None:
-        """Cancel every timer; later observations still update state but schedule nothing."""
+        """Hand a parked decision over, cancel every timer; later observations still update state but
+        schedule nothing."""
         self._running = False
         self._turns.end()
         self._wakes.cancel_all()
@@ -352,26 +353,26 @@ class ControlCore:
             self.mark_dirty(c.name)
 
     def publish(self, armed: bool = False) -> list[ClusterPublish]:
-        """Build every dirty cluster now; hand each to ``on_publish``; (re)arm outlier wake-ups.
-        ``armed``: the planner's armed publish (the timer), which may take the urgent lane
-        (:meth:`PublishPlanner.publish`: lost nodes out of the last assignment, the rest one gap
-        later), and whose decision, when it alone took longer than ``xds.publish.coalesce_window``,
-        is handed over in the loop's next turn (:mod:`~xds_server.control.publish_turns`)."""
-        self._turns.settle()  # a decision not handed over yet goes first
+        """Build every dirty cluster now; hand each to ``on_publish`` (into ``routing``); (re)arm outlier wake-ups.
+        ``armed``: the planner's armed publish (the timer): it may take the urgent lane (PublishPlanner.publish),
+        and its full decision, if over the coalescing window, is handed over a moment later (publish_turns.py)."""
+        try:
+            self._turns.settle()  # a decision not handed over yet goes first
+        finally:  # (a hand-over that raised: this publish does not run, the next change arms one)
+            self.planner.disarm()
         now = self.clock.now()
         out = self.planner.publish(now, self.health.unsettled, self.fail_static, self.fail_static_floor_s(),
                                    self.routing if armed else None)
-        # the loop's clock moves while we compute (a ManualClock does not: 0)
-        decided = max(0.0, self.clock.now() - now)
-        if armed and self._running and out and decided > self.planner.window_s:
+        decided = max(0.0, self.clock.now() - now)  # the loop's clock moves while we compute (a ManualClock's: 0)
+        if armed and self._running and out and decided > self.planner.window_s and not any(p.patched for p in out):
+            self.planner.built(decided)  # spaces what is armed meanwhile; the hand-over adds its own
             self._turns.park(out, decided)
         else:
             self._finish(out, decided)
         return out
 
     def _finish(self, out: list[ClusterPublish], decided_s: float) -> None:
-        """Hand ``out`` over, then arm what the planner asks next; the decision's time
-        (``decided_s``) and the hand-over's space the next publish (``xds.publish.build_ratio``)."""
+        """Hand ``out`` over, arm what the planner asks next; ``decided_s`` + the hand-over space the next."""
         start = self.clock.now()
         try:
             self._hand_over(out)

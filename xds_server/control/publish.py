@@ -29,10 +29,9 @@ Rules:
   assignment with the lost nodes UNHEALTHY, not a policy walk over the cluster (the walk is most of
   a ~45 ms build under load; at 2,000 nodes, our read of a lost stream -> the publish with the node
   out: median 55 ms when a full publish took it out after a quiet gap, 32 ms with the patch,
-  benchmarks/RESULTS.md); the decision follows one gap after the first such
-  patch (:meth:`PublishPlanner.follow_up`), however many follow it, also when the patch came
-  beside full decisions of other clusters. Other changes dirty at that moment wait for the
-  decision too, one gap more. A patch costs a few ms, so the next lost node is patched after the
+  benchmarks/RESULTS.md); the decision follows one gap, and at least :func:`loss_spread_s`, after the first
+  such patch (:meth:`PublishPlanner.follow_up`), however many follow, also beside other clusters' decisions.
+  Other changes dirty meanwhile wait for it too. A patch costs a few ms, so the next lost node is patched after the
   window or ``build_ratio`` x the last patch's time, not after the full gap (measured: the second
   node of a frozen pair waited ~170 ms for it). A change of measures alone
   (``REFRESH``: RTT, TTFT, GPU free memory) after ``xds.publish.measure_refresh``; any other
@@ -66,9 +65,9 @@ class Urgency(enum.Enum):
 
 def loss_spread_s(config: SentinelConfig) -> float:
     """How long a frozen host's streams are still being lost after its first (s): ``probe.dial_in.keepalive
-    + ping_timeout`` (each is cut at its own next PING: all within a keepalive; the timeout covers our
-    reads and patches). The decision after a patch waits this long, not to hold the loop while the
-    same freeze's next nodes are confirmed and patched (benchmarks/RESULTS.md)."""
+    + ping_timeout`` (each is cut at its own next PING, all within a keepalive; the timeout covers our reads).
+    The decision after a patch waits this long, not to hold the loop while the freeze's next nodes are
+    patched (benchmarks/RESULTS.md); dialled nodes' are judged within a heartbeat interval (100 ms)."""
     d = config.probe.dial_in
     return d.keepalive.s + d.ping_timeout.s
 
@@ -101,10 +100,7 @@ class PublishPlanner:
     def __init__(self, config: SentinelConfig, history_max_entries: int | None = None) -> None:
         self.config = config
         self._clusters = {c.name: c for c in config.clusters}
-        self.window_s = config.xds.publish.coalesce_window.s
-        self.build_ratio = config.xds.publish.build_ratio
-        self.refresh_s = config.xds.publish.measure_refresh.s
-        self.spread_s = loss_spread_s(config)
+        self._timings(config)
         self.last_build_s = 0.0         # how long the last publish took to build (s; the caller's clock)
         self.gate_open: set[str] = set()
         self.dirty: set[str] = set()
@@ -135,6 +131,12 @@ class PublishPlanner:
         # node id -> (record, health config, its node_routing): recomputed only for a new record
         self._views: dict[str, tuple[hm.NodeHealth, HealthConfig, hm.NodeRouting]] = {}
 
+    def _timings(self, config: SentinelConfig) -> None:
+        self.window_s = config.xds.publish.coalesce_window.s
+        self.build_ratio = config.xds.publish.build_ratio
+        self.refresh_s = config.xds.publish.measure_refresh.s
+        self.spread_s = loss_spread_s(config)
+
     def set_serving(self, cluster: str, node_ids: frozenset[str]) -> bool:
         """The nodes of ``cluster`` whose latest real traffic succeeds; True when the set changed
         (the caller marks the cluster dirty: the set decides only while nothing else is routable,
@@ -151,10 +153,7 @@ class PublishPlanner:
         old_ids = {c.name: [n.id for n in c.nodes] for c in self.config.clusters}
         self.config = config
         self._clusters = {c.name: c for c in config.clusters}
-        self.window_s = config.xds.publish.coalesce_window.s
-        self.build_ratio = config.xds.publish.build_ratio
-        self.refresh_s = config.xds.publish.measure_refresh.s
-        self.spread_s = loss_spread_s(config)
+        self._timings(config)
         n = config.xds.publish.fail_static_history_max
         # a look-back recorded for another node set cannot be published for this one
         self._history = {name: self._history[name] if old_ids.get(name) == [x.id for x in c.nodes]
@@ -219,8 +218,9 @@ class PublishPlanner:
 
     def follow_up(self) -> float | None:
         """After a publish that left clusters dirty (the urgent lane patched, the rest waits): the
-        time (s) the caller must arm the next :meth:`publish` for, one gap after the first patch
-        since the last decision (later patches never push the decision further); None when nothing
+        time (s) the caller must arm the next :meth:`publish` for, one gap and at least
+        :func:`loss_spread_s` after the first patch since the last decision (later patches never
+        push the decision further); None when nothing
         is dirty or one is armed already."""
         if not self.dirty or self.scheduled:
             return None
@@ -319,7 +319,8 @@ class PublishPlanner:
         with nodes out on hard evidence gets its last assignment with those nodes UNHEALTHY
         (``ClusterPublish.patched``): the policy walk over every node is skipped (at 2,000 endpoints
         a full publish holds the loop ~45 ms under load, a patch a few ms) and the full decision
-        follows one gap after the first patch (the cluster stays dirty: :meth:`follow_up`); other
+        follows one gap and at least :func:`loss_spread_s` after the first patch (the cluster stays
+        dirty: :meth:`follow_up`; an urgent change with nothing left to take out decides sooner); other
         dirty clusters wait for it too. A full decision is taken at once instead when fail-static
         holds or keeps silent nodes routed, when no node would stay routed (cluster policy's "never
         nothing because of silence" may keep one), or when there is nothing to take out (the node

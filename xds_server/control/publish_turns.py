@@ -1,15 +1,18 @@
 """When the control core's publishes run: the one the planner armed, the warm-up gate's timeout,
-and a long decision's hand-over in the event loop's next turn.
+and a long decision's hand-over, a moment after the decision.
 
 At 2,000 endpoints a full publish holds the loop ~18 ms on an idle core and 30-100 ms on a loaded
 one: the decision (the policy walk over every node) about 60 %, the hand-over (assignment, cache,
-relay feed) the rest (benchmarks/RESULTS.md). A lost stream's read, or a drop's confirmation due
-meanwhile, waited for both. When the decision alone took longer than ``xds.publish.coalesce_window``,
-:meth:`ControlCore.publish <xds_server.control.core.ControlCore.publish>` parks it here, and a
-timer due at once hands it over after whatever the loop queued meanwhile (asyncio runs the I/O
-callbacks and due timers of a turn before a timer armed in the turn before). What ran meanwhile
-may mark a cluster dirty and arm a publish; every publish starts with :meth:`settle`, which hands a
-parked decision over first, so Envoy never gets a decision after a newer one.
+relay feed) the rest (benchmarks/RESULTS.md). A lost stream's read that arrived meanwhile waited
+for both before its coroutine ran (and its drop's confirmation began). When an armed publish's
+full decision alone took longer than ``xds.publish.coalesce_window``,
+:meth:`ControlCore.publish <xds_server.control.core.ControlCore.publish>` parks it here and a timer
+hands it over :data:`HAND_OVER_AFTER_S` later. The loop meanwhile takes the I/O that arrived
+during the decision and runs the coroutine steps it wakes (each a loop turn of its own, a few
+microseconds when the loop is idle: a timer due at once would run before them; uvloop rounds a
+timer under 0.5 ms to "at once" too). A patch (the urgent lane) is never parked. What runs
+meanwhile may mark a cluster dirty and arm a publish; every publish starts with :meth:`settle`,
+which hands a parked decision over first, so Envoy never gets a decision after a newer one.
 
 Shape::
 
@@ -17,7 +20,7 @@ Shape::
     turns.arm(at_s)                    # the armed publish at at_s (replaces one armed before)
     turns.open_gates_at(at_s)          # open_gates() at at_s: xds.publish.warmup_timeout (replaces one before)
     turns.settle()                     # at a publish's start: parked decision handed over, armed one cancelled
-    turns.park(out, decided_s)         # finish(out, decided_s) in the loop's next turn
+    turns.park(out, decided_s)         # finish(out, decided_s) HAND_OVER_AFTER_S later
     turns.parked                       # a decision waits for its hand-over
     turns.end()                        # parked decision handed over, no timer left
 """
@@ -28,7 +31,12 @@ from collections.abc import Callable
 from xds_server.control.publish import ClusterPublish
 from xds_server.process.clock import Clock, Timer
 
-__all__ = ["PublishTurns"]
+__all__ = ["HAND_OVER_AFTER_S", "PublishTurns"]
+
+HAND_OVER_AFTER_S = 0.001
+"""How long after its decision a parked hand-over runs (s). Ours: the least a timer of uvloop waits
+(it rounds to ms), and far more than the few loop turns a read's coroutine takes to run once its
+I/O is in; far less than the 15 ms ``probe.dial_in.drop_confirm`` that read then starts."""
 
 
 class PublishTurns:
@@ -65,18 +73,18 @@ class PublishTurns:
         self._open_gates()
 
     def settle(self) -> None:
-        """A publish starts: a parked decision is handed over now, an armed publish cancelled."""
-        self.flush()
+        """A publish starts: an armed publish is cancelled, a parked decision handed over now."""
         if self._armed is not None:
             self._armed.cancel()
             self._armed = None
+        self.flush()
 
     def park(self, out: list[ClusterPublish], decided_s: float) -> None:
-        """Hand ``out`` (decided in ``decided_s`` s of the clock) over in the loop's next turn; a
-        decision parked before is handed over first."""
+        """Hand ``out`` (decided in ``decided_s`` s of the clock) over :data:`HAND_OVER_AFTER_S`
+        from now; a decision parked before is handed over first."""
         self.flush()
         self._parked = (out, decided_s)
-        self._parked_timer = self._clock.call_at(self._clock.now(), self.flush)
+        self._parked_timer = self._clock.call_at(self._clock.now() + HAND_OVER_AFTER_S, self.flush)
 
     def flush(self) -> None:
         """Hand the parked decision over now (nothing when none is parked)."""
