@@ -498,7 +498,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
 
         def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
             """``fn``, each outermost call a hold of the loop in ``publishes``: a publish, or the
-            hand-over of a decision parked for the loop's next turn (control/publish_turns.py)."""
+            hand-over of a decision parked for a few loop turns (control/publish_turns.py)."""
             def hold(*args: Any) -> Any:
                 depth[0] += 1
                 t, th = time.perf_counter(), time.thread_time()

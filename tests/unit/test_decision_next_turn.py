@@ -52,18 +52,26 @@ def started(walk_s: float):
     return cp, clock, probes, recording(cp)
 
 
-def test_a_long_decision_is_handed_over_next_turn_and_a_node_lost_meanwhile_is_taken_out_on_top():
+def test_a_long_decision_is_parked_and_a_node_lost_meanwhile_is_taken_out_on_top_of_it():
     cp, clock, probes, seen = started(0.02)
     before = dict(cp.core.routing)
     cp.core.mark_dirty("llm")                    # after a quiet gap: due at once
     clock.advance(0.0)                           # the armed publish decides; its walk moves the clock
     assert seen == [] and cp.core.routing == before and cp.core._turns.parked  # decided, not handed over
-    probes["n1"].heartbeat(gpu_fatal="Xid 79")   # read in the same turn, before the hand-over
-    clock.advance(0.0)                           # the next turn
-    clock.advance(0.01)
+    probes["n1"].heartbeat(gpu_fatal="Xid 79")   # read before the hand-over: its patch is armed
+    clock.advance(0.01)                          # the patch's publish hands the parked decision over first
     assert [p.patched for p in seen][:2] == [(), ("n1",)]   # the decision first, the patch on top of it
     assert cp.core.routing["n1"].health_status == "UNHEALTHY"
     assert cp.core.routing["n0"].health_status == "HEALTHY"
+
+
+def test_a_parked_decision_is_handed_over_after_its_hops_with_nothing_else_to_run():
+    cp, clock, _probes, seen = started(0.02)
+    cp.core.mark_dirty("llm")
+    clock.advance(0.0)
+    assert seen == [] and cp.core._turns.parked
+    clock.advance(0.0)                           # the hops, each a timer due at once, then the hand-over
+    assert [p.patched for p in seen] == [()] and not cp.core._turns.parked
 
 
 def test_a_short_decision_is_handed_over_at_once():
