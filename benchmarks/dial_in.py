@@ -70,7 +70,12 @@ that read -> UNHEALTHY (``probe.dial_in.drop_confirm``, then the verdict).
 In dial-in mode, also why the streams ended in the window (``stream_ends``, the control plane's
 reasons) and its verdicts on them (``transport_drops``, ``silent_streams``: node or burst); the
 verdicts before the window, while the fleet dialled in and settled: ``connect_drops``,
-``connect_silent``.
+``connect_silent``. With ``--agent-kind h2`` the live agents' own side, since they share this
+machine and answer PINGs in their processes' loops: ``agents_loop_late_ms``, episodes of a live
+agents' process's loop at least 20 ms late (a 5 ms timer's wake-ups), ``agents_late_past_deadline``,
+those at least the PING deadline; ``live_ends``, live nodes' stream ends read in the window, and
+``live_ends_after_agents_stall``, those read right after such a stall of their own process (a PING
+it could not answer in time), not after a stall of ours.
 
 A disturbance a fifth into the window (dial-in): ``--burn-s S`` runs ``--burners`` busy processes
 for S seconds (on the control plane's CPU with ``--cp-cpu``: only it starves, the agents pinned
@@ -133,6 +138,9 @@ _CONNECT_SPREAD_S = 1.0
 """Agents start their first dial at a random point within this (s): a fleet does not connect in
 one instant."""
 _DETECT_GRACE_S = 5.0
+_LATE_TICK_S = 0.005  # the agents' loop watch: a timer this often ...
+_LATE_MIN_S = 0.02  # ... records each wake-up at least this late (the loop held or not scheduled)
+_LATE_RING = 4096  # episodes kept per agents' process (the oldest overwritten)
 MODES = ("dial-in", "heartbeat", "transport")
 
 
@@ -267,12 +275,47 @@ async def _answer_pings(call: Any, out: asyncio.Queue[bytes | None]) -> None:
         out.put_nowait(None)
 
 
+async def _watch_lateness(late: Any, late_n: Any) -> None:
+    """Record the agents' own loop late: a timer every :data:`_LATE_TICK_S`; each wake-up at least
+    :data:`_LATE_MIN_S` late is an episode ``(wall s at the wake-up, s late)`` in the shared ring
+    ``late`` (2 x :data:`_LATE_RING` doubles), ``late_n`` counting them. An h2 agent answers PINGs
+    in this loop, so an episode of L s delayed every PING answer due in it by up to L s."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + _LATE_TICK_S
+        await asyncio.sleep(_LATE_TICK_S)
+        behind = loop.time() - due
+        if behind >= _LATE_MIN_S:
+            with late_n.get_lock():
+                k = late_n.value % _LATE_RING
+                late[2 * k], late[2 * k + 1] = time.time(), behind
+                late_n.value += 1
+
+
+def _episodes(late: Any, late_n: Any) -> list[tuple[float, float]]:
+    """The agents' loop episodes still in the ring ``late``: ``(wall s at the wake-up, s late)``."""
+    with late_n.get_lock():
+        n = min(late_n.value, _LATE_RING)
+        return [(late[2 * k], late[2 * k + 1]) for k in range(n)]
+
+
+def _cut_by_agents(read_at: float, episodes: list[tuple[float, float]], deadline_s: float) -> bool:
+    """Whether a live agent's stream end, read by our loop at wall ``read_at``, follows a stall of
+    its own process's loop long enough to miss a PING deadline: an episode that held the loop over
+    ``[woke - late, woke]`` with ``late`` at least ``deadline_s`` cuts a PING sent in it at
+    ``deadline_s`` after the send, between ``woke - late + deadline_s`` and ``woke``; our read
+    follows the cut by up to 150 ms here (the loop's own holds, the drop's confirmation)."""
+    return any(late >= deadline_s and woke - late + deadline_s <= read_at <= woke + 0.15
+               for woke, late in episodes)
+
+
 def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int, refresh_s: float,
                  streams: Any, ready: Any, cpu: int | None, kind: str = "grpcio", stable_s: float = STABLE_S,
-                 spread_s: float = _CONNECT_SPREAD_S) -> None:
+                 spread_s: float = _CONNECT_SPREAD_S, late: Any = None, late_n: Any = None) -> None:
     """One client process: a fake dial-in agent per ``(node_id, address)`` (see the module
     docstring); ``streams`` counts the streams opened (re-dials show as more than the nodes).
-    ``kind``: ``grpcio`` (a grpc.aio channel each) or ``h2`` (:mod:`h2_agents`, by hand)."""
+    ``kind``: ``grpcio`` (a grpc.aio channel each) or ``h2`` (:mod:`h2_agents`, by hand); with
+    ``h2`` the process's loop lateness goes to ``late`` / ``late_n`` (:func:`_watch_lateness`)."""
     _die_with_parent(parent)
     _raise_nofile()
     if cpu is not None:
@@ -301,9 +344,12 @@ def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int
                 streams.value += 1
 
         async def run_h2() -> None:
+            watch = asyncio.create_task(_watch_lateness(late, late_n)) if late is not None else None
             ready.set()
             await run_agents(port, nodes, h2_first, beat, refresh_s, dialled, lambda: os.getppid() == parent,
                              stable_s, spread_s)
+            if watch is not None:
+                watch.cancel()
 
         event_loop.run(run_h2(), "auto")
         os._exit(0)
@@ -372,8 +418,11 @@ class _Agents:
         ctx = multiprocessing.get_context("spawn")
         self._ready = ctx.Event()
         self.streams = ctx.Value("i", 0)
+        self.nodes = [nid for nid, _ in nodes]
+        self.late, self.late_n = ctx.Array("d", 2 * _LATE_RING, lock=False), ctx.Value("i", 0)
         self.proc = ctx.Process(target=_agents_main, daemon=True, args=(
-            os.getpid(), port, nodes, gpus, refresh_s, self.streams, self._ready, cpu, kind, stable_s, spread_s))
+            os.getpid(), port, nodes, gpus, refresh_s, self.streams, self._ready, cpu, kind, stable_s, spread_s,
+            self.late, self.late_n))
 
     def start(self) -> _Agents:
         self.proc.start()
@@ -725,6 +774,23 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             out["silent_streams"] = dict(Counter(getattr(cp.counters, "silent_streams", {})) - silent0)
             # the same before the window: while the fleet dialled in and settled
             out["connect_drops"], out["connect_silent"] = dict(drops0), dict(silent0)
+        if mode == "dial-in" and agent_kind == "h2":
+            # the live agents' own side (they share this machine): their processes' loop late by at
+            # least 20 ms (episodes, ms), those at least the PING deadline, and live nodes' stream
+            # ends read in the window, apart those that follow such a stall of their own process
+            stalls: list[float] = []
+            live_ends = after_stall = 0
+            for p in procs:
+                if not isinstance(p, _Agents) or p in frozen_procs:
+                    continue
+                eps = [(w, late) for w, late in _episodes(p.late, p.late_n) if wall0 <= w <= wall0 + dt]
+                stalls += [late * 1000.0 for _, late in eps]
+                reads = [r for i in p.nodes for r in ends.get(i, []) if wall0 <= r <= wall0 + dt]
+                live_ends += len(reads)
+                after_stall += sum(1 for r in reads if _cut_by_agents(r, eps, ping_timeout_ms / 1000.0))
+            out["agents_loop_late_ms"] = _spread(sorted(stalls))
+            out["agents_late_past_deadline"] = sum(1 for ms in stalls if ms >= ping_timeout_ms)
+            out["live_ends"], out["live_ends_after_agents_stall"] = live_ends, after_stall
         missed = {i: states_at_freeze.get(i) for i in sorted(frozen) if i not in first}
         if missed:  # frozen nodes with no move to UNHEALTHY: their state when frozen
             out["undetected_states_at_freeze"] = missed

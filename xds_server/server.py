@@ -45,6 +45,7 @@ from xds_server.probing.switchback import SwitchbackValidator
 from xds_server.probing.workers import WorkerPool
 from xds_server.process.clock import Clock, LoopClock
 from xds_server.process.counters import Counters
+from xds_server.process.grpc_wakeups import start_server
 from xds_server.process.refusals import Refusals
 from xds_server.process.tls import add_port, listener_credentials, node_allow_authorizer
 from xds_server.xds.ads import AdsServicer
@@ -175,7 +176,7 @@ class ControlPlane:
                           f"permitted ({exc})") from exc
         if self.xds_port == 0:
             raise OSError(f"cannot bind xDS port {self.config.xds.listen} (xds.listen): in use or not permitted")
-        await self._grpc.start()
+        await start_server(self._grpc)  # and gRPC's completions read in one go per loop turn
         if self.probe_pool is not None and self.probe_pool.accepts_agents:
             self.agents_port = self.probe_pool.accept_agents(self.config)  # every worker, on dial_in.listen
         elif own_port is not None:

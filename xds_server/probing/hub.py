@@ -33,6 +33,7 @@ from xds_server.config.duration import Duration
 from xds_server.probing.claims import Claim, claim_from, judge_claim
 from xds_server.probing.dial_in import DialInSession, InboundCall
 from xds_server.process.counters import Counters
+from xds_server.process.grpc_wakeups import start_server
 from xds_server.process.identity import PeerIdentity
 from xds_server.process.refusals import Refusals
 from xds_server.process.stream_refusal import refuse
@@ -165,7 +166,7 @@ async def serve_hub(servicer: probe_pb2_grpc.ProbeHubServicer, listen: str, cred
         raise OSError(f"cannot bind probe.dial_in.listen {listen}: in use or not permitted ({exc})") from exc
     if not port:
         raise OSError(f"cannot bind probe.dial_in.listen {listen}: in use or not permitted")
-    await server.start()
+    await start_server(server)
     return server, port
 
 

@@ -1,0 +1,149 @@
+"""How fast a grpc.aio server takes new streams while its event loop is busy, with gRPC's own
+wake-up reader (one byte, one completion per loop turn once its socket is full) and with
+``xds_server.process.grpc_wakeups`` (every waiting byte read each turn), side by side.
+
+Usage: python benchmarks/grpc_wakeups.py [--streams N] [--busy-ms B] [--seconds S]
+           [--keepalive-ms P] [--ping-timeout-ms T] [--modes grpc drained]
+
+Per mode, in a fresh spawned process: a grpc.aio server on 127.0.0.1 serving
+``node_probe.v1.ProbeHub/Connect`` with a handler that reads every message (the control plane's
+dial-in keepalive options: PINGs every P ms, answered within T ms); a task that keeps the loop busy
+in B ms steps (CPU, then ``asyncio.sleep(0)``: the loop never waits in its poll, as at 2,000 agents);
+then N simulated agents (``h2_agents``, one process, each its own TCP connection, a heartbeat a
+second) dial within 1 s. Reported: streams taken (the handler entered) after S s at most, the time
+the last one was taken (or none), and the wake-up bytes waiting on gRPC's socket (sampled every
+50 ms from a thread: p50, max). B = 0 is the idle loop.
+
+    .venv/bin/python benchmarks/grpc_wakeups.py --streams 500 --busy-ms 5 --seconds 40
+
+Every process started is stopped at the end (the agents die with their parent).
+"""
+from __future__ import annotations
+
+import argparse
+import array
+import asyncio
+import fcntl
+import json
+import multiprocessing
+import os
+import statistics
+import termios
+import threading
+import time
+from typing import Any
+
+import grpc
+from h2_agents import run_agents
+
+from node_probe.proto import probe_pb2
+from xds_server.process import grpc_wakeups
+
+
+def _agents(port: int, streams: int, parent: int) -> None:
+    beat = probe_pb2.AgentMessage(heartbeat=probe_pb2.Heartbeat(seq=1, node_id="n")).SerializeToString()
+
+    async def main() -> None:
+        await run_agents(port, [(f"n{i}", "127.0.0.1:1") for i in range(streams)],
+                                   lambda _n, _a: [beat], lambda _n, _s: beat, 1.0, lambda: None,
+                                   lambda: os.getppid() == parent)
+    asyncio.run(main())
+
+
+def _waiting(fd: int) -> int:
+    n = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, n)
+    return n[0]
+
+
+async def _measure(mode: str, streams: int, busy_ms: float, seconds: float, keepalive_ms: int,
+                   ping_timeout_ms: int) -> dict[str, Any]:
+    taken: list[float] = []
+
+    async def connect(requests: Any, _context: grpc.aio.ServicerContext) -> None:
+        taken.append(time.monotonic())
+        async for _ in requests:
+            pass
+
+    server = grpc.aio.server(options=[
+        ("grpc.keepalive_time_ms", keepalive_ms), ("grpc.keepalive_timeout_ms", ping_timeout_ms),
+        ("grpc.http2.ping_timeout_ms", ping_timeout_ms), ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1), ("grpc.server.max_pending_requests", 20_000),
+        ("grpc.server.max_pending_requests_hard_limit", 20_000)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "node_probe.v1.ProbeHub", {"Connect": grpc.stream_stream_rpc_method_handler(connect)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    if mode == "drained":
+        await grpc_wakeups.start_server(server)
+    else:
+        await server.start()
+    queue = grpc_wakeups._queue()
+    sock = grpc_wakeups._read_socket(queue) if queue is not None else None
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while sock is not None and not stop.wait(0.05):
+            samples.append(_waiting(sock.fileno()))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+
+    async def busy() -> None:
+        while not stop.is_set():
+            end = time.perf_counter() + busy_ms / 1000.0
+            while time.perf_counter() < end:
+                pass
+            await asyncio.sleep(0)
+
+    spinner = asyncio.create_task(busy()) if busy_ms > 0 else None
+    agents = multiprocessing.get_context("spawn").Process(target=_agents, args=(port, streams, os.getpid()),
+                                                          daemon=True)
+    t0 = time.monotonic()
+    agents.start()
+    try:
+        while len(taken) < streams and time.monotonic() < t0 + seconds:
+            await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        agents.kill()
+        agents.join(5)
+        if spinner is not None:
+            await spinner
+        sampler.join(1)
+        await server.stop(0)
+    first = sorted(taken)[:streams]
+    return {"mode": mode, "streams": streams, "busy_ms": busy_ms, "taken": len(first),
+            "all_taken_s": round(first[-1] - t0, 2) if len(first) == streams else None,
+            "half_taken_s": round(first[streams // 2] - t0, 2) if len(first) > streams // 2 else None,
+            "waiting_bytes": {"p50": statistics.median(samples), "max": max(samples)} if samples else None}
+
+
+def _run(args: list[Any], q: Any) -> None:
+    q.put(asyncio.run(_measure(*args)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=500)
+    ap.add_argument("--busy-ms", type=float, default=5.0, help="the loop's busy steps, ms (0: idle)")
+    ap.add_argument("--seconds", type=float, default=40.0, help="the longest wait for every stream")
+    ap.add_argument("--keepalive-ms", type=int, default=90)
+    ap.add_argument("--ping-timeout-ms", type=int, default=60)
+    ap.add_argument("--modes", nargs="+", default=["grpc", "drained"], choices=("grpc", "drained"))
+    a = ap.parse_args()
+    ctx = multiprocessing.get_context("spawn")
+    for mode in a.modes:
+        q = ctx.Queue()
+        p = ctx.Process(target=_run, args=([mode, a.streams, a.busy_ms, a.seconds, a.keepalive_ms,
+                                             a.ping_timeout_ms], q))
+        p.start()
+        try:
+            print(json.dumps(q.get(timeout=a.seconds + 120)), flush=True)
+        finally:
+            p.kill()
+            p.join(5)
+
+
+if __name__ == "__main__":
+    main()
