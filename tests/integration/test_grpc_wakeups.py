@@ -56,7 +56,7 @@ async def test_messages_that_arrive_while_the_loop_is_held_are_read_within_a_few
         "wakeups.Test", {"Stream": grpc.stream_stream_rpc_method_handler(stream)}),))
     port = server.add_insecure_port("127.0.0.1:0")
     if drained:
-        await start_server(server)
+        assert await start_server(server), "the drain was not installed (see the warning logged)"
     else:
         await server.start()
     second, end = threading.Event(), threading.Event()
@@ -87,9 +87,11 @@ async def test_messages_that_arrive_while_the_loop_is_held_are_read_within_a_few
         await wait_for(lambda: read[0] == STREAMS, timeout_s=30.0, what="every stream's first message read")
         turns = await _turns_until(all_read, send_second_messages)
         assert sent[0] == STREAMS
+        # an idle turn takes microseconds: the few completions the poller thread pushes after the
+        # first drain may cost some turns of waiting for its CPU (3-4 in all measured here)
         if drained:
-            assert turns <= 10, f"{turns} loop turns to read {STREAMS} messages that arrived while held"
-        elif turns < 50:  # what the drain is for, unless a grpcio release reads them in one go itself
+            assert turns <= 60, f"{turns} loop turns to read {STREAMS} messages that arrived while held"
+        elif turns < 100:  # what the drain is for (226-279 here), unless grpcio reads them in one go itself
             pytest.skip(f"gRPC's own reader took {turns} loop turns for {STREAMS} messages: the drain may be moot")
     finally:
         end.set()
@@ -100,12 +102,30 @@ async def test_messages_that_arrive_while_the_loop_is_held_are_read_within_a_few
 
 
 async def test_a_loop_without_grpcs_reader_is_left_as_it_is(caplog: pytest.LogCaptureFixture) -> None:
-    server = grpc.aio.server()  # the process's queue exists and is bound to some loop ...
+    server = grpc.aio.server()  # the process's queue exists and is bound to this test's loop ...
     await server.start()
-    await server.stop(0)
     other = asyncio.new_event_loop()  # ... not to this one
     try:
         assert drain_wakeups(other) is False
-        assert "read one per loop turn" in caplog.text
+        assert "gRPC is not bound to this loop" in caplog.text
     finally:
         other.close()
+        await server.stop(0)
+
+
+def test_the_drain_is_installed_on_uvloop() -> None:
+    uvloop = pytest.importorskip("uvloop")
+
+    async def started() -> bool:
+        server = grpc.aio.server()
+        server.add_insecure_port("127.0.0.1:0")
+        try:
+            return await start_server(server)
+        finally:
+            await server.stop(0)
+
+    loop = uvloop.new_event_loop()
+    try:
+        assert loop.run_until_complete(started())
+    finally:
+        loop.close()

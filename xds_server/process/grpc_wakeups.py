@@ -8,24 +8,30 @@ holding it, a fleet dialling in), the bytes pile up; at Linux's default socket b
 ~768 bytes of accounting per one-byte write) the pair is full after ~277 of them, the poller thread
 blocks in ``write()``, and from then on the loop gets **one completion per turn**: a stream's end
 or a new agent's stream waits behind up to ~277 loop turns. Measured here (benchmarks/RESULTS.md,
-"gRPC's wake-ups"): with 2,000 agents dialled in the pair held 100-278 bytes most of the time; a
-loop busy in 5 ms steps took new streams at ~1 a second once full.
+"gRPC's wake-ups"): ``ss`` on the control plane with 2,000 agents dialled in saw 100-278 bytes
+waiting most of the time; a loop busy in 5 ms steps took 500 agents' new streams at ~1 a second
+once the pair was full.
 
 :func:`drain_wakeups` puts a reader of ours in front of gRPC's: it reads every waiting byte but
 one, then calls gRPC's own handler, which reads the last and runs every completion queued. The
-poller thread never blocks, and a turn runs what has arrived. What it relies on, checked at
-install (else it changes nothing and says so): the process's ``PollerCompletionQueue`` (found by
-type), its non-blocking read socket, and its handler ``_handle_events(loop)`` registered as the
-loop's reader of that socket (grpcio's default on Linux).
+poller thread then blocks at most until the next loop turn (only a hold of the loop through more
+than ~277 completions still fills the pair), and a turn runs what has arrived. What it relies on,
+checked at install (else it changes nothing and says which part was missing): a
+``PollerCompletionQueue`` of the process (found by type; one whose sockets are closed, left from
+an earlier queue, is passed over), its non-blocking read socket, its map of the
+loops it is bound to, and its handler
+``_handle_events(loop)``, which it registers as each bound loop's reader of that socket (grpcio's
+default on Linux).
 
 Shape::
 
-    await start_server(server)  # server.start(), then drain_wakeups(the running loop)
+    await start_server(server)  # server.start(), then drain_wakeups(the running loop): True
 """
 from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import fcntl
 import gc
 import logging
@@ -46,8 +52,8 @@ _QUEUE_MODULE = "grpc._cython.cygrpc"
 
 def read_all_but_one(fd: int) -> int:
     """Read every byte waiting on the socket ``fd`` but one; returns how many were read. The
-    one left keeps gRPC's own ``recv(1)`` from failing (its socket is non-blocking). An OSError
-    reads nothing (0): gRPC's handler still runs and reads its byte."""
+    one left is for gRPC's own ``recv(1)`` (its socket is non-blocking). An OSError reads
+    nothing (0): gRPC's handler still runs and reads its byte."""
     waiting = array.array("i", [0])
     try:
         fcntl.ioctl(fd, termios.FIONREAD, waiting)
@@ -56,10 +62,10 @@ def read_all_but_one(fd: int) -> int:
         return 0
 
 
-def _queue() -> object | None:
-    """The process's grpc.aio completion queue (one per process, made at its first use)."""
-    return next((o for o in gc.get_objects()
-                 if type(o).__name__ == _QUEUE_TYPE and type(o).__module__ == _QUEUE_MODULE), None)
+def _queues() -> list[object]:
+    """The process's grpc.aio completion queues: the one in use (made at grpc.aio's first use
+    after the last was shut down) and any earlier one not yet collected."""
+    return [o for o in gc.get_objects() if type(o).__name__ == _QUEUE_TYPE and type(o).__module__ == _QUEUE_MODULE]
 
 
 def _read_socket(queue: object) -> socket.socket | None:
@@ -70,30 +76,47 @@ def _read_socket(queue: object) -> socket.socket | None:
     return ends[0] if len(pair) == 2 and len(ends) == 1 else None
 
 
+def _bound(queue: object, loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``queue`` serves ``loop``: its map of the loops it is bound to (each with gRPC's
+    reader of the queue's socket) holds it."""
+    return any(isinstance(o, dict) and any(k is loop for k in o) for o in gc.get_referents(queue))
+
+
 def drain_wakeups(loop: asyncio.AbstractEventLoop) -> bool:
     """Install the reader of the module docstring on ``loop`` (gRPC's queue must be bound to it:
     a grpc.aio server or channel made in it). Returns True when installed (again on a loop that
-    has it: the same reader); False, logged at WARNING once per call, when gRPC's parts are not as
-    described (another grpcio, no reader registered) and nothing was changed."""
-    queue = _queue()
-    sock = _read_socket(queue) if queue is not None else None
-    handle: Callable[[asyncio.AbstractEventLoop], None] | None = getattr(queue, "_handle_events", None)
-    if sock is None or handle is None or not loop.remove_reader(sock):
-        log.warning("gRPC's completion wake-ups are read one per loop turn: its %s is not as expected "
-                    "(grpcio changed?); completions may wait behind a slow loop", _QUEUE_TYPE)
-        return False
-    fd = sock.fileno()
+    has it: the same reader); False, logged at WARNING with the part missing, when gRPC's parts
+    are not as described (another grpcio, a loop gRPC has no reader on) and nothing was changed."""
+    queues = _queues()
+    missing = f"no {_QUEUE_TYPE}" if not queues else f"gRPC is not bound to this loop ({len(queues)} queue(s))"
+    for queue in queues:
+        sock = _read_socket(queue)
+        handle: Callable[[asyncio.AbstractEventLoop], None] | None = getattr(queue, "_handle_events", None)
+        if sock is None or handle is None:
+            missing = f"its {_QUEUE_TYPE} has no open non-blocking read socket or no _handle_events"
+            continue
+        if _bound(queue, loop):  # gRPC's reader is on this loop (uvloop's remove_reader says None either way)
+            loop.remove_reader(sock)
+            loop.add_reader(sock, _drained, sock.fileno(), handle, loop)
+            return True
+    log.warning("gRPC's completion wake-ups stay one per loop turn: %s (grpcio changed?); completions "
+                "may wait behind a slow loop", missing)
+    return False
 
-    def drained() -> None:
-        read_all_but_one(fd)
+
+def _drained(fd: int, handle: Callable[[asyncio.AbstractEventLoop], None], loop: asyncio.AbstractEventLoop) -> None:
+    """The installed reader: the socket read down to one byte, then gRPC's handler. Another loop
+    of the process bound to the same queue (an agent's loop in a test thread) reads the same socket
+    and may take the last byte first: gRPC's ``recv(1)`` then finds none, and that loop's handler
+    has run (or will run) the queue, so nothing is lost."""
+    read_all_but_one(fd)
+    with contextlib.suppress(BlockingIOError):
         handle(loop)
 
-    loop.add_reader(sock, drained)
-    return True
 
-
-async def start_server(server: grpc.aio.Server) -> None:
+async def start_server(server: grpc.aio.Server) -> bool:
     """``server.start()``, then :func:`drain_wakeups` on the running loop (which the server's
-    creation bound gRPC's queue to). Raises what ``start()`` raises."""
+    creation bound gRPC's queue to); returns whether the drain is installed. Raises what
+    ``start()`` raises."""
     await server.start()
-    drain_wakeups(asyncio.get_running_loop())
+    return drain_wakeups(asyncio.get_running_loop())
