@@ -22,14 +22,11 @@ Every process started is stopped at the end (the agents die with their parent).
 from __future__ import annotations
 
 import argparse
-import array
 import asyncio
-import fcntl
 import json
 import multiprocessing
 import os
 import statistics
-import termios
 import threading
 import time
 from typing import Any
@@ -49,12 +46,6 @@ def _agents(port: int, streams: int, parent: int) -> None:
         await run_agents(port, [(f"n{i}", "127.0.0.1:1") for i in range(streams)],
                          lambda nid, _a: [beat(nid)], beat, 1.0, lambda: None, lambda: os.getppid() == parent)
     asyncio.run(main())
-
-
-def _waiting(fd: int) -> int:
-    n = array.array("i", [0])
-    fcntl.ioctl(fd, termios.FIONREAD, n)
-    return n[0]
 
 
 async def _measure(mode: str, streams: int, busy_ms: float, seconds: float, keepalive_ms: int,
@@ -80,15 +71,13 @@ async def _measure(mode: str, streams: int, busy_ms: float, seconds: float, keep
         await grpc_wakeups.start_server(server)
     else:
         await server.start()
-    loop = asyncio.get_running_loop()
-    queue = next((q for q in grpc_wakeups._queues() if grpc_wakeups._bound(q, loop)), None)
-    sock = grpc_wakeups._read_socket(queue) if queue is not None else None
+    sock = grpc_wakeups.wakeup_socket(asyncio.get_running_loop())
     samples: list[int] = []
     stop = threading.Event()
 
     def sample() -> None:
         while sock is not None and not stop.wait(0.05):
-            samples.append(_waiting(sock.fileno()))
+            samples.append(grpc_wakeups.waiting_bytes(sock.fileno()))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from xds_server.process.grpc_wakeups import drain_wakeups, start_server
+from xds_server.process.grpc_wakeups import drain_wakeups, start_server, wakeup_socket
 from xds_server.testing import wait_for
 
 STREAMS = 400
@@ -106,6 +106,7 @@ async def test_a_loop_without_grpcs_reader_is_left_as_it_is(caplog: pytest.LogCa
     await server.start()
     other = asyncio.new_event_loop()  # ... not to this one
     try:
+        assert wakeup_socket(asyncio.get_running_loop()) is not None and wakeup_socket(other) is None
         assert drain_wakeups(other) is False
         assert "gRPC is not bound to this loop" in caplog.text
     finally:

@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import grpc
 
-__all__ = ["drain_wakeups", "read_all_but_one", "start_server"]
+__all__ = ["drain_wakeups", "read_all_but_one", "start_server", "waiting_bytes", "wakeup_socket"]
 
 log = logging.getLogger("xds_server.process")
 
@@ -50,14 +50,21 @@ _QUEUE_TYPE = "PollerCompletionQueue"
 _QUEUE_MODULE = "grpc._cython.cygrpc"
 
 
+def waiting_bytes(fd: int) -> int:
+    """Bytes waiting to be read on the socket ``fd`` (FIONREAD). Raises OSError for an fd that
+    cannot say (closed, not a socket or pipe)."""
+    waiting = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, waiting)
+    return waiting[0]
+
+
 def read_all_but_one(fd: int) -> int:
     """Read every byte waiting on the socket ``fd`` but one; returns how many were read. The
     one left is for gRPC's own ``recv(1)`` (its socket is non-blocking). An OSError reads
     nothing (0): gRPC's handler still runs and reads its byte."""
-    waiting = array.array("i", [0])
     try:
-        fcntl.ioctl(fd, termios.FIONREAD, waiting)
-        return len(os.read(fd, waiting[0] - 1)) if waiting[0] > 1 else 0
+        waiting = waiting_bytes(fd)
+        return len(os.read(fd, waiting - 1)) if waiting > 1 else 0
     except OSError:
         return 0
 
@@ -82,29 +89,47 @@ def _bound(queue: object, loop: asyncio.AbstractEventLoop) -> bool:
     return any(isinstance(o, dict) and any(k is loop for k in o) for o in gc.get_referents(queue))
 
 
+_Handler = Callable[[asyncio.AbstractEventLoop], None]
+
+
+def _bound_queue(loop: asyncio.AbstractEventLoop) -> tuple[socket.socket, _Handler] | str:
+    """The read socket and the handler of gRPC's queue bound to ``loop``, or what is missing."""
+    queues = _queues()
+    missing = f"no {_QUEUE_TYPE}" if not queues else f"gRPC is not bound to this loop ({len(queues)} queue(s))"
+    for queue in queues:
+        sock = _read_socket(queue)
+        handle: _Handler | None = getattr(queue, "_handle_events", None)
+        if sock is None or handle is None:
+            missing = f"its {_QUEUE_TYPE} has no open non-blocking read socket or no _handle_events"
+        elif _bound(queue, loop):
+            return sock, handle
+    return missing
+
+
+def wakeup_socket(loop: asyncio.AbstractEventLoop) -> socket.socket | None:
+    """The read end of the wake-up pair of gRPC's queue bound to ``loop`` (None: none found), for
+    watching its backlog with :func:`waiting_bytes`."""
+    found = _bound_queue(loop)
+    return None if isinstance(found, str) else found[0]
+
+
 def drain_wakeups(loop: asyncio.AbstractEventLoop) -> bool:
     """Install the reader of the module docstring on ``loop`` (gRPC's queue must be bound to it:
     a grpc.aio server or channel made in it). Returns True when installed (again on a loop that
     has it: the same reader); False, logged at WARNING with the part missing, when gRPC's parts
     are not as described (another grpcio, a loop gRPC has no reader on) and nothing was changed."""
-    queues = _queues()
-    missing = f"no {_QUEUE_TYPE}" if not queues else f"gRPC is not bound to this loop ({len(queues)} queue(s))"
-    for queue in queues:
-        sock = _read_socket(queue)
-        handle: Callable[[asyncio.AbstractEventLoop], None] | None = getattr(queue, "_handle_events", None)
-        if sock is None or handle is None:
-            missing = f"its {_QUEUE_TYPE} has no open non-blocking read socket or no _handle_events"
-            continue
-        if _bound(queue, loop):  # gRPC's reader is on this loop (uvloop's remove_reader says None either way)
-            loop.remove_reader(sock)
-            loop.add_reader(sock, _drained, sock.fileno(), handle, loop)
-            return True
-    log.warning("gRPC's completion wake-ups stay one per loop turn: %s (grpcio changed?); completions "
-                "may wait behind a slow loop", missing)
-    return False
+    found = _bound_queue(loop)
+    if isinstance(found, str):
+        log.warning("gRPC's completion wake-ups stay one per loop turn: %s (grpcio changed?); completions "
+                    "may wait behind a slow loop", found)
+        return False
+    sock, handle = found
+    loop.remove_reader(sock)  # gRPC's reader (uvloop's remove_reader says None whether there was one or not)
+    loop.add_reader(sock, _drained, sock.fileno(), handle, loop)
+    return True
 
 
-def _drained(fd: int, handle: Callable[[asyncio.AbstractEventLoop], None], loop: asyncio.AbstractEventLoop) -> None:
+def _drained(fd: int, handle: _Handler, loop: asyncio.AbstractEventLoop) -> None:
     """The installed reader: the socket read down to one byte, then gRPC's handler. Another loop
     of the process bound to the same queue (an agent's loop in a test thread) reads the same socket
     and may take the last byte first: gRPC's ``recv(1)`` then finds none, and that loop's handler
