@@ -4,7 +4,7 @@ frozen-host detection, side by side.
 Usage: python benchmarks/dial_in.py [--nodes N ...] [--seconds S] [--freeze K] [--clients C]
            [--modes dial-in heartbeat [transport]] [--gpus G] [--settle S] [--refresh-ms M]
            [--keepalive-ms P] [--ping-timeout-ms T] [--pings P/T ...] [--cp-cpu C] [--fleet-cpu F] [--workers W ...]
-           [--loop asyncio|uvloop|auto ...] [--agent-kind grpcio|h2] [--gc tuned|default ...]
+           [--loop asyncio|uvloop|auto ...] [--agent-kind grpcio|h2] [--agents-nice N] [--gc tuned|default ...]
            [--freeze-groups G]
 
 The command (defaults: --nodes 300 1000 --seconds 20 --freeze 20 --clients 2 --modes dial-in
@@ -311,15 +311,19 @@ def _cut_by_agents(read_at: float, episodes: list[tuple[float, float]], deadline
 
 def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int, refresh_s: float,
                  streams: Any, ready: Any, cpu: int | None, kind: str = "grpcio", stable_s: float = STABLE_S,
-                 spread_s: float = _CONNECT_SPREAD_S, late: Any = None, late_n: Any = None) -> None:
+                 spread_s: float = _CONNECT_SPREAD_S, late: Any = None, late_n: Any = None,
+                 nice: int = 0) -> None:
     """One client process: a fake dial-in agent per ``(node_id, address)`` (see the module
     docstring); ``streams`` counts the streams opened (re-dials show as more than the nodes).
     ``kind``: ``grpcio`` (a grpc.aio channel each) or ``h2`` (:mod:`h2_agents`, by hand); with
-    ``h2`` the process's loop lateness goes to ``late`` / ``late_n`` (:func:`_watch_lateness`)."""
+    ``h2`` the process's loop lateness goes to ``late`` / ``late_n`` (:func:`_watch_lateness`).
+    ``nice``: the process's scheduling priority (below 0 needs root; see ``--agents-nice``)."""
     _die_with_parent(parent)
     _raise_nofile()
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
+    if nice:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
     tels = [telemetry(k, gpus) for k in range(100)]
     ok = probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(
         seq=1, ok=True, ttft_ms=10.0, trigger="scheduled")).SerializeToString()
@@ -414,7 +418,7 @@ class _Agents:
 
     def __init__(self, port: int, nodes: list[tuple[str, str]], gpus: int, refresh_s: float,
                  cpu: int | None, kind: str = "grpcio", stable_s: float = STABLE_S,
-                 spread_s: float = _CONNECT_SPREAD_S) -> None:
+                 spread_s: float = _CONNECT_SPREAD_S, nice: int = 0) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._ready = ctx.Event()
         self.streams = ctx.Value("i", 0)
@@ -422,7 +426,7 @@ class _Agents:
         self.late, self.late_n = ctx.Array("d", 2 * _LATE_RING, lock=False), ctx.Value("i", 0)
         self.proc = ctx.Process(target=_agents_main, daemon=True, args=(
             os.getpid(), port, nodes, gpus, refresh_s, self.streams, self._ready, cpu, kind, stable_s, spread_s,
-            self.late, self.late_n))
+            self.late, self.late_n, nice))
 
     def start(self) -> _Agents:
         self.proc.start()
@@ -484,7 +488,8 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
                   gc_mode: str = "tuned", freeze_groups: int = 1, rtt_ping_s: float = 60.0,
                   measure_refresh: str = "1s", cp_stop_s: float = 0.0, burn_s: float = 0.0,
                   agent_stable_s: float = STABLE_S, burners_n: int = 2,
-                  rtt_ping_budget: float = 400.0, connect_spread_s: float = _CONNECT_SPREAD_S) -> dict[str, Any]:
+                  rtt_ping_budget: float = 400.0, connect_spread_s: float = _CONNECT_SPREAD_S,
+                  agents_nice: int = 0) -> dict[str, Any]:
     from xds_server.probing.session import ProbeSession
     from xds_server.server import ControlPlane
 
@@ -586,9 +591,9 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             nodes = [(i, addresses[i]) for i in ids]
             port = cp.agents_port or cp.xds_port
             procs = [_Agents(port, part, gpus, refresh_ms / 1000.0, fleet_cpu, agent_kind, agent_stable_s,
-                             connect_spread_s).start() for part in _split(nodes[freeze:], clients)]
-            frozen_procs = [_Agents(port, [nodes[k] for k in g], gpus, refresh_ms / 1000.0,
-                                    fleet_cpu, agent_kind, agent_stable_s, connect_spread_s).start() for g in groups]
+                             connect_spread_s, agents_nice).start() for part in _split(nodes[freeze:], clients)]
+            frozen_procs = [_Agents(port, [nodes[k] for k in g], gpus, refresh_ms / 1000.0, fleet_cpu, agent_kind,
+                                    agent_stable_s, connect_spread_s, agents_nice).start() for g in groups]
         procs.extend(frozen_procs)
         deadline = time.monotonic() + 60.0 + n / 50.0
         while time.monotonic() < deadline and not all(cp.sessions[i].connected for i in ids):
@@ -970,6 +975,9 @@ def main() -> None:
                     "--keepalive-ms and --ping-timeout-ms")
     ap.add_argument("--cp-cpu", type=int, default=None, help="pin the control plane to this CPU")
     ap.add_argument("--fleet-cpu", type=int, default=None, help="pin the agent processes to this CPU")
+    ap.add_argument("--agents-nice", type=int, default=0,
+                    help="dial-in: the fake agents' processes' priority (e.g. -10, as root): they run first "
+                         "when runnable, as agents on hosts of their own would, not starved by the control plane")
     ap.add_argument("--agent-kind", choices=("grpcio", "h2"), default="grpcio",
                     help="dial-in: the simulated agents, a grpc.aio channel each, or HTTP/2 by hand (h2_agents.py; "
                     "~40 %% less CPU, so 2,000 fit beside the control plane)")
@@ -1027,7 +1035,7 @@ def main() -> None:
                                                         a.fleet_cpu, workers, a.agent_kind, gc_mode,
                                                         a.freeze_groups, a.rtt_ping_s, refresh, a.cp_stop_s,
                                                         a.burn_s, a.agent_stable_s, a.burners, a.rtt_ping_budget,
-                                                        a.connect_spread_s, loop,
+                                                        a.connect_spread_s, a.agents_nice, loop,
                                                         os.getpid()], q))
                 p.start()  # a fresh process per measurement: no state carried between modes
                 try:

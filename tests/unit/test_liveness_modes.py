@@ -138,6 +138,16 @@ def test_the_agents_port_holds_the_accept_backlog_before_grpc_refuses_a_stream()
         ProbeConfig(dial_in={"accept_backlog": 10})  # under gRPC's own default: refused
 
 
+def test_the_agents_port_holds_a_stream_not_taken_yet_for_the_accept_wait_in_whole_seconds():
+    assert dict(ProbeConfig().dial_in_options())["grpc.server_max_unrequested_time_in_server"] == 300
+    for wait, seconds in (("1s", 1), ("1500ms", 2), ("90s", 90), ("1h", 3600)):
+        opts = dict(ProbeConfig(dial_in={"accept_wait": wait}).dial_in_options())
+        assert opts["grpc.server_max_unrequested_time_in_server"] == seconds, wait
+    for bad in ("500ms", "2h"):  # under gRPC's one-second unit; past the bound
+        with pytest.raises(ValueError, match="accept_wait"):
+            ProbeConfig(dial_in={"accept_wait": bad})
+
+
 def test_probe_liveness_config_is_checked():
     assert ProbeConfig().liveness == "heartbeat"
     for bad, where in (({"liveness": "pings"}, "liveness"), ({"transport": {"telemetry_refresh": "2m"}},

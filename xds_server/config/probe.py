@@ -1,6 +1,7 @@
 """``probe:`` section: the control plane's probe streams to the node_probe agents."""
 from __future__ import annotations
 
+import math
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -76,7 +77,7 @@ class ProbeDialInConfig(_Model):
     plane is the gRPC server and judges each agent's liveness from its own HTTP/2 PINGs."""
 
     ADVANCED: ClassVar[frozenset[str]] = frozenset({"register_timeout", "burst_min", "burst_share", "burst_window",
-                                                    "burst_recovery", "accept_backlog"})
+                                                    "burst_recovery", "accept_backlog", "accept_wait"})
 
     listen: str | None = Field(
         None,
@@ -140,6 +141,16 @@ class ProbeDialInConfig(_Model):
         "(re)started control plane at once were refused by the hundreds, dialled again and kept it "
         "starved (benchmarks/RESULTS.md); a stream waiting costs a few KB, a refused one a new "
         "connection",
+    )
+    accept_wait: Annotated[PositiveDuration, at_least("1s"), at_most("1h")] = Field(
+        Duration.parse("5m"),
+        description="how long gRPC holds a new stream our loop has not taken yet before it cancels it "
+        "(grpc.server_max_unrequested_time_in_server, whole seconds, rounded up; gRPC's default 30 s). "
+        "Ours: a control plane takes ~40-50 agents' streams a second on two loaded cores, so 2,000 "
+        "agents dialling a (re)started one wait 40-120 s; at 30 s gRPC cancelled the rest, each dialled "
+        "again at the back of the queue (benchmarks/RESULTS.md 'Streams that wait to be taken'). 5 min "
+        "covers ~12,000 agents at that rate; a waiting stream costs a few KB, and its connection is "
+        "still PINGed, so a dead agent's stream goes with its connection",
     )
     register_timeout: Annotated[PositiveDuration, at_most("60s")] = Field(
         Duration.parse("5s"),
@@ -328,10 +339,11 @@ class ProbeConfig(_Renaming):
     def dial_in_options(self) -> list[tuple[str, int]]:
         """The gRPC server options of the port agents dial: PINGs every ``dial_in.keepalive`` with or
         without streams, each answered within ``dial_in.ping_timeout``, and ``dial_in.accept_backlog``
-        streams held before any is refused."""
+        streams held, for up to ``dial_in.accept_wait``, before any is refused."""
         d = self.dial_in
         return [("grpc.server.max_pending_requests", d.accept_backlog),
                 ("grpc.server.max_pending_requests_hard_limit", d.accept_backlog),
+                ("grpc.server_max_unrequested_time_in_server", math.ceil(d.accept_wait.ms / 1000.0)),
                 ("grpc.keepalive_time_ms", round(d.keepalive.ms)),
                 ("grpc.keepalive_timeout_ms", round(d.ping_timeout.ms)),
                 ("grpc.http2.ping_timeout_ms", round(d.ping_timeout.ms)),
