@@ -590,10 +590,17 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         if mode == "dial-in":
             nodes = [(i, addresses[i]) for i in ids]
             port = cp.agents_port or cp.xds_port
-            procs = [_Agents(port, part, gpus, refresh_ms / 1000.0, fleet_cpu, agent_kind, agent_stable_s,
-                             connect_spread_s, agents_nice).start() for part in _split(nodes[freeze:], clients)]
-            frozen_procs = [_Agents(port, [nodes[k] for k in g], gpus, refresh_ms / 1000.0, fleet_cpu, agent_kind,
-                                    agent_stable_s, connect_spread_s, agents_nice).start() for g in groups]
+            def start_agents() -> None:
+                """In a thread: waiting for each process to be ready would hold our loop for seconds
+                while the first agents dial in (a stall of ours that a running control plane has not)."""
+                for part in _split(nodes[freeze:], clients):
+                    procs.append(_Agents(port, part, gpus, refresh_ms / 1000.0, fleet_cpu, agent_kind,
+                                         agent_stable_s, connect_spread_s, agents_nice).start())
+                for g in groups:
+                    frozen_procs.append(_Agents(port, [nodes[k] for k in g], gpus, refresh_ms / 1000.0, fleet_cpu,
+                                                agent_kind, agent_stable_s, connect_spread_s, agents_nice).start())
+
+            await asyncio.to_thread(start_agents)
         procs.extend(frozen_procs)
         deadline = time.monotonic() + 60.0 + n / 50.0
         while time.monotonic() < deadline and not all(cp.sessions[i].connected for i in ids):
