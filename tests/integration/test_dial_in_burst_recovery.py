@@ -93,6 +93,47 @@ async def test_without_the_recovery_rule_agents_slower_than_one_hold_find_their_
         await cp.stop()
 
 
+async def test_a_fleet_still_dialling_in_holds_the_nodes_whose_streams_were_cut_by_a_burst_of_ours():
+    """A started control plane takes a fleet's first dials for tens of seconds, and agents whose
+    streams a verdict of ours cut meanwhile wait behind them: first dials hold the cut nodes as
+    returns do. 8 agents cut at once (a burst, ours), 8 other agents dial in for the first time one
+    every 0.3 s, and only then the cut ones come back, ~2.7 s after the burst (one hold: 1 s): none
+    of their nodes was ejected. (Before: first dials held nothing, and all 8 were.)"""
+    port = free_port()
+    ids = [f"n{i}" for i in range(2 * NODES)]
+    cp = ControlPlane(parse_config({
+        "xds": {"listen": f"127.0.0.1:{port}"}, "admin": {"listen": "127.0.0.1:0"},
+        "probe": {"transport": {"telemetry_refresh": f"{REFRESH_MS}ms"}},
+        "health": {"rtt": {"ping_interval": "60s"},
+                   "probation": {"ramp_start_percent": 100, "ramp_step": "100ms", "clean": "1s"}},
+        "clusters": [{"name": "llm", "nodes": [{"id": i, "address": f"127.0.0.{k + 1}:8000"}
+                                               for k, i in enumerate(ids)]}]}))
+    cut, late = [DialInAgent(i, port, REFRESH_MS) for i in ids[:NODES]], [DialInAgent(i, port, REFRESH_MS)
+                                                                         for i in ids[NODES:]]
+    try:
+        await cp.start()
+        for a in cut:
+            a.dial()
+        await wait_for(lambda: all(cp.core.health[i].state is NodeState.HEALTHY for i in ids[:NODES]),
+                       timeout_s=15)
+        await asyncio.gather(*(a.cut() for a in cut))
+        drops = cp.counters.transport_drops
+        await wait_for(lambda: drops["burst"] + drops["stall"] == NODES, timeout_s=3, what="the drops judged ours")
+        for a in late:  # the fleet's first dials, still coming
+            await asyncio.sleep(0.3)
+            a.dial()
+        await asyncio.sleep(0.3)
+        for a in cut:
+            a.dial()
+        await wait_for(lambda: all(cp.sessions[i].connected for i in ids), timeout_s=5, what="every agent in")
+        assert not {nid for nid, _ in cp.counters.ejections} & set(ids[:NODES]), dict(cp.counters.ejections)
+        assert {i: cp.core.health[i].state for i in ids[:NODES]} == dict.fromkeys(ids[:NODES], NodeState.HEALTHY)
+        assert drops["returned"] <= NODES  # first dials hold, but are no returns of dropped streams
+    finally:
+        for a in cut + late:
+            await a.cut()
+        await cp.stop()
+
 
 class ThreadAgent:
     """A dial-in agent on threads of its own (gRPC's blocking API), so it talks while our event

@@ -126,8 +126,9 @@ class ProbeDialInConfig(_Model):
         description="drops this close to each other count together (ours: two ping timeouts apart)")
     burst_recovery: Annotated[PositiveDuration, at_most("10m")] = Field(
         Duration.parse("30s"),
-        description="after a burst of drops or silences judged ours, agents of lost streams dialling "
-        "back in (at least burst_min within stalls.stall_hold) hold the nodes not heard since again, "
+        description="after a burst of drops or silences judged ours, agents dialling in (back after a "
+        "lost stream, or for the first time: a fleet still dialling a started control plane; at least "
+        "burst_min within stalls.stall_hold) hold the nodes not heard since again, "
         "and a drop found within a hold after a stall noted for a burst is ours too, for at most this "
         "long after such verdicts began (each within keepalive + ping_timeout + stall_hold of the "
         "last): verdicts that hold each other up end then. Ours: a control plane stopped 5 s with 1,000 agents had "

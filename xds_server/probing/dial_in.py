@@ -18,7 +18,7 @@ deadline, if shorter: :func:`ours_after_s`) within a hold before it
 (the node's heartbeats queued during our stall are read before the cut; a loop busy with its own
 work does not count: gRPC's threads answer PINGs) or the drop was one of a burst
 (:mod:`~xds_server.probing.drop_burst`): then it is a plain end, and the nodes not heard since are
-held (longer while agents of lost streams keep dialling back: ``probe.dial_in.burst_recovery``).
+held (longer while agents keep dialling in, back or for the first time: ``probe.dial_in.burst_recovery``).
 The agent's heartbeats (on change, and every ``probe.transport.telemetry_refresh``)
 prove its own event loop alive: a stream without one for ``silent_after_s`` is ended, and the
 agent dials again, unless many streams fell silent at once (the same burst rule: ours, kept open).
@@ -171,6 +171,7 @@ class DialInSession(ProbeSession):
         self._drops = DropWatch()  # the loop's, from start()
         self._lost_s: float | None = None  # the last stream's transport lost under us (loop s), until a new one
         self._returned_s = float("-inf")  # the agent's last return counted (loop s): one per node per hold
+        self._dialled = False  # the agent has dialled in since we started
         self.replay_max_prompts = 0  # the agent's last heartbeat's (0: none yet, or it does not replay)
         self._replays: dict[str, asyncio.Future[probe_pb2.ReplayResult]] = {}
 
@@ -205,16 +206,20 @@ class DialInSession(ProbeSession):
         ended first: the agent dialled again."""
         if self._current is not None and self._current.cancel("replaced by a new stream from the agent"):
             self.streams_replaced += 1
-        if self._lost_s is not None:
-            self._returned(self._now())
+        if self._lost_s is not None or not self._dialled:
+            self._came_in(self._now(), returned=self._lost_s is not None)
+        self._dialled = True
         self._calls.put_nowait(call)
         self._redial.set()
         await call.finished
 
-    def _returned(self, now_s: float) -> None:
-        """The agent of a stream lost under us dialled again at ``now_s``: while agents keep coming
-        back after a burst judged ours (:func:`~xds_server.probing.drop_burst.returns_hold`), every
-        node not heard since is held again, as after the burst (counted: ``returned``)."""
+    def _came_in(self, now_s: float, *, returned: bool) -> None:
+        """The agent dialled in at ``now_s``: back after its stream was lost under us
+        (``returned``), or for the first time. While agents keep coming in after a verdict of ours
+        (:func:`~xds_server.probing.drop_burst.returns_hold`), every node not heard since is held
+        again, as after the burst (a return counted: ``returned``). First dials count as well: a
+        fleet still dialling in (a started control plane takes a few dozen streams a second) is a
+        queue that the agents of streams cut meanwhile wait behind, for tens of seconds."""
         d, w = self.probe_cfg.dial_in, self._drops
         self._lost_s = None
         hold_s = self.silence_gate.hold_s
@@ -223,7 +228,8 @@ class DialInSession(ProbeSession):
             w.returns = dropped(w.returns, now_s, hold_s)
         if returns_hold(w.returns, now_s, hold_s, d.burst_min, w.stretch, d.burst_recovery.s):
             self._judged_ours(now_s)  # in the stretch too: its bound holds for returns as for drops
-            self.counters.transport_drops["returned"] += 1
+            if returned:
+                self.counters.transport_drops["returned"] += 1
 
     def _ours_gap_s(self) -> float:
         """How close verdicts of ours follow each other to form one stretch, and how far back a
