@@ -323,7 +323,10 @@ def _agents_main(parent: int, port: int, nodes: list[tuple[str, str]], gpus: int
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     if nice:
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+        except PermissionError:
+            sys.exit(f"--agents-nice {nice}: a priority above the default needs root")
     tels = [telemetry(k, gpus) for k in range(100)]
     ok = probe_pb2.AgentMessage(inference_result=probe_pb2.InferenceResult(
         seq=1, ok=True, ttft_ms=10.0, trigger="scheduled")).SerializeToString()
@@ -430,12 +433,15 @@ class _Agents:
 
     def start(self) -> _Agents:
         self.proc.start()
+        return self
+
+    def wait_ready(self) -> None:
+        """Block until the process runs its agents (RuntimeError, the process stopped, when it does not)."""
         deadline = time.monotonic() + 120.0
         while not self._ready.wait(0.2):
             if not self.proc.is_alive() or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("a dial-in agent process did not start (see its output)")
-        return self
 
     def stop(self) -> None:
         if self.proc.pid is not None:
@@ -590,17 +596,14 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         if mode == "dial-in":
             nodes = [(i, addresses[i]) for i in ids]
             port = cp.agents_port or cp.xds_port
-            def start_agents() -> None:
-                """In a thread: waiting for each process to be ready would hold our loop for seconds
-                while the first agents dial in (a stall of ours that a running control plane has not)."""
-                for part in _split(nodes[freeze:], clients):
-                    procs.append(_Agents(port, part, gpus, refresh_ms / 1000.0, fleet_cpu, agent_kind,
-                                         agent_stable_s, connect_spread_s, agents_nice).start())
-                for g in groups:
-                    frozen_procs.append(_Agents(port, [nodes[k] for k in g], gpus, refresh_ms / 1000.0, fleet_cpu,
-                                                agent_kind, agent_stable_s, connect_spread_s, agents_nice).start())
-
-            await asyncio.to_thread(start_agents)
+            for part in _split(nodes[freeze:], clients):  # started here, so each dies with this thread
+                procs.append(_Agents(port, part, gpus, refresh_ms / 1000.0, fleet_cpu, agent_kind, agent_stable_s,
+                                     connect_spread_s, agents_nice).start())
+            for g in groups:
+                frozen_procs.append(_Agents(port, [nodes[k] for k in g], gpus, refresh_ms / 1000.0, fleet_cpu,
+                                            agent_kind, agent_stable_s, connect_spread_s, agents_nice).start())
+            for a in procs + frozen_procs:  # waited for in a thread: on the loop's it would hold our loop
+                await asyncio.to_thread(a.wait_ready)  # for seconds while the first agents dial in
         procs.extend(frozen_procs)
         deadline = time.monotonic() + 60.0 + n / 50.0
         while time.monotonic() < deadline and not all(cp.sessions[i].connected for i in ids):
@@ -814,7 +817,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
         if cp is not None:
             end_why.detach()
             await cp.stop()
-        for p in procs:
+        for p in procs + [f for f in frozen_procs if f not in procs]:  # (a failed start: not in procs yet)
             p.stop()
 
 

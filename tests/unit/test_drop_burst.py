@@ -12,6 +12,7 @@ from xds_server.probing.drop_burst import (
     burst_size,
     chain_holds,
     dropped,
+    extended,
     is_burst,
     returns_hold,
     silent_with,
@@ -99,6 +100,20 @@ def test_verdicts_of_ours_that_hold_each_other_up_end_a_horizon_after_they_began
     assert chain_holds(run, 41.0, 1.2, horizon_s=30.0) is False  # none for 2 s: nothing noted to rest on
     assert chain_holds(None, 5.0, 1.2, horizon_s=30.0) is False
     assert stretched(run, 41.0, 1.2) == Stretch(41.0, 41.0)      # and a verdict then starts a new stretch
+
+
+def test_agents_dialling_in_keep_a_stretch_going_but_never_renew_its_bound():
+    """Dials that held the rest again, however far apart (a fleet dialling in for minutes), rest on
+    the stretch they came in: it goes on from its own start, and its horizon ends them."""
+    run = stretched(None, 10.0, 1.2)  # a burst of ours at 10 s
+    for t in (11.0, 14.0, 25.0, 39.0):  # each one more than the 1.2 s gap after the one before
+        run = extended(run, t)
+        assert run.since_s == 10.0 and run.last_s == t
+    assert extended(run, 30.0) == run  # an earlier time moves nothing
+    back = Drops()
+    for t in (40.2, 40.5, 40.8):
+        back = dropped(back, t, 1.0)
+    assert not returns_hold(back, 40.8, 1.0, min_returns=3, st=run, horizon_s=30.0)  # 30.8 s after it began
 
 
 @settings(max_examples=300)

@@ -147,10 +147,10 @@ class ProbeDialInConfig(_Model):
         Duration.parse("5m"),
         description="how long gRPC holds a new stream our loop has not taken yet before it cancels it "
         "(grpc.server_max_unrequested_time_in_server, whole seconds, rounded up; gRPC's default 30 s). "
-        "Ours: a control plane takes ~40-50 agents' streams a second on two loaded cores, so 2,000 "
-        "agents dialling a (re)started one wait 40-120 s; at 30 s gRPC cancelled the rest, each dialled "
-        "again at the back of the queue (benchmarks/RESULTS.md 'Streams that wait to be taken'). 5 min "
-        "covers ~12,000 agents at that rate; a waiting stream costs a few KB, and its connection is "
+        "Ours: a control plane took 2,000 simulated agents' streams in 40-55 s on two loaded cores "
+        "(~40-50 a second); at 30 s gRPC cancelled the rest, each dialled again at the back of the "
+        "queue (benchmarks/RESULTS.md 'Streams that wait to be taken'). 5 min covers ~12,000 agents "
+        "at that rate; a waiting stream costs a few KB, and its connection is "
         "still PINGed, so a dead agent's stream goes with its connection",
     )
     register_timeout: Annotated[PositiveDuration, at_most("60s")] = Field(

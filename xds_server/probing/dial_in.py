@@ -170,7 +170,7 @@ class DialInSession(ProbeSession):
         self._redial = asyncio.Event()  # a stream was attached (the agent dialled)
         self._drops = DropWatch()  # the loop's, from start()
         self._lost_s: float | None = None  # the last stream's transport lost under us (loop s), until a new one
-        self._returned_s = float("-inf")  # the agent's last return counted (loop s): one per node per hold
+        self._returned_s = float("-inf")  # the agent's last dial in counted (loop s): one per node per hold
         self._dialled = False  # the agent has dialled in since we started
         self.replay_max_prompts = 0  # the agent's last heartbeat's (0: none yet, or it does not replay)
         self._replays: dict[str, asyncio.Future[probe_pb2.ReplayResult]] = {}
@@ -227,7 +227,8 @@ class DialInSession(ProbeSession):
             self._returned_s = now_s
             w.returns = dropped(w.returns, now_s, hold_s)
         if returns_hold(w.returns, now_s, hold_s, d.burst_min, w.stretch, d.burst_recovery.s):
-            self._judged_ours(now_s)  # in the stretch too: its bound holds for returns as for drops
+            w.held_again(now_s)  # the stretch goes on from its own start: its bound is not renewed
+            self.silence_gate.ours(now_s)  # every node not heard since is held again
             if returned:
                 self.counters.transport_drops["returned"] += 1
 

@@ -17,9 +17,11 @@ wait (``probe.dial_in.drop_confirm``):
 A burst judged ours holds the nodes not heard since for ``probe.stalls.stall_hold``; a starved
 control plane may take far longer than that to take their agents' new streams (measured: 407
 streams cut by a 5 s stop, all back 4.9 s later; 2,000 agents on two loaded cores, 30-90 s to
-dial in). While agents of lost streams keep coming back (at least ``burst_min`` within a hold,
-:func:`returns_hold`), each return holds them again: an agent that came back was alive, and so,
-most likely, are the ones still queued behind it. Evidence that rests on earlier verdicts of ours
+dial in). While agents keep dialling in (at least ``burst_min`` within a hold,
+:func:`returns_hold`), back after a lost stream or for the first time (a fleet still dialling a
+started control plane), each holds them again: an agent that came in was taken, and the ones still
+queued behind it are most likely alive. Such a hold rests on the stretch of verdicts of ours
+before it and never renews its bound (:func:`extended`). Evidence that rests on earlier verdicts of ours
 (returns; a drop found within a hold after a stall noted for a burst) counts for at most
 ``probe.dial_in.burst_recovery`` after the stretch of such verdicts began (:func:`chain_holds`):
 verdicts that hold each other up cannot hold a dead node for ever.
@@ -52,7 +54,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-__all__ = ["DropWatch", "Drops", "Heard", "Stretch", "burst_size", "chain_holds", "dropped", "is_burst", "returns_hold",
+__all__ = ["DropWatch", "Drops", "Heard", "Stretch", "burst_size", "chain_holds", "dropped", "extended", "is_burst",
+           "returns_hold",
            "silent_with", "stretched"]
 
 
@@ -106,6 +109,13 @@ def stretched(st: Stretch | None, at_s: float, gap_s: float) -> Stretch:
     return Stretch(at_s, at_s)
 
 
+def extended(st: Stretch, at_s: float) -> Stretch:
+    """``st`` with a verdict at ``at_s`` that rests on it (agents dialling in that held the rest
+    again): its latest moves to ``at_s``, its start stays, so such verdicts never renew the bound
+    (``burst_recovery``) of the stretch they rest on, however far apart they come."""
+    return Stretch(st.since_s, max(st.last_s, at_s))
+
+
 def chain_holds(st: Stretch | None, at_s: float, gap_s: float, horizon_s: float) -> bool:
     """Whether evidence that rests on an earlier verdict of ours (a drop within a hold after a
     stall noted for a burst) still counts at ``at_s``: a stretch of such verdicts is running (its
@@ -117,12 +127,12 @@ def chain_holds(st: Stretch | None, at_s: float, gap_s: float, horizon_s: float)
 
 def returns_hold(returns: Drops, at_s: float, window_s: float, min_returns: int, st: Stretch | None,
                  horizon_s: float) -> bool:
-    """Whether agents dialling back in (``returns``: when the agents of streams lost under us
-    dialled again, one per agent within ``window_s``, the one at ``at_s`` included) prove a stretch
-    of ours still going at ``at_s``: ``st`` (None: never one) began no more than ``horizon_s`` ago,
-    and at least ``min_returns`` agents came back within ``window_s`` up to ``at_s``. One agent
-    that keeps dropping and dialling again is not enough; a fleet dialling back into a starved
-    control plane is."""
+    """Whether agents dialling in (``returns``: when agents dialled again after their streams were
+    lost under us, or for the first time, one per agent within ``window_s``, the one at ``at_s``
+    included) prove a stretch of ours still going at ``at_s``: ``st`` (None: never one) began no
+    more than ``horizon_s`` ago, and at least ``min_returns`` agents came in within ``window_s`` up
+    to ``at_s``. One agent that keeps dropping and dialling again is not enough; a fleet dialling
+    (back) into a starved control plane is."""
     if st is None or at_s - st.since_s > horizon_s:
         return False
     return sum(1 for t in returns.times if at_s - window_s <= t <= at_s) >= min_returns
@@ -145,7 +155,7 @@ class DropWatch:
 
     def __init__(self) -> None:
         self.drops = Drops()
-        self.returns = Drops()  # when agents of streams lost under us dialled again
+        self.returns = Drops()  # when agents dialled in (back after a lost stream, or for the first time)
         self.stretch: Stretch | None = None  # the verdicts of ours (bursts, drops after our stalls) lately
         self.serving: set[Heard] = set()  # the sessions serving a stream now
 
@@ -163,8 +173,14 @@ class DropWatch:
 
     def ours(self, now_s: float, gap_s: float) -> None:
         """A verdict of ours at ``now_s`` (a burst of drops or silences, a drop after a stall of
-        ours, a return that held the rest again): :func:`stretched`."""
+        ours): :func:`stretched`."""
         self.stretch = stretched(self.stretch, now_s, gap_s)
+
+    def held_again(self, now_s: float) -> None:
+        """Agents dialling in held the rest again at ``now_s`` (:func:`returns_hold`): the
+        stretch they rest on goes on from its own start (:func:`extended`)."""
+        if self.stretch is not None:
+            self.stretch = extended(self.stretch, now_s)
 
     def dropped(self, now_s: float, keep_s: float) -> int:
         """Record a drop at ``now_s``; returns the streams open just before it."""

@@ -33,8 +33,8 @@ class Counters:
     node's whole miss threshold), "redialled" (the agent dialled again within
     ``probe.dial_in.drop_confirm``: no verdict), "stall" (read within a hold after a stall of ours
     at least as long as the PING timeout: ours), "burst" (one of many at once: ours, one miss),
-    "returned" (its agent dialled back later, while agents kept coming back after a burst judged
-    ours: the nodes not heard since held again).
+    "returned" (its agent dialled back later, while agents kept dialling in after a burst judged
+    ours: the nodes not heard since held again; first dials hold too, and are not counted here).
     ``silent_streams``: dial-in streams open without a heartbeat for their silence bound, per
     verdict: "node" (ended: the agent's own loop is judged), "burst" (many at once: ours, kept open).
     ``rtt_not_taken``: RTT pings that gave no sample, per why: "late" (not sent: our loop ran
