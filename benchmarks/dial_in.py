@@ -495,7 +495,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
                   measure_refresh: str = "1s", cp_stop_s: float = 0.0, burn_s: float = 0.0,
                   agent_stable_s: float = STABLE_S, burners_n: int = 2,
                   rtt_ping_budget: float = 400.0, connect_spread_s: float = _CONNECT_SPREAD_S,
-                  agents_nice: int = 0) -> dict[str, Any]:
+                  agents_nice: int = 0, stop_dialling_s: float = 0.0) -> dict[str, Any]:
     from xds_server.probing.session import ProbeSession
     from xds_server.server import ControlPlane
 
@@ -599,16 +599,27 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             for part in _split(nodes[freeze:], clients):  # started here, so each dies with this thread
                 procs.append(_Agents(port, part, gpus, refresh_ms / 1000.0, fleet_cpu, agent_kind, agent_stable_s,
                                      connect_spread_s, agents_nice).start())
-            for g in groups:
-                frozen_procs.append(_Agents(port, [nodes[k] for k in g], gpus, refresh_ms / 1000.0, fleet_cpu,
+            for members in groups:
+                frozen_procs.append(_Agents(port, [nodes[k] for k in members], gpus, refresh_ms / 1000.0, fleet_cpu,
                                             agent_kind, agent_stable_s, connect_spread_s, agents_nice).start())
             for a in procs + frozen_procs:  # waited for in a thread: on the loop's it would hold our loop
                 await asyncio.to_thread(a.wait_ready)  # for seconds while the first agents dial in
         procs.extend(frozen_procs)
+        if stop_dialling_s > 0:
+            async def stop_while_dialling() -> None:
+                """An outside process SIGSTOPs us once, as half the fleet's streams are open."""
+                while sum(1 for i in ids if cp.sessions[i].connected) < n // 2:
+                    await asyncio.sleep(0.05)
+                subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep {stop_dialling_s}; "
+                                              f"kill -CONT {os.getpid()}"])
+
+            stopper = asyncio.create_task(stop_while_dialling())
         deadline = time.monotonic() + 60.0 + n / 50.0
         while time.monotonic() < deadline and not all(cp.sessions[i].connected for i in ids):
             await asyncio.sleep(0.1)
         all_connected_s = time.monotonic() - t_start
+        if stop_dialling_s > 0:
+            stopper.cancel()
         await asyncio.sleep(settle_s)
 
         connected = sum(1 for i in ids if cp.sessions[i].connected)
@@ -1007,6 +1018,9 @@ def main() -> None:
     ap.add_argument("--cp-stop-s", type=float, default=0.0,
                     help="dial-in: SIGSTOP the control plane this long, a fifth into the window (every PING "
                     "deadline passes while it is stopped): how it comes back")
+    ap.add_argument("--cp-stop-dialling-s", type=float, default=0.0,
+                    help="dial-in: SIGSTOP the control plane this long once, as half the fleet's streams are "
+                         "open (a stall of ours while the fleet dials in; see ejections_in_settle, connect_drops)")
     ap.add_argument("--burn-s", type=float, default=0.0,
                     help="dial-in: --burners processes burn the machine's CPU (the control plane's, with "
                     "--cp-cpu) this long, a fifth into the window: how it comes back")
@@ -1045,7 +1059,8 @@ def main() -> None:
                                                         a.fleet_cpu, workers, a.agent_kind, gc_mode,
                                                         a.freeze_groups, a.rtt_ping_s, refresh, a.cp_stop_s,
                                                         a.burn_s, a.agent_stable_s, a.burners, a.rtt_ping_budget,
-                                                        a.connect_spread_s, a.agents_nice, loop,
+                                                        a.connect_spread_s, a.agents_nice,
+                                                        a.cp_stop_dialling_s, loop,
                                                         os.getpid()], q))
                 p.start()  # a fresh process per measurement: no state carried between modes
                 try:
