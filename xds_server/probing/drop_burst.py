@@ -55,8 +55,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 __all__ = ["DropWatch", "Drops", "Heard", "Stretch", "burst_size", "chain_holds", "dropped", "extended", "is_burst",
-           "returns_hold",
-           "silent_with", "stretched"]
+           "returns_hold", "silent_with", "stretched"]
 
 
 class Heard(Protocol):
