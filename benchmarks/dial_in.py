@@ -5,7 +5,7 @@ Usage: python benchmarks/dial_in.py [--nodes N ...] [--seconds S] [--freeze K] [
            [--modes dial-in heartbeat [transport]] [--gpus G] [--settle S] [--refresh-ms M]
            [--keepalive-ms P] [--ping-timeout-ms T] [--pings P/T ...] [--cp-cpu C] [--fleet-cpu F] [--workers W ...]
            [--loop asyncio|uvloop|auto ...] [--agent-kind grpcio|h2] [--agents-nice N] [--gc tuned|default ...]
-           [--freeze-groups G]
+           [--freeze-groups G] [--cp-stop-dialling-s S | --cut-dialling]
 
 The command (defaults: --nodes 300 1000 --seconds 20 --freeze 20 --clients 2 --modes dial-in
 heartbeat), and a smoke test of ~30 s:
@@ -495,7 +495,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
                   measure_refresh: str = "1s", cp_stop_s: float = 0.0, burn_s: float = 0.0,
                   agent_stable_s: float = STABLE_S, burners_n: int = 2,
                   rtt_ping_budget: float = 400.0, connect_spread_s: float = _CONNECT_SPREAD_S,
-                  agents_nice: int = 0, stop_dialling_s: float = 0.0) -> dict[str, Any]:
+                  agents_nice: int = 0, stop_dialling_s: float = 0.0, cut_dialling: bool = False) -> dict[str, Any]:
     from xds_server.probing.session import ProbeSession
     from xds_server.server import ControlPlane
 
@@ -605,20 +605,24 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             for a in procs + frozen_procs:  # waited for in a thread: on the loop's it would hold our loop
                 await asyncio.to_thread(a.wait_ready)  # for seconds while the first agents dial in
         procs.extend(frozen_procs)
-        if stop_dialling_s > 0:
+        if stop_dialling_s > 0 or cut_dialling:
             async def stop_while_dialling() -> None:
-                """An outside process SIGSTOPs us once, as half the fleet's streams are open."""
+                """As half the fleet's streams are open: an outside process SIGSTOPs us once, or the
+                first agents' process resets every connection it has (h2 agents: SIGUSR1)."""
                 while sum(1 for i in ids if cp.sessions[i].connected) < n // 2:
                     await asyncio.sleep(0.05)
-                subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep {stop_dialling_s}; "
-                                              f"kill -CONT {os.getpid()}"])
+                if cut_dialling:
+                    os.kill(procs[0].proc.pid, signal.SIGUSR1)
+                else:
+                    subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep {stop_dialling_s}; "
+                                                  f"kill -CONT {os.getpid()}"])
 
             stopper = asyncio.create_task(stop_while_dialling())
         deadline = time.monotonic() + 60.0 + n / 50.0
         while time.monotonic() < deadline and not all(cp.sessions[i].connected for i in ids):
             await asyncio.sleep(0.1)
         all_connected_s = time.monotonic() - t_start
-        if stop_dialling_s > 0:
+        if stop_dialling_s > 0 or cut_dialling:
             stopper.cancel()
         await asyncio.sleep(settle_s)
 
@@ -1021,6 +1025,10 @@ def main() -> None:
     ap.add_argument("--cp-stop-dialling-s", type=float, default=0.0,
                     help="dial-in: SIGSTOP the control plane this long once, as half the fleet's streams are "
                          "open (a stall of ours while the fleet dials in; see ejections_in_settle, connect_drops)")
+    ap.add_argument("--cut-dialling", action="store_true",
+                    help="dial-in, --agent-kind h2: as half the fleet's streams are open, the first agents' "
+                         "process resets all its connections at once (a burst judged ours); they dial again "
+                         "behind the first dials still waiting")
     ap.add_argument("--burn-s", type=float, default=0.0,
                     help="dial-in: --burners processes burn the machine's CPU (the control plane's, with "
                     "--cp-cpu) this long, a fifth into the window: how it comes back")
@@ -1060,7 +1068,7 @@ def main() -> None:
                                                         a.freeze_groups, a.rtt_ping_s, refresh, a.cp_stop_s,
                                                         a.burn_s, a.agent_stable_s, a.burners, a.rtt_ping_budget,
                                                         a.connect_spread_s, a.agents_nice,
-                                                        a.cp_stop_dialling_s, loop,
+                                                        a.cp_stop_dialling_s, a.cut_dialling, loop,
                                                         os.getpid()], q))
                 p.start()  # a fresh process per measurement: no state carried between modes
                 try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import signal
 import struct
 from collections import deque
 from collections.abc import Callable
@@ -115,6 +116,11 @@ class H2Agent(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end()
+
+    def cut(self) -> None:
+        """Reset the connection (the control plane reads its stream's transport lost)."""
+        if self._tr is not None:
+            self._tr.abort()
 
     def _end(self) -> None:
         if self.ended:
@@ -221,9 +227,17 @@ async def run_agents(port: int, nodes: list[tuple[str, str]], first: Callable[[s
     starts with; ``beat(node_id, seq)``: a heartbeat; ``dialled()`` is called per connection made. A closed
     connection is dialled again as node_probe's dialer does (``stable_s``:
     :func:`~node_probe.targets.failures_after`); each agent first dials at a random moment within
-    ``spread_s`` seconds."""
+    ``spread_s`` seconds. SIGUSR1 resets every connection at once (each agent dials again as
+    after any lost stream)."""
     loop = asyncio.get_running_loop()
     authority = f"127.0.0.1:{port}"
+    live: set[H2Agent] = set()
+
+    def cut_all() -> None:
+        for a in list(live):
+            a.cut()
+
+    loop.add_signal_handler(signal.SIGUSR1, cut_all)
 
     async def agent(nid: str, addr: str) -> None:
         await asyncio.sleep(random.random() * spread_s)
@@ -236,12 +250,14 @@ async def run_agents(port: int, nodes: list[tuple[str, str]], first: Callable[[s
                     f.set_result(None)
 
             try:
-                await loop.create_connection(
+                _, proto = await loop.create_connection(
                     lambda: H2Agent(first(nid, addr), lambda seq: beat(nid, seq), refresh_s, authority, on_end),
                     "127.0.0.1", port)
                 dialled()
                 opened = loop.time()
+                live.add(proto)
                 await ended  # the agent closed its transport
+                live.discard(proto)
                 fails = failures_after(fails, loop.time() - opened, stable_s)
             except OSError:
                 fails = failures_after(fails, None, stable_s)
