@@ -1043,6 +1043,8 @@ def main() -> None:
     ap.add_argument("--measure-refresh", nargs="+", default=["1s"],
                     help="xds.publish.measure_refresh; several: one measurement each")
     a = ap.parse_args()
+    if a.cut_dialling and a.agent_kind != "h2":
+        ap.error("--cut-dialling needs --agent-kind h2 (its agents reset their connections on SIGUSR1)")
     try:
         pings = [(a.keepalive_ms, a.ping_timeout_ms)] if a.pings is None else [
             (int(k), int(t)) for k, t in (p.split("/") for p in a.pings)]

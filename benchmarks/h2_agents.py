@@ -228,7 +228,7 @@ async def run_agents(port: int, nodes: list[tuple[str, str]], first: Callable[[s
     connection is dialled again as node_probe's dialer does (``stable_s``:
     :func:`~node_probe.targets.failures_after`); each agent first dials at a random moment within
     ``spread_s`` seconds. SIGUSR1 resets every connection at once (each agent dials again as
-    after any lost stream)."""
+    after any lost stream), where the loop is the main thread's."""
     loop = asyncio.get_running_loop()
     authority = f"127.0.0.1:{port}"
     live: set[H2Agent] = set()
@@ -237,7 +237,8 @@ async def run_agents(port: int, nodes: list[tuple[str, str]], first: Callable[[s
         for a in list(live):
             a.cut()
 
-    loop.add_signal_handler(signal.SIGUSR1, cut_all)
+    with contextlib.suppress(ValueError, RuntimeError):  # (a loop of another thread takes no signals)
+        loop.add_signal_handler(signal.SIGUSR1, cut_all)
 
     async def agent(nid: str, addr: str) -> None:
         await asyncio.sleep(random.random() * spread_s)
@@ -268,6 +269,8 @@ async def run_agents(port: int, nodes: list[tuple[str, str]], first: Callable[[s
         while alive():
             await asyncio.sleep(0.5)
     finally:
+        with contextlib.suppress(ValueError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGUSR1)
         for t in tasks:
             t.cancel()
         with contextlib.suppress(BaseException):
