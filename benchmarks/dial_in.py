@@ -299,6 +299,11 @@ def _episodes(late: Any, late_n: Any) -> list[tuple[float, float]]:
         return [(late[2 * k], late[2 * k + 1]) for k in range(n)]
 
 
+def _stop_us(stop_s: float) -> None:
+    """An outside process SIGSTOPs this one (the control plane's) and continues it ``stop_s`` later."""
+    subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep {stop_s}; kill -CONT {os.getpid()}"])
+
+
 def _cut_by_agents(read_at: float, episodes: list[tuple[float, float]], deadline_s: float) -> bool:
     """Whether a live agent's stream end, read by our loop at wall ``read_at``, follows a stall of
     its own process's loop long enough to miss a PING deadline: an episode that held the loop over
@@ -605,24 +610,22 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             for a in procs + frozen_procs:  # waited for in a thread: on the loop's it would hold our loop
                 await asyncio.to_thread(a.wait_ready)  # for seconds while the first agents dial in
         procs.extend(frozen_procs)
-        if stop_dialling_s > 0 or cut_dialling:
-            async def stop_while_dialling() -> None:
-                """As half the fleet's streams are open: an outside process SIGSTOPs us once, or the
-                first agents' process resets every connection it has (h2 agents: SIGUSR1)."""
-                while sum(1 for i in ids if cp.sessions[i].connected) < n // 2:
-                    await asyncio.sleep(0.05)
-                if cut_dialling:
-                    os.kill(procs[0].proc.pid, signal.SIGUSR1)
-                else:
-                    subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep {stop_dialling_s}; "
-                                                  f"kill -CONT {os.getpid()}"])
+        async def disturb_dialling() -> None:
+            """As half the fleet's streams are open: the first agents' process resets every
+            connection it has (h2 agents: SIGUSR1), or we are stopped once."""
+            while sum(1 for i in ids if cp.sessions[i].connected) < n // 2:
+                await asyncio.sleep(0.05)
+            if cut_dialling:
+                os.kill(procs[0].proc.pid, signal.SIGUSR1)
+            else:
+                _stop_us(stop_dialling_s)
 
-            stopper = asyncio.create_task(stop_while_dialling())
+        stopper = asyncio.create_task(disturb_dialling()) if stop_dialling_s > 0 or cut_dialling else None
         deadline = time.monotonic() + 60.0 + n / 50.0
         while time.monotonic() < deadline and not all(cp.sessions[i].connected for i in ids):
             await asyncio.sleep(0.1)
         all_connected_s = time.monotonic() - t_start
-        if stop_dialling_s > 0 or cut_dialling:
+        if stopper is not None:
             stopper.cancel()
         await asyncio.sleep(settle_s)
 
@@ -655,7 +658,7 @@ async def measure(mode: str, n: int, seconds: float, freeze: int, clients: int, 
             s_at = sum(p.streams.value for p in procs if isinstance(p, _Agents))
             fewest = n
             if stop_s > 0:
-                subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep {stop_s}; kill -CONT {os.getpid()}"])
+                _stop_us(stop_s)
                 await asyncio.sleep(stop_s + 0.05)  # we are stopped in here; woken past its end
             else:
                 pin = f"import os\nos.sched_setaffinity(0, {{{cp_cpu}}})\n" if cp_cpu is not None else ""
@@ -1045,6 +1048,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.cut_dialling and a.agent_kind != "h2":
         ap.error("--cut-dialling needs --agent-kind h2 (its agents reset their connections on SIGUSR1)")
+    if a.cut_dialling and a.cp_stop_dialling_s > 0:
+        ap.error("--cut-dialling and --cp-stop-dialling-s: one disturbance while dialling in, not both")
     try:
         pings = [(a.keepalive_ms, a.ping_timeout_ms)] if a.pings is None else [
             (int(k), int(t)) for k, t in (p.split("/") for p in a.pings)]

@@ -35,6 +35,7 @@ import grpc
 from h2_agents import run_agents
 
 from node_probe.proto import probe_pb2
+from xds_server.config.probe import ProbeConfig
 from xds_server.process import grpc_wakeups
 
 
@@ -59,11 +60,10 @@ async def _measure(mode: str, streams: int, busy_ms: float, seconds: float, keep
         async for raw in requests:
             taken.setdefault(probe_pb2.AgentMessage.FromString(raw).heartbeat.node_id, at)
 
-    server = grpc.aio.server(options=[
-        ("grpc.keepalive_time_ms", keepalive_ms), ("grpc.keepalive_timeout_ms", ping_timeout_ms),
-        ("grpc.http2.ping_timeout_ms", ping_timeout_ms), ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.keepalive_permit_without_calls", 1), ("grpc.server.max_pending_requests", 20_000),
-        ("grpc.server.max_pending_requests_hard_limit", 20_000)])
+    # the agents' port's options, with gRPC's own 30 s for a stream not taken yet (as measured)
+    server = grpc.aio.server(options=ProbeConfig(dial_in={
+        "keepalive": f"{keepalive_ms}ms", "ping_timeout": f"{ping_timeout_ms}ms",
+        "accept_wait": "30s"}).dial_in_options())
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "node_probe.v1.ProbeHub", {"Connect": grpc.stream_stream_rpc_method_handler(connect)}),))
     port = server.add_insecure_port("127.0.0.1:0")

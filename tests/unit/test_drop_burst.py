@@ -8,6 +8,7 @@ from node_probe.dial_stream import CHANNEL_OPTIONS
 from xds_server.probing.dial_in import AGENT_PING_TIMEOUT_S, ours_after_s
 from xds_server.probing.drop_burst import (
     Drops,
+    DropWatch,
     Stretch,
     burst_size,
     chain_holds,
@@ -114,6 +115,12 @@ def test_agents_dialling_in_keep_a_stretch_going_but_never_renew_its_bound():
     for t in (40.2, 40.5, 40.8):
         back = dropped(back, t, 1.0)
     assert not returns_hold(back, 40.8, 1.0, min_returns=3, st=run, horizon_s=30.0)  # 30.8 s after it began
+    w = DropWatch()
+    w.held_again(5.0)  # no verdict of ours to rest on: nothing begins
+    assert w.stretch is None
+    w.ours(10.0, 1.2)
+    w.held_again(14.0)  # past the gap: the same stretch, not a new one (as a verdict of ours would start)
+    assert w.stretch == Stretch(10.0, 14.0)
 
 
 @settings(max_examples=300)

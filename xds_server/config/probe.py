@@ -344,7 +344,7 @@ class ProbeConfig(_Renaming):
         d = self.dial_in
         return [("grpc.server.max_pending_requests", d.accept_backlog),
                 ("grpc.server.max_pending_requests_hard_limit", d.accept_backlog),
-                ("grpc.server_max_unrequested_time_in_server", math.ceil(d.accept_wait.ms / 1000.0)),
+                ("grpc.server_max_unrequested_time_in_server", math.ceil(d.accept_wait.s)),
                 ("grpc.keepalive_time_ms", round(d.keepalive.ms)),
                 ("grpc.keepalive_timeout_ms", round(d.ping_timeout.ms)),
                 ("grpc.http2.ping_timeout_ms", round(d.ping_timeout.ms)),
